@@ -1,0 +1,169 @@
+"""Every use of Orbax *serialization* internals (``orbax.checkpoint._src``) goes through here.
+
+Supported: orbax-checkpoint >=0.12.4,<0.13 (see pyproject.toml). Each function is a small named
+translation so that a moved symbol breaks in one place, and ``tests/test_compat.py`` exercises
+every one against the installed Orbax. Called on any host, from the handler and the storage layer.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import orbax.checkpoint as ocp
+from orbax.checkpoint import future as _future
+from orbax.checkpoint import type_handlers as _th
+from orbax.checkpoint._src.metadata import array_metadata as _array_metadata
+from orbax.checkpoint._src.metadata import array_metadata_store as _ams
+from orbax.checkpoint._src.metadata import sharding as _sharding_md
+from orbax.checkpoint._src.multihost import multihost as _multihost
+from orbax.checkpoint._src.serialization import jax_array_handlers as _jah
+from orbax.checkpoint._src.serialization import ocdbt_utils as _ocdbt_utils
+from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
+from orbax.checkpoint._src.serialization import type_handler_registry as _thr
+from orbax.checkpoint._src.asyncio_utils import run_sync  # noqa: F401  (re-exported)
+
+SUPPORTED_ORBAX = '>=0.12.4,<0.13'
+ORBAX_VERSION = ocp.__version__
+
+# Public Orbax API, re-exported so the rest of the package imports Orbax from one place.
+ArrayHandler = _th.ArrayHandler
+ArrayRestoreArgs = _th.ArrayRestoreArgs
+SaveArgs = _th.SaveArgs
+ParamInfo = _th.ParamInfo
+CommitFuture = _future.CommitFutureAwaitingContractedSignals
+JAX_ARRAY_TYPESTR = _jah.JAX_ARRAY_TYPE_STR
+SHARDING_FILE_NAME = '_sharding'
+ShardingMetadata = _sharding_md.ShardingMetadata
+
+
+def array_metadata_store() -> Any:
+  """The per-process ``array_metadatas/process_<i>`` store stock Orbax writes and validates."""
+  return _ams.Store()
+
+
+def primary_process_index() -> int:
+  return _multihost.process_index()
+
+
+def ocdbt_subdir_process_id(use_ocdbt: bool, override: str | None = None) -> int | str | None:
+  """The ``ocdbt.process_<id>`` suffix for this writer (None without OCDBT)."""
+  return _ocdbt_utils.get_process_index_for_subdir(use_ocdbt, override)
+
+
+def build_write_spec(
+    info: Any,
+    *,
+    global_shape: Sequence[int],
+    write_shape: Sequence[int],
+    chunk_shape: Sequence[int],
+    dtype: Any,
+    target_dtype: Any,
+    process_id: int | str | None,
+    ext_metadata: dict | None,
+    use_compression: bool | None = None,
+) -> tuple[dict, Any]:
+  """Orbax's exact tensorstore write spec, with our chunk shape; returns (json, ArrayMetadata).
+
+  We build Orbax's spec (kvstore layout, OCDBT options, zarr/zarr3 codecs) and replace only the
+  chunk grid, so stock Orbax reads the result as it reads its own.
+  """
+  spec = _ts_utils.ArrayWriteSpec(
+      info.parent_dir.as_posix(),
+      relative_array_filename=info.name,
+      global_shape=tuple(global_shape),
+      write_shape=tuple(write_shape),
+      dtype=dtype,
+      target_dtype=target_dtype,
+      use_compression=info.use_compression if use_compression is None else use_compression,
+      use_zarr3=info.use_zarr3,
+      use_ocdbt=info.is_ocdbt_checkpoint,
+      process_id=process_id,
+      ocdbt_target_data_file_size=info.ocdbt_target_data_file_size,
+      ext_metadata=ext_metadata,
+  )
+  tspec = copy.deepcopy(spec.json)
+  meta = tspec['base']['metadata'] if tspec.get('driver') == 'cast' else tspec['metadata']
+  chunks = [max(1, int(c)) for c in chunk_shape]
+  if 'chunks' in meta:  # zarr v2
+    meta['chunks'] = chunks
+  else:  # zarr3: outer grid and the sharding codec's inner chunks both become our chunk.
+    meta['chunk_grid']['configuration']['chunk_shape'] = chunks
+    for codec in meta.get('codecs', []):
+      if codec.get('name') == 'sharding_indexed':
+        codec['configuration']['chunk_shape'] = chunks
+  array_md = spec.metadata
+  array_md = type(array_md)(**{**array_md.__dict__, 'chunk_shape': tuple(chunks)})
+  return tspec, array_md
+
+
+def build_read_spec(info: Any, *, use_ocdbt: bool, target_dtype: Any = None) -> dict:
+  return _ts_utils.build_array_read_spec(
+      info,
+      use_ocdbt=use_ocdbt,
+      raise_array_data_missing_error=info.raise_array_data_missing_error,
+      target_dtype=target_dtype,
+  ).json
+
+
+def ts_context(use_ocdbt: bool = True) -> Any:
+  return _ts_utils.get_ts_context(use_ocdbt=use_ocdbt)
+
+
+def serialize_sharding_file(shardings: Sequence[Any], infos: Sequence[Any], *, primary_host: int | None):
+  """Coroutine writing Orbax's ``_sharding`` file entries (primary host only)."""
+  return _jah._async_serialize_shardings(shardings, infos, primary_host=primary_host)  # pylint: disable=protected-access
+
+
+def write_array_metadatas(store: Any, parent_dir: Any, array_metadatas: Sequence[Any], process_index: int):
+  return store.write(checkpoint_dir=parent_dir, array_metadatas=list(array_metadatas), process_index=process_index)
+
+
+async def read_array_metadatas(store: Any, parent_dir: Any) -> Any:
+  return await store.read(checkpoint_dir=parent_dir)
+
+
+def random_key_impl_field() -> str:
+  return _array_metadata.RANDOM_KEY_IMPL
+
+
+def wrap_random_keys(array_metadatas: Any, infos: Sequence[Any], arrays: list) -> Sequence[Any]:
+  return _jah._wrap_random_key_data(array_metadatas, infos, arrays)  # pylint: disable=protected-access
+
+
+def sharding_metadata_from_jax(sharding: Any) -> Any:
+  return _sharding_md.from_jax_sharding(sharding)
+
+
+def array_value_metadata(**kwargs) -> Any:
+  """``orbax.checkpoint.metadata.ArrayMetadata`` (the value metadata restore targets come from)."""
+  return ocp.metadata.ArrayMetadata(**kwargs)
+
+
+# ---- type-handler registry -------------------------------------------------------------------
+
+def registered_array_handler() -> Any:
+  return _thr.GLOBAL_TYPE_HANDLER_REGISTRY.get(__import__('jax').Array)
+
+
+def register_array_handler(handler: Any) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  _thr.register_type_handler(jax.Array, handler, override=True)
+
+
+# ---- restore helpers -------------------------------------------------------------------------
+
+def physical_read_spec(arg: Any, sharding: Any) -> tuple[Any, Any, Any]:
+  """(global_shape, dtype, sharding) the stored array is read with (PRNG keys -> key data)."""
+  return _jah._physical_read_spec(arg, sharding)  # pylint: disable=protected-access
+
+
+def has_prng_key_dtype(arg: Any) -> bool:
+  return _jah._has_prng_key_dtype(arg)  # pylint: disable=protected-access
+
+
+async def shardings_from_args_or_file(infos: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+  """Orbax's own rule: mesh+mesh_axes, else ``sharding``, else the ``_sharding`` file."""
+  from orbax.checkpoint._src.path import async_path  # pylint: disable=g-import-not-at-top
+  exists = await async_path.exists(infos[0].parent_dir / SHARDING_FILE_NAME)
+  return list(await _jah._deserialize_shardings(infos, args, exists))  # pylint: disable=protected-access

@@ -1,0 +1,265 @@
+"""Every touch of Orbax's private CheckpointManager internals, in one place.
+
+SUPPORTED = '>=0.12.4,<0.13' (written against 0.12.8). Nothing else in ``orbax_pathways.retention``
+or ``orbax_pathways.preemption`` imports ``orbax.checkpoint._src`` or patches Orbax; if an Orbax
+upgrade breaks something, this file (and its tests) is where to look.
+
+Four patches, each installed by ``install_manager_hooks()`` and restored exactly (the very same
+function objects) by ``uninstall_manager_hooks()``; both are idempotent:
+
+- ``StandardCheckpointDeleter._delete_step_permanently(self, step, delete_target)``: the single
+  place where a step directory is destroyed (``max_to_keep`` garbage collection, ``mngr.delete``,
+  the background deleter; renames to ``todelete_subdir`` / HNS paths are not touched).
+- ``_StandardNameFormat._build_metadata(self, step_path, step=None)``: the single check behind
+  ``all_steps()``, ``latest_step()``, ``reload()``, ``find_step`` (restore); returning None hides a
+  step.
+- ``CheckpointManager.__init__``: runs a hook after the stock constructor (leftover cleanup).
+- ``CheckpointManager.reached_preemption(self, step)``: feeds both ``should_save`` (through the
+  ``PreemptionCheckpointingPolicy`` in the default policy) and ``save``'s own preemption logging.
+
+The wrappers dispatch to hooks set with ``set_hook(name, fn)``; with no hook set they call the
+original, so leaving the patches in place with no hooks behaves exactly like stock Orbax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import threading
+from typing import Any, Callable
+
+from absl import logging
+from etils import epath
+
+import orbax.checkpoint as ocp
+from orbax.checkpoint._src.multihost import multihost as _multihost
+from orbax.checkpoint._src.path import atomicity_types as _atomicity_types
+from orbax.checkpoint._src.path import deleter as _deleter
+from orbax.checkpoint._src.path import gcs_utils as _gcs_utils
+from orbax.checkpoint._src.path import step as _step_lib
+from orbax.checkpoint._src.path import temporary_paths as _temporary_paths
+
+SUPPORTED = '>=0.12.4,<0.13'
+
+TMP_DIR_SUFFIX: str = _atomicity_types.TMP_DIR_SUFFIX  # '.orbax-checkpoint-tmp'
+COMMIT_SUCCESS_FILE: str = _atomicity_types.COMMIT_SUCCESS_FILE  # 'commit_success.txt'
+STEP_METADATA_FILE = '_CHECKPOINT_METADATA'
+
+HOOK_NAMES = ('delete_step', 'step_complete', 'manager_init', 'reached_preemption')
+
+
+def orbax_version_supported() -> bool:
+  """True if the installed orbax-checkpoint is inside ``SUPPORTED``."""
+  try:
+    parts = tuple(int(p) for p in ocp.__version__.split('.')[:3])
+  except ValueError:
+    return False
+  return (0, 12, 4) <= parts < (0, 13)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hook registry and reversible patches.
+
+_lock = threading.RLock()
+_hooks: dict[str, Callable[..., Any] | None] = {name: None for name in HOOK_NAMES}
+
+
+@dataclasses.dataclass
+class _Patch:
+  owner: Any
+  attr: str
+  original: Any  # exactly what was in owner.__dict__[attr]
+  replacement: Any
+
+
+_installed: list[_Patch] = []
+
+
+def set_hook(name: str, fn: Callable[..., Any] | None) -> None:
+  """Sets (or with None clears) one hook; the patches call it while installed."""
+  if name not in _hooks:
+    raise ValueError(f'Unknown hook {name!r}; known hooks: {HOOK_NAMES}.')
+  with _lock:
+    _hooks[name] = fn
+
+
+def get_hook(name: str) -> Callable[..., Any] | None:
+  return _hooks[name]
+
+
+def any_hook_set() -> bool:
+  return any(fn is not None for fn in _hooks.values())
+
+
+def _wrap_delete_step_permanently(original):
+  @functools.wraps(original)
+  def _delete_step_permanently(self, step, delete_target):
+    hook = _hooks['delete_step']
+    if hook is None:
+      return original(self, step, delete_target)
+    # The stock PathDeleter (parallel on local disk, gcs_utils on gs://) does the actual removal
+    # of whatever path the hook hands it.
+    return hook(step, epath.Path(delete_target), self._path_deleter.delete)
+  return _delete_step_permanently
+
+
+def _wrap_build_metadata(original):
+  @functools.wraps(original)
+  def _build_metadata(self, step_path, step=None):
+    metadata = original(self, step_path, step=step)
+    hook = _hooks['step_complete']
+    if metadata is None or hook is None:
+      return metadata
+    return metadata if hook(epath.Path(metadata.path)) else None
+  return _build_metadata
+
+
+def _wrap_manager_init(original):
+  @functools.wraps(original)
+  def __init__(self, *args, **kwargs):
+    original(self, *args, **kwargs)
+    hook = _hooks['manager_init']
+    if hook is not None:
+      hook(self)
+  return __init__
+
+
+def _wrap_reached_preemption(original):
+  @functools.wraps(original)
+  def reached_preemption(self, step):
+    hook = _hooks['reached_preemption']
+    if hook is None:
+      return original(self, step)
+    return hook(step, lambda: original(self, step))
+  return reached_preemption
+
+
+def _patch_targets():
+  return (
+      (_deleter.StandardCheckpointDeleter, '_delete_step_permanently',
+       _wrap_delete_step_permanently),
+      (_step_lib._StandardNameFormat, '_build_metadata', _wrap_build_metadata),  # pylint: disable=protected-access
+      (ocp.CheckpointManager, '__init__', _wrap_manager_init),
+      (ocp.CheckpointManager, 'reached_preemption', _wrap_reached_preemption),
+  )
+
+
+def hooks_installed() -> bool:
+  return bool(_installed)
+
+
+def install_manager_hooks() -> None:
+  """Installs the four wrappers (idempotent). Hooks decide what they do; see ``set_hook``."""
+  with _lock:
+    if _installed:
+      return
+    if not orbax_version_supported():
+      logging.warning(
+          'orbax_pathways: orbax-checkpoint %s is outside the tested range %s; the '
+          'CheckpointManager hooks in orbax_pathways/_compat/orbax_manager.py may not apply. '
+          'Pin orbax-checkpoint%s or run tests/test_retention.py against this version.',
+          ocp.__version__, SUPPORTED, SUPPORTED)
+    for owner, attr, wrap in _patch_targets():
+      if attr not in owner.__dict__:
+        raise RuntimeError(
+            f'orbax_pathways: {owner.__module__}.{owner.__qualname__}.{attr} not found in '
+            f'orbax-checkpoint {ocp.__version__} (supported {SUPPORTED}). Install a supported '
+            'orbax-checkpoint version.')
+    for owner, attr, wrap in _patch_targets():
+      original = owner.__dict__[attr]
+      replacement = wrap(original)
+      setattr(owner, attr, replacement)
+      _installed.append(_Patch(owner, attr, original, replacement))
+
+
+def uninstall_manager_hooks() -> None:
+  """Restores the original attributes (idempotent). Hooks stay registered but are unused."""
+  with _lock:
+    while _installed:
+      patch = _installed.pop()
+      if patch.owner.__dict__.get(patch.attr) is not patch.replacement:
+        logging.warning(
+            'orbax_pathways: %s.%s was re-patched by someone else after us; restoring the '
+            'Orbax original anyway.', patch.owner.__qualname__, patch.attr)
+      setattr(patch.owner, patch.attr, patch.original)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small accessors for private state / helpers.
+
+
+def is_gcs_path(path: epath.PathLike) -> bool:
+  return _gcs_utils.is_gcs_path(epath.Path(path))
+
+
+def is_local_path(path: epath.PathLike) -> bool:
+  return _deleter._is_local_path(epath.Path(path))  # pylint: disable=protected-access
+
+
+def manager_primary_host(mngr: ocp.CheckpointManager) -> int | None:
+  return mngr._multiprocessing_options.primary_host  # pylint: disable=protected-access
+
+
+def is_primary_host(primary_host: int | None) -> bool:
+  return _multihost.is_primary_host(primary_host)
+
+
+def manager_step_path(mngr: ocp.CheckpointManager, step: int) -> epath.Path:
+  """The final (committed) directory of ``step`` for this manager's name format."""
+  return _step_lib.build_step_path(mngr.directory, mngr._step_name_format, step)  # pylint: disable=protected-access
+
+
+def manager_steps_on_disk(mngr: ocp.CheckpointManager) -> list[tuple[int, epath.Path]]:
+  """(step, path) for every step the manager's name format lists right now, read from storage."""
+  return sorted(
+      (m.step, epath.Path(m.path))
+      for m in mngr._step_name_format.find_all(mngr.directory))  # pylint: disable=protected-access
+
+
+def read_commit_timestamp_nsecs(step_path: epath.Path) -> int | None:
+  """``commit_timestamp_nsecs`` from ``<step>/_CHECKPOINT_METADATA``, or None if absent/unreadable."""
+  try:
+    data = json.loads((step_path / STEP_METADATA_FILE).read_text())
+  except (OSError, ValueError):
+    return None
+  value = data.get('commit_timestamp_nsecs') if isinstance(data, dict) else None
+  return value if isinstance(value, int) else None
+
+
+def cleanup_temporary_paths(directory: epath.Path, primary_host: int | None) -> None:
+  """Orbax's own cleanup of uncommitted ``*.orbax-checkpoint-tmp`` (or unmarked gs://) steps."""
+  from orbax.checkpoint._src import asyncio_utils  # pylint: disable=g-import-not-at-top
+  asyncio_utils.run_sync(_temporary_paths.cleanup_temporary_paths(
+      directory,
+      multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=primary_host)))
+
+
+# --- JAX multi-controller plumbing used by preemption agreement. ---
+
+
+def process_count() -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.process_count()
+
+
+def process_index() -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.process_index()
+
+
+def distributed_client():
+  """JAX's coordination-service client (None outside ``jax.distributed``)."""
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  return distributed.global_state.client
+
+
+def jax_preemption_service_active() -> bool:
+  """True if JAX's preemption sync manager runs (jax.distributed with the service enabled)."""
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  return (distributed.global_state.client is not None
+          and distributed.global_state.preemption_sync_manager is not None)
+
+
+def is_proxy_pathways_backend() -> bool:
+  return _multihost.is_proxy_pathways_backend()

@@ -1,0 +1,88 @@
+"""install() / uninstall(): put ProxyArrayHandler in Orbax's global type-handler registry.
+
+Called at ``import orbax_pathways`` on every controller process (skipped when
+``ORBAX_PATHWAYS_DISABLE=1``). Idempotent and reversible: ``uninstall()`` re-registers exactly
+the handler object that was there before. ``check_installed()`` runs at each
+``CheckpointManager.save`` (through the manager hooks) and warns, once per intruder, when another
+library (``pathwaysutils.initialize()``, ``ocp.pathways.register_type_handlers()``,
+``register_standard_handlers_with_options()``) re-registered ``jax.Array`` after us.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+
+from orbax_pathways import handler as handler_lib
+from orbax_pathways import options as options_lib
+from orbax_pathways._compat import orbax as compat
+
+log = logging.getLogger('orbax_pathways')
+DISABLE_ENV = 'ORBAX_PATHWAYS_DISABLE'
+
+_lock = threading.RLock()
+_previous = None  # the handler that was registered before install()
+_ours = None  # the handler install() registered
+_warned: set[int] = set()
+
+
+def disabled_by_env() -> bool:
+  return os.environ.get(DISABLE_ENV, '').strip().lower() in ('1', 'true', 'yes', 'on')
+
+
+def install(options: options_lib.Options | None = None) -> handler_lib.ProxyArrayHandler:
+  """Registers our handler for ``jax.Array``; a second call returns the installed one unless
+  ``options`` differ (then it replaces ours, keeping the original to restore on uninstall)."""
+  global _previous, _ours
+  with _lock:
+    current = compat.registered_array_handler()
+    if _ours is not None and current is _ours and (options is None or options == _ours.options):
+      return _ours
+    if _ours is None or current is not _ours and not isinstance(current, handler_lib.ProxyArrayHandler):
+      _previous = current
+    _ours = handler_lib.ProxyArrayHandler(options=options)
+    compat.register_array_handler(_ours)
+    _warned.clear()
+    log.info('orbax_pathways: installed %s for jax.Array in Orbax %s (replacing %s); '
+             'uninstall() restores it.', type(_ours).__name__, compat.ORBAX_VERSION,
+             type(_previous).__name__)
+    return _ours
+
+
+def uninstall() -> None:
+  """Restores the handler that was registered before ``install()``. No-op if not installed."""
+  global _previous, _ours
+  with _lock:
+    if _ours is None:
+      return
+    if _previous is not None:
+      compat.register_array_handler(_previous)
+    log.info('orbax_pathways: uninstalled; jax.Array handled by %s again.', type(_previous).__name__)
+    _previous, _ours = None, None
+
+
+def installed() -> handler_lib.ProxyArrayHandler | None:
+  """Our handler if it is what Orbax will use for jax.Array now, else None."""
+  current = compat.registered_array_handler()
+  return current if _ours is not None and current is _ours else None
+
+
+def check_installed() -> bool:
+  """Warns (once per intruding handler) if something replaced our handler after install()."""
+  if _ours is None:
+    return False
+  current = compat.registered_array_handler()
+  if current is _ours:
+    return True
+  if id(current) not in _warned:
+    _warned.add(id(current))
+    warnings.warn(
+        f'orbax_pathways: jax.Array is now handled by {type(current).__module__}.'
+        f'{type(current).__name__}, not orbax_pathways (something re-registered it after '
+        '`import orbax_pathways`, e.g. pathwaysutils.initialize() or '
+        'ocp.pathways.register_type_handlers()). Shards will not be written by their owning '
+        'hosts. Call orbax_pathways.install() after that call to take it back.',
+        RuntimeWarning, stacklevel=3)
+  return False

@@ -1,0 +1,76 @@
+"""Options of the orbax-pathways ArrayHandler, each with an environment override.
+
+Read once when the handler is built (at ``import orbax_pathways`` for the global one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+MiB = 1 << 20
+
+
+def _env_int(name: str, default: int) -> int:
+  raw = os.environ.get(name)
+  if raw is None or raw == '':
+    return default
+  try:
+    return int(raw)
+  except ValueError:
+    raise ValueError(f'{name}={raw!r} must be an integer number of bytes.') from None
+
+
+def _env_bool(name: str, default: bool) -> bool:
+  raw = os.environ.get(name)
+  if raw is None or raw == '':
+    return default
+  return raw.strip().lower() in ('1', 'true', 'yes', 'on')
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+  """How the handler plans and moves bytes.
+
+  max_chunk_bytes: upper bound on one stored chunk (``ORBAX_PATHWAYS_MAX_CHUNK_BYTES``, 16 MiB).
+    Chunks are cut roughly square inside each shard, so a restore onto another layout decodes
+    little beyond what it needs. Stock Orbax stores a whole shard as one chunk.
+  max_inflight_bytes: host bytes handed to tensorstore at once while writing
+    (``ORBAX_PATHWAYS_MAX_INFLIGHT_BYTES``, 1 GiB): the write-side memory budget on top of the
+    device-to-host snapshot.
+  verify_checksums: check each read chunk against the crc32c recorded at save
+    (``ORBAX_PATHWAYS_VERIFY``, on).
+  replica_parallel: split a shard held on several hosts among them (on).
+  transport: 'local', 'colocated' or 'persistence'; None detects (``ORBAX_PATHWAYS_TRANSPORT``).
+  divisibility: when elastic restore cannot divide a dimension over the resized mesh axes,
+    'replicate' that array along them with a warning, or 'strict' to raise
+    (``ORBAX_PATHWAYS_DIVISIBILITY``).
+  num_slices: split devices into this many equal slices when devices carry no ``slice_index``
+    (``ORBAX_PATHWAYS_NUM_SLICES``; tests and platforms that know their grouping).
+  """
+
+  max_chunk_bytes: int = 16 * MiB
+  max_inflight_bytes: int = 1024 * MiB
+  verify_checksums: bool = True
+  replica_parallel: bool = True
+  transport: str | None = None
+  divisibility: str = 'replicate'
+  num_slices: int | None = None
+
+  def __post_init__(self):
+    if self.divisibility not in ('replicate', 'strict'):
+      raise ValueError(f"divisibility={self.divisibility!r}: use 'replicate' or 'strict'.")
+    if self.max_chunk_bytes < 1:
+      raise ValueError(f'max_chunk_bytes={self.max_chunk_bytes} must be positive.')
+
+  @classmethod
+  def from_env(cls) -> 'Options':
+    slices = os.environ.get('ORBAX_PATHWAYS_NUM_SLICES')
+    return cls(
+        max_chunk_bytes=_env_int('ORBAX_PATHWAYS_MAX_CHUNK_BYTES', 16 * MiB),
+        max_inflight_bytes=_env_int('ORBAX_PATHWAYS_MAX_INFLIGHT_BYTES', 1024 * MiB),
+        verify_checksums=_env_bool('ORBAX_PATHWAYS_VERIFY', True),
+        transport=os.environ.get('ORBAX_PATHWAYS_TRANSPORT') or None,
+        divisibility=os.environ.get('ORBAX_PATHWAYS_DIVISIBILITY', 'replicate'),
+        num_slices=int(slices) if slices else None,
+    )

@@ -1,0 +1,70 @@
+"""Which kind of JAX runtime this controller runs under, and which transport moves shard bytes.
+
+Called on the controller (every process in multi-controller JAX) at each save and restore;
+cheap. ``ORBAX_PATHWAYS_RUNTIME`` and ``ORBAX_PATHWAYS_TRANSPORT`` override the detection (tests,
+or a platform that knows better).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+
+import jax
+
+
+class Runtime(str, enum.Enum):
+  SINGLE = 'single'  # one process owns every device
+  MULTI_CONTROLLER = 'multi_controller'  # jax.distributed, one process per host
+  PATHWAYS = 'pathways'  # single controller over the IFRT proxy; devices live on worker hosts
+
+
+class Transport(str, enum.Enum):
+  LOCAL = 'local'  # this process writes/reads the shards its own devices hold
+  COLOCATED = 'colocated'  # colocated-Python functions on the worker hosts do the I/O
+  PERSISTENCE = 'persistence'  # Pathways' server-side persistence plugin program
+
+
+RUNTIME_ENV = 'ORBAX_PATHWAYS_RUNTIME'
+TRANSPORT_ENV = 'ORBAX_PATHWAYS_TRANSPORT'
+
+
+def _choice(enum_cls, env: str):
+  value = os.environ.get(env, '').strip().lower()
+  if not value:
+    return None
+  try:
+    return enum_cls(value)
+  except ValueError:
+    raise ValueError(
+        f'{env}={value!r} is not one of {[m.value for m in enum_cls]}. Unset it to auto-detect.'
+    ) from None
+
+
+def detect_runtime() -> Runtime:
+  """Pathways when the default backend is the IFRT ``proxy``; multi-controller when
+  ``jax.process_count() > 1``; otherwise single process."""
+  override = _choice(Runtime, RUNTIME_ENV)
+  if override is not None:
+    return override
+  if jax.default_backend() == 'proxy' or 'proxy' in str(jax.config.jax_platforms or ''):
+    return Runtime.PATHWAYS
+  if jax.process_count() > 1:
+    return Runtime.MULTI_CONTROLLER
+  return Runtime.SINGLE
+
+
+def choose_transport(runtime: Runtime | None = None, requested: str | None = None) -> Transport:
+  """An explicit request wins, then the environment, then the runtime's default: colocated
+  under Pathways (persistence when ``ENABLE_PATHWAYS_PERSISTENCE=1``), local otherwise."""
+  if requested:
+    return Transport(requested)
+  override = _choice(Transport, TRANSPORT_ENV)
+  if override is not None:
+    return override
+  runtime = runtime or detect_runtime()
+  if runtime is Runtime.PATHWAYS:
+    if os.environ.get('ENABLE_PATHWAYS_PERSISTENCE') == '1':
+      return Transport.PERSISTENCE
+    return Transport.COLOCATED
+  return Transport.LOCAL

@@ -1,0 +1,131 @@
+"""Writes one host's pieces of arrays with tensorstore and checksums their chunks.
+
+Runs on the host that owns the bytes: the controller process itself in multi-controller JAX
+(local transport), or inside a colocated-Python function on a Pathways worker (colocated
+transport). It sees only numpy buffers, boxes and tensorstore specs: no devices, no jax.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+import tensorstore as ts
+
+from orbax_pathways import checksum
+from orbax_pathways import errors
+from orbax_pathways import metadata
+from orbax_pathways.plan import boxes as boxes_lib
+
+Box = boxes_lib.Box
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """Host bytes for ``box`` of the array (already on this host)."""
+
+  box: Box
+  data: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayWrite:
+  """Everything a host needs to write its share of one array."""
+
+  name: str
+  path: str  # for error messages: the array's location on storage
+  tspec: dict
+  create: bool  # True on the one host that writes the zarr metadata
+  global_shape: tuple[int, ...]
+  chunk_shape: tuple[int, ...]
+  stored_dtype: np.dtype
+  pieces: tuple[Piece, ...]
+
+  @property
+  def nbytes(self) -> int:
+    return sum(p.data.nbytes for p in self.pieces)
+
+
+def chunk_records(write: ArrayWrite) -> list[metadata.ChunkRecord]:
+  """crc32c of every chunk of every piece, in the stored dtype."""
+  out = []
+  for piece in write.pieces:
+    data = piece.data
+    if data.dtype != write.stored_dtype:
+      data = data.astype(write.stored_dtype)
+    for chunk in boxes_lib.chunk_grid(piece.box, write.chunk_shape):
+      chunk = boxes_lib.clip(chunk, write.global_shape)
+      region = chunk.intersect(piece.box)
+      if region is None or region.size == 0:
+        continue
+      sub = data[region.relative_to(piece.box)]
+      out.append(metadata.ChunkRecord(region.start, checksum.of_array(sub), sub.nbytes))
+  return out
+
+
+async def write_array(write: ArrayWrite, *, context: ts.Context) -> list[metadata.ChunkRecord]:
+  """Creates the array's metadata (if ``write.create``), writes every piece, returns checksums.
+
+  Pieces are handed to tensorstore without a copy (``can_reference_source_data_indefinitely``):
+  the caller keeps the snapshot alive and unchanged until the returned coroutine finishes.
+  """
+  try:
+    if write.create:
+      await ts.open(ts.Spec(write.tspec), create=True, open=True, context=context)
+    t = await ts.open(ts.Spec(write.tspec), open=True, assume_metadata=True, context=context)
+    if write.create and 0 in write.global_shape:
+      await _write_empty_array_marker(write, context)
+    crc_task = asyncio.get_running_loop().run_in_executor(None, chunk_records, write)
+    await asyncio.gather(*(
+        t[p.box.to_slices()].write(p.data, can_reference_source_data_indefinitely=True)
+        for p in write.pieces if p.data.size
+    ))
+    return await crc_task
+  except Exception as e:
+    raise errors.SaveError(
+        f'Writing array {write.name!r} to {write.path} failed: {type(e).__name__}: {e}. '
+        'Earlier checkpoints are untouched; this step will not be committed. Check the storage '
+        'path, credentials and free space, then save again.'
+    ) from e
+
+
+async def _write_empty_array_marker(write: ArrayWrite, context: ts.Context) -> None:
+  """A zero-size array has no chunks, but Orbax's post-merge OCDBT validation requires every
+  param to own at least one chunk key. We write one empty value under the first chunk key; no
+  reader ever fetches it (the array's domain is empty). Documented in docs/format.md."""
+  spec = write.tspec['base'] if write.tspec.get('driver') == 'cast' else write.tspec
+  kv = dict(spec['kvstore'])
+  if kv.get('driver') != 'ocdbt':
+    return
+  rank = len(write.global_shape)
+  key = ('c/' + '/'.join(['0'] * rank)) if spec['driver'] == 'zarr3' else '.'.join(['0'] * max(rank, 1))
+  kv['path'] = kv.get('path', '').rstrip('/') + '/'
+  store = await ts.KvStore.open(kv, context=context)
+  await store.write(key, b'')
+
+
+async def write_arrays(writes: Sequence[ArrayWrite], *, context: ts.Context,
+                       max_inflight_bytes: int) -> dict[str, list[metadata.ChunkRecord]]:
+  """Writes arrays with at most ``max_inflight_bytes`` of pieces handed to tensorstore at once
+  (one array larger than the budget goes alone). Returns checksums per array name."""
+  results: dict[str, list[metadata.ChunkRecord]] = {}
+  batch: list[ArrayWrite] = []
+  batch_bytes = 0
+
+  async def flush():
+    nonlocal batch, batch_bytes
+    done = await asyncio.gather(*(write_array(w, context=context) for w in batch))
+    for w, records in zip(batch, done):
+      results[w.name] = records
+    batch, batch_bytes = [], 0
+
+  for w in writes:
+    if batch and batch_bytes + w.nbytes > max_inflight_bytes:
+      await flush()
+    batch.append(w)
+    batch_bytes += w.nbytes
+  if batch:
+    await flush()
+  return results

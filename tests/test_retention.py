@@ -1,0 +1,313 @@
+"""Safe deletion and strict step listing (orbax_pathways.retention), with real CheckpointManagers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from etils import epath
+
+from orbax_pathways import retention
+from orbax_pathways._compat import orbax_manager as om
+
+PY = sys.executable
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _state(step: int) -> dict:
+  return {f'p{i}': np.arange(4096, dtype=np.float32) * (i + 1) + step for i in range(6)}
+
+
+def _abstract():
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+          for k, v in _state(0).items()}
+
+
+def _save_steps(directory, steps, max_to_keep=None):
+  mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+      max_to_keep=max_to_keep))
+  for s in steps:
+    mngr.save(s, args=ocp.args.StandardSave({k: jax.numpy.asarray(v)
+                                             for k, v in _state(s).items()}))
+    mngr.wait_until_finished()
+  return mngr
+
+
+def _restores_exactly(mngr, step) -> bool:
+  try:
+    got = mngr.restore(step, args=ocp.args.StandardRestore(_abstract()))
+  except Exception:  # pylint: disable=broad-except
+    return False
+  want = _state(step)
+  return set(got) == set(want) and all(
+      np.asarray(got[k]).tobytes() == want[k].tobytes() for k in want)
+
+
+@pytest.fixture
+def ours():
+  retention.install()
+  yield
+  retention.uninstall()
+
+
+@pytest.fixture
+def stock():
+  retention.uninstall()
+  yield
+
+
+# ----------------------------------------------------------------------------------------------
+# _compat patches
+
+
+def test_hooks_install_uninstall_restore_exact_originals():
+  targets = [(o, a) for o, a, _ in om._patch_targets()]
+  before = [o.__dict__[a] for o, a in targets]
+  om.install_manager_hooks()
+  om.install_manager_hooks()  # idempotent
+  patched = [o.__dict__[a] for o, a in targets]
+  assert all(p is not b for p, b in zip(patched, before))
+  om.uninstall_manager_hooks()
+  om.uninstall_manager_hooks()  # idempotent
+  assert all(o.__dict__[a] is b for (o, a), b in zip(targets, before))
+  retention.install()
+  retention.install()
+  retention.uninstall()
+  assert all(o.__dict__[a] is b for (o, a), b in zip(targets, before))
+  assert not om.hooks_installed()
+
+
+def test_supported_version_note():
+  assert om.SUPPORTED == '>=0.12.4,<0.13'
+  assert om.orbax_version_supported()
+
+
+# ----------------------------------------------------------------------------------------------
+# The deleting name is invisible to every Orbax listing
+
+
+def test_deleting_name_not_listed_not_tmp(tmp_path, stock):
+  mngr = _save_steps(tmp_path, [1, 2])
+  mngr.close()
+  os.rename(tmp_path / '1', tmp_path / retention.deleting_name('1'))
+  # Stock listing, stock tmp detection and legacy step helpers all ignore it.
+  fresh = ocp.CheckpointManager(tmp_path)
+  assert fresh.all_steps() == [2]
+  from orbax.checkpoint._src.path import step as step_lib  # test-only peek
+  assert step_lib.all_temporary_paths(tmp_path) == []
+  assert step_lib.checkpoint_steps(tmp_path) == [2]
+  # Stock cleanup_tmp_directories does not touch it (so only our cleanup removes it).
+  ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(
+      cleanup_tmp_directories=True)).close()
+  assert len(retention.leftover_deleting_dirs(tmp_path)) == 1
+  # With a step prefix, too.
+  mngr = ocp.CheckpointManager(tmp_path / 'p', options=ocp.CheckpointManagerOptions(
+      step_prefix='step'))
+  mngr.save(3, args=ocp.args.StandardSave({'a': jax.numpy.ones(4)}))
+  mngr.wait_until_finished()
+  os.rename(tmp_path / 'p' / 'step_3', tmp_path / 'p' / retention.deleting_name('step_3'))
+  assert ocp.CheckpointManager(tmp_path / 'p').all_steps() == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Deletion through CheckpointManager
+
+
+def test_max_to_keep_and_delete_use_rename(tmp_path, ours, monkeypatch):
+  renamed = []
+  real = retention.deleting_name
+
+  def spy(name):
+    renamed.append(name)
+    return real(name)
+
+  monkeypatch.setattr(retention, 'deleting_name', spy)
+  mngr = _save_steps(tmp_path, range(5), max_to_keep=3)
+  assert mngr.all_steps() == [2, 3, 4]
+  mngr.delete(3)
+  assert mngr.all_steps() == [2, 4]
+  mngr.close()
+  assert renamed == ['0', '1', '3']
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['2', '4']
+  fresh = ocp.CheckpointManager(tmp_path)
+  assert fresh.all_steps() == [2, 4]
+  assert _restores_exactly(fresh, 2) and _restores_exactly(fresh, 4)
+
+
+def test_background_delete(tmp_path, ours):
+  mngr = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(
+      max_to_keep=1, enable_background_delete=True))
+  for s in range(3):
+    mngr.save(s, args=ocp.args.StandardSave({'a': jax.numpy.full(8, s)}))
+    mngr.wait_until_finished()
+  mngr.close()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['2']
+
+
+def test_markers_first_when_not_local(tmp_path, ours, monkeypatch):
+  """gs:// has no rename: the commit marker must be gone before any data is removed."""
+  mngr = _save_steps(tmp_path, [7])
+  mngr.close()
+  step_dir = epath.Path(tmp_path / '7')
+  monkeypatch.setattr(om, 'is_local_path', lambda p: False)
+  seen = {}
+
+  def remove_tree(p):
+    seen['commit'] = (p / 'commit_success.txt').exists()
+    seen['meta'] = (p / '_CHECKPOINT_METADATA').exists()
+    seen['data'] = (p / 'default' / '_METADATA').exists()
+    seen['complete'] = retention.is_step_complete(p)
+    p.rmtree()
+
+  retention.safe_delete_step(step_dir, remove_tree)
+  assert seen == {'commit': False, 'meta': False, 'data': True, 'complete': False}
+  assert not step_dir.exists()
+
+
+def test_rename_failure_falls_back_to_markers_first(tmp_path, ours, monkeypatch):
+  mngr = _save_steps(tmp_path, [1])
+  mngr.close()
+
+  def fail(name):
+    return '../no-such-dir/x'  # rename into a missing directory fails with ENOENT
+
+  monkeypatch.setattr(retention, 'deleting_name', fail)
+  seen = []
+  retention.safe_delete_step(epath.Path(tmp_path / '1'),
+                             lambda p: (seen.append(retention.is_step_complete(p)), p.rmtree()))
+  assert seen == [False] and not (tmp_path / '1').exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Completeness rule
+
+
+def test_completeness_rule(tmp_path, ours):
+  mngr = _save_steps(tmp_path, [1, 2, 3, 4])
+  mngr.close()
+  # 2: as written by Orbax 0.11.x - 0.12.1: no commit_success.txt, metadata has commit timestamp.
+  os.remove(tmp_path / '2' / 'commit_success.txt')
+  # 3: torn: both markers gone (what a stock rmtree does first on this filesystem).
+  os.remove(tmp_path / '3' / 'commit_success.txt')
+  os.remove(tmp_path / '3' / '_CHECKPOINT_METADATA')
+  # 4: metadata without commit timestamp and no marker: never committed.
+  os.remove(tmp_path / '4' / 'commit_success.txt')
+  meta = (tmp_path / '4' / '_CHECKPOINT_METADATA')
+  import json
+  d = json.loads(meta.read_text())
+  d['commit_timestamp_nsecs'] = None
+  meta.write_text(json.dumps(d))
+  # 5: an empty final-named directory.
+  os.mkdir(tmp_path / '5')
+
+  fresh = ocp.CheckpointManager(tmp_path)
+  assert fresh.all_steps() == [1, 2]
+  assert fresh.latest_step() == 2
+  # Only listing is guarded: an explicit restore(3) still reads whatever files are there.
+  assert _restores_exactly(fresh, 2)
+
+  retention.uninstall()
+  assert ocp.CheckpointManager(tmp_path).all_steps() == [1, 2, 3, 4, 5]  # stock lists them all
+  retention.install(accept_unmarked_steps=True)
+  # Unmarked (no metadata at all) accepted: 3 and 5; 4 has metadata without commit: still not.
+  assert ocp.CheckpointManager(tmp_path).all_steps() == [1, 2, 3, 5]
+
+
+def test_leftovers_removed_at_init_on_primary(tmp_path, ours):
+  mngr = _save_steps(tmp_path, [1])
+  mngr.close()
+  leftover = tmp_path / retention.deleting_name('0')
+  os.makedirs(leftover / 'default' / 'd')
+  (leftover / 'default' / 'd' / 'x').write_bytes(b'x')
+  ro = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(read_only=True))
+  assert leftover.exists()  # read-only managers never delete
+  ro.close()
+  fresh = ocp.CheckpointManager(tmp_path)
+  assert not leftover.exists()
+  assert fresh.all_steps() == [1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Deterministic torn-delete reproduction: SIGKILL at the K-th unlinkat of the old-step delete.
+
+_CHILD = textwrap.dedent('''
+    import sys
+    import numpy as np, jax, jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    directory, mode = sys.argv[1], sys.argv[2]
+    if mode == 'ours':
+      from orbax_pathways import retention
+      retention.install()
+    def state(step):
+      return {f'p{i}': jnp.asarray(np.arange(4096, dtype=np.float32) * (i + 1) + step)
+              for i in range(6)}
+    m = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=3))
+    for s in range(5):
+      m.save(s, args=ocp.args.StandardSave(state(s)))
+      m.wait_until_finished()
+    m.close()
+''')
+
+
+def _strace_available() -> bool:
+  if shutil.which('strace') is None:
+    return False
+  r = subprocess.run(['strace', '-qq', '-o', os.devnull, '-e', 'inject=unlinkat:error=ENOENT:when=1',
+                      'true'], capture_output=True)
+  return r.returncode == 0
+
+
+needs_strace = pytest.mark.skipif(
+    not _strace_available(),
+    reason='strace with syscall injection is unavailable (apt-get install -y strace; it also '
+           'needs ptrace permission in the container)')
+
+
+def _run_killed_child(tmp_path, mode: str, k: int):
+  script = tmp_path / 'child.py'
+  script.write_text(_CHILD)
+  ckpt = tmp_path / 'ckpt'
+  # Only old-step deletion calls unlinkat in this child (checked: a full run makes 2 x 20 calls,
+  # all inside rmtree of steps 0 and 1), so the K-th unlinkat is inside the delete of step 0.
+  proc = subprocess.run(
+      ['strace', '-f', '-qq', '-o', os.devnull, '-e', 'trace=unlinkat',
+       '-e', f'inject=unlinkat:signal=SIGKILL:when={k}', PY, str(script), str(ckpt), mode],
+      capture_output=True, text=True, timeout=180, cwd=REPO)
+  assert proc.returncode in (-9, 137), (proc.returncode, proc.stderr[-3000:])
+  return ckpt
+
+
+@needs_strace
+@pytest.mark.parametrize('k', [3, 8, 16])
+def test_torn_delete_with_hooks_lists_only_restorable_steps(tmp_path, ours, k):
+  ckpt = _run_killed_child(tmp_path, 'ours', k)
+  assert len(retention.leftover_deleting_dirs(ckpt)) == 1  # killed mid-rmtree, renamed away
+  mngr = ocp.CheckpointManager(ckpt)
+  steps = mngr.all_steps()
+  assert steps == [1, 2, 3], steps
+  for s in steps:
+    assert _restores_exactly(mngr, s), s
+  assert retention.leftover_deleting_dirs(ckpt) == []  # removed at manager init
+
+
+@needs_strace
+def test_torn_delete_stock_lists_broken_step(tmp_path, stock):
+  """The same kill against stock Orbax lists a step that does not restore (the test can fail)."""
+  ckpt = _run_killed_child(tmp_path, 'stock', 8)
+  mngr = ocp.CheckpointManager(ckpt)
+  assert mngr.all_steps() == [0, 1, 2, 3]
+  assert not _restores_exactly(mngr, 0)
+  # And our rule alone (no rename) hides it here only because the markers were unlinked first.
+  retention.install()
+  try:
+    assert ocp.CheckpointManager(ckpt).all_steps() == [1, 2, 3]
+  finally:
+    retention.uninstall()
