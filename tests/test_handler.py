@@ -1,0 +1,276 @@
+"""Unchanged CheckpointManager code, through ProxyArrayHandler, on 8 CPU devices."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+import orbax_pathways
+from orbax_pathways import metadata
+from orbax_pathways.storage import meta_io
+
+from helpers import assert_trees_equal, mesh, put, random_state, run_python
+
+
+def test_registered_handler_is_ours():
+  h = ocp.type_handlers.get_type_handler(jax.Array)
+  assert type(h) is orbax_pathways.ProxyArrayHandler
+  assert h.typestr() == 'jax.Array'
+  assert h._array_metadata_store is not None  # keeps write_shape / PRNG metadata for stock readers
+
+
+def test_install_idempotent_and_uninstall_restores_previous():
+  ours = orbax_pathways.installed()
+  assert ours is not None
+  assert orbax_pathways.install() is ours
+  orbax_pathways.uninstall()
+  try:
+    stock = ocp.type_handlers.get_type_handler(jax.Array)
+    assert type(stock) is ocp.type_handlers.ArrayHandler
+    assert orbax_pathways.installed() is None
+    orbax_pathways.uninstall()  # no-op
+  finally:
+    again = orbax_pathways.install()
+  assert ocp.type_handlers.get_type_handler(jax.Array) is again
+  orbax_pathways.uninstall()
+  assert ocp.type_handlers.get_type_handler(jax.Array) is stock  # the very same object
+  orbax_pathways.install()
+
+
+def test_opt_out_environment_variable():
+  proc = run_python("""
+      import jax, orbax.checkpoint as ocp, orbax_pathways
+      print(type(ocp.type_handlers.get_type_handler(jax.Array)).__name__)
+  """, env={'ORBAX_PATHWAYS_DISABLE': '1'})
+  assert proc.stdout.strip().endswith('ArrayHandler')
+  assert 'Proxy' not in proc.stdout
+
+
+def test_install_logs_what_it_installed():
+  proc = run_python("""
+      import logging; logging.basicConfig(level=logging.INFO)
+      import orbax_pathways
+  """)
+  assert 'installed ProxyArrayHandler for jax.Array' in proc.stderr
+
+
+def test_save_and_restore_are_served_by_our_handler(tmp_path):
+  m = mesh()
+  state = random_state(m)
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(1, args=ocp.args.StandardSave(state))
+    mngr.wait_until_finished()
+    st = orbax_pathways.stats.last_save()
+    assert st.transport == 'local' and st.arrays == 4
+    assert st.written_bytes['p0'] == sum(
+        x.nbytes for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
+    restored = mngr.restore(1, args=ocp.args.StandardRestore(state))
+  rst = orbax_pathways.stats.last_restore()
+  assert rst.arrays == 4 and rst.chunks_verified > 0
+  assert_trees_equal(restored, state)
+  for leaf, target in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    if isinstance(target, jax.Array):
+      assert leaf.sharding == target.sharding
+  record = meta_io.read_item(tmp_path / '1' / 'default')
+  assert set(record.arrays()) == {'params.w', 'params.b', 'params.e', 'opt.mu'}
+  assert record.transports() == {'local'}
+
+
+def _dtype_cases():
+  cases = [np.float32, jnp.bfloat16, np.float16, np.int8, np.int16, np.int32, np.uint8,
+           np.uint16, np.uint32, np.bool_, ml_dtypes.int4, ml_dtypes.float8_e4m3fn,
+           ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3b11fnuz]
+  return [pytest.param(d, id=np.dtype(d).name) for d in cases]
+
+
+@pytest.mark.parametrize('dtype', _dtype_cases())
+def test_dtypes_round_trip(tmp_path, dtype):
+  m = mesh()
+  rng = np.random.default_rng(1)
+  raw = rng.integers(-7, 7, size=(16, 8))
+  value = (raw > 0) if np.dtype(dtype) == np.bool_ else raw.astype(dtype)
+  if np.dtype(dtype).kind == 'u':
+    value = np.abs(raw).astype(dtype)
+  state = {'x': put(value, m, 'data', 'model'), 'r': put(value, m)}
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(0, args=ocp.args.StandardSave(state))
+    mngr.wait_until_finished()
+    assert_trees_equal(mngr.restore(0, args=ocp.args.StandardRestore(state)), state)
+    assert_trees_equal(mngr.restore(0), state)
+
+
+def test_64_bit_dtypes_round_trip(tmp_path):
+  run_python(f"""
+      import jax; jax.config.update('jax_enable_x64', True)
+      import numpy as np, orbax.checkpoint as ocp, orbax_pathways
+      import jax.numpy as jnp
+      x = {{'f': jnp.arange(16, dtype=jnp.float64) / 3, 'i': jnp.arange(16, dtype=jnp.int64) * 2**40,
+           'u': jnp.arange(16, dtype=jnp.uint64) * 2**40}}
+      with ocp.CheckpointManager({str(tmp_path)!r}) as m:
+        m.save(0, args=ocp.args.StandardSave(x)); m.wait_until_finished()
+        r = m.restore(0, args=ocp.args.StandardRestore(x))
+      assert orbax_pathways.stats.last_restore().arrays == 3
+      for k in x:
+        assert r[k].dtype == x[k].dtype, (k, r[k].dtype)
+        np.testing.assert_array_equal(np.asarray(r[k]), np.asarray(x[k]))
+  """)
+
+
+def _sharding_cases():
+  return {
+      'row': ((4, 2), ('data', 'model'), P('data', None)),
+      'col': ((4, 2), ('data', 'model'), P(None, 'model')),
+      'both': ((4, 2), ('data', 'model'), P('data', 'model')),
+      'transposed': ((4, 2), ('data', 'model'), P('model', 'data')),
+      'multi_axis': ((4, 2), ('data', 'model'), P(('data', 'model'), None)),
+      'replicated': ((4, 2), ('data', 'model'), P()),
+      'flat8': ((8,), ('x',), P(None, 'x')),
+      'three_d': ((2, 2, 2), ('a', 'b', 'c'), P('c', ('a', 'b'))),
+      'subset_mesh': ((2, 2), ('a', 'b'), P('b', None)),
+  }
+
+
+@pytest.mark.parametrize('case', list(_sharding_cases()))
+def test_named_shardings_round_trip(tmp_path, case):
+  shape, axes, spec = _sharding_cases()[case]
+  m = mesh(shape, axes)
+  value = np.arange(32 * 16, dtype=np.float32).reshape(32, 16)
+  state = {'a': jax.device_put(value, NamedSharding(m, spec))}
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(0, args=ocp.args.StandardSave(state))
+    mngr.wait_until_finished()
+    st = orbax_pathways.stats.last_save()
+    assert st.written_bytes['p0'] == value.nbytes  # each distinct shard written exactly once
+    restored = mngr.restore(0)
+  assert restored['a'].sharding == state['a'].sharding
+  np.testing.assert_array_equal(np.asarray(restored['a']), value)
+
+
+def test_single_device_scalar_zero_size_and_prng_keys(tmp_path):
+  d1 = jax.devices()[3]
+  state = {
+      'single': jax.device_put(np.arange(10, dtype=np.int32), SingleDeviceSharding(d1)),
+      'scalar': jnp.float32(3.5),
+      'empty': jnp.zeros((0, 4), jnp.float32),
+      'empty_sharded': put(np.zeros((8, 0), np.float32), mesh(), 'data', None),
+      'key': jax.random.key(42),
+      'keys': jax.random.split(jax.random.key(1), 8),
+      'raw_key': jax.random.PRNGKey(0),
+      'np': np.arange(4.0),
+      'py_int': 3,
+      'py_float': 2.5,
+  }
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(0, args=ocp.args.StandardSave(state))
+    mngr.wait_until_finished()
+    r = mngr.restore(0, args=ocp.args.StandardRestore(state))
+    r2 = mngr.restore(0)
+  assert_trees_equal(r, state)
+  assert jax.dtypes.issubdtype(r['key'].dtype, jax.dtypes.prng_key)
+  assert jax.random.key_impl(r['keys']) == jax.random.key_impl(state['keys'])
+  assert r['single'].sharding == state['single'].sharding
+  assert r2['empty'].shape == (0, 4)
+  np.testing.assert_array_equal(np.asarray(jax.random.key_data(r2['keys'])),
+                                np.asarray(jax.random.key_data(state['keys'])))
+
+
+def test_restore_onto_a_different_mesh_with_explicit_target(tmp_path):
+  m = mesh()
+  value = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(0, args=ocp.args.StandardSave({'a': put(value, m, 'data', 'model')}))
+    mngr.wait_until_finished()
+    m2 = mesh((2, 2), ('x', 'y'), jax.devices()[4:])
+    target = {'a': jax.ShapeDtypeStruct(value.shape, jnp.bfloat16, sharding=NamedSharding(m2, P(None, ('x', 'y'))))}
+    r = mngr.restore(0, args=ocp.args.StandardRestore(target))
+  assert r['a'].dtype == jnp.bfloat16 and r['a'].sharding == target['a'].sharding
+  np.testing.assert_array_equal(np.asarray(r['a']), value.astype(jnp.bfloat16))
+
+
+def test_shape_mismatch_error_names_array_path_and_fix(tmp_path):
+  m = mesh()
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(0, args=ocp.args.StandardSave({'a': put(np.zeros((8, 4), np.float32), m, 'data')}))
+    mngr.wait_until_finished()
+    target = {'a': jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=NamedSharding(m, P()))}
+    with pytest.raises(ValueError, match=r"Array 'a' at .*0/default/a was saved with shape \(8, 4\) "
+                                         r"but the restore target asks for \(8, 6\).*strict=False"):
+      mngr.restore(0, args=ocp.args.StandardRestore(target))
+
+
+def test_checkpoint_manager_features(tmp_path):
+  m = mesh()
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=2, save_interval_steps=2, best_fn=lambda metrics: metrics['loss'],
+      best_mode='min', keep_checkpoints_without_metrics=False)
+  losses = {0: 5.0, 2: 1.0, 4: 3.0, 6: 4.0}
+  with ocp.CheckpointManager(tmp_path, options=options) as mngr:
+    for step in range(7):
+      state = {'w': put(np.full((8, 4), step, np.float32), m, 'data')}
+      saved = mngr.save(step, args=ocp.args.StandardSave(state),
+                        metrics={'loss': losses.get(step, 9.0)})
+      assert saved == (step % 2 == 0)
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [2, 4]  # the two best by loss
+    assert mngr.best_step() == 2
+    r = mngr.restore(4)
+  np.testing.assert_array_equal(np.asarray(r['w']), np.full((8, 4), 4, np.float32))
+
+
+def test_pytree_and_composite_items_and_partial_restore(tmp_path):
+  m = mesh()
+  state = random_state(m)
+  extra = {'ema': put(np.ones((16, 8), np.float32), m, None, 'model')}
+  with ocp.CheckpointManager(tmp_path, item_names=('state', 'extra')) as mngr:
+    mngr.save(0, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
+                                         extra=ocp.args.StandardSave(extra)))
+    mngr.wait_until_finished()
+    r = mngr.restore(0, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(state, restore_args=ocp.checkpoint_utils.construct_restore_args(state)),
+        extra=ocp.args.StandardRestore(extra)))
+    assert_trees_equal(r.state, state)
+    assert_trees_equal(r.extra, extra)
+  with ocp.CheckpointManager(tmp_path, item_names=('state', 'extra')) as mngr:
+    partial = {'params': {'w': state['params']['w']}}
+    r = mngr.restore(0, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        partial, restore_args=ocp.checkpoint_utils.construct_restore_args(partial),
+        partial_restore=True)))
+  assert_trees_equal(r.state, partial)
+
+
+def test_chunks_are_bounded_and_recorded(tmp_path, monkeypatch):
+  m = mesh((8,), ('x',))
+  value = np.random.default_rng(0).standard_normal((256, 512), dtype=np.float32)  # 512 KiB
+  handler = orbax_pathways.install(orbax_pathways.Options(max_chunk_bytes=16 * 1024))
+  try:
+    with ocp.CheckpointManager(tmp_path) as mngr:
+      mngr.save(0, args=ocp.args.StandardSave({'a': put(value, m, 'x', None)}))
+      mngr.wait_until_finished()
+      rec = meta_io.read_item(tmp_path / '0' / 'default').arrays()['a']
+      assert np.prod(rec.chunk_shape) * 4 <= 16 * 1024
+      assert rec.chunk_shape[1] < 512  # columns split too, not only the sharded rows
+      assert sum(c.nbytes for c in rec.chunks) == value.nbytes
+      assert len({c.origin for c in rec.chunks}) == len(rec.chunks)
+      np.testing.assert_array_equal(np.asarray(mngr.restore(0)['a']), value)
+  finally:
+    orbax_pathways.install(orbax_pathways.Options.from_env())  # back to default options
+  assert handler is not orbax_pathways.installed()
+
+
+def test_save_blocks_only_for_snapshot(tmp_path):
+  """save() returns with the step still uncommitted; wait_until_finished() commits it."""
+  m = mesh()
+  big = {'a': put(np.random.default_rng(0).standard_normal((2048, 4096), dtype=np.float32), m, 'data')}
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(0, args=ocp.args.StandardSave(big))
+    listed_while_writing = sorted(p.name for p in tmp_path.iterdir())
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [0]
+  assert ocp.CheckpointManager(tmp_path).all_steps() == [0]
+  # 32 MiB cannot be written and committed before save() returns on this machine.
+  assert listed_while_writing == ['0.orbax-checkpoint-tmp'], listed_while_writing
