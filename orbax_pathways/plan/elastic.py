@@ -1,0 +1,122 @@
+"""Rebuild a saved mesh over the current slices. Pure integers: no jax, no I/O.
+
+Called on every controller process at restore (each derives the same answer from the same
+global device list). The saved mesh's *slice axes* (mesh axes whose coordinate crosses a slice
+boundary) are resized by M/N; every other axis, the PartitionSpecs and each device's position
+inside its slice are kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+
+class RemapError(ValueError):
+  """The saved mesh cannot be laid over the current slices (message says why and what to do)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedMesh:
+  shape: tuple[int, ...]
+  axis_names: tuple[str, ...]
+  device_ids: tuple[int, ...]  # row-major over ``shape``
+  device_slices: tuple[int, ...]  # slice of each device, same order
+  slice_axes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class NewMesh:
+  shape: tuple[int, ...]
+  axis_names: tuple[str, ...]
+  device_ids: tuple[int, ...]
+  resized_axes: tuple[str, ...]
+
+
+def _slices_in_order(current: Mapping[int, Sequence[int]]) -> list[list[int]]:
+  return [sorted(current[s]) for s in sorted(current)]
+
+
+def remap_mesh(saved: SavedMesh, current: Mapping[int, Sequence[int]]) -> NewMesh:
+  """Lays ``saved`` over ``current`` (slice index -> device ids).
+
+  With one slice axis whose slices are contiguous blocks of ``k`` along it and equal device
+  counts per slice (the multislice layout), the axis becomes ``k * M`` long and the device at
+  new coordinate ``c`` is, in slice ``c_a // k``, the device with the same intra-slice rank as
+  the saved device at ``c_a % k``. Otherwise (no slice axis, unequal slice sizes) the mesh keeps
+  its shape when the device count allows, else its first axis is scaled by the device-count
+  ratio, and devices are assigned in slice-major order.
+  """
+  slices = _slices_in_order(current)
+  m = len(slices)
+  grid = np.asarray(saved.device_ids, dtype=np.int64).reshape(saved.shape)
+  slice_grid = np.asarray(saved.device_slices, dtype=np.int64).reshape(saved.shape)
+  saved_slices = sorted(set(saved.device_slices))
+  n = len(saved_slices)
+  per_saved = {s: sorted(int(d) for d, ds in zip(saved.device_ids, saved.device_slices) if ds == s)
+               for s in saved_slices}
+  equal_sizes = len({len(v) for v in per_saved.values()} | {len(v) for v in slices}) == 1
+
+  if len(saved.slice_axes) == 1 and equal_sizes:
+    a = saved.axis_names.index(saved.slice_axes[0])
+    size = saved.shape[a]
+    if size % n == 0:
+      k = size // n
+      contiguous = all(
+          np.all(np.take(slice_grid, range(j * k, (j + 1) * k), axis=a) == saved_slices[j])
+          for j in range(n))
+      if contiguous:
+        rank = {d: per_saved[s].index(d) for s in saved_slices for d in per_saved[s]}
+        new_shape = list(saved.shape)
+        new_shape[a] = k * m
+        out = np.empty(new_shape, dtype=np.int64)
+        for coord in np.ndindex(*new_shape):
+          s = coord[a] // k
+          old = list(coord)
+          old[a] = coord[a] % k  # the same position in saved slice 0's block
+          out[coord] = slices[s][rank[int(grid[tuple(old)])]]
+        return NewMesh(tuple(new_shape), saved.axis_names, tuple(int(x) for x in out.flat),
+                       (saved.axis_names[a],))
+
+  # Fallback: keep the shape if the device count is unchanged, else scale one axis.
+  devices = [d for s in slices for d in s]
+  total_saved, total_now = int(np.prod(saved.shape)), len(devices)
+  new_shape = list(saved.shape)
+  resized: tuple[str, ...] = ()
+  if total_now != total_saved:
+    names = [saved.axis_names.index(x) for x in saved.slice_axes] or list(range(len(saved.shape)))
+    for a in names:
+      rest = total_saved // saved.shape[a]
+      if total_now % rest == 0:
+        new_shape[a] = total_now // rest
+        resized = (saved.axis_names[a],)
+        break
+    else:
+      raise RemapError(
+          f'Cannot lay the saved mesh {dict(zip(saved.axis_names, saved.shape))} over '
+          f'{total_now} devices in {m} slices: no mesh axis can absorb the change from '
+          f'{total_saved} devices. Pass a restore target with explicit shardings.')
+  return NewMesh(tuple(new_shape), saved.axis_names, tuple(devices[: math.prod(new_shape)]), resized)
+
+
+def fit_spec(spec: Sequence[Any], shape: Sequence[int], mesh_shape: Mapping[str, int],
+             resized: Sequence[str]) -> tuple[tuple[Any, ...], list[int]]:
+  """Keeps the PartitionSpec, except that a dimension that no longer divides over its axes drops
+  the resized axes (it becomes replicated along them). Returns (spec, dims that were changed)."""
+  out, changed = [], []
+  for dim, entry in enumerate(list(spec) + [None] * (len(shape) - len(spec))):
+    axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+    parts = math.prod(mesh_shape[x] for x in axes) if axes else 1
+    if axes and shape[dim] % parts:
+      kept = tuple(x for x in axes if x not in resized)
+      changed.append(dim)
+      entry = None if not kept else (kept[0] if len(kept) == 1 else kept)
+      if kept and shape[dim] % math.prod(mesh_shape[x] for x in kept):
+        entry = None
+    out.append(entry)
+  while out and out[-1] is None:  # P('x', None) == P('x') as a layout; keep the short form
+    out.pop()
+  return tuple(out), changed
