@@ -17,7 +17,10 @@ import warnings
 
 from orbax_pathways import handler as handler_lib
 from orbax_pathways import options as options_lib
+from orbax_pathways import preemption
+from orbax_pathways import retention
 from orbax_pathways._compat import orbax as compat
+from orbax_pathways._compat import orbax_manager
 
 log = logging.getLogger('orbax_pathways')
 DISABLE_ENV = 'ORBAX_PATHWAYS_DISABLE'
@@ -32,11 +35,25 @@ def disabled_by_env() -> bool:
   return os.environ.get(DISABLE_ENV, '').strip().lower() in ('1', 'true', 'yes', 'on')
 
 
+def _install_manager_side() -> None:
+  """Safe retention and strict listing, the preemption notice, and the re-registration check
+  at each ``CheckpointManager.save`` (all reversible, see ``_compat/orbax_manager.py``)."""
+  retention.install()
+  preemption.install()
+  orbax_manager.set_hook('before_save', lambda mngr, step: check_installed())
+  orbax_manager.install_manager_hooks()
+
+
 def install(options: options_lib.Options | None = None) -> handler_lib.ProxyArrayHandler:
   """Registers our handler for ``jax.Array``; a second call returns the installed one unless
-  ``options`` differ (then it replaces ours, keeping the original to restore on uninstall)."""
+  ``options`` differ (then it replaces ours, keeping the original to restore on uninstall).
+
+  Also turns on the CheckpointManager side: retention that never leaves a torn step listed,
+  listing that skips incomplete steps, and SIGTERM as a preemption notice (unless
+  ``ORBAX_PATHWAYS_NO_SIGTERM=1``)."""
   global _previous, _ours
   with _lock:
+    _install_manager_side()
     current = compat.registered_array_handler()
     if _ours is not None and current is _ours and (options is None or options == _ours.options):
       return _ours
@@ -57,6 +74,9 @@ def uninstall() -> None:
   with _lock:
     if _ours is None:
       return
+    orbax_manager.set_hook('before_save', None)
+    preemption.uninstall()
+    retention.uninstall()
     if _previous is not None:
       compat.register_array_handler(_previous)
     log.info('orbax_pathways: uninstalled; jax.Array handled by %s again.', type(_previous).__name__)

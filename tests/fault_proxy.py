@@ -14,6 +14,9 @@ instead injects one fault:
 - ``"delay"``: forwards the request, then holds the response for ``delay_s`` seconds.
 
 ``stats()`` returns counts of requests and of faults by kind, so tests can assert on them.
+``proxy_errors`` counts connections that ended abnormally, keyed ``phase:method:status:error``.
+A few ``relay_response:GET:200:BrokenPipeError`` are normal even at rate 0: a client (gcsfs
+or tensorstore) closed its connection without reading a whole response body.
 """
 
 from __future__ import annotations
@@ -269,6 +272,8 @@ class FaultProxy:
         cf = client.makefile("rb", buffering=_CHUNK)
         up: socket.socket | None = None
         uf = None
+        phase = "read_request"
+        method, status = "-", 0
         try:
             while True:
                 try:
@@ -277,6 +282,7 @@ class FaultProxy:
                     return
                 if head is None:
                     return
+                phase = "decide"
                 start, headers = head
                 try:
                     method, target, version = start.decode("latin-1").split(" ", 2)
@@ -305,6 +311,7 @@ class FaultProxy:
                 fwd = [(k, v) for k, v in headers if k.lower() != b"expect"]
                 if expect_continue:
                     client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                phase = "send_upstream"
                 for attempt in (0, 1):
                     if up is None:
                         up = socket.create_connection(self.upstream, timeout=120)
@@ -319,7 +326,9 @@ class FaultProxy:
                         up = None
                         if attempt:
                             raise
+                phase = "relay_request_body"
                 _relay_body(cf, up.sendall, headers, until_eof=False)
+                phase = "read_response"
                 with self._lock:
                     self._forwarded += 1
 
@@ -347,6 +356,7 @@ class FaultProxy:
                     _get(rheaders, b"content-length") is not None
                     or _has_token(rheaders, b"transfer-encoding", b"chunked")
                 )
+                phase = "relay_response"
                 client.sendall(_encode_head(rstart, rheaders))
                 if method != "HEAD" and status not in _NO_BODY_STATUS:
                     _relay_body(uf, client.sendall, rheaders, until_eof=True)
@@ -357,8 +367,9 @@ class FaultProxy:
                 if client_close or (not framed and method != "HEAD"
                                     and status not in _NO_BODY_STATUS):
                     return
+                phase = "read_request"
         except (ConnectionError, OSError, ValueError) as e:
-            self._count_error(type(e).__name__)
+            self._count_error(f"{phase}:{method}:{status}:{type(e).__name__}")
         finally:
             with self._lock:
                 self._conns.discard(client)

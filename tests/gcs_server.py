@@ -59,6 +59,18 @@ def binary_path() -> Path:
     return p
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM the server if the test process dies without stopping it (e.g. killed by
+    a timeout), so no orphan servers pile up. No-op elsewhere."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -181,7 +193,7 @@ class FakeGcs:
         try:
             self._proc = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                cwd=tmp, start_new_session=True,
+                cwd=tmp, preexec_fn=_die_with_parent,
             )
         finally:
             log.close()

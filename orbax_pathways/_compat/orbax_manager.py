@@ -46,7 +46,7 @@ TMP_DIR_SUFFIX: str = _atomicity_types.TMP_DIR_SUFFIX  # '.orbax-checkpoint-tmp'
 COMMIT_SUCCESS_FILE: str = _atomicity_types.COMMIT_SUCCESS_FILE  # 'commit_success.txt'
 STEP_METADATA_FILE = '_CHECKPOINT_METADATA'
 
-HOOK_NAMES = ('delete_step', 'step_complete', 'manager_init', 'reached_preemption')
+HOOK_NAMES = ('delete_step', 'step_complete', 'manager_init', 'reached_preemption', 'before_save')
 
 
 def orbax_version_supported() -> bool:
@@ -135,6 +135,16 @@ def _wrap_reached_preemption(original):
   return reached_preemption
 
 
+def _wrap_save(original):
+  @functools.wraps(original)
+  def save(self, step, *args, **kwargs):
+    hook = _hooks['before_save']
+    if hook is not None:
+      hook(self, step)
+    return original(self, step, *args, **kwargs)
+  return save
+
+
 def _patch_targets():
   return (
       (_deleter.StandardCheckpointDeleter, '_delete_step_permanently',
@@ -142,6 +152,7 @@ def _patch_targets():
       (_step_lib._StandardNameFormat, '_build_metadata', _wrap_build_metadata),  # pylint: disable=protected-access
       (ocp.CheckpointManager, '__init__', _wrap_manager_init),
       (ocp.CheckpointManager, 'reached_preemption', _wrap_reached_preemption),
+      (ocp.CheckpointManager, 'save', _wrap_save),
   )
 
 
@@ -150,7 +161,7 @@ def hooks_installed() -> bool:
 
 
 def install_manager_hooks() -> None:
-  """Installs the four wrappers (idempotent). Hooks decide what they do; see ``set_hook``."""
+  """Installs the wrappers (idempotent). Hooks decide what they do; see ``set_hook``."""
   with _lock:
     if _installed:
       return
