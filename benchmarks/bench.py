@@ -147,16 +147,16 @@ def meshes(mode: str):
 #   8-way sharded P('data', 'model'), partly replicated P('data', None) (2 copies over 'model'),
 #   fully replicated P() (one copy per device).
 LAYOUT = (
-    ('params.layer0.w', 0.14, 'float32', ('data', 'model')),
-    ('params.layer1.w', 0.14, 'float32', ('data', 'model')),
-    ('params.layer2.w', 0.14, 'float32', ('data', 'model')),
-    ('params.embed', 0.12, 'bfloat16', ('data', 'model')),
-    ('params.unembed', 0.12, 'bfloat16', ('data', 'model')),
+    ('params.layer0.w', 0.16, 'float32', ('data', 'model')),
+    ('params.layer1.w', 0.16, 'float32', ('data', 'model')),
+    ('params.layer2.w', 0.16, 'float32', ('data', 'model')),
+    ('params.embed', 0.14, 'bfloat16', ('data', 'model')),
+    ('params.unembed', 0.14, 'bfloat16', ('data', 'model')),
     ('opt.mu.layer0', 0.10, 'float32', ('data', None)),
     ('opt.mu.embed', 0.10, 'bfloat16', ('data', None)),
     ('params.pos_table', 0.02, 'float32', (None, None)),
     ('params.ln_table', 0.02, 'bfloat16', (None, None)),
-)
+)  # fractions sum to 1
 N_SMALL = 16  # small leaves, 1-64 KiB, mixed layouts
 COLS = 4096
 
@@ -185,7 +185,7 @@ def build_state(mesh, size_gb: float, seed: int = 0):
   from jax.sharding import NamedSharding, PartitionSpec as P
   dtypes = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16}
   total = size_gb * GiB
-  rows_mult = 64 * int(np.prod(mesh.devices.shape))
+  rows_mult = 8 * int(np.prod(mesh.devices.shape))
   state: dict = {}
 
   def put(path, value):
@@ -198,7 +198,7 @@ def build_state(mesh, size_gb: float, seed: int = 0):
   for k, (name, frac, dt, spec) in enumerate(LAYOUT):
     dtype = dtypes[dt]
     itemsize = np.dtype(dtype).itemsize
-    rows = max(rows_mult, int(total * frac / (COLS * itemsize)) // rows_mult * rows_mult)
+    rows = max(rows_mult, round(total * frac / (COLS * itemsize) / rows_mult) * rows_mult)
     host = _fill(np.random.default_rng([seed, k]), rows * COLS, dtype).reshape(rows, COLS)
     put(name, jax.device_put(host, NamedSharding(mesh, P(*spec))))
     del host

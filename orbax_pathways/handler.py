@@ -226,12 +226,20 @@ class ProxyArrayHandler(compat.ArrayHandler):
         reads.append(read)
         targets.append(target)
     rstats = reader_lib.ReadStats()
-    with _trace('read'):
-      buffers = await asyncio.gather(*(
-          reader_lib.read_array(r, context=context, verify=self.options.verify_checksums,
-                                stats=rstats) for r in reads))
-    with _trace('device_put'):
-      out = [self._assemble(t, b) for t, b in zip(targets, buffers)]
+    transport = runtime.choose_transport(requested=self.options.transport)
+    if transport is runtime.Transport.COLOCATED:
+      from orbax_pathways.transports import colocated  # pylint: disable=g-import-not-at-top
+      st.transport = colocated.NAME
+      with _trace('read'):
+        out = await asyncio.to_thread(colocated.restore, reads, targets,
+                                      self.options.verify_checksums)
+    else:
+      with _trace('read'):
+        buffers = await asyncio.gather(*(
+            reader_lib.read_array(r, context=context, verify=self.options.verify_checksums,
+                                  stats=rstats) for r in reads))
+      with _trace('device_put'):
+        out = [self._assemble(t, b) for t, b in zip(targets, buffers)]
     if self._array_metadata_store is not None:
       mds = await compat.read_array_metadatas(self._array_metadata_store, parent)
       if mds:

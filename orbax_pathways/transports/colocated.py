@@ -81,8 +81,9 @@ def _result_spec(arrays: Sequence[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStruct
                               sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('w')))
 
 
-def make_worker_save(handler, infos, args, plans, ext, physical_shapes):
-  """Builds the function shipped to the workers. Its closure holds only metadata."""
+def make_worker_save(handler, infos, args, plans, ext, group: int):
+  """Builds the function shipped to the workers for one device group (colocated Python needs
+  every argument on the same device list). Its closure holds only metadata."""
   parent = infos[0].parent_dir
 
   def worker_save(*cpu_arrays):
@@ -113,9 +114,10 @@ def make_worker_save(handler, infos, args, plans, ext, physical_shapes):
         st = stats_lib.SaveStats(transport=NAME)
         st.written_bytes[host] = sum(w.nbytes for w in writes)
         st.chunks_written[host] = sum(len(r) for r in records.values())
-        record = handler.writer_record(host, NAME, cpu_arrays, infos, args, plans, records,
-                                       with_sharding=host == local_hosts[0] and _is_first(host, plans),
-                                       st=st)
+        st.written_bytes[f'{host}.g{group}'] = st.written_bytes[host]
+        st.chunks_written[f'{host}.g{group}'] = st.chunks_written[host]
+        record = handler.writer_record(f'{host}.g{group}', NAME, cpu_arrays, infos, args, plans,
+                                       records, with_sharding=_is_first(host, plans), st=st)
         await asyncio.to_thread(meta_io.write_record, parent, record)
         written[int(host[1:])] = st.written_bytes[host]
 
@@ -133,10 +135,19 @@ def _is_first(host: str, plans) -> bool:
   return True
 
 
+def _groups(shardings: Sequence[jax.sharding.Sharding]) -> list[list[int]]:
+  """Indices of arrays grouped by device set, in first-seen order."""
+  groups: dict[tuple[int, ...], list[int]] = {}
+  for i, sh in enumerate(shardings):
+    groups.setdefault(tuple(sorted(d.id for d in sh.device_set)), []).append(i)
+  return list(groups.values())
+
+
 async def serialize(handler, values, infos, args) -> list[Any]:
   """Controller side of a colocated save (see module docstring)."""
   from orbax_pathways import handler as handler_mod  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
+  args = list(args)
   arrays, ext = handler_mod._physical(values, infos)  # pylint: disable=protected-access
   all_devices = sorted({d for a in arrays for d in a.sharding.device_set}, key=lambda d: d.id)
   cpus = cpu_map(all_devices)
@@ -148,18 +159,25 @@ async def serialize(handler, values, infos, args) -> list[Any]:
   st = stats_lib.SaveStats(transport=NAME, arrays=len(arrays), controller_tensor_bytes=0)
   st.blocking_s = time.perf_counter() - t0
   stats_lib.record_save(st)
-  worker_save = make_worker_save(handler, infos, list(args), plans, ext, [a.shape for a in arrays])
-  fn = _colocated().colocated_python(worker_save).specialize(
-      out_specs_fn=lambda *xs: _result_spec(xs))
+  calls = []
+  for g, idx in enumerate(_groups([a.sharding for a in arrays])):
+    pick = lambda seq: [seq[i] for i in idx]  # noqa: E731
+    fn = _colocated().colocated_python(make_worker_save(
+        handler, pick(infos), pick(args), pick(plans), ext, g)).specialize(
+            out_specs_fn=lambda *xs: _result_spec(xs))
+    calls.append((fn, pick(cpu_arrays)))
 
   async def background():
     await asyncio.gather(*(info.await_path_creation() for info in infos))
     t1 = time.perf_counter()
-    result = await asyncio.to_thread(lambda: np.asarray(jax.block_until_ready(fn(*cpu_arrays))))
-    devs = sorted({d for a in cpu_arrays for d in a.sharding.device_set}, key=lambda d: d.id)
-    for d, n in zip(devs, result.tolist()):
-      if n:
-        st.written_bytes[worker_key(d)] = int(n)
+    for fn, group_arrays in calls:  # sequential: groups share each worker's OCDBT database
+      result = await asyncio.to_thread(
+          lambda: np.asarray(jax.block_until_ready(fn(*group_arrays))))  # noqa: B023
+      devs = sorted({d for a in group_arrays for d in a.sharding.device_set}, key=lambda d: d.id)
+      for d, n in zip(devs, result.tolist()):
+        if n:
+          key = worker_key(d)
+          st.written_bytes[key] = st.written_bytes.get(key, 0) + int(n)
     st.write_s = time.perf_counter() - t1
     if handler._array_metadata_store is not None:  # pylint: disable=protected-access
       _, array_mds = handler.build_writes(arrays, infos, args, plans, [()] * len(arrays), ext,
@@ -200,12 +218,19 @@ def make_worker_restore(reads_by_array, cpu_targets, verify: bool):
 
 
 def restore(reads, targets, verify: bool) -> list[jax.Array]:
-  """Controller side of a colocated restore: returns arrays on the target shardings."""
+  """Controller side of a colocated restore: returns arrays on the target shardings. One
+  colocated call per device group; the controller only sees the returned handles."""
   all_devices = sorted({d for t in targets for d in t[2].device_set}, key=lambda d: d.id)
   cpus = cpu_map(all_devices)
-  cpu_targets = [(shape, dtype, to_cpu_sharding(sharding, cpus)) for shape, dtype, sharding, _ in targets]
-  fn = _colocated().colocated_python(make_worker_restore(reads, cpu_targets, verify)).specialize(
-      devices=sorted({c for c in cpus.values()}, key=lambda d: d.id),
-      out_specs_fn=lambda: tuple(jax.ShapeDtypeStruct(s, d, sharding=cs) for s, d, cs in cpu_targets))
-  cpu_arrays = fn()
-  return [jax.device_put(a, t[2]) for a, t in zip(cpu_arrays, targets)]
+  out: list[Any] = [None] * len(targets)
+  for idx in _groups([t[2] for t in targets]):
+    cpu_targets = [(targets[i][0], targets[i][1], to_cpu_sharding(targets[i][2], cpus)) for i in idx]
+    group_devices = sorted(cpu_targets[0][2].device_set, key=lambda d: d.id)
+    fn = _colocated().colocated_python(
+        make_worker_restore([reads[i] for i in idx], cpu_targets, verify)).specialize(
+            devices=group_devices,
+            out_specs_fn=lambda ct=cpu_targets: tuple(
+                jax.ShapeDtypeStruct(s, d, sharding=cs) for s, d, cs in ct))
+    for i, arr in zip(idx, fn()):
+      out[i] = jax.device_put(arr, targets[i][2])
+  return out

@@ -212,11 +212,13 @@ def main() -> None:
                       'message': str(cur)})
         cur = cur.__cause__ or cur.__context__
       w.emit({**base, 'raised': chain})
-    # Every process failed the same way; skip atexit (orbax threads, distributed shutdown
-    # barrier) so a half-started save cannot hold the worker.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # pylint: disable=protected-access
+    # Every process failed the same way. Exit normally: jax.distributed's atexit shutdown is a
+    # barrier, so no process takes the coordination service down while a peer is still saving
+    # (an early os._exit in process 0 aborted process 1 before it could emit).
+    try:
+      mngr.close()
+    except Exception as e:  # pylint: disable=broad-except
+      w.log('close after failed save raised', type(e).__name__, e)
 
   else:
     raise ValueError(f'unknown mode {mode!r}')
