@@ -125,6 +125,13 @@ class ProxyArrayHandler(compat.ArrayHandler):
         name='orbax_pathways_write'))
     return futures
 
+  def ts_context(self, info, use_ocdbt: bool):
+    """Orbax's context for this item, unless our options add resources (retries)."""
+    extra = self.options.ts_context_extra()
+    if extra:
+      return compat.ts_context(use_ocdbt, extra)
+    return info.ts_context or compat.ts_context(use_ocdbt)
+
   def _is_primary(self) -> bool:
     return self._primary_host is None or jax.process_index() == self._primary_host
 
@@ -172,7 +179,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
           arrays, infos, args, plans, pieces, ext, create=self._is_primary(),
           process_id=compat.ocdbt_subdir_process_id(use_ocdbt))
       records = await writer_lib.write_arrays(
-          writes, context=infos[0].ts_context or compat.ts_context(use_ocdbt),
+          writes, context=self.ts_context(infos[0], use_ocdbt),
           max_inflight_bytes=self.options.max_inflight_bytes)
       st.written_bytes[host] = sum(w.nbytes for w in writes)
       st.chunks_written[host] = sum(len(r) for r in records.values())
@@ -215,7 +222,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
     item_md = await asyncio.to_thread(meta_io.read_item, parent)
     records = item_md.arrays() if item_md else {}
     use_ocdbt = bool(infos[0].is_ocdbt_checkpoint)
-    context = infos[0].ts_context or compat.ts_context(use_ocdbt)
+    context = self.ts_context(infos[0], use_ocdbt)
     host = local.this_host()
     st = stats_lib.RestoreStats(transport=local.NAME, arrays=len(infos))
     reads, targets = [], []
@@ -232,7 +239,8 @@ class ProxyArrayHandler(compat.ArrayHandler):
       st.transport = colocated.NAME
       with _trace('read'):
         out = await asyncio.to_thread(colocated.restore, reads, targets,
-                                      self.options.verify_checksums)
+                                      self.options.verify_checksums,
+                                      self.options.ts_context_extra())
     else:
       with _trace('read'):
         buffers = await asyncio.gather(*(

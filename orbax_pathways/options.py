@@ -45,6 +45,9 @@ class Options:
   divisibility: when elastic restore cannot divide a dimension over the resized mesh axes,
     'replicate' that array along them with a warning, or 'strict' to raise
     (``ORBAX_PATHWAYS_DIVISIBILITY``).
+  storage_retries: retries of one GCS request before a save or restore fails
+    (``ORBAX_PATHWAYS_STORAGE_RETRIES``); None keeps tensorstore's default (32, backoff to 32 s).
+    Lower it to fail fast when storage is down.
   num_slices: split devices into this many equal slices when devices carry no ``slice_index``
     (``ORBAX_PATHWAYS_NUM_SLICES``; tests and platforms that know their grouping).
   """
@@ -55,7 +58,15 @@ class Options:
   replica_parallel: bool = True
   transport: str | None = None
   divisibility: str = 'replicate'
+  storage_retries: int | None = None
   num_slices: int | None = None
+
+  def ts_context_extra(self) -> dict:
+    """Tensorstore context resources these options add to Orbax's defaults."""
+    if self.storage_retries is None:
+      return {}
+    return {'gcs_request_retries': {'max_retries': self.storage_retries,
+                                    'initial_delay': '0.1s', 'max_delay': '2s'}}
 
   def __post_init__(self):
     if self.divisibility not in ('replicate', 'strict'):
@@ -73,4 +84,6 @@ class Options:
         transport=os.environ.get('ORBAX_PATHWAYS_TRANSPORT') or None,
         divisibility=os.environ.get('ORBAX_PATHWAYS_DIVISIBILITY', 'replicate'),
         num_slices=int(slices) if slices else None,
+        storage_retries=(int(os.environ['ORBAX_PATHWAYS_STORAGE_RETRIES'])
+                         if os.environ.get('ORBAX_PATHWAYS_STORAGE_RETRIES') else None),
     )

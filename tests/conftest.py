@@ -20,3 +20,6 @@ def _restore_default_install():
   orbax_pathways.install(orbax_pathways.Options.from_env())
   yield
   orbax_pathways.install(orbax_pathways.Options.from_env())
+
+# GCS fixtures (fake-gcs-server started by the tests; importing sets loopback-only env vars).
+from conftest_gcs import fake_gcs, faulty_gcs, gcs_bucket  # noqa: E402,F401

@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 
 # Provided by tests/conftest.py once it imports them; imported here so this module also runs
 # on its own. (Harmless duplicates if conftest.py imports them too.)
-from conftest_gcs import fake_gcs, faulty_gcs, gcs_bucket  # noqa: E402,F401
+# fixtures come from tests/conftest.py
 from fault_proxy import FaultProxy  # noqa: E402
 
 pytestmark = pytest.mark.gcs

@@ -106,8 +106,13 @@ def build_read_spec(info: Any, *, use_ocdbt: bool, target_dtype: Any = None) -> 
   ).json
 
 
-def ts_context(use_ocdbt: bool = True) -> Any:
-  return _ts_utils.get_ts_context(use_ocdbt=use_ocdbt)
+def ts_context(use_ocdbt: bool = True, extra: dict | None = None) -> Any:
+  """Orbax's tensorstore context, plus ``extra`` resources (e.g. ``gcs_request_retries``)."""
+  if not extra:
+    return _ts_utils.get_ts_context(use_ocdbt=use_ocdbt)
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  base = _ts_utils._DEFAULT_OCDBT_TS_CONTEXT if use_ocdbt else _ts_utils._BASE_TS_CONTEXT  # pylint: disable=protected-access
+  return ts.Context({**copy.deepcopy(base), **extra})
 
 
 def serialize_sharding_file(shardings: Sequence[Any], infos: Sequence[Any], *, primary_host: int | None):

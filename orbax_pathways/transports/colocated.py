@@ -109,7 +109,7 @@ def make_worker_save(handler, infos, args, plans, ext, group: int):
             object.__setattr__(write, 'create', True)
         use_ocdbt = bool(infos[0].is_ocdbt_checkpoint)
         records = await writer_lib.write_arrays(
-            writes, context=compat.ts_context(use_ocdbt),
+            writes, context=compat.ts_context(use_ocdbt, handler.options.ts_context_extra()),
             max_inflight_bytes=handler.options.max_inflight_bytes)
         st = stats_lib.SaveStats(transport=NAME)
         st.written_bytes[host] = sum(w.nbytes for w in writes)
@@ -195,7 +195,7 @@ async def serialize(handler, values, infos, args) -> list[Any]:
   return futures
 
 
-def make_worker_restore(reads_by_array, cpu_targets, verify: bool):
+def make_worker_restore(reads_by_array, cpu_targets, verify: bool, context_extra: dict):
   """The restore function shipped to workers: reads only their devices' boxes."""
 
   def worker_restore():
@@ -206,7 +206,7 @@ def make_worker_restore(reads_by_array, cpu_targets, verify: bool):
         plan = reader_lib.restore_plan.plan_array_reads(shape, read.chunk_shape, list(mine.values()))
         rd = reader_lib.ArrayRead(read.name, read.path, read.tspec, plan, read.chunk_shape,
                                   read.chunks, read.target_dtype)
-        bufs = await reader_lib.read_array(rd, context=compat.ts_context(True), verify=verify,
+        bufs = await reader_lib.read_array(rd, context=compat.ts_context(True, context_extra), verify=verify,
                                            stats=reader_lib.ReadStats())
         arrays = [jax.device_put(bufs[b], d) for d, b in mine.items()]
         out.append(jax.make_array_from_single_device_arrays(shape, cpu_sharding, arrays))
@@ -217,7 +217,7 @@ def make_worker_restore(reads_by_array, cpu_targets, verify: bool):
   return worker_restore
 
 
-def restore(reads, targets, verify: bool) -> list[jax.Array]:
+def restore(reads, targets, verify: bool, context_extra: dict | None = None) -> list[jax.Array]:
   """Controller side of a colocated restore: returns arrays on the target shardings. One
   colocated call per device group; the controller only sees the returned handles."""
   all_devices = sorted({d for t in targets for d in t[2].device_set}, key=lambda d: d.id)
@@ -227,7 +227,7 @@ def restore(reads, targets, verify: bool) -> list[jax.Array]:
     cpu_targets = [(targets[i][0], targets[i][1], to_cpu_sharding(targets[i][2], cpus)) for i in idx]
     group_devices = sorted(cpu_targets[0][2].device_set, key=lambda d: d.id)
     fn = _colocated().colocated_python(
-        make_worker_restore([reads[i] for i in idx], cpu_targets, verify)).specialize(
+        make_worker_restore([reads[i] for i in idx], cpu_targets, verify, context_extra or {})).specialize(
             devices=group_devices,
             out_specs_fn=lambda ct=cpu_targets: tuple(
                 jax.ShapeDtypeStruct(s, d, sharding=cs) for s, d, cs in ct))

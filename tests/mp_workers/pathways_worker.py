@@ -194,6 +194,22 @@ def main() -> None:
       out[label] = {'save': s, 'restore': restore_stats(), 'restored': describe(restored)}
     w.emit(out)
 
+  elif mode == 'submesh':
+    # Restore onto a target that lives on process 0's devices only (a legal jax.Array: the
+    # other processes hold no shard of it).
+    val = value('sub', (16, 8), 'float32')
+    state = {'sub': make(val, NamedSharding(mesh, P('proc', 'local')))}
+    mngr = ocp.CheckpointManager(ckpt_dir)
+    mngr.save(0, args=ocp.args.StandardSave(state))
+    mngr.wait_until_finished()
+    sub_mesh = Mesh(np.asarray(jax.devices()[:d]), ('x',))
+    target = {'sub': jax.ShapeDtypeStruct((16, 8), np.float32,
+                                          sharding=NamedSharding(sub_mesh, P('x')))}
+    restored = mngr.restore(0, args=ocp.args.StandardRestore(target))
+    mngr.close()
+    w.emit({**base, 'restored': {'shards': shards(restored['sub']),
+                                 'num_devices': len(restored['sub'].sharding.device_set)}})
+
   elif mode == 'local_array':
     state = build_state()
     local = jax.device_put(np.arange(6, dtype=np.float32), jax.local_devices()[0])
