@@ -337,23 +337,31 @@ def ts_bytes_read() -> tuple[int, list[str]]:
 # The measurements
 # ---------------------------------------------------------------------------------------------
 
+LAST_CPU = {}  # CPU seconds (all threads of this process) of the last timed save / restore
+
+
 def timed_save(mngr, step, tree):
   import orbax.checkpoint as ocp
+  c0 = time.process_time()
   t0 = time.perf_counter()
   mngr.save(step, args=ocp.args.StandardSave(tree))
   t1 = time.perf_counter()
   mngr.wait_until_finished()
   t2 = time.perf_counter()
+  LAST_CPU['save'] = time.process_time() - c0
   return t1 - t0, t2 - t0
 
 
 def timed_restore(mngr, step, target):
   import jax
   import orbax.checkpoint as ocp
+  c0 = time.process_time()
   t0 = time.perf_counter()
   out = mngr.restore(step, args=ocp.args.StandardRestore(target))
   jax.block_until_ready(out)
-  return out, time.perf_counter() - t0
+  dt = time.perf_counter() - t0
+  LAST_CPU['restore'] = time.process_time() - c0
+  return out, dt
 
 
 def check_restored(out, ref_tree, mesh) -> None:
@@ -380,6 +388,8 @@ def run_main_rep(impl, state, mesh, half, storage, rep, tiny_iters, tiny):
     with ocp.CheckpointManager(path) as mngr:
       sv = Served(impl, 'save')
       res['save_blocking_s'], res['commit_s'] = timed_save(mngr, 1, state)
+      res['commit_cpu_s'] = LAST_CPU['save']
+      extra['loadavg_1m'] = os.getloadavg()[0]
       st = sv.check()
       if st is not None:
         extra['ours_save_blocking_s'] = st.blocking_s
@@ -392,6 +402,7 @@ def run_main_rep(impl, state, mesh, half, storage, rep, tiny_iters, tiny):
 
       rv = Served(impl, 'restore')
       out, res['restore_s'] = timed_restore(mngr, 1, abstract(state))
+      res['restore_cpu_s'] = LAST_CPU['restore']
       rv.check()
       check_restored(out, state, mesh)
       del out
@@ -401,6 +412,7 @@ def run_main_rep(impl, state, mesh, half, storage, rep, tiny_iters, tiny):
         rv = Served(impl, 'restore')
         b0, names = ts_bytes_read()
         out, res['restore_fewer_s'] = timed_restore(mngr, 1, abstract(state, half))
+        res['restore_fewer_cpu_s'] = LAST_CPU['restore']
         b1, _ = ts_bytes_read()
         rst = rv.check()
         check_restored(out, state, half)
@@ -665,8 +677,11 @@ def profile_metric(metric, impl, state, mesh, half, tiny, storage, native) -> di
 METRICS = (  # key, label, unit
     ('save_blocking_s', 'save() blocking', 's'),
     ('commit_s', 'save start -> committed', 's'),
+    ('commit_cpu_s', 'CPU time, save+commit', 's'),
     ('restore_s', 'restore, same mesh', 's'),
+    ('restore_cpu_s', 'CPU time, restore same mesh', 's'),
     ('restore_fewer_s', 'restore, half the devices', 's'),
+    ('restore_fewer_cpu_s', 'CPU time, restore half', 's'),
     ('reshard_bytes_read', 'bytes read/host, reshard', 'B'),
     ('peak_rss_delta_bytes', 'peak RSS - before, save', 'B'),
     ('peak_rss_over_state', 'peak RSS / state dev bytes', 'x'),

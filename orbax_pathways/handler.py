@@ -234,7 +234,8 @@ class ProxyArrayHandler(compat.ArrayHandler):
         targets.append(target)
     rstats = reader_lib.ReadStats()
     transport = runtime.choose_transport(requested=self.options.transport)
-    if transport is runtime.Transport.COLOCATED:
+    if transport in (runtime.Transport.COLOCATED, runtime.Transport.PERSISTENCE):
+      # Persistence restores read on the workers too (transports/persistence.py).
       from orbax_pathways.transports import colocated  # pylint: disable=g-import-not-at-top
       st.transport = colocated.NAME
       with _trace('read'):

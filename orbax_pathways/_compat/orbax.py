@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Sequence
 
+import numpy as np
+
 import orbax.checkpoint as ocp
 from orbax.checkpoint import future as _future
 from orbax.checkpoint import type_handlers as _th
@@ -172,3 +174,30 @@ async def shardings_from_args_or_file(infos: Sequence[Any], args: Sequence[Any])
   from orbax.checkpoint._src.path import async_path  # pylint: disable=g-import-not-at-top
   exists = await async_path.exists(infos[0].parent_dir / SHARDING_FILE_NAME)
   return list(await _jah._deserialize_shardings(infos, args, exists))  # pylint: disable=protected-access
+
+
+# ---- Pathways persistence plugin (server-side writes over the IFRT proxy) -------------------
+
+def persistence_dtype_supported(dtype: Any) -> bool:
+  """Whether the persistence plugin can store ``dtype`` (Orbax's own dtype table)."""
+  from orbax.checkpoint._src.serialization import cloud_pathways_helper  # pylint: disable=g-import-not-at-top
+  try:
+    cloud_pathways_helper.dtype_to_xla_primitive_type_str(np.dtype(dtype))
+    return True
+  except ValueError:
+    return False
+
+
+def persistence_bulk_write_request(location: str, names: Sequence[str], arrays: Sequence[Any],
+                                   timeout: Any) -> str:
+  """The JSON request Orbax's CloudPathwaysArrayHandler sends for one group of arrays."""
+  from orbax.checkpoint._src.serialization import cloud_pathways_helper  # pylint: disable=g-import-not-at-top
+  return cloud_pathways_helper.get_bulk_write_request(location, names, arrays, timeout)
+
+
+def persistence_write_arrays(location: str, names: Sequence[str], arrays: Sequence[Any],
+                             timeout: Any) -> Any:
+  """Compiles and runs the plugin program on the Pathways workers; returns a future. Only works
+  on the IFRT proxy backend (Pathways)."""
+  from orbax.checkpoint._src.serialization import cloud_pathways_helper  # pylint: disable=g-import-not-at-top
+  return cloud_pathways_helper.write_arrays(location, names, arrays, timeout)
