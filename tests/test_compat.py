@@ -1,0 +1,62 @@
+"""Every Orbax internal we reach, exercised against the installed Orbax (see _compat/)."""
+
+import types
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from packaging.specifiers import SpecifierSet
+
+from orbax_pathways._compat import orbax as compat
+from orbax_pathways._compat import orbax_manager
+
+from helpers import mesh, put
+
+
+def test_installed_orbax_is_in_the_supported_range():
+  assert ocp.__version__ in SpecifierSet(compat.SUPPORTED_ORBAX)
+  assert compat.SUPPORTED_ORBAX == orbax_manager.SUPPORTED
+  pyproject = open(__file__.replace('tests/test_compat.py', 'pyproject.toml')).read()
+  assert f'"orbax-checkpoint{compat.SUPPORTED_ORBAX}"' in pyproject
+
+
+def _info(tmp_path, zarr3, ocdbt=True):
+  return types.SimpleNamespace(parent_dir=epath.Path(tmp_path), name='w', use_compression=True,
+                               use_zarr3=zarr3, is_ocdbt_checkpoint=ocdbt,
+                               ocdbt_target_data_file_size=None)
+
+
+def test_write_spec_keeps_orbax_layout_and_sets_our_chunks(tmp_path):
+  for zarr3 in (False, True):
+    tspec, md = compat.build_write_spec(
+        _info(tmp_path, zarr3), global_shape=(64, 32), write_shape=(16, 32), chunk_shape=(8, 16),
+        dtype=np.dtype('float32'), target_dtype=None, process_id=0, ext_metadata=None)
+    assert tspec['driver'] == ('zarr3' if zarr3 else 'zarr')
+    assert tspec['kvstore']['driver'] == 'ocdbt'
+    assert tspec['kvstore']['base']['path'].endswith('ocdbt.process_0/')
+    meta = tspec['metadata']
+    chunks = meta['chunk_grid']['configuration']['chunk_shape'] if zarr3 else meta['chunks']
+    assert chunks == [8, 16]
+    assert md.chunk_shape == (8, 16) and md.write_shape == (16, 32)
+  tspec, _ = compat.build_write_spec(
+      _info(tmp_path, False, ocdbt=False), global_shape=(4,), write_shape=(4,), chunk_shape=(2,),
+      dtype=np.dtype('float32'), target_dtype=np.dtype('int8'), process_id=None, ext_metadata=None)
+  assert tspec['driver'] == 'cast' and tspec['base']['metadata']['chunks'] == [2]
+
+
+def test_ts_context_extra_resources():
+  ctx = compat.ts_context(True, {'gcs_request_retries': {'max_retries': 2}})
+  assert ctx['gcs_request_retries'].to_json()['max_retries'] == 2
+
+
+def test_registry_and_sharding_metadata_helpers():
+  assert compat.registered_array_handler() is ocp.type_handlers.get_type_handler(jax.Array)
+  s = put(np.zeros((8, 4), np.float32), mesh(), 'data').sharding
+  md = compat.sharding_metadata_from_jax(s)
+  assert md.to_jax_sharding() == s
+  assert compat.random_key_impl_field()
+  assert compat.ocdbt_subdir_process_id(True) == 0 and compat.ocdbt_subdir_process_id(False) is None
+  assert compat.ocdbt_subdir_process_id(True, 'w3') == 'w3'
+  assert compat.persistence_dtype_supported(np.float32)
+  assert not compat.persistence_dtype_supported(np.float16)
