@@ -302,4 +302,5 @@ class ProxyArrayHandler(compat.ArrayHandler):
   def _assemble(target, buffers: dict[Box, np.ndarray]) -> jax.Array:
     shape, dtype, sharding, boxes = target
     device_arrays = [jax.device_put(buffers[box], d) for d, box in boxes.items()]
-    return jax.make_array_from_single_device_arrays(shape, sharding, device_arrays)
+    # dtype= lets a process that holds none of the target's devices build its (empty) view.
+    return jax.make_array_from_single_device_arrays(shape, sharding, device_arrays, dtype=dtype)

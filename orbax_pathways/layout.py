@@ -44,7 +44,10 @@ def slice_of_devices(devices: Sequence[Any], *, num_slices: int | None = None) -
   platforms that know their grouping); in multi-controller runs, the owning process; else one slice.
   """
   devices = sorted(devices, key=lambda d: d.id)
-  if all(getattr(d, 'slice_index', None) is not None for d in devices) and devices:
+  # jax sets slice_index on every device, 0 on non-TPU platforms (CPU/GPU multi-process runs
+  # included): it only says something on TPU, or when it actually differs between devices.
+  if devices and all(getattr(d, 'slice_index', None) is not None for d in devices) and (
+      any(d.platform == 'tpu' for d in devices) or len({d.slice_index for d in devices}) > 1):
     return {d.id: int(d.slice_index) for d in devices}
   n = num_slices or int(os.environ.get(NUM_SLICES_ENV, '0') or 0)
   if n:

@@ -285,13 +285,6 @@ def test_elastic_resave_from_2_processes(saved_4x2, shrunk):
   print(f'2x2 re-save written bytes per process: {got} (distinct {DISTINCT_STATE_BYTES})')
 
 
-SLICE_BUG = (
-    'layout.slice_of_devices trusts device.slice_index, which jax sets to 0 on every CPU device '
-    'of a multi-process run, so a 4-process save records num_slices=1 and slice_axes=() instead '
-    'of slices = processes')
-
-
-@pytest.mark.xfail(reason=SLICE_BUG, strict=True)
 def test_elastic_saved_record_marks_processes_as_slices(saved_4x2):
   ckpt, _ = saved_4x2
   rec = _records(ckpt, STEP, 4)[0]
@@ -301,11 +294,6 @@ def test_elastic_saved_record_marks_processes_as_slices(saved_4x2):
     assert a.sharding.num_slices == 4 and a.sharding.slice_axes == ('proc',), (a.name, a.sharding)
 
 
-@pytest.mark.xfail(
-    reason=SLICE_BUG + ': a step saved by 2 processes restored by 4 keeps the saved 4-device '
-    'sharding (no remap: same device ids, "1 slice" both times), processes 2 and 3 get no shard '
-    'and handler._assemble raises jax ValueError "no addressable shards, dtype must be provided"',
-    raises=MultiProcessError, strict=True)
 def test_elastic_grow_2_processes_to_4_without_target(saved_4x2, shrunk):
   ckpt, _ = saved_4x2
   results = _run(4, 2, 'restore', ckpt, f'step={STEP + 1}', fail_fast_grace=2)
@@ -353,12 +341,6 @@ def _check_bytes(bytes_run, label):
   return chunk_shape
 
 
-@pytest.mark.xfail(
-    reason='default max_chunk_bytes=16 MiB: row shards (128, 1024) f32 = 512 KiB fit in one '
-    'chunk, so choose_chunk_shape never splits them and a column-half restore decodes full-width '
-    'chunks: 4 MiB read for 2 MiB needed (2.0x). Fixed by a chunk policy that also splits small '
-    'elongated shards (see report), or by max_chunk_bytes <= 256 KiB here',
-    strict=True)
 def test_bytes_read_bound_default_chunks(bytes_run):
   _check_bytes(bytes_run, 'default')
 
@@ -388,11 +370,6 @@ def test_process_local_array_raises_save_error(tmp_path):
 
 # ---- 5. a restore target on a subset of the processes ----------------------------------------
 
-@pytest.mark.xfail(
-    reason='handler._assemble calls jax.make_array_from_single_device_arrays without dtype=; '
-    'a process holding no shard of the target (sharding on process 0\'s devices only) raises '
-    'ValueError "If the Array has no addressable shards, `dtype` must be provided"',
-    raises=MultiProcessError, strict=True)
 def test_restore_onto_devices_of_one_process(tmp_path):
   results = _run(2, 2, 'submesh', tmp_path / 'ckpt', fail_fast_grace=2)
   value = wk.value('sub', (16, 8), 'float32')

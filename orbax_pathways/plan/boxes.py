@@ -66,23 +66,40 @@ class Box:
 
 
 def divisors(n: int) -> list[int]:
-  return [d for d in range(1, n + 1) if n % d == 0]
+  """Sorted divisors of ``n`` (O(sqrt n))."""
+  small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+  return sorted(set(small + [n // d for d in small]))
 
 
-def choose_chunk_shape(write_shape: Sequence[int], itemsize: int, max_bytes: int) -> tuple[int, ...]:
+def choose_chunk_shape(write_shape: Sequence[int], itemsize: int, max_bytes: int, *,
+                       max_aspect: int = 4, min_bytes: int = 64 * 1024) -> tuple[int, ...]:
   """The chunk shape used for one array: divides ``write_shape`` and is at most ``max_bytes``.
 
   Unlike splitting only the sharded dimension, this halves (to the next divisor) whichever
   dimension of the current chunk is largest, so chunks stay roughly square. A later restore
   that slices the array along any axis then decodes at most about one chunk-width of extra data
-  per boundary instead of whole full-width slabs. Zero-size dimensions become 1 (zarr rejects 0).
+  per boundary instead of whole full-width slabs. That holds for shards already under
+  ``max_bytes`` too: a chunk more than ``max_aspect`` times longer on one side than on another
+  keeps halving its longest side while it is larger than ``min_bytes``.
+  Zero-size dimensions become 1 (zarr rejects 0).
   """
   shape = [max(1, int(d)) for d in write_shape]
   if not shape:
     return ()
   chunk = list(shape)
-  while math.prod(chunk) * itemsize > max_bytes:
-    order = sorted(range(len(chunk)), key=lambda i: -chunk[i])
+
+  def elongated() -> bool:
+    sides = [c for c in chunk if c > 1]
+    return len(sides) > 1 and max(sides) > max_aspect * min(sides)
+
+  while True:
+    nbytes = math.prod(chunk) * itemsize
+    if nbytes > max_bytes:
+      order = sorted(range(len(chunk)), key=lambda i: -chunk[i])
+    elif nbytes > min_bytes and elongated():
+      order = [max(range(len(chunk)), key=lambda i: chunk[i])]  # only the longest side
+    else:
+      break
     for i in order:
       smaller = [d for d in divisors(shape[i]) if d < chunk[i]]
       if smaller:
@@ -91,7 +108,7 @@ def choose_chunk_shape(write_shape: Sequence[int], itemsize: int, max_bytes: int
         chunk[i] = half[-1]
         break
     else:
-      break  # Every dimension is 1: nothing left to split.
+      break  # Nothing left to split.
   return tuple(chunk)
 
 
