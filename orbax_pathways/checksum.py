@@ -2,8 +2,9 @@
 
 Computed on whichever host holds the chunk's bytes (writer host at save, reader host at restore,
 the CLI for ``verify``). Definition: crc32c (Castagnoli) of the chunk's elements in the stored
-dtype, C order, native little-endian bytes. The ``crc32c`` package hashes the numpy buffer in
-place (no copy) and releases the GIL, so several chunks hash in parallel threads.
+dtype, C order, native little-endian bytes. The ``crc32c`` package hashes numpy memory in place
+and releases the GIL; a chunk that is a strided view of a larger buffer (a column block of a
+row-major region) is hashed run by run, extending the crc, so it is never copied.
 """
 
 from __future__ import annotations
@@ -12,9 +13,29 @@ import crc32c as _crc32c
 import numpy as np
 
 
+def _contiguous_tail(a: np.ndarray) -> int:
+  """How many trailing dimensions of ``a`` are laid out contiguously (C order)."""
+  expected = a.itemsize
+  k = 0
+  for dim, stride in zip(reversed(a.shape), reversed(a.strides)):
+    if dim != 1 and stride != expected:
+      break
+    expected *= dim
+    k += 1
+  return k
+
+
 def of_array(a: np.ndarray) -> int:
-  """crc32c of ``a``'s elements in C order (copies only when ``a`` is not C-contiguous)."""
-  a = np.ascontiguousarray(a)
+  """crc32c of ``a``'s elements in C order, without copying strided views."""
   if a.size == 0:
     return 0
-  return _crc32c.crc32c(a.reshape(-1).view(np.uint8).data)
+  if a.flags.c_contiguous:
+    return _crc32c.crc32c(a.reshape(-1).view(np.uint8).data)
+  k = _contiguous_tail(a)
+  if k == 0:  # innermost dimension strided (rare: transposed views): copy.
+    return of_array(np.ascontiguousarray(a))
+  crc = 0
+  for idx in np.ndindex(*a.shape[: a.ndim - k]):
+    run = a[idx]
+    crc = _crc32c.crc32c(np.ascontiguousarray(run).reshape(-1).view(np.uint8).data, crc)
+  return crc

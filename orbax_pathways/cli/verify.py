@@ -24,6 +24,7 @@ from typing import Any, Iterable, TextIO
 
 import numpy as np
 
+from orbax_pathways import checksum
 from orbax_pathways import metadata as pw_metadata
 from orbax_pathways.cli import inspect
 
@@ -143,9 +144,8 @@ def human_bytes(n: float) -> str:
 
 
 def crc32c(a: np.ndarray) -> int:
-  import google_crc32c  # pylint: disable=g-import-not-at-top
-
-  return google_crc32c.value(np.ascontiguousarray(a).tobytes())
+  """The same checksum the writer recorded (``orbax_pathways.checksum``)."""
+  return checksum.of_array(a)
 
 
 # ----------------------------------------------------------------------------------------------
