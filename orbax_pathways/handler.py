@@ -74,6 +74,11 @@ def _check_global(values: Sequence[jax.Array], infos) -> None:
       )
 
 
+def stored_dtype(arr, arg) -> np.dtype:
+  """The dtype written to storage: ``SaveArgs.dtype`` when casting, else the array's."""
+  return np.dtype(arg.dtype) if arg.dtype is not None else np.dtype(arr.dtype)
+
+
 class ProxyArrayHandler(compat.ArrayHandler):
   """Drop-in replacement of Orbax's ArrayHandler (same typestr, same on-disk format)."""
 
@@ -144,8 +149,9 @@ class ProxyArrayHandler(compat.ArrayHandler):
       tspec, array_md = compat.build_write_spec(
           info, global_shape=arr.shape, write_shape=write_shape, chunk_shape=plan.chunk_shape,
           dtype=arr.dtype, target_dtype=arg.dtype, process_id=process_id,
-          ext_metadata=ext.get(info.name))
-      stored = np.dtype(arg.dtype) if arg.dtype is not None else np.dtype(arr.dtype)
+          ext_metadata=ext.get(info.name),
+          use_compression=self.options.compress(stored_dtype(arr, arg), bool(info.use_compression)))
+      stored = stored_dtype(arr, arg)
       writes.append(writer_lib.ArrayWrite(
           name=info.name, path=str(info.parent_dir / info.name), tspec=tspec, create=create,
           global_shape=tuple(arr.shape), chunk_shape=plan.chunk_shape, stored_dtype=stored,
@@ -158,7 +164,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
                     st: stats_lib.SaveStats) -> metadata.WriterRecord:
     out = []
     for arr, info, arg, plan in zip(arrays, infos, args, plans):
-      dtype = np.dtype(arg.dtype) if arg.dtype is not None else np.dtype(arr.dtype)
+      dtype = stored_dtype(arr, arg)
       out.append(metadata.ArrayRecord(
           name=info.name, dtype=dtype.name, shape=tuple(arr.shape), chunk_shape=plan.chunk_shape,
           chunks=tuple(records.get(info.name, ())),

@@ -466,6 +466,19 @@ def test_storage_retries_bound_a_tensorstore_outage(faulty_gcs):
 
 # ---- 6. request count -----------------------------------------------------------------------
 
+def _save_counting(faulty_gcs, seen, subdir, state):
+  mngr = ocp.CheckpointManager(faulty_gcs.path(subdir))
+  n_init = len(seen)
+  t0 = time.monotonic()
+  mngr.save(0, args=ocp.args.StandardSave(state))
+  n_blocking = len(seen) - n_init
+  mngr.wait_until_finished()
+  elapsed = time.monotonic() - t0
+  reqs = seen[n_init:]
+  mngr.close()
+  return reqs, n_blocking, n_init, elapsed
+
+
 def test_request_count_of_a_20_array_save(faulty_gcs, monkeypatch):
   seen = _record_requests(monkeypatch, faulty_gcs.proxy)
   m = mesh()
@@ -473,20 +486,13 @@ def test_request_count_of_a_20_array_save(faulty_gcs, monkeypatch):
   specs = [('data', 'model'), ('data', None), (None, 'model'), ()]
   state = {f'a{i:02d}': put(rng.standard_normal((64, 32), dtype=np.float32), m, *specs[i % 4])
            for i in range(20)}
-  path = faulty_gcs.path('ckpt')
+  one = {'a00': state['a00']}
   proxy = faulty_gcs.proxy
-  mngr = ocp.CheckpointManager(path)
-  n_init = len(seen)
+  base_reqs, _, _, _ = _save_counting(faulty_gcs, seen, 'one', one)
   proxy.reset_stats()
-  t0 = time.monotonic()
-  mngr.save(0, args=ocp.args.StandardSave(state))
-  n_blocking = len(seen) - n_init
-  mngr.wait_until_finished()
-  t_save = time.monotonic() - t0
-  save_reqs = seen[n_init:]
+  save_reqs, n_blocking, n_init, t_save = _save_counting(faulty_gcs, seen, 'ckpt', state)
   stats = proxy.stats()
-  mngr.close()
-  with ocp.CheckpointManager(path) as fresh:
+  with ocp.CheckpointManager(faulty_gcs.path('ckpt')) as fresh:
     n0 = len(seen)
     restored = fresh.restore(0, args=ocp.args.StandardRestore(_abstract(state)))
     restore_reqs = seen[n0:]
@@ -495,16 +501,20 @@ def test_request_count_of_a_20_array_save(faulty_gcs, monkeypatch):
   by_cat = collections.Counter(_classify(meth, t) for meth, t in save_reqs)
   by_obj = collections.Counter(_object_of(t).replace('ckpt/0/', '') for _, t in save_reqs)
   by_cat_r = collections.Counter(_classify(meth, t) for meth, t in restore_reqs)
-  objs = faulty_gcs.objects()
-  print(f'\n[requests] manager init {n_init}; save(0) of 20 arrays: {len(save_reqs)} requests '
-        f'({n_blocking} before save() returned), {t_save:.2f}s, {len(objs)} objects written; '
-        f'by method {stats["by_method"]}')
+  objs = [o for o in faulty_gcs.objects() if o.startswith('ckpt/')]
+  print(f'\n[requests] save(0) of 20 arrays (64x32 f32): {len(save_reqs)} requests '
+        f'({n_blocking} before save() returned; manager init {n_init} more), {t_save:.2f}s, '
+        f'{len(objs)} objects; same save of 1 array: {len(base_reqs)}; by method '
+        f'{stats["by_method"]}')
   print(f'[requests] save by category: {dict(by_cat.most_common())}')
-  print(f'[requests] save top objects: {by_obj.most_common(12)}')
+  print(f'[requests] save top objects: {by_obj.most_common(10)}')
   print(f'[requests] restore with target: {len(restore_reqs)} ({dict(by_cat_r.most_common())})')
   assert stats['requests'] == len(save_reqs)
-  # OCDBT puts all 20 arrays into a few data files + manifests; per-array costs are only the
-  # per-array zarr metadata inside OCDBT. Stock fixed costs (step dir stat/list, markers,
-  # _CHECKPOINT_METADATA, _METADATA, _sharding, array_metadatas, our _pathways record) are
-  # ~O(30). 10 per array (200) would mean a per-array round-trip pattern crept in.
+  # The brief's bound: < 10 requests per array.
   assert len(save_reqs) < 10 * len(state), len(save_reqs)
+  # What the bound really rests on: the cost is a fixed ~100 requests of Orbax's step protocol
+  # over gcsfs (exists = stat + list, each small file a 2-request resumable upload, markers,
+  # _CHECKPOINT_METADATA written twice), while all arrays share one OCDBT database (a few data
+  # files + manifests). Measured: 1 array ~97, 20 arrays ~105, 40 arrays ~115 (stock Orbax:
+  # 92 / 113). A per-array round trip would add >= 19 requests over the 1-array save.
+  assert len(save_reqs) - len(base_reqs) < 1.5 * (len(state) - 1), (len(save_reqs), len(base_reqs))

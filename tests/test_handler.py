@@ -274,3 +274,27 @@ def test_save_blocks_only_for_snapshot(tmp_path):
   assert ocp.CheckpointManager(tmp_path).all_steps() == [0]
   # 32 MiB cannot be written and committed before save() returns on this machine.
   assert listed_while_writing == ['0.orbax-checkpoint-tmp'], listed_while_writing
+
+
+def _compressor(item_dir, name, use_zarr3=False):
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  t = ts.open({'driver': 'zarr', 'kvstore': {'driver': 'ocdbt', 'base': f'file://{item_dir}/',
+                                             'path': name}}).result()
+  return t.spec().to_json()['metadata']['compressor']
+
+
+@pytest.mark.parametrize('mode', ['auto', 'zstd', 'none'])
+def test_compression_policy_by_dtype(tmp_path, mode):
+  m = mesh()
+  state = {'f': put(np.random.default_rng(0).standard_normal((64, 32), dtype=np.float32), m, 'data'),
+           'i': put(np.arange(64 * 32, dtype=np.int32).reshape(64, 32), m, 'data')}
+  orbax_pathways.install(orbax_pathways.Options(compression=mode))
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(0, args=ocp.args.StandardSave(state))
+    mngr.wait_until_finished()
+    assert_trees_equal(mngr.restore(0), state)
+  item = tmp_path / '0' / 'default'
+  expect_f = {'auto': None, 'zstd': 'zstd', 'none': None}[mode]
+  expect_i = {'auto': 'zstd', 'zstd': 'zstd', 'none': None}[mode]
+  assert (_compressor(item, 'f') or {}).get('id') == expect_f
+  assert (_compressor(item, 'i') or {}).get('id') == expect_i
