@@ -110,5 +110,9 @@ async def read_array(read: ArrayRead, *, context: ts.Context, verify: bool,
       out.append((box, data if box == region.box else data[box.relative_to(region.box)]))
     return out
 
-  parts = await asyncio.gather(*(one(r) for r in read.plan.regions))
+  # Let every read finish before raising, so no tensorstore callback outlives the event loop.
+  parts = await asyncio.gather(*(one(r) for r in read.plan.regions), return_exceptions=True)
+  for part in parts:
+    if isinstance(part, BaseException):
+      raise part
   return {box: buf for part in parts for box, buf in part}

@@ -78,11 +78,15 @@ async def write_array(write: ArrayWrite, *, context: ts.Context) -> list[metadat
     if write.create and 0 in write.global_shape:
       await _write_empty_array_marker(write, context)
     crc_task = asyncio.get_running_loop().run_in_executor(None, chunk_records, write)
-    await asyncio.gather(*(
+    results = await asyncio.gather(*(
         t[p.box.to_slices()].write(p.data, can_reference_source_data_indefinitely=True)
         for p in write.pieces if p.data.size
-    ))
-    return await crc_task
+    ), return_exceptions=True)  # all settle before we raise: no callback outlives the loop
+    records = await crc_task
+    for r in results:
+      if isinstance(r, BaseException):
+        raise r
+    return records
   except Exception as e:
     raise errors.SaveError(
         f'Writing array {write.name!r} to {write.path} failed: {type(e).__name__}: {e}. '

@@ -1,0 +1,145 @@
+"""Damaged checkpoints fail restore with an error naming the array, the chunk and the path."""
+
+import os
+import warnings
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import orbax_pathways
+from orbax_pathways import metadata
+from orbax_pathways.storage import meta_io
+
+from helpers import mesh, put
+
+
+def _save(directory, use_ocdbt=True):
+  m = mesh()
+  value = np.random.default_rng(0).standard_normal((256, 64), dtype=np.float32)
+  state = {'w': put(value, m, 'data', 'model')}
+  handler = ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt)
+  with ocp.CheckpointManager(directory, item_handlers=handler) as mngr:
+    mngr.save(0, args=ocp.args.PyTreeSave(state))
+    mngr.wait_until_finished()
+  return state
+
+
+def _restore(directory, state, use_ocdbt=True):
+  handler = ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt)
+  with ocp.CheckpointManager(directory, item_handlers=handler) as mngr:
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    return mngr.restore(0, args=ocp.args.PyTreeRestore(
+        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+
+
+def _data_files(item):
+  return sorted((p for p in item.glob('ocdbt.process_0/d/*')), key=lambda p: -p.stat().st_size)
+
+
+def _flip_byte_in_chunk_data(item, value: np.ndarray):
+  """Flips one byte inside the stored float bytes (found by content, not by guessing offsets)."""
+  needle = np.ascontiguousarray(value).tobytes()[:64]
+  for path in _data_files(item):
+    data = bytearray(path.read_bytes())
+    at = data.find(needle)
+    if at >= 0:
+      data[at + 10] ^= 0x01
+      path.write_bytes(bytes(data))
+      return
+  raise AssertionError('uncompressed chunk bytes not found in any data file')
+
+
+def test_flipped_byte_is_caught_by_the_checksum(tmp_path):
+  state = _save(tmp_path)
+  item = tmp_path / '0' / 'default'
+  # Chunks of w are stored uncompressed (floats), so a flipped byte still decodes: only our
+  # crc32c can tell.
+  _flip_byte_in_chunk_data(item, _first_chunk(state, item))
+  with pytest.raises(orbax_pathways.ChecksumMismatchError,
+                     match=r"Checksum mismatch in array 'w', chunk at \[\d+, \d+\] \(shape \[\d+, \d+\]\) "
+                           r"of .*0/default/w: recorded crc32c 0x[0-9a-f]{8}, read 0x[0-9a-f]{8}\. "
+                           r'The stored bytes are damaged'):
+    _restore(tmp_path, state)
+
+
+def _first_chunk(state, item):
+  rec = meta_io.read_item(item).arrays()['w']
+  origin = rec.chunks[0].origin
+  sl = tuple(slice(o, o + c) for o, c in zip(origin, rec.chunk_shape))
+  return np.asarray(state['w'])[sl]
+
+
+def test_verification_can_be_turned_off(tmp_path):
+  state = _save(tmp_path)
+  item = tmp_path / '0' / 'default'
+  _flip_byte_in_chunk_data(item, _first_chunk(state, item))
+  orbax_pathways.install(orbax_pathways.Options(verify_checksums=False))
+  restored = _restore(tmp_path, state)
+  assert not np.array_equal(np.asarray(restored['w']), np.asarray(state['w']))  # damage passes
+
+
+def test_truncated_data_file(tmp_path):
+  state = _save(tmp_path)
+  big = _data_files(tmp_path / '0' / 'default')[0]
+  os.truncate(big, big.stat().st_size // 2)
+  with pytest.raises(orbax_pathways.RestoreError, match=r"array 'w'.* from .*0/default/w failed: .*"
+                                                        r'run `orbax-pathways verify`'):
+    _restore(tmp_path, state)
+
+
+def test_deleted_chunk_file_without_ocdbt(tmp_path):
+  state = _save(tmp_path, use_ocdbt=False)
+  chunk = tmp_path / '0' / 'default' / 'w' / '0.0'
+  assert chunk.exists()
+  chunk.unlink()
+  with pytest.raises(orbax_pathways.RestoreError, match=r"array 'w'.*0/default/w"):
+    _restore(tmp_path, state, use_ocdbt=False)
+
+
+def test_deleted_ocdbt_data_file(tmp_path):
+  state = _save(tmp_path)
+  for f in _data_files(tmp_path / '0' / 'default'):
+    f.unlink()
+  with pytest.raises(orbax_pathways.RestoreError, match=r"array 'w'"):
+    _restore(tmp_path, state)
+
+
+def test_damaged_pathways_metadata(tmp_path):
+  state = _save(tmp_path)
+  record = tmp_path / '0' / 'default' / '_pathways' / 'p0.msgpack'
+  record.write_bytes(record.read_bytes()[:20])
+  with pytest.raises(metadata.MetadataError, match=r'orbax-pathways metadata file .*p0\.msgpack is '
+                                                   r'damaged.*orbax-pathways verify'):
+    _restore(tmp_path, state)
+
+
+def test_checkpoint_from_a_newer_schema_is_refused(tmp_path):
+  state = _save(tmp_path)
+  record = tmp_path / '0' / 'default' / '_pathways' / 'p0.msgpack'
+  import msgpack  # pylint: disable=g-import-not-at-top
+  obj = msgpack.unpackb(record.read_bytes(), raw=False, strict_map_key=False)
+  obj['schema'] = metadata.SCHEMA_VERSION + 1
+  record.write_bytes(msgpack.packb(obj, use_bin_type=True))
+  with pytest.raises(metadata.MetadataError, match=r'has schema 2, this version reads up to 1\. '
+                                                   r'Upgrade orbax-pathways'):
+    _restore(tmp_path, state)
+
+
+def test_reregistration_is_detected_at_the_next_save(tmp_path):
+  m = mesh()
+  state = {'w': put(np.zeros((8, 4), np.float32), m, 'data')}
+  ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(), override=True)
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    with pytest.warns(RuntimeWarning, match=r'jax\.Array is now handled by .*ArrayHandler, not '
+                                            r'orbax_pathways .*Call orbax_pathways\.install\(\)'):
+      mngr.save(0, args=ocp.args.StandardSave(state))
+    mngr.wait_until_finished()
+    with warnings.catch_warnings():
+      warnings.simplefilter('error')  # warned once per intruder, not at every save
+      mngr.save(1, args=ocp.args.StandardSave(state))
+      mngr.wait_until_finished()
+  assert orbax_pathways.installed() is None
+  orbax_pathways.install(orbax_pathways.Options.from_env())
+  assert orbax_pathways.installed() is not None
