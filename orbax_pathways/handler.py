@@ -17,6 +17,7 @@ Who calls what, on which host:
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from typing import Any, Sequence
@@ -121,8 +122,14 @@ class ProxyArrayHandler(compat.ArrayHandler):
 
     futures = []
     if self._enable_write_sharding_file:
+      sharding_infos = infos
+      if self.options.ts_context_extra():  # storage_retries must bound Orbax's _sharding write too
+        ctx = self.ts_context(infos[0], bool(infos[0].is_ocdbt_checkpoint))
+        sharding_infos = [copy.copy(i) for i in infos]  # ParamInfo is a plain class
+        for i in sharding_infos:
+          i.ts_context = ctx
       futures.append(compat.CommitFuture(
-          compat.serialize_sharding_file([a.sharding for a in arrays], infos,
+          compat.serialize_sharding_file([a.sharding for a in arrays], sharding_infos,
                                          primary_host=self._primary_host),
           name='orbax_pathways_sharding'))
     futures.append(compat.CommitFuture(

@@ -139,10 +139,27 @@ def _wrap_save(original):
   @functools.wraps(original)
   def save(self, step, *args, **kwargs):
     hook = _hooks['before_save']
-    if hook is not None:
-      hook(self, step)
-    return original(self, step, *args, **kwargs)
+    if hook is None:
+      return original(self, step, *args, **kwargs)
+    hook(self, step)
+    try:
+      return original(self, step, *args, **kwargs)
+    except Exception as e:  # pylint: disable=broad-except
+      if not _is_storage_error(e):
+        raise
+      from orbax_pathways import errors  # pylint: disable=g-import-not-at-top
+      raise errors.SaveError(
+          f'Saving step {step} to {manager_step_path(self, step)} failed in storage: '
+          f'{type(e).__module__}.{type(e).__name__}: {e}. Earlier steps are untouched; the step '
+          'is not committed.') from e
   return save
+
+
+_STORAGE_ERROR_MODULES = ('gcsfs', 'aiohttp', 'google', 'requests', 'fsspec')
+
+
+def _is_storage_error(e: BaseException) -> bool:
+  return isinstance(e, OSError) or type(e).__module__.split('.')[0] in _STORAGE_ERROR_MODULES
 
 
 def _patch_targets():
