@@ -115,6 +115,51 @@ def check(directory: str, bases) -> tuple[list[int], list[str]]:
   return steps, problems
 
 
+def _die_with_parent():
+  """Linux: the child gets SIGKILL if this harness dies, so no child outlives a crashed run."""
+  try:
+    import ctypes  # pylint: disable=g-import-not-at-top
+    ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+  except OSError:
+    pass
+
+
+def _one_round(args, rnd: int, delay: float, directory: str, bases) -> tuple[list[str], int]:
+  """Start a child, kill it after ``delay``, check the directory. Returns (problems, restored)."""
+  proc = subprocess.Popen(
+      [sys.executable, os.path.abspath(__file__), '--child', '--dir', directory, '--mib',
+       str(args.mib)] + (['--stock'] if args.stock else []),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+  try:
+    ready = proc.stdout.readline()
+    if not ready.startswith('READY'):
+      proc.kill()
+      _, err = proc.communicate()
+      return [f'round {rnd}: child did not start: {err.strip().splitlines()[-1:]}'], 0
+    time.sleep(delay)
+    _, before = _list_steps(directory)  # a reader listing while the child saves
+  finally:
+    proc.send_signal(signal.SIGKILL)  # also when the listing above raised
+    _, err = proc.communicate()
+  problems = []
+  if proc.returncode != -signal.SIGKILL:
+    problems.append(f'child exited by itself (rc={proc.returncode}): '
+                    f'{err.strip().splitlines()[-1:]}')
+  steps, check_problems = check(directory, bases)
+  problems += check_problems
+  restored = len(steps) - len([p for p in check_problems if 'restore failed' in p])
+  if before:
+    last = before[-1]
+    newer = [s for s in steps if s > last]
+    if last not in steps and len(newer) < MAX_TO_KEEP:
+      problems.append(f'committed step {last} (listed before the kill) is gone; listed now: '
+                      f'{steps}')
+  if args.verbose:
+    print(f'round {rnd}: delay={delay:.2f}s before={before} after={steps} '
+          f'problems={problems}', flush=True)
+  return [f'round {rnd} (kill after {delay:.2f}s): {p}' for p in problems], restored
+
+
 def run(args) -> int:
   _setup_env()
   _install(args.stock)
@@ -128,36 +173,13 @@ def run(args) -> int:
   t0 = time.time()
   for rnd in range(args.rounds):
     delay = rng.uniform(args.min_delay, args.max_delay)
-    proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), '--child', '--dir', directory, '--mib',
-         str(args.mib)] + (['--stock'] if args.stock else []),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ready = proc.stdout.readline()
-    if not ready.startswith('READY'):
-      proc.kill()
-      _, err = proc.communicate()
-      failures.append(f'round {rnd}: child did not start: {err.strip().splitlines()[-1:]}')
-      continue
-    time.sleep(delay)
-    _, before = _list_steps(directory)
-    proc.send_signal(signal.SIGKILL)
-    _, err = proc.communicate()
-    if proc.returncode != -signal.SIGKILL:
-      failures.append(f'round {rnd}: child exited by itself (rc={proc.returncode}): '
-                      f'{err.strip().splitlines()[-1:]}')
-    steps, problems = check(directory, bases)
-    restored += len(steps) - len([p for p in problems if 'restore failed' in p])
-    if before:
-      last = before[-1]
-      newer = [s for s in steps if s > last]
-      if last not in steps and len(newer) < MAX_TO_KEEP:
-        problems.append(f'committed step {last} (listed before the kill) is gone; listed now: '
-                        f'{steps}')
-    for p in problems:
-      failures.append(f'round {rnd} (kill after {delay:.2f}s): {p}')
-    if args.verbose:
-      print(f'round {rnd}: delay={delay:.2f}s before={before} after={steps} '
-            f'problems={problems}', flush=True)
+    try:
+      problems, n = _one_round(args, rnd, delay, directory, bases)
+    except Exception as e:  # pylint: disable=broad-except  (a harness error is a failure too)
+      import traceback  # pylint: disable=g-import-not-at-top
+      problems, n = [f'round {rnd}: {type(e).__name__}: {e}\n{traceback.format_exc()}'], 0
+    failures += problems
+    restored += n
   elapsed = time.time() - t0
   mode = 'stock' if args.stock else 'orbax_pathways'
   for f in failures:
