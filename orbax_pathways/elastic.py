@@ -163,8 +163,9 @@ async def remap_value_metadata(handler: Any, infos: Sequence[Any], metas: list[A
   out = []
   for info, meta, rec in zip(infos, metas, records):
     if rec is not None and needs_remap(rec, topo):
-      sharding = remap_sharding(info.name, meta.shape, meta.dtype, rec, topo,
-                                divisibility=handler.options.divisibility)
+      with jax.profiler.TraceAnnotation('orbax_pathways.reshard'):
+        sharding = remap_sharding(info.name, meta.shape, meta.dtype, rec, topo,
+                                  divisibility=handler.options.divisibility)
       meta = dataclasses.replace(meta, sharding=compat.sharding_metadata_from_jax(sharding))
     out.append(meta)
   return out

@@ -36,7 +36,6 @@ class RestoreStats:
   bytes_read: dict[str, int] = dataclasses.field(default_factory=dict)
   bytes_needed: dict[str, int] = dataclasses.field(default_factory=dict)
   chunks_verified: int = 0
-  remapped_arrays: int = 0
 
 
 _lock = threading.Lock()

@@ -154,8 +154,16 @@ def registered_array_handler() -> Any:
 
 
 def register_array_handler(handler: Any) -> None:
+  """Replaces the jax.Array entry in place. Orbax logs an 'overriding jax.Array' warning for
+  every override; ours is intended (and logged by _registration), so it is muted here."""
   import jax  # pylint: disable=g-import-not-at-top
-  _thr.register_type_handler(jax.Array, handler, override=True)
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  verbosity = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.ERROR)
+  try:
+    _thr.register_type_handler(jax.Array, handler, override=True)
+  finally:
+    absl_logging.set_verbosity(verbosity)
 
 
 # ---- restore helpers -------------------------------------------------------------------------
