@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
 import time
 from typing import Any, Sequence
@@ -75,6 +76,15 @@ def _check_global(values: Sequence[jax.Array], infos) -> None:
       )
 
 
+@functools.lru_cache(maxsize=4096)
+def _cached_plan(sharding, shape, itemsize, host_of, max_chunk_bytes, replica_parallel):
+  """Plans are pure functions of these (hashable) inputs; a training loop saves the same
+  layouts every time, so each is planned once per process."""
+  return save_plan.plan_array_writes(
+      shape, itemsize, layout.placements(sharding, shape, host_of),
+      max_chunk_bytes=max_chunk_bytes, replica_parallel=replica_parallel)
+
+
 def stored_dtype(arr, arg) -> np.dtype:
   """The dtype written to storage: ``SaveArgs.dtype`` when casting, else the array's."""
   return np.dtype(arg.dtype) if arg.dtype is not None else np.dtype(arr.dtype)
@@ -91,11 +101,9 @@ class ProxyArrayHandler(compat.ArrayHandler):
   # ---- save --------------------------------------------------------------------------------
 
   def _plan(self, arr: jax.Array, host_of) -> save_plan.ArrayWritePlan:
-    return save_plan.plan_array_writes(
-        arr.shape, np.dtype(arr.dtype).itemsize, layout.placements(arr.sharding, arr.shape, host_of),
-        max_chunk_bytes=self.options.max_chunk_bytes,
-        replica_parallel=self.options.replica_parallel and self._use_replica_parallel,
-    )
+    return _cached_plan(arr.sharding, tuple(arr.shape), np.dtype(arr.dtype).itemsize, host_of,
+                        self.options.max_chunk_bytes,
+                        self.options.replica_parallel and self._use_replica_parallel)
 
   async def serialize(self, values: Sequence[jax.Array], infos: Sequence[Any],
                       args: Sequence[Any] | None = None) -> list[Any]:
