@@ -161,12 +161,12 @@ class ProxyArrayHandler(compat.ArrayHandler):
     writes, array_mds = [], []
     for arr, info, arg, plan, ps in zip(arrays, infos, args, plans, pieces):
       write_shape = plan.writes[0].box.shape if plan.writes else arr.shape
+      stored = stored_dtype(arr, arg)
       tspec, array_md = compat.build_write_spec(
           info, global_shape=arr.shape, write_shape=write_shape, chunk_shape=plan.chunk_shape,
           dtype=arr.dtype, target_dtype=arg.dtype, process_id=process_id,
           ext_metadata=ext.get(info.name),
-          use_compression=self.options.compress(stored_dtype(arr, arg), bool(info.use_compression)))
-      stored = stored_dtype(arr, arg)
+          use_compression=self.options.compress(stored, bool(info.use_compression)))
       writes.append(writer_lib.ArrayWrite(
           name=info.name, path=str(info.parent_dir / info.name), tspec=tspec, create=create,
           global_shape=tuple(arr.shape), chunk_shape=plan.chunk_shape, stored_dtype=stored,

@@ -20,6 +20,7 @@ On the CPU backend colocated Python runs in this process, so the same code runs 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any, Sequence
 
@@ -104,9 +105,9 @@ def make_worker_save(handler, infos, args, plans, ext, group: int):
           pieces.append(tuple(mine))
         writes, _ = handler.build_writes(
             cpu_arrays, infos, args, plans, pieces, ext, create=False, process_id=host)
-        for write, plan in zip(writes, plans):  # the first piece's host creates the metadata
-          if plan.writes and plan.writes[0].host == host or not plan.writes and host == local_hosts[0]:
-            object.__setattr__(write, 'create', True)
+        # The host of each array's first piece writes its zarr metadata (exactly one per array).
+        writes = [dataclasses.replace(w, create=_creates(host, plan, local_hosts))
+                  for w, plan in zip(writes, plans)]
         use_ocdbt = bool(infos[0].is_ocdbt_checkpoint)
         records = await writer_lib.write_arrays(
             writes, context=compat.ts_context(use_ocdbt, handler.options.ts_context_extra()),
@@ -125,6 +126,12 @@ def make_worker_save(handler, infos, args, plans, ext, group: int):
     return _bytes_result(cpu_arrays, written)
 
   return worker_save
+
+
+def _creates(host: str, plan, local_hosts: Sequence[str]) -> bool:
+  if plan.writes:
+    return plan.writes[0].host == host
+  return host == local_hosts[0]  # zero-size array: no pieces at all
 
 
 def _is_first(host: str, plans) -> bool:
