@@ -201,12 +201,32 @@ def main(argv=None) -> int:
   p.add_argument('--stock', action='store_true', help='without orbax_pathways.retention')
   p.add_argument('--fresh', action='store_true', help='remove a local --dir first')
   p.add_argument('--verbose', action='store_true')
+  p.add_argument('--fake-gcs', action='store_true',
+                 help='start fake-gcs-server (tests/gcs_server.py) on loopback and use '
+                      'gs://<new bucket>/ckpt as --dir (give --dir -)')
   p.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child:
     child(args.dir, args.stock, args.mib)
     return 0
+  if args.fake_gcs:
+    return _run_on_fake_gcs(args)
   return run(args)
+
+
+def _run_on_fake_gcs(args) -> int:
+  """Starts fake-gcs-server on loopback, points every GCS client (children inherit the
+  environment) at it, and runs the rounds against a fresh bucket."""
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                  'tests'))
+  import gcs_server  # pylint: disable=g-import-not-at-top
+  with gcs_server.FakeGcs(backend='memory') as server:
+    for key in server.unset_keys():
+      os.environ.pop(key, None)
+    os.environ.update(server.env())
+    gcs_server.configure_fsspec_anon()
+    args.dir = f'gs://{server.new_bucket("torture")}/ckpt'
+    return run(args)
 
 
 if __name__ == '__main__':

@@ -314,3 +314,26 @@ def test_torn_delete_stock_lists_broken_step(tmp_path, stock):
     assert ocp.CheckpointManager(ckpt).all_steps() == [1, 2, 3]
   finally:
     retention.uninstall()
+
+
+def test_reader_listing_while_a_step_is_deleted(tmp_path, ours):
+  """A reader builds a CheckpointManager at the instant retention renames a step away (the race
+  the 200-round torture hit: Orbax stat()s the vanished path for its commit time). The step
+  must simply drop out of the listing."""
+  _save_steps(tmp_path, [0, 1, 2])
+  vanished = []
+
+  def complete_then_deleted(path):
+    ok = retention.is_step_complete(path)
+    if ok and path.name == '1':  # retention renames step 1 right after it was judged complete
+      retention.safe_delete_step(path)
+      vanished.append(path.name)
+    return ok
+
+  om.set_hook('step_complete', complete_then_deleted)
+  try:
+    reader = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(read_only=True))
+  finally:
+    om.set_hook('step_complete', retention.is_step_complete)
+  assert vanished == ['1']
+  assert reader.all_steps() == [0, 2]

@@ -111,7 +111,16 @@ def _wrap_build_metadata(original):
     hook = _hooks['step_complete']
     if metadata is None or hook is None:
       return metadata
-    return metadata if hook(epath.Path(metadata.path)) else None
+    if not hook(epath.Path(metadata.path)):
+      return None
+    try:
+      # Read (and cache) the commit time now: a step that retention renames away while a reader
+      # lists the directory then drops out of the listing, instead of failing the reader's
+      # CheckpointManager construction with FileNotFoundError from a later stat().
+      metadata.commit_timestamp  # pylint: disable=pointless-statement
+    except FileNotFoundError:
+      return None
+    return metadata
   return _build_metadata
 
 
