@@ -132,8 +132,9 @@ def drive(args) -> int:
   preempted = False
   for line in p.stdout:
     print(line, end='', flush=True)
-    if not preempted and line.split()[2:4] == ['step', str(args.preempt_at)]:
-      print(f'== driver: sending SIGTERM (preemption notice) at step {args.preempt_at}', flush=True)
+    words = line.split()
+    if not preempted and words[2:3] == ['step'] and int(words[3]) >= args.preempt_at:
+      print(f'== driver: sending SIGTERM (preemption notice) after step {words[3]}', flush=True)
       p.send_signal(signal.SIGTERM)
       preempted = True
   if p.wait() != 0:
