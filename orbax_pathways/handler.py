@@ -166,7 +166,8 @@ class ProxyArrayHandler(compat.ArrayHandler):
           info, global_shape=arr.shape, write_shape=write_shape, chunk_shape=plan.chunk_shape,
           dtype=arr.dtype, target_dtype=arg.dtype, process_id=process_id,
           ext_metadata=ext.get(info.name),
-          use_compression=self.options.compress(stored, bool(info.use_compression)))
+          use_compression=self.options.compress(stored, bool(info.use_compression)),
+          gcs_grpc=self.options.gcs_grpc)
       writes.append(writer_lib.ArrayWrite(
           name=info.name, path=str(info.parent_dir / info.name), tspec=tspec, create=create,
           global_shape=tuple(arr.shape), chunk_shape=plan.chunk_shape, stored_dtype=stored,
@@ -288,7 +289,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
   async def _plan_read(self, info, arg, sharding, record: metadata.ArrayRecord | None,
                        use_ocdbt: bool, context):
     shape, dtype, sharding = compat.physical_read_spec(arg, sharding)
-    tspec = compat.build_read_spec(info, use_ocdbt=use_ocdbt)
+    tspec = compat.build_read_spec(info, use_ocdbt=use_ocdbt, gcs_grpc=self.options.gcs_grpc)
     if record is not None:
       stored_shape, chunk_shape = record.shape, record.chunk_shape
       chunks = metadata.chunk_index([record])

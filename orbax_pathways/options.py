@@ -51,6 +51,9 @@ class Options:
     also when the checkpoint handler asks for no compression we follow it); 'none'. The choice
     depends only on the dtype, so every host of a multi-host save makes the same one. Either way
     the zarr metadata names the codec, so stock Orbax reads the result.
+  gcs_grpc: use tensorstore's ``gcs_grpc`` driver instead of ``gcs`` for array data on gs://
+    (``ORBAX_PATHWAYS_GCS_GRPC=1``; off). Same objects on storage; needs a tensorstore build with
+    the gRPC driver and real GCS (emulators speak HTTP only).
   storage_retries: retries of one GCS request before a save or restore fails
     (``ORBAX_PATHWAYS_STORAGE_RETRIES``); None keeps tensorstore's default (32, backoff to 32 s).
     Lower it to fail fast when storage is down.
@@ -65,6 +68,7 @@ class Options:
   transport: str | None = None
   divisibility: str = 'replicate'
   compression: str = 'auto'
+  gcs_grpc: bool = False
   storage_retries: int | None = None
   num_slices: int | None = None
 
@@ -104,6 +108,7 @@ class Options:
         transport=os.environ.get('ORBAX_PATHWAYS_TRANSPORT') or None,
         divisibility=os.environ.get('ORBAX_PATHWAYS_DIVISIBILITY', 'replicate'),
         compression=os.environ.get('ORBAX_PATHWAYS_COMPRESSION', 'auto'),
+        gcs_grpc=_env_bool('ORBAX_PATHWAYS_GCS_GRPC', False),
         num_slices=int(slices) if slices else None,
         storage_retries=(int(os.environ['ORBAX_PATHWAYS_STORAGE_RETRIES'])
                          if os.environ.get('ORBAX_PATHWAYS_STORAGE_RETRIES') else None),

@@ -60,3 +60,18 @@ def test_registry_and_sharding_metadata_helpers():
   assert compat.ocdbt_subdir_process_id(True, 'w3') == 'w3'
   assert compat.persistence_dtype_supported(np.float32)
   assert not compat.persistence_dtype_supported(np.float16)
+
+
+def test_gcs_grpc_switches_only_the_driver():
+  info = types.SimpleNamespace(parent_dir=epath.Path('gs://bucket/ck/1/default'), name='w',
+                               use_compression=True, use_zarr3=False, is_ocdbt_checkpoint=True,
+                               ocdbt_target_data_file_size=None)
+  http, _ = compat.build_write_spec(info, global_shape=(4,), write_shape=(4,), chunk_shape=(4,),
+                                    dtype=np.dtype('float32'), target_dtype=None, process_id=0,
+                                    ext_metadata=None)
+  grpc, _ = compat.build_write_spec(info, global_shape=(4,), write_shape=(4,), chunk_shape=(4,),
+                                    dtype=np.dtype('float32'), target_dtype=None, process_id=0,
+                                    ext_metadata=None, gcs_grpc=True)
+  assert http['kvstore']['base']['driver'] == 'gcs'
+  assert grpc['kvstore']['base'] == {**http['kvstore']['base'], 'driver': 'gcs_grpc'}
+  assert compat.with_gcs_grpc({'driver': 'file', 'path': '/x'}) == {'driver': 'file', 'path': '/x'}

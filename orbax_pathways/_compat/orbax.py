@@ -64,6 +64,7 @@ def build_write_spec(
     process_id: int | str | None,
     ext_metadata: dict | None,
     use_compression: bool | None = None,
+    gcs_grpc: bool = False,
 ) -> tuple[dict, Any]:
   """Orbax's exact tensorstore write spec, with our chunk shape; returns (json, ArrayMetadata).
 
@@ -96,16 +97,31 @@ def build_write_spec(
         codec['configuration']['chunk_shape'] = chunks
   array_md = spec.metadata
   array_md = type(array_md)(**{**array_md.__dict__, 'chunk_shape': tuple(chunks)})
-  return tspec, array_md
+  return (with_gcs_grpc(tspec) if gcs_grpc else tspec), array_md
 
 
-def build_read_spec(info: Any, *, use_ocdbt: bool, target_dtype: Any = None) -> dict:
-  return _ts_utils.build_array_read_spec(
+def build_read_spec(info: Any, *, use_ocdbt: bool, target_dtype: Any = None,
+                    gcs_grpc: bool = False) -> dict:
+  spec = _ts_utils.build_array_read_spec(
       info,
       use_ocdbt=use_ocdbt,
       raise_array_data_missing_error=info.raise_array_data_missing_error,
       target_dtype=target_dtype,
   ).json
+  return with_gcs_grpc(spec) if gcs_grpc else spec
+
+
+def with_gcs_grpc(spec: Any) -> Any:
+  """The same spec with every tensorstore ``gcs`` kvstore switched to ``gcs_grpc`` (the gRPC
+  driver, about 2x the HTTP one on real GCS; the objects written are the same)."""
+  if isinstance(spec, dict):
+    out = {k: with_gcs_grpc(v) for k, v in spec.items()}
+    if out.get('driver') == 'gcs':
+      out['driver'] = 'gcs_grpc'
+    return out
+  if isinstance(spec, list):
+    return [with_gcs_grpc(v) for v in spec]
+  return spec
 
 
 def ts_context(use_ocdbt: bool = True, extra: dict | None = None) -> Any:
