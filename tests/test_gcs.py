@@ -21,13 +21,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from etils import epath
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import orbax_pathways
 from orbax_pathways import elastic
 from orbax_pathways import preemption
 
-from helpers import assert_trees_equal, mesh, put, random_state
+from helpers import assert_trees_equal, mesh, put, random_state, run_python
 
 pytestmark = pytest.mark.gcs
 
@@ -503,3 +503,31 @@ def test_request_count_of_a_20_array_save(faulty_gcs, monkeypatch):
   # files + manifests). Measured: 1 array ~97, 20 arrays ~105, 40 arrays ~115 (stock Orbax:
   # 92 / 113). A per-array round trip would add >= 19 requests over the 1-array save.
   assert len(save_reqs) - len(base_reqs) < 1.5 * (len(state) - 1), (len(save_reqs), len(base_reqs))
+
+
+@pytest.mark.gcs
+def test_long_lived_reader_sees_steps_written_by_another_process(gcs_bucket):
+  """gcsfs caches listings forever; a reader (an evaluator polling for steps) must still see a
+  step another process committed after the reader first listed the directory."""
+  path = gcs_bucket.path('ckpt')
+  value = np.arange(64, dtype=np.float32).reshape(8, 8)
+  state = {'w': jax.device_put(value, NamedSharding(mesh(), P('data')))}
+  with ocp.CheckpointManager(path) as writer:
+    writer.save(0, args=ocp.args.StandardSave(state))
+    writer.wait_until_finished()
+  reader = ocp.CheckpointManager(path)
+  assert reader.all_steps() == [0]
+  np.testing.assert_array_equal(np.asarray(reader.restore(0)['w']), value)  # caches listings
+  run_python(f"""
+      import numpy as np, jax, orbax.checkpoint as ocp, orbax_pathways
+      from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      m = Mesh(np.asarray(jax.devices()).reshape(4, 2), ('data', 'model'))
+      x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8) + 1, NamedSharding(m, P('data')))
+      with ocp.CheckpointManager({path!r}) as w:
+        w.save(1, args=ocp.args.StandardSave({{'w': x}}))
+        w.wait_until_finished()
+  """)
+  reader.reload()
+  assert reader.all_steps() == [0, 1]
+  np.testing.assert_array_equal(np.asarray(reader.restore(1)['w']), value + 1)
+  reader.close()

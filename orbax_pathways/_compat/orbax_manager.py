@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import sys
 import threading
 from typing import Any, Callable
 
@@ -124,9 +125,41 @@ def _wrap_build_metadata(original):
   return _build_metadata
 
 
+def invalidate_gcs_listings() -> None:
+  """Drops gcsfs's cached directory listings in this process.
+
+  etils.epath reaches gs:// through gcsfs, which caches listings with no expiry. A process that
+  listed a step directory while another process was still writing it (an evaluator polling for
+  new steps, a restarted job's reader) would otherwise keep seeing the old listing: new steps stay
+  invisible, and ``manifest.ocdbt`` of a since-completed step looks absent, so Orbax takes an
+  OCDBT checkpoint for a per-array one and fails ("Individual parameter subdirectory not found").
+  Called before every CheckpointManager listing (init, reload) and restore; costs a re-list.
+  """
+  gcsfs = sys.modules.get('gcsfs')
+  if gcsfs is None:
+    return  # gs:// never used in this process
+  pending, seen = [gcsfs.GCSFileSystem], set()
+  while pending:
+    cls = pending.pop()
+    pending.extend(cls.__subclasses__())
+    for fs in list(getattr(cls, '_cache', {}).values()):
+      if id(fs) not in seen:
+        seen.add(id(fs))
+        fs.invalidate_cache()
+
+
+def _wrap_fresh_listing(original):
+  @functools.wraps(original)
+  def fresh(self, *args, **kwargs):
+    invalidate_gcs_listings()
+    return original(self, *args, **kwargs)
+  return fresh
+
+
 def _wrap_manager_init(original):
   @functools.wraps(original)
   def __init__(self, *args, **kwargs):
+    invalidate_gcs_listings()
     original(self, *args, **kwargs)
     hook = _hooks['manager_init']
     if hook is not None:
@@ -179,6 +212,8 @@ def _patch_targets():
       (ocp.CheckpointManager, '__init__', _wrap_manager_init),
       (ocp.CheckpointManager, 'reached_preemption', _wrap_reached_preemption),
       (ocp.CheckpointManager, 'save', _wrap_save),
+      (ocp.CheckpointManager, 'reload', _wrap_fresh_listing),
+      (ocp.CheckpointManager, 'restore', _wrap_fresh_listing),
   )
 
 
