@@ -39,6 +39,7 @@ import os
 import sys
 from typing import Any, Sequence, TextIO
 
+from orbax_pathways.cli import arrays
 from orbax_pathways.cli import inspect
 from orbax_pathways.cli import verify as verify_lib
 
@@ -312,9 +313,9 @@ def _compare(k, a, b, *, values: bool) -> dict[str, Any] | None:
   max_abs = None
   if values and 'shape' not in changes:
     try:
-      max_abs = inspect.max_abs_diff(ia, la, ib, lb)
+      max_abs = arrays.max_abs_diff(ia, la, ib, lb)
     except Exception as e:  # pylint: disable=broad-except  # tensorstore read errors.
-      changes['values'] = f'unreadable: {inspect.first_line(e)}'
+      changes['values'] = f'unreadable: {arrays.first_line(e)}'
     else:
       if max_abs is not None and max_abs != 0.0:
         changes['values'] = 'differ'

@@ -26,6 +26,7 @@ import numpy as np
 
 from orbax_pathways import checksum
 from orbax_pathways import metadata as pw_metadata
+from orbax_pathways.cli import arrays
 from orbax_pathways.cli import inspect
 
 CHECKSUM, DECODE = 'checksum', 'decode'
@@ -98,7 +99,7 @@ class _Task:
 
   @property
   def nbytes(self) -> int:
-    box = inspect.chunk_box(self.origin, self.chunk_shape, self.leaf.shape)
+    box = arrays.chunk_box(self.origin, self.chunk_shape, self.leaf.shape)
     return math.prod(s.stop - s.start for s in box) * self.store.dtype.numpy_dtype.itemsize
 
 
@@ -208,27 +209,27 @@ def _file_problems(item: inspect.Item) -> list[Problem]:
         out.append(Problem('metadata', path=str(p), item=item.name,
                            error=f'string leaves missing: {", ".join(missing)}'))
     except (OSError, ValueError) as e:
-      out.append(Problem('metadata', path=str(p), item=item.name, error=inspect.first_line(e)))
+      out.append(Problem('metadata', path=str(p), item=item.name, error=arrays.first_line(e)))
   return out
 
 
 def _item_tasks(item: inspect.Item, report: Report) -> list[_Task]:
-  opened = [(leaf, inspect.open_array(item, leaf)) for leaf in item.arrays]
+  opened = [(leaf, arrays.open_array(item, leaf)) for leaf in item.arrays]
   tasks = []
   for leaf, fut in opened:
-    location = inspect.kvstore_location(item, leaf)
+    location = arrays.kvstore_location(item, leaf)
     try:
       store = fut.result()
     except Exception as e:  # pylint: disable=broad-except
       report.problems.append(Problem('open_error', path=location, item=item.name,
-                                     array=leaf.key, error=inspect.first_line(e)))
+                                     array=leaf.key, error=arrays.first_line(e)))
       continue
     report.arrays += 1
     leaf.dtype, leaf.shape = store.dtype.name, tuple(int(n) for n in store.shape)
-    leaf.chunk_shape = inspect.write_chunk_shape(store)
+    leaf.chunk_shape = arrays.write_chunk_shape(store)
     if leaf.record is None:
       tasks += [_Task(item, leaf, store, o, leaf.chunk_shape, None)
-                for o in inspect.chunk_origins(leaf.shape, leaf.chunk_shape)]
+                for o in arrays.chunk_origins(leaf.shape, leaf.chunk_shape)]
     else:
       tasks += _record_tasks(item, leaf, store, report)
   return tasks
@@ -254,7 +255,7 @@ def _record_tasks(item, leaf, store, report: Report) -> list[_Task]:
           'metadata', origin=tuple(c.origin),
           error=f'writers disagree on crc32c ({prev.crc32c:#010x} vs {c.crc32c:#010x})', **where))
   chunk = tuple(rec.chunk_shape)
-  for origin in inspect.chunk_origins(leaf.shape, chunk):
+  for origin in arrays.chunk_origins(leaf.shape, chunk):
     if origin not in index:
       report.problems.append(Problem(
           'missing_record', origin=origin,
@@ -267,7 +268,7 @@ def _run(tasks: Iterable[_Task], report: Report, bar: Progress, *, window: int,
   pending: collections.deque = collections.deque()
   in_flight = 0
   for task in tasks:
-    box = inspect.chunk_box(task.origin, task.chunk_shape, task.leaf.shape)
+    box = arrays.chunk_box(task.origin, task.chunk_shape, task.leaf.shape)
     pending.append((task, task.store[box].read()))
     in_flight += task.nbytes
     while pending and (len(pending) >= window or in_flight > window_bytes):
@@ -280,13 +281,13 @@ def _finish(task: _Task, fut, report: Report, bar: Progress) -> int:
   nbytes = task.nbytes
   report.chunks += 1
   where = dict(
-      path=inspect.chunk_location(task.item, task.leaf, task.origin), item=task.item.name,
+      path=arrays.chunk_location(task.item, task.leaf, task.origin), item=task.item.name,
       array=task.leaf.key, origin=task.origin,
   )
   try:
     data = fut.result()
   except Exception as e:  # pylint: disable=broad-except  # tensorstore: ValueError, OSError...
-    report.problems.append(Problem('read_error', error=inspect.first_line(e), **where))
+    report.problems.append(Problem('read_error', error=arrays.first_line(e), **where))
   else:
     report.bytes_read += data.nbytes
     if task.expected is not None:
