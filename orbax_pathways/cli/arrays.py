@@ -8,9 +8,10 @@ import itertools
 import math
 import os
 from typing import Any, Iterator, Sequence
-import numpy as np
-from orbax_pathways import metadata as pw_metadata
 
+import numpy as np
+
+from orbax_pathways import metadata as pw_metadata
 from orbax_pathways.cli.inspect import Item, Leaf, _read_json, classify_remote_error, is_remote
 
 
