@@ -138,14 +138,16 @@ def invalidate_gcs_listings() -> None:
   gcsfs = sys.modules.get('gcsfs')
   if gcsfs is None:
     return  # gs:// never used in this process
-  pending, seen = [gcsfs.GCSFileSystem], set()
+  # The filesystem etils.epath (hence Orbax) uses; etils keeps its own reference, which may have
+  # left fsspec's instance cache.
+  instances = [epath.backend.fsspec_backend.fs('gs://bucket/')]
+  pending = [gcsfs.GCSFileSystem]
   while pending:
     cls = pending.pop()
     pending.extend(cls.__subclasses__())
-    for fs in list(getattr(cls, '_cache', {}).values()):
-      if id(fs) not in seen:
-        seen.add(id(fs))
-        fs.invalidate_cache()
+    instances.extend(getattr(cls, '_cache', {}).values())
+  for fs in {id(fs): fs for fs in instances}.values():
+    fs.invalidate_cache()
 
 
 def _wrap_fresh_listing(original):
