@@ -531,3 +531,56 @@ def test_long_lived_reader_sees_steps_written_by_another_process(gcs_bucket):
   assert reader.all_steps() == [0, 1]
   np.testing.assert_array_equal(np.asarray(reader.restore(1)['w']), value + 1)
   reader.close()
+
+
+_MP_GCS_WORKER = """
+import sys, hashlib
+import mp_worker_lib
+mp_worker_lib.init()
+import jax, numpy as np, orbax.checkpoint as ocp, orbax_pathways
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+path, mode = sys.argv[1], sys.argv[2]
+m = Mesh(np.asarray(jax.devices()).reshape(2, 2), ('proc', 'local'))
+value = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+x = jax.make_array_from_callback(value.shape, NamedSharding(m, P('proc', 'local')), lambda i: value[i])
+with ocp.CheckpointManager(path) as mngr:
+  if mode == 'save':
+    mngr.save(0, args=ocp.args.StandardSave({'w': x}))
+    mngr.wait_until_finished()
+    st = orbax_pathways.stats.last_save()
+    mp_worker_lib.emit({'written': st.written_bytes})
+  else:
+    r = mngr.restore(0)
+    mp_worker_lib.emit({'shards': sorted(
+        (list(s.index[0].indices(64)), list(s.index[1].indices(32)),
+         hashlib.sha256(np.asarray(s.data).tobytes()).hexdigest())
+        for s in r['w'].addressable_shards), 'spec': str(r['w'].sharding.spec)})
+"""
+
+
+@pytest.mark.gcs
+@pytest.mark.multiprocess
+def test_two_processes_save_and_restore_on_gcs(gcs_bucket):
+  """Two jax.distributed processes write their own shards to gs:// (one OCDBT database each,
+  merged by process 0) and read them back without a target."""
+  from mp_harness import run_processes  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  path = gcs_bucket.path('ckpt')
+  env = {k: v for k, v in os.environ.items() if k.startswith(
+      ('STORAGE_EMULATOR', 'TENSORSTORE_GCS', 'GCE_', 'NO_GCE', 'CLOUDSDK', 'FSSPEC', 'GCSFS'))}
+  saved = run_processes(_MP_GCS_WORKER, 2, 2, args=[path, 'save'], env=env, timeout=180)
+  assert [r.result['written'] for r in saved] == [{'p0': 4096}, {'p1': 4096}]
+  objects = gcs_bucket.objects()
+  assert {'ckpt/0/default/ocdbt.process_0/manifest.ocdbt', 'ckpt/0/default/ocdbt.process_1/manifest.ocdbt',
+          'ckpt/0/default/manifest.ocdbt', 'ckpt/0/commit_success.txt',
+          'ckpt/0/default/_pathways/p0.msgpack', 'ckpt/0/default/_pathways/p1.msgpack'} <= set(objects)
+  restored = run_processes(_MP_GCS_WORKER, 2, 2, args=[path, 'restore'], env=env, timeout=180)
+  import hashlib  # pylint: disable=g-import-not-at-top
+  value = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+  for r in restored:
+    assert len(r.result['shards']) == 2  # each process holds its two devices' shards
+    for rows, cols, digest in r.result['shards']:
+      block = value[rows[0]:rows[1], cols[0]:cols[1]]
+      assert block.shape == (32, 16)
+      assert digest == hashlib.sha256(np.ascontiguousarray(block).tobytes()).hexdigest()
+    assert r.result['spec'] == "P('proc', 'local')"
