@@ -263,7 +263,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
       with _trace('read'):
         out = await asyncio.to_thread(colocated.restore, reads, targets,
                                       self.options.verify_checksums,
-                                      self.options.ts_context_extra())
+                                      self.options.ts_context_extra(), st)
     else:
       with _trace('read'):
         buffers = await asyncio.gather(*(
@@ -271,19 +271,19 @@ class ProxyArrayHandler(compat.ArrayHandler):
                                   stats=rstats) for r in reads))
       with _trace('device_put'):
         out = [self._assemble(t, b) for t, b in zip(targets, buffers)]
+      st.bytes_read[host] = rstats.bytes_read
+      st.bytes_needed[host] = sum(
+          b.size * np.dtype(t[1]).itemsize for t in targets for b in set(t[3].values()))
+      st.chunks_verified = rstats.chunks_verified
     if self._array_metadata_store is not None:
       mds = await compat.read_array_metadatas(self._array_metadata_store, parent)
       if mds:
         out = list(compat.wrap_random_keys(mds, infos, out))
-    st.bytes_read[host] = rstats.bytes_read
-    st.bytes_needed[host] = sum(
-        b.size * np.dtype(t[1]).itemsize for t in targets for b in set(t[3].values()))
-    st.chunks_verified = rstats.chunks_verified
     st.read_s = time.perf_counter() - t0
     stats_lib.record_restore(st)
-    log.info('orbax_pathways: restored %d arrays, read %.1f MiB on %s in %.2f s, %d chunks '
-             'verified, from %s', len(out), rstats.bytes_read / 2**20, host, st.read_s,
-             st.chunks_verified, parent)
+    log.info('orbax_pathways: restored %d arrays, read %.1f MiB (%s, %s) in %.2f s, %d chunks '
+             'verified, from %s', len(out), sum(st.bytes_read.values()) / 2**20, st.transport,
+             ', '.join(sorted(st.bytes_read)), st.read_s, st.chunks_verified, parent)
     return out
 
   async def _plan_read(self, info, arg, sharding, record: metadata.ArrayRecord | None,

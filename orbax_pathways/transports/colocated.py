@@ -202,31 +202,51 @@ async def serialize(handler, values, infos, args) -> list[Any]:
   return futures
 
 
+def _counts_result(devices: Sequence[Any], counts: dict[int, tuple[int, int]]) -> jax.Array:
+  """(bytes read, chunks verified) per CPU device, as a tiny array returned to the controller."""
+  mesh = jax.sharding.Mesh(np.asarray(devices), ('w',))
+  shards = [jax.device_put(np.asarray([counts.get(d.id, (0, 0))], np.int64), d) for d in devices]
+  return jax.make_array_from_single_device_arrays(
+      (len(devices), 2), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('w')), shards)
+
+
+def _counts_spec(devices: Sequence[Any]) -> jax.ShapeDtypeStruct:
+  mesh = jax.sharding.Mesh(np.asarray(devices), ('w',))
+  return jax.ShapeDtypeStruct((len(devices), 2), np.int64,
+                              sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('w')))
+
+
 def make_worker_restore(reads_by_array, cpu_targets, verify: bool, context_extra: dict):
-  """The restore function shipped to workers: reads only their devices' boxes."""
+  """The restore function shipped to workers: reads only their devices' boxes and returns the
+  arrays plus its read counters (attributed to its first CPU device)."""
 
   def worker_restore():
     async def run():
       out = []
+      stats = reader_lib.ReadStats()
+      local = sorted({d for _, _, cs in cpu_targets for d in cs.addressable_devices},
+                     key=lambda d: d.id)
       for read, (shape, dtype, cpu_sharding) in zip(reads_by_array, cpu_targets):
         mine = layout.device_boxes(cpu_sharding, shape, addressable_only=True)
         plan = reader_lib.restore_plan.plan_array_reads(shape, read.chunk_shape, list(mine.values()))
         rd = reader_lib.ArrayRead(read.name, read.path, read.tspec, plan, read.chunk_shape,
                                   read.chunks, read.target_dtype)
-        bufs = await reader_lib.read_array(rd, context=compat.ts_context(True, context_extra), verify=verify,
-                                           stats=reader_lib.ReadStats())
+        bufs = await reader_lib.read_array(rd, context=compat.ts_context(True, context_extra),
+                                           verify=verify, stats=stats)
         arrays = [jax.device_put(bufs[b], d) for d, b in mine.items()]
         out.append(jax.make_array_from_single_device_arrays(shape, cpu_sharding, arrays))
-      return tuple(out)
+      counts = {local[0].id: (stats.bytes_read, stats.chunks_verified)} if local else {}
+      return tuple(out) + (_counts_result(local, counts),)
 
     return compat.run_sync(run())
 
   return worker_restore
 
 
-def restore(reads, targets, verify: bool, context_extra: dict | None = None) -> list[jax.Array]:
+def restore(reads, targets, verify: bool, context_extra: dict | None = None,
+            st: stats_lib.RestoreStats | None = None) -> list[jax.Array]:
   """Controller side of a colocated restore: returns arrays on the target shardings. One
-  colocated call per device group; the controller only sees the returned handles."""
+  colocated call per device group; the controller only sees the returned handles and counts."""
   all_devices = sorted({d for t in targets for d in t[2].device_set}, key=lambda d: d.id)
   cpus = cpu_map(all_devices)
   out: list[Any] = [None] * len(targets)
@@ -236,8 +256,15 @@ def restore(reads, targets, verify: bool, context_extra: dict | None = None) -> 
     fn = _colocated().colocated_python(
         make_worker_restore([reads[i] for i in idx], cpu_targets, verify, context_extra or {})).specialize(
             devices=group_devices,
-            out_specs_fn=lambda ct=cpu_targets: tuple(
-                jax.ShapeDtypeStruct(s, d, sharding=cs) for s, d, cs in ct))
-    for i, arr in zip(idx, fn()):
+            out_specs_fn=lambda ct=cpu_targets, gd=group_devices: tuple(
+                jax.ShapeDtypeStruct(s, d, sharding=cs) for s, d, cs in ct) + (_counts_spec(gd),))
+    *arrays, counts = fn()
+    for i, arr in zip(idx, arrays):
       out[i] = jax.device_put(arr, targets[i][2])
+    if st is not None:
+      for d, (nbytes, chunks) in zip(group_devices, np.asarray(counts).tolist()):
+        if nbytes or chunks:
+          key = worker_key(d)
+          st.bytes_read[key] = st.bytes_read.get(key, 0) + int(nbytes)
+          st.chunks_verified += int(chunks)
   return out
