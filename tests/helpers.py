@@ -62,3 +62,17 @@ def random_state(m: Mesh, seed: int = 0) -> dict:
       'opt': {'mu': put(rng.standard_normal((64, 32), dtype=np.float32), m, 'data', None)},
       'step': 7,
   }
+
+
+def save_with_options(directory, state, step: int = 0, **options) -> None:
+  """Saves ``state`` with unchanged CheckpointManager code under ``Options(**options)``, then
+  puts the default options back."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  orbax_pathways.install(orbax_pathways.Options(**options))
+  try:
+    with ocp.CheckpointManager(directory) as mngr:
+      mngr.save(step, args=ocp.args.StandardSave(state))
+      mngr.wait_until_finished()
+  finally:
+    orbax_pathways.install(orbax_pathways.Options.from_env())

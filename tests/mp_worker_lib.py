@@ -179,6 +179,20 @@ def emit(obj: Any) -> None:
     os.fsync(f.fileno())
 
 
+def shard_digests(arr: Any) -> list[dict[str, Any]]:
+  """This process's shards of ``arr``: device, process, index box ([start, stop] per dim), dtype
+  and sha256 of the bytes, sorted by device id. The parent compares them with its own values."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  out = []
+  for sh in arr.addressable_shards:
+    data = np.ascontiguousarray(np.asarray(sh.data))
+    idx = [list(s.indices(dim)[:2]) for s, dim in zip(sh.index, arr.shape)]
+    out.append({'device': sh.device.id, 'process': sh.device.process_index, 'index': idx,
+                'dtype': str(data.dtype), 'sha': hashlib.sha256(data.tobytes()).hexdigest()})
+  return sorted(out, key=lambda d: d['device'])
+
+
 def log(*args: Any) -> None:
   """print() to stderr with a process prefix (stderr tails are shown on failure)."""
   print(f'[p{os.environ.get(ENV_PROCESS_ID, "?")}]', *args, file=sys.stderr, flush=True)

@@ -15,7 +15,7 @@ from orbax_pathways.plan import elastic as plan
 from orbax_pathways.plan import restore as restore_plan
 from orbax_pathways.plan.boxes import Box
 
-from helpers import mesh
+from helpers import mesh, save_with_options
 
 
 # ---- pure planning -------------------------------------------------------------------------
@@ -93,13 +93,7 @@ def _state(m):
 
 
 def _save(directory, state, num_slices):
-  orbax_pathways.install(orbax_pathways.Options(num_slices=num_slices))
-  try:
-    with ocp.CheckpointManager(directory) as mngr:
-      mngr.save(0, args=ocp.args.StandardSave(state))
-      mngr.wait_until_finished()
-  finally:
-    orbax_pathways.install(orbax_pathways.Options.from_env())
+  save_with_options(directory, state, num_slices=num_slices)
 
 
 def _check(restored, state, n_devices):

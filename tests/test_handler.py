@@ -243,7 +243,7 @@ def test_pytree_and_composite_items_and_partial_restore(tmp_path):
   assert_trees_equal(r.state, partial)
 
 
-def test_chunks_are_bounded_and_recorded(tmp_path, monkeypatch):
+def test_chunks_are_bounded_and_recorded(tmp_path):
   m = mesh((8,), ('x',))
   value = np.random.default_rng(0).standard_normal((256, 512), dtype=np.float32)  # 512 KiB
   handler = orbax_pathways.install(orbax_pathways.Options(max_chunk_bytes=16 * 1024))

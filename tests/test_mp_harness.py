@@ -23,7 +23,6 @@ STEP = 5
 # ocp.CheckpointManager (StandardSave), restore it (same sharding, and resharded onto a
 # different layout), and report a checksum of every addressable shard.
 ROUNDTRIP_WORKER = """
-import hashlib
 import os
 import sys
 
@@ -56,15 +55,7 @@ state = {
 }
 assert not state['w'].is_fully_addressable
 
-def shard_sums(arr):
-  out = []
-  for sh in arr.addressable_shards:
-    data = np.asarray(sh.data)
-    idx = [[sl.start or 0, sl.stop if sl.stop is not None else dim]
-           for sl, dim in zip(sh.index, arr.shape)]
-    out.append({'device': sh.device.id, 'index': idx, 'dtype': str(data.dtype),
-                'sha': hashlib.sha256(np.ascontiguousarray(data).tobytes()).hexdigest()})
-  return sorted(out, key=lambda d: d['device'])
+shard_sums = w.shard_digests
 
 ckpt_dir = os.path.join(w.shared_dir(), 'ckpt')
 mngr = ocp.CheckpointManager(ckpt_dir)

@@ -80,15 +80,7 @@ def main() -> None:
   def make(val, sharding):
     return jax.make_array_from_callback(val.shape, sharding, lambda idx: val[idx])
 
-  def shards(arr):
-    out = []
-    for sh in arr.addressable_shards:
-      data = np.asarray(sh.data)
-      idx = [[s.start or 0, s.stop if s.stop is not None else dim]
-             for s, dim in zip(sh.index, arr.shape)]
-      out.append({'device': sh.device.id, 'process': sh.device.process_index, 'index': idx,
-                  'dtype': str(data.dtype), 'sha': sha(data)})
-    return sorted(out, key=lambda x: x['device'])
+  shards = w.shard_digests
 
   def describe(tree):
     out = {}
