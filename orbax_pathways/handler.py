@@ -77,12 +77,14 @@ def _check_global(values: Sequence[jax.Array], infos) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_plan(sharding, shape, itemsize, host_of, max_chunk_bytes, replica_parallel):
+def _cached_plan(sharding, shape, itemsize, host_of, max_chunk_bytes, replica_parallel,
+                 coalesce_bytes):
   """Plans are pure functions of these (hashable) inputs; a training loop saves the same
   layouts every time, so each is planned once per process."""
   return save_plan.plan_array_writes(
       shape, itemsize, layout.placements(sharding, shape, host_of),
-      max_chunk_bytes=max_chunk_bytes, replica_parallel=replica_parallel)
+      max_chunk_bytes=max_chunk_bytes, replica_parallel=replica_parallel,
+      coalesce_bytes=coalesce_bytes)
 
 
 def stored_dtype(arr, arg) -> np.dtype:
@@ -100,10 +102,12 @@ class ProxyArrayHandler(compat.ArrayHandler):
 
   # ---- save --------------------------------------------------------------------------------
 
-  def _plan(self, arr: jax.Array, host_of) -> save_plan.ArrayWritePlan:
+  def _plan(self, arr: jax.Array, host_of, *, coalesce: bool = True) -> save_plan.ArrayWritePlan:
+    """``coalesce=False`` for transports that write whole shards themselves (persistence)."""
     return _cached_plan(arr.sharding, tuple(arr.shape), np.dtype(arr.dtype).itemsize, host_of,
                         self.options.max_chunk_bytes,
-                        self.options.replica_parallel and self._use_replica_parallel)
+                        self.options.replica_parallel and self._use_replica_parallel,
+                        self.options.coalesce_bytes if coalesce else 0)
 
   async def serialize(self, values: Sequence[jax.Array], infos: Sequence[Any],
                       args: Sequence[Any] | None = None) -> list[Any]:

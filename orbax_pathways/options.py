@@ -38,6 +38,10 @@ class Options:
   max_inflight_bytes: host bytes handed to tensorstore at once while writing
     (``ORBAX_PATHWAYS_MAX_INFLIGHT_BYTES``, 1 GiB): the write-side memory budget on top of the
     device-to-host snapshot.
+  coalesce_bytes: an array of at most this many bytes (``ORBAX_PATHWAYS_COALESCE_BYTES``, 1 MiB;
+    0 turns it off) is stored as few chunks as the hosts holding it allow (one when a single host
+    holds it all) instead of one chunk per shard: biases, norms and counters sharded over many
+    devices otherwise cost a chunk write and read each per device. Stock Orbax reads any grid.
   verify_checksums: check each read chunk against the crc32c recorded at save
     (``ORBAX_PATHWAYS_VERIFY``, on).
   replica_parallel: split a shard held on several hosts among them (on).
@@ -63,6 +67,7 @@ class Options:
 
   max_chunk_bytes: int = 16 * MiB
   max_inflight_bytes: int = 1024 * MiB
+  coalesce_bytes: int = 1 * MiB
   verify_checksums: bool = True
   replica_parallel: bool = True
   transport: str | None = None
@@ -95,6 +100,8 @@ class Options:
       raise ValueError(f"divisibility={self.divisibility!r}: use 'replicate' or 'strict'.")
     if self.compression not in ('auto', 'zstd', 'none'):
       raise ValueError(f"compression={self.compression!r}: use 'auto', 'zstd' or 'none'.")
+    if self.coalesce_bytes < 0:
+      raise ValueError(f'coalesce_bytes={self.coalesce_bytes} must be >= 0 (0 turns it off).')
     if self.max_chunk_bytes < 1:
       raise ValueError(f'max_chunk_bytes={self.max_chunk_bytes} must be positive.')
 
@@ -104,6 +111,7 @@ class Options:
     return cls(
         max_chunk_bytes=_env_int('ORBAX_PATHWAYS_MAX_CHUNK_BYTES', 16 * MiB),
         max_inflight_bytes=_env_int('ORBAX_PATHWAYS_MAX_INFLIGHT_BYTES', 1024 * MiB),
+        coalesce_bytes=_env_int('ORBAX_PATHWAYS_COALESCE_BYTES', 1 * MiB),
         verify_checksums=_env_bool('ORBAX_PATHWAYS_VERIFY', True),
         transport=os.environ.get('ORBAX_PATHWAYS_TRANSPORT') or None,
         divisibility=os.environ.get('ORBAX_PATHWAYS_DIVISIBILITY', 'replicate'),

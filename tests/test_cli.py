@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
+import orbax_pathways
 import pytest
 
 from orbax_pathways import metadata as pw_metadata
@@ -98,12 +99,18 @@ def _state(mesh: Mesh, step: int):
 
 
 def _save(root: pathlib.Path, steps, handler=None) -> pathlib.Path:
+  """Saves with one chunk per shard (coalescing off), the grid stock Orbax writes, so the
+  stripped copies below are laid out exactly like stock checkpoints."""
   mesh = _mesh()
-  mngr = ocp.CheckpointManager(root, item_handlers=handler)
-  for s in steps:
-    mngr.save(s, args=ocp.args.StandardSave(_state(mesh, s)))
-  mngr.wait_until_finished()
-  mngr.close()
+  orbax_pathways.install(orbax_pathways.Options(coalesce_bytes=0))
+  try:
+    mngr = ocp.CheckpointManager(root, item_handlers=handler)
+    for s in steps:
+      mngr.save(s, args=ocp.args.StandardSave(_state(mesh, s)))
+    mngr.wait_until_finished()
+    mngr.close()
+  finally:
+    orbax_pathways.install(orbax_pathways.Options.from_env())
   return root
 
 

@@ -298,3 +298,44 @@ def test_compression_policy_by_dtype(tmp_path, mode):
   expect_i = {'auto': 'zstd', 'zstd': 'zstd', 'none': None}[mode]
   assert (_compressor(item, 'f') or {}).get('id') == expect_f
   assert (_compressor(item, 'i') or {}).get('id') == expect_i
+
+
+def test_small_sharded_arrays_are_stored_as_one_chunk(tmp_path):
+  """A small array sharded over all 8 devices of this process becomes one chunk (not 8), its
+  bytes read back equal on the same and on another layout, and stock Orbax reads it."""
+  m = mesh()
+  state = random_state(m)
+  with ocp.CheckpointManager(tmp_path / 'on') as mngr:
+    mngr.save(0, args=ocp.args.StandardSave(state))
+    mngr.wait_until_finished()
+  orbax_pathways.install(orbax_pathways.Options(coalesce_bytes=0))
+  try:
+    with ocp.CheckpointManager(tmp_path / 'off') as mngr:
+      mngr.save(0, args=ocp.args.StandardSave(state))
+      mngr.wait_until_finished()
+  finally:
+    orbax_pathways.install(orbax_pathways.Options.from_env())
+  on = meta_io.read_item(tmp_path / 'on' / '0' / 'default').arrays()
+  off = meta_io.read_item(tmp_path / 'off' / '0' / 'default').arrays()
+  w = state['params']['w']  # (64, 32) float32 over a (4, 2) mesh: 8 shards of (16, 16)
+  assert off['params.w'].chunk_shape == (16, 16) and len(off['params.w'].chunks) == 8
+  assert on['params.w'].chunk_shape == (64, 32) and len(on['params.w'].chunks) == 1
+  assert on['params.w'].chunks[0].nbytes == w.nbytes
+  assert on['opt.mu'].chunk_shape == (64, 32)  # sharded over 'data' only, replicated over 'model'
+  run_python(f"""
+      import numpy as np, orbax.checkpoint as ocp, sys, jax
+      a = ocp.CheckpointManager({str(tmp_path / 'on')!r}).restore(0)
+      b = ocp.CheckpointManager({str(tmp_path / 'off')!r}).restore(0)
+      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+      assert 'orbax_pathways' not in sys.modules
+  """)
+  with ocp.CheckpointManager(tmp_path / 'on') as mngr:
+    assert_trees_equal(mngr.restore(0, args=ocp.args.StandardRestore(state)), state)
+    small = mesh((2,), ('x',))  # another layout, on two devices: w split over its columns
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(small, P(None, 'x') if x.ndim == 2 else P()))
+        if isinstance(x, jax.Array) else x, state)
+    got = mngr.restore(0, args=ocp.args.StandardRestore(target))
+    assert_trees_equal(got, state)
+    assert got['params']['w'].sharding.device_set == set(small.devices.flat)

@@ -213,11 +213,15 @@ def check_save(results, ckpt, step, *, n, d):
     assert rec.stats['written_bytes'] == got[p]
     for a in rec.arrays:
       shape, dtype, spec = wk.STATE_SPECS[a.name]
-      mine = [box for (proc, _), box in device_boxes(shape, spec, (n, d)).items() if proc == p]
+      mine = {box for (proc, _), box in device_boxes(shape, spec, (n, d)).items() if proc == p}
       for c in a.chunks:
+        # Inside what this process's devices hold (a coalesced small array's chunk may span
+        # several of its shards, never another process's).
         stop = tuple(min(o + cs, dim) for o, cs, dim in zip(c.origin, a.chunk_shape, shape))
-        assert any(all(s0 <= o and e <= s1 for o, e, s0, s1 in zip(c.origin, stop, *box))
-                   for box in mine), (p, a.name, c.origin, 'not held by this process')
+        held = sum(math.prod(max(0, min(e, s1) - max(o, s0))
+                             for o, e, s0, s1 in zip(c.origin, stop, *box)) for box in mine)
+        assert held == math.prod(e - o for o, e in zip(c.origin, stop)), (
+            p, a.name, c.origin, 'not held by this process')
       assert sum(c.nbytes for c in a.chunks) == expected_written(
           shape, np.dtype(dtype).itemsize, spec, n, d)[p], (p, a.name)
   return got

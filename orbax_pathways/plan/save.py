@@ -7,6 +7,7 @@ derives the same plan and each then executes only the writes assigned to it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Sequence
 
@@ -25,13 +26,33 @@ class Placement:
 
 
 @dataclasses.dataclass(frozen=True)
+class Source:
+  """Where a write's bytes come from: the shard ``shard_box`` held on device ``device_id``."""
+
+  device_id: int
+  shard_box: Box
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardWrite:
-  """``host`` writes ``box`` (a whole shard or a replica-split piece of one) from ``device_id``."""
+  """``host`` writes ``box``, gathered from ``sources`` (all on devices of ``host``).
+
+  One source: a whole shard, or a replica-split piece of it (``box`` inside its shard box).
+  Several sources: whole shards that tile ``box`` exactly (a coalesced small array).
+  """
 
   host: str
-  device_id: int
   box: Box
-  shard_box: Box
+  sources: tuple[Source, ...]
+
+  @property
+  def device_id(self) -> int:
+    """The device of a single-source write."""
+    return self.sources[0].device_id
+
+  @property
+  def shard_box(self) -> Box:
+    return self.sources[0].shard_box
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +91,7 @@ def plan_array_writes(
     max_chunk_bytes: int,
     replica_parallel: bool = True,
     min_split_bytes: int = 1 << 20,
+    coalesce_bytes: int = 0,
 ) -> ArrayWritePlan:
   """Each distinct shard is written exactly once.
 
@@ -77,6 +99,10 @@ def plan_array_writes(
   matches Orbax's replica 0. With ``replica_parallel`` and a shard held on R >= 2 distinct hosts
   (the minimum over shards), the shard is cut into R equal pieces along its first axis divisible
   by R, each written by a different host, when a piece is at least ``min_split_bytes``.
+  An array of at most ``coalesce_bytes`` (and ``max_chunk_bytes``) whose shards tile it evenly
+  is instead written in as few writes (and chunks) as possible: each write gathers the adjacent
+  shards that one host holds (see ``coalesced_writes``), so a small array sharded over 8 devices
+  of one host is one chunk, not 8.
   The chunk shape divides every piece and every piece start, so no chunk has two writers.
   """
   global_shape = tuple(int(d) for d in global_shape)
@@ -95,20 +121,25 @@ def plan_array_writes(
       if axis is not None and math.prod(shard_shape) * itemsize // parts < min_split_bytes:
         axis = None
 
-  writes = []
-  for b in shard_boxes:
-    holders = by_box[b]
-    if axis is None:
-      writes.append(ShardWrite(holders[0].host, holders[0].device_id, b, b))
-      continue
-    step = b.shape[axis] // parts
-    for i, host in enumerate(hosts_per_box[b][:parts]):
-      holder = next(p for p in holders if p.host == host)
-      start = list(b.start)
-      stop = list(b.stop)
-      start[axis] = b.start[axis] + i * step
-      stop[axis] = start[axis] + step
-      writes.append(ShardWrite(host, holder.device_id, Box(tuple(start), tuple(stop)), b))
+  writes = None
+  if axis is None and math.prod(global_shape) * itemsize <= min(coalesce_bytes, max_chunk_bytes):
+    writes = coalesced_writes(global_shape, by_box)
+  if writes is None:
+    writes = []
+    for b in shard_boxes:
+      holders = by_box[b]
+      if axis is None:
+        writes.append(ShardWrite(holders[0].host, b, (Source(holders[0].device_id, b),)))
+        continue
+      step = b.shape[axis] // parts
+      for i, host in enumerate(hosts_per_box[b][:parts]):
+        holder = next(p for p in holders if p.host == host)
+        start = list(b.start)
+        stop = list(b.stop)
+        start[axis] = b.start[axis] + i * step
+        stop[axis] = start[axis] + step
+        writes.append(ShardWrite(host, Box(tuple(start), tuple(stop)),
+                                 (Source(holder.device_id, b),)))
 
   # One regular chunk grid for the whole array: it must divide every piece and start offset.
   grid = []
@@ -120,3 +151,60 @@ def plan_array_writes(
     grid.append(g or max(1, global_shape[dim]))
   chunk_shape = boxes_lib.choose_chunk_shape(grid, itemsize, max_chunk_bytes)
   return ArrayWritePlan(global_shape, chunk_shape, tuple(writes))
+
+
+MAX_COALESCE_SHARDS = 256  # beyond this many shards the search is not worth it for a small array
+
+
+def coalesced_writes(global_shape: tuple[int, ...],
+                     by_box: dict[Box, list[Placement]]) -> list[ShardWrite] | None:
+  """The fewest equal blocks of whole shards such that one host holds every shard of a block.
+
+  Applies when the distinct shards have one shape and tile the array (even sharding); returns
+  None otherwise, or when there is nothing to gather. Blocks are tried from the whole array
+  down (fewest blocks first), so with every shard on one host (one process, or one Pathways
+  worker) the array becomes a single write; across hosts, each host's contiguous share does.
+  A block's writer is the first host, in device order of its first shard, that holds them all.
+  """
+  boxes = sorted(by_box)
+  if len(boxes) < 2 or len(boxes) > MAX_COALESCE_SHARDS or not global_shape:
+    return None
+  shard = boxes[0].shape
+  if (0 in shard or any(b.shape != shard for b in boxes)
+      or any(d % s for d, s in zip(global_shape, shard))
+      or len(boxes) * math.prod(shard) != math.prod(global_shape)):
+    return None
+  counts = tuple(d // s for d, s in zip(global_shape, shard))
+  at = {tuple(a // s for a, s in zip(b.start, shard)): b for b in boxes}
+  if len(at) != len(boxes):
+    return None
+  hosts = {b: list(dict.fromkeys(p.host for p in by_box[b])) for b in boxes}
+
+  candidates = sorted(itertools.product(*(boxes_lib.divisors(c) for c in counts)),
+                      key=lambda k: (math.prod(c // f for c, f in zip(counts, k)), k[::-1]))
+  for block in candidates:
+    if math.prod(block) == 1:
+      return None  # every block a single shard: the plain plan is the same
+    writes = _blocks(block, counts, shard, at, hosts, by_box)
+    if writes is not None:
+      return writes
+  return None
+
+
+def _blocks(block, counts, shard, at, hosts, by_box) -> list[ShardWrite] | None:
+  writes = []
+  for origin in itertools.product(*(range(0, c, f) for c, f in zip(counts, block))):
+    members = [at[tuple(o + i for o, i in zip(origin, idx))]
+               for idx in itertools.product(*(range(f) for f in block))]
+    common = set(hosts[members[0]])
+    for m in members[1:]:
+      common &= set(hosts[m])
+    if not common:
+      return None
+    host = next(h for h in hosts[members[0]] if h in common)
+    sources = tuple(Source(next(p.device_id for p in by_box[m] if p.host == host), m)
+                    for m in members)
+    start = tuple(o * s for o, s in zip(origin, shard))
+    stop = tuple(a + f * s for a, f, s in zip(start, block, shard))
+    writes.append(ShardWrite(host, Box(start, stop), sources))
+  return writes

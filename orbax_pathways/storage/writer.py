@@ -21,6 +21,9 @@ from orbax_pathways.plan import boxes as boxes_lib
 
 Box = boxes_lib.Box
 
+# Arrays up to this many bytes are checksummed in the event loop's thread.
+INLINE_CHECKSUM_BYTES = 256 * 1024
+
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
@@ -28,6 +31,21 @@ class Piece:
 
   box: Box
   data: np.ndarray
+
+
+def gather(box: Box, parts: Sequence[tuple[Box, np.ndarray]]) -> np.ndarray:
+  """The host buffer for ``box`` from host copies of the shards it is cut from.
+
+  ``parts`` is one shard containing ``box`` (returned as a view), or whole shards tiling ``box``
+  (a coalesced small array: copied into one buffer).
+  """
+  if len(parts) == 1:
+    shard_box, data = parts[0]
+    return data if shard_box == box else data[box.relative_to(shard_box)]
+  out = np.empty(box.shape, parts[0][1].dtype)
+  for shard_box, data in parts:
+    out[shard_box.relative_to(box)] = data
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +90,17 @@ async def write_array(write: ArrayWrite, *, context: ts.Context) -> list[metadat
   the caller keeps the snapshot alive and unchanged until the returned coroutine finishes.
   """
   try:
-    if write.create:
-      await ts.open(ts.Spec(write.tspec), create=True, open=True, context=context)
-    t = await ts.open(ts.Spec(write.tspec), open=True, assume_metadata=True, context=context)
+    if write.create:  # The handle that created the metadata writes too: one open, not two.
+      t = await ts.open(ts.Spec(write.tspec), create=True, open=True, context=context)
+    else:
+      t = await ts.open(ts.Spec(write.tspec), open=True, assume_metadata=True, context=context)
     if write.create and 0 in write.global_shape:
       await _write_empty_array_marker(write, context)
-    crc_task = asyncio.get_running_loop().run_in_executor(None, chunk_records, write)
+    if write.nbytes <= INLINE_CHECKSUM_BYTES:  # A thread hop costs more than hashing a few KiB.
+      crc_task = asyncio.get_running_loop().create_future()
+      crc_task.set_result(chunk_records(write))
+    else:
+      crc_task = asyncio.get_running_loop().run_in_executor(None, chunk_records, write)
     results = await asyncio.gather(*(
         t[p.box.to_slices()].write(p.data, can_reference_source_data_indefinitely=True)
         for p in write.pieces if p.data.size

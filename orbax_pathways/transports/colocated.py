@@ -98,10 +98,8 @@ def make_worker_save(handler, infos, args, plans, ext, group: int):
           shards = {s.device.id: s for s in arr.addressable_shards}
           mine = []
           for w in plan.for_host(host):
-            data = np.asarray(shards[w.device_id].data)
-            if w.box != w.shard_box:
-              data = data[w.box.relative_to(w.shard_box)]
-            mine.append(writer_lib.Piece(w.box, data))
+            parts = [(src.shard_box, np.asarray(shards[src.device_id].data)) for src in w.sources]
+            mine.append(writer_lib.Piece(w.box, writer_lib.gather(w.box, parts)))
           pieces.append(tuple(mine))
         writes, _ = handler.build_writes(
             cpu_arrays, infos, args, plans, pieces, ext, create=False, process_id=host)

@@ -34,19 +34,27 @@ def snapshot(arrays: Sequence[jax.Array], plans: Sequence[save_plan.ArrayWritePl
              host: str) -> list[tuple[writer_lib.Piece, ...]]:
   """Device-to-host copy of every piece ``host`` writes, all copies in flight at once.
 
-  Replica-split pieces are sliced on the device first, so only the piece crosses to the host.
+  Replica-split pieces are sliced on the device first, so only the piece crosses to the host;
+  the shards of a coalesced small array are copied and then gathered into one host buffer.
   """
   pending = []
   for arr, plan in zip(arrays, plans):
     shards = {s.device.id: s for s in arr.addressable_shards}
     mine = []
     for w in plan.for_host(host):
-      data = shards[w.device_id].data
-      if w.box != w.shard_box:
-        data = data[w.box.relative_to(w.shard_box)]
-      mine.append((w, data))
+      parts = []
+      for src in w.sources:
+        data = shards[src.device_id].data
+        if len(w.sources) == 1 and w.box != src.shard_box:
+          data, box = data[w.box.relative_to(src.shard_box)], w.box
+        else:
+          box = src.shard_box
+        parts.append((box, data))
+      mine.append((w, parts))
     pending.append(mine)
   for mine in pending:
-    for _, data in mine:
-      data.copy_to_host_async()
-  return [tuple(writer_lib.Piece(w.box, np.asarray(data)) for w, data in mine) for mine in pending]
+    for _, parts in mine:
+      for _, data in parts:
+        data.copy_to_host_async()
+  return [tuple(writer_lib.Piece(w.box, writer_lib.gather(w.box, [(b, np.asarray(d)) for b, d in parts]))
+                for w, parts in mine) for mine in pending]

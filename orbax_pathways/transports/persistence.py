@@ -98,7 +98,7 @@ async def serialize(handler, values, infos, args) -> list[Any]:
         writer='controller', transport=NAME, arrays=tuple(
             dataclasses.replace(a, chunks=()) for a in handler.writer_record(
                 'controller', NAME, arrays, infos, args,
-                [handler._plan(x, lambda d: 'workers') for x in arrays],  # pylint: disable=protected-access
+                [handler._plan(x, lambda d: 'workers', coalesce=False) for x in arrays],  # pylint: disable=protected-access
                 {}, with_sharding=True, st=st).arrays))
     await asyncio.to_thread(meta_io.write_record, infos[0].parent_dir, record)
 
