@@ -122,9 +122,11 @@ class ProxyArrayHandler(compat.ArrayHandler):
     host = local.this_host()
     with _trace('plan'):
       plans = [self._plan(a, local.host_of) for a in arrays]
+    pinned = local.use_pinned(arrays, self.options.snapshot)
     with _trace('snapshot'):
-      pieces = local.snapshot(arrays, plans, host)
-    st = stats_lib.SaveStats(transport=local.NAME, arrays=len(arrays))
+      pieces = local.snapshot(arrays, plans, host, pinned=pinned)
+    st = stats_lib.SaveStats(transport=local.NAME, arrays=len(arrays),
+                             snapshot='pinned' if pinned else 'host')
     st.d2h_bytes[host] = sum(p.data.nbytes for ps in pieces for p in ps)
     # Under Pathways the controller is a process too; with the local transport every byte it
     # snapshots passes through it. Process 0 of a multi-controller run only moves its own share.
@@ -204,25 +206,29 @@ class ProxyArrayHandler(compat.ArrayHandler):
       writes, array_mds = self.build_writes(
           arrays, infos, args, plans, pieces, ext, create=self._is_primary(),
           process_id=compat.ocdbt_subdir_process_id(use_ocdbt))
-      records = await writer_lib.write_arrays(
-          writes, context=self.ts_context(infos[0], use_ocdbt),
-          max_inflight_bytes=self.options.max_inflight_bytes)
-      st.written_bytes[host] = sum(w.nbytes for w in writes)
-      st.chunks_written[host] = sum(len(r) for r in records.values())
       parent = infos[0].parent_dir
-      record = self.writer_record(host, local.NAME, arrays, infos, args, plans, records,
-                                  with_sharding=self._is_primary(), st=st)
-      coros = [asyncio.to_thread(meta_io.write_record, parent, record)]
-      if self._array_metadata_store is not None:
+      coros = [writer_lib.write_arrays(writes, context=self.ts_context(infos[0], use_ocdbt),
+                                       max_inflight_bytes=self.options.max_inflight_bytes)]
+      if self._array_metadata_store is not None:  # independent of the data: written alongside
         coros.append(compat.write_array_metadatas(self._array_metadata_store, parent, array_mds,
                                                   jax.process_index()))
-      await asyncio.gather(*coros)
-      st.storage_requests += len(coros)
+      done = await asyncio.gather(*coros, return_exceptions=True)  # all settle, then raise
+      for r in done:
+        if isinstance(r, BaseException):
+          raise r
+      records = done[0]
+      st.written_bytes[host] = sum(w.nbytes for w in writes)
+      st.chunks_written[host] = sum(len(r) for r in records.values())
+      record = self.writer_record(host, local.NAME, arrays, infos, args, plans, records,
+                                  with_sharding=self._is_primary(), st=st)
+      await asyncio.to_thread(meta_io.write_record, parent, record)
+      st.storage_requests += len(coros)  # our record, plus Orbax's array metadata file if any
     st.write_s = time.perf_counter() - t0
     total = st.total_written
-    log.info('orbax_pathways: saved %d arrays, %.1f MiB from %s (%s), save() blocked %.0f ms, '
-             'write %.2f s (%.2f GB/s) to %s', st.arrays, total / 2**20, host, st.transport,
-             st.blocking_s * 1e3, st.write_s, total / max(st.write_s, 1e-9) / 1e9, parent)
+    log.info('orbax_pathways: saved %d arrays, %.1f MiB from %s (%s, %s snapshot), save() '
+             'blocked %.0f ms, write %.2f s (%.2f GB/s) to %s', st.arrays, total / 2**20, host,
+             st.transport, st.snapshot, st.blocking_s * 1e3, st.write_s,
+             total / max(st.write_s, 1e-9) / 1e9, parent)
 
   # ---- restore -----------------------------------------------------------------------------
 

@@ -42,6 +42,11 @@ class Options:
     0 turns it off) is stored as few chunks as the hosts holding it allow (one when a single host
     holds it all) instead of one chunk per shard: biases, norms and counters sharded over many
     devices otherwise cost a chunk write and read each per device. Stock Orbax reads any grid.
+  snapshot: how ``save()`` copies device bytes to the host (``ORBAX_PATHWAYS_SNAPSHOT``):
+    'pinned' into pinned host memory (``memory_kind='pinned_host'``, one batched transfer at DMA
+    speed; the numpy copy for tensorstore then happens in the background write), 'host' through
+    ``np.asarray`` (what stock Orbax does; zero-copy on the CPU backend), or 'auto' (default):
+    'pinned' on accelerators whose devices offer a pinned_host memory, 'host' on CPU.
   verify_checksums: check each read chunk against the crc32c recorded at save
     (``ORBAX_PATHWAYS_VERIFY``, on).
   replica_parallel: split a shard held on several hosts among them (on).
@@ -68,6 +73,7 @@ class Options:
   max_chunk_bytes: int = 16 * MiB
   max_inflight_bytes: int = 1024 * MiB
   coalesce_bytes: int = 1 * MiB
+  snapshot: str = 'auto'
   verify_checksums: bool = True
   replica_parallel: bool = True
   transport: str | None = None
@@ -100,6 +106,8 @@ class Options:
       raise ValueError(f"divisibility={self.divisibility!r}: use 'replicate' or 'strict'.")
     if self.compression not in ('auto', 'zstd', 'none'):
       raise ValueError(f"compression={self.compression!r}: use 'auto', 'zstd' or 'none'.")
+    if self.snapshot not in ('auto', 'pinned', 'host'):
+      raise ValueError(f"snapshot={self.snapshot!r}: use 'auto', 'pinned' or 'host'.")
     if self.coalesce_bytes < 0:
       raise ValueError(f'coalesce_bytes={self.coalesce_bytes} must be >= 0 (0 turns it off).')
     if self.max_chunk_bytes < 1:
@@ -112,6 +120,7 @@ class Options:
         max_chunk_bytes=_env_int('ORBAX_PATHWAYS_MAX_CHUNK_BYTES', 16 * MiB),
         max_inflight_bytes=_env_int('ORBAX_PATHWAYS_MAX_INFLIGHT_BYTES', 1024 * MiB),
         coalesce_bytes=_env_int('ORBAX_PATHWAYS_COALESCE_BYTES', 1 * MiB),
+        snapshot=os.environ.get('ORBAX_PATHWAYS_SNAPSHOT', 'auto'),
         verify_checksums=_env_bool('ORBAX_PATHWAYS_VERIFY', True),
         transport=os.environ.get('ORBAX_PATHWAYS_TRANSPORT') or None,
         divisibility=os.environ.get('ORBAX_PATHWAYS_DIVISIBILITY', 'replicate'),

@@ -15,6 +15,7 @@ from typing import Optional
 class SaveStats:
   transport: str = ''
   arrays: int = 0
+  snapshot: str = ''  # 'pinned' or 'host' (local transport): how save() copied to the host
   blocking_s: float = 0.0  # time save() spent in our serialize (planning + device-to-host)
   write_s: float = 0.0  # background: first write to last checksum
   d2h_bytes: dict[str, int] = dataclasses.field(default_factory=dict)

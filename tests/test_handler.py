@@ -339,3 +339,38 @@ def test_small_sharded_arrays_are_stored_as_one_chunk(tmp_path):
     got = mngr.restore(0, args=ocp.args.StandardRestore(target))
     assert_trees_equal(got, state)
     assert got['params']['w'].sharding.device_set == set(small.devices.flat)
+
+
+@pytest.mark.parametrize('mode', ['pinned', 'host'])
+def test_snapshot_modes_copy_before_save_returns(tmp_path, mode):
+  """After save() returns, the caller may delete (or donate) its arrays: what lands on disk is
+  what they held at save(). 'pinned' copies into pinned_host memory (the accelerator default;
+  the CPU backend has that memory kind too, so the same code runs here)."""
+  m = mesh()
+  rng = np.random.default_rng(5)
+  big = rng.standard_normal((1024, 512), dtype=np.float32)  # 2 MiB: one piece per shard
+  state = {'big': put(big, m, 'data', 'model'), 'rep': put(big[:256], m, None, None),
+           'small': put(big[0, :64], m, ('data', 'model'))}
+  want = jax.tree.map(np.asarray, state)
+  orbax_pathways.install(orbax_pathways.Options(snapshot=mode))
+  try:
+    with ocp.CheckpointManager(tmp_path) as mngr:
+      mngr.save(0, args=ocp.args.StandardSave(state))
+      assert orbax_pathways.stats.last_save().snapshot == mode
+      for x in state.values():
+        x.delete()
+      mngr.wait_until_finished()
+      got = mngr.restore(0)
+  finally:
+    orbax_pathways.install(orbax_pathways.Options.from_env())
+  assert_trees_equal(got, want)
+
+
+def test_snapshot_auto_is_host_on_cpu_and_rejects_unknown_modes(tmp_path):
+  m = mesh()
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(0, args=ocp.args.StandardSave({'a': put(np.arange(64.0), m, 'data')}))
+    mngr.wait_until_finished()
+  assert orbax_pathways.stats.last_save().snapshot == 'host'  # CPU devices: np.asarray aliases
+  with pytest.raises(ValueError, match="snapshot='gpu': use 'auto', 'pinned' or 'host'"):
+    orbax_pathways.Options(snapshot='gpu')

@@ -27,7 +27,11 @@ INLINE_CHECKSUM_BYTES = 256 * 1024
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-  """Host bytes for ``box`` of the array (already on this host)."""
+  """Host bytes for ``box`` of the array (already on this host).
+
+  ``data`` is a numpy array, or a host-resident ``jax.Array`` (a pinned-host snapshot) that
+  ``host_pieces`` turns into numpy right before it is written.
+  """
 
   box: Box
   data: np.ndarray
@@ -133,6 +137,17 @@ async def _write_empty_array_marker(write: ArrayWrite, context: ts.Context) -> N
   await store.write(key, b'')
 
 
+def host_pieces(write: ArrayWrite) -> ArrayWrite:
+  """``write`` with every piece as numpy (copies a pinned-host snapshot; numpy stays as is).
+
+  Runs in the background write, one memory-budget batch at a time, so at most
+  ``max_inflight_bytes`` of these copies exist on top of the snapshot.
+  """
+  pieces = tuple(p if isinstance(p.data, np.ndarray) else Piece(p.box, np.asarray(p.data))
+                 for p in write.pieces)
+  return dataclasses.replace(write, pieces=pieces)
+
+
 async def write_arrays(writes: Sequence[ArrayWrite], *, context: ts.Context,
                        max_inflight_bytes: int) -> dict[str, list[metadata.ChunkRecord]]:
   """Writes arrays with at most ``max_inflight_bytes`` of pieces handed to tensorstore at once
@@ -143,6 +158,8 @@ async def write_arrays(writes: Sequence[ArrayWrite], *, context: ts.Context,
 
   async def flush():
     nonlocal batch, batch_bytes
+    if any(not isinstance(p.data, np.ndarray) for w in batch for p in w.pieces):
+      batch = await asyncio.to_thread(lambda: [host_pieces(w) for w in batch])  # noqa: B023
     done = await asyncio.gather(*(write_array(w, context=context) for w in batch))
     for w, records in zip(batch, done):
       results[w.name] = records

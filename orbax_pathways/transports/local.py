@@ -30,12 +30,34 @@ def this_host() -> str:
   return host_key(jax.process_index())
 
 
+def pinned_available(arrays: Sequence[jax.Array]) -> bool:
+  """Whether every device of ``arrays`` is an accelerator with a ``pinned_host`` memory."""
+  devices = {d for a in arrays for d in a.sharding.device_set}
+  try:
+    return bool(devices) and all(
+        d.platform != 'cpu' and any(m.kind == 'pinned_host' for m in d.addressable_memories())
+        for d in devices)
+  except Exception:  # pylint: disable=broad-except  # a backend without memories API
+    return False
+
+
+def use_pinned(arrays: Sequence[jax.Array], mode: str) -> bool:
+  """``Options.snapshot`` resolved for these arrays ('auto': pinned where available)."""
+  if mode == 'auto':
+    return pinned_available(arrays)
+  return mode == 'pinned'
+
+
 def snapshot(arrays: Sequence[jax.Array], plans: Sequence[save_plan.ArrayWritePlan],
-             host: str) -> list[tuple[writer_lib.Piece, ...]]:
+             host: str, *, pinned: bool = False) -> list[tuple[writer_lib.Piece, ...]]:
   """Device-to-host copy of every piece ``host`` writes, all copies in flight at once.
 
   Replica-split pieces are sliced on the device first, so only the piece crosses to the host;
   the shards of a coalesced small array are copied and then gathered into one host buffer.
+  With ``pinned``, single-shard pieces are copied in one batched ``jax.device_put`` into pinned
+  host memory (DMA speed; XLA's host allocator keeps the pinned pages for the next save) and
+  stay ``jax.Array``s there: the writer turns them into numpy in the background
+  (``writer.host_pieces``), off the training thread.
   """
   pending = []
   for arr, plan in zip(arrays, plans):
@@ -52,9 +74,27 @@ def snapshot(arrays: Sequence[jax.Array], plans: Sequence[save_plan.ArrayWritePl
         parts.append((box, data))
       mine.append((w, parts))
     pending.append(mine)
+  if pinned:
+    single = [parts[0][1] for mine in pending for _, parts in mine if len(parts) == 1]
+    moved = iter(jax.block_until_ready(jax.device_put(single, [
+        jax.sharding.SingleDeviceSharding(next(iter(d.devices())), memory_kind='pinned_host')
+        for d in single])) if single else [])
+    pending = [[(w, [(parts[0][0], next(moved))] if len(parts) == 1 else parts)
+                for w, parts in mine] for mine in pending]
   for mine in pending:
     for _, parts in mine:
+      if pinned and len(parts) == 1:
+        continue
       for _, data in parts:
         data.copy_to_host_async()
-  return [tuple(writer_lib.Piece(w.box, writer_lib.gather(w.box, [(b, np.asarray(d)) for b, d in parts]))
-                for w, parts in mine) for mine in pending]
+  out = []
+  for mine in pending:
+    pieces = []
+    for w, parts in mine:
+      if pinned and len(parts) == 1:
+        pieces.append(writer_lib.Piece(w.box, parts[0][1]))
+      else:
+        pieces.append(writer_lib.Piece(
+            w.box, writer_lib.gather(w.box, [(b, np.asarray(d)) for b, d in parts])))
+    out.append(tuple(pieces))
+  return out
