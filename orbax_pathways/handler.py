@@ -20,6 +20,7 @@ import asyncio
 import copy
 import functools
 import logging
+import math
 import time
 from typing import Any, Sequence
 
@@ -280,7 +281,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
             reader_lib.read_array(r, context=context, verify=self.options.verify_checksums,
                                   stats=rstats) for r in reads))
       with _trace('device_put'):
-        out = [self._assemble(t, b) for t, b in zip(targets, buffers)]
+        out = self._assemble(targets, buffers)
       st.bytes_read[host] = rstats.bytes_read
       st.bytes_needed[host] = sum(
           b.size * np.dtype(t[1]).itemsize for t in targets for b in set(t[3].values()))
@@ -324,15 +325,47 @@ class ProxyArrayHandler(compat.ArrayHandler):
     if dtype is None:
       dtype = np.dtype(record.dtype)
     boxes = layout.device_boxes(sharding, shape, addressable_only=True)
-    plan = restore_plan.plan_array_reads(shape, chunk_shape, list(boxes.values()))
+    needed = list(boxes.values())
+    if _whole_put(shape, dtype, sharding, boxes):
+      needed.append(Box.full(shape))  # read as one region; _assemble puts it in one call
+    plan = restore_plan.plan_array_reads(shape, chunk_shape, needed)
     read = reader_lib.ArrayRead(
         name=info.name, path=str(info.parent_dir / info.name), tspec=tspec, plan=plan,
         chunk_shape=chunk_shape, chunks=chunks, target_dtype=np.dtype(dtype))
     return read, (shape, np.dtype(dtype), sharding, boxes)
 
   @staticmethod
-  def _assemble(target, buffers: dict[Box, np.ndarray]) -> jax.Array:
-    shape, dtype, sharding, boxes = target
-    device_arrays = [jax.device_put(buffers[box], d) for d, box in boxes.items()]
-    # dtype= lets a process that holds none of the target's devices build its (empty) view.
-    return jax.make_array_from_single_device_arrays(shape, sharding, device_arrays, dtype=dtype)
+  def _assemble(targets, buffers: Sequence[dict[Box, np.ndarray]]) -> list[jax.Array]:
+    """All arrays onto their devices with one batched ``jax.device_put``: small arrays whole
+    (``jax.device_put`` slices them per device itself), others shard by shard (aligned
+    buffers, which the CPU backend aliases instead of copying)."""
+    values, dests, layout_of = [], [], []
+    for (shape, dtype, sharding, boxes), bufs in zip(targets, buffers):
+      whole = bufs.get(Box.full(shape)) if _whole_put(shape, dtype, sharding, boxes) else None
+      if whole is not None:
+        values.append(whole)
+        dests.append(sharding)
+      else:
+        values += [bufs[box] for box in boxes.values()]
+        dests += list(boxes)
+      layout_of.append(whole is not None)
+    placed = iter(jax.device_put(values, dests) if values else [])
+    out = []
+    for (shape, dtype, sharding, boxes), whole in zip(targets, layout_of):
+      if whole:
+        out.append(next(placed))
+        continue
+      device_arrays = [next(placed) for _ in boxes]
+      # dtype= lets a process that holds none of the target's devices build its (empty) view.
+      out.append(jax.make_array_from_single_device_arrays(shape, sharding, device_arrays,
+                                                          dtype=dtype))
+    return out
+
+
+WHOLE_PUT_BYTES = 1 << 20
+
+
+def _whole_put(shape, dtype, sharding, boxes) -> bool:
+  """A small array this process holds entirely, on several devices: read and put it whole."""
+  return (len(boxes) > 1 and sharding.is_fully_addressable
+          and math.prod(shape) * np.dtype(dtype).itemsize <= WHOLE_PUT_BYTES)

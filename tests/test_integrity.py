@@ -130,6 +130,9 @@ def test_checkpoint_from_a_newer_schema_is_refused(tmp_path):
 def test_reregistration_is_detected_at_the_next_save(tmp_path):
   m = mesh()
   state = {'w': put(np.zeros((8, 4), np.float32), m, 'data')}
+  orbax_pathways.uninstall()
+  stock = ocp.type_handlers.get_type_handler(jax.Array)  # Orbax's own, to put back at the end
+  orbax_pathways.install()
   ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(), override=True)
   with ocp.CheckpointManager(tmp_path) as mngr:
     with pytest.warns(RuntimeWarning, match=r'jax\.Array is now handled by .*ArrayHandler, not '
@@ -141,5 +144,8 @@ def test_reregistration_is_detected_at_the_next_save(tmp_path):
       mngr.save(1, args=ocp.args.StandardSave(state))
       mngr.wait_until_finished()
   assert orbax_pathways.installed() is None
+  # Later tests compare against Orbax's own handler: uninstall() must give that back, not the
+  # intruder this test registered.
+  ocp.type_handlers.register_type_handler(jax.Array, stock, override=True)
   orbax_pathways.install(orbax_pathways.Options.from_env())
   assert orbax_pathways.installed() is not None
