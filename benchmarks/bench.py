@@ -564,6 +564,27 @@ def run_rss_subprocess(impl, args, storage, rep) -> dict:
                      f'{proc.stderr[-4000:]}')
 
 
+def disk_reference(root: str, nbytes: int, n: int = 2) -> list[float]:
+  """Seconds to write ``nbytes`` sequentially in 16 MiB blocks to a new file under ``root`` and
+  fsync it (like ``dd conv=fsync``): the local disk's limit for a commit of that many bytes."""
+  block = os.urandom(1 << 20) * 16
+  times = []
+  for i in range(n):
+    path = os.path.join(root, f'disk-ref-{i}')
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+      left = nbytes
+      while left > 0:
+        left -= os.write(fd, block if left >= len(block) else block[:left])
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    times.append(time.perf_counter() - t0)
+    os.remove(path)
+  return times
+
+
 def d2h_reference(state, n=4) -> list[float]:
   """Seconds of a pinned_host copy of every array of the state (2nd.. n-th transfer)."""
   import jax
@@ -596,9 +617,10 @@ def py_spy(out_path: str, native: bool):
   if exe is None:
     raise RuntimeError('py-spy not found: `.venv/bin/pip install py-spy`')
   cmd = [exe, 'record', '--pid', str(os.getpid()), '--rate', '250', '--format', 'raw',
-         '--output', out_path, '--nonblocking']
-  if native:
-    cmd.append('--native')
+         '--output', out_path]
+  # --native needs to pause the process to unwind C++ stacks; py-spy refuses it with
+  # --nonblocking, which we use otherwise so sampling does not slow the measured code.
+  cmd.append('--native' if native else '--nonblocking')
   proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   time.sleep(1.5)  # attach
   if proc.poll() is not None:
@@ -874,6 +896,12 @@ def main(argv=None) -> int:
       except Exception as e:  # pylint: disable=broad-except
         notes.append(f'pinned_host copy failed: {type(e).__name__}: {e}')
 
+    disk = None
+    if storage.bucket is None:
+      disk = disk_reference(root, logical_bytes(state))
+      notes.append('disk_write_fsync_s: the state\'s logical bytes written in 16 MiB blocks to '
+                   'one file in the checkpoint root and fsynced (dd conv=fsync)')
+
     profile = None
     if args.profile:
       try:
@@ -890,10 +918,17 @@ def main(argv=None) -> int:
             'extras': extras, 'rss_runs': rss_raw,
             'd2h_pinned_host_s': ({'median': statistics.median(d2h), 'min': min(d2h),
                                    'samples': d2h} if d2h else None),
+            'disk_write_fsync_s': ({'median': statistics.median(disk), 'min': min(disk),
+                                    'samples': disk} if disk else None),
             'profile': profile}
 
   print()
   print(table(summary))
+  if disk:
+    commit = summary['commit_s']['ours']['median']
+    print(f"\ndisk write+fsync of the state's logical bytes: median {fmt(statistics.median(disk), 's')}, "
+          f"min {fmt(min(disk), 's')}; ours commit / disk median = "
+          f"{commit / statistics.median(disk):.2f}")
   if d2h:
     print(f"\npinned_host device-to-host copy of the state: median {fmt(statistics.median(d2h), 's')}, "
           f"min {fmt(min(d2h), 's')} (compare with save() blocking)")
