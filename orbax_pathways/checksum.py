@@ -34,8 +34,14 @@ def of_array(a: np.ndarray) -> int:
   k = _contiguous_tail(a)
   if k == 0:  # innermost dimension strided (rare: transposed views): copy.
     return of_array(np.ascontiguousarray(a))
-  crc = 0
-  for idx in np.ndindex(*a.shape[: a.ndim - k]):
-    run = a[idx]
-    crc = _crc32c.crc32c(np.ascontiguousarray(run).reshape(-1).view(np.uint8).data, crc)
+  return _runs(a, k, 0)
+
+
+def _runs(a: np.ndarray, k: int, crc: int) -> int:
+  """Extends ``crc`` over ``a`` block by block, each block its ``k`` contiguous trailing
+  dimensions (iterating an array yields views: one C call per block, no copies)."""
+  if a.ndim == k:
+    return _crc32c.crc32c(a, crc)
+  for sub in a:
+    crc = _runs(sub, k, crc)
   return crc

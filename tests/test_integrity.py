@@ -3,12 +3,15 @@
 import os
 import warnings
 
+import crc32c
 import jax
+import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 import orbax_pathways
+from orbax_pathways import checksum
 from orbax_pathways import metadata
 from orbax_pathways.storage import meta_io
 
@@ -149,3 +152,15 @@ def test_reregistration_is_detected_at_the_next_save(tmp_path):
   ocp.type_handlers.register_type_handler(jax.Array, stock, override=True)
   orbax_pathways.install(orbax_pathways.Options.from_env())
   assert orbax_pathways.installed() is not None
+
+
+@pytest.mark.parametrize('dtype', [np.float32, ml_dtypes.bfloat16, np.int8, np.bool_])
+def test_checksum_of_strided_views_equals_checksum_of_their_bytes(dtype):
+  """Chunks are hashed in place inside larger read buffers (column blocks, strided leading
+  axes, transposes): the crc must be that of the chunk's own C-order bytes (docs/format.md)."""
+  base = np.random.default_rng(1).standard_normal((8, 16, 32)) > 0 if dtype is np.bool_ else (
+      np.random.default_rng(1).standard_normal((8, 16, 32)).astype(dtype))
+  views = [base, base[:, :, :16], base[:, 2:10], base[::2, :, :16], base[:, :1, 3:9],
+           base.transpose(1, 0, 2), base[..., ::2], base[:0]]
+  for v in views:
+    assert checksum.of_array(v) == crc32c.crc32c(np.ascontiguousarray(v).tobytes()), v.shape
