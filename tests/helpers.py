@@ -51,6 +51,19 @@ def run_python(code: str, *, env=None, timeout=180) -> subprocess.CompletedProce
   return proc
 
 
+def assert_stock_reads_same(dir_a, dir_b, step: int = 0) -> None:
+  """Stock Orbax, in a fresh interpreter that never imports orbax_pathways, restores ``step``
+  of both checkpoint directories to identical leaves."""
+  run_python(f"""
+      import numpy as np, orbax.checkpoint as ocp, sys, jax
+      a = ocp.CheckpointManager({str(dir_a)!r}).restore({step})
+      b = ocp.CheckpointManager({str(dir_b)!r}).restore({step})
+      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+      assert 'orbax_pathways' not in sys.modules
+  """)
+
+
 def random_state(m: Mesh, seed: int = 0) -> dict:
   rng = np.random.default_rng(seed)
   return {

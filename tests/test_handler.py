@@ -14,7 +14,8 @@ import orbax_pathways
 from orbax_pathways import metadata
 from orbax_pathways.storage import meta_io
 
-from helpers import assert_trees_equal, mesh, put, random_state, run_python
+from helpers import (assert_stock_reads_same, assert_trees_equal, mesh, put, random_state,
+                     run_python)
 
 
 def test_registered_handler_is_ours():
@@ -322,14 +323,7 @@ def test_small_sharded_arrays_are_stored_as_one_chunk(tmp_path):
   assert on['params.w'].chunk_shape == (64, 32) and len(on['params.w'].chunks) == 1
   assert on['params.w'].chunks[0].nbytes == w.nbytes
   assert on['opt.mu'].chunk_shape == (64, 32)  # sharded over 'data' only, replicated over 'model'
-  run_python(f"""
-      import numpy as np, orbax.checkpoint as ocp, sys, jax
-      a = ocp.CheckpointManager({str(tmp_path / 'on')!r}).restore(0)
-      b = ocp.CheckpointManager({str(tmp_path / 'off')!r}).restore(0)
-      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-      assert 'orbax_pathways' not in sys.modules
-  """)
+  assert_stock_reads_same(tmp_path / 'on', tmp_path / 'off')
   with ocp.CheckpointManager(tmp_path / 'on') as mngr:
     assert_trees_equal(mngr.restore(0, args=ocp.args.StandardRestore(state)), state)
     small = mesh((2,), ('x',))  # another layout, on two devices: w split over its columns

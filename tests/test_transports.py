@@ -13,7 +13,7 @@ import orbax_pathways
 from orbax_pathways import runtime
 from orbax_pathways.storage import meta_io
 
-from helpers import assert_trees_equal, mesh, random_state, run_python
+from helpers import assert_stock_reads_same, assert_trees_equal, mesh, random_state
 
 
 def test_detect_runtime_single_process_and_override(monkeypatch):
@@ -99,12 +99,4 @@ def test_colocated_and_local_store_identical_values(tmp_path):
   for name in ('params.w', 'params.e'):
     assert {(c.origin, c.crc32c) for c in local[name].chunks} == {(c.origin, c.crc32c) for c in coloc[name].chunks}
   # Every array decodes to the same values with stock Orbax, in a process without our package.
-  run_python(f"""
-      import numpy as np, orbax.checkpoint as ocp, sys
-      a = ocp.CheckpointManager({str(tmp_path / 'local')!r}).restore(0)
-      b = ocp.CheckpointManager({str(tmp_path / 'colocated')!r}).restore(0)
-      import jax
-      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-      assert 'orbax_pathways' not in sys.modules
-  """)
+  assert_stock_reads_same(tmp_path / 'local', tmp_path / 'colocated')
