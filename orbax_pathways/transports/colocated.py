@@ -156,10 +156,13 @@ async def serialize(handler, values, infos, args) -> list[Any]:
   arrays, ext = handler_mod._physical(values, infos)  # pylint: disable=protected-access
   all_devices = sorted({d for a in arrays for d in a.sharding.device_set}, key=lambda d: d.id)
   cpus = cpu_map(all_devices)
-  host_of = lambda d: worker_key(cpus[d.id])  # noqa: E731
-  plans = [handler._plan(a, host_of) for a in arrays]  # pylint: disable=protected-access
+  cpu_shardings = [to_cpu_sharding(a.sharding, cpus) for a in arrays]
+  # Planned over the CPU devices: the workers find their sources among the CPU arrays' shards
+  # by device id, and a CPU device's id is not its accelerator's under Pathways.
+  plans = [handler._plan(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cs), worker_key)  # pylint: disable=protected-access
+           for a, cs in zip(arrays, cpu_shardings)]
   with jax.profiler.TraceAnnotation('orbax_pathways.snapshot'):
-    cpu_arrays = [jax.device_put(a, to_cpu_sharding(a.sharding, cpus)) for a in arrays]
+    cpu_arrays = [jax.device_put(a, cs) for a, cs in zip(arrays, cpu_shardings)]
     jax.block_until_ready(cpu_arrays)  # the snapshot: training may now donate its buffers
   st = stats_lib.SaveStats(transport=NAME, arrays=len(arrays), controller_tensor_bytes=0)
   st.blocking_s = time.perf_counter() - t0
