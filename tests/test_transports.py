@@ -100,3 +100,30 @@ def test_colocated_and_local_store_identical_values(tmp_path):
     assert {(c.origin, c.crc32c) for c in local[name].chunks} == {(c.origin, c.crc32c) for c in coloc[name].chunks}
   # Every array decodes to the same values with stock Orbax, in a process without our package.
   assert_stock_reads_same(tmp_path / 'local', tmp_path / 'colocated')
+
+
+def test_colocated_with_cpu_device_ids_unlike_the_accelerators(tmp_path, monkeypatch):
+  """Under Pathways a colocated CPU device has an id of its own, not its accelerator's. Here the
+  mapping accelerator -> CPU device is simulated as a rotation of the 8 CPU devices (the only
+  fake: what Pathways would return); every byte must still land in the right place."""
+  from orbax_pathways.transports import colocated  # pylint: disable=g-import-not-at-top
+  devices = jax.devices()
+  real = colocated.cpu_map
+
+  def rotated(devs):
+    return {d.id: devices[(d.id + 3) % len(devices)] for d in devs} if real(devs) else {}
+
+  monkeypatch.setattr(colocated, 'cpu_map', rotated)
+  m = mesh()
+  state = random_state(m)
+  big = np.random.default_rng(2).standard_normal((512, 1024), dtype=np.float32)  # 2 MiB
+  state['big'] = jax.device_put(big, jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec('data', 'model')))
+  _save_restore(tmp_path / 'local', state, 'local')
+  for coalesce in (1 << 20, 0):
+    path = tmp_path / f'c{coalesce}'
+    st, restored, no_target = _save_restore(path, state, 'colocated', coalesce_bytes=coalesce)
+    assert st.transport == 'colocated'
+    assert set(st.written_bytes) == {f'w{(d.id + 3) % 8}' for d in devices}
+    assert_trees_equal(restored, state)
+    assert_trees_equal(no_target, state)
+    assert_stock_reads_same(tmp_path / 'local', path)
