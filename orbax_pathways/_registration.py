@@ -19,6 +19,7 @@ from orbax_pathways import handler as handler_lib
 from orbax_pathways import options as options_lib
 from orbax_pathways import preemption
 from orbax_pathways import retention
+from orbax_pathways import stats as stats_lib
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways._compat import orbax_manager
 
@@ -41,7 +42,22 @@ def _install_manager_side() -> None:
   retention.install()
   preemption.install()
   orbax_manager.set_hook('before_save', lambda mngr, step: check_installed())
+  orbax_manager.set_hook('after_commit', _log_commit)
   orbax_manager.install_manager_hooks()
+
+
+def _log_commit(mngr, step: int, commit_s: float) -> None:
+  """One line per committed step, on every process: save() to committed, and this process's
+  share (the arrays' bytes it wrote, how long save() blocked it)."""
+  st = stats_lib.last_save()
+  if st is None or _ours is None:
+    return
+  st.commit_s = commit_s
+  total = st.total_written
+  log.info('orbax_pathways: step %d committed %.2f s after save() (save() blocked %.0f ms; this '
+           'process wrote %.1f MiB of arrays, %.2f GB/s over the commit; %s transport) in %s',
+           step, commit_s, st.blocking_s * 1e3, total / 2**20,
+           total / max(commit_s, 1e-9) / 1e9, st.transport, mngr.directory)
 
 
 def install(options: options_lib.Options | None = None) -> handler_lib.ProxyArrayHandler:
@@ -75,6 +91,7 @@ def uninstall() -> None:
     if _ours is None:
       return
     orbax_manager.set_hook('before_save', None)
+    orbax_manager.set_hook('after_commit', None)
     preemption.uninstall()
     retention.uninstall()
     if _previous is not None:

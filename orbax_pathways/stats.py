@@ -18,6 +18,7 @@ class SaveStats:
   snapshot: str = ''  # 'pinned' or 'host' (local transport): how save() copied to the host
   blocking_s: float = 0.0  # time save() spent in our serialize (planning + device-to-host)
   write_s: float = 0.0  # background: first write to last checksum
+  commit_s: float = 0.0  # CheckpointManager.save() called -> step committed (manager saves)
   d2h_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
   written_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
   chunks_written: dict[str, int] = dataclasses.field(default_factory=dict)

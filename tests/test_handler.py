@@ -368,3 +368,20 @@ def test_snapshot_auto_is_host_on_cpu_and_rejects_unknown_modes(tmp_path):
   assert orbax_pathways.stats.last_save().snapshot == 'host'  # CPU devices: np.asarray aliases
   with pytest.raises(ValueError, match="snapshot='gpu': use 'auto', 'pinned' or 'host'"):
     orbax_pathways.Options(snapshot='gpu')
+
+
+def test_one_log_line_per_save_and_per_commit_with_their_times(tmp_path, caplog):
+  m = mesh()
+  state = {'a': put(np.arange(1 << 18, dtype=np.float32).reshape(256, 1024), m, 'data', 'model')}
+  with caplog.at_level('INFO', logger='orbax_pathways'):
+    with ocp.CheckpointManager(tmp_path) as mngr:
+      mngr.save(3, args=ocp.args.StandardSave(state))
+      mngr.wait_until_finished()
+  st = orbax_pathways.stats.last_save()
+  assert 0 < st.blocking_s < st.commit_s
+  saved = [r.getMessage() for r in caplog.records if ' saved 1 arrays' in r.getMessage()]
+  committed = [r.getMessage() for r in caplog.records if 'step 3 committed' in r.getMessage()]
+  assert len(saved) == 1 and '1.0 MiB from p0 (local, host snapshot)' in saved[0]
+  assert len(committed) == 1, [r.getMessage() for r in caplog.records]
+  assert f'{st.commit_s:.2f} s after save()' in committed[0]
+  assert 'wrote 1.0 MiB of arrays' in committed[0] and str(tmp_path) in committed[0]

@@ -4,7 +4,7 @@ SUPPORTED = '>=0.12.4,<0.13' (written against 0.12.8). Nothing else in ``orbax_p
 or ``orbax_pathways.preemption`` imports ``orbax.checkpoint._src`` or patches Orbax; if an Orbax
 upgrade breaks something, this file (and its tests) is where to look.
 
-Four patches, each installed by ``install_manager_hooks()`` and restored exactly (the very same
+Patches, each installed by ``install_manager_hooks()`` and restored exactly (the very same
 function objects) by ``uninstall_manager_hooks()``; both are idempotent:
 
 - ``StandardCheckpointDeleter._delete_step_permanently(self, step, delete_target)``: the single
@@ -16,6 +16,11 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
 - ``CheckpointManager.__init__``: runs a hook after the stock constructor (leftover cleanup).
 - ``CheckpointManager.reached_preemption(self, step)``: feeds both ``should_save`` (through the
   ``PreemptionCheckpointingPolicy`` in the default policy) and ``save``'s own preemption logging.
+- ``CheckpointManager.save`` (public): the re-registration check before, storage errors named
+  after, and the start time of each step for the commit log line.
+- ``CheckpointManager.reload`` / ``restore`` (public): drop gcsfs's listing cache first.
+- ``CheckpointManager._finalize(self, step, steps_to_remove)``: returns once ``step`` is
+  committed (raises if it was not); the ``after_commit`` hook logs save()-to-committed time.
 
 The wrappers dispatch to hooks set with ``set_hook(name, fn)``; with no hook set they call the
 original, so leaving the patches in place with no hooks behaves exactly like stock Orbax.
@@ -28,6 +33,7 @@ import functools
 import json
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 from absl import logging
@@ -47,7 +53,8 @@ TMP_DIR_SUFFIX: str = _atomicity_types.TMP_DIR_SUFFIX  # '.orbax-checkpoint-tmp'
 COMMIT_SUCCESS_FILE: str = _atomicity_types.COMMIT_SUCCESS_FILE  # 'commit_success.txt'
 STEP_METADATA_FILE = '_CHECKPOINT_METADATA'
 
-HOOK_NAMES = ('delete_step', 'step_complete', 'manager_init', 'reached_preemption', 'before_save')
+HOOK_NAMES = ('delete_step', 'step_complete', 'manager_init', 'reached_preemption', 'before_save',
+              'after_commit')
 
 
 def orbax_version_supported() -> bool:
@@ -179,6 +186,9 @@ def _wrap_reached_preemption(original):
   return reached_preemption
 
 
+_SAVE_STARTS = '_orbax_pathways_save_starts'  # {step: perf_counter at save()} on the manager
+
+
 def _wrap_save(original):
   @functools.wraps(original)
   def save(self, step, *args, **kwargs):
@@ -186,6 +196,7 @@ def _wrap_save(original):
     if hook is None:
       return original(self, step, *args, **kwargs)
     hook(self, step)
+    self.__dict__.setdefault(_SAVE_STARTS, {})[step] = time.perf_counter()
     try:
       return original(self, step, *args, **kwargs)
     except Exception as e:  # pylint: disable=broad-except
@@ -197,6 +208,20 @@ def _wrap_save(original):
           f'{type(e).__module__}.{type(e).__name__}: {e}. Earlier steps are untouched; the step '
           'is not committed.') from e
   return save
+
+
+def _wrap_finalize(original):
+  """``CheckpointManager._finalize(step, steps_to_remove)`` runs once the step is committed
+  (in Orbax's finalize thread, or inline for synchronous saves); it raises if the commit failed."""
+  @functools.wraps(original)
+  def _finalize(self, step, *args, **kwargs):
+    out = original(self, step, *args, **kwargs)
+    t0 = self.__dict__.get(_SAVE_STARTS, {}).pop(step, None)
+    hook = _hooks['after_commit']
+    if hook is not None and t0 is not None:
+      hook(self, step, time.perf_counter() - t0)
+    return out
+  return _finalize
 
 
 _STORAGE_ERROR_MODULES = ('gcsfs', 'aiohttp', 'google', 'requests', 'fsspec')
@@ -214,6 +239,7 @@ def _patch_targets():
       (ocp.CheckpointManager, '__init__', _wrap_manager_init),
       (ocp.CheckpointManager, 'reached_preemption', _wrap_reached_preemption),
       (ocp.CheckpointManager, 'save', _wrap_save),
+      (ocp.CheckpointManager, '_finalize', _wrap_finalize),
       (ocp.CheckpointManager, 'reload', _wrap_fresh_listing),
       (ocp.CheckpointManager, 'restore', _wrap_fresh_listing),
   )
