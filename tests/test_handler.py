@@ -385,3 +385,17 @@ def test_one_log_line_per_save_and_per_commit_with_their_times(tmp_path, caplog)
   assert len(committed) == 1, [r.getMessage() for r in caplog.records]
   assert f'{st.commit_s:.2f} s after save()' in committed[0]
   assert 'wrote 1.0 MiB of arrays' in committed[0] and str(tmp_path) in committed[0]
+
+
+def test_phases_show_in_a_jax_profile(tmp_path):
+  """What TensorBoard / xprof would show: the profile of a save and a restore names our phases."""
+  m = mesh()
+  state = {'a': put(np.ones((256, 1024), np.float32), m, 'data', 'model')}
+  with jax.profiler.trace(str(tmp_path / 'trace')):
+    with ocp.CheckpointManager(tmp_path / 'ckpt') as mngr:
+      mngr.save(0, args=ocp.args.StandardSave(state))
+      mngr.wait_until_finished()
+      mngr.restore(0, args=ocp.args.StandardRestore(state))
+  blobs = b''.join(p.read_bytes() for p in (tmp_path / 'trace').rglob('*.xplane.pb'))
+  for phase in ('plan', 'snapshot', 'write', 'commit', 'read', 'device_put'):
+    assert f'orbax_pathways.{phase}'.encode() in blobs, phase

@@ -20,7 +20,8 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
   after, and the start time of each step for the commit log line.
 - ``CheckpointManager.reload`` / ``restore`` (public): drop gcsfs's listing cache first.
 - ``CheckpointManager._finalize(self, step, steps_to_remove)``: returns once ``step`` is
-  committed (raises if it was not); the ``after_commit`` hook logs save()-to-committed time.
+  committed (raises if it was not); traced as ``orbax_pathways.commit``, then the
+  ``after_commit`` hook logs save()-to-committed time.
 
 The wrappers dispatch to hooks set with ``set_hook(name, fn)``; with no hook set they call the
 original, so leaving the patches in place with no hooks behaves exactly like stock Orbax.
@@ -38,6 +39,7 @@ from typing import Any, Callable
 
 from absl import logging
 from etils import epath
+import jax
 
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.multihost import multihost as _multihost
@@ -215,10 +217,13 @@ def _wrap_finalize(original):
   (in Orbax's finalize thread, or inline for synchronous saves); it raises if the commit failed."""
   @functools.wraps(original)
   def _finalize(self, step, *args, **kwargs):
-    out = original(self, step, *args, **kwargs)
-    t0 = self.__dict__.get(_SAVE_STARTS, {}).pop(step, None)
     hook = _hooks['after_commit']
-    if hook is not None and t0 is not None:
+    if hook is None:
+      return original(self, step, *args, **kwargs)
+    with jax.profiler.TraceAnnotation('orbax_pathways.commit', step=step):
+      out = original(self, step, *args, **kwargs)
+    t0 = self.__dict__.get(_SAVE_STARTS, {}).pop(step, None)
+    if t0 is not None:
       hook(self, step, time.perf_counter() - t0)
     return out
   return _finalize
