@@ -55,9 +55,10 @@ def snapshot(arrays: Sequence[jax.Array], plans: Sequence[save_plan.ArrayWritePl
   Replica-split pieces are sliced on the device first, so only the piece crosses to the host;
   the shards of a coalesced small array are copied and then gathered into one host buffer.
   With ``pinned``, single-shard pieces are copied in one batched ``jax.device_put`` into pinned
-  host memory (DMA speed; XLA's host allocator keeps the pinned pages for the next save) and
-  stay ``jax.Array``s there: the writer turns them into numpy in the background
-  (``writer.host_pieces``), off the training thread.
+  host memory (DMA speed; whether XLA's host allocator reuses the pinned pages across saves is
+  what ``bench.py --mode gpu`` shows as first vs later save() blocking) and stay ``jax.Array``s
+  there: the writer turns them into numpy in the background (``writer.host_pieces``), off the
+  training thread.
   """
   pending = []
   for arr, plan in zip(arrays, plans):
