@@ -88,6 +88,12 @@ def _cached_plan(sharding, shape, itemsize, host_of, max_chunk_bytes, replica_pa
       coalesce_bytes=coalesce_bytes)
 
 
+@functools.lru_cache(maxsize=4096)
+def _cached_read_plan(shape, chunk_shape, needed):
+  """Read plans are pure too, and a job restores the same layouts again and again."""
+  return restore_plan.plan_array_reads(shape, chunk_shape, list(needed))
+
+
 def stored_dtype(arr, arg) -> np.dtype:
   """The dtype written to storage: ``SaveArgs.dtype`` when casting, else the array's."""
   return np.dtype(arg.dtype) if arg.dtype is not None else np.dtype(arr.dtype)
@@ -328,7 +334,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
     needed = list(boxes.values())
     if _whole_put(shape, dtype, sharding, boxes):
       needed.append(Box.full(shape))  # read as one region; _assemble puts it in one call
-    plan = restore_plan.plan_array_reads(shape, chunk_shape, needed)
+    plan = _cached_read_plan(shape, tuple(chunk_shape) if chunk_shape else None, tuple(needed))
     read = reader_lib.ArrayRead(
         name=info.name, path=str(info.parent_dir / info.name), tspec=tspec, plan=plan,
         chunk_shape=chunk_shape, chunks=chunks, target_dtype=np.dtype(dtype))
