@@ -45,15 +45,6 @@ class ShardWrite:
   box: Box
   sources: tuple[Source, ...]
 
-  @property
-  def device_id(self) -> int:
-    """The device of a single-source write."""
-    return self.sources[0].device_id
-
-  @property
-  def shard_box(self) -> Box:
-    return self.sources[0].shard_box
-
 
 @dataclasses.dataclass(frozen=True)
 class ArrayWritePlan:
