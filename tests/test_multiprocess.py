@@ -224,6 +224,8 @@ def check_save(results, ckpt, step, *, n, d):
             p, a.name, c.origin, 'not held by this process')
       assert sum(c.nbytes for c in a.chunks) == expected_written(
           shape, np.dtype(dtype).itemsize, spec, n, d)[p], (p, a.name)
+      if a.name == 'global':  # 6 KiB over all devices: each process's band is one chunk
+        assert len(a.chunks) == 1 and a.chunk_shape == (shape[0] // n, shape[1]), (p, a)
   return got
 
 
