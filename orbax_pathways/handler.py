@@ -78,17 +78,6 @@ def _check_global(values: Sequence[jax.Array], infos) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_plan(sharding, shape, itemsize, host_of, max_chunk_bytes, replica_parallel,
-                 coalesce_bytes):
-  """Plans are pure functions of these (hashable) inputs; a training loop saves the same
-  layouts every time, so each is planned once per process."""
-  return save_plan.plan_array_writes(
-      shape, itemsize, layout.placements(sharding, shape, host_of),
-      max_chunk_bytes=max_chunk_bytes, replica_parallel=replica_parallel,
-      coalesce_bytes=coalesce_bytes)
-
-
-@functools.lru_cache(maxsize=4096)
 def _cached_read_plan(shape, chunk_shape, needed):
   """Read plans are pure too, and a job restores the same layouts again and again."""
   return restore_plan.plan_array_reads(shape, chunk_shape, list(needed))
@@ -111,10 +100,10 @@ class ProxyArrayHandler(compat.ArrayHandler):
 
   def _plan(self, arr: jax.Array, host_of, *, coalesce: bool = True) -> save_plan.ArrayWritePlan:
     """``coalesce=False`` for transports that write whole shards themselves (persistence)."""
-    return _cached_plan(arr.sharding, tuple(arr.shape), np.dtype(arr.dtype).itemsize, host_of,
-                        self.options.max_chunk_bytes,
-                        self.options.replica_parallel and self._use_replica_parallel,
-                        self.options.coalesce_bytes if coalesce else 0)
+    return layout.plan_writes(arr.sharding, tuple(arr.shape), np.dtype(arr.dtype).itemsize, host_of,
+                              max_chunk_bytes=self.options.max_chunk_bytes,
+                              replica_parallel=self.options.replica_parallel and self._use_replica_parallel,
+                              coalesce_bytes=self.options.coalesce_bytes if coalesce else 0)
 
   async def serialize(self, values: Sequence[jax.Array], infos: Sequence[Any],
                       args: Sequence[Any] | None = None) -> list[Any]:

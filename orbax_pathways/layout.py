@@ -6,6 +6,7 @@ the handler touch ``jax.sharding`` objects; ``plan/`` sees integers.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable, Sequence
 
@@ -34,6 +35,22 @@ def placements(sharding: jax.sharding.Sharding, shape: Sequence[int],
   """Every device's shard, in device-id order (so 'first holder' is deterministic everywhere)."""
   boxes = device_boxes(sharding, shape, addressable_only=False)
   return [save_plan.Placement(d.id, host_of(d), boxes[d]) for d in sorted(boxes, key=lambda d: d.id)]
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_writes(sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsize: int,
+                host_of: Callable[[Any], str], *, max_chunk_bytes: int, replica_parallel: bool,
+                coalesce_bytes: int) -> save_plan.ArrayWritePlan:
+  """Who writes which box of an array laid out by ``sharding``, and its chunk grid.
+
+  Called on the controller (every process in multi-controller JAX) at each save. Plans are pure
+  functions of these (hashable) inputs; a training loop saves the same layouts every time, so
+  each is planned once per process.
+  """
+  return save_plan.plan_array_writes(
+      shape, itemsize, placements(sharding, shape, host_of),
+      max_chunk_bytes=max_chunk_bytes, replica_parallel=replica_parallel,
+      coalesce_bytes=coalesce_bytes)
 
 
 def slice_of_devices(devices: Sequence[Any], *, num_slices: int | None = None) -> dict[int, int]:
