@@ -11,7 +11,7 @@ from orbax_pathways import stats
 from orbax_pathways._registration import check_installed, install, installed, uninstall
 from orbax_pathways.errors import (ChecksumMismatchError, OrbaxPathwaysError, RestoreError,
                                    SaveError, TopologyError)
-from orbax_pathways.handler import ProxyArrayHandler
+from orbax_pathways.frontends.orbax_v0 import ProxyArrayHandler
 from orbax_pathways.options import Options
 from orbax_pathways.version import VERSION as __version__
 

@@ -15,7 +15,7 @@ import os
 import threading
 import warnings
 
-from orbax_pathways import handler as handler_lib
+from orbax_pathways.frontends import orbax_v0 as handler_lib
 from orbax_pathways import options as options_lib
 from orbax_pathways import preemption
 from orbax_pathways import retention
@@ -48,16 +48,19 @@ def _install_manager_side() -> None:
 
 def _log_commit(mngr, step: int, commit_s: float) -> None:
   """One line per committed step, on every process: save() to committed, and this process's
-  share (the arrays' bytes it wrote, how long save() blocked it)."""
-  st = stats_lib.last_save()
-  if st is None or _ours is None:
+  share (the arrays' bytes it wrote, how long save() blocked it). Sets each of the step's
+  saves' ``commit_s``."""
+  saves = [s for s in stats_lib.saves_for_step(step, str(mngr.directory)) if s.commit_s is None]
+  if not saves or _ours is None:
     return
-  st.commit_s = commit_s
-  total = st.total_written
+  for st in saves:
+    st.commit_s = commit_s
+  total = sum(st.total_written for st in saves)
   log.info('orbax_pathways: step %d committed %.2f s after save() (save() blocked %.0f ms; this '
            'process wrote %.1f MiB of arrays, %.2f GB/s over the commit; %s transport) in %s',
-           step, commit_s, st.blocking_s * 1e3, total / 2**20,
-           total / max(commit_s, 1e-9) / 1e9, st.transport, mngr.directory)
+           step, commit_s, sum(st.blocking_s for st in saves) * 1e3, total / 2**20,
+           total / max(commit_s, 1e-9) / 1e9, '/'.join(sorted({st.transport for st in saves})),
+           mngr.directory)
 
 
 def install(options: options_lib.Options | None = None) -> handler_lib.ProxyArrayHandler:

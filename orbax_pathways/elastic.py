@@ -1,9 +1,8 @@
 """Elastic restore: lay a checkpoint's saved shardings over the devices this job has now.
 
-Called on the controller (every process in multi-controller JAX) at restore time:
-- by ``ProxyArrayHandler.metadata`` (Orbax asks it for the saved shardings when a restore has no
-  target, or a target whose leaves carry no sharding), and
-- by ``ProxyArrayHandler.deserialize`` for restore args that name no sharding.
+Called on the controller (every process in multi-controller JAX) at restore time, by the front
+doors: for Orbax's ``metadata`` call (it asks for the saved shardings when a restore has no
+target, or a target whose leaves carry no sharding), and for restore args that name no sharding.
 A saved sharding is kept when all its devices still exist and the slice count is unchanged;
 otherwise the saved mesh is rebuilt over the current slices (``plan/elastic.py``), keeping the
 PartitionSpecs. ``remapped_abstract_state`` shows the result before restoring.
@@ -11,7 +10,6 @@ PartitionSpecs. ``remapped_abstract_state`` shows the result before restoring.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -142,43 +140,46 @@ def remap_sharding(name: str, shape: Sequence[int], dtype: Any, record: metadata
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
-def _saved_records(parent: Any, infos: Sequence[Any], orbax_shardings: Sequence[Any]):
-  md = meta_io.read_item(parent)
-  ours = md.arrays() if md else {}
-  out = []
-  for info, sm in zip(infos, orbax_shardings):
-    rec = ours.get(info.name)
-    out.append(rec.sharding if rec is not None and rec.sharding is not None else
-               (_record_from_orbax(sm) if sm is not None else None))
-  return out
+def _saved_record(name: str, records: dict[str, metadata.ArrayRecord],
+                  orbax_sharding: Any) -> metadata.ShardingRecord | None:
+  rec = records.get(name)
+  if rec is not None and rec.sharding is not None:
+    return rec.sharding
+  return _record_from_orbax(orbax_sharding) if orbax_sharding is not None else None
 
 
-async def remap_value_metadata(handler: Any, infos: Sequence[Any], metas: list[Any]) -> list[Any]:
-  """Orbax ArrayMetadata with ``sharding`` replaced by the remapped one where needed."""
+def remap_value_metadata(infos: Sequence[Any], metas: list[Any],
+                         records: dict[str, metadata.ArrayRecord], *, num_slices: int | None,
+                         divisibility: str) -> list[Any]:
+  """Orbax ArrayMetadata with ``sharding`` replaced by the remapped one where needed.
+
+  ``records`` are the item's ``_pathways`` records by array name (empty for a stock checkpoint,
+  whose ``_sharding`` entries then say how it was laid out). No I/O.
+  """
   if not metas:
     return metas
-  topo = current_topology(handler.options.num_slices)
-  records = await asyncio.to_thread(_saved_records, infos[0].parent_dir, infos,
-                                    [getattr(m, 'sharding', None) for m in metas])
+  topo = current_topology(num_slices)
   out = []
-  for info, meta, rec in zip(infos, metas, records):
+  for info, meta in zip(infos, metas):
+    rec = _saved_record(info.name, records, getattr(meta, 'sharding', None))
     if rec is not None and needs_remap(rec, topo):
       with jax.profiler.TraceAnnotation('orbax_pathways.reshard'):
         sharding = remap_sharding(info.name, meta.shape, meta.dtype, rec, topo,
-                                  divisibility=handler.options.divisibility)
+                                  divisibility=divisibility)
       meta = dataclasses.replace(meta, sharding=compat.sharding_metadata_from_jax(sharding))
     out.append(meta)
   return out
 
 
-async def restore_shardings(handler: Any, infos: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-  """Shardings for deserialize: the args' own, else the saved ones remapped onto this topology."""
-  missing = [i for i, a in enumerate(args)
-             if not (getattr(a, 'sharding', None) is not None or
-                     (getattr(a, 'mesh', None) is not None and getattr(a, 'mesh_axes', None) is not None))]
-  if not missing:
-    return await compat.shardings_from_args_or_file(infos, args)
-  metas = await handler.metadata([infos[i] for i in missing])
+def has_sharding(arg: Any) -> bool:
+  """Whether restore args name a sharding (``sharding``, or ``mesh`` + ``mesh_axes``)."""
+  return getattr(arg, 'sharding', None) is not None or (
+      getattr(arg, 'mesh', None) is not None and getattr(arg, 'mesh_axes', None) is not None)
+
+
+def fill_shardings(args: Sequence[Any], missing: Sequence[int], infos: Sequence[Any],
+                   metas: Sequence[Any]) -> list[Any]:
+  """``args`` with the (remapped) saved sharding filled in at the indices in ``missing``."""
   filled = list(args)
   for i, meta in zip(missing, metas):
     if meta.sharding is None:
@@ -186,7 +187,7 @@ async def restore_shardings(handler: Any, infos: Sequence[Any], args: Sequence[A
           f'No sharding for array {infos[i].name!r} at {infos[i].parent_dir}: the restore '
           'target gives none and the checkpoint records none. Pass a target with a sharding.')
     filled[i] = dataclasses.replace(args[i], sharding=meta.sharding)
-  return await compat.shardings_from_args_or_file(infos, filled)
+  return filled
 
 
 def remapped_abstract_state(directory: Any, step: int, *, item: str = 'default',

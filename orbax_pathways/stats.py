@@ -1,67 +1,132 @@
-"""Counters of one save or restore, exposed to users and asserted by tests.
+"""Counters of each save and restore, owned by the call they describe and looked up by step.
 
-Filled by the handler on the controller (bytes the controller itself moved) and by each writer or
-reader host (bytes it moved), keyed by host: 'p<i>' for a process, 'w<id>' for a Pathways worker.
+The engine creates one ``SaveStats`` per save call (one per checkpoint item) when the snapshot is
+taken and publishes it at once with what ``save()`` itself did; the background write sets
+``write`` once when it finishes, and the CheckpointManager commit hook sets ``commit_s`` once
+when the step is committed. Each field is written by exactly one phase, never updated twice.
+Restores are recorded when they finish. Hosts are keyed 'p<i>' for a process, 'w<id>' for a
+Pathways worker. Users read ``last_save()`` / ``saves_for_step(step)``; tests assert them.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import re
 import threading
 from typing import Optional
+
+_KEEP = 64  # recent saves and restores kept per process
+
+_STEP_RE = re.compile(r'^(?:.*_)?(\d+)(?:\.orbax-checkpoint-tmp.*)?$')
+
+
+def step_of(step_dir_name: str) -> int | None:
+  """The step number of a step directory name (``12``, ``ckpt_12``, ``12.orbax-checkpoint-tmp``)."""
+  m = _STEP_RE.match(step_dir_name)
+  return int(m.group(1)) if m else None
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteStats:
+  """What the writers did, set once when the background write of a save finished."""
+
+  written_bytes: dict[str, int]
+  chunks_written: dict[str, int]
+  write_s: float  # first write to last record on storage
+  storage_requests: int  # metadata objects the save wrote besides array data (records, Orbax's)
 
 
 @dataclasses.dataclass
 class SaveStats:
+  """One save call (one checkpoint item). ``step`` and ``step_dir`` come from the item's path."""
+
   transport: str = ''
   arrays: int = 0
   snapshot: str = ''  # 'pinned' or 'host' (local transport): how save() copied to the host
-  blocking_s: float = 0.0  # time save() spent in our serialize (planning + device-to-host)
-  write_s: float = 0.0  # background: first write to last checksum
-  commit_s: float = 0.0  # CheckpointManager.save() called -> step committed (manager saves)
+  blocking_s: float = 0.0  # time save() spent in our serialize (planning + snapshot)
   d2h_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
-  written_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
-  chunks_written: dict[str, int] = dataclasses.field(default_factory=dict)
   controller_tensor_bytes: int = 0  # tensor bytes that passed through the controller process
-  storage_requests: int = 0  # metadata objects we wrote (our record + array metadatas)
+  step: int | None = None
+  step_dir: str = ''  # the step directory's final path (without Orbax's temporary suffix)
+  write: WriteStats | None = None  # set once by the background write
+  commit_s: float | None = None  # set once by the commit hook: save() called -> step committed
+
+  @property
+  def written_bytes(self) -> dict[str, int]:
+    return dict(self.write.written_bytes) if self.write else {}
+
+  @property
+  def chunks_written(self) -> dict[str, int]:
+    return dict(self.write.chunks_written) if self.write else {}
+
+  @property
+  def write_s(self) -> float:
+    return self.write.write_s if self.write else 0.0
+
+  @property
+  def storage_requests(self) -> int:
+    return self.write.storage_requests if self.write else 0
 
   @property
   def total_written(self) -> int:
     return sum(self.written_bytes.values())
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RestoreStats:
+  """One restore call (one checkpoint item), recorded when it finished."""
+
   transport: str = ''
   arrays: int = 0
   read_s: float = 0.0
   bytes_read: dict[str, int] = dataclasses.field(default_factory=dict)
   bytes_needed: dict[str, int] = dataclasses.field(default_factory=dict)
   chunks_verified: int = 0
+  step: int | None = None
+  step_dir: str = ''
 
 
 _lock = threading.Lock()
-_last_save: Optional[SaveStats] = None
-_last_restore: Optional[RestoreStats] = None
+_saves: collections.deque[SaveStats] = collections.deque(maxlen=_KEEP)
+_restores: collections.deque[RestoreStats] = collections.deque(maxlen=_KEEP)
 
 
 def record_save(s: SaveStats) -> None:
-  global _last_save
   with _lock:
-    _last_save = s
+    _saves.append(s)
 
 
 def record_restore(s: RestoreStats) -> None:
-  global _last_restore
   with _lock:
-    _last_restore = s
+    _restores.append(s)
 
 
 def last_save() -> Optional[SaveStats]:
-  """Stats of the most recent save whose serialize ran in this process (background fields fill
-  in when its commit finishes: call ``CheckpointManager.wait_until_finished()`` first)."""
-  return _last_save
+  """The most recent save whose snapshot ran in this process (its ``write`` and ``commit_s``
+  fill in when the background commit finishes: call ``wait_until_finished()`` first)."""
+  with _lock:
+    return _saves[-1] if _saves else None
 
 
 def last_restore() -> Optional[RestoreStats]:
-  return _last_restore
+  with _lock:
+    return _restores[-1] if _restores else None
+
+
+def _matches(s, step: int, directory: str | None) -> bool:
+  if s.step != step:
+    return False
+  return directory is None or s.step_dir.rstrip('/').rsplit('/', 1)[0] == str(directory).rstrip('/')
+
+
+def saves_for_step(step: int, directory: str | None = None) -> list[SaveStats]:
+  """This process's saves of ``step`` (one per checkpoint item), oldest first; ``directory``
+  (the CheckpointManager's root) narrows them to one manager."""
+  with _lock:
+    return [s for s in _saves if _matches(s, step, directory)]
+
+
+def restores_for_step(step: int, directory: str | None = None) -> list[RestoreStats]:
+  with _lock:
+    return [s for s in _restores if _matches(s, step, directory)]

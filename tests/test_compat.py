@@ -1,13 +1,11 @@
 """Every Orbax internal we reach, exercised against the installed Orbax (see _compat/)."""
 
-import types
-
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from etils import epath
 from packaging.specifiers import SpecifierSet
 
+from orbax_pathways import values
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways._compat import orbax_manager
 
@@ -21,27 +19,34 @@ def test_installed_orbax_is_in_the_supported_range():
   assert f'"orbax-checkpoint{compat.SUPPORTED_ORBAX}"' in pyproject
 
 
-def _info(tmp_path, zarr3, ocdbt=True):
-  return types.SimpleNamespace(parent_dir=epath.Path(tmp_path), name='w', use_compression=True,
-                               use_zarr3=zarr3, is_ocdbt_checkpoint=ocdbt,
-                               ocdbt_target_data_file_size=None)
+def _item(path, zarr3=False, ocdbt=True, gcs_grpc=False):
+  return values.Item(directory=str(path), use_zarr3=zarr3, use_ocdbt=ocdbt, gcs_grpc=gcs_grpc)
+
+
+_F32 = np.dtype('float32')
 
 
 def test_write_spec_keeps_orbax_layout_and_sets_our_chunks(tmp_path):
   for zarr3 in (False, True):
-    tspec, md = compat.build_write_spec(
-        _info(tmp_path, zarr3), global_shape=(64, 32), write_shape=(16, 32), chunk_shape=(8, 16),
-        dtype=np.dtype('float32'), target_dtype=None, process_id=0, ext_metadata=None)
+    tspec = compat.build_write_spec(
+        _item(tmp_path, zarr3), 'w', global_shape=(64, 32), write_shape=(16, 32),
+        chunk_shape=(8, 16), dtype=_F32, stored_dtype=_F32, process_id=0, ext_metadata=None,
+        use_compression=True)
     assert tspec['driver'] == ('zarr3' if zarr3 else 'zarr')
     assert tspec['kvstore']['driver'] == 'ocdbt'
     assert tspec['kvstore']['base']['path'].endswith('ocdbt.process_0/')
     meta = tspec['metadata']
     chunks = meta['chunk_grid']['configuration']['chunk_shape'] if zarr3 else meta['chunks']
     assert chunks == [8, 16]
+    md = compat.array_metadata(
+        _item(tmp_path, zarr3), 'w', global_shape=(64, 32), write_shape=(16, 32),
+        chunk_shape=(8, 16), dtype=_F32, stored_dtype=_F32, ext_metadata=None,
+        use_compression=True)
     assert md.chunk_shape == (8, 16) and md.write_shape == (16, 32)
-  tspec, _ = compat.build_write_spec(
-      _info(tmp_path, False, ocdbt=False), global_shape=(4,), write_shape=(4,), chunk_shape=(2,),
-      dtype=np.dtype('float32'), target_dtype=np.dtype('int8'), process_id=None, ext_metadata=None)
+  tspec = compat.build_write_spec(
+      _item(tmp_path, ocdbt=False), 'w', global_shape=(4,), write_shape=(4,), chunk_shape=(2,),
+      dtype=_F32, stored_dtype=np.dtype('int8'), process_id=None, ext_metadata=None,
+      use_compression=True)
   assert tspec['driver'] == 'cast' and tspec['base']['metadata']['chunks'] == [2]
 
 
@@ -63,15 +68,10 @@ def test_registry_and_sharding_metadata_helpers():
 
 
 def test_gcs_grpc_switches_only_the_driver():
-  info = types.SimpleNamespace(parent_dir=epath.Path('gs://bucket/ck/1/default'), name='w',
-                               use_compression=True, use_zarr3=False, is_ocdbt_checkpoint=True,
-                               ocdbt_target_data_file_size=None)
-  http, _ = compat.build_write_spec(info, global_shape=(4,), write_shape=(4,), chunk_shape=(4,),
-                                    dtype=np.dtype('float32'), target_dtype=None, process_id=0,
-                                    ext_metadata=None)
-  grpc, _ = compat.build_write_spec(info, global_shape=(4,), write_shape=(4,), chunk_shape=(4,),
-                                    dtype=np.dtype('float32'), target_dtype=None, process_id=0,
-                                    ext_metadata=None, gcs_grpc=True)
+  kw = dict(global_shape=(4,), write_shape=(4,), chunk_shape=(4,), dtype=_F32, stored_dtype=_F32,
+            process_id=0, ext_metadata=None, use_compression=True)
+  http = compat.build_write_spec(_item('gs://bucket/ck/1/default'), 'w', **kw)
+  grpc = compat.build_write_spec(_item('gs://bucket/ck/1/default', gcs_grpc=True), 'w', **kw)
   assert http['kvstore']['base']['driver'] == 'gcs'
   assert grpc['kvstore']['base'] == {**http['kvstore']['base'], 'driver': 'gcs_grpc'}
   assert compat.with_gcs_grpc({'driver': 'file', 'path': '/x'}) == {'driver': 'file', 'path': '/x'}

@@ -6,23 +6,29 @@ NOT run against a real Pathways server (none is reachable here): these tests che
 
 import base64
 import json
-import types
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from etils import epath
 
 import orbax_pathways
+from orbax_pathways import values
 from orbax_pathways.transports import persistence
 
 from helpers import assert_trees_equal, mesh, put
 
 
-def _info(name, parent='/ckpt/1/default', ocdbt=False):
-  return types.SimpleNamespace(name=name, parent_dir=epath.Path(parent), is_ocdbt_checkpoint=ocdbt)
+def _leaf(name, arr, stored=None):
+  dtype = np.dtype(arr.dtype)
+  return values.SaveLeaf(name=name, shape=tuple(arr.shape), dtype=dtype,
+                         stored_dtype=np.dtype(stored) if stored is not None else dtype,
+                         compress=False, max_chunk_bytes=1 << 24)
+
+
+_ITEM = values.Item(directory='/ckpt/1/default', use_ocdbt=False)
 
 
 def _b64(s):
@@ -34,8 +40,8 @@ def test_requests_are_grouped_by_directory_and_device_assignment():
   arrays = [put(np.zeros((8, 4), np.float32), m8, 'data', 'model'),
             put(np.zeros((4, 4), jnp.bfloat16), m4, 'a'),
             put(np.zeros((8,), np.int32), m8)]
-  infos = [_info('w'), _info('e'), _info('b')]
-  groups = persistence.build_groups(arrays, infos)
+  leaves = [_leaf('w', arrays[0]), _leaf('e', arrays[1]), _leaf('b', arrays[2])]
+  groups = persistence.build_groups(arrays, leaves, _ITEM)
   assert [g.names for g in groups] == [('w', 'b'), ('e',)]
   first = json.loads(groups[0].request)['bulk_persistence_write_request']['write_requests']
   assert [_b64(r['b64_name']) for r in first] == ['w', 'b']
@@ -50,15 +56,14 @@ def test_requests_are_grouped_by_directory_and_device_assignment():
 
 def test_limits_are_named():
   arrays = [jnp.zeros((2,), jnp.float16), jnp.zeros((2,), jnp.bool_), jnp.zeros((2,), jnp.float32)]
-  infos = [_info('h', ocdbt=True), _info('m'), _info('f')]
-  args = [ocp.SaveArgs(), ocp.SaveArgs(), ocp.SaveArgs(dtype=jnp.bfloat16)]
-  reasons = persistence.unsupported(arrays, infos, args)
+  leaves = [_leaf('h', arrays[0]), _leaf('m', arrays[1]), _leaf('f', arrays[2], jnp.bfloat16)]
+  reasons = persistence.unsupported(leaves, dataclasses.replace(_ITEM, use_ocdbt=True))
   assert reasons == [
       'the checkpoint uses OCDBT, which the persistence plugin cannot write',
       "SaveArgs.dtype casts requested for ['f'], which the plugin cannot do",
       "dtypes the plugin cannot store: ['h (float16)', 'm (bool)']",
   ]
-  assert persistence.unsupported(arrays[2:], infos[2:], [ocp.SaveArgs()]) == []
+  assert persistence.unsupported([_leaf('f', arrays[2])], _ITEM) == []
 
 
 def test_ocdbt_checkpoint_falls_back_to_colocated_with_a_warning(tmp_path):

@@ -8,8 +8,10 @@ every one against the installed Orbax. Called on any host, from the handler and 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Sequence
 
+from etils import epath
 import numpy as np
 
 import orbax.checkpoint as ocp
@@ -44,6 +46,40 @@ def array_metadata_store() -> Any:
   return _ams.Store()
 
 
+@dataclasses.dataclass(frozen=True)
+class HandlerSettings:
+  """The constructor settings of an Orbax ``ArrayHandler`` (kept in private attributes)."""
+
+  primary_host: int | None
+  replica_id: int | None
+  use_replica_parallel: bool
+  enable_write_sharding_file: bool
+  array_metadata_store: Any
+  dispatcher: Any
+
+
+def handler_settings(handler: Any) -> HandlerSettings:
+  # pylint: disable=protected-access
+  return HandlerSettings(
+      primary_host=handler._primary_host, replica_id=handler._replica_id,
+      use_replica_parallel=bool(handler._use_replica_parallel),
+      enable_write_sharding_file=bool(handler._enable_write_sharding_file),
+      array_metadata_store=handler._array_metadata_store, dispatcher=handler._dispatcher)
+
+
+def logical_parent_dir(info: Any) -> str:
+  """``ParamInfo.parent_dir`` as a string, also while Orbax is still creating it (a
+  ``PathAwaitingCreation`` names its path before it exists)."""
+  parent = info._parent_dir  # pylint: disable=protected-access
+  path = getattr(parent, 'path', parent) if not isinstance(parent, epath.Path) else parent
+  return epath.Path(path).as_posix()
+
+
+def device_assignment_ids(sharding: Any) -> tuple[int, ...]:
+  """Device ids in the sharding's device-assignment order (what the persistence plugin groups by)."""
+  return tuple(d.id for d in sharding._device_assignment)  # pylint: disable=protected-access
+
+
 def primary_process_index() -> int:
   return _multihost.process_index()
 
@@ -53,38 +89,39 @@ def ocdbt_subdir_process_id(use_ocdbt: bool, override: str | None = None) -> int
   return _ocdbt_utils.get_process_index_for_subdir(use_ocdbt, override)
 
 
-def build_write_spec(
-    info: Any,
-    *,
-    global_shape: Sequence[int],
-    write_shape: Sequence[int],
-    chunk_shape: Sequence[int],
-    dtype: Any,
-    target_dtype: Any,
-    process_id: int | str | None,
-    ext_metadata: dict | None,
-    use_compression: bool | None = None,
-    gcs_grpc: bool = False,
-) -> tuple[dict, Any]:
-  """Orbax's exact tensorstore write spec, with our chunk shape; returns (json, ArrayMetadata).
+def _array_write_spec(item: Any, name: str, *, global_shape: Sequence[int],
+                      write_shape: Sequence[int], dtype: Any, stored_dtype: Any,
+                      process_id: int | str | None, ext_metadata: dict | None,
+                      use_compression: bool) -> Any:
+  return _ts_utils.ArrayWriteSpec(
+      item.directory,
+      relative_array_filename=name,
+      global_shape=tuple(global_shape),
+      write_shape=tuple(write_shape),
+      dtype=dtype,
+      target_dtype=None if np.dtype(stored_dtype) == np.dtype(dtype) else stored_dtype,
+      use_compression=use_compression,
+      use_zarr3=item.use_zarr3,
+      use_ocdbt=item.use_ocdbt,
+      process_id=process_id,
+      ocdbt_target_data_file_size=item.ocdbt_target_data_file_size,
+      ext_metadata=dict(ext_metadata) if ext_metadata else None,
+  )
+
+
+def build_write_spec(item: Any, name: str, *, global_shape: Sequence[int],
+                     write_shape: Sequence[int], chunk_shape: Sequence[int], dtype: Any,
+                     stored_dtype: Any, process_id: int | str | None,
+                     ext_metadata: dict | None, use_compression: bool) -> dict:
+  """Orbax's exact tensorstore write spec for array ``name`` of ``item`` (an
+  ``orbax_pathways.values.Item``), with our chunk grid.
 
   We build Orbax's spec (kvstore layout, OCDBT options, zarr/zarr3 codecs) and replace only the
   chunk grid, so stock Orbax reads the result as it reads its own.
   """
-  spec = _ts_utils.ArrayWriteSpec(
-      info.parent_dir.as_posix(),
-      relative_array_filename=info.name,
-      global_shape=tuple(global_shape),
-      write_shape=tuple(write_shape),
-      dtype=dtype,
-      target_dtype=target_dtype,
-      use_compression=info.use_compression if use_compression is None else use_compression,
-      use_zarr3=info.use_zarr3,
-      use_ocdbt=info.is_ocdbt_checkpoint,
-      process_id=process_id,
-      ocdbt_target_data_file_size=info.ocdbt_target_data_file_size,
-      ext_metadata=ext_metadata,
-  )
+  spec = _array_write_spec(item, name, global_shape=global_shape, write_shape=write_shape,
+                           dtype=dtype, stored_dtype=stored_dtype, process_id=process_id,
+                           ext_metadata=ext_metadata, use_compression=use_compression)
   tspec = copy.deepcopy(spec.json)
   meta = tspec['base']['metadata'] if tspec.get('driver') == 'cast' else tspec['metadata']
   chunks = [max(1, int(c)) for c in chunk_shape]
@@ -95,20 +132,33 @@ def build_write_spec(
     for codec in meta.get('codecs', []):
       if codec.get('name') == 'sharding_indexed':
         codec['configuration']['chunk_shape'] = chunks
-  array_md = spec.metadata
-  array_md = type(array_md)(**{**array_md.__dict__, 'chunk_shape': tuple(chunks)})
-  return (with_gcs_grpc(tspec) if gcs_grpc else tspec), array_md
+  return with_gcs_grpc(tspec) if item.gcs_grpc else tspec
 
 
-def build_read_spec(info: Any, *, use_ocdbt: bool, target_dtype: Any = None,
-                    gcs_grpc: bool = False) -> dict:
-  spec = _ts_utils.build_array_read_spec(
-      info,
-      use_ocdbt=use_ocdbt,
-      raise_array_data_missing_error=info.raise_array_data_missing_error,
+def array_metadata(item: Any, name: str, *, global_shape: Sequence[int],
+                   write_shape: Sequence[int], chunk_shape: Sequence[int], dtype: Any,
+                   stored_dtype: Any, ext_metadata: dict | None, use_compression: bool) -> Any:
+  """Orbax's per-array ``ArrayMetadata`` (the ``array_metadatas/process_<i>`` entry), with our
+  chunk shape."""
+  spec = _array_write_spec(item, name, global_shape=global_shape, write_shape=write_shape,
+                           dtype=dtype, stored_dtype=stored_dtype, process_id=None,
+                           ext_metadata=ext_metadata, use_compression=use_compression)
+  md = spec.metadata
+  return type(md)(**{**md.__dict__, 'chunk_shape': tuple(max(1, int(c)) for c in chunk_shape)})
+
+
+def build_read_spec(item: Any, name: str, *, raise_array_data_missing_error: bool = True,
+                    target_dtype: Any = None) -> dict:
+  """Orbax's tensorstore read spec for array ``name`` of ``item``."""
+  spec = _ts_utils.ArrayReadSpec(
+      item.directory,
+      name,
+      item.use_zarr3,
+      use_ocdbt=item.use_ocdbt,
+      raise_array_data_missing_error=raise_array_data_missing_error,
       target_dtype=target_dtype,
   ).json
-  return with_gcs_grpc(spec) if gcs_grpc else spec
+  return with_gcs_grpc(spec) if item.gcs_grpc else spec
 
 
 def with_gcs_grpc(spec: Any) -> Any:

@@ -1,21 +1,37 @@
 """Local transport: this process moves the bytes of the shards its own devices hold.
 
-Used in single-process and multi-controller JAX. Called by the handler on each process:
-``snapshot`` in the caller's thread (the only part ``save()`` blocks on), ``write`` in Orbax's
-background commit thread, ``read`` during restore.
+Used in single-process and multi-controller JAX (see ``transports/base.py`` for the call
+order). On each process: ``snapshot`` plans and copies the pieces this process writes to host
+memory inside ``save()``; ``write`` writes them (and this process's ``_pathways/p<i>`` record) in
+Orbax's background commit thread; ``read`` reads what this process's devices need and puts it
+on them.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Any, Awaitable, Callable, Sequence
 
 import jax
 import numpy as np
 
+from orbax_pathways import layout
+from orbax_pathways import values
+from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
 from orbax_pathways.storage import writer as writer_lib
+from orbax_pathways.transports import base
+from orbax_pathways.transports import share
 
 NAME = 'local'
+Box = boxes_lib.Box
+# Arrays up to this size that this process holds entirely, on several devices, are read as one
+# region and put with one call (``jax.device_put`` slices them per device itself).
+WHOLE_PUT_BYTES = 1 << 20
+
+
+def trace(name: str):
+  return jax.profiler.TraceAnnotation(f'orbax_pathways.{name}')
 
 
 def host_key(process_index: int) -> str:
@@ -99,3 +115,103 @@ def snapshot(arrays: Sequence[jax.Array], plans: Sequence[save_plan.ArrayWritePl
             w.box, writer_lib.gather(w.box, [(b, np.asarray(d)) for b, d in parts])))
     out.append(tuple(pieces))
   return out
+
+
+def _whole_put(target: values.ReadTarget, boxes: dict[Any, Box]) -> bool:
+  return (len(boxes) > 1 and target.sharding.is_fully_addressable
+          and math.prod(target.shape) * np.dtype(target.dtype).itemsize <= WHOLE_PUT_BYTES)
+
+
+def assemble(targets: Sequence[values.ReadTarget], boxes: Sequence[dict[Any, Box]],
+             buffers: Sequence[dict[Box, np.ndarray]]) -> list[jax.Array]:
+  """All arrays onto their devices with one batched ``jax.device_put``: small arrays whole,
+  others shard by shard (aligned buffers, which the CPU backend aliases instead of copying)."""
+  vals, dests, whole_of = [], [], []
+  for t, bx, bufs in zip(targets, boxes, buffers):
+    whole = bufs.get(Box.full(t.shape)) if _whole_put(t, bx) else None
+    if whole is not None:
+      vals.append(whole)
+      dests.append(t.sharding)
+    else:
+      vals += [bufs[box] for box in bx.values()]
+      dests += list(bx)
+    whole_of.append(whole is not None)
+  placed = iter(jax.device_put(vals, dests) if vals else [])
+  out = []
+  for t, bx, whole in zip(targets, boxes, whole_of):
+    if whole:
+      out.append(next(placed))
+      continue
+    device_arrays = [next(placed) for _ in bx]
+    # dtype= lets a process that holds none of the target's devices build its (empty) view.
+    out.append(jax.make_array_from_single_device_arrays(t.shape, t.sharding, device_arrays,
+                                                        dtype=t.dtype))
+  return out
+
+
+class LocalTransport:
+  """This process writes and reads its own devices' shards (see the module docstring)."""
+
+  name = NAME
+  fallback = None
+
+  def __init__(self, *, save: base.SaveConfig | None = None, read: base.ReadConfig | None = None):
+    self._save, self._read = save, read
+
+  def unsupported(self, leaves, item) -> list[str]:
+    del leaves, item
+    return []
+
+  async def snapshot(self, arrays: Sequence[jax.Array], leaves: Sequence[values.SaveLeaf],
+                     item: values.Item, ready: Callable[[], Awaitable[None]]) -> base.Snapshot:
+    del ready  # nothing is written before write()
+    cfg = self._save
+    host = this_host()
+    with trace('plan'):
+      plans = [layout.plan_writes(a.sharding, leaf.shape, np.dtype(leaf.dtype).itemsize, host_of,
+                                  max_chunk_bytes=leaf.max_chunk_bytes,
+                                  replica_parallel=cfg.replica_parallel,
+                                  coalesce_bytes=cfg.coalesce_bytes)
+               for a, leaf in zip(arrays, leaves)]
+    pinned = use_pinned(arrays, cfg.snapshot_mode)
+    with trace('snapshot'):
+      pieces = snapshot(arrays, plans, host, pinned=pinned)
+    d2h = sum(p.data.nbytes for ps in pieces for p in ps)
+    return base.Snapshot(
+        layouts=[values.LeafLayout.of(leaf, plan) for leaf, plan in zip(leaves, plans)],
+        snapshot_mode='pinned' if pinned else 'host', d2h_bytes={host: d2h},
+        # Process 0 of a multi-controller run moves only its own share; a single controller
+        # (which is what Pathways with this transport would be) moves every byte.
+        controller_tensor_bytes=d2h if jax.process_index() == 0 else 0,
+        state=(item, tuple(leaves), plans, pieces, host))
+
+  async def write(self, snap: base.Snapshot) -> list[values.WriterOutcome]:
+    cfg = self._save
+    item, leaves, plans, pieces, host = snap.state
+    with trace('write'):
+      outcome = await share.write_share(
+          host, NAME, item, leaves, plans, pieces, creates=[cfg.is_primary] * len(leaves),
+          process_id=cfg.ocdbt_process_id, with_sharding=cfg.is_primary,
+          max_inflight_bytes=cfg.max_inflight_bytes, context=cfg.context)
+    return [outcome]
+
+  async def read(self, targets: Sequence[values.ReadTarget],
+                 item: values.Item) -> tuple[list[jax.Array], list[values.ReadOutcome]]:
+    cfg = self._read
+    host = this_host()
+    reads, boxes = [], []
+    for t in targets:
+      bx = layout.device_boxes(t.sharding, t.shape, addressable_only=True)
+      needed = list(bx.values())
+      if _whole_put(t, bx):
+        needed.append(Box.full(t.shape))  # read as one region; assemble() puts it in one call
+      reads.append(share.array_read(t, needed))
+      boxes.append(bx)
+    with trace('read'):
+      buffers, rstats = await share.read_share(reads, item=item, verify=cfg.verify,
+                                               context=cfg.context)
+    with trace('device_put'):
+      out = assemble(targets, boxes, buffers)
+    needed_bytes = sum(b.size * np.dtype(t.dtype).itemsize
+                       for t, bx in zip(targets, boxes) for b in set(bx.values()))
+    return out, [values.ReadOutcome(host, rstats.bytes_read, rstats.chunks_verified, needed_bytes)]

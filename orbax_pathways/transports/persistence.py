@@ -21,18 +21,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
-import logging
-import warnings
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
+import jax
+import numpy as np
+
+from orbax_pathways import layout
 from orbax_pathways import metadata
-from orbax_pathways import stats as stats_lib
+from orbax_pathways import values
+from orbax_pathways import version
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways.storage import meta_io
+from orbax_pathways.transports import base
+from orbax_pathways.transports import colocated
 
 NAME = 'persistence'
 TIMEOUT = datetime.timedelta(hours=1)
-log = logging.getLogger('orbax_pathways')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,61 +49,82 @@ class WriteGroup:
   request: str  # Orbax's bulk write request JSON
 
 
-def unsupported(arrays: Sequence[Any], infos: Sequence[Any], args: Sequence[Any]) -> list[str]:
+def unsupported(leaves: Sequence[values.SaveLeaf], item: values.Item) -> list[str]:
   """Reasons the plugin cannot write this save (empty: it can)."""
   reasons = []
-  if any(bool(i.is_ocdbt_checkpoint) for i in infos):
+  if item.use_ocdbt:
     reasons.append('the checkpoint uses OCDBT, which the persistence plugin cannot write')
-  cast = [i.name for i, a in zip(infos, args) if a is not None and a.dtype is not None]
+  cast = [leaf.name for leaf in leaves if np.dtype(leaf.stored_dtype) != np.dtype(leaf.dtype)]
   if cast:
     reasons.append(f'SaveArgs.dtype casts requested for {cast}, which the plugin cannot do')
-  bad = [f'{i.name} ({a.dtype})' for i, a in zip(infos, arrays)
-         if not compat.persistence_dtype_supported(a.dtype)]
+  bad = [f'{leaf.name} ({np.dtype(leaf.dtype).name})' for leaf in leaves
+         if not compat.persistence_dtype_supported(leaf.dtype)]
   if bad:
     reasons.append(f'dtypes the plugin cannot store: {bad}')
   return reasons
 
 
-def build_groups(arrays: Sequence[Any], infos: Sequence[Any], timeout=TIMEOUT) -> list[WriteGroup]:
-  """Groups by (parent directory, device assignment), as the plugin requires, in first-seen order."""
-  groups: dict[tuple[str, tuple[int, ...]], tuple[list[str], list[Any]]] = {}
-  for arr, info in zip(arrays, infos):
-    key = (str(info.parent_dir), tuple(d.id for d in arr.sharding._device_assignment))  # pylint: disable=protected-access
-    names, members = groups.setdefault(key, ([], []))
-    names.append(info.name)
+def build_groups(arrays: Sequence[jax.Array], leaves: Sequence[values.SaveLeaf],
+                 item: values.Item, timeout=TIMEOUT) -> list[WriteGroup]:
+  """Groups by device assignment, as the plugin requires (one directory per call here), in
+  first-seen order."""
+  groups: dict[tuple[int, ...], tuple[list[str], list[Any]]] = {}
+  for arr, leaf in zip(arrays, leaves):
+    names, members = groups.setdefault(compat.device_assignment_ids(arr.sharding), ([], []))
+    names.append(leaf.name)
     members.append(arr)
-  return [WriteGroup(loc, tuple(n), tuple(a), compat.persistence_bulk_write_request(loc, n, a, timeout))
-          for (loc, _), (n, a) in groups.items()]
+  return [WriteGroup(item.directory, tuple(n), tuple(a),
+                     compat.persistence_bulk_write_request(item.directory, n, a, timeout))
+          for n, a in groups.values()]
 
 
-async def serialize(handler, values, infos, args) -> list[Any]:
-  from orbax_pathways import handler as handler_mod  # pylint: disable=g-import-not-at-top
-  from orbax_pathways.transports import colocated  # pylint: disable=g-import-not-at-top
-  args = list(args)
-  arrays, ext = handler_mod._physical(values, infos)  # pylint: disable=protected-access
-  reasons = unsupported(arrays, infos, args)
-  if reasons:
-    warnings.warn(
-        'orbax_pathways: the Pathways persistence transport cannot write this save ('
-        + '; '.join(reasons) + '); using the colocated transport instead (same on-disk format). '
-        'Use use_ocdbt=False, no dtype casts and supported dtypes to use persistence.',
-        RuntimeWarning, stacklevel=3)
-    return await colocated.serialize(handler, values, infos, args)
-  groups = build_groups(arrays, infos)
-  st = stats_lib.SaveStats(transport=NAME, arrays=len(arrays), controller_tensor_bytes=0)
-  stats_lib.record_save(st)
-  await asyncio.gather(*(info.await_path_creation() for info in infos))
-  futures = [compat.persistence_write_arrays(g.location, g.names, g.arrays, TIMEOUT) for g in groups]
+def _one_writer(device) -> str:
+  del device
+  return 'workers'
 
-  async def background():
+
+class PersistenceTransport:
+  """Pathways' persistence plugin writes; reads (and saves it cannot do) go through colocated."""
+
+  name = NAME
+
+  def __init__(self, *, save: base.SaveConfig | None = None, read: base.ReadConfig | None = None):
+    self._save = save
+    self.fallback = colocated.ColocatedTransport(save=save, read=read)
+
+  def unsupported(self, leaves: Sequence[values.SaveLeaf], item: values.Item) -> list[str]:
+    return unsupported(leaves, item)
+
+  async def snapshot(self, arrays: Sequence[jax.Array], leaves: Sequence[values.SaveLeaf],
+                     item: values.Item, ready: Callable[[], Awaitable[None]]) -> base.Snapshot:
+    # The plugin program takes its inputs when it is enqueued: that is the snapshot, and it
+    # needs the directory to exist.
+    await ready()
+    groups = build_groups(arrays, leaves, item)
+    futures = [compat.persistence_write_arrays(g.location, g.names, g.arrays, TIMEOUT)
+               for g in groups]
+    plans = [layout.plan_writes(a.sharding, leaf.shape, np.dtype(leaf.dtype).itemsize,
+                                _one_writer, max_chunk_bytes=leaf.max_chunk_bytes,
+                                replica_parallel=False, coalesce_bytes=0)
+             for a, leaf in zip(arrays, leaves)]
+    return base.Snapshot(
+        layouts=[values.LeafLayout.of(leaf, plan) for leaf, plan in zip(leaves, plans)],
+        layouts_exact=False, controller_tensor_bytes=0,
+        state=(futures, item, tuple(leaves), plans))
+
+  async def write(self, snap: base.Snapshot) -> list[values.WriterOutcome]:
+    futures, item, leaves, plans = snap.state
     for f in futures:
       await asyncio.to_thread(f.result)
+    # The plugin computes no checksums: the record carries the layout and shardings only.
     record = metadata.WriterRecord(
-        writer='controller', transport=NAME, arrays=tuple(
-            dataclasses.replace(a, chunks=()) for a in handler.writer_record(
-                'controller', NAME, arrays, infos, args,
-                [handler._plan(x, lambda d: 'workers', coalesce=False) for x in arrays],  # pylint: disable=protected-access
-                {}, with_sharding=True, st=st).arrays))
-    await asyncio.to_thread(meta_io.write_record, infos[0].parent_dir, record)
+        writer='controller', transport=NAME, library_version=version.VERSION, arrays=tuple(
+            metadata.ArrayRecord(name=leaf.name, dtype=np.dtype(leaf.stored_dtype).name,
+                                 shape=leaf.shape, chunk_shape=plan.chunk_shape, chunks=(),
+                                 sharding=leaf.sharding)
+            for leaf, plan in zip(leaves, plans)))
+    await asyncio.to_thread(meta_io.write_record, item.directory, record)
+    return []
 
-  return [compat.CommitFuture(background(), name='orbax_pathways_persistence_write')]
+  async def read(self, targets, item):
+    return await self.fallback.read(targets, item)

@@ -1,0 +1,224 @@
+"""The engine: the one save path and the one restore path behind every Orbax front door.
+
+Front doors (``frontends/orbax_v0.py`` for Orbax's TypeHandler registry, ``frontends/orbax_v1.py``
+for the v1 API) convert Orbax's objects into ``orbax_pathways.values`` and call, on the
+controller (the only process under Pathways, every process under multi-controller JAX):
+
+Save:
+1. ``pending = await engine.save(arrays, leaves, item, config=..., ready=...)`` inside Orbax's
+   ``serialize``: picks the transport (once per call), plans and takes the snapshot (the only
+   part ``save()`` blocks on), publishes the save's ``SaveStats``.
+2. ``await pending.write()`` in Orbax's background commit thread: waits for the item directory,
+   lets the transport write every host's share, records the outcome, logs one line.
+
+Restore:
+1. ``await engine.restore(leaves, item, config=..., records=...)``: resolves each leaf against
+   storage (our records, or the zarr metadata of a stock checkpoint), checks shapes, and lets the
+   transport read, verify and place the bytes; records ``RestoreStats`` and logs one line.
+
+The engine owns transport choice and fallback, the stats and the log lines; it knows nothing of
+Orbax's ``ParamInfo``/``SaveArgs``/``RestoreArgs`` and never imports a front door.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+import warnings
+from typing import Any, Awaitable, Callable, Sequence
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from orbax_pathways import errors
+from orbax_pathways import layout
+from orbax_pathways import metadata
+from orbax_pathways import options as options_lib
+from orbax_pathways import runtime
+from orbax_pathways import stats as stats_lib
+from orbax_pathways import values
+from orbax_pathways._compat import orbax as compat
+from orbax_pathways.transports import base as transports
+
+log = logging.getLogger('orbax_pathways')
+
+
+def _trace(name: str):
+  return jax.profiler.TraceAnnotation(f'orbax_pathways.{name}')
+
+
+def _step_dir(item_directory: str) -> str:
+  """The final path of the step directory holding ``item_directory`` (Orbax's temporary
+  suffix removed), for stats and log lines."""
+  step_dir = item_directory.rstrip('/').rsplit('/', 1)[0]
+  head, _, name = step_dir.rpartition('/')
+  name = name.split('.orbax-checkpoint-tmp', 1)[0]
+  return f'{head}/{name}' if head else name
+
+
+@functools.lru_cache(maxsize=1024)
+def sharding_record(sharding: jax.sharding.Sharding,
+                    num_slices: int | None) -> metadata.ShardingRecord:
+  """What the primary writer records of an array's sharding (cached: O(devices) to build, and a
+  training loop saves the same shardings every time)."""
+  return layout.sharding_record(sharding, num_slices=num_slices)
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreLeaf:
+  """One array to restore, as the front door resolved it: the global shape and dtype to return
+  (None: as saved), the target sharding, and whether shapes must match (``strict``)."""
+
+  name: str
+  shape: tuple[int, ...] | None
+  dtype: Any
+  sharding: jax.sharding.Sharding
+  strict: bool = True
+
+
+def check_global(arrays: Sequence[jax.Array], names: Sequence[str]) -> None:
+  """In a multi-process run every saved array must be global (a shard on every process)."""
+  if jax.process_count() <= 1:
+    return
+  for a, name in zip(arrays, names):
+    if a.is_fully_addressable:
+      raise errors.SaveError(
+          f'Array {name!r} (shape {a.shape}, sharding {a.sharding}) lives on one process '
+          'only, but this is a multi-process run: every process must hold a shard of a global '
+          'array. Build it with jax.make_array_from_process_local_data or '
+          'multihost_utils.host_local_array_to_global_array before saving.')
+
+
+@dataclasses.dataclass
+class PendingSave:
+  """A save whose snapshot is taken; ``write()`` finishes it in the background."""
+
+  transport: transports.Transport
+  snapshot: transports.Snapshot
+  stats: stats_lib.SaveStats
+  item: values.Item
+  ready: Callable[[], Awaitable[None]]
+
+  @property
+  def layouts(self) -> list[values.LeafLayout]:
+    return self.snapshot.layouts
+
+  async def write(self, *, extra_requests: int = 0) -> None:
+    """Every writer host's share, then the stats and the log line. ``extra_requests`` counts the
+    metadata objects the front door writes alongside (Orbax's array metadata file)."""
+    await self.ready()
+    t0 = time.perf_counter()
+    outcomes = await self.transport.write(self.snapshot)
+    st = self.stats
+    st.write = stats_lib.WriteStats(
+        written_bytes={o.writer: o.bytes_written for o in outcomes},
+        chunks_written={o.writer: o.chunks_written for o in outcomes},
+        write_s=time.perf_counter() - t0,
+        storage_requests=len(outcomes) + extra_requests)
+    total = st.total_written
+    log.info('orbax_pathways: saved %d arrays, %.1f MiB from %s (%s%s), save() blocked '
+             '%.0f ms, write %.2f s (%.2f GB/s) to %s', st.arrays, total / 2**20,
+             ', '.join(sorted(st.written_bytes)) or 'no host', st.transport,
+             f', {st.snapshot} snapshot' if st.snapshot else '', st.blocking_s * 1e3,
+             st.write_s, total / max(st.write_s, 1e-9) / 1e9, self.item.directory)
+
+
+class Engine:
+  """Save and restore for one set of ``Options`` (a front door holds one)."""
+
+  def __init__(self, options: options_lib.Options):
+    self.options = options
+
+  def transport_name(self) -> str:
+    return runtime.choose_transport(requested=self.options.transport).value
+
+  # ---- save ------------------------------------------------------------------------------------
+
+  async def save(self, arrays: Sequence[jax.Array], leaves: Sequence[values.SaveLeaf],
+                 item: values.Item, *, config: transports.SaveConfig,
+                 ready: Callable[[], Awaitable[None]]) -> PendingSave:
+    t0 = time.perf_counter()
+    check_global(arrays, [leaf.name for leaf in leaves])
+    transport = transports.create(self.transport_name(), save=config)
+    reasons = transport.unsupported(leaves, item)
+    if reasons and transport.fallback is not None:
+      warnings.warn(
+          f'orbax_pathways: the Pathways {transport.name} transport cannot write this save ('
+          + '; '.join(reasons) + f'); using the {transport.fallback.name} transport instead (same '
+          'on-disk format). Use use_ocdbt=False, no dtype casts and supported dtypes to use '
+          f'{transport.name}.', RuntimeWarning, stacklevel=4)
+      transport = transport.fallback
+    snap = await transport.snapshot(arrays, leaves, item, ready)
+    step_dir = _step_dir(item.directory)
+    st = stats_lib.SaveStats(
+        transport=transport.name, arrays=len(leaves), snapshot=snap.snapshot_mode,
+        blocking_s=time.perf_counter() - t0, d2h_bytes=dict(snap.d2h_bytes),
+        controller_tensor_bytes=snap.controller_tensor_bytes,
+        step=stats_lib.step_of(step_dir.rsplit('/', 1)[-1]), step_dir=step_dir)
+    stats_lib.record_save(st)
+    return PendingSave(transport, snap, st, item, ready)
+
+  # ---- restore ---------------------------------------------------------------------------------
+
+  async def restore(self, leaves: Sequence[RestoreLeaf], item: values.Item, *,
+                    config: transports.ReadConfig,
+                    records: dict[str, metadata.ArrayRecord],
+                    context: Any = None) -> list[jax.Array]:
+    """``records`` are this item's ``_pathways`` records by array name (empty for a stock
+    checkpoint), read once by the front door."""
+    t0 = time.perf_counter()
+    with _trace('plan_read'):
+      targets = [await self._target(leaf, item, records.get(leaf.name), context) for leaf in leaves]
+    transport = transports.create(self.transport_name(), read=config)
+    out, outcomes = await transport.read(targets, item)
+    step_dir = _step_dir(item.directory)
+    st = stats_lib.RestoreStats(
+        transport=transport.name if transport.name != 'persistence' else 'colocated',
+        arrays=len(leaves), read_s=time.perf_counter() - t0,
+        bytes_read={o.reader: o.bytes_read for o in outcomes},
+        bytes_needed={o.reader: o.bytes_needed for o in outcomes if o.bytes_needed},
+        chunks_verified=sum(o.chunks_verified for o in outcomes),
+        step=stats_lib.step_of(step_dir.rsplit('/', 1)[-1]), step_dir=step_dir)
+    stats_lib.record_restore(st)
+    log.info('orbax_pathways: restored %d arrays, read %.1f MiB (%s, %s) in %.2f s, %d chunks '
+             'verified, from %s', len(out), sum(st.bytes_read.values()) / 2**20, st.transport,
+             ', '.join(sorted(st.bytes_read)), st.read_s, st.chunks_verified, item.directory)
+    return out
+
+  async def _target(self, leaf: RestoreLeaf, item: values.Item,
+                    record: metadata.ArrayRecord | None, context: Any) -> values.ReadTarget:
+    """Resolves one leaf against what is on storage."""
+    tspec = compat.build_read_spec(item, leaf.name,
+                                   raise_array_data_missing_error=item.raise_array_data_missing_error)
+    path = item.path_of(leaf.name)
+    dtype = leaf.dtype
+    if record is not None:
+      stored_shape, chunk_shape = tuple(record.shape), tuple(record.chunk_shape)
+      chunks = metadata.chunk_index([record])
+      if dtype is None:
+        dtype = np.dtype(record.dtype)
+    else:  # A checkpoint without our metadata (stock Orbax): ask tensorstore for the layout.
+      try:
+        t = await ts.open(ts.Spec(tspec), open=True,
+                          context=context if context is not None else compat.ts_context(item.use_ocdbt))
+      except Exception as e:
+        raise errors.RestoreError(
+            f'Cannot open array {leaf.name!r} at {path}: {type(e).__name__}: {e}. Check the step '
+            'is complete (`orbax-pathways ls`).') from e
+      stored_shape = tuple(t.shape)
+      chunk_shape = tuple(t.chunk_layout.read_chunk.shape or ()) or None
+      chunks = {}
+      if dtype is None:
+        dtype = t.dtype.numpy_dtype
+    shape = tuple(leaf.shape) if leaf.shape is not None else stored_shape
+    if shape != stored_shape:
+      raise errors.RestoreError(
+          f'Array {leaf.name!r} at {path} was saved with shape {stored_shape} but the restore '
+          f'target asks for {shape}. Restore with the saved shape, or pass '
+          'ArrayRestoreArgs(strict=False) to pad or truncate.')
+    return values.ReadTarget(
+        name=leaf.name, path=path, tspec=tspec, shape=shape, dtype=np.dtype(dtype),
+        chunk_shape=chunk_shape, chunks=chunks, sharding=leaf.sharding, stored_shape=stored_shape)

@@ -1,0 +1,110 @@
+"""The interface every transport implements, and how the engine picks one.
+
+A transport moves shard bytes between devices and storage for one save or one restore call. The
+engine (``orbax_pathways.engine``) creates one per call with ``create()`` and drives it; a
+transport never sees Orbax objects or the front door that called the engine, only the typed
+values of ``orbax_pathways.values`` and the caller's ``jax.Array``s.
+
+Call order, save (all on the controller: the only process under Pathways, every process under
+multi-controller JAX):
+
+1. ``unsupported(leaves, item)`` (caller's thread): reasons this transport cannot do this save;
+   the engine then uses ``fallback`` and warns, naming the reasons.
+2. ``await snapshot(arrays, leaves, item, ready)`` (inside ``save()``): plans who writes what
+   and takes the device-to-host (or device-to-worker) snapshot. The only part ``save()`` blocks
+   on: once it returns, training may donate or overwrite its arrays. ``ready()`` resolves when
+   Orbax has created the item directory (only a transport that writes synchronously awaits it).
+3. ``await write(snapshot)`` (Orbax's background commit thread, after ``ready()``): every writer
+   host writes its pieces and its ``_pathways/<writer>.msgpack`` record; returns one
+   ``WriterOutcome`` per writer. Raises ``SaveError`` if any write failed (after all settled).
+
+Restore:
+
+1. ``await read(targets, item)`` (controller): each reading host reads, verifies and places the
+   boxes its devices need; returns the arrays on the targets' shardings and one ``ReadOutcome``
+   per reading host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Awaitable, Callable, Protocol, Sequence
+
+import jax
+
+from orbax_pathways import values as types  # the boundary values
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveConfig:
+  """Per-call settings a transport needs besides the leaves (from options and Orbax's handler)."""
+
+  max_inflight_bytes: int
+  replica_parallel: bool
+  coalesce_bytes: int
+  snapshot_mode: str  # 'auto', 'pinned' or 'host'
+  is_primary: bool  # this process writes the zarr metadata and the shardings (local transport)
+  ocdbt_process_id: int | str | None  # Orbax's ocdbt.process_<id> suffix for this process
+  context: Any = None  # Orbax's tensorstore context for this item (local transport only)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadConfig:
+  verify: bool
+  context: Any = None  # Orbax's tensorstore context (local transport only)
+
+
+@dataclasses.dataclass
+class Snapshot:
+  """What ``snapshot`` took: enough for ``write`` to finish the save in the background.
+
+  ``layouts`` (one per leaf) go back to the front door for Orbax's metadata (``layouts_exact``
+  False: the storage layout is chosen by someone else, e.g. the persistence plugin);
+  ``d2h_bytes`` and ``controller_tensor_bytes`` feed the save's stats; ``state`` is the
+  transport's own.
+  """
+
+  layouts: list[types.LeafLayout]
+  layouts_exact: bool = True
+  snapshot_mode: str = ''
+  d2h_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+  controller_tensor_bytes: int = 0
+  state: Any = None
+
+
+class Transport(Protocol):
+  """See the module docstring for the call order and the host of each call."""
+
+  name: str
+  fallback: 'Transport | None'
+
+  def unsupported(self, leaves: Sequence[types.SaveLeaf], item: types.Item) -> list[str]:
+    ...
+
+  async def snapshot(self, arrays: Sequence[jax.Array], leaves: Sequence[types.SaveLeaf],
+                     item: types.Item, ready: Callable[[], Awaitable[None]]) -> Snapshot:
+    ...
+
+  async def write(self, snapshot: Snapshot) -> list[types.WriterOutcome]:
+    ...
+
+  async def read(self, targets: Sequence[types.ReadTarget],
+                 item: types.Item) -> tuple[list[jax.Array], list[types.ReadOutcome]]:
+    ...
+
+
+NAMES = ('local', 'colocated', 'persistence')
+
+
+def create(name: str, *, save: SaveConfig | None = None, read: ReadConfig | None = None) -> Transport:
+  """A transport of kind ``name`` configured for one save (``save``) or restore (``read``)."""
+  if name == 'local':
+    from orbax_pathways.transports import local  # pylint: disable=g-import-not-at-top
+    return local.LocalTransport(save=save, read=read)
+  if name == 'colocated':
+    from orbax_pathways.transports import colocated  # pylint: disable=g-import-not-at-top
+    return colocated.ColocatedTransport(save=save, read=read)
+  if name == 'persistence':
+    from orbax_pathways.transports import persistence  # pylint: disable=g-import-not-at-top
+    return persistence.PersistenceTransport(save=save, read=read)
+  raise ValueError(f'Unknown transport {name!r}; valid transports: {list(NAMES)}.')

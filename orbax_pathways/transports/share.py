@@ -1,0 +1,103 @@
+"""One host's share of a save or a restore: runs on the host that holds the bytes.
+
+Called by the local transport on each process, and inside the colocated-Python functions on each
+Pathways worker. Host bytes in, storage out (or back): builds Orbax's tensorstore specs for this
+host's pieces, writes them with checksums, writes this writer's ``_pathways`` record; on restore,
+reads and verifies the regions this host's devices need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Sequence
+
+import numpy as np
+
+from orbax_pathways import metadata
+from orbax_pathways import values
+from orbax_pathways import version
+from orbax_pathways._compat import orbax as compat
+from orbax_pathways.plan import boxes as boxes_lib
+from orbax_pathways.plan import save as save_plan
+from orbax_pathways.storage import meta_io
+from orbax_pathways.storage import reader as reader_lib
+from orbax_pathways.storage import writer as writer_lib
+
+Box = boxes_lib.Box
+
+
+def context_for(item: values.Item, context: Any = None) -> Any:
+  """Orbax's tensorstore context for the item, unless our options add resources (retries):
+  then a context with Orbax's defaults plus those (the only kind a worker host can build)."""
+  if context is not None and not item.context_extra:
+    return context
+  return compat.ts_context(item.use_ocdbt, dict(item.context_extra) or None)
+
+
+def array_writes(item: values.Item, leaves: Sequence[values.SaveLeaf],
+                 plans: Sequence[save_plan.ArrayWritePlan],
+                 pieces: Sequence[Sequence[writer_lib.Piece]], *, creates: Sequence[bool],
+                 process_id: int | str | None) -> list[writer_lib.ArrayWrite]:
+  """Tensorstore writes of this host's pieces, with Orbax's exact specs and our chunk grid."""
+  out = []
+  for leaf, plan, ps, create in zip(leaves, plans, pieces, creates):
+    layout = values.LeafLayout.of(leaf, plan)
+    tspec = compat.build_write_spec(
+        item, leaf.name, global_shape=leaf.shape, write_shape=layout.write_shape,
+        chunk_shape=layout.chunk_shape, dtype=leaf.dtype, stored_dtype=leaf.stored_dtype,
+        process_id=process_id, ext_metadata=leaf.ext_metadata, use_compression=leaf.compress)
+    out.append(writer_lib.ArrayWrite(
+        name=leaf.name, path=item.path_of(leaf.name), tspec=tspec, create=create,
+        global_shape=leaf.shape, chunk_shape=layout.chunk_shape,
+        stored_dtype=np.dtype(leaf.stored_dtype), pieces=tuple(ps)))
+  return out
+
+
+def writer_record(writer: str, transport: str, leaves: Sequence[values.SaveLeaf],
+                  plans: Sequence[save_plan.ArrayWritePlan],
+                  chunks: dict[str, list[metadata.ChunkRecord]], *, with_sharding: bool,
+                  outcome: values.WriterOutcome) -> metadata.WriterRecord:
+  """The ``_pathways/<writer>.msgpack`` content for what this writer wrote."""
+  arrays = tuple(
+      metadata.ArrayRecord(
+          name=leaf.name, dtype=np.dtype(leaf.stored_dtype).name, shape=leaf.shape,
+          chunk_shape=plan.chunk_shape, chunks=tuple(chunks.get(leaf.name, ())),
+          sharding=leaf.sharding if with_sharding else None)
+      for leaf, plan in zip(leaves, plans))
+  return metadata.WriterRecord(
+      writer=writer, transport=transport, arrays=arrays, library_version=version.VERSION,
+      stats={'written_bytes': outcome.bytes_written, 'chunks': outcome.chunks_written})
+
+
+async def write_share(writer: str, transport: str, item: values.Item,
+                      leaves: Sequence[values.SaveLeaf], plans: Sequence[save_plan.ArrayWritePlan],
+                      pieces: Sequence[Sequence[writer_lib.Piece]], *, creates: Sequence[bool],
+                      process_id: int | str | None, with_sharding: bool, max_inflight_bytes: int,
+                      context: Any = None) -> values.WriterOutcome:
+  """Writes this host's pieces and then its record (the record last: it lists what landed)."""
+  writes = array_writes(item, leaves, plans, pieces, creates=creates, process_id=process_id)
+  chunks = await writer_lib.write_arrays(writes, context=context_for(item, context),
+                                         max_inflight_bytes=max_inflight_bytes)
+  outcome = values.WriterOutcome(writer, sum(w.nbytes for w in writes),
+                                 sum(len(c) for c in chunks.values()))
+  record = writer_record(writer, transport, leaves, plans, chunks, with_sharding=with_sharding,
+                         outcome=outcome)
+  await asyncio.to_thread(meta_io.write_record, item.directory, record)
+  return outcome
+
+
+def array_read(target: values.ReadTarget, needed: Sequence[Box]) -> reader_lib.ArrayRead:
+  return reader_lib.ArrayRead(
+      name=target.name, path=target.path, tspec=dict(target.tspec),
+      plan=values.read_plan(target, list(needed)), chunk_shape=target.chunk_shape,
+      chunks=target.chunks, target_dtype=np.dtype(target.dtype))
+
+
+async def read_share(reads: Sequence[reader_lib.ArrayRead], *, item: values.Item, verify: bool,
+                     context: Any = None) -> tuple[list[dict[Box, np.ndarray]], reader_lib.ReadStats]:
+  """Reads, verifies and returns host buffers for every needed box of every array."""
+  stats = reader_lib.ReadStats()
+  ctx = context_for(item, context)
+  buffers = await asyncio.gather(*(
+      reader_lib.read_array(r, context=ctx, verify=verify, stats=stats) for r in reads))
+  return list(buffers), stats
