@@ -1,0 +1,86 @@
+"""Where the benchmark's checkpoints go, how they are removed, and the bytes that came off storage.
+
+cpu / gpu modes: a fresh directory (``--dir`` or ``/tmp/orbax-bench-*``) removed at the end.
+gcs mode: a bucket on ``tests/gcs_server.py``'s fake-gcs-server (memory backend, loopback), with
+that module's environment applied to this process (and inherited by the RSS subprocesses).
+``ts_bytes_read`` sums tensorstore's per-driver kvstore ``bytes_read`` counters, the same counter
+for both handlers. Nothing here imports jax.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+
+from benchlib import TESTS
+
+
+def import_gcs_server():
+  """tests/gcs_server.py (FakeGcs), or None with the reason."""
+  if not os.path.exists(os.path.join(TESTS, 'gcs_server.py')):
+    return None, 'tests/gcs_server.py is absent'
+  if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+  try:
+    import gcs_server  # pylint: disable=import-outside-toplevel
+    return gcs_server, None
+  except Exception as e:  # pylint: disable=broad-except
+    return None, f'cannot import tests/gcs_server.py: {type(e).__name__}: {e}'
+
+
+class Storage:
+  """A checkpoint root: a local directory, or ``gs://<bucket>/bench`` when ``bucket`` is set."""
+
+  def __init__(self, root: str, gcs_bucket: str | None = None):
+    self.root = root.rstrip('/')
+    self.bucket = gcs_bucket
+
+  def new_dir(self, tag: str) -> str:
+    return f'{self.root}/{tag}-{uuid.uuid4().hex[:8]}'
+
+  def remove(self, path: str) -> None:
+    if self.bucket is None:
+      shutil.rmtree(path, ignore_errors=True)
+      return
+    import tensorstore as ts
+    prefix = path[len(f'gs://{self.bucket}/'):].rstrip('/') + '/'
+    kv = ts.KvStore.open({'driver': 'gcs', 'bucket': self.bucket}).result()
+    kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord('/') + 1))).result()
+
+
+def open_storage(stack: contextlib.ExitStack, mode: str, local_dir: str | None, gcs_mod,
+                 notes: list) -> Storage:
+  """The run's checkpoint root; ``stack`` stops the server or removes the directory at the end."""
+  if mode == 'gcs':
+    server = stack.enter_context(gcs_mod.FakeGcs(backend='memory'))
+    bucket = server.new_bucket('bench')
+    stack.enter_context(gcs_mod.applied_env(server.env()))
+    notes.append(f'fake-gcs-server at {server.url} (memory backend), bucket {bucket}')
+    return Storage(f'gs://{bucket}/bench', bucket)
+  if local_dir:
+    os.makedirs(local_dir, exist_ok=True)
+    root = tempfile.mkdtemp(prefix='bench-', dir=local_dir)
+  else:
+    root = tempfile.mkdtemp(prefix='orbax-bench-', dir='/tmp')
+  stack.callback(shutil.rmtree, root, True)
+  return Storage(root)
+
+
+def ts_bytes_read() -> tuple[int, list[str]]:
+  """Sum of tensorstore's per-driver kvstore bytes_read counters (file, gcs, ...): the bytes
+  that came off storage (compressed, as stored), the same counter for both handlers.
+
+  ``ts.experimental_collect_matching_metrics`` is tensorstore's experimental metrics API."""
+  import tensorstore as ts
+  total, names = 0, []
+  for m in ts.experimental_collect_matching_metrics('/tensorstore/kvstore/'):
+    name = m['name']
+    parts = name.split('/')
+    if len(parts) == 5 and parts[4] == 'bytes_read' and parts[3] not in ('ocdbt', 'memory'):
+      total += sum(int(v.get('value', 0)) for v in m['values'])
+      names.append(name)
+  return total, names
