@@ -22,6 +22,8 @@ from orbax_pathways import retention
 from orbax_pathways import stats as stats_lib
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways._compat import orbax_manager
+from orbax_pathways._compat import orbax_v1 as compat_v1
+from orbax_pathways.frontends import orbax_v1
 
 log = logging.getLogger('orbax_pathways')
 DISABLE_ENV = 'ORBAX_PATHWAYS_DISABLE'
@@ -80,11 +82,18 @@ def install(options: options_lib.Options | None = None) -> handler_lib.ProxyArra
       _previous = current
     _ours = handler_lib.ProxyArrayHandler(options=options)
     compat.register_array_handler(_ours)
+    compat_v1.install(_v1_handler)
     _warned.clear()
     log.info('orbax_pathways: installed %s for jax.Array in Orbax %s (replacing %s); '
              'uninstall() restores it.', type(_ours).__name__, compat.ORBAX_VERSION,
              type(_previous).__name__)
     return _ours
+
+
+def _v1_handler(context, stock):
+  """Orbax v1's array handler for ``context``: ours while installed (``frontends/orbax_v1.py``)."""
+  ours = _ours
+  return orbax_v1.handler_for(context, stock, ours.options) if ours is not None else stock
 
 
 def uninstall() -> None:
@@ -97,6 +106,7 @@ def uninstall() -> None:
     orbax_manager.set_hook('after_commit', None)
     preemption.uninstall()
     retention.uninstall()
+    compat_v1.uninstall()
     if _previous is not None:
       compat.register_array_handler(_previous)
     log.info('orbax_pathways: uninstalled; jax.Array handled by %s again.', type(_previous).__name__)

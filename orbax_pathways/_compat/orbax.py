@@ -67,6 +67,27 @@ def handler_settings(handler: Any) -> HandlerSettings:
       array_metadata_store=handler._array_metadata_store, dispatcher=handler._dispatcher)
 
 
+def handler_constructor_kwargs(handler: Any) -> dict[str, Any]:
+  """The keyword arguments that build an ``ArrayHandler`` like ``handler`` (same settings)."""
+  # pylint: disable=protected-access
+  return dict(
+      metadata_key=handler._metadata_key, primary_host=handler._primary_host,
+      replica_id=handler._replica_id, use_replica_parallel=handler._use_replica_parallel,
+      min_slice_bytes_for_replica_parallel=handler._min_slice_bytes_for_replica_parallel,
+      max_replicas_for_replica_parallel=handler._max_replicas_for_replica_parallel,
+      enable_write_sharding_file=handler._enable_write_sharding_file,
+      array_metadata_store=handler._array_metadata_store,
+      enable_replica_parallel_separate_folder=handler._enable_replica_parallel_separate_folder,
+      callback=handler._callback)
+
+
+def is_plain_array_handler(handler: Any) -> bool:
+  """Orbax's own ``ArrayHandler`` or its Pathways persistence handler, which ours replaces; not
+  a ``SingleReplicaArrayHandler`` (load-and-broadcast) or a user's subclass."""
+  from orbax.checkpoint._src.serialization import cloud_pathways_array_handler as _cp  # pylint: disable=g-import-not-at-top
+  return type(handler) in (_jah.ArrayHandler, _cp.CloudPathwaysArrayHandler)
+
+
 def logical_parent_dir(info: Any) -> str:
   """``ParamInfo.parent_dir`` as a string, also while Orbax is still creating it (a
   ``PathAwaitingCreation`` names its path before it exists)."""
