@@ -107,7 +107,12 @@ class ReadTarget:
   chunk_shape: tuple[int, ...] | None
   chunks: Mapping[tuple[int, ...], metadata.ChunkRecord]
   sharding: Any
-  stored_shape: tuple[int, ...] | None = None
+  stored_shape: tuple[int, ...] | None = None  # differs from ``shape`` only when padding/truncating
+  require_checksums: bool = False  # written with checksums: every chunk must have a record
+
+  @property
+  def shape_on_storage(self) -> tuple[int, ...]:
+    return tuple(self.stored_shape) if self.stored_shape is not None else tuple(self.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +131,7 @@ def _cached_read_plan(shape, chunk_shape, needed) -> restore_plan.ArrayReadPlan:
 
 
 def read_plan(target: ReadTarget, needed: list[Box]) -> restore_plan.ArrayReadPlan:
-  """The chunk-aligned regions a host reads to fill ``needed`` (pure; cached: a job restores
-  the same layouts again and again)."""
+  """The chunk-aligned regions of the stored array a host reads to fill ``needed`` (boxes in
+  storage coordinates; pure; cached: a job restores the same layouts again and again)."""
   chunk_shape = tuple(target.chunk_shape) if target.chunk_shape else None
-  return _cached_read_plan(tuple(target.shape), chunk_shape, tuple(needed))
+  return _cached_read_plan(target.shape_on_storage, chunk_shape, tuple(needed))

@@ -33,6 +33,8 @@ ORBAX_VERSION = ocp.__version__
 # Public Orbax API, re-exported so the rest of the package imports Orbax from one place.
 ArrayHandler = _th.ArrayHandler
 ArrayRestoreArgs = _th.ArrayRestoreArgs
+NumpyHandler = _th.NumpyHandler
+RestoreArgs = _th.RestoreArgs
 SaveArgs = _th.SaveArgs
 ParamInfo = _th.ParamInfo
 CommitFuture = _future.CommitFutureAwaitingContractedSignals
@@ -56,6 +58,7 @@ class HandlerSettings:
   enable_write_sharding_file: bool
   array_metadata_store: Any
   dispatcher: Any
+  callback: Any  # Orbax's SerializationStatusCallback
 
 
 def handler_settings(handler: Any) -> HandlerSettings:
@@ -64,7 +67,17 @@ def handler_settings(handler: Any) -> HandlerSettings:
       primary_host=handler._primary_host, replica_id=handler._replica_id,
       use_replica_parallel=bool(handler._use_replica_parallel),
       enable_write_sharding_file=bool(handler._enable_write_sharding_file),
-      array_metadata_store=handler._array_metadata_store, dispatcher=handler._dispatcher)
+      array_metadata_store=handler._array_metadata_store, dispatcher=handler._dispatcher,
+      callback=handler._callback)
+
+
+def limiter_bytes(limiter: Any) -> int | None:
+  """The byte budget of one of Orbax's byte limiters (``save_concurrent_gb``,
+  ``restore_concurrent_gb``), or None when it is unlimited or absent."""
+  from orbax.checkpoint._src.serialization import limits  # pylint: disable=g-import-not-at-top
+  if isinstance(limiter, limits.LimitInFlightBytes):
+    return int(limiter.max_bytes)
+  return None
 
 
 def handler_constructor_kwargs(handler: Any) -> dict[str, Any]:
@@ -249,6 +262,21 @@ def register_array_handler(handler: Any) -> None:
   absl_logging.set_verbosity(absl_logging.ERROR)
   try:
     _thr.register_type_handler(jax.Array, handler, override=True)
+  finally:
+    absl_logging.set_verbosity(verbosity)
+
+
+def registered_handler(ty: type) -> Any:
+  return _thr.GLOBAL_TYPE_HANDLER_REGISTRY.get(ty)
+
+
+def register_handler(ty: type, handler: Any) -> None:
+  """Like ``register_array_handler``, for another type (``np.ndarray``)."""
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  verbosity = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.ERROR)
+  try:
+    _thr.register_type_handler(ty, handler, override=True)
   finally:
     absl_logging.set_verbosity(verbosity)
 

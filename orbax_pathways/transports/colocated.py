@@ -204,8 +204,8 @@ def make_worker_restore(task: WorkerReadTask) -> Callable[[], tuple[jax.Array, .
     devices = _sorted_devices([t.sharding for t in task.targets])
     local = sorted(task.targets[0].sharding.addressable_devices, key=lambda d: d.id)
     mine = [layout.device_boxes(t.sharding, t.shape, addressable_only=True) for t in task.targets]
-    reads = [share.array_read(t, list(m.values())) for t, m in zip(task.targets, mine)]
-    buffers, stats = compat.run_sync(share.read_share(reads, item=task.item, verify=task.verify))
+    buffers, stats = compat.run_sync(share.read_share(
+        task.targets, [list(m.values()) for m in mine], item=task.item, verify=task.verify))
     out = []
     for t, m, bufs in zip(task.targets, mine, buffers):
       arrays = [jax.device_put(bufs[b], d) for d, b in m.items()]
