@@ -39,6 +39,7 @@ class Item:
   gcs_grpc: bool = False
   context_extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   raise_array_data_missing_error: bool = True
+  metadata_key: str | None = None  # Orbax's name for the zarr metadata file (None: default)
 
   def path_of(self, name: str) -> str:
     """The array's location for messages (its zarr directory, or its key in the OCDBT item)."""

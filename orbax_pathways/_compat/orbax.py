@@ -59,6 +59,7 @@ class HandlerSettings:
   array_metadata_store: Any
   dispatcher: Any
   callback: Any  # Orbax's SerializationStatusCallback
+  metadata_key: str | None
 
 
 def handler_settings(handler: Any) -> HandlerSettings:
@@ -68,7 +69,7 @@ def handler_settings(handler: Any) -> HandlerSettings:
       use_replica_parallel=bool(handler._use_replica_parallel),
       enable_write_sharding_file=bool(handler._enable_write_sharding_file),
       array_metadata_store=handler._array_metadata_store, dispatcher=handler._dispatcher,
-      callback=handler._callback)
+      callback=handler._callback, metadata_key=handler._metadata_key)
 
 
 def limiter_bytes(limiter: Any) -> int | None:
@@ -140,6 +141,7 @@ def _array_write_spec(item: Any, name: str, *, global_shape: Sequence[int],
       process_id=process_id,
       ocdbt_target_data_file_size=item.ocdbt_target_data_file_size,
       ext_metadata=dict(ext_metadata) if ext_metadata else None,
+      metadata_key=item.metadata_key,
   )
 
 
@@ -189,6 +191,7 @@ def build_read_spec(item: Any, name: str, *, raise_array_data_missing_error: boo
       name,
       item.use_zarr3,
       use_ocdbt=item.use_ocdbt,
+      metadata_key=item.metadata_key,
       raise_array_data_missing_error=raise_array_data_missing_error,
       target_dtype=target_dtype,
   ).json

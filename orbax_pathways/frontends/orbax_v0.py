@@ -80,7 +80,8 @@ class ProxyArrayHandler(compat.ArrayHandler):
         use_zarr3=bool(info.use_zarr3),
         ocdbt_target_data_file_size=info.ocdbt_target_data_file_size,
         gcs_grpc=self.options.gcs_grpc, context_extra=self.options.ts_context_extra(),
-        raise_array_data_missing_error=bool(getattr(info, 'raise_array_data_missing_error', True)))
+        raise_array_data_missing_error=bool(getattr(info, 'raise_array_data_missing_error', True)),
+        metadata_key=compat.handler_settings(self).metadata_key)
 
   def _context(self, info: Any) -> Any:
     """Orbax's tensorstore context for this item (shared with Orbax's other handlers)."""
