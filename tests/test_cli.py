@@ -39,7 +39,7 @@ import orbax_pathways
 import pytest
 
 from orbax_pathways import metadata as pw_metadata
-from orbax_pathways.cli import inspect as cli_inspect
+from orbax_pathways.cli import steps as cli_steps
 from orbax_pathways.cli import main as cli_main
 from orbax_pathways.storage import meta_io
 
@@ -135,7 +135,7 @@ def _with_our_metadata(step_dir: pathlib.Path) -> pathlib.Path:
   tree = _state(_mesh(), int(step_dir.name))
   arrays = {KERNEL: tree['params']['dense']['kernel'],
             'params.dense.bias': tree['params']['dense']['bias'], 'opt.mu': tree['opt']['mu']}
-  leaves = {l.key: l for l in cli_inspect.read_step(step_dir, open_arrays=True).items[0].leaves}
+  leaves = {l.key: l for l in cli_steps.read_step(step_dir, open_arrays=True).items[0].leaves}
   per_writer = ([], [])
   for name, arr in arrays.items():
     value, chunk = np.asarray(arr), leaves[name].chunk_shape
