@@ -143,13 +143,21 @@ def _gcs_kvstore(path: str, driver: str) -> dict[str, Any]:
   return {'driver': driver, 'bucket': bucket, 'path': rest}
 
 
+_REMOTE_READ_COALESCING = {
+    'experimental_read_coalescing_threshold_bytes': 1000000,
+    'experimental_read_coalescing_merged_bytes': 500000000000,
+    'experimental_read_coalescing_interval': '1ms',
+}
+
+
 def kvstore_spec(item_dir: str, param: str, *, ocdbt: bool, gcs_driver: str = 'gcs') -> dict[str, Any]:
   """Where param ``param`` of the item at ``item_dir`` lives, for reading.
 
   OCDBT: one database rooted at the item directory (the merged ``manifest.ocdbt``), the param a
   key prefix inside it. Otherwise: the zarr directory ``<item>/<param>``. ``gs://`` paths use
   tensorstore's ``gcs`` driver (``gcs_driver``: Orbax reads ``TENSORSTORE_GCS_BACKEND``), others
-  ``file`` (absolute paths: OCDBT requires them).
+  ``file`` (absolute paths: OCDBT requires them). Orbax's write-only settings (per-writer
+  ``ocdbt.process_<id>`` base, file locking, OCDBT config) are not part of a read spec.
   """
   directory = _normalize(item_dir)
   if ocdbt:
@@ -157,7 +165,10 @@ def kvstore_spec(item_dir: str, param: str, *, ocdbt: bool, gcs_driver: str = 'g
       base = _gcs_kvstore(directory, gcs_driver)
     else:
       base = {'driver': 'file', 'path': directory + '/'}
-    return {'driver': 'ocdbt', 'base': base, 'path': param, 'cache_pool': 'cache_pool#ocdbt'}
+    spec = {'driver': 'ocdbt', 'base': base, 'path': param, 'cache_pool': 'cache_pool#ocdbt'}
+    if is_gcs(directory):  # Orbax merges adjacent reads on remote storage.
+      spec.update(_REMOTE_READ_COALESCING)
+    return spec
   path = f'{directory}/{param}'
   if is_gcs(directory):
     return _gcs_kvstore(path, gcs_driver)
