@@ -822,6 +822,11 @@ def test_du_and_show_accept_an_uncommitted_step(built, tmp_path):
     assert run_json('show', step)[0] == 0
   code, doc = run_json('du', root)
   assert code == 0 and [s['name'] for s in doc['steps']] == ['4', '5.orbax-checkpoint-tmp']
+  runs = _copy(root, tmp_path / 'runs' / '7')  # a root that is named like a step
+  code, doc = run_json('du', runs)
+  assert code == 0 and [s['name'] for s in doc['steps']] == ['4', '5.orbax-checkpoint-tmp']
+  code, _, err = run('show', runs)
+  assert code == 2 and 'pass one step' in err
 
 
 def test_empty_path_is_an_error(built):
