@@ -14,9 +14,11 @@ and say so in CHANGELOG.md.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
 import msgpack
+
+from orbax_pathways.format import chunk_index  # noqa: F401  (re-exported: the one definition)
 
 SCHEMA_VERSION = 1
 DIRNAME = '_pathways'
@@ -217,12 +219,3 @@ def writer_filename(writer: str) -> str:
 
 def merge(records: Iterable[WriterRecord]) -> ItemMetadata:
   return ItemMetadata(tuple(sorted(records, key=lambda r: r.writer)))
-
-
-def chunk_index(records: Sequence[ArrayRecord]) -> dict[tuple[int, ...], ChunkRecord]:
-  """Origin -> chunk record for one array across writers (later duplicates must agree)."""
-  out: dict[tuple[int, ...], ChunkRecord] = {}
-  for r in records:
-    for c in r.chunks:
-      out[c.origin] = c
-  return out
