@@ -34,6 +34,7 @@ import numpy as np
 import tensorstore as ts
 
 from orbax_pathways import errors
+from orbax_pathways import format as format_lib
 from orbax_pathways import layout
 from orbax_pathways import metadata
 from orbax_pathways import options as options_lib
@@ -235,7 +236,7 @@ class Engine:
     dtype = leaf.dtype
     if record is not None:
       stored_shape, chunk_shape = tuple(record.shape), tuple(record.chunk_shape)
-      chunks = metadata.chunk_index([record])
+      chunks = format_lib.chunk_index([record])
       if dtype is None:
         dtype = np.dtype(record.dtype)
     else:  # A checkpoint without our metadata (stock Orbax): ask tensorstore for the layout.

@@ -27,6 +27,8 @@ from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 from orbax.checkpoint._src.serialization import type_handler_registry as _thr
 from orbax.checkpoint._src.asyncio_utils import run_sync  # noqa: F401  (re-exported)
 
+from orbax_pathways import format as format_lib
+
 SUPPORTED_ORBAX = '>=0.12.4,<0.13'
 ORBAX_VERSION = ocp.__version__
 
@@ -39,7 +41,7 @@ SaveArgs = _th.SaveArgs
 ParamInfo = _th.ParamInfo
 CommitFuture = _future.CommitFutureAwaitingContractedSignals
 JAX_ARRAY_TYPESTR = _jah.JAX_ARRAY_TYPE_STR
-SHARDING_FILE_NAME = '_sharding'
+SHARDING_FILE_NAME = format_lib.SHARDING_FILE
 ShardingMetadata = _sharding_md.ShardingMetadata
 
 
