@@ -92,6 +92,10 @@ def host_of(device) -> str:
 
 # ---- workers (one per subprocess) ----------------------------------------------------------
 
+CLOCKS = {'wall': time.perf_counter, 'cpu': time.process_time}
+_now = CLOCKS['wall']
+
+
 def _pure(n: int, budget: float) -> dict:
   import numpy as np  # pylint: disable=g-import-not-at-top
   from orbax_pathways.plan import save as save_plan  # pylint: disable=g-import-not-at-top
@@ -104,7 +108,7 @@ def _pure(n: int, budget: float) -> dict:
   arrays = model(n)
   out = {'arrays': len(arrays), 'impl': os.path.dirname(save_plan.__file__)}
   if shards is not None:
-    t0 = time.perf_counter()
+    t0 = _now()
     host_idx, hosts = shards.intern_hosts([f'p{i // DEVICES_PER_HOST}' for i in ids.tolist()])
     grids = {}
     for _, shape, itemsize, spec in arrays:
@@ -114,7 +118,7 @@ def _pure(n: int, budget: float) -> dict:
       plan = save_plan.plan_shards(grids[key].table(shape), itemsize, **OPTIONS)
       plan.for_host('p0')
       _ = plan.writes[0] if len(plan.writes) else None
-    out['plan_s'] = time.perf_counter() - t0
+    out['plan_s'] = _now() - t0
     return out
   # An older planner: placements per array (timed apart), then its plan_array_writes.
   from orbax_pathways.plan import boxes as boxes_lib  # pylint: disable=g-import-not-at-top
@@ -122,7 +126,7 @@ def _pure(n: int, budget: float) -> dict:
   size = dict(zip(names, mesh_shape))
   build = plan_time = 0.0
   for done, (_, shape, itemsize, spec) in enumerate(arrays, 1):
-    t0 = time.perf_counter()
+    t0 = _now()
     start, stop = [], []
     for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
       axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
@@ -136,11 +140,11 @@ def _pure(n: int, budget: float) -> dict:
     placements = [save_plan.Placement(i, f'p{i // DEVICES_PER_HOST}',
                                       boxes_lib.Box(tuple(a), tuple(b)))
                   for i, a, b in zip(ids.tolist(), start, stop)]
-    t1 = time.perf_counter()
+    t1 = _now()
     plan = save_plan.plan_array_writes(shape, itemsize, placements, **OPTIONS)
     plan.for_host('p0')
     _ = plan.writes[0] if plan.writes else None
-    t2 = time.perf_counter()
+    t2 = _now()
     build, plan_time = build + t1 - t0, plan_time + t2 - t1
     if plan_time > budget and done < len(arrays):
       out['extrapolated_from'] = done
@@ -164,38 +168,38 @@ def _jax(n: int, budget: float) -> dict:
   from orbax_pathways.plan import restore as restore_plan  # pylint: disable=g-import-not-at-top
   arrays = _jax_setup(n)
   out = {'arrays': len(arrays), 'impl': os.path.dirname(layout.__file__)}
-  t0 = time.perf_counter()
+  t0 = _now()
   plans = []
   for sharding, shape, itemsize in arrays:
     plan = layout.plan_writes(sharding, shape, itemsize, host_of, **OPTIONS)
     plan.for_host('p0')
     _ = plan.writes[0] if len(plan.writes) else None
     plans.append(plan)
-  out['plan_s'] = time.perf_counter() - t0
-  t0 = time.perf_counter()
+  out['plan_s'] = _now() - t0
+  t0 = _now()
   for sharding, _, _ in arrays:
     layout.sharding_record(sharding)
-  out['record_s'] = time.perf_counter() - t0
-  t0 = time.perf_counter()
+  out['record_s'] = _now() - t0
+  t0 = _now()
   for done, ((sharding, shape, _), plan) in enumerate(zip(arrays, plans), 1):
     boxes = layout.device_boxes(sharding, shape, addressable_only=True)
     restore_plan.plan_array_reads(shape, plan.chunk_shape, list(boxes.values()))
-    if time.perf_counter() - t0 > budget and done < len(arrays):
+    if _now() - t0 > budget and done < len(arrays):
       out['restore_extrapolated_from'] = done
-      out['restore_s'] = (time.perf_counter() - t0) * len(arrays) / done
+      out['restore_s'] = (_now() - t0) * len(arrays) / done
       break
   else:
-    out['restore_s'] = time.perf_counter() - t0
+    out['restore_s'] = _now() - t0
   return out
 
 
 def _jax_dim(n: int, budget: float) -> dict:
   del budget
   arrays = _jax_setup(n)
-  t0 = time.perf_counter()
+  t0 = _now()
   for sharding, shape, _ in arrays:
     sharding.devices_indices_map(shape)
-  return {'arrays': len(arrays), 'plan_s': time.perf_counter() - t0}
+  return {'arrays': len(arrays), 'plan_s': _now() - t0}
 
 
 WORKERS = {'pure': _pure, 'jax': _jax, 'jax-dim': _jax_dim}
@@ -203,13 +207,13 @@ WORKERS = {'pure': _pure, 'jax': _jax, 'jax-dim': _jax_dim}
 
 # ---- driver ------------------------------------------------------------------------------
 
-def _run(kind: str, n: int, root: str, budget: float) -> dict:
+def _run(kind: str, n: int, root: str, budget: float, clock: str) -> dict:
   env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS='cpu')
   if kind.startswith('jax'):
     env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
                         f' --xla_force_host_platform_device_count={n}').strip()
   proc = subprocess.run([sys.executable, os.path.abspath(__file__), '--_worker', kind, str(n),
-                         str(budget)], env=env, cwd=root, capture_output=True, text=True)
+                         str(budget), clock], env=env, cwd=root, capture_output=True, text=True)
   if proc.returncode:
     raise RuntimeError(f'{kind} {n} under {root} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}')
   return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -236,11 +240,15 @@ def main() -> None:
   parser.add_argument('--before', default=None, help='git ref to compare with (e.g. main)')
   parser.add_argument('--budget', type=float, default=120.0,
                       help='seconds one measurement may take before it is extrapolated')
+  parser.add_argument('--clock', choices=sorted(CLOCKS), default='wall',
+                      help='cpu: process CPU time, steadier on a shared machine')
   parser.add_argument('--json-out', default=None)
-  parser.add_argument('--_worker', nargs=3, help=argparse.SUPPRESS)
+  parser.add_argument('--_worker', nargs=4, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args._worker:  # pylint: disable=protected-access
-    kind, n, budget = args._worker  # pylint: disable=protected-access
+    kind, n, budget, clock = args._worker  # pylint: disable=protected-access
+    global _now  # pylint: disable=global-statement
+    _now = CLOCKS[clock]
     print(json.dumps(WORKERS[kind](int(n), float(budget))))
     return
 
@@ -256,15 +264,15 @@ def main() -> None:
       for label, root in roots.items():
         if kind == 'jax-dim' and label == 'before':
           continue  # JAX's own cost: the same for both
-        row[label] = _run(kind, n, root, args.budget)
+        row[label] = _run(kind, n, root, args.budget, args.clock)
         print(f'# {kind:8s} {n:6d} {label:6s} {row[label]}', file=sys.stderr, flush=True)
       results.append(row)
   finally:
     if args.before:
       shutil.rmtree(roots['before'], ignore_errors=True)
 
-  print(f'\nFirst save of a 200-array model: controller planning seconds (all 200 arrays); '
-        f'{DEVICES_PER_HOST} devices per host.')
+  print(f'\nFirst save of a 200-array model: controller planning seconds ({args.clock} clock, '
+        f'all 200 arrays); {DEVICES_PER_HOST} devices per host.')
   print('| rows | devices | before | after | speedup | before restore plan | after restore plan |')
   print('|---|---:|---:|---:|---:|---:|---:|')
   for row in results:
@@ -274,10 +282,11 @@ def main() -> None:
     restore_a = _fmt(a, 'restore_s', 'restore_extrapolated_from')
     print(f"| {row['kind']} | {row['devices']} | {_fmt(b)} | {_fmt(a)} | {speed} | "
           f'{restore_b} | {restore_a} |')
-  print('\n`~`: extrapolated from the arrays done within --budget. pure before: placements '
-        'built outside the timed region ' + ', '.join(
-            f"({r['devices']}: {r['before']['placements_s']:.2f} s)"
-            for r in results if r['kind'] == 'pure' and r.get('before')) + '.')
+  built = [f"{r['devices']}: {r['before']['placements_s']:.2f} s" for r in results
+           if r['kind'] == 'pure' and r.get('before')]
+  print('\n`~`: extrapolated from the arrays done within --budget.' +
+        (f" Before, pure: its placements were built outside the timed region ({', '.join(built)})."
+         if built else ''))
   if args.json_out:
     with open(args.json_out, 'w') as f:
       json.dump(results, f, indent=1)

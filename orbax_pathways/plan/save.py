@@ -320,37 +320,43 @@ def coalesced_writes(table: shards_lib.ShardTable) -> list[ShardWrite] | None:
   if len(at) != num:
     return None
   h = table.holders
-  hosts: list[list[int]] = [[] for _ in range(num)]  # per shard, in holder order
-  device: dict[tuple[int, int], int] = {}
-  for s, host, d in zip(h.shard.tolist(), h.host.tolist(), h.device.tolist()):
-    hosts[s].append(host)
-    device[s, host] = d
-  host_sets = [frozenset(x) for x in hosts]
-  boxes = [_box(a, b) for a, b in zip(table.start.tolist(), table.stop.tolist())]
+  held = np.zeros((num, len(h.hosts)), dtype=bool)  # shard x host
+  held[h.shard, h.host] = True
+  first = np.cumsum(h.count) - h.count  # each shard's first pair (pairs are in holder order)
+
+  def pairs(m: int) -> slice:
+    return slice(first[m], first[m] + h.count[m])
 
   candidates = sorted(itertools.product(*(boxes_lib.divisors(c) for c in counts)),
                       key=lambda k: (math.prod(c // f for c, f in zip(counts, k)), k[::-1]))
   for block in candidates:
     if math.prod(block) == 1:
       return None  # every block a single shard: the plain plan is the same
-    found = _blocks(block, counts, shard, at, hosts, host_sets)
-    if found is not None:
-      return [ShardWrite(h.hosts[host], Box(start, stop),
-                         tuple(Source(device[m, host], boxes[m]) for m in members))
-              for host, start, stop, members in found]
+    found = _blocks(block, counts, shard, at, held, lambda m: h.host[pairs(m)])
+    if found is None:
+      continue
+    boxes = [_box(a, b) for a, b in zip(table.start.tolist(), table.stop.tolist())]
+    out = []
+    for host, start, stop, members in found:
+      sources = tuple(Source(int(h.device[pairs(m)][h.host[pairs(m)] == host][0]), boxes[m])
+                      for m in members)
+      out.append(ShardWrite(h.hosts[host], Box(start, stop), sources))
+    return out
   return None
 
 
-def _blocks(block, counts, shard, at, hosts, host_sets):
-  """(host, start, stop, member shards) per block, or None if some block has no common host."""
+def _blocks(block, counts, shard, at, held, hosts_of):
+  """(host, start, stop, member shards) per block, or None if some block has no common host.
+  ``held``: shard x host membership; ``hosts_of(m)``: shard m's hosts in holder order."""
   out = []
   offsets = list(itertools.product(*(range(f) for f in block)))
   for origin in itertools.product(*(range(0, c, f) for c, f in zip(counts, block))):
     members = [at[tuple(o + i for o, i in zip(origin, idx))] for idx in offsets]
-    common = host_sets[members[0]].intersection(*(host_sets[m] for m in members[1:]))
-    if not common:
+    common = held[members].all(axis=0)
+    if not common.any():
       return None
-    host = next(x for x in hosts[members[0]] if x in common)
+    hosts = hosts_of(members[0])
+    host = int(hosts[np.argmax(common[hosts])])  # the first of them holding the whole block
     start = tuple(o * s for o, s in zip(origin, shard))
     stop = tuple(a + f * s for a, f, s in zip(start, block, shard))
     out.append((host, start, stop, members))
