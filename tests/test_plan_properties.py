@@ -27,7 +27,7 @@ from orbax_pathways.plan import save as save_plan
 
 Box = boxes_lib.Box
 MiB = 1 << 20
-FAST = settings(max_examples=150, deadline=None)
+FAST = settings(max_examples=150, deadline=None, database=None)
 
 
 # ---- the per-device planners the numpy ones replaced (oracles) -------------------------------
@@ -374,7 +374,7 @@ def reads(draw):
   return shape, chunk, needed
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, database=None)
 @given(reads())
 def test_read_plan_covers_exactly_the_needed_boxes_each_chunk_once(case):
   shape, chunk, needed = case

@@ -178,6 +178,11 @@ class WriteTable(collections.abc.Sequence):
 
 @dataclasses.dataclass(frozen=True)
 class ArrayWritePlan:
+  """One array's writes (plan order: by shard box, then replica piece) and its chunk grid.
+
+  Hosts read their share with ``for_host``; ``writes`` is the whole sequence (a ``WriteTable``).
+  """
+
   global_shape: tuple[int, ...]
   chunk_shape: tuple[int, ...]
   writes: WriteTable  # any sequence of ShardWrite is accepted and wrapped
@@ -187,7 +192,7 @@ class ArrayWritePlan:
       object.__setattr__(self, 'writes', WriteTable.of(self.writes))
 
   def for_host(self, host: str) -> tuple[ShardWrite, ...]:
-    """``host``'s writes in plan order, without looking at the other hosts' writes."""
+    """``host``'s writes in plan order, without building the other hosts' writes."""
     return self.writes.for_host(host)
 
   def chunks(self, write: ShardWrite) -> list[Box]:
