@@ -39,7 +39,7 @@ def _named_axes(sharding: jax.sharding.Sharding, ndim: int) -> tuple[tuple[str, 
   return shards_lib.spec_axes(spec, ndim)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)  # a few layouts per model; each holds an int per device
 def _mesh_cells(mesh: jax.sharding.Mesh, axes) -> tuple[tuple[int, ...], np.ndarray] | None:
   return shards_lib.mesh_cells(mesh.devices.shape, mesh.axis_names, axes)
 
@@ -58,7 +58,7 @@ def _mesh_hosts(mesh: jax.sharding.Mesh, host_of: Callable[[Any], str]):
   return shards_lib.intern_hosts([host_of(d) for d in devices])
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)
 def _mesh_grid(mesh: jax.sharding.Mesh, axes, host_of: Callable[[Any], str]) -> shards_lib.Grid | None:
   cells = _mesh_cells(mesh, axes)
   if cells is None:
