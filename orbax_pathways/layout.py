@@ -6,6 +6,7 @@ the handler touch ``jax.sharding`` objects; ``plan/`` sees integers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Any, Callable, Sequence
@@ -16,18 +17,82 @@ import numpy as np
 from orbax_pathways import metadata
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
+from orbax_pathways.plan import shards as shards_lib
 
 Box = boxes_lib.Box
 NUM_SLICES_ENV = 'ORBAX_PATHWAYS_NUM_SLICES'
 
 
+# ---- NamedSharding arithmetic ----------------------------------------------------------------
+# A NamedSharding over an evenly divided shape cuts each dimension into equal parts along its
+# mesh axes; the boxes follow from the mesh and the spec alone, the same ones JAX's
+# ``devices_indices_map`` lists (tests/test_plan_properties.py checks them against it), without
+# a Python object per device, and one computation serves every shape laid out the same way.
+
+def _named_axes(sharding: jax.sharding.Sharding, ndim: int) -> tuple[tuple[str, ...], ...] | None:
+  if not isinstance(sharding, jax.sharding.NamedSharding) or not isinstance(sharding.mesh,
+                                                                            jax.sharding.Mesh):
+    return None
+  spec = sharding.spec
+  if getattr(spec, 'unreduced', None) or getattr(spec, 'reduced', None):
+    return None
+  return shards_lib.spec_axes(spec, ndim)
+
+
+@functools.lru_cache(maxsize=256)  # a few layouts per model; each holds an int per device
+def _mesh_cells(mesh: jax.sharding.Mesh, axes) -> tuple[tuple[int, ...], np.ndarray] | None:
+  return shards_lib.mesh_cells(mesh.devices.shape, mesh.axis_names, axes)
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh_devices(mesh: jax.sharding.Mesh) -> tuple[tuple[Any, ...], np.ndarray]:
+  """The mesh's devices row-major, and their ids."""
+  devices = tuple(mesh.devices.flat)
+  return devices, np.fromiter((d.id for d in devices), dtype=np.int64, count=len(devices))
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh_hosts(mesh: jax.sharding.Mesh, host_of: Callable[[Any], str]):
+  """``host_of`` of each device of the mesh, once per mesh: (index per device, host keys)."""
+  devices, _ = _mesh_devices(mesh)
+  return shards_lib.intern_hosts([host_of(d) for d in devices])
+
+
+@functools.lru_cache(maxsize=256)
+def _mesh_grid(mesh: jax.sharding.Mesh, axes, host_of: Callable[[Any], str]) -> shards_lib.Grid | None:
+  cells = _mesh_cells(mesh, axes)
+  if cells is None:
+    return None
+  return shards_lib.grid(*cells, _mesh_devices(mesh)[1], *_mesh_hosts(mesh, host_of))
+
+
 def device_boxes(sharding: jax.sharding.Sharding, shape: Sequence[int], *,
                  addressable_only: bool) -> dict[Any, Box]:
-  if addressable_only:
-    index_map = sharding.addressable_devices_indices_map(tuple(shape))
-  else:
-    index_map = sharding.devices_indices_map(tuple(shape))
-  return {d: Box.from_slices(idx, shape) for d, idx in index_map.items()}
+  """Device -> the box it holds, in JAX's ``devices_indices_map`` order (devices holding the
+  same box share one ``Box``)."""
+  shape = tuple(int(d) for d in shape)
+  axes = _named_axes(sharding, len(shape))
+  cells = _mesh_cells(sharding.mesh, axes) if axes is not None else None
+  if cells is None or not shards_lib.fits(cells[0], shape):
+    if addressable_only:
+      index_map = sharding.addressable_devices_indices_map(shape)
+    else:
+      index_map = sharding.devices_indices_map(shape)
+    return {d: Box.from_slices(idx, shape) for d, idx in index_map.items()}
+  counts, shard_of = cells
+  devices, _ = _mesh_devices(sharding.mesh)
+  pos = np.arange(len(devices))
+  if addressable_only and not sharding.is_fully_addressable:  # jax's order: the mesh's, filtered
+    mine = sharding.addressable_devices
+    pos = np.asarray([i for i, d in enumerate(devices) if d in mine], dtype=np.int64)
+  used, which = np.unique(shard_of[pos], return_inverse=True)
+  start = shards_lib.cell_coords(counts)[used] * shards_lib.shard_shape(shape, counts)
+  stop = start + shards_lib.shard_shape(shape, counts)
+  made = np.empty(len(used), dtype=object)
+  made[:] = [Box(tuple(a), tuple(b)) for a, b in zip(start.tolist(), stop.tolist())]
+  if len(pos) < len(devices):
+    devices = [devices[p] for p in pos.tolist()]
+  return dict(zip(devices, made[which.reshape(-1)]))
 
 
 def placements(sharding: jax.sharding.Sharding, shape: Sequence[int],
@@ -35,6 +100,22 @@ def placements(sharding: jax.sharding.Sharding, shape: Sequence[int],
   """Every device's shard, in device-id order (so 'first holder' is deterministic everywhere)."""
   boxes = device_boxes(sharding, shape, addressable_only=False)
   return [save_plan.Placement(d.id, host_of(d), boxes[d]) for d in sorted(boxes, key=lambda d: d.id)]
+
+
+def shard_table(sharding: jax.sharding.Sharding, shape: Sequence[int],
+                host_of: Callable[[Any], str]) -> shards_lib.ShardTable:
+  """The distinct shards of an array laid out by ``sharding`` and their holders, first holders
+  in device-id order. A NamedSharding that divides ``shape`` evenly is pure arithmetic on its
+  mesh (cached per mesh, spec and ``host_of``); anything else asks JAX for every device's index."""
+  shape = tuple(int(d) for d in shape)
+  axes = _named_axes(sharding, len(shape))
+  grid = _mesh_grid(sharding.mesh, axes, host_of) if axes is not None else None
+  if grid is not None and grid.fits(shape):
+    return grid.table(shape)
+  boxes = device_boxes(sharding, shape, addressable_only=False)
+  devices = sorted(boxes, key=lambda d: d.id)
+  return shards_lib.from_boxes(shape, [d.id for d in devices], [host_of(d) for d in devices],
+                               [boxes[d].start for d in devices], [boxes[d].stop for d in devices])
 
 
 @functools.lru_cache(maxsize=4096)
@@ -45,12 +126,11 @@ def plan_writes(sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsiz
 
   Called on the controller (every process in multi-controller JAX) at each save. Plans are pure
   functions of these (hashable) inputs; a training loop saves the same layouts every time, so
-  each is planned once per process.
+  each is planned once per process, and arrays sharing a layout share its holder table.
   """
-  return save_plan.plan_array_writes(
-      shape, itemsize, placements(sharding, shape, host_of),
-      max_chunk_bytes=max_chunk_bytes, replica_parallel=replica_parallel,
-      coalesce_bytes=coalesce_bytes)
+  return save_plan.plan_shards(
+      shard_table(sharding, shape, host_of), itemsize, max_chunk_bytes=max_chunk_bytes,
+      replica_parallel=replica_parallel, coalesce_bytes=coalesce_bytes)
 
 
 def slice_of_devices(devices: Sequence[Any], *, num_slices: int | None = None) -> dict[int, int]:
@@ -87,27 +167,40 @@ def _spec_entry(p: Any) -> Any:
 
 
 def sharding_record(sharding: jax.sharding.Sharding, *, num_slices: int | None = None) -> metadata.ShardingRecord:
-  """What elastic restore needs to rebuild the layout on another topology."""
+  """What elastic restore needs to rebuild the layout on another topology.
+
+  Written with every save by the primary writer; the mesh part is computed once per mesh (a
+  model's arrays share a few meshes of up to tens of thousands of devices).
+  """
   if isinstance(sharding, jax.sharding.NamedSharding):
-    mesh = sharding.mesh
-    devs = np.asarray(mesh.devices)
-    slices = slice_of_devices(list(devs.flat), num_slices=num_slices)
-    slice_grid = np.vectorize(lambda d: slices[d.id])(devs) if devs.size else devs
-    slice_axes = tuple(
-        name for axis, name in enumerate(mesh.axis_names)
-        if devs.size and np.any(np.diff(slice_grid, axis=axis) != 0)
-    )
-    return metadata.ShardingRecord(
-        kind='named',
-        mesh_shape=tuple(int(s) for s in devs.shape),
-        axis_names=tuple(str(a) for a in mesh.axis_names),
-        device_ids=tuple(int(d.id) for d in devs.flat),
-        device_slices=tuple(int(slices[d.id]) for d in devs.flat),
-        spec=tuple(_spec_entry(p) for p in sharding.spec),
-        slice_axes=slice_axes,
-        num_slices=len(set(slices.values())),
-    )
+    n = num_slices or int(os.environ.get(NUM_SLICES_ENV, '0') or 0)
+    mesh_part = _mesh_record(sharding.mesh, n or None, jax.process_count())
+    return dataclasses.replace(mesh_part, spec=tuple(_spec_entry(p) for p in sharding.spec))
   if isinstance(sharding, jax.sharding.SingleDeviceSharding):
     d = next(iter(sharding.device_set))
     return metadata.ShardingRecord(kind='single_device', device_ids=(int(d.id),))
   return metadata.ShardingRecord(kind='other', device_ids=tuple(sorted(int(d.id) for d in sharding.device_set)))
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh_record(mesh: jax.sharding.Mesh, num_slices: int | None,
+                 process_count: int) -> metadata.ShardingRecord:
+  """The mesh fields of a 'named' record (``process_count`` keys the cache: the slices of a
+  multi-process run without slice information are its processes)."""
+  del process_count
+  devs = np.asarray(mesh.devices)
+  slices = slice_of_devices(list(devs.flat), num_slices=num_slices)
+  slice_grid = np.asarray([slices[d.id] for d in devs.flat], dtype=np.int64).reshape(devs.shape)
+  slice_axes = tuple(
+      name for axis, name in enumerate(mesh.axis_names)
+      if devs.size and np.any(np.diff(slice_grid, axis=axis) != 0)
+  )
+  return metadata.ShardingRecord(
+      kind='named',
+      mesh_shape=tuple(int(s) for s in devs.shape),
+      axis_names=tuple(str(a) for a in mesh.axis_names),
+      device_ids=tuple(int(d.id) for d in devs.flat),
+      device_slices=tuple(slice_grid.reshape(-1).tolist()),
+      slice_axes=slice_axes,
+      num_slices=len(set(slices.values())),
+  )

@@ -11,6 +11,7 @@ import pytest
 
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
+from orbax_pathways.plan import shards as shards_lib
 
 Box = boxes_lib.Box
 MiB = 1 << 20
@@ -119,3 +120,29 @@ def test_two_dimensional_grids_tile_exactly(grid):
     check_tiles_once(plan, shape)
     for w in plan.writes:
       assert all(host_of(s.device_id) == w.host for s in w.sources)
+
+
+def test_fleet_scale_layouts_plan_one_write_per_shard_and_hosts_find_their_own():
+  # 8,192 devices, mesh (1024 data, 8 tp), 4 devices per host, from the mesh description alone.
+  n = 8192
+  ids = list(range(n))
+  host_idx, hosts = shards_lib.intern_hosts([f'p{i // 4}' for i in ids])
+  mesh = dict(mesh_shape=(n // 8, 8), axis_names=('data', 'tp'), device_ids=ids,
+              host_of=host_idx, hosts=hosts)
+  fsdp = shards_lib.mesh_grid(spec=('data', 'tp'), ndim=2, **mesh)
+  plan = save_plan.plan_shards(fsdp.table((8192, 1024)), 2, max_chunk_bytes=16 * MiB)
+  assert len(plan.writes) == n and plan.chunk_shape == (8, 128)
+  assert [w.box for w in plan.for_host('p5')] == [
+      Box((16, 128 * j), (24, 128 * (j + 1))) for j in range(4, 8)]
+  assert plan.for_host('p5')[0].sources[0].device_id == 20
+  # Tensor-parallel, replicated over data: 8 shards, each on 1,024 devices of 1,024 hosts.
+  tp = shards_lib.mesh_grid(spec=(None, 'tp'), ndim=2, **mesh)
+  plan = save_plan.plan_shards(tp.table((8192, 32768)), 2, max_chunk_bytes=16 * MiB)
+  assert [(w.host, w.box) for w in plan.writes] == [
+      (f'p{j // 4}', Box((0, 4096 * j), (8192, 4096 * (j + 1)))) for j in range(8)]
+  assert plan.for_host('p7') == () and plan.bytes_by_host(2)['p1'] == 4 * 8192 * 4096 * 2
+  # Large enough to split among the replicas' hosts: 1,024 pieces per shard; a host holds 4 shards.
+  plan = save_plan.plan_shards(tp.table((1 << 22, 32768)), 2, max_chunk_bytes=16 * MiB,
+                               min_split_bytes=MiB)
+  assert len(plan.writes) == 8 * 1024 and len(plan.for_host('p7')) == 4
+  assert {w.box.shape for w in plan.writes} == {(4096, 4096)}

@@ -7,6 +7,7 @@ who writes or reads which bytes is expressed in boxes so that it can be unit-tes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Iterator, Sequence
@@ -66,13 +67,27 @@ class Box:
 
 
 def divisors(n: int) -> list[int]:
-  """Sorted divisors of ``n`` (O(sqrt n))."""
+  """Sorted divisors of ``n`` (O(sqrt n) once per ``n``)."""
+  return list(_divisors(n))
+
+
+@functools.lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
   small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-  return sorted(set(small + [n // d for d in small]))
+  return tuple(sorted(set(small + [n // d for d in small])))
 
 
 def choose_chunk_shape(write_shape: Sequence[int], itemsize: int, max_bytes: int, *,
                        max_aspect: int = 4, min_bytes: int = 64 * 1024) -> tuple[int, ...]:
+  """The chunk shape used for one array (see ``_choose_chunk_shape``; cached: arrays of one
+  model share a handful of piece shapes)."""
+  return _choose_chunk_shape(tuple(int(d) for d in write_shape), int(itemsize), int(max_bytes),
+                             int(max_aspect), int(min_bytes))
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_chunk_shape(write_shape: tuple[int, ...], itemsize: int, max_bytes: int,
+                        max_aspect: int, min_bytes: int) -> tuple[int, ...]:
   """The chunk shape used for one array: divides ``write_shape`` and is at most ``max_bytes``.
 
   Unlike splitting only the sharded dimension, this halves (to the next divisor) whichever
@@ -101,7 +116,7 @@ def choose_chunk_shape(write_shape: Sequence[int], itemsize: int, max_bytes: int
     else:
       break
     for i in order:
-      smaller = [d for d in divisors(shape[i]) if d < chunk[i]]
+      smaller = [d for d in _divisors(shape[i]) if d < chunk[i]]
       if smaller:
         # The largest divisor of the write shape not above half the current chunk.
         half = [d for d in smaller if d <= chunk[i] // 2] or smaller[:1]

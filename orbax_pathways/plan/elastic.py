@@ -52,33 +52,31 @@ def remap_mesh(saved: SavedMesh, current: Mapping[int, Sequence[int]]) -> NewMes
   """
   slices = _slices_in_order(current)
   m = len(slices)
-  grid = np.asarray(saved.device_ids, dtype=np.int64).reshape(saved.shape)
-  slice_grid = np.asarray(saved.device_slices, dtype=np.int64).reshape(saved.shape)
-  saved_slices = sorted(set(saved.device_slices))
+  ids = np.asarray(saved.device_ids, dtype=np.int64)
+  of = np.asarray(saved.device_slices, dtype=np.int64)
+  saved_slices, per_saved = np.unique(of, return_counts=True)
   n = len(saved_slices)
-  per_saved = {s: sorted(int(d) for d, ds in zip(saved.device_ids, saved.device_slices) if ds == s)
-               for s in saved_slices}
-  equal_sizes = len({len(v) for v in per_saved.values()} | {len(v) for v in slices}) == 1
+  equal_sizes = len(set(per_saved.tolist()) | {len(v) for v in slices}) == 1
 
   if len(saved.slice_axes) == 1 and equal_sizes:
     a = saved.axis_names.index(saved.slice_axes[0])
     size = saved.shape[a]
+    slice_grid = of.reshape(saved.shape)
     if size % n == 0:
       k = size // n
-      contiguous = all(
-          np.all(np.take(slice_grid, range(j * k, (j + 1) * k), axis=a) == saved_slices[j])
-          for j in range(n))
+      blocks = np.repeat(saved_slices, k)  # the slice each coordinate along the axis must be in
+      contiguous = bool(np.all(slice_grid == np.expand_dims(
+          blocks, tuple(i for i in range(len(saved.shape)) if i != a))))
       if contiguous:
-        rank = {d: per_saved[s].index(d) for s in saved_slices for d in per_saved[s]}
-        new_shape = list(saved.shape)
-        new_shape[a] = k * m
-        out = np.empty(new_shape, dtype=np.int64)
-        for coord in np.ndindex(*new_shape):
-          s = coord[a] // k
-          old = list(coord)
-          old[a] = coord[a] % k  # the same position in saved slice 0's block
-          out[coord] = slices[s][rank[int(grid[tuple(old)])]]
-        return NewMesh(tuple(new_shape), saved.axis_names, tuple(int(x) for x in out.flat),
+        # Each saved device's rank among its slice's devices sorted by id.
+        order = np.lexsort((ids, of))
+        rank = np.empty(len(ids), dtype=np.int64)
+        rank[order] = np.arange(len(ids)) - np.repeat(np.cumsum(per_saved) - per_saved, per_saved)
+        first = np.take(rank.reshape(saved.shape), range(k), axis=a)  # saved slice 0's block
+        now = np.asarray(slices, dtype=np.int64)  # (m, devices per slice)
+        out = np.concatenate([now[s][first] for s in range(m)] or [np.take(first, [], axis=a)],
+                             axis=a)
+        return NewMesh(out.shape, saved.axis_names, tuple(out.reshape(-1).tolist()),
                        (saved.axis_names[a],))
 
   # Fallback: keep the shape if the device count is unchanged, else scale one axis.
