@@ -170,16 +170,12 @@ def registered_array_handler() -> Any:
 
 
 def register_array_handler(handler: Any) -> None:
-  """Replaces the jax.Array entry in place. Orbax logs an 'overriding jax.Array' warning for
-  every override; ours is intended (and logged by _registration), so it is muted here."""
+  """Replaces the jax.Array entry in place, without Orbax's 'overriding jax.Array' warning (ours
+  is intended and logged by _registration). ``ignore_warnings`` is part of Orbax's
+  ``TypeHandlerRegistry.add`` protocol; no logger level or absl verbosity is touched, so every
+  record Orbax logs afterwards reaches the user's handlers as it would without us."""
   import jax  # pylint: disable=g-import-not-at-top
-  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
-  verbosity = absl_logging.get_verbosity()
-  absl_logging.set_verbosity(absl_logging.ERROR)
-  try:
-    _thr.register_type_handler(jax.Array, handler, override=True)
-  finally:
-    absl_logging.set_verbosity(verbosity)
+  _thr.GLOBAL_TYPE_HANDLER_REGISTRY.add(jax.Array, handler, override=True, ignore_warnings=True)
 
 
 # ---- restore helpers -------------------------------------------------------------------------
