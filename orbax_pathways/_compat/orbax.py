@@ -182,7 +182,26 @@ def register_array_handler(handler: Any) -> None:
 
 def physical_read_spec(arg: Any, sharding: Any) -> tuple[Any, Any, Any]:
   """(global_shape, dtype, sharding) the stored array is read with (PRNG keys -> key data)."""
-  return _jah._physical_read_spec(arg, sharding)  # pylint: disable=protected-access
+  if hasattr(_jah, '_physical_read_spec'):  # Orbax >= 0.12.7
+    return _jah._physical_read_spec(arg, sharding)  # pylint: disable=protected-access
+  return _physical_read_spec_before_0_12_7(arg, sharding)
+
+
+def _physical_read_spec_before_0_12_7(arg: Any, sharding: Any) -> tuple[Any, Any, Any]:
+  """Orbax 0.12.4-0.12.6 inline the same rule in ArrayHandler.deserialize: a PRNG key array is
+  stored as its key data (unsigned ints with trailing dimensions, replicated along them)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  shape = getattr(arg, 'global_shape', None)
+  if not has_prng_key_dtype(arg):
+    return shape, arg.dtype, sharding
+  data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape or (), arg.dtype))
+  if shape is None:
+    return None, data.dtype, sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    trailing = (None,) * (len(data.shape) - len(shape))
+    sharding = jax.sharding.NamedSharding(sharding.mesh,
+                                          jax.sharding.PartitionSpec(*sharding.spec, *trailing))
+  return data.shape, data.dtype, sharding
 
 
 def has_prng_key_dtype(arg: Any) -> bool:
