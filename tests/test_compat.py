@@ -91,3 +91,35 @@ def test_physical_read_spec_reads_prng_keys_as_key_data():
   assert compat.physical_read_spec(plain, s) == ((8, 4), np.float32, s)
   for arg in (keys, plain):
     assert compat._physical_read_spec_before_0_12_7(arg, s) == compat.physical_read_spec(arg, s)
+
+
+def test_ci_constraints_sit_at_the_declared_bounds():
+  """.ci/constraints-oldest.txt pins each declared lower bound, and every pin in both files is
+  inside the range pyproject.toml declares (so CI tests the range users get)."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import tomllib  # pylint: disable=g-import-not-at-top
+  from packaging.requirements import Requirement  # pylint: disable=g-import-not-at-top
+  from packaging.utils import canonicalize_name  # pylint: disable=g-import-not-at-top
+  from packaging.version import Version  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(__file__).resolve().parent.parent
+  project = tomllib.loads((root / 'pyproject.toml').read_text())['project']
+  declared = {}
+  for line in project['dependencies'] + [d for ds in project['optional-dependencies'].values()
+                                         for d in ds]:
+    r = Requirement(line)
+    declared[canonicalize_name(r.name)] = r.specifier
+  for name in ('oldest', 'newest'):
+    pins = {}
+    for line in (root / '.ci' / f'constraints-{name}.txt').read_text().splitlines():
+      if line.strip() and not line.startswith('#'):
+        r = Requirement(line)
+        (spec,) = r.specifier
+        pins[canonicalize_name(r.name)] = spec.version
+    for pkg, version in pins.items():
+      if pkg in declared:
+        assert version in declared[pkg], (name, pkg, version, str(declared[pkg]))
+    if name == 'oldest':
+      for pkg, spec in declared.items():
+        lower = [s.version for s in spec if s.operator == '>=']
+        if pkg in pins and lower:
+          assert Version(pins[pkg]) == Version(lower[0]), (pkg, pins[pkg], lower[0])
