@@ -546,7 +546,7 @@ with ocp.CheckpointManager(path) as mngr:
   else:
     r = mngr.restore(0)
     mp_worker_lib.emit({'shards': mp_worker_lib.shard_digests(r['w']),
-                        'spec': str(r['w'].sharding.spec)})
+                        'spec': list(r['w'].sharding.spec)})
 """
 
 
@@ -576,4 +576,4 @@ def test_two_processes_save_and_restore_on_gcs(gcs_bucket):
       block = value[r0:r1, c0:c1]
       assert block.shape == (32, 16) and sh['process'] == r.process_id
       assert sh['sha'] == hashlib.sha256(np.ascontiguousarray(block).tobytes()).hexdigest()
-    assert r.result['spec'] == "P('proc', 'local')"
+    assert r.result['spec'] == ['proc', 'local']

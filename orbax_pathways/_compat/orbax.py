@@ -259,16 +259,12 @@ def registered_array_handler() -> Any:
 
 
 def register_array_handler(handler: Any) -> None:
-  """Replaces the jax.Array entry in place. Orbax logs an 'overriding jax.Array' warning for
-  every override; ours is intended (and logged by _registration), so it is muted here."""
+  """Replaces the jax.Array entry in place, without Orbax's 'overriding jax.Array' warning (ours
+  is intended and logged by _registration). ``ignore_warnings`` is part of Orbax's
+  ``TypeHandlerRegistry.add`` protocol; no logger level or absl verbosity is touched, so every
+  record Orbax logs afterwards reaches the user's handlers as it would without us."""
   import jax  # pylint: disable=g-import-not-at-top
-  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
-  verbosity = absl_logging.get_verbosity()
-  absl_logging.set_verbosity(absl_logging.ERROR)
-  try:
-    _thr.register_type_handler(jax.Array, handler, override=True)
-  finally:
-    absl_logging.set_verbosity(verbosity)
+  _thr.GLOBAL_TYPE_HANDLER_REGISTRY.add(jax.Array, handler, override=True, ignore_warnings=True)
 
 
 def registered_handler(ty: type) -> Any:
@@ -290,7 +286,26 @@ def register_handler(ty: type, handler: Any) -> None:
 
 def physical_read_spec(arg: Any, sharding: Any) -> tuple[Any, Any, Any]:
   """(global_shape, dtype, sharding) the stored array is read with (PRNG keys -> key data)."""
-  return _jah._physical_read_spec(arg, sharding)  # pylint: disable=protected-access
+  if hasattr(_jah, '_physical_read_spec'):  # Orbax >= 0.12.7
+    return _jah._physical_read_spec(arg, sharding)  # pylint: disable=protected-access
+  return _physical_read_spec_before_0_12_7(arg, sharding)
+
+
+def _physical_read_spec_before_0_12_7(arg: Any, sharding: Any) -> tuple[Any, Any, Any]:
+  """Orbax 0.12.4-0.12.6 inline the same rule in ArrayHandler.deserialize: a PRNG key array is
+  stored as its key data (unsigned ints with trailing dimensions, replicated along them)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  shape = getattr(arg, 'global_shape', None)
+  if not has_prng_key_dtype(arg):
+    return shape, arg.dtype, sharding
+  data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape or (), arg.dtype))
+  if shape is None:
+    return None, data.dtype, sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    trailing = (None,) * (len(data.shape) - len(shape))
+    sharding = jax.sharding.NamedSharding(sharding.mesh,
+                                          jax.sharding.PartitionSpec(*sharding.spec, *trailing))
+  return data.shape, data.dtype, sharding
 
 
 def has_prng_key_dtype(arg: Any) -> bool:

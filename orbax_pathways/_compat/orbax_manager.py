@@ -110,8 +110,24 @@ def _wrap_delete_step_permanently(original):
       return original(self, step, delete_target)
     # The stock PathDeleter (parallel on local disk, gcs_utils on gs://) does the actual removal
     # of whatever path the hook hands it.
-    return hook(step, epath.Path(delete_target), self._path_deleter.delete)
+    return hook(step, epath.Path(delete_target), _path_remover(self))
   return _delete_step_permanently
+
+
+def _path_remover(deleter) -> Callable[[epath.Path], None]:
+  """The stock deleter's removal of one directory: ``PathDeleter.delete`` in Orbax >= 0.12.8;
+  before, its parallel local deleter, else ``_rmtree`` (``gcs_utils.rmtree`` on gs://)."""
+  path_deleter = getattr(deleter, '_path_deleter', None)
+  if path_deleter is not None:
+    return path_deleter.delete
+
+  def remove(path: epath.Path) -> None:
+    parallel = getattr(deleter, '_parallel_deleter', None)
+    if parallel is not None and _deleter._is_local_path(path):  # pylint: disable=protected-access
+      parallel.delete(path)
+    else:
+      deleter._rmtree(path)  # pylint: disable=protected-access
+  return remove
 
 
 def _wrap_build_metadata(original):
