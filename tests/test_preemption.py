@@ -50,23 +50,34 @@ def test_notice_makes_should_save_and_reached_preemption_true(tmp_path, installe
   mngr.wait_until_finished()
   assert mngr.all_steps() == [0, 8]
   assert not mngr.should_save(8)  # never re-saves an existing step
-  assert mngr.should_save(9) and mngr.reached_preemption(9)  # every step from the notice on
+  # One preemption save per notice: later steps follow the save interval again (issue 15.5).
+  assert not mngr.should_save(9) and not mngr.reached_preemption(9)
+  assert preemption.preemption_noticed() and not preemption.preemption_pending()
+  preemption.notify_preemption('again')  # ignored until clear_notice(): no save storm
+  assert not mngr.should_save(10)
   preemption.clear_notice()
   assert not mngr.should_save(10)
+  preemption.notify_preemption('a new notice')
+  assert mngr.should_save(11) and mngr.reached_preemption(11)
+  preemption.clear_notice()
   # Stock behaviour once uninstalled, even with a notice.
   preemption.uninstall()
   preemption.notify_preemption('test')
-  assert not mngr.should_save(11) and not mngr.reached_preemption(11)
+  assert not mngr.should_save(12) and not mngr.reached_preemption(12)
   mngr.close()
 
 
-def test_sigterm_handler_chains_and_restores(installed):
+def test_sigterm_handler_chains_and_restores(tmp_path, installed, monkeypatch):
   preemption.uninstall()
+  monkeypatch.setattr(preemption, '_manager_seen', False)  # as in a fresh process
   calls = []
   previous = lambda signum, frame: calls.append(signum)
   old = signal.signal(signal.SIGTERM, previous)
   try:
     preemption.install()
+    # Not at install (import): only once this main process constructs a CheckpointManager.
+    assert signal.getsignal(signal.SIGTERM) is previous
+    ocp.CheckpointManager(tmp_path).close()
     assert signal.getsignal(signal.SIGTERM) is preemption._sigterm_handler
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.05)
@@ -75,7 +86,33 @@ def test_sigterm_handler_chains_and_restores(installed):
     assert 'SIGTERM' in preemption.notice_info()['reason']
     preemption.uninstall()
     assert signal.getsignal(signal.SIGTERM) is previous
+    # Re-installed at once when a manager already exists in this process.
+    preemption.install()
+    assert signal.getsignal(signal.SIGTERM) is preemption._sigterm_handler
+    preemption.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is previous
   finally:
+    signal.signal(signal.SIGTERM, old)
+    preemption.clear_notice()
+
+
+def test_sigterm_ignored_or_no_sigterm_env_left_alone(tmp_path, installed, monkeypatch):
+  preemption.uninstall()
+  old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  try:
+    preemption.install()
+    ocp.CheckpointManager(tmp_path).close()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # someone chose to ignore it
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    monkeypatch.setenv('ORBAX_PATHWAYS_NO_SIGTERM', 'True')  # the usual spellings, not only 1
+    preemption.install()
+    ocp.CheckpointManager(tmp_path).close()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    monkeypatch.setenv('ORBAX_PATHWAYS_NO_SIGTERM', 'sure')
+    with pytest.raises(ValueError, match=r"ORBAX_PATHWAYS_NO_SIGTERM='sure' is not a boolean"):
+      preemption.install()
+  finally:
+    preemption.uninstall()
     signal.signal(signal.SIGTERM, old)
 
 
@@ -96,7 +133,16 @@ def test_resume_without_checkpoint_calls_init(tmp_path, installed):
   assert step is None and state == {'a': 1}
 
 
-def test_resume_skips_incomplete_and_cleans_leftovers(tmp_path, installed):
+def _age(path, seconds):
+  """Backdates ``path`` and everything under it by ``seconds``."""
+  t = time.time() - seconds
+  for root, dirs, files in os.walk(path):
+    for name in dirs + files:
+      os.utime(os.path.join(root, name), (t, t))
+  os.utime(path, (t, t))
+
+
+def test_resume_skips_incomplete_and_cleans_only_abandoned_leftovers(tmp_path, installed):
   retention.install()
   try:
     mngr = ocp.CheckpointManager(tmp_path)
@@ -104,16 +150,22 @@ def test_resume_skips_incomplete_and_cleans_leftovers(tmp_path, installed):
       mngr.save(s, args=ocp.args.StandardSave({'a': jax.numpy.full(4, float(s))}))
     mngr.wait_until_finished()
     mngr.close()
-    # A torn step 3 (final name, no markers), a leftover deleting dir, an uncommitted tmp step.
+    # A torn step 3 (final name, no markers); leftovers of deletes and saves, abandoned (old) or
+    # maybe still in progress in another process (fresh).
     os.makedirs(tmp_path / '3' / 'default')
-    os.makedirs(tmp_path / ('0' + retention.DELETING_MARKER + 'abc') / 'default')
+    for name in ('0' + retention.DELETING_MARKER + 'abc', '7.orbax-checkpoint-tmp'):
+      os.makedirs(tmp_path / name / 'default')
+      _age(tmp_path / name, 2 * 3600)
+    os.makedirs(tmp_path / ('5' + retention.DELETING_MARKER + 'def') / 'default')
     os.makedirs(tmp_path / '4.orbax-checkpoint-tmp' / 'default')
     retention.uninstall()  # resume applies the completeness rule by itself
     mngr = ocp.CheckpointManager(tmp_path)
     step, state = preemption.resume(mngr, lambda: None)
     assert step == 2
     np.testing.assert_array_equal(np.asarray(state['a']), np.full(4, 2.0))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ['1', '2', '3']  # 3 kept: may be legacy
+    # 3 kept: may be legacy. The fresh leftovers may belong to a live process: kept.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        '1', '2', '3', '4.orbax-checkpoint-tmp', '5' + retention.DELETING_MARKER + 'def']
   finally:
     retention.uninstall()
 
