@@ -5,7 +5,8 @@ default, so every save also deletes the previous step) for ``--seconds``. Meanwh
 process, in a loop, constructs an ordinary (not read-only) ``CheckpointManager`` on the same
 directory, restores its latest step and compares the bytes with what the trainer saved there
 (``--evaluator resume`` uses ``orbax_pathways.preemption.resume`` instead, as a restarted job
-would). At the end the harness checks, with a fresh manager:
+would; ``--evaluator both`` alternates the two kinds over the evaluator processes). At the end
+the harness checks, with a fresh manager:
 
 - **lost saves**: saves that raised in the trainer, or a final ``wait_until_finished`` that
   raised (0 expected);
@@ -20,7 +21,7 @@ would). At the end the harness checks, with a fresh manager:
 Usage::
 
     python integration/race.py --seconds 20 --dir /tmp/race [--evaluators 1]
-        [--evaluator manager|resume] [--max-to-keep 1] [--fake-gcs --dir -] [--stock]
+        [--evaluator manager|resume|both] [--max-to-keep 1] [--fake-gcs --dir -] [--stock]
 
 ``--stock`` runs both sides without importing orbax_pathways (stock Orbax). Prints one summary
 line ``race: ...``; exits 1 on any failure.
@@ -125,6 +126,7 @@ def evaluator(args) -> dict:
     from orbax_pathways import preemption  # pylint: disable=g-import-not-at-top
   abstract = _abstract()
   ok, wrong, failed_deleted, unexplained, constructed = 0, [], 0, [], 0
+  deleted_errors = set()  # what a reader is told when a step is deleted under it
   while not os.path.exists(args.stop_file):
     try:
       mngr = ocp.CheckpointManager(args.dir, options=_options(args))
@@ -135,7 +137,7 @@ def evaluator(args) -> dict:
       continue
     step = None
     try:
-      if args.evaluator == 'resume':
+      if args.kind == 'resume':
         step, state = preemption.resume(mngr, lambda: None, abstract_state=abstract)
       else:
         step = mngr.latest_step()
@@ -155,6 +157,8 @@ def evaluator(args) -> dict:
                             'trace': traceback.format_exc()[-2000:]})
       else:
         failed_deleted += 1
+        if len(deleted_errors) < 5:
+          deleted_errors.add(_short(e)[:200])
     finally:
       try:
         mngr.close()
@@ -162,7 +166,8 @@ def evaluator(args) -> dict:
         pass
     time.sleep(args.eval_sleep)
   return {'ok': ok, 'wrong': wrong, 'failed_deleted': failed_deleted,
-          'unexplained': unexplained, 'constructed': constructed}
+          'unexplained': unexplained, 'constructed': constructed,
+          'deleted_errors': sorted(deleted_errors)}
 
 
 def _final_check(args, trainer_result) -> tuple[list[str], dict]:
@@ -236,7 +241,9 @@ def run(args) -> int:
   tmp = tempfile.mkdtemp(prefix='race-')
   args.stop_file = os.path.join(tmp, 'stop')
   t0 = time.time()
-  evals = [_spawn(args, 'evaluator') for _ in range(args.evaluators)]
+  kinds = (['manager', 'resume'] if args.evaluator == 'both' else [args.evaluator])
+  evals = [_spawn(args, 'evaluator', ['--kind', kinds[i % len(kinds)]])
+           for i in range(args.evaluators)]
   train = _spawn(args, 'trainer')
   limit = args.seconds + 300
   tr = _result(train, 'trainer', limit)
@@ -264,6 +271,9 @@ def run(args) -> int:
       problems.append(f'evaluator {i}: restore of step {u["step"]} failed although the step is '
                       f'still listed: {u["error"]}\n{u.get("trace", "") if args.verbose else ""}')
   mode = 'stock' if args.stock else 'orbax_pathways'
+  samples = sorted({m for r in ev for m in r.get('deleted_errors', [])})
+  if samples:
+    print('DELETED_MID_READ', json.dumps(samples))
   for p in problems:
     print('FAIL', p)
   saves = len(tr.get('saved', []))
@@ -296,7 +306,7 @@ def main(argv=None) -> int:
   p.add_argument('--seconds', type=float, default=20.0, help='how long the trainer saves')
   p.add_argument('--dir', required=True, help='checkpoint directory (local path or gs://)')
   p.add_argument('--evaluators', type=int, default=1)
-  p.add_argument('--evaluator', choices=['manager', 'resume'], default='manager')
+  p.add_argument('--evaluator', choices=['manager', 'resume', 'both'], default='manager')
   p.add_argument('--max-to-keep', type=int, default=1)
   p.add_argument('--max-steps', type=int, default=10**9)
   p.add_argument('--eval-sleep', type=float, default=0.0)
@@ -306,6 +316,7 @@ def main(argv=None) -> int:
                  help='start fake-gcs-server on loopback and use gs://<new bucket>/ckpt')
   p.add_argument('--role', choices=['trainer', 'evaluator'], help=argparse.SUPPRESS)
   p.add_argument('--stop-file', help=argparse.SUPPRESS)
+  p.add_argument('--kind', choices=['manager', 'resume'], help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.role:
     result = trainer(args) if args.role == 'trainer' else evaluator(args)

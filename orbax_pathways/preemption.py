@@ -497,27 +497,34 @@ def _all_processes_ok(ok: bool, step: int) -> bool:
              for p in range(_om.process_count()))
 
 
-def _damaged_warning(step: int, path, error: BaseException, elsewhere: bool) -> str:
-  what = ('another process of this job failed to restore it' if elsewhere else
+def _still_complete(mngr, step: int) -> bool:
+  return any(s == step and retention.is_step_complete(p)
+             for s, p in _om.manager_steps_on_disk(mngr))
+
+
+def _damaged_warning(step: int, path, error: BaseException | None, fallback_step: int) -> str:
+  what = ('another process of this job failed to restore it' if error is None else
           f'{type(error).__name__}: {str(error)[:1000]}')
   return (f'orbax_pathways.preemption.resume: step {step} at {path} is DAMAGED and was '
-          f'skipped ({what}). Falling back to the next older complete step. The damaged step '
-          f'stays on storage for inspection (`orbax-pathways verify {path}`); this manager no '
-          'longer lists it, so saving that step again replaces it. Pass fallback=False to raise '
+          f'skipped ({what}). Resuming from step {fallback_step} instead. The damaged step stays '
+          f'on storage for inspection (`orbax-pathways verify {path}`); this manager no longer '
+          'lists it, so saving that step again replaces it. Pass fallback=False to raise '
           'instead.')
 
 
 def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
            fallback: bool = True):
   """Returns ``(step, state)`` from the newest complete step that restores, or
-  ``(None, init_fn())`` when there is none.
+  ``(None, init_fn())`` when the directory has no complete step.
 
   ``abstract_state`` goes to ``ocp.args.StandardRestore`` unchanged (None: restore with the saved
   shardings). If restoring the newest step fails (checksum mismatch, missing or truncated files),
-  a loud warning names its path and the next older step is tried (``fallback=False``: raise);
-  the damaged step is dropped from ``mngr``'s listing so that training saves normally. Two
-  consecutive failures of the same kind other than a checksum mismatch (or a ``TopologyError``)
-  point at the request, not the data: the newest step's error is raised. A step deleted while it
+  the next older step is tried, and once one restores, a loud warning (``RuntimeWarning`` and an
+  ERROR log line) names each damaged step's path; the damaged steps are dropped from ``mngr``'s
+  listing so that training saves normally. ``fallback=False`` raises the first error instead.
+  Two consecutive failures of the same kind other than a checksum mismatch, or a
+  ``TopologyError``, point at the request (``abstract_state``), not the data: the newest step's
+  error is raised. If no step restores, ``RestoreError`` lists them all. A step deleted while it
   is read (another process's retention) is not damage: the newest step is looked up again.
 
   On the primary host, provably abandoned leftovers of interrupted deletes and saves are removed
@@ -537,11 +544,11 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
     step = latest_complete_step(mngr, exclude={d[0] for d in damaged})
     if step is None:
       if damaged:
-        first = damaged[0]
         raise errors.RestoreError(
-            f'orbax_pathways.preemption.resume: no step in {mngr.directory} restores; damaged: '
-            + '; '.join(f'step {s} ({p}): {type(e).__name__ if e else "failed elsewhere"}'
-                        for s, p, e in damaged)) from first[2]
+            f'orbax_pathways.preemption.resume: no complete step in {mngr.directory} restores: '
+            + '; '.join(f'step {s} ({p}): ' + (f'{type(e).__name__}: {str(e)[:300]}' if e else
+                                               'failed on another process')
+                        for s, p, e in damaged)) from damaged[0][2]
       return None, init_fn()
     path = _om.manager_step_path(mngr, step)
     error = None
@@ -550,10 +557,13 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
     except Exception as e:  # pylint: disable=broad-except
       error = e
     if _all_processes_ok(error is None, step):
-      for s, _, _ in damaged:
+      for s, p, e in damaged:
+        message = _damaged_warning(s, p, e, step)
+        logging.error(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
         _om.forget_step(mngr, s)
       return step, state
-    if error is not None and step not in [s for s, _ in _om.manager_steps_on_disk(mngr)]:
+    if error is not None and not _still_complete(mngr, step):
       vanished += 1  # deleted meanwhile by a process saving here: look again
       if vanished <= 100:
         mngr.reload()
@@ -567,10 +577,10 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
     if (error is not None and prev is not None
         and not isinstance(error, errors.ChecksumMismatchError)
         and type(error) is type(prev)):
-      raise damaged[0][2] from None  # the same failure twice: the request, not the data
-    message = _damaged_warning(step, path, error, error is None)
-    logging.error(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=2)
+      raise damaged[0][2] or error  # the same failure twice: the request, not the data
+    logging.warning('orbax_pathways.preemption.resume: restoring step %d (%s) failed (%s); '
+                    'trying the next older step.', step, path,
+                    type(error).__name__ if error else 'on another process')
     damaged.append((step, path, error))
 
 

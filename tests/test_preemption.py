@@ -171,6 +171,102 @@ def test_resume_skips_incomplete_and_cleans_only_abandoned_leftovers(tmp_path, i
 
 
 # ----------------------------------------------------------------------------------------------
+# resume() falls back past a damaged latest step instead of crash-looping (issue 15, item 6).
+
+
+def _w(step):
+  return np.arange(4096, dtype=np.float32) + np.float32(1000 * step)
+
+
+def _abstract_w():
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return {'w': jax.ShapeDtypeStruct((4096,), np.float32, sharding=sharding)}
+
+
+def _saved_steps(directory, steps):
+  with ocp.CheckpointManager(directory) as mngr:
+    for s in steps:
+      mngr.save(s, args=ocp.args.StandardSave({'w': jax.numpy.asarray(_w(s))}))
+    mngr.wait_until_finished()
+
+
+def _flip_byte(step_dir, step):
+  """Flips one byte of the stored (uncompressed float) bytes of ``w`` at ``step``."""
+  needle = _w(step).tobytes()[:64]
+  for path in sorted(step_dir.rglob('d/*')):
+    data = bytearray(path.read_bytes())
+    at = data.find(needle)
+    if at >= 0:
+      data[at + 10] ^= 0x01
+      path.write_bytes(bytes(data))
+      return
+  raise AssertionError(f'bytes of w not found under {step_dir}')
+
+
+def test_resume_falls_back_past_a_damaged_step_and_training_replaces_it(tmp_path, installed):
+  _saved_steps(tmp_path, [1, 2, 3])
+  _flip_byte(tmp_path / '3', 3)
+  mngr = ocp.CheckpointManager(tmp_path)
+  with pytest.warns(RuntimeWarning, match=r'step 3 at \S*/3 is DAMAGED and was skipped '
+                                          r'\(ChecksumMismatchError: .*Resuming from step 2'):
+    step, state = preemption.resume(mngr, lambda: None, abstract_state=_abstract_w())
+  assert step == 2 and np.asarray(state['w']).tobytes() == _w(2).tobytes()
+  # The damaged step stays on storage but this manager saves as if it were absent: the next
+  # steps are saved, and saving step 3 again replaces the damaged bytes.
+  assert mngr.latest_step() == 2 and (tmp_path / '3').exists()
+  assert mngr.should_save(3)
+  mngr.save(3, args=ocp.args.StandardSave({'w': jax.numpy.asarray(_w(3))}))
+  mngr.wait_until_finished()
+  fresh = ocp.CheckpointManager(tmp_path)
+  got = fresh.restore(3, args=ocp.args.StandardRestore(_abstract_w()))
+  assert np.asarray(got['w']).tobytes() == _w(3).tobytes()
+
+
+def test_resume_without_fallback_raises(tmp_path, installed):
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  _saved_steps(tmp_path, [1, 2])
+  _flip_byte(tmp_path / '2', 2)
+  with pytest.raises(orbax_pathways.ChecksumMismatchError, match=r'/2/default/w'):
+    preemption.resume(ocp.CheckpointManager(tmp_path), lambda: None,
+                      abstract_state=_abstract_w(), fallback=False)
+
+
+def test_resume_with_every_step_damaged_raises_naming_them(tmp_path, installed):
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  _saved_steps(tmp_path, [1, 2])
+  _flip_byte(tmp_path / '1', 1)
+  _flip_byte(tmp_path / '2', 2)
+  with pytest.raises(orbax_pathways.RestoreError,
+                     match=r'no complete step in \S+ restores: step 2 \(\S+/2\): '
+                           r'ChecksumMismatchError: .*; step 1 \(\S+/1\): ChecksumMismatchError'):
+    preemption.resume(ocp.CheckpointManager(tmp_path), lambda: 'never from scratch',
+                      abstract_state=_abstract_w())
+
+
+def test_resume_falls_back_past_a_missing_file(tmp_path, installed):
+  _saved_steps(tmp_path, [1, 2])
+  for path in (tmp_path / '2').rglob('d/*'):
+    path.unlink()  # every data file of step 2 gone
+  with pytest.warns(RuntimeWarning, match=r'step 2 at \S*/2 is DAMAGED'):
+    step, state = preemption.resume(ocp.CheckpointManager(tmp_path), lambda: None,
+                                    abstract_state=_abstract_w())
+  assert step == 1 and np.asarray(state['w']).tobytes() == _w(1).tobytes()
+
+
+def test_resume_with_a_wrong_target_raises_the_latest_steps_error(tmp_path, installed):
+  """A request every step rejects is not damage: no fallback through the whole history."""
+  import warnings  # pylint: disable=g-import-not-at-top
+  _saved_steps(tmp_path, [1, 2, 3])
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  wrong = {'w': jax.ShapeDtypeStruct((17,), np.float32, sharding=sharding)}
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', RuntimeWarning)  # and no DAMAGED warning
+    with pytest.raises(Exception, match=r'/3/') as info:
+      preemption.resume(ocp.CheckpointManager(tmp_path), lambda: None, abstract_state=wrong)
+  assert 'shape' in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------
 # SIGTERM against a real training loop in a subprocess (8 CPU devices), then resume elsewhere.
 
 _LOOP = textwrap.dedent('''

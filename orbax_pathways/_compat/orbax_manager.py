@@ -125,18 +125,20 @@ def _wrap_delete_step_permanently(original):
 def _wrap_build_metadata(original):
   @functools.wraps(original)
   def _build_metadata(self, step_path, step=None):
-    metadata = original(self, step_path, step=step)
     hook = _hooks['step_complete']
-    if metadata is None or hook is None:
-      return metadata
-    if not hook(epath.Path(metadata.path)):
-      return None
+    if hook is None:
+      return original(self, step_path, step=step)
     try:
+      metadata = original(self, step_path, step=step)
+      if metadata is None or not hook(epath.Path(metadata.path)):
+        return None
       # Read (and cache) the commit time now: a step that retention renames away while a reader
       # lists the directory then drops out of the listing, instead of failing the reader's
       # CheckpointManager construction with FileNotFoundError from a later stat().
       metadata.commit_timestamp  # pylint: disable=pointless-statement
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
+      # Renamed away between two of Orbax's checks (exists() then is_dir()): another process's
+      # retention deleted it while we listed.
       return None
     return metadata
   return _build_metadata
