@@ -246,7 +246,7 @@ def _rmtree_missing_ok(path: epath.Path) -> None:
   """rmtree that skips entries removed meanwhile by someone else."""
   if _om.is_local_path(path):
     if sys.version_info >= (3, 12):
-      shutil.rmtree(os.fspath(path), onexc=_ignore_missing)  # pylint: disable=unexpected-keyword-arg
+      shutil.rmtree(os.fspath(path), onexc=_ignore_missing)  # pylint: disable=unexpected-keyword-arg,line-too-long
     else:
       shutil.rmtree(os.fspath(path), onerror=_ignore_missing)
   else:

@@ -50,3 +50,46 @@ def test_trainer_and_evaluators_race_local(tmp_path):
 @pytest.mark.gcs
 def test_trainer_and_evaluators_race_on_fake_gcs():
   _check(*_race('--seconds', '20', '--fake-gcs', '--dir', '-'))
+
+
+# ----------------------------------------------------------------------------------------------
+# A background commit error names the step it belongs to, not the save that reports it.
+
+
+@pytest.mark.gcs
+@pytest.mark.filterwarnings('ignore::pytest.PytestUnraisableExceptionWarning')
+def test_background_commit_error_names_its_own_step(faulty_gcs):
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+
+  def state(step):
+    return {'w': jax.numpy.asarray(np.arange(1 << 16, dtype=np.float32) + step)}
+
+  path = faulty_gcs.path('ckpt')
+  mngr = ocp.CheckpointManager(path)
+  try:
+    mngr.save(1, args=ocp.args.StandardSave(state(1)))
+    mngr.wait_until_finished()
+    orbax_pathways.install(orbax_pathways.Options(storage_retries=0))
+    # Only tensorstore's data uploads fail: save(2) returns, its background commit fails.
+    faulty_gcs.proxy.match = lambda method, target: 'uploadType=media' in target
+    faulty_gcs.proxy.set_rate(1.0, kinds=('503',))
+    assert mngr.save(2, args=ocp.args.StandardSave(state(2)))
+    with pytest.raises(orbax_pathways.SaveError) as info:
+      mngr.save(3, args=ocp.args.StandardSave(state(3)))  # Orbax reports step 2's failure here
+    text = str(info.value)
+    assert text.startswith(f'Step 2 ({path}/2) was not committed: its background commit '
+                           'failed'), text
+    assert 'Saving step 3' not in text
+    faulty_gcs.proxy.set_rate(0.0)
+    assert mngr.save(3, args=ocp.args.StandardSave(state(3)))  # and the manager carries on
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [1, 3]
+  finally:
+    faulty_gcs.proxy.set_rate(0.0)
+    faulty_gcs.proxy.match = None
+    orbax_pathways.install(orbax_pathways.Options.from_env())
+    mngr.close()
+  assert ocp.CheckpointManager(path).all_steps() == [1, 3]
