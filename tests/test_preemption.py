@@ -402,3 +402,63 @@ def test_multi_controller_kv_agreement(tmp_path):
     results.append(json.loads(out.strip().splitlines()[-1]))
   # Process 1 noticed at 13; the next agreement step (multiple of 5) is 15, on both processes.
   assert [r['first'] for r in results] == [15, 15]
+
+
+# ----------------------------------------------------------------------------------------------
+# resume() in a multi-controller job: a chunk damaged on one process's shard makes every process
+# fall back together (one KV round per step tried).
+
+_MP_RESUME = '''
+    import sys
+    import numpy as np
+    import mp_worker_lib as w
+    w.init()
+    import jax
+    import orbax.checkpoint as ocp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import orbax_pathways
+    from orbax_pathways import preemption
+    mode, directory = sys.argv[1], sys.argv[2]
+    sh = NamedSharding(Mesh(np.array(jax.devices()), ('x',)), P('x'))
+    def value(step):
+      return np.arange(4 * 1024, dtype=np.float32) + np.float32(1000 * step)
+    def array(step):
+      return jax.make_array_from_callback(value(step).shape, sh, lambda idx: value(step)[idx])
+    mngr = ocp.CheckpointManager(directory)
+    if mode == 'save':
+      for step in (1, 2):
+        mngr.save(step, args=ocp.args.StandardSave({'w': array(step)}))
+      mngr.wait_until_finished()
+      w.emit({'saved': mngr.all_steps()})
+    else:
+      abstract = {'w': jax.ShapeDtypeStruct((4 * 1024,), np.float32, sharding=sh)}
+      step, state = preemption.resume(mngr, lambda: None, abstract_state=abstract)
+      ok = all(np.asarray(s.data).tobytes() == value(step)[s.index].tobytes()
+               for s in state['w'].addressable_shards)
+      w.emit({'step': step, 'ok': ok, 'latest': mngr.latest_step()})
+'''
+
+
+@pytest.mark.multiprocess
+def test_resume_fallback_is_agreed_by_every_process(tmp_path):
+  from mp_harness import run_processes  # pylint: disable=g-import-not-at-top
+  ckpt = tmp_path / 'ckpt'
+  results = run_processes(_MP_RESUME, 2, 2, args=['save', str(ckpt)], timeout=180)
+  assert [r.result for r in results] == [{'saved': [1, 2]}] * 2
+  # Damage a chunk of step 2 that only process 1 reads (global elements 2048.. live on its
+  # first device).
+  needle = (np.arange(4 * 1024, dtype=np.float32) + 2000)[2048:2064].tobytes()
+  for path in sorted((ckpt / '2').rglob('d/*')):
+    data = bytearray(path.read_bytes())
+    at = data.find(needle)
+    if at >= 0:
+      data[at + 10] ^= 0x01
+      path.write_bytes(bytes(data))
+      break
+  else:
+    raise AssertionError('bytes of process 1 shard not found')
+  results = run_processes(_MP_RESUME, 2, 2, args=['resume', str(ckpt)], timeout=180)
+  assert [r.result for r in results] == [{'step': 1, 'ok': True, 'latest': 1}] * 2
+  assert 'is DAMAGED and was skipped (ChecksumMismatchError' in results[1].stderr_tail
+  assert ('is DAMAGED and was skipped (another process of this job failed to restore it)'
+          in results[0].stderr_tail)

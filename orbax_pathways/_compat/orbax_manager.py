@@ -26,6 +26,10 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
   started).
 - ``CheckpointManager.reload`` / ``restore`` (public): drop gcsfs's listing cache first; a restore
   that fails because the step was deleted meanwhile (another process's retention) says so.
+- ``Checkpointer._restore(self, directory, ...)``: a process whose read fails (a damaged chunk it
+  alone reads) still joins the ``Checkpointer:restore`` barrier that ends ``restore()`` before
+  raising, so the processes that read fine get their result instead of waiting in the barrier
+  until it times out (``preemption.resume`` then has every process agree to fall back).
 - ``CheckpointManager._finalize(self, step, steps_to_remove)``: returns once ``step`` is
   committed (raises if it was not: re-raised as ``SaveError`` naming ``step``); traced as
   ``orbax_pathways.commit``, then the ``after_commit`` hook logs save()-to-committed time.
@@ -49,6 +53,7 @@ from etils import epath
 import jax
 
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.checkpointers import checkpointer as _checkpointer
 from orbax.checkpoint._src.multihost import multihost as _multihost
 from orbax.checkpoint._src.path import atomicity_types as _atomicity_types
 from orbax.checkpoint._src.path import deleter as _deleter
@@ -301,6 +306,25 @@ def _step_vanished(mngr, step: int) -> bool:
     return False
 
 
+def _wrap_checkpointer_restore(original):
+  @functools.wraps(original)
+  def _restore(self, directory, *args, **kwargs):
+    try:
+      return original(self, directory, *args, **kwargs)
+    except Exception:  # pylint: disable=broad-except
+      if any_hook_set() and process_count() > 1:
+        try:
+          _multihost.sync_global_processes(
+              _multihost.unique_barrier_key('Checkpointer:restore',
+                                            prefix=self._barrier_sync_key_prefix),  # pylint: disable=protected-access
+              processes=self._active_processes)  # pylint: disable=protected-access
+        except Exception as barrier_error:  # pylint: disable=broad-except
+          logging.warning('orbax_pathways: after a failed restore of %s, joining the peers\' '
+                          'restore barrier failed too: %s', directory, barrier_error)
+      raise
+  return _restore
+
+
 _STORAGE_ERROR_MODULES = ('gcsfs', 'aiohttp', 'google', 'requests', 'fsspec')
 
 
@@ -320,6 +344,7 @@ def _patch_targets():
       (ocp.CheckpointManager, 'delete', _wrap_delete),
       (ocp.CheckpointManager, 'reload', _wrap_fresh_listing),
       (ocp.CheckpointManager, 'restore', _wrap_restore),
+      (_checkpointer.Checkpointer, '_restore', _wrap_checkpointer_restore),
   )
 
 
