@@ -8,8 +8,9 @@ What ``install()`` changes (through ``orbax_pathways._compat.orbax_manager``):
 
 1. **Deletion takes the step out of the listed namespace first, atomically.**
 
-   - Local / POSIX storage: rename ``<dir>/N`` -> ``<dir>/N.orbax-pathways-deleting-<hex>`` (one
-     ``rename(2)`` in the same directory), then remove the renamed tree with Orbax's own deleter.
+   - Local / POSIX storage: rename ``<dir>/N`` -> ``<dir>/N.orbax-pathways-deleting-<owner>``
+     (one ``rename(2)`` in the same directory; ``<owner>`` below), then remove the renamed tree
+     with Orbax's own deleter.
      Orbax never lists that name: the step regex is anchored (``^prefix_?(0|[1-9]\\d*)$``), the
      name has no ``.orbax-checkpoint-tmp`` so it is not a temporary of step N (nor removed by
      ``cleanup_tmp_directories``), and it has no ``_`` so legacy ``checkpoint_steps`` ignores it.
@@ -21,6 +22,9 @@ What ``install()`` changes (through ``orbax_pathways._compat.orbax_manager``):
      failing the next ``save()``: the step whose commit triggered the deletion is committed, and
      raising would make Orbax forget it (listed on disk, never garbage-collected again).
      ``mngr.delete(step)`` called by the user still raises.
+
+   Called by the primary host's garbage collection and ``mngr.delete`` (in Orbax's finalize or
+   background-delete thread, or the user's thread).
 
    Leftovers of interrupted deletes are removed only when **provably abandoned**, because readers
    (an evaluator constructing its own CheckpointManager, ``preemption.resume`` in a second job)
@@ -294,22 +298,22 @@ def safe_delete_step(step_path: epath.PathLike, remove_tree_fn=None) -> None:
     return
   if _om.is_local_path(step_path):
     target = step_path.parent / deleting_name(step_path.name)
-    try:
-      step_path.rename(target)
-    except OSError as e:
-      if isinstance(e, FileNotFoundError) and not step_path.exists():
-        logging.info('orbax_pathways: %s is already gone.', step_path)
-        return
-      logging.warning(
-          'orbax_pathways: could not rename %s to %s before deleting it (%s); deleting its commit '
-          'markers first instead.', step_path, target, e)
-      _remove_markers_first(step_path)
-      remove_tree(step_path, remove_tree_fn)
-      return
-    logging.info('orbax_pathways: renamed %s to %s; removing it.', step_path, target.name)
     with _active_lock:
-      _active.add(str(target))
+      _active.add(str(target))  # before the rename: this process's own cleanup leaves it alone
     try:
+      try:
+        step_path.rename(target)
+      except OSError as e:
+        if isinstance(e, FileNotFoundError) and not step_path.exists():
+          logging.info('orbax_pathways: %s is already gone.', step_path)
+          return
+        logging.warning(
+            'orbax_pathways: could not rename %s to %s before deleting it (%s); deleting its '
+            'commit markers first instead.', step_path, target, e)
+        _remove_markers_first(step_path)
+        remove_tree(step_path, remove_tree_fn)
+        return
+      logging.info('orbax_pathways: renamed %s to %s; removing it.', step_path, target.name)
       remove_tree(target, remove_tree_fn)
     finally:
       with _active_lock:

@@ -32,10 +32,6 @@ RUNTIME_ENV = 'ORBAX_PATHWAYS_RUNTIME'
 TRANSPORT_ENV = 'ORBAX_PATHWAYS_TRANSPORT'
 
 
-assert tuple(m.value for m in Transport) == options_lib.TRANSPORTS
-assert tuple(m.value for m in Runtime) == options_lib.RUNTIMES
-
-
 def _choice(enum_cls, env: str):
   value = options_lib.env_value(env)
   return None if value is None else enum_cls(value)

@@ -78,6 +78,11 @@ def test_valid_values_are_typed_and_case_insensitive(monkeypatch):
   assert runtime.choose_transport() is runtime.Transport.LOCAL
 
 
+def test_the_accepted_values_are_the_runtime_enums():
+  assert tuple(m.value for m in runtime.Transport) == options_lib.TRANSPORTS
+  assert tuple(m.value for m in runtime.Runtime) == options_lib.RUNTIMES
+
+
 def test_options_reject_bad_values_directly():
   for kwargs, message in [
       ({'max_inflight_bytes': 0}, r'Options.max_inflight_bytes=0: must be an integer >= 1'),
