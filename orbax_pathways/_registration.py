@@ -1,11 +1,16 @@
 """install() / uninstall(): put ProxyArrayHandler in Orbax's global type-handler registry.
 
 Called at ``import orbax_pathways`` on every controller process (skipped when
-``ORBAX_PATHWAYS_DISABLE=1``). Idempotent and reversible: ``uninstall()`` re-registers exactly
-the handler object that was there before. ``check_installed()`` runs at each
+``ORBAX_PATHWAYS_DISABLE`` is true). Idempotent and reversible: ``uninstall()`` re-registers
+exactly the handler object that was there before. ``check_installed()`` runs at each
 ``CheckpointManager.save`` (through the manager hooks) and warns, once per intruder, when another
 library (``pathwaysutils.initialize()``, ``ocp.pathways.register_type_handlers()``,
 ``register_standard_handlers_with_options()``) re-registered ``jax.Array`` after us.
+
+``install()`` parses every ``ORBAX_PATHWAYS_*`` variable (``options.parse_env``): a malformed
+value raises there, naming it, and an unknown ``ORBAX_PATHWAYS_*`` name is warned about. SIGTERM
+is *not* touched here: ``preemption`` makes it a notice when the main process constructs its first
+CheckpointManager. Each construction also checks that ``num_slices`` divides the device count.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import warnings
 
 import numpy as np
 
+from orbax_pathways import layout
 from orbax_pathways.frontends import orbax_v0 as handler_lib
 from orbax_pathways import options as options_lib
 from orbax_pathways import preemption
@@ -35,10 +41,49 @@ _previous = None  # the handler that was registered before install()
 _ours = None  # the handler install() registered
 _previous_numpy = None  # likewise for np.ndarray (ours only verifies restores of our arrays)
 _warned: set[int] = set()
+_warned_env: set[str] = set()
 
 
 def disabled_by_env() -> bool:
-  return os.environ.get(DISABLE_ENV, '').strip().lower() in ('1', 'true', 'yes', 'on')
+  """``ORBAX_PATHWAYS_DISABLE`` as a boolean (ValueError naming it when malformed)."""
+  return options_lib.env_value(DISABLE_ENV)
+
+
+def _check_env() -> None:
+  """Parses every ORBAX_PATHWAYS_* variable now, so that a typo fails at import, not at the
+  first save (or never)."""
+  values = options_lib.parse_env()
+  for name, close in values['unknown'].items():
+    if name not in _warned_env:
+      _warned_env.add(name)
+      hint = f' Did you mean {close}?' if close else ''
+      warnings.warn(f'orbax_pathways: unknown environment variable {name}={os.environ[name]!r} '
+                    f'is ignored.{hint} Known: {", ".join(options_lib.ENV_VARS)}.',
+                    RuntimeWarning, stacklevel=4)
+
+
+def _check_slices(mngr) -> None:
+  """``num_slices`` (Options or ORBAX_PATHWAYS_NUM_SLICES) must divide the device count: checked
+  when a CheckpointManager is constructed, not at the first commit."""
+  handler = _ours
+  n = handler.options.num_slices if handler is not None else None
+  if not n:
+    return
+  import jax  # pylint: disable=g-import-not-at-top
+  devices = jax.devices()
+  try:
+    layout.slice_of_devices(devices, num_slices=n)
+  except ValueError:
+    source = ('ORBAX_PATHWAYS_NUM_SLICES' if os.environ.get('ORBAX_PATHWAYS_NUM_SLICES', '').strip()
+              else 'Options.num_slices')
+    try:
+      mngr.close()
+    except Exception:  # pylint: disable=broad-except
+      pass
+    raise ValueError(
+        f'orbax_pathways: {source}={n} does not divide the {len(devices)} devices of this job '
+        f'into equal slices. Use a divisor of {len(devices)}, or unset it to take slices from '
+        'the devices.') from None
 
 
 def _install_manager_side() -> None:
@@ -46,6 +91,7 @@ def _install_manager_side() -> None:
   at each ``CheckpointManager.save`` (all reversible, see ``_compat/orbax_manager.py``)."""
   retention.install()
   preemption.install()
+  orbax_manager.set_hook('manager_init_check', _check_slices)
   orbax_manager.set_hook('before_save', lambda mngr, step: check_installed())
   orbax_manager.set_hook('after_commit', _log_commit)
   orbax_manager.install_manager_hooks()
@@ -73,10 +119,12 @@ def install(options: options_lib.Options | None = None) -> handler_lib.ProxyArra
   ``options`` differ (then it replaces ours, keeping the original to restore on uninstall).
 
   Also turns on the CheckpointManager side: retention that never leaves a torn step listed,
-  listing that skips incomplete steps, and SIGTERM as a preemption notice (unless
-  ``ORBAX_PATHWAYS_NO_SIGTERM=1``)."""
+  listing that skips incomplete steps, and SIGTERM as a preemption notice in the main process
+  once it constructs a CheckpointManager (unless ``ORBAX_PATHWAYS_NO_SIGTERM`` is true). Parses
+  every ``ORBAX_PATHWAYS_*`` variable first (ValueError naming a malformed one)."""
   global _previous, _ours
   with _lock:
+    _check_env()
     _install_manager_side()
     current = compat.registered_array_handler()
     if _ours is not None and current is _ours and (options is None or options == _ours.options):
@@ -115,6 +163,7 @@ def uninstall() -> None:
   with _lock:
     if _ours is None:
       return
+    orbax_manager.set_hook('manager_init_check', None)
     orbax_manager.set_hook('before_save', None)
     orbax_manager.set_hook('after_commit', None)
     preemption.uninstall()

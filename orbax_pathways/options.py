@@ -1,31 +1,164 @@
-"""Options of the orbax-pathways ArrayHandler, each with an environment override.
+"""Options of the orbax-pathways ArrayHandler, and every ``ORBAX_PATHWAYS_*`` environment variable.
 
-Read once when the handler is built (at ``import orbax_pathways`` for the global one).
+Every variable is parsed here, once, when ``install()`` runs (at ``import orbax_pathways`` for the
+global handler), with typed validation: a bad value raises ``ValueError`` naming the variable, the
+value found and the values accepted, instead of failing at the first save or silently picking a
+default. Booleans accept ``1/true/yes/y/on/t`` and ``0/false/no/n/off/f`` (any case) and reject
+anything else. ``ENV_VARS`` is the list; ``runtime.py``, ``preemption.py`` and ``layout.py`` read
+their variables through ``env_value`` / ``num_slices_from_env``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import os
+from typing import Any, Mapping
 
 MiB = 1 << 20
 
+TRANSPORTS = ('local', 'colocated', 'persistence')  # runtime.Transport values
+RUNTIMES = ('single', 'multi_controller', 'pathways')  # runtime.Runtime values
+SNAPSHOTS = ('auto', 'pinned', 'host')
+DIVISIBILITIES = ('replicate', 'strict')
+COMPRESSIONS = ('auto', 'zstd', 'none')
 
-def _env_int(name: str, default: int) -> int:
-  raw = os.environ.get(name)
-  if raw is None or raw == '':
-    return default
-  try:
-    return int(raw)
-  except ValueError:
-    raise ValueError(f'{name}={raw!r} must be an integer number of bytes.') from None
+_TRUE = ('1', 'true', 'yes', 'y', 'on', 't')
+_FALSE = ('0', 'false', 'no', 'n', 'off', 'f')
 
 
-def _env_bool(name: str, default: bool) -> bool:
-  raw = os.environ.get(name)
-  if raw is None or raw == '':
-    return default
-  return raw.strip().lower() in ('1', 'true', 'yes', 'on')
+@dataclasses.dataclass(frozen=True)
+class EnvVar:
+  """One ``ORBAX_PATHWAYS_*`` variable: its type, default and accepted values."""
+  name: str
+  kind: str  # 'bool' | 'int' | 'float' | 'choice'
+  default: Any
+  doc: str
+  choices: tuple[str, ...] = ()
+  minimum: float | None = None
+  unit: str = ''
+  unset: str = ''  # what leaving it unset does, when not simply the default value
+
+  def accepted(self) -> str:
+    if self.kind == 'bool':
+      return f'a boolean: one of {list(_TRUE)} or {list(_FALSE)}, any case'
+    if self.kind == 'choice':
+      return f'one of {list(self.choices)}'
+    number = 'an integer' if self.kind == 'int' else 'a number'
+    bound = '' if self.minimum is None else f' >= {self.minimum:g}'
+    return f'{number}{bound}{" (" + self.unit + ")" if self.unit else ""}'
+
+  def unset_hint(self) -> str:
+    if self.unset:
+      return f'Unset it to {self.unset}.'
+    if self.kind == 'bool':
+      return f"Unset it for the default ({'on' if self.default else 'off'})."
+    return f'Unset it for the default ({self.default!r}).'
+
+  def parse(self, raw: str | None) -> Any:
+    """The typed value of ``raw`` (None or empty: the default); ValueError if malformed."""
+    if raw is None or not raw.strip():
+      return self.default
+    text = raw.strip()
+    if self.kind == 'bool':
+      low = text.lower()
+      if low in _TRUE:
+        return True
+      if low in _FALSE:
+        return False
+      raise ValueError(f'{self.name}={raw!r} is not {self.accepted()}. {self.unset_hint()}')
+    if self.kind == 'choice':
+      low = text.lower()
+      if low in self.choices:
+        return low
+      raise ValueError(f'{self.name}={raw!r} is not one of {list(self.choices)}. '
+                       f'{self.unset_hint()}')
+    try:
+      value = int(text) if self.kind == 'int' else float(text)
+    except ValueError:
+      raise ValueError(f'{self.name}={raw!r} is not {self.accepted()}. '
+                       f'{self.unset_hint()}') from None
+    if math.isnan(value) or (self.minimum is not None and value < self.minimum):
+      raise ValueError(f'{self.name}={raw!r} is out of range: it must be {self.accepted()}. '
+                       f'{self.unset_hint()}')
+    return value
+
+
+ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
+    EnvVar('ORBAX_PATHWAYS_DISABLE', 'bool', False,
+           'import without installing anything'),
+    EnvVar('ORBAX_PATHWAYS_NO_SIGTERM', 'bool', False,
+           'keep SIGTERM\'s default action (no preemption notice)'),
+    EnvVar('ORBAX_PATHWAYS_SIGTERM_GRACE_S', 'float', 120.0,
+           'seconds after a SIGTERM notice before SIGTERM\'s default action applies',
+           minimum=0.001, unit='seconds; inf: only a second SIGTERM'),
+    EnvVar('ORBAX_PATHWAYS_MAX_CHUNK_BYTES', 'int', 16 * MiB, 'largest stored chunk',
+           minimum=1, unit='bytes'),
+    EnvVar('ORBAX_PATHWAYS_MAX_INFLIGHT_BYTES', 'int', 1024 * MiB,
+           'host bytes handed to tensorstore at once', minimum=1, unit='bytes'),
+    EnvVar('ORBAX_PATHWAYS_COALESCE_BYTES', 'int', 1 * MiB,
+           'arrays up to this size: one chunk per host (0: off)', minimum=0, unit='bytes'),
+    EnvVar('ORBAX_PATHWAYS_SNAPSHOT', 'choice', 'auto', 'device-to-host copy', SNAPSHOTS),
+    EnvVar('ORBAX_PATHWAYS_VERIFY', 'bool', True, 'crc32c check on restore'),
+    EnvVar('ORBAX_PATHWAYS_TRANSPORT', 'choice', None, 'who moves shard bytes', TRANSPORTS,
+           unset='auto-detect'),
+    EnvVar('ORBAX_PATHWAYS_RUNTIME', 'choice', None, 'which JAX runtime this is', RUNTIMES,
+           unset='auto-detect'),
+    EnvVar('ORBAX_PATHWAYS_DIVISIBILITY', 'choice', 'replicate',
+           'a dimension that no longer divides after a reshard', DIVISIBILITIES),
+    EnvVar('ORBAX_PATHWAYS_COMPRESSION', 'choice', 'auto', 'zstd or not', COMPRESSIONS),
+    EnvVar('ORBAX_PATHWAYS_GCS_GRPC', 'bool', False, "tensorstore's gRPC GCS driver"),
+    EnvVar('ORBAX_PATHWAYS_STORAGE_RETRIES', 'int', None, 'GCS retries per request',
+           minimum=0, unset="keep tensorstore's default (32)"),
+    EnvVar('ORBAX_PATHWAYS_NUM_SLICES', 'int', None,
+           'split devices into equal slices when they carry no slice_index', minimum=1,
+           unset='take slices from the devices (slice_index, else one per process)'),
+    EnvVar('ORBAX_PATHWAYS_SLOW', 'bool', False, 'test suite only: run slow tests'),
+)}
+
+
+def env_value(name: str, environ: Mapping[str, str] | None = None) -> Any:
+  """The parsed value of the known variable ``name`` (its default when unset)."""
+  environ = os.environ if environ is None else environ
+  return ENV_VARS[name].parse(environ.get(name))
+
+
+def num_slices_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+  """``ORBAX_PATHWAYS_NUM_SLICES`` validated (an integer >= 1), or None when unset."""
+  return env_value('ORBAX_PATHWAYS_NUM_SLICES', environ)
+
+
+def parse_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+  """Every known variable parsed; one ValueError listing every malformed one.
+
+  Variables with the ``ORBAX_PATHWAYS_`` prefix that are not known are returned under
+  ``'unknown'`` (with the closest known name, if any) for the caller to warn about.
+  """
+  environ = os.environ if environ is None else environ
+  values, problems = {}, []
+  for name, var in ENV_VARS.items():
+    try:
+      values[name] = var.parse(environ.get(name))
+    except ValueError as e:
+      problems.append(str(e))
+  if problems:
+    raise ValueError('orbax_pathways: invalid environment: ' + ' '.join(problems))
+  unknown = {}
+  for name in environ:
+    if name.startswith('ORBAX_PATHWAYS_') and name not in ENV_VARS:
+      close = difflib.get_close_matches(name, list(ENV_VARS), n=1)
+      unknown[name] = close[0] if close else None
+  values['unknown'] = unknown
+  return values
+
+
+def _check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -> None:
+  if optional and value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise ValueError(f'Options.{name}={value!r}: must be an integer >= {minimum}'
+                     f'{" or None" if optional else ""}.')
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,31 +235,36 @@ class Options:
                                     'initial_delay': '0.1s', 'max_delay': '2s'}}
 
   def __post_init__(self):
-    if self.divisibility not in ('replicate', 'strict'):
-      raise ValueError(f"divisibility={self.divisibility!r}: use 'replicate' or 'strict'.")
-    if self.compression not in ('auto', 'zstd', 'none'):
-      raise ValueError(f"compression={self.compression!r}: use 'auto', 'zstd' or 'none'.")
-    if self.snapshot not in ('auto', 'pinned', 'host'):
-      raise ValueError(f"snapshot={self.snapshot!r}: use 'auto', 'pinned' or 'host'.")
-    if self.coalesce_bytes < 0:
-      raise ValueError(f'coalesce_bytes={self.coalesce_bytes} must be >= 0 (0 turns it off).')
-    if self.max_chunk_bytes < 1:
-      raise ValueError(f'max_chunk_bytes={self.max_chunk_bytes} must be positive.')
+    for name, allowed in (('divisibility', DIVISIBILITIES), ('compression', COMPRESSIONS),
+                          ('snapshot', SNAPSHOTS)):
+      if getattr(self, name) not in allowed:
+        quoted = [repr(a) for a in allowed]
+        raise ValueError(f'{name}={getattr(self, name)!r}: use {", ".join(quoted[:-1])} or '
+                         f'{quoted[-1]}.')
+    if self.transport is not None and self.transport not in TRANSPORTS:
+      raise ValueError(f'Options.transport={self.transport!r}: use one of {list(TRANSPORTS)}, '
+                       'or None to detect.')
+    _check_int('max_chunk_bytes', self.max_chunk_bytes, 1)
+    _check_int('max_inflight_bytes', self.max_inflight_bytes, 1)
+    _check_int('coalesce_bytes', self.coalesce_bytes, 0)
+    _check_int('storage_retries', self.storage_retries, 0, optional=True)
+    _check_int('num_slices', self.num_slices, 1, optional=True)
 
   @classmethod
-  def from_env(cls) -> 'Options':
-    slices = os.environ.get('ORBAX_PATHWAYS_NUM_SLICES')
+  def from_env(cls, environ: Mapping[str, str] | None = None) -> 'Options':
+    """Options from the ``ORBAX_PATHWAYS_*`` variables (defaults where unset); a malformed
+    value raises ValueError naming the variable, the value and the accepted values."""
+    get = lambda name: env_value(name, environ)
     return cls(
-        max_chunk_bytes=_env_int('ORBAX_PATHWAYS_MAX_CHUNK_BYTES', 16 * MiB),
-        max_inflight_bytes=_env_int('ORBAX_PATHWAYS_MAX_INFLIGHT_BYTES', 1024 * MiB),
-        coalesce_bytes=_env_int('ORBAX_PATHWAYS_COALESCE_BYTES', 1 * MiB),
-        snapshot=os.environ.get('ORBAX_PATHWAYS_SNAPSHOT', 'auto'),
-        verify_checksums=_env_bool('ORBAX_PATHWAYS_VERIFY', True),
-        transport=os.environ.get('ORBAX_PATHWAYS_TRANSPORT') or None,
-        divisibility=os.environ.get('ORBAX_PATHWAYS_DIVISIBILITY', 'replicate'),
-        compression=os.environ.get('ORBAX_PATHWAYS_COMPRESSION', 'auto'),
-        gcs_grpc=_env_bool('ORBAX_PATHWAYS_GCS_GRPC', False),
-        num_slices=int(slices) if slices else None,
-        storage_retries=(int(os.environ['ORBAX_PATHWAYS_STORAGE_RETRIES'])
-                         if os.environ.get('ORBAX_PATHWAYS_STORAGE_RETRIES') else None),
+        max_chunk_bytes=get('ORBAX_PATHWAYS_MAX_CHUNK_BYTES'),
+        max_inflight_bytes=get('ORBAX_PATHWAYS_MAX_INFLIGHT_BYTES'),
+        coalesce_bytes=get('ORBAX_PATHWAYS_COALESCE_BYTES'),
+        snapshot=get('ORBAX_PATHWAYS_SNAPSHOT'),
+        verify_checksums=get('ORBAX_PATHWAYS_VERIFY'),
+        transport=get('ORBAX_PATHWAYS_TRANSPORT'),
+        divisibility=get('ORBAX_PATHWAYS_DIVISIBILITY'),
+        compression=get('ORBAX_PATHWAYS_COMPRESSION'),
+        gcs_grpc=get('ORBAX_PATHWAYS_GCS_GRPC'),
+        num_slices=get('ORBAX_PATHWAYS_NUM_SLICES'),
+        storage_retries=get('ORBAX_PATHWAYS_STORAGE_RETRIES'),
     )

@@ -8,16 +8,38 @@ What ``install()`` changes (through ``orbax_pathways._compat.orbax_manager``):
 
 1. **Deletion takes the step out of the listed namespace first, atomically.**
 
-   - Local / POSIX storage: rename ``<dir>/N`` -> ``<dir>/N.orbax-pathways-deleting-<hex>`` (one
-     ``rename(2)`` in the same directory), then remove the renamed tree with Orbax's own deleter.
+   - Local / POSIX storage: rename ``<dir>/N`` -> ``<dir>/N.orbax-pathways-deleting-<owner>``
+     (one ``rename(2)`` in the same directory; ``<owner>`` below), then remove the renamed tree
+     with Orbax's own deleter.
      Orbax never lists that name: the step regex is anchored (``^prefix_?(0|[1-9]\\d*)$``), the
      name has no ``.orbax-checkpoint-tmp`` so it is not a temporary of step N (nor removed by
      ``cleanup_tmp_directories``), and it has no ``_`` so legacy ``checkpoint_steps`` ignores it.
      If the rename fails we fall back to "markers first" (below) and log why.
    - gs:// (no atomic directory rename): delete ``N/commit_success.txt`` first, which on gs:// is
      what makes a step committed, then ``N/_CHECKPOINT_METADATA``, then the rest.
-   - Leftover ``*.orbax-pathways-deleting-*`` directories (a kill mid-rmtree) are removed when a
-     CheckpointManager is constructed, on its primary host, and by ``preemption.resume``.
+   - The deleter tolerates files that vanish under it (another process removing the same
+     leftover), and a deletion that fails anyway is logged with the step and its path instead of
+     failing the next ``save()``: the step whose commit triggered the deletion is committed, and
+     raising would make Orbax forget it (listed on disk, never garbage-collected again).
+     ``mngr.delete(step)`` called by the user still raises.
+
+   Called by the primary host's garbage collection and ``mngr.delete`` (in Orbax's finalize or
+   background-delete thread, or the user's thread).
+
+   Leftovers of interrupted deletes are removed only when **provably abandoned**, because readers
+   (an evaluator constructing its own CheckpointManager, ``preemption.resume`` in a second job)
+   must never delete a trainer's work in progress. The deleting name records its owner:
+   ``N.orbax-pathways-deleting-<host>-<pid>-<start>-<created>-<rand>`` (``host``: a hash of the
+   host name, boot id and PID namespace; ``start``: the owner's start time in clock ticks since
+   boot, 0 where unknown; ``created``: Unix seconds). A leftover is abandoned when its owner is
+   on this host and that process is gone (or the PID now belongs to a younger process), when this
+   process owns it but no delete of it is running here, or when it is older than
+   ``abandoned_after_s`` (default 1 hour: owners on other hosts, names of unknown format by
+   their mtime). Orbax temporary steps (``N.orbax-checkpoint-tmp``; on gs:// a step directory
+   without ``commit_success.txt``) are removed by ``preemption.resume`` only when nothing inside
+   them changed for ``abandoned_after_s`` (Orbax fails a save after 20 minutes anyway). Both run
+   on the primary host of a CheckpointManager that is not read-only: at construction (leftovers)
+   and in ``resume`` (both).
 
 2. **A listed step must be complete** (``is_step_complete``). Besides Orbax's own rule (final
    name locally; ``commit_success.txt`` on gs://), a local step directory counts only if it holds
@@ -35,7 +57,16 @@ What ``install()`` changes (through ``orbax_pathways._compat.orbax_manager``):
 
 from __future__ import annotations
 
+import errno
+import functools
+import hashlib
+import os
+import re
+import shutil
+import socket
+import sys
 import threading
+import time
 import uuid
 
 from absl import logging
@@ -44,11 +75,18 @@ from etils import epath
 from orbax_pathways._compat import orbax_manager as _om
 
 DELETING_MARKER = '.orbax-pathways-deleting-'
+ABANDONED_AFTER_S = 3600.0
+_OWNER_RE = re.compile(
+    r'^(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)-(?P<created>\d+)-[0-9a-f]+$')
 
 _state_lock = threading.Lock()
 _installed = False
 _accept_unmarked = False
+_abandoned_after_s = ABANDONED_AFTER_S
 _warned_unmarked: set[str] = set()
+_active_lock = threading.Lock()
+_active: set[str] = set()  # deleting paths this process is removing right now
+_explicit = threading.local()  # set while the user's CheckpointManager.delete runs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,11 +122,110 @@ def is_step_complete(step_path: epath.PathLike) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Safe deletion.
+# Who owns a deleting directory.
+
+
+def _read(path: str) -> str:
+  try:
+    with open(path) as f:
+      return f.read().strip()
+  except OSError:
+    return ''
+
+
+@functools.lru_cache(maxsize=1)
+def host_id() -> str:
+  """8 hex digits naming this host *and* PID namespace: two containers with the same host name
+  see different PIDs, so a PID is only meaningful next to its namespace."""
+  try:
+    pidns = os.readlink('/proc/self/ns/pid')
+  except OSError:
+    pidns = ''
+  key = f'{socket.gethostname()}|{_read("/proc/sys/kernel/random/boot_id")}|{pidns}'
+  return hashlib.sha1(key.encode()).hexdigest()[:8]
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+  """(state, start time in clock ticks since boot) of ``pid`` from /proc, None if unknown."""
+  text = _read(f'/proc/{pid}/stat')
+  if not text or ')' not in text:
+    return None
+  fields = text.rsplit(')', 1)[1].split()
+  try:
+    return fields[0], int(fields[19])
+  except (IndexError, ValueError):
+    return None
+
+
+def _process_start(pid: int) -> int:
+  stat = _proc_stat(pid)
+  return stat[1] if stat else 0
+
+
+def _pid_alive(pid: int, start: int) -> bool:
+  """Whether process ``pid`` of this host (and PID namespace) that started at ``start`` (clock
+  ticks; 0: unknown) still runs."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    pass  # exists, owned by someone else
+  except OSError:
+    return True  # cannot tell: assume alive
+  stat = _proc_stat(pid)
+  if stat is None:
+    return True
+  state, started = stat
+  if state in ('Z', 'X'):
+    return False
+  return not (start and started and started != start)  # a different process got the PID
 
 
 def deleting_name(step_dir_name: str) -> str:
-  return f'{step_dir_name}{DELETING_MARKER}{uuid.uuid4().hex}'
+  """``<step>.orbax-pathways-deleting-<host>-<pid>-<start>-<created>-<rand>``: no ``_`` and no
+  ``.orbax-checkpoint-tmp``, so no Orbax listing or cleanup ever takes it for a step."""
+  pid = os.getpid()
+  return (f'{step_dir_name}{DELETING_MARKER}{host_id()}-{pid}-{_process_start(pid)}-'
+          f'{int(time.time())}-{uuid.uuid4().hex[:8]}')
+
+
+def abandoned(path: epath.PathLike, *, now: float | None = None,
+              abandoned_after_s: float | None = None) -> tuple[bool, str]:
+  """Whether the leftover ``path`` (a deleting name) is provably abandoned, and why (or why not).
+  """
+  path = epath.Path(path)
+  now = time.time() if now is None else now
+  lease = _abandoned_after_s if abandoned_after_s is None else abandoned_after_s
+  owner = path.name.split(DELETING_MARKER, 1)[1] if DELETING_MARKER in path.name else ''
+  m = _OWNER_RE.match(owner)
+  if m is None:
+    try:
+      age = now - path.stat().mtime
+    except OSError:
+      return False, 'vanished'
+    if age > lease:
+      return True, f'owner unknown, unchanged for {age:.0f} s'
+    return False, f'owner unknown, changed {age:.0f} s ago (< {lease:.0f} s)'
+  pid, start, age = int(m['pid']), int(m['start']), now - int(m['created'])
+  if m['host'] == host_id():
+    if pid == os.getpid() and start == _process_start(pid):
+      with _active_lock:
+        if str(path) in _active:
+          return False, 'this process is deleting it'
+      return True, 'this process gave up deleting it'
+    if not _pid_alive(pid, start):
+      return True, f'its owner, process {pid} on this host, is gone'
+    if age > lease:
+      return True, f'its owner, process {pid} on this host, started it {age:.0f} s ago'
+    return False, f'process {pid} on this host is deleting it'
+  if age > lease:
+    return True, f'created {age:.0f} s ago on another host'
+  return False, f'created {age:.0f} s ago on another host (< {lease:.0f} s)'
+
+
+# ---------------------------------------------------------------------------------------------
+# Safe deletion.
 
 
 def _remove_markers_first(step_path: epath.Path) -> None:
@@ -102,66 +239,197 @@ def _remove_markers_first(step_path: epath.Path) -> None:
       pass
 
 
-def safe_delete_step(step_path: epath.PathLike, remove_tree=None) -> None:
+def _ignore_missing(func, path, exc):
+  del func, path
+  err = exc if isinstance(exc, BaseException) else exc[1]
+  if not isinstance(err, FileNotFoundError):
+    raise err
+
+
+def _rmtree_missing_ok(path: epath.Path) -> None:
+  """rmtree that skips entries removed meanwhile by someone else."""
+  if _om.is_local_path(path):
+    if sys.version_info >= (3, 12):
+      shutil.rmtree(os.fspath(path), onexc=_ignore_missing)  # pylint: disable=unexpected-keyword-arg,line-too-long
+    else:
+      shutil.rmtree(os.fspath(path), onerror=_ignore_missing)
+  else:
+    path.rmtree(missing_ok=True)
+
+
+def remove_tree(path: epath.PathLike, remove=None, *, attempts: int = 5) -> None:
+  """Removes the tree at ``path`` with ``remove`` (default: rmtree), tolerating files and
+  directories that vanish under it (another process removing the same leftover). Raises only if
+  the tree is still there after ``attempts`` tries, or on errors other than "not found"."""
+  path = epath.Path(path)
+  remove = remove or _rmtree_missing_ok
+  last = None
+  for attempt in range(attempts):
+    try:
+      (remove if attempt == 0 else _rmtree_missing_ok)(path)
+    except FileNotFoundError as e:
+      last = e
+    except OSError as e:
+      if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+        raise
+      last = e  # a concurrent remover, or a writer: look again
+    try:
+      if not path.exists():
+        return
+    except FileNotFoundError:
+      return
+    time.sleep(0.05 * (attempt + 1))
+  raise OSError(errno.ENOTEMPTY, f'{path} is still there after {attempts} removal attempts '
+                f'(last error: {last})')
+
+
+def safe_delete_step(step_path: epath.PathLike, remove_tree_fn=None) -> None:
   """Deletes one step directory so that no reader ever sees it half-deleted.
 
   Args:
     step_path: the step directory (final name).
-    remove_tree: callable removing a directory tree; default ``epath.Path.rmtree``. Inside the
-      CheckpointManager hook this is Orbax's PathDeleter (parallel locally, batched on gs://).
+    remove_tree_fn: callable removing a directory tree; default rmtree. Inside the
+      CheckpointManager hook this is Orbax's PathDeleter (parallel locally, batched on gs://);
+      either way files that vanish meanwhile are tolerated.
   """
   step_path = epath.Path(step_path)
-  remove_tree = remove_tree or (lambda p: epath.Path(p).rmtree())
   if _om.TMP_DIR_SUFFIX in step_path.name or DELETING_MARKER in step_path.name:
-    remove_tree(step_path)  # never listed anyway
+    remove_tree(step_path, remove_tree_fn)  # never listed anyway
     return
   if _om.is_local_path(step_path):
     target = step_path.parent / deleting_name(step_path.name)
+    with _active_lock:
+      _active.add(str(target))  # before the rename: this process's own cleanup leaves it alone
     try:
-      step_path.rename(target)
-    except OSError as e:
-      logging.warning(
-          'orbax_pathways: could not rename %s to %s before deleting it (%s); deleting its commit '
-          'markers first instead.', step_path, target, e)
-      _remove_markers_first(step_path)
-      remove_tree(step_path)
-      return
-    logging.info('orbax_pathways: renamed %s to %s; removing it.', step_path, target.name)
-    remove_tree(target)
+      try:
+        step_path.rename(target)
+      except OSError as e:
+        if isinstance(e, FileNotFoundError) and not step_path.exists():
+          logging.info('orbax_pathways: %s is already gone.', step_path)
+          return
+        logging.warning(
+            'orbax_pathways: could not rename %s to %s before deleting it (%s); deleting its '
+            'commit markers first instead.', step_path, target, e)
+        _remove_markers_first(step_path)
+        remove_tree(step_path, remove_tree_fn)
+        return
+      logging.info('orbax_pathways: renamed %s to %s; removing it.', step_path, target.name)
+      remove_tree(target, remove_tree_fn)
+    finally:
+      with _active_lock:
+        _active.discard(str(target))
   else:
     _remove_markers_first(step_path)
-    remove_tree(step_path)
+    remove_tree(step_path, remove_tree_fn)
 
 
-def _delete_step_hook(step: int, delete_target: epath.Path, remove_tree) -> None:
-  del step
-  safe_delete_step(delete_target, remove_tree)
+def _delete_step_hook(step: int, delete_target: epath.Path, remove_tree_fn) -> None:
+  """Orbax's deletion of one step. Garbage collection (``max_to_keep``, in the finalize or
+  background-delete thread) logs a failure instead of raising: the save that triggered it is
+  committed, and an exception here would fail the *next* save and make the manager forget the
+  committed step. ``mngr.delete(step)`` raises, naming the step."""
+  try:
+    safe_delete_step(delete_target, remove_tree_fn)
+  except Exception as e:  # pylint: disable=broad-except
+    if getattr(_explicit, 'active', False):
+      raise OSError(f'orbax_pathways: deleting step {step} ({delete_target}) failed: '
+                    f'{type(e).__name__}: {e}') from e
+    logging.error(
+        'orbax_pathways: garbage collection of old step %d (%s) failed: %s: %s. The step is no '
+        'longer listed unless its commit marker could not be removed; its files stay until a '
+        'later CheckpointManager in a new process removes the leftover (or remove it by hand). '
+        'Saves are not affected.', step, delete_target, type(e).__name__, e)
+
+
+def _explicit_delete(mngr, step: int, original) -> None:
+  del mngr, step
+  _explicit.active = True
+  try:
+    original()
+  finally:
+    _explicit.active = False
 
 
 def leftover_deleting_dirs(directory: epath.PathLike) -> list[epath.Path]:
   directory = epath.Path(directory)
-  if not directory.exists():
+  try:
+    return sorted(p for p in directory.iterdir() if DELETING_MARKER in p.name)
+  except FileNotFoundError:
     return []
-  return sorted(p for p in directory.iterdir() if DELETING_MARKER in p.name)
 
 
-def cleanup_leftovers(directory: epath.PathLike) -> list[epath.Path]:
-  """Removes ``*.orbax-pathways-deleting-*`` directories left by a kill; returns them.
+def cleanup_leftovers(directory: epath.PathLike, *,
+                      abandoned_after_s: float | None = None) -> list[epath.Path]:
+  """Removes the ``*.orbax-pathways-deleting-*`` directories of ``directory`` that are provably
+  abandoned (see the module docstring); returns them. Leftovers still being deleted by a live
+  process are left to it.
 
   Call on one host only (the CheckpointManager hook and ``resume`` use the primary host).
   """
-  removed = []
+  removed, kept = [], []
   for path in leftover_deleting_dirs(directory):
+    gone, why = abandoned(path, abandoned_after_s=abandoned_after_s)
+    if not gone:
+      kept.append(f'{path.name} ({why})')
+      continue
     try:
-      path.rmtree() if path.is_dir() else path.unlink()
+      remove_tree(path)
       removed.append(path)
-    except FileNotFoundError:
-      pass
+      logging.info('orbax_pathways: removed leftover %s: %s.', path, why)
     except OSError as e:
       logging.warning('orbax_pathways: could not remove leftover %s (%s); remove it by hand.',
                       path, e)
-  if removed:
-    logging.info('orbax_pathways: removed leftover deleted steps: %s', removed)
+  if kept:
+    logging.info('orbax_pathways: left %d leftover(s) in %s alone: %s', len(kept), directory,
+                 '; '.join(kept))
+  return removed
+
+
+def _newest_mtime(path: epath.Path) -> float | None:
+  """Newest modification time (Unix seconds) of ``path`` and everything under it; None if it
+  is gone."""
+  if _om.is_local_path(path):
+    newest = None
+    for root, dirs, files in os.walk(os.fspath(path)):
+      for name in [''] + dirs + files:
+        try:
+          t = os.lstat(os.path.join(root, name) if name else root).st_mtime
+        except FileNotFoundError:
+          continue
+        newest = t if newest is None else max(newest, t)
+    return newest
+  fs = epath.backend.fsspec_backend.fs(str(path))
+  try:
+    infos = fs.find(str(path), detail=True).values()
+  except FileNotFoundError:
+    return None
+  times = [i['mtime'].timestamp() for i in infos if hasattr(i.get('mtime'), 'timestamp')]
+  return max(times) if times else None
+
+
+def cleanup_abandoned_temporary_steps(directory: epath.PathLike, *,
+                                      abandoned_after_s: float | None = None) -> list[epath.Path]:
+  """Removes Orbax temporary steps of ``directory`` (uncommitted saves) in which nothing changed
+  for ``abandoned_after_s`` seconds; returns them. A save in progress in another process keeps
+  writing into its temporary step, so it is left alone. Call on the primary host only."""
+  lease = _abandoned_after_s if abandoned_after_s is None else abandoned_after_s
+  removed = []
+  now = time.time()
+  for path in _om.temporary_step_paths(directory):
+    newest = _newest_mtime(path)
+    if newest is None:
+      continue
+    if now - newest <= lease:
+      logging.info('orbax_pathways: leaving temporary step %s alone: written %.0f s ago '
+                   '(a save in progress?).', path, now - newest)
+      continue
+    try:
+      remove_tree(path)
+      removed.append(path)
+      logging.info('orbax_pathways: removed abandoned temporary step %s (unchanged for %.0f s).',
+                   path, now - newest)
+    except OSError as e:
+      logging.warning('orbax_pathways: could not remove temporary step %s (%s).', path, e)
   return removed
 
 
@@ -180,12 +448,20 @@ def _manager_init_hook(mngr) -> None:
 # Activation.
 
 
-def install(*, accept_unmarked_steps: bool = False) -> None:
-  """Activates safe deletion and strict listing for every CheckpointManager (idempotent)."""
-  global _installed, _accept_unmarked
+def install(*, accept_unmarked_steps: bool = False,
+            abandoned_after_s: float = ABANDONED_AFTER_S) -> None:
+  """Activates safe deletion and strict listing for every CheckpointManager (idempotent).
+
+  ``abandoned_after_s``: age after which a leftover whose owner cannot be checked (another host)
+  or an unchanged temporary step counts as abandoned (see the module docstring)."""
+  global _installed, _accept_unmarked, _abandoned_after_s
+  if not abandoned_after_s > 0:
+    raise ValueError(f'abandoned_after_s={abandoned_after_s!r} must be > 0 seconds.')
   with _state_lock:
     _accept_unmarked = accept_unmarked_steps
+    _abandoned_after_s = float(abandoned_after_s)
     _om.set_hook('delete_step', _delete_step_hook)
+    _om.set_hook('explicit_delete', _explicit_delete)
     _om.set_hook('step_complete', is_step_complete)
     _om.set_hook('manager_init', _manager_init_hook)
     _om.install_manager_hooks()
@@ -194,12 +470,14 @@ def install(*, accept_unmarked_steps: bool = False) -> None:
 
 def uninstall() -> None:
   """Back to stock Orbax behaviour for deletion and listing (idempotent)."""
-  global _installed, _accept_unmarked
+  global _installed, _accept_unmarked, _abandoned_after_s
   with _state_lock:
     _om.set_hook('delete_step', None)
+    _om.set_hook('explicit_delete', None)
     _om.set_hook('step_complete', None)
     _om.set_hook('manager_init', None)
     _accept_unmarked = False
+    _abandoned_after_s = ABANDONED_AFTER_S
     if not _om.any_hook_set():
       _om.uninstall_manager_hooks()
     _installed = False

@@ -2,7 +2,8 @@
 
 Called on the controller (every process in multi-controller JAX) at each save and restore;
 cheap. ``ORBAX_PATHWAYS_RUNTIME`` and ``ORBAX_PATHWAYS_TRANSPORT`` override the detection (tests,
-or a platform that knows better).
+or a platform that knows better); both are parsed by ``options.py`` (validated at ``install()``,
+read again here so that a test or platform may set them later).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import enum
 import os
 
 import jax
+
+from orbax_pathways import options as options_lib
 
 
 class Runtime(str, enum.Enum):
@@ -30,15 +33,8 @@ TRANSPORT_ENV = 'ORBAX_PATHWAYS_TRANSPORT'
 
 
 def _choice(enum_cls, env: str):
-  value = os.environ.get(env, '').strip().lower()
-  if not value:
-    return None
-  try:
-    return enum_cls(value)
-  except ValueError:
-    raise ValueError(
-        f'{env}={value!r} is not one of {[m.value for m in enum_cls]}. Unset it to auto-detect.'
-    ) from None
+  value = options_lib.env_value(env)
+  return None if value is None else enum_cls(value)
 
 
 def detect_runtime() -> Runtime:
@@ -58,6 +54,9 @@ def choose_transport(runtime: Runtime | None = None, requested: str | None = Non
   """An explicit request wins, then the environment, then the runtime's default: colocated
   under Pathways (persistence when ``ENABLE_PATHWAYS_PERSISTENCE=1``), local otherwise."""
   if requested:
+    if requested not in options_lib.TRANSPORTS:
+      raise ValueError(f'transport={requested!r} is not one of {list(options_lib.TRANSPORTS)}; '
+                       'pass None to detect it.')
     return Transport(requested)
   override = _choice(Transport, TRANSPORT_ENV)
   if override is not None:

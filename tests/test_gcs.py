@@ -199,7 +199,14 @@ def test_step_without_commit_marker_is_not_listed_and_resume_skips_it(gcs_bucket
     assert (step, calls) == (1, [])
     _assert_bit_identical(restored, states[1])
     assert fresh.all_steps() == [1]
-  # resume() runs Orbax's temporary-path cleanup: on gs:// an unmarked step is a temporary.
+  # On gs:// an unmarked step is a temporary. A fresh one may be another process's save in
+  # progress (a trainer next to this resuming evaluator): resume() leaves it alone ...
+  assert _steps_objects(gcs_bucket.objects(), 2)
+  # ... and removes it once nothing in it changed for the lease (an hour by default).
+  from orbax_pathways import retention  # pylint: disable=g-import-not-at-top
+  retention.install(abandoned_after_s=0.001)  # the autouse fixture puts the default back
+  with ocp.CheckpointManager(path) as fresh:
+    assert preemption.resume(fresh, dict, abstract_state=_abstract(states[1]))[0] == 1
   assert not _steps_objects(gcs_bucket.objects(), 2), gcs_bucket.objects()
 
 

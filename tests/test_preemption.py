@@ -50,23 +50,34 @@ def test_notice_makes_should_save_and_reached_preemption_true(tmp_path, installe
   mngr.wait_until_finished()
   assert mngr.all_steps() == [0, 8]
   assert not mngr.should_save(8)  # never re-saves an existing step
-  assert mngr.should_save(9) and mngr.reached_preemption(9)  # every step from the notice on
+  # One preemption save per notice: later steps follow the save interval again (issue 15.5).
+  assert not mngr.should_save(9) and not mngr.reached_preemption(9)
+  assert preemption.preemption_noticed() and not preemption.preemption_pending()
+  preemption.notify_preemption('again')  # ignored until clear_notice(): no save storm
+  assert not mngr.should_save(10)
   preemption.clear_notice()
   assert not mngr.should_save(10)
+  preemption.notify_preemption('a new notice')
+  assert mngr.should_save(11) and mngr.reached_preemption(11)
+  preemption.clear_notice()
   # Stock behaviour once uninstalled, even with a notice.
   preemption.uninstall()
   preemption.notify_preemption('test')
-  assert not mngr.should_save(11) and not mngr.reached_preemption(11)
+  assert not mngr.should_save(12) and not mngr.reached_preemption(12)
   mngr.close()
 
 
-def test_sigterm_handler_chains_and_restores(installed):
+def test_sigterm_handler_chains_and_restores(tmp_path, installed, monkeypatch):
   preemption.uninstall()
+  monkeypatch.setattr(preemption, '_manager_seen', False)  # as in a fresh process
   calls = []
   previous = lambda signum, frame: calls.append(signum)
   old = signal.signal(signal.SIGTERM, previous)
   try:
     preemption.install()
+    # Not at install (import): only once this main process constructs a CheckpointManager.
+    assert signal.getsignal(signal.SIGTERM) is previous
+    ocp.CheckpointManager(tmp_path).close()
     assert signal.getsignal(signal.SIGTERM) is preemption._sigterm_handler
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.05)
@@ -75,7 +86,33 @@ def test_sigterm_handler_chains_and_restores(installed):
     assert 'SIGTERM' in preemption.notice_info()['reason']
     preemption.uninstall()
     assert signal.getsignal(signal.SIGTERM) is previous
+    # Re-installed at once when a manager already exists in this process.
+    preemption.install()
+    assert signal.getsignal(signal.SIGTERM) is preemption._sigterm_handler
+    preemption.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is previous
   finally:
+    signal.signal(signal.SIGTERM, old)
+    preemption.clear_notice()
+
+
+def test_sigterm_ignored_or_no_sigterm_env_left_alone(tmp_path, installed, monkeypatch):
+  preemption.uninstall()
+  old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  try:
+    preemption.install()
+    ocp.CheckpointManager(tmp_path).close()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # someone chose to ignore it
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    monkeypatch.setenv('ORBAX_PATHWAYS_NO_SIGTERM', 'True')  # the usual spellings, not only 1
+    preemption.install()
+    ocp.CheckpointManager(tmp_path).close()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    monkeypatch.setenv('ORBAX_PATHWAYS_NO_SIGTERM', 'sure')
+    with pytest.raises(ValueError, match=r"ORBAX_PATHWAYS_NO_SIGTERM='sure' is not a boolean"):
+      preemption.install()
+  finally:
+    preemption.uninstall()
     signal.signal(signal.SIGTERM, old)
 
 
@@ -96,7 +133,16 @@ def test_resume_without_checkpoint_calls_init(tmp_path, installed):
   assert step is None and state == {'a': 1}
 
 
-def test_resume_skips_incomplete_and_cleans_leftovers(tmp_path, installed):
+def _age(path, seconds):
+  """Backdates ``path`` and everything under it by ``seconds``."""
+  t = time.time() - seconds
+  for root, dirs, files in os.walk(path):
+    for name in dirs + files:
+      os.utime(os.path.join(root, name), (t, t))
+  os.utime(path, (t, t))
+
+
+def test_resume_skips_incomplete_and_cleans_only_abandoned_leftovers(tmp_path, installed):
   retention.install()
   try:
     mngr = ocp.CheckpointManager(tmp_path)
@@ -104,18 +150,120 @@ def test_resume_skips_incomplete_and_cleans_leftovers(tmp_path, installed):
       mngr.save(s, args=ocp.args.StandardSave({'a': jax.numpy.full(4, float(s))}))
     mngr.wait_until_finished()
     mngr.close()
-    # A torn step 3 (final name, no markers), a leftover deleting dir, an uncommitted tmp step.
+    # A torn step 3 (final name, no markers); leftovers of deletes and saves, abandoned (old) or
+    # maybe still in progress in another process (fresh).
     os.makedirs(tmp_path / '3' / 'default')
-    os.makedirs(tmp_path / ('0' + retention.DELETING_MARKER + 'abc') / 'default')
+    for name in ('0' + retention.DELETING_MARKER + 'abc', '7.orbax-checkpoint-tmp'):
+      os.makedirs(tmp_path / name / 'default')
+      _age(tmp_path / name, 2 * 3600)
+    os.makedirs(tmp_path / ('5' + retention.DELETING_MARKER + 'def') / 'default')
     os.makedirs(tmp_path / '4.orbax-checkpoint-tmp' / 'default')
     retention.uninstall()  # resume applies the completeness rule by itself
     mngr = ocp.CheckpointManager(tmp_path)
     step, state = preemption.resume(mngr, lambda: None)
     assert step == 2
     np.testing.assert_array_equal(np.asarray(state['a']), np.full(4, 2.0))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ['1', '2', '3']  # 3 kept: may be legacy
+    # 3 kept: may be legacy. The fresh leftovers may belong to a live process: kept.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        '1', '2', '3', '4.orbax-checkpoint-tmp', '5' + retention.DELETING_MARKER + 'def']
   finally:
     retention.uninstall()
+
+
+# ----------------------------------------------------------------------------------------------
+# resume() falls back past a damaged latest step instead of crash-looping (issue 15, item 6).
+
+
+def _w(step):
+  return np.arange(4096, dtype=np.float32) + np.float32(1000 * step)
+
+
+def _abstract_w():
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return {'w': jax.ShapeDtypeStruct((4096,), np.float32, sharding=sharding)}
+
+
+def _saved_steps(directory, steps):
+  with ocp.CheckpointManager(directory) as mngr:
+    for s in steps:
+      mngr.save(s, args=ocp.args.StandardSave({'w': jax.numpy.asarray(_w(s))}))
+    mngr.wait_until_finished()
+
+
+def _flip_byte(step_dir, step):
+  """Flips one byte of the stored (uncompressed float) bytes of ``w`` at ``step``."""
+  needle = _w(step).tobytes()[:64]
+  for path in sorted(step_dir.rglob('d/*')):
+    data = bytearray(path.read_bytes())
+    at = data.find(needle)
+    if at >= 0:
+      data[at + 10] ^= 0x01
+      path.write_bytes(bytes(data))
+      return
+  raise AssertionError(f'bytes of w not found under {step_dir}')
+
+
+def test_resume_falls_back_past_a_damaged_step_and_training_replaces_it(tmp_path, installed):
+  _saved_steps(tmp_path, [1, 2, 3])
+  _flip_byte(tmp_path / '3', 3)
+  mngr = ocp.CheckpointManager(tmp_path)
+  with pytest.warns(RuntimeWarning, match=r'step 3 at \S*/3 is DAMAGED and was skipped '
+                                          r'\(ChecksumMismatchError: .*Resuming from step 2'):
+    step, state = preemption.resume(mngr, lambda: None, abstract_state=_abstract_w())
+  assert step == 2 and np.asarray(state['w']).tobytes() == _w(2).tobytes()
+  # The damaged step stays on storage but this manager saves as if it were absent: the next
+  # steps are saved, and saving step 3 again replaces the damaged bytes.
+  assert mngr.latest_step() == 2 and (tmp_path / '3').exists()
+  assert mngr.should_save(3)
+  mngr.save(3, args=ocp.args.StandardSave({'w': jax.numpy.asarray(_w(3))}))
+  mngr.wait_until_finished()
+  fresh = ocp.CheckpointManager(tmp_path)
+  got = fresh.restore(3, args=ocp.args.StandardRestore(_abstract_w()))
+  assert np.asarray(got['w']).tobytes() == _w(3).tobytes()
+
+
+def test_resume_without_fallback_raises(tmp_path, installed):
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  _saved_steps(tmp_path, [1, 2])
+  _flip_byte(tmp_path / '2', 2)
+  with pytest.raises(orbax_pathways.ChecksumMismatchError, match=r'/2/default/w'):
+    preemption.resume(ocp.CheckpointManager(tmp_path), lambda: None,
+                      abstract_state=_abstract_w(), fallback=False)
+
+
+def test_resume_with_every_step_damaged_raises_naming_them(tmp_path, installed):
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  _saved_steps(tmp_path, [1, 2])
+  _flip_byte(tmp_path / '1', 1)
+  _flip_byte(tmp_path / '2', 2)
+  with pytest.raises(orbax_pathways.RestoreError,
+                     match=r'no complete step in \S+ restores: step 2 \(\S+/2\): '
+                           r'ChecksumMismatchError: .*; step 1 \(\S+/1\): ChecksumMismatchError'):
+    preemption.resume(ocp.CheckpointManager(tmp_path), lambda: 'never from scratch',
+                      abstract_state=_abstract_w())
+
+
+def test_resume_falls_back_past_a_missing_file(tmp_path, installed):
+  _saved_steps(tmp_path, [1, 2])
+  for path in (tmp_path / '2').rglob('d/*'):
+    path.unlink()  # every data file of step 2 gone
+  with pytest.warns(RuntimeWarning, match=r'step 2 at \S*/2 is DAMAGED'):
+    step, state = preemption.resume(ocp.CheckpointManager(tmp_path), lambda: None,
+                                    abstract_state=_abstract_w())
+  assert step == 1 and np.asarray(state['w']).tobytes() == _w(1).tobytes()
+
+
+def test_resume_with_a_wrong_target_raises_the_latest_steps_error(tmp_path, installed):
+  """A request every step rejects is not damage: no fallback through the whole history."""
+  import warnings  # pylint: disable=g-import-not-at-top
+  _saved_steps(tmp_path, [1, 2, 3])
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  wrong = {'w': jax.ShapeDtypeStruct((17,), np.float32, sharding=sharding)}
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', RuntimeWarning)  # and no DAMAGED warning
+    with pytest.raises(Exception, match=r'/3/') as info:
+      preemption.resume(ocp.CheckpointManager(tmp_path), lambda: None, abstract_state=wrong)
+  assert 'shape' in str(info.value)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,3 +402,63 @@ def test_multi_controller_kv_agreement(tmp_path):
     results.append(json.loads(out.strip().splitlines()[-1]))
   # Process 1 noticed at 13; the next agreement step (multiple of 5) is 15, on both processes.
   assert [r['first'] for r in results] == [15, 15]
+
+
+# ----------------------------------------------------------------------------------------------
+# resume() in a multi-controller job: a chunk damaged on one process's shard makes every process
+# fall back together (one KV round per step tried).
+
+_MP_RESUME = '''
+    import sys
+    import numpy as np
+    import mp_worker_lib as w
+    w.init()
+    import jax
+    import orbax.checkpoint as ocp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import orbax_pathways
+    from orbax_pathways import preemption
+    mode, directory = sys.argv[1], sys.argv[2]
+    sh = NamedSharding(Mesh(np.array(jax.devices()), ('x',)), P('x'))
+    def value(step):
+      return np.arange(4 * 1024, dtype=np.float32) + np.float32(1000 * step)
+    def array(step):
+      return jax.make_array_from_callback(value(step).shape, sh, lambda idx: value(step)[idx])
+    mngr = ocp.CheckpointManager(directory)
+    if mode == 'save':
+      for step in (1, 2):
+        mngr.save(step, args=ocp.args.StandardSave({'w': array(step)}))
+      mngr.wait_until_finished()
+      w.emit({'saved': mngr.all_steps()})
+    else:
+      abstract = {'w': jax.ShapeDtypeStruct((4 * 1024,), np.float32, sharding=sh)}
+      step, state = preemption.resume(mngr, lambda: None, abstract_state=abstract)
+      ok = all(np.asarray(s.data).tobytes() == value(step)[s.index].tobytes()
+               for s in state['w'].addressable_shards)
+      w.emit({'step': step, 'ok': ok, 'latest': mngr.latest_step()})
+'''
+
+
+@pytest.mark.multiprocess
+def test_resume_fallback_is_agreed_by_every_process(tmp_path):
+  from mp_harness import run_processes  # pylint: disable=g-import-not-at-top
+  ckpt = tmp_path / 'ckpt'
+  results = run_processes(_MP_RESUME, 2, 2, args=['save', str(ckpt)], timeout=180)
+  assert [r.result for r in results] == [{'saved': [1, 2]}] * 2
+  # Damage a chunk of step 2 that only process 1 reads (global elements 2048.. live on its
+  # first device).
+  needle = (np.arange(4 * 1024, dtype=np.float32) + 2000)[2048:2064].tobytes()
+  for path in sorted((ckpt / '2').rglob('d/*')):
+    data = bytearray(path.read_bytes())
+    at = data.find(needle)
+    if at >= 0:
+      data[at + 10] ^= 0x01
+      path.write_bytes(bytes(data))
+      break
+  else:
+    raise AssertionError('bytes of process 1 shard not found')
+  results = run_processes(_MP_RESUME, 2, 2, args=['resume', str(ckpt)], timeout=180)
+  assert [r.result for r in results] == [{'step': 1, 'ok': True, 'latest': 1}] * 2
+  assert 'is DAMAGED and was skipped (ChecksumMismatchError' in results[1].stderr_tail
+  assert ('is DAMAGED and was skipped (another process of this job failed to restore it)'
+          in results[0].stderr_tail)

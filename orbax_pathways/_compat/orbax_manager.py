@@ -13,15 +13,26 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
 - ``_StandardNameFormat._build_metadata(self, step_path, step=None)``: the single check behind
   ``all_steps()``, ``latest_step()``, ``reload()``, ``find_step`` (restore); returning None hides a
   step.
-- ``CheckpointManager.__init__``: runs a hook after the stock constructor (leftover cleanup).
+- ``CheckpointManager.__init__``: runs hooks after the stock constructor (leftover cleanup; the
+  SIGTERM notice handler, installed lazily by the first manager of a main process).
+- ``CheckpointManager.delete`` (public): marks the user's explicit deletes, which raise on
+  failure, unlike garbage collection, which logs.
 - ``CheckpointManager.reached_preemption(self, step)``: feeds both ``should_save`` (through the
   ``PreemptionCheckpointingPolicy`` in the default policy) and ``save``'s own preemption logging.
 - ``CheckpointManager.save`` (public): the re-registration check before, storage errors named
-  after, and the start time of each step for the commit log line.
-- ``CheckpointManager.reload`` / ``restore`` (public): drop gcsfs's listing cache first.
+  after (an error of an earlier step's background commit, which Orbax raises from this save's
+  ``wait_until_finished``, keeps the name of *that* step), the start time of each step for the
+  commit log line, and the ``after_save`` hook (preemption: the notice is consumed once its save
+  started).
+- ``CheckpointManager.reload`` / ``restore`` (public): drop gcsfs's listing cache first; a restore
+  that fails because the step was deleted meanwhile (another process's retention) says so.
+- ``Checkpointer._restore(self, directory, ...)``: a process whose read fails (a damaged chunk it
+  alone reads) still joins the ``Checkpointer:restore`` barrier that ends ``restore()`` before
+  raising, so the processes that read fine get their result instead of waiting in the barrier
+  until it times out (``preemption.resume`` then has every process agree to fall back).
 - ``CheckpointManager._finalize(self, step, steps_to_remove)``: returns once ``step`` is
-  committed (raises if it was not); traced as ``orbax_pathways.commit``, then the
-  ``after_commit`` hook logs save()-to-committed time.
+  committed (raises if it was not: re-raised as ``SaveError`` naming ``step``); traced as
+  ``orbax_pathways.commit``, then the ``after_commit`` hook logs save()-to-committed time.
 
 The wrappers dispatch to hooks set with ``set_hook(name, fn)``; with no hook set they call the
 original, so leaving the patches in place with no hooks behaves exactly like stock Orbax.
@@ -42,6 +53,7 @@ from etils import epath
 import jax
 
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.checkpointers import checkpointer as _checkpointer
 from orbax.checkpoint._src.multihost import multihost as _multihost
 from orbax.checkpoint._src.path import atomicity_types as _atomicity_types
 from orbax.checkpoint._src.path import deleter as _deleter
@@ -55,8 +67,9 @@ TMP_DIR_SUFFIX: str = _atomicity_types.TMP_DIR_SUFFIX  # '.orbax-checkpoint-tmp'
 COMMIT_SUCCESS_FILE: str = _atomicity_types.COMMIT_SUCCESS_FILE  # 'commit_success.txt'
 STEP_METADATA_FILE = '_CHECKPOINT_METADATA'
 
-HOOK_NAMES = ('delete_step', 'step_complete', 'manager_init', 'reached_preemption', 'before_save',
-              'after_commit')
+HOOK_NAMES = ('delete_step', 'explicit_delete', 'step_complete', 'manager_init',
+              'manager_init_check', 'manager_init_notice', 'reached_preemption', 'before_save',
+              'after_save', 'after_commit')
 
 
 def orbax_version_supported() -> bool:
@@ -133,18 +146,20 @@ def _path_remover(deleter) -> Callable[[epath.Path], None]:
 def _wrap_build_metadata(original):
   @functools.wraps(original)
   def _build_metadata(self, step_path, step=None):
-    metadata = original(self, step_path, step=step)
     hook = _hooks['step_complete']
-    if metadata is None or hook is None:
-      return metadata
-    if not hook(epath.Path(metadata.path)):
-      return None
+    if hook is None:
+      return original(self, step_path, step=step)
     try:
+      metadata = original(self, step_path, step=step)
+      if metadata is None or not hook(epath.Path(metadata.path)):
+        return None
       # Read (and cache) the commit time now: a step that retention renames away while a reader
       # lists the directory then drops out of the listing, instead of failing the reader's
       # CheckpointManager construction with FileNotFoundError from a later stat().
       metadata.commit_timestamp  # pylint: disable=pointless-statement
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
+      # Renamed away between two of Orbax's checks (exists() then is_dir()): another process's
+      # retention deleted it while we listed.
       return None
     return metadata
   return _build_metadata
@@ -188,10 +203,21 @@ def _wrap_manager_init(original):
   def __init__(self, *args, **kwargs):
     invalidate_gcs_listings()
     original(self, *args, **kwargs)
-    hook = _hooks['manager_init']
-    if hook is not None:
-      hook(self)
+    for name in ('manager_init_check', 'manager_init', 'manager_init_notice'):
+      hook = _hooks[name]
+      if hook is not None:
+        hook(self)
   return __init__
+
+
+def _wrap_delete(original):
+  @functools.wraps(original)
+  def delete(self, step):
+    hook = _hooks['explicit_delete']
+    if hook is None:
+      return original(self, step)
+    return hook(self, step, lambda: original(self, step))
+  return delete
 
 
 def _wrap_reached_preemption(original):
@@ -205,6 +231,7 @@ def _wrap_reached_preemption(original):
 
 
 _SAVE_STARTS = '_orbax_pathways_save_starts'  # {step: perf_counter at save()} on the manager
+_STEP_ATTR = 'orbax_pathways_step'  # on a SaveError: the step it belongs to
 
 
 def _wrap_save(original):
@@ -216,33 +243,102 @@ def _wrap_save(original):
     hook(self, step)
     self.__dict__.setdefault(_SAVE_STARTS, {})[step] = time.perf_counter()
     try:
-      return original(self, step, *args, **kwargs)
+      saved = original(self, step, *args, **kwargs)
     except Exception as e:  # pylint: disable=broad-except
-      if not _is_storage_error(e):
-        raise
+      if getattr(e, _STEP_ATTR, None) is not None or not _is_storage_error(e):
+        raise  # an earlier step's commit error (named by _finalize), or not a storage error
       from orbax_pathways import errors  # pylint: disable=g-import-not-at-top
       raise errors.SaveError(
           f'Saving step {step} to {manager_step_path(self, step)} failed in storage: '
           f'{type(e).__module__}.{type(e).__name__}: {e}. Earlier steps are untouched; the step '
           'is not committed.') from e
+    after = _hooks['after_save']
+    if after is not None:
+      after(self, step, saved)
+    return saved
   return save
 
 
 def _wrap_finalize(original):
   """``CheckpointManager._finalize(step, steps_to_remove)`` runs once the step is committed
-  (in Orbax's finalize thread, or inline for synchronous saves); it raises if the commit failed."""
+  (in Orbax's finalize thread, or inline for synchronous saves); it raises if the commit failed.
+
+  Orbax re-raises a background failure from the *next* ``save()`` (its ``wait_until_finished``),
+  so the error is wrapped here, where the step is known: a ``SaveError`` naming ``step``."""
   @functools.wraps(original)
   def _finalize(self, step, *args, **kwargs):
-    hook = _hooks['after_commit']
-    if hook is None:
+    if not any_hook_set():
       return original(self, step, *args, **kwargs)
-    with jax.profiler.TraceAnnotation('orbax_pathways.commit', step=step):
-      out = original(self, step, *args, **kwargs)
+    try:
+      with jax.profiler.TraceAnnotation('orbax_pathways.commit', step=step):
+        out = original(self, step, *args, **kwargs)
+    except Exception as e:  # pylint: disable=broad-except
+      self.__dict__.get(_SAVE_STARTS, {}).pop(step, None)
+      raise _commit_error(self, step, e) from e
     t0 = self.__dict__.get(_SAVE_STARTS, {}).pop(step, None)
-    if t0 is not None:
+    hook = _hooks['after_commit']
+    if t0 is not None and hook is not None:
       hook(self, step, time.perf_counter() - t0)
     return out
   return _finalize
+
+
+def _commit_error(mngr, step: int, e: BaseException) -> Exception:
+  from orbax_pathways import errors  # pylint: disable=g-import-not-at-top
+  where = 'in storage' if _is_storage_error(e) else 'in the background'
+  err = errors.SaveError(
+      f'Step {step} ({manager_step_path(mngr, step)}) was not committed: its background commit '
+      f'failed {where}: {type(e).__module__}.{type(e).__name__}: {e}. Orbax reports this from '
+      f'the next save() or wait_until_finished(); earlier steps are untouched, and step {step} '
+      'is not listed.')
+  setattr(err, _STEP_ATTR, step)
+  return err
+
+
+def _wrap_restore(original):
+  @functools.wraps(original)
+  def restore(self, step, *args, **kwargs):
+    invalidate_gcs_listings()
+    try:
+      return original(self, step, *args, **kwargs)
+    except Exception as e:  # pylint: disable=broad-except
+      if step is None or _hooks['step_complete'] is None or not _step_vanished(self, step):
+        raise
+      from orbax_pathways import errors  # pylint: disable=g-import-not-at-top
+      raise errors.RestoreError(
+          f'Step {step} ({manager_step_path(self, step)}) was deleted while it was being restored '
+          '(by the retention of a process saving into this directory, e.g. max_to_keep) and is '
+          f'no longer listed: {type(e).__name__}: {str(e)[:500]}. Restore a step that is still '
+          'listed (mngr.reload(); mngr.latest_step()).') from e
+  return restore
+
+
+def _step_vanished(mngr, step: int) -> bool:
+  """True if no complete step ``step`` is in ``mngr.directory`` now (read from storage)."""
+  try:
+    invalidate_gcs_listings()
+    return step not in [s for s, _ in manager_steps_on_disk(mngr)]
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
+def _wrap_checkpointer_restore(original):
+  @functools.wraps(original)
+  def _restore(self, directory, *args, **kwargs):
+    try:
+      return original(self, directory, *args, **kwargs)
+    except Exception:  # pylint: disable=broad-except
+      if any_hook_set() and process_count() > 1:
+        try:
+          _multihost.sync_global_processes(
+              _multihost.unique_barrier_key('Checkpointer:restore',
+                                            prefix=self._barrier_sync_key_prefix),  # pylint: disable=protected-access
+              processes=self._active_processes)  # pylint: disable=protected-access
+        except Exception as barrier_error:  # pylint: disable=broad-except
+          logging.warning('orbax_pathways: after a failed restore of %s, joining the peers\' '
+                          'restore barrier failed too: %s', directory, barrier_error)
+      raise
+  return _restore
 
 
 _STORAGE_ERROR_MODULES = ('gcsfs', 'aiohttp', 'google', 'requests', 'fsspec')
@@ -261,8 +357,10 @@ def _patch_targets():
       (ocp.CheckpointManager, 'reached_preemption', _wrap_reached_preemption),
       (ocp.CheckpointManager, 'save', _wrap_save),
       (ocp.CheckpointManager, '_finalize', _wrap_finalize),
+      (ocp.CheckpointManager, 'delete', _wrap_delete),
       (ocp.CheckpointManager, 'reload', _wrap_fresh_listing),
-      (ocp.CheckpointManager, 'restore', _wrap_fresh_listing),
+      (ocp.CheckpointManager, 'restore', _wrap_restore),
+      (_checkpointer.Checkpointer, '_restore', _wrap_checkpointer_restore),
   )
 
 
@@ -348,12 +446,18 @@ def read_commit_timestamp_nsecs(step_path: epath.Path) -> int | None:
   return value if isinstance(value, int) else None
 
 
-def cleanup_temporary_paths(directory: epath.Path, primary_host: int | None) -> None:
-  """Orbax's own cleanup of uncommitted ``*.orbax-checkpoint-tmp`` (or unmarked gs://) steps."""
+def temporary_step_paths(directory: epath.PathLike) -> list[epath.Path]:
+  """Orbax's uncommitted steps in ``directory``: ``*.orbax-checkpoint-tmp`` locally, step
+  directories without ``commit_success.txt`` on gs:// (Orbax's own rule)."""
   from orbax.checkpoint._src import asyncio_utils  # pylint: disable=g-import-not-at-top
-  asyncio_utils.run_sync(_temporary_paths.cleanup_temporary_paths(
-      directory,
-      multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=primary_host)))
+  paths = asyncio_utils.run_sync(_temporary_paths.all_temporary_paths(directory))
+  return sorted(epath.Path(p.get()) for p in paths)
+
+
+def forget_step(mngr: ocp.CheckpointManager, step: int) -> None:
+  """Drops ``step`` from ``mngr``'s cached listing (nothing on storage changes): ``should_save``
+  and ``save`` then treat it as absent, and saving that step again replaces it."""
+  mngr._checkpoints.delete_if(lambda info: info.step == step)  # pylint: disable=protected-access
 
 
 # --- JAX multi-controller plumbing used by preemption agreement. ---

@@ -1,0 +1,126 @@
+"""Every ORBAX_PATHWAYS_* variable is parsed at install (import) with an error naming the variable,
+the value and what is accepted (issue 15, items 4 and 7)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import orbax.checkpoint as ocp
+import pytest
+
+import orbax_pathways
+from orbax_pathways import options as options_lib
+from orbax_pathways import runtime
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+OUT_OF_RANGE = r'is out of range: it must be '
+BOOL_ERROR = r"is not a boolean: one of \['1', 'true', 'yes', 'y', 'on', 't'\] or \['0', 'false'"
+
+
+@pytest.mark.parametrize('name,value,message', [
+    ('ORBAX_PATHWAYS_VERIFY', 'maybe', BOOL_ERROR),
+    ('ORBAX_PATHWAYS_VERIFY', 'enabled', BOOL_ERROR),
+    ('ORBAX_PATHWAYS_GCS_GRPC', 'si', BOOL_ERROR),
+    ('ORBAX_PATHWAYS_NO_SIGTERM', 'please', BOOL_ERROR),
+    ('ORBAX_PATHWAYS_TRANSPORT', 'bogus',
+     r"is not one of \['local', 'colocated', 'persistence'\]\. Unset it to auto-detect"),
+    ('ORBAX_PATHWAYS_RUNTIME', 'tpu', r"is not one of \['single', 'multi_controller'"),
+    ('ORBAX_PATHWAYS_SNAPSHOT', 'gpu', r"is not one of \['auto', 'pinned', 'host'\]"),
+    ('ORBAX_PATHWAYS_COMPRESSION', 'gzip', r"is not one of \['auto', 'zstd', 'none'\]"),
+    ('ORBAX_PATHWAYS_DIVISIBILITY', 'pad', r"is not one of \['replicate', 'strict'\]"),
+    ('ORBAX_PATHWAYS_NUM_SLICES', 'abc', r'is not an integer >= 1'),
+    ('ORBAX_PATHWAYS_NUM_SLICES', '0', OUT_OF_RANGE + r'an integer >= 1'),
+    ('ORBAX_PATHWAYS_NUM_SLICES', '-2', OUT_OF_RANGE + r'an integer >= 1'),
+    ('ORBAX_PATHWAYS_STORAGE_RETRIES', 'x', r"is not an integer >= 0\. Unset it to keep "
+                                            r"tensorstore's default"),
+    ('ORBAX_PATHWAYS_STORAGE_RETRIES', '-1', OUT_OF_RANGE + r'an integer >= 0'),
+    ('ORBAX_PATHWAYS_MAX_INFLIGHT_BYTES', '0', OUT_OF_RANGE + r'an integer >= 1 \(bytes\)'),
+    ('ORBAX_PATHWAYS_MAX_INFLIGHT_BYTES', '-5', OUT_OF_RANGE + r'an integer >= 1 \(bytes\)'),
+    ('ORBAX_PATHWAYS_MAX_CHUNK_BYTES', '16MiB', r'is not an integer >= 1 \(bytes\)'),
+    ('ORBAX_PATHWAYS_COALESCE_BYTES', '-1', OUT_OF_RANGE + r'an integer >= 0 \(bytes\)'),
+    ('ORBAX_PATHWAYS_SIGTERM_GRACE_S', '0', OUT_OF_RANGE + r'a number >= 0.001 \(seconds'),
+    ('ORBAX_PATHWAYS_SIGTERM_GRACE_S', 'nan', OUT_OF_RANGE + r'a number >= 0.001 \(seconds'),
+    ('ORBAX_PATHWAYS_DISABLE', 'sometimes', BOOL_ERROR),
+])
+def test_malformed_variable_fails_install_naming_it(monkeypatch, name, value, message):
+  monkeypatch.setenv(name, value)
+  with pytest.raises(ValueError, match=rf'{name}={value!r} {message}'):
+    orbax_pathways.install()
+  with pytest.raises(ValueError, match=rf'{name}={value!r}'):
+    options_lib.parse_env()
+
+
+@pytest.mark.parametrize('value,expected', [
+    ('1', True), ('true', True), ('YES', True), ('Y', True), ('on', True), (' t ', True),
+    ('0', False), ('False', False), ('no', False), ('N', False), ('OFF', False), ('f', False),
+    ('', True),  # set but empty: the default
+])
+def test_booleans_accept_the_usual_spellings(monkeypatch, value, expected):
+  monkeypatch.setenv('ORBAX_PATHWAYS_VERIFY', value)
+  assert options_lib.Options.from_env().verify_checksums is expected
+  handler = orbax_pathways.install(options_lib.Options.from_env())
+  assert handler.options.verify_checksums is expected
+
+
+def test_valid_values_are_typed_and_case_insensitive(monkeypatch):
+  monkeypatch.setenv('ORBAX_PATHWAYS_TRANSPORT', 'Local')
+  monkeypatch.setenv('ORBAX_PATHWAYS_STORAGE_RETRIES', ' 3 ')
+  monkeypatch.setenv('ORBAX_PATHWAYS_NUM_SLICES', '4')
+  monkeypatch.setenv('ORBAX_PATHWAYS_SIGTERM_GRACE_S', 'inf')
+  o = options_lib.Options.from_env()
+  assert (o.transport, o.storage_retries, o.num_slices) == ('local', 3, 4)
+  assert options_lib.num_slices_from_env() == 4
+  assert options_lib.env_value('ORBAX_PATHWAYS_SIGTERM_GRACE_S') == float('inf')
+  assert runtime.choose_transport() is runtime.Transport.LOCAL
+
+
+def test_the_accepted_values_are_the_runtime_enums():
+  assert tuple(m.value for m in runtime.Transport) == options_lib.TRANSPORTS
+  assert tuple(m.value for m in runtime.Runtime) == options_lib.RUNTIMES
+
+
+def test_options_reject_bad_values_directly():
+  for kwargs, message in [
+      ({'max_inflight_bytes': 0}, r'Options.max_inflight_bytes=0: must be an integer >= 1'),
+      ({'num_slices': 0}, r'Options.num_slices=0: must be an integer >= 1 or None'),
+      ({'storage_retries': -1}, r'Options.storage_retries=-1: must be an integer >= 0'),
+      ({'transport': 'bogus'}, r"Options.transport='bogus': use one of \['local', 'colocated', "
+                               r"'persistence'\], or None to detect"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      options_lib.Options(**kwargs)
+  with pytest.raises(ValueError, match=r"transport='bogus' is not one of"):
+    runtime.choose_transport(requested='bogus')
+
+
+def test_unknown_variable_is_warned_about_with_the_closest_name(monkeypatch):
+  monkeypatch.setenv('ORBAX_PATHWAYS_VERFY', '0')
+  with pytest.warns(RuntimeWarning, match=r"unknown environment variable ORBAX_PATHWAYS_VERFY='0' "
+                                          r'is ignored\. Did you mean ORBAX_PATHWAYS_VERIFY\?'):
+    orbax_pathways.install()
+
+
+def test_num_slices_that_does_not_divide_the_devices_fails_at_manager_construction(
+    tmp_path, monkeypatch):
+  assert len(jax.devices()) == 8
+  monkeypatch.setenv('ORBAX_PATHWAYS_NUM_SLICES', '3')
+  orbax_pathways.install(options_lib.Options.from_env())
+  with pytest.raises(ValueError, match=r'ORBAX_PATHWAYS_NUM_SLICES=3 does not divide the 8 '
+                                       r'devices of this job into equal slices'):
+    ocp.CheckpointManager(tmp_path)
+  monkeypatch.setenv('ORBAX_PATHWAYS_NUM_SLICES', '4')
+  orbax_pathways.install(options_lib.Options.from_env())
+  ocp.CheckpointManager(tmp_path).close()
+
+
+def test_import_fails_at_once_on_a_malformed_variable():
+  env = dict(os.environ, ORBAX_PATHWAYS_VERIFY='maybe')
+  r = subprocess.run([sys.executable, '-c', 'import orbax_pathways'], capture_output=True,
+                     text=True, env=env, cwd=REPO, timeout=180)
+  assert r.returncode == 1
+  assert ("ValueError: orbax_pathways: invalid environment: ORBAX_PATHWAYS_VERIFY='maybe' is not "
+          'a boolean') in r.stderr
