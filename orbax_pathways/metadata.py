@@ -1,11 +1,16 @@
-"""The one file orbax-pathways adds beside Orbax's own: ``<item>/_pathways/<writer>.msgpack``.
+"""What orbax-pathways adds beside Orbax's own files, in ``<item>/_pathways/``: one record per
+writer (``<writer>.msgpack``) and the item's merged index (``index.msgpack``).
 
-Who writes it: every writer (a multi-controller process, or a Pathways worker host running our
-colocated function) writes exactly one file per checkpoint item, in the background part of the save,
-before Orbax's commit marker or rename makes the step visible. The primary writer also records
-how each array was sharded (mesh, PartitionSpec, slices), which elastic restore and the CLI read.
+Who writes them: under the local transport every writer (a multi-controller process) writes one
+record per checkpoint item in the background part of the save, and the primary host merges them
+into the index in Orbax's finalize (``storage/index.py``), before Orbax's commit marker or rename
+makes the step visible. Under the colocated transport the controller writes the index itself
+from what the workers returned (no per-worker records). The primary writer records how each
+array was sharded (mesh, PartitionSpec, slices), which elastic restore and the CLI read.
 
-Who reads it: restore (checksums, saved mesh), ``orbax_pathways.cli``. Stock Orbax ignores it.
+Who reads them: restore (checksums, saved mesh) and ``orbax_pathways.cli`` read the index, one
+object per item; a checkpoint written before schema 2 has no index, and its records are read
+instead. Stock Orbax ignores the directory.
 
 The schema is described for humans in ``docs/format.md``; bump ``SCHEMA_VERSION`` on any change
 and say so in CHANGELOG.md.
@@ -14,13 +19,15 @@ and say so in CHANGELOG.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Iterable, Mapping, Sequence
 
 import msgpack
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DIRNAME = '_pathways'
 SUFFIX = '.msgpack'
+INDEX_FILENAME = 'index.msgpack'  # never a writer name: writers are p<i>, w<id>[.g<k>], controller
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,25 +194,35 @@ def decode(data: bytes, *, path: str = '<bytes>') -> WriterRecord:
 
 @dataclasses.dataclass(frozen=True)
 class ItemMetadata:
-  """All writer files of one item merged: per array, every chunk and the primary's sharding."""
+  """One item's metadata: per array every chunk and the primary's sharding, and who wrote it.
+
+  Built from the index (``source='index'``: ``writers`` are one summary per writer, with no
+  arrays of their own; ``merged`` holds the arrays) or, for a checkpoint without an index, from
+  every writer's record (``source='records'``: ``merged`` is None and ``arrays()`` merges).
+  """
 
   writers: tuple[WriterRecord, ...]
+  merged: tuple[ArrayRecord, ...] | None = None
+  source: str = 'records'
 
-  def arrays(self) -> dict[str, ArrayRecord]:
-    """Merges the writers' records per array name (chunks concatenated, sharding from primary)."""
-    merged: dict[str, ArrayRecord] = {}
+  @functools.cached_property
+  def _arrays(self) -> dict[str, ArrayRecord]:
+    if self.merged is not None:
+      return {a.name: a for a in self.merged}
+    chunks: dict[str, list[ChunkRecord]] = {}
+    first: dict[str, ArrayRecord] = {}
+    sharding: dict[str, ShardingRecord | None] = {}
     for w in self.writers:
       for a in w.arrays:
-        prev = merged.get(a.name)
-        if prev is None:
-          merged[a.name] = a
-        else:
-          merged[a.name] = dataclasses.replace(
-              prev,
-              chunks=prev.chunks + a.chunks,
-              sharding=prev.sharding or a.sharding,
-          )
-    return merged
+        first.setdefault(a.name, a)
+        chunks.setdefault(a.name, []).extend(a.chunks)
+        sharding[a.name] = sharding.get(a.name) or a.sharding
+    return {name: dataclasses.replace(a, chunks=tuple(chunks[name]), sharding=sharding[name])
+            for name, a in first.items()}
+
+  def arrays(self) -> dict[str, ArrayRecord]:
+    """Per array name: every writer's chunks concatenated, the sharding from the primary."""
+    return dict(self._arrays)
 
   def transports(self) -> set[str]:
     return {w.transport for w in self.writers}
@@ -216,7 +233,82 @@ def writer_filename(writer: str) -> str:
 
 
 def merge(records: Iterable[WriterRecord]) -> ItemMetadata:
+  """The item as its writers' records describe it (sorted by writer, so the same every time)."""
   return ItemMetadata(tuple(sorted(records, key=lambda r: r.writer)))
+
+
+def summary(record: WriterRecord) -> WriterRecord:
+  """A writer as the index lists it: who, which transport and version, its stats; no arrays."""
+  return dataclasses.replace(record, arrays=())
+
+
+def index_of(item: ItemMetadata) -> ItemMetadata:
+  """The index content of ``item``: its merged arrays plus one summary per writer."""
+  merged = tuple(item.arrays()[name] for name in sorted(item.arrays()))
+  return ItemMetadata(tuple(summary(w) for w in item.writers), merged, source='index')
+
+
+def encode_index(item: ItemMetadata, *, library_version: str = '') -> bytes:
+  """Serializes an item's index (``_pathways/index.msgpack``); chunks column-wise as in a writer
+  record. ``item`` may come from records or be an index already."""
+  arrays = {}
+  for name, a in sorted(item.arrays().items()):
+    arrays[name] = {
+        'dtype': a.dtype,
+        'shape': list(a.shape),
+        'chunk_shape': list(a.chunk_shape),
+        'origins': [list(c.origin) for c in a.chunks],
+        'crc32c': [c.crc32c for c in a.chunks],
+        'nbytes': [c.nbytes for c in a.chunks],
+        'sharding': _sharding_to_obj(a.sharding),
+    }
+  writers = [{'writer': w.writer, 'transport': w.transport,
+              'library_version': w.library_version, 'stats': dict(w.stats)}
+             for w in sorted(item.writers, key=lambda w: w.writer)]
+  return msgpack.packb(
+      {'schema': SCHEMA_VERSION, 'kind': 'index', 'library_version': library_version,
+       'writers': writers, 'arrays': arrays},
+      use_bin_type=True)
+
+
+def decode_index(data: bytes, *, path: str = '<bytes>') -> ItemMetadata:
+  """Parses an item's index; raises MetadataError naming ``path`` if damaged or too new."""
+  try:
+    o = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    schema = int(o['schema'])
+    kind = o.get('kind')
+  except Exception as e:  # msgpack raises several unrelated types.
+    raise MetadataError(
+        f'orbax-pathways index {path} is damaged ({type(e).__name__}: {e}). Run '
+        '`orbax-pathways verify` on the step; deleting the index makes restore read the writers\' '
+        'records beside it, or restore without checksum verification where there are none.'
+    ) from e
+  if schema > SCHEMA_VERSION:
+    raise MetadataError(
+        f'orbax-pathways index {path} has schema {schema}, this version reads up to '
+        f'{SCHEMA_VERSION}. Upgrade orbax-pathways.')
+  if kind != 'index':
+    raise MetadataError(f'orbax-pathways index {path} is not an index (kind {kind!r}); it is '
+                        'damaged. Run `orbax-pathways verify` on the step.')
+  try:
+    writers = tuple(
+        WriterRecord(writer=w['writer'], transport=w['transport'], arrays=(),
+                     library_version=w.get('library_version', ''), stats=w.get('stats', {}),
+                     schema=schema)
+        for w in o['writers'])
+    merged = tuple(
+        ArrayRecord(
+            name=name, dtype=a['dtype'], shape=tuple(a['shape']),
+            chunk_shape=tuple(a['chunk_shape']),
+            chunks=tuple(ChunkRecord(tuple(org), int(crc), int(n))
+                         for org, crc, n in zip(a['origins'], a['crc32c'], a['nbytes'])),
+            sharding=_sharding_from_obj(a.get('sharding')))
+        for name, a in o['arrays'].items())
+  except (KeyError, TypeError, ValueError) as e:
+    raise MetadataError(
+        f'orbax-pathways index {path} is missing field {e}; it is damaged. Run '
+        '`orbax-pathways verify` on the step.') from e
+  return ItemMetadata(writers, merged, source='index')
 
 
 def chunk_index(records: Sequence[ArrayRecord]) -> dict[tuple[int, ...], ChunkRecord]:
