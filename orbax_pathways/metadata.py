@@ -18,11 +18,14 @@ and say so in CHANGELOG.md.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
+import math
 from typing import Any, Iterable, Mapping, Sequence
 
 import msgpack
+import numpy as np
 
 SCHEMA_VERSION = 2
 DIRNAME = '_pathways'
@@ -62,15 +65,156 @@ class ShardingRecord:
   num_slices: int = 1
 
 
+class ChunkGrid(collections.abc.Sequence):
+  """The chunks of one array as the index stores them: one crc32c per cell of the array's
+  regular chunk grid (C order), cells without a record marked absent; each chunk's origin and
+  byte count follow from its cell.
+
+  Behaves as the sequence of its ``ChunkRecord``s (C order of the grid) and, through ``get``,
+  as a mapping origin -> ``ChunkRecord``; records are made on access, so a host that restores a
+  few chunks of a large checkpoint pays for those only.
+  """
+
+  def __init__(self, shape: Sequence[int], chunk_shape: Sequence[int], itemsize: int,
+               crc32c: np.ndarray, present: np.ndarray | None = None):
+    self.shape = tuple(int(d) for d in shape)
+    self.chunk_shape = tuple(int(c) for c in chunk_shape)
+    self.grid = grid_shape(self.shape, self.chunk_shape)
+    self.itemsize = int(itemsize)
+    self.crc32c = crc32c
+    self.present = present  # None: every cell has a record
+    if crc32c.shape != (math.prod(self.grid),) or (present is not None and present.shape != crc32c.shape):
+      raise ValueError(f'chunk grid {self.grid} needs {math.prod(self.grid)} checksums, '
+                       f'got {crc32c.shape[0]}')
+
+  @functools.cached_property
+  def _cells(self) -> np.ndarray:
+    """Flat indices of the cells that have a record."""
+    n = self.crc32c.shape[0]
+    return np.arange(n) if self.present is None else np.flatnonzero(self.present)
+
+  def _record(self, flat: int) -> ChunkRecord:
+    cell = np.unravel_index(flat, self.grid) if self.grid else ()
+    origin = tuple(int(i) * c for i, c in zip(cell, self.chunk_shape))
+    n = math.prod(min(o + c, d) - o for o, c, d in zip(origin, self.chunk_shape, self.shape))
+    return ChunkRecord(origin, int(self.crc32c[flat]), n * self.itemsize)
+
+  def get(self, origin: Sequence[int], default: Any = None) -> ChunkRecord | Any:
+    if len(origin) != len(self.grid):
+      return default
+    flat = 0
+    for o, c, g in zip(origin, self.chunk_shape, self.grid):
+      if o % c or not 0 <= o // c < g:
+        return default
+      flat = flat * g + o // c
+    if self.present is not None and not self.present[flat]:
+      return default
+    return self._record(flat)
+
+  def __len__(self) -> int:
+    return int(self._cells.shape[0])
+
+  def __getitem__(self, i):
+    if isinstance(i, slice):
+      return tuple(self._record(int(f)) for f in self._cells[i])
+    return self._record(int(self._cells[i]))
+
+  def __iter__(self):
+    return (self._record(int(f)) for f in self._cells)
+
+  def __eq__(self, other) -> bool:
+    if not isinstance(other, collections.abc.Sequence) or isinstance(other, (str, bytes)):
+      return NotImplemented
+    return len(self) == len(other) and sorted(self, key=_origin) == sorted(other, key=_origin)
+
+  def __hash__(self) -> int:
+    return hash((self.shape, self.chunk_shape, self.crc32c.tobytes()))
+
+  def __repr__(self) -> str:
+    return f'ChunkGrid(grid={self.grid}, chunks={len(self)})'
+
+  @classmethod
+  def of(cls, shape: Sequence[int], chunk_shape: Sequence[int], itemsize: int,
+         chunks: Sequence[ChunkRecord]) -> 'ChunkGrid | None':
+    """``chunks`` on their grid, or None if one does not sit on it (an origin off the grid, or a
+    byte count other than its clipped cell's)."""
+    if isinstance(chunks, ChunkGrid):
+      return chunks
+    shape, chunk_shape = tuple(shape), tuple(chunk_shape)
+    if len(shape) != len(chunk_shape) or any(c <= 0 for c in chunk_shape):
+      return None
+    grid = grid_shape(shape, chunk_shape)
+    crc = np.zeros(math.prod(grid), np.uint32)
+    present = np.zeros(crc.shape, bool)
+    for c in chunks:
+      if len(c.origin) != len(grid):
+        return None
+      flat = 0
+      for o, k, g in zip(c.origin, chunk_shape, grid):
+        if o % k or not 0 <= o // k < g:
+          return None
+        flat = flat * g + o // k
+      n = math.prod(min(o + k, d) - o for o, k, d in zip(c.origin, chunk_shape, shape))
+      if c.nbytes != n * itemsize:
+        return None
+      crc[flat] = c.crc32c
+      present[flat] = True
+    return cls(shape, chunk_shape, itemsize, crc, None if present.all() else present)
+
+
+class ChunkMap(collections.abc.Mapping):
+  """A ``ChunkGrid`` as the mapping origin -> ``ChunkRecord`` that ``chunk_index`` returns."""
+
+  def __init__(self, grid: ChunkGrid):
+    self.grid = grid
+
+  def __getitem__(self, origin):
+    rec = self.grid.get(origin)
+    if rec is None:
+      raise KeyError(origin)
+    return rec
+
+  def get(self, origin, default=None):
+    return self.grid.get(origin, default)
+
+  def __iter__(self):
+    return (c.origin for c in self.grid)
+
+  def __len__(self) -> int:
+    return len(self.grid)
+
+  def values(self):
+    return list(self.grid)
+
+  def __repr__(self) -> str:
+    return f'ChunkMap({self.grid!r})'
+
+
+def _origin(c: ChunkRecord) -> tuple[int, ...]:
+  return c.origin
+
+
+def grid_shape(shape: Sequence[int], chunk_shape: Sequence[int]) -> tuple[int, ...]:
+  """Cells of the regular chunk grid per dimension (0 for an empty dimension)."""
+  return tuple(-(-int(d) // int(c)) for d, c in zip(shape, chunk_shape))
+
+
+def itemsize(dtype: str) -> int:
+  """Bytes per element of a stored dtype name (``bfloat16``, ``float8_e4m3fn``, ... included)."""
+  import ml_dtypes  # pylint: disable=g-import-not-at-top,unused-import  (registers its names)
+  return np.dtype(dtype).itemsize
+
+
 @dataclasses.dataclass(frozen=True)
 class ArrayRecord:
-  """What one writer wrote of one array."""
+  """What one writer wrote of one array (in an index: what every writer wrote; ``chunks`` is
+  then a ``ChunkGrid``)."""
 
   name: str
   dtype: str
   shape: tuple[int, ...]
   chunk_shape: tuple[int, ...]
-  chunks: tuple[ChunkRecord, ...]
+  chunks: Sequence[ChunkRecord]
   sharding: ShardingRecord | None = None
 
 
@@ -201,7 +345,7 @@ class ItemMetadata:
   every writer's record (``source='records'``: ``merged`` is None and ``arrays()`` merges).
   """
 
-  writers: tuple[WriterRecord, ...]
+  writers: Sequence[WriterRecord]
   merged: tuple[ArrayRecord, ...] | None = None
   source: str = 'records'
 
@@ -225,7 +369,43 @@ class ItemMetadata:
     return dict(self._arrays)
 
   def transports(self) -> set[str]:
+    if isinstance(self.writers, WriterSummaries):
+      return self.writers.transports()
     return {w.transport for w in self.writers}
+
+
+class WriterSummaries(collections.abc.Sequence):
+  """The index's writers (stored column-wise) as ``WriterRecord`` summaries, made on access."""
+
+  def __init__(self, columns: Mapping[str, Any], schema: int):
+    self._c = columns
+    self._schema = schema
+    self._n = len(columns['writer'])
+    for k in ('transport', 'library_version'):
+      if len(columns[k]) != self._n:
+        raise ValueError(f'writers.{k} has {len(columns[k])} entries for {self._n} writers')
+
+  def __len__(self) -> int:
+    return self._n
+
+  def __getitem__(self, i):
+    if isinstance(i, slice):
+      return tuple(self[j] for j in range(*i.indices(self._n)))
+    c = self._c
+    stats = {k: v[i] for k, v in c.get('stats', {}).items() if v[i] is not None}
+    return WriterRecord(writer=c['writer'][i], transport=c['transport'][i], arrays=(),
+                        library_version=c['library_version'][i], stats=stats, schema=self._schema)
+
+  def transports(self) -> set[str]:
+    return set(self._c['transport'])
+
+  def __eq__(self, other) -> bool:
+    if not isinstance(other, collections.abc.Sequence):
+      return NotImplemented
+    return tuple(self) == tuple(other)
+
+  def __hash__(self) -> int:
+    return hash(tuple(self._c['writer']))
 
 
 def writer_filename(writer: str) -> str:
@@ -248,23 +428,44 @@ def index_of(item: ItemMetadata) -> ItemMetadata:
   return ItemMetadata(tuple(summary(w) for w in item.writers), merged, source='index')
 
 
+def _array_to_index_obj(a: ArrayRecord) -> dict:
+  obj = {'dtype': a.dtype, 'shape': list(a.shape), 'chunk_shape': list(a.chunk_shape),
+         'sharding': _sharding_to_obj(a.sharding)}
+  grid = ChunkGrid.of(a.shape, a.chunk_shape, itemsize(a.dtype), a.chunks)
+  if grid is not None:
+    obj['grid_crc32c'] = grid.crc32c.astype('<u4').tobytes()
+    obj['grid_present'] = None if grid.present is None else np.packbits(grid.present).tobytes()
+  else:  # chunks off the regular grid (never written by this version): as in a writer record
+    obj.update(origins=[list(c.origin) for c in a.chunks], crc32c=[c.crc32c for c in a.chunks],
+               nbytes=[c.nbytes for c in a.chunks])
+  return obj
+
+
+def _array_from_index_obj(name: str, a: Mapping[str, Any]) -> ArrayRecord:
+  shape, chunk_shape = tuple(a['shape']), tuple(a['chunk_shape'])
+  if 'grid_crc32c' in a:
+    crc = np.frombuffer(a['grid_crc32c'], '<u4')
+    present = a.get('grid_present')
+    if present is not None:
+      present = np.unpackbits(np.frombuffer(present, np.uint8), count=crc.shape[0]).astype(bool)
+    chunks = ChunkGrid(shape, chunk_shape, itemsize(a['dtype']), crc, present)
+  else:
+    chunks = tuple(ChunkRecord(tuple(org), int(crc), int(n))
+                   for org, crc, n in zip(a['origins'], a['crc32c'], a['nbytes']))
+  return ArrayRecord(name=name, dtype=a['dtype'], shape=shape, chunk_shape=chunk_shape,
+                     chunks=chunks, sharding=_sharding_from_obj(a.get('sharding')))
+
+
 def encode_index(item: ItemMetadata, *, library_version: str = '') -> bytes:
-  """Serializes an item's index (``_pathways/index.msgpack``); chunks column-wise as in a writer
-  record. ``item`` may come from records or be an index already."""
-  arrays = {}
-  for name, a in sorted(item.arrays().items()):
-    arrays[name] = {
-        'dtype': a.dtype,
-        'shape': list(a.shape),
-        'chunk_shape': list(a.chunk_shape),
-        'origins': [list(c.origin) for c in a.chunks],
-        'crc32c': [c.crc32c for c in a.chunks],
-        'nbytes': [c.nbytes for c in a.chunks],
-        'sharding': _sharding_to_obj(a.sharding),
-    }
-  writers = [{'writer': w.writer, 'transport': w.transport,
-              'library_version': w.library_version, 'stats': dict(w.stats)}
-             for w in sorted(item.writers, key=lambda w: w.writer)]
+  """Serializes an item's index (``_pathways/index.msgpack``): per array the checksums over its
+  chunk grid (``ChunkGrid``), per writer a summary. ``item`` may come from records or be an
+  index already."""
+  arrays = {name: _array_to_index_obj(a) for name, a in sorted(item.arrays().items())}
+  ws = sorted(item.writers, key=lambda w: w.writer)
+  keys = sorted({k for w in ws for k in w.stats})
+  writers = {'writer': [w.writer for w in ws], 'transport': [w.transport for w in ws],
+             'library_version': [w.library_version for w in ws],
+             'stats': {k: [w.stats.get(k) for w in ws] for k in keys}}
   return msgpack.packb(
       {'schema': SCHEMA_VERSION, 'kind': 'index', 'library_version': library_version,
        'writers': writers, 'arrays': arrays},
@@ -291,19 +492,8 @@ def decode_index(data: bytes, *, path: str = '<bytes>') -> ItemMetadata:
     raise MetadataError(f'orbax-pathways index {path} is not an index (kind {kind!r}); it is '
                         'damaged. Run `orbax-pathways verify` on the step.')
   try:
-    writers = tuple(
-        WriterRecord(writer=w['writer'], transport=w['transport'], arrays=(),
-                     library_version=w.get('library_version', ''), stats=w.get('stats', {}),
-                     schema=schema)
-        for w in o['writers'])
-    merged = tuple(
-        ArrayRecord(
-            name=name, dtype=a['dtype'], shape=tuple(a['shape']),
-            chunk_shape=tuple(a['chunk_shape']),
-            chunks=tuple(ChunkRecord(tuple(org), int(crc), int(n))
-                         for org, crc, n in zip(a['origins'], a['crc32c'], a['nbytes'])),
-            sharding=_sharding_from_obj(a.get('sharding')))
-        for name, a in o['arrays'].items())
+    writers = WriterSummaries(o['writers'], schema)
+    merged = tuple(_array_from_index_obj(name, a) for name, a in o['arrays'].items())
   except (KeyError, TypeError, ValueError) as e:
     raise MetadataError(
         f'orbax-pathways index {path} is missing field {e}; it is damaged. Run '
@@ -311,8 +501,11 @@ def decode_index(data: bytes, *, path: str = '<bytes>') -> ItemMetadata:
   return ItemMetadata(writers, merged, source='index')
 
 
-def chunk_index(records: Sequence[ArrayRecord]) -> dict[tuple[int, ...], ChunkRecord]:
-  """Origin -> chunk record for one array across writers (later duplicates must agree)."""
+def chunk_index(records: Sequence[ArrayRecord]) -> Mapping[tuple[int, ...], ChunkRecord]:
+  """Origin -> chunk record for one array across writers (later duplicates must agree). For an
+  index's ``ChunkGrid``, a mapping view that makes records on access (``ChunkMap``)."""
+  if len(records) == 1 and isinstance(records[0].chunks, ChunkGrid):
+    return ChunkMap(records[0].chunks)
   out: dict[tuple[int, ...], ChunkRecord] = {}
   for r in records:
     for c in r.chunks:

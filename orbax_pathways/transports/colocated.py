@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import math
 import struct
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -243,6 +244,19 @@ def host_chunk_boxes(plans: Sequence[save_plan.ArrayWritePlan]) -> dict[str, lis
   return {h: [share.host_chunks(p, h) for p in plans] for h in hosts}
 
 
+def _chunks_per_host(plans: Sequence[save_plan.ArrayWritePlan]) -> collections.Counter:
+  """How many chunks each host writes (arithmetic over the writes: no chunk is enumerated)."""
+  out = collections.Counter()
+  for p in plans:
+    for w in p.writes:
+      if w.box.ndim == 0:
+        out[w.host] += 1
+      elif w.box.size:
+        out[w.host] += math.prod((b - 1) // c - a // c + 1
+                                 for a, b, c in zip(w.box.start, w.box.stop, p.chunk_shape))
+  return out
+
+
 def _index_arrays(leaves: Sequence[values.SaveLeaf], plans: Sequence[save_plan.ArrayWritePlan],
                   boxes: dict[str, list[list[Box]]],
                   crcs: dict[str, np.ndarray]) -> list[metadata.ArrayRecord]:
@@ -401,8 +415,7 @@ class ColocatedTransport:
       jax.block_until_ready(cpu_arrays)  # the snapshot: training may now donate its buffers
     calls = []
     for g, idx in enumerate(_groups(cpu_shardings)):
-      boxes = host_chunk_boxes([plans[i] for i in idx])
-      width = max((sum(map(len, per_plan)) for per_plan in boxes.values()), default=0) or 1
+      width = max(_chunks_per_host([plans[i] for i in idx]).values(), default=0) or 1
       task = WorkerSaveTask(
           g, item, tuple(dataclasses.replace(leaves[i], sharding=None) for i in idx),
           cfg.replica_parallel, cfg.coalesce_bytes, cfg.max_inflight_bytes, width)
@@ -410,7 +423,7 @@ class ColocatedTransport:
           out_specs_fn=lambda *xs, w=width: (
               _rows_spec(_sorted_devices(x.sharding for x in xs), 2, np.int64),
               _rows_spec(_sorted_devices(x.sharding for x in xs), w, np.uint32)))
-      calls.append((fn, idx, [cpu_arrays[i] for i in idx], boxes))
+      calls.append((fn, idx, [cpu_arrays[i] for i in idx]))
     return base.Snapshot(
         layouts=[values.LeafLayout.of(leaf, plan) for leaf, plan in zip(leaves, plans)],
         controller_tensor_bytes=0, state=(item, tuple(leaves), plans, calls))
@@ -420,7 +433,7 @@ class ColocatedTransport:
     outcomes: dict[str, list[int]] = {}
     records: list[metadata.ArrayRecord] = []
     with trace('write'):
-      for fn, idx, group_arrays, boxes in calls:  # sequential: groups share each worker's OCDBT database
+      for fn, idx, group_arrays in calls:  # sequential: groups share each worker's OCDBT database
         counts, crcs = await asyncio.to_thread(
             lambda f=fn, xs=group_arrays: tuple(np.asarray(r) for r in jax.block_until_ready(f(*xs))))
         devices = _sorted_devices(x.sharding for x in group_arrays)
@@ -431,6 +444,7 @@ class ColocatedTransport:
             acc[0] += int(nbytes)
             acc[1] += int(chunks)
           rows[worker_key(d)] = (int(chunks), row)
+        boxes = host_chunk_boxes([plans[i] for i in idx])
         wrong = {h: (sum(map(len, bs)), rows.get(h, (0,))[0]) for h, bs in boxes.items()
                  if sum(map(len, bs)) != rows.get(h, (0,))[0]}
         if wrong:
