@@ -4,6 +4,7 @@ is committed, read once per restore whatever the number of writers; checkpoints 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -253,3 +254,44 @@ def test_cli_verify_reads_the_index(tmp_path):
   proc = subprocess.run([sys.executable, '-m', 'orbax_pathways', 'verify', str(tmp_path / '0')],
                         cwd=REPO, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_index_round_trips_every_kind_of_array():
+  def rec(name, dtype, shape, chunk_shape, chunks):
+    return metadata.ArrayRecord(name, dtype, shape, chunk_shape, tuple(
+        metadata.ChunkRecord(o, crc, n) for o, crc, n in chunks))
+
+  isz = {'float32': 4, 'bfloat16': 2, 'int8': 1}
+  def cells(shape, chunk_shape, dtype, skip=()):
+    out = []
+    for i in range(-(-shape[0] // chunk_shape[0])):
+      for j in range(-(-shape[1] // chunk_shape[1])):
+        o = (i * chunk_shape[0], j * chunk_shape[1])
+        if o in skip:
+          continue
+        n = (min(o[0] + chunk_shape[0], shape[0]) - o[0]) * (min(o[1] + chunk_shape[1], shape[1]) - o[1])
+        out.append((o, (o[0] * 131 + o[1]) ^ 0xdeadbeef, n * isz[dtype]))
+    return out
+
+  arrays = [
+      rec('edges', 'bfloat16', (10, 7), (4, 3), cells((10, 7), (4, 3), 'bfloat16')),  # clipped cells
+      rec('partial', 'float32', (8, 8), (4, 4), cells((8, 8), (4, 4), 'float32', skip={(4, 0)})),
+      rec('scalar', 'float32', (), (), [((), 7, 4)]),
+      rec('empty', 'int8', (0, 4), (1, 4), []),
+      rec('off_grid', 'float32', (8,), (4,), [((2,), 5, 16)]),  # not on its grid: list form
+  ]
+  # Two writers, the chunks of each array split between them.
+  writers = [metadata.WriterRecord(f'p{w}', 'local', tuple(
+      dataclasses.replace(a, chunks=a.chunks[w::2]) for a in arrays), stats={'chunks': w})
+      for w in range(2)]
+  merged = metadata.merge(writers)
+  back = metadata.decode_index(metadata.encode_index(merged))
+  assert back.arrays() == merged.arrays()
+  assert [w.writer for w in back.writers] == ['p0', 'p1'] and back.transports() == {'local'}
+  grid = metadata.chunk_index([back.arrays()['edges']])
+  want = metadata.chunk_index([merged.arrays()['edges']])
+  assert dict(grid) == want and len(grid) == 9
+  assert grid.get((8, 6)) == metadata.ChunkRecord((8, 6), (8 * 131 + 6) ^ 0xdeadbeef, 2 * 1 * 2)
+  assert grid.get((1, 0)) is None and grid.get((12, 0)) is None  # off the grid, out of bounds
+  assert metadata.chunk_index([back.arrays()['partial']]).get((4, 0)) is None
+  assert len(back.arrays()['empty'].chunks) == 0
