@@ -240,8 +240,11 @@ def make_worker_save(task: WorkerSaveTask) -> Callable[..., tuple[jax.Array, jax
 
 def host_chunk_boxes(plans: Sequence[save_plan.ArrayWritePlan]) -> dict[str, list[list[Box]]]:
   """host -> per plan, the chunks that host writes, in the order its checksums come back."""
-  hosts = sorted({w.host for p in plans for w in p.writes})
-  return {h: [share.host_chunks(p, h) for p in plans] for h in hosts}
+  out: dict[str, list[list[Box]]] = {}
+  for i, p in enumerate(plans):  # one pass over the writes (for_host per host is quadratic)
+    for w in p.writes:
+      out.setdefault(w.host, [[] for _ in plans])[i] += share.write_chunks(p, w)
+  return dict(sorted(out.items()))
 
 
 def _chunks_per_host(plans: Sequence[save_plan.ArrayWritePlan]) -> collections.Counter:

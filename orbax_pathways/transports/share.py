@@ -102,16 +102,20 @@ async def write_share(writer: str, transport: str, item: values.Item,
   return outcome
 
 
-def host_chunks(plan: save_plan.ArrayWritePlan, host: str) -> list[Box]:
-  """The chunks ``host`` writes of one array, in the order the writer checksums them
-  (``writer.chunk_records``: its pieces in plan order, each piece's chunk grid in order)."""
+def write_chunks(plan: save_plan.ArrayWritePlan, write: save_plan.ShardWrite) -> list[Box]:
+  """The chunks of one write, in the order the writer checksums them (its chunk grid in order,
+  clipped to the array: ``writer.chunk_records``)."""
   out = []
-  for w in plan.for_host(host):
-    for c in boxes_lib.chunk_grid(w.box, plan.chunk_shape):
-      region = boxes_lib.clip(c, plan.global_shape).intersect(w.box)
-      if region is not None and region.size:
-        out.append(region)
+  for c in boxes_lib.chunk_grid(write.box, plan.chunk_shape):
+    region = boxes_lib.clip(c, plan.global_shape).intersect(write.box)
+    if region is not None and region.size:
+      out.append(region)
   return out
+
+
+def host_chunks(plan: save_plan.ArrayWritePlan, host: str) -> list[Box]:
+  """The chunks ``host`` writes of one array, in checksum order (its writes in plan order)."""
+  return [b for w in plan.for_host(host) for b in write_chunks(plan, w)]
 
 
 def array_read(target: values.ReadTarget, needed: Sequence[Box]) -> reader_lib.ArrayRead:
