@@ -109,12 +109,6 @@ def write_index(item_dir: Any, item: metadata.ItemMetadata) -> str:
 # ---- read --------------------------------------------------------------------------------------
 
 
-def index_exists(item_dir: Any) -> bool:
-  """Whether the item has an index (a zero-byte read: one request, no content)."""
-  r = _kv(item_dir).read(_key(metadata.INDEX_FILENAME), byte_range=slice(0, 0)).result()
-  return r.state != 'missing'
-
-
 def list_item(item_dir: Any) -> tuple[list[str], bool]:
   """(keys of the item's writer records, sorted; whether it has an index): one listing."""
   kv = _kv(item_dir)
