@@ -15,6 +15,8 @@ import os
 import threading
 import warnings
 
+import numpy as np
+
 from orbax_pathways.frontends import orbax_v0 as handler_lib
 from orbax_pathways import options as options_lib
 from orbax_pathways import preemption
@@ -33,6 +35,7 @@ DISABLE_ENV = 'ORBAX_PATHWAYS_DISABLE'
 _lock = threading.RLock()
 _previous = None  # the handler that was registered before install()
 _ours = None  # the handler install() registered
+_previous_numpy = None  # likewise for np.ndarray (ours only verifies restores of our arrays)
 _warned: set[int] = set()
 
 
@@ -85,12 +88,22 @@ def install(options: options_lib.Options | None = None) -> handler_lib.ProxyArra
       _previous = current
     _ours = handler_lib.ProxyArrayHandler(options=options)
     compat.register_array_handler(_ours)
+    _install_numpy(options)
     compat_v1.install(_v1_handler)
     _warned.clear()
     log.info('orbax_pathways: installed %s for jax.Array in Orbax %s (replacing %s); '
              'uninstall() restores it.', type(_ours).__name__, compat.ORBAX_VERSION,
              type(_previous).__name__)
     return _ours
+
+
+def _install_numpy(options) -> None:
+  """Our np.ndarray handler (verified restores of our arrays into numpy targets)."""
+  global _previous_numpy
+  current = compat.registered_handler(np.ndarray)
+  if not isinstance(current, handler_lib.ProxyNumpyHandler):
+    _previous_numpy = current
+  compat.register_handler(np.ndarray, handler_lib.ProxyNumpyHandler(options=options))
 
 
 def _v1_handler(context, stock):
@@ -101,7 +114,7 @@ def _v1_handler(context, stock):
 
 def uninstall() -> None:
   """Restores the handler that was registered before ``install()``. No-op if not installed."""
-  global _previous, _ours
+  global _previous, _ours, _previous_numpy
   with _lock:
     if _ours is None:
       return
@@ -113,8 +126,11 @@ def uninstall() -> None:
     orbax_finalize.uninstall()
     if _previous is not None:
       compat.register_array_handler(_previous)
+    if _previous_numpy is not None:
+      compat.register_handler(np.ndarray, _previous_numpy)
     log.info('orbax_pathways: uninstalled; jax.Array handled by %s again.', type(_previous).__name__)
     _previous, _ours = None, None
+    _previous_numpy = None
 
 
 def installed() -> handler_lib.ProxyArrayHandler | None:

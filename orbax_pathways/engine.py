@@ -34,6 +34,7 @@ import numpy as np
 import tensorstore as ts
 
 from orbax_pathways import errors
+from orbax_pathways import format as format_lib
 from orbax_pathways import layout
 from orbax_pathways import metadata
 from orbax_pathways import options as options_lib
@@ -41,6 +42,7 @@ from orbax_pathways import runtime
 from orbax_pathways import stats as stats_lib
 from orbax_pathways import values
 from orbax_pathways._compat import orbax as compat
+from orbax_pathways.storage import reader as reader_lib
 from orbax_pathways.transports import base as transports
 
 log = logging.getLogger('orbax_pathways')
@@ -70,13 +72,27 @@ def sharding_record(sharding: jax.sharding.Sharding,
 @dataclasses.dataclass(frozen=True)
 class RestoreLeaf:
   """One array to restore, as the front door resolved it: the global shape and dtype to return
-  (None: as saved), the target sharding, and whether shapes must match (``strict``)."""
+  (None: as saved), the target sharding (with its memory kind), whether shapes must match
+  (``strict``), and a ``jax.experimental.layout.Format`` when the target asks for a device layout
+  of its own."""
 
   name: str
   shape: tuple[int, ...] | None
   dtype: Any
   sharding: jax.sharding.Sharding
   strict: bool = True
+  format: Any = None
+
+  @classmethod
+  def of(cls, name: str, shape, dtype, sharding_or_format, *, strict: bool = True) -> 'RestoreLeaf':
+    """Accepts a ``Sharding`` or a ``Format`` (whose sharding is then the target's)."""
+    fmt = sharding_or_format if _is_format(sharding_or_format) else None
+    sharding = fmt.sharding if fmt is not None else sharding_or_format
+    return cls(name, tuple(shape) if shape is not None else None, dtype, sharding, strict, fmt)
+
+
+def _is_format(x: Any) -> bool:
+  return not isinstance(x, jax.sharding.Sharding) and hasattr(x, 'layout') and hasattr(x, 'sharding')
 
 
 def check_global(arrays: Sequence[jax.Array], names: Sequence[str]) -> None:
@@ -174,6 +190,9 @@ class Engine:
       targets = [await self._target(leaf, item, records.get(leaf.name), context) for leaf in leaves]
     transport = transports.create(self.transport_name(), read=config)
     out, outcomes = await transport.read(targets, item)
+    with _trace('device_put'):
+      out = [jax.device_put(a, leaf.format) if leaf.format is not None else a
+             for a, leaf in zip(out, leaves)]
     step_dir = _step_dir(item.directory)
     st = stats_lib.RestoreStats(
         transport=transport.name if transport.name != 'persistence' else 'colocated',
@@ -188,6 +207,26 @@ class Engine:
              ', '.join(sorted(st.bytes_read)), st.read_s, st.chunks_verified, item.directory)
     return out
 
+  async def read_to_host(self, names: Sequence[str], dtypes: Sequence[Any], item: values.Item, *,
+                         records: dict[str, metadata.ArrayRecord], verify: bool,
+                         context: Any = None) -> list[np.ndarray]:
+    """Whole arrays as numpy on this host (restore targets that ask for ``np.ndarray``), read
+    and verified like any restore; no devices involved."""
+    from orbax_pathways.plan import boxes as boxes_lib  # pylint: disable=g-import-not-at-top
+    from orbax_pathways.transports import share  # pylint: disable=g-import-not-at-top
+    t0 = time.perf_counter()
+    targets = [await self._target(RestoreLeaf(n, None, d, None), item, records.get(n), context)
+               for n, d in zip(names, dtypes)]
+    boxes = [[boxes_lib.Box.full(t.shape)] for t in targets]
+    buffers, rstats = await share.read_share(targets, boxes, item=item, verify=verify,
+                                             context=context)
+    step_dir = _step_dir(item.directory)
+    stats_lib.record_restore(stats_lib.RestoreStats(
+        transport='host', arrays=len(targets), read_s=time.perf_counter() - t0,
+        bytes_read={'host': rstats.bytes_read}, chunks_verified=rstats.chunks_verified,
+        step=stats_lib.step_of(step_dir.rsplit('/', 1)[-1]), step_dir=step_dir))
+    return [bufs[bx[0]] for bufs, bx in zip(buffers, boxes)]
+
   async def _target(self, leaf: RestoreLeaf, item: values.Item,
                     record: metadata.ArrayRecord | None, context: Any) -> values.ReadTarget:
     """Resolves one leaf against what is on storage."""
@@ -197,7 +236,7 @@ class Engine:
     dtype = leaf.dtype
     if record is not None:
       stored_shape, chunk_shape = tuple(record.shape), tuple(record.chunk_shape)
-      chunks = metadata.chunk_index([record])
+      chunks = format_lib.chunk_index([record])
       if dtype is None:
         dtype = np.dtype(record.dtype)
     else:  # A checkpoint without our metadata (stock Orbax): ask tensorstore for the layout.
@@ -205,20 +244,20 @@ class Engine:
         t = await ts.open(ts.Spec(tspec), open=True,
                           context=context if context is not None else compat.ts_context(item.use_ocdbt))
       except Exception as e:
-        raise errors.RestoreError(
-            f'Cannot open array {leaf.name!r} at {path}: {type(e).__name__}: {e}. Check the step '
-            'is complete (`orbax-pathways ls`).') from e
+        raise reader_lib.open_error(leaf.name, path, e) from e
       stored_shape = tuple(t.shape)
       chunk_shape = tuple(t.chunk_layout.read_chunk.shape or ()) or None
       chunks = {}
       if dtype is None:
         dtype = t.dtype.numpy_dtype
     shape = tuple(leaf.shape) if leaf.shape is not None else stored_shape
-    if shape != stored_shape:
-      raise errors.RestoreError(
-          f'Array {leaf.name!r} at {path} was saved with shape {stored_shape} but the restore '
-          f'target asks for {shape}. Restore with the saved shape, or pass '
-          'ArrayRestoreArgs(strict=False) to pad or truncate.')
+    if shape != stored_shape and leaf.strict:
+      raise errors.ShapeMismatchError(
+          f'Array {leaf.name!r} at {path}: Requested shape: {shape} is not compatible with the '
+          f'stored shape: {stored_shape}. Truncating/padding is disabled: restore with the saved '
+          'shape, or pass ArrayRestoreArgs(strict=False) (v1: ArrayOptions.Loading('
+          'enable_padding_and_truncation=True)) to pad with zeros or truncate.')
     return values.ReadTarget(
         name=leaf.name, path=path, tspec=tspec, shape=shape, dtype=np.dtype(dtype),
-        chunk_shape=chunk_shape, chunks=chunks, sharding=leaf.sharding, stored_shape=stored_shape)
+        chunk_shape=chunk_shape, chunks=chunks, sharding=leaf.sharding, stored_shape=stored_shape,
+        require_checksums=bool(chunks))

@@ -1,5 +1,10 @@
 """Errors raised by orbax-pathways. Each message names the path, the array, what was expected,
-what was found, and what to do."""
+what was found, and what to do.
+
+Where stock Orbax raises a given exception type in the same situation, ours is a subclass of
+that type and keeps Orbax's key phrase, so ``except ValueError`` / ``except FileNotFoundError``
+and ``assertRaisesRegex(..., 'is not compatible with')`` written against stock Orbax still work.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +13,36 @@ class OrbaxPathwaysError(Exception):
   """Base class of every error this package raises on purpose."""
 
 
-class SaveError(OrbaxPathwaysError, RuntimeError):
-  """A background write failed; the step is not committed and earlier steps are untouched."""
+class SaveError(OrbaxPathwaysError, RuntimeError, ValueError):
+  """A background write failed; the step is not committed and earlier steps are untouched.
+  (Also a ``ValueError``: what tensorstore raises for the same failures under stock Orbax.)"""
 
 
 class RestoreError(OrbaxPathwaysError, ValueError):
   """A checkpoint could not be read back as asked."""
 
 
+class ArrayNotFoundError(RestoreError, FileNotFoundError):
+  """An array of the checkpoint is missing on storage (stock: ``FileNotFoundError`` without
+  OCDBT, tensorstore's ``ValueError`` with it; this is both)."""
+
+
+class ShapeMismatchError(RestoreError):
+  """The restore target's shape differs from the stored one and truncation/padding is off."""
+
+
 class ChecksumMismatchError(RestoreError):
   """A chunk's bytes do not match the crc32c recorded when it was written."""
+
+
+class MissingChecksumError(RestoreError):
+  """A chunk of an array written by orbax-pathways has no recorded checksum (a writer's record
+  is missing), so its bytes cannot be verified."""
 
 
 class TopologyError(RestoreError):
   """The saved layout cannot be mapped onto the current devices under the chosen policy."""
 
 
-class RegistrationError(OrbaxPathwaysError, RuntimeError):
-  """Orbax's type-handler registry is not in the state orbax-pathways expects."""
+class MetadataError(RestoreError):
+  """An orbax-pathways metadata file that cannot be decoded (damaged, or from a newer schema)."""

@@ -27,6 +27,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import msgpack
 import numpy as np
 
+from orbax_pathways.format import chunk_index  # noqa: F401  (re-exported: the one definition)
+
 SCHEMA_VERSION = 2
 DIRNAME = '_pathways'
 SUFFIX = '.msgpack'
@@ -132,6 +134,10 @@ class ChunkGrid(collections.abc.Sequence):
 
   def __repr__(self) -> str:
     return f'ChunkGrid(grid={self.grid}, chunks={len(self)})'
+
+  def mapping(self) -> 'ChunkMap':
+    """This grid as the mapping origin -> ``ChunkRecord`` (``format.chunk_index``)."""
+    return ChunkMap(self)
 
   @classmethod
   def of(cls, shape: Sequence[int], chunk_shape: Sequence[int], itemsize: int,
@@ -499,15 +505,3 @@ def decode_index(data: bytes, *, path: str = '<bytes>') -> ItemMetadata:
         f'orbax-pathways index {path} is missing field {e}; it is damaged. Run '
         '`orbax-pathways verify` on the step.') from e
   return ItemMetadata(writers, merged, source='index')
-
-
-def chunk_index(records: Sequence[ArrayRecord]) -> Mapping[tuple[int, ...], ChunkRecord]:
-  """Origin -> chunk record for one array across writers (later duplicates must agree). For an
-  index's ``ChunkGrid``, a mapping view that makes records on access (``ChunkMap``)."""
-  if len(records) == 1 and isinstance(records[0].chunks, ChunkGrid):
-    return ChunkMap(records[0].chunks)
-  out: dict[tuple[int, ...], ChunkRecord] = {}
-  for r in records:
-    for c in r.chunks:
-      out[c.origin] = c
-  return out

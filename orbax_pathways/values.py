@@ -39,6 +39,7 @@ class Item:
   gcs_grpc: bool = False
   context_extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   raise_array_data_missing_error: bool = True
+  metadata_key: str | None = None  # Orbax's name for the zarr metadata file (None: default)
 
   def path_of(self, name: str) -> str:
     """The array's location for messages (its zarr directory, or its key in the OCDBT item)."""
@@ -107,7 +108,12 @@ class ReadTarget:
   chunk_shape: tuple[int, ...] | None
   chunks: Mapping[tuple[int, ...], metadata.ChunkRecord]
   sharding: Any
-  stored_shape: tuple[int, ...] | None = None
+  stored_shape: tuple[int, ...] | None = None  # differs from ``shape`` only when padding/truncating
+  require_checksums: bool = False  # written with checksums: every chunk must have a record
+
+  @property
+  def shape_on_storage(self) -> tuple[int, ...]:
+    return tuple(self.stored_shape) if self.stored_shape is not None else tuple(self.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +132,7 @@ def _cached_read_plan(shape, chunk_shape, needed) -> restore_plan.ArrayReadPlan:
 
 
 def read_plan(target: ReadTarget, needed: list[Box]) -> restore_plan.ArrayReadPlan:
-  """The chunk-aligned regions a host reads to fill ``needed`` (pure; cached: a job restores
-  the same layouts again and again)."""
+  """The chunk-aligned regions of the stored array a host reads to fill ``needed`` (boxes in
+  storage coordinates; pure; cached: a job restores the same layouts again and again)."""
   chunk_shape = tuple(target.chunk_shape) if target.chunk_shape else None
-  return _cached_read_plan(tuple(target.shape), chunk_shape, tuple(needed))
+  return _cached_read_plan(target.shape_on_storage, chunk_shape, tuple(needed))

@@ -18,6 +18,7 @@ if 'jax' not in __import__('sys').modules:
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 import contextlib
+import dataclasses
 import http.client
 import io
 import itertools
@@ -39,7 +40,7 @@ import orbax_pathways
 import pytest
 
 from orbax_pathways import metadata as pw_metadata
-from orbax_pathways.cli import inspect as cli_inspect
+from orbax_pathways.cli import steps as cli_steps
 from orbax_pathways.cli import main as cli_main
 from orbax_pathways.storage import meta_io
 
@@ -135,7 +136,7 @@ def _with_our_metadata(step_dir: pathlib.Path) -> pathlib.Path:
   tree = _state(_mesh(), int(step_dir.name))
   arrays = {KERNEL: tree['params']['dense']['kernel'],
             'params.dense.bias': tree['params']['dense']['bias'], 'opt.mu': tree['opt']['mu']}
-  leaves = {l.key: l for l in cli_inspect.read_step(step_dir, open_arrays=True).items[0].leaves}
+  leaves = {l.key: l for l in cli_steps.read_step(step_dir, open_arrays=True).items[0].leaves}
   per_writer = ([], [])
   for name, arr in arrays.items():
     value, chunk = np.asarray(arr), leaves[name].chunk_shape
@@ -550,6 +551,35 @@ def test_cli_never_initializes_a_backend(built):
   assert proc.returncode == 0, proc.stderr
 
 
+_NO_JAX = (
+    'import sys\n'
+    'import orbax_pathways.cli.main\n'
+    'bad = sorted(m for m in ("jax", "jaxlib", "orbax") if m in sys.modules)\n'
+    'assert not bad, f"importing the CLI loaded {bad}"\n'
+)
+
+
+def test_cli_modules_import_no_jax():
+  """Every module the CLI imports is jax-free: imported with the package's ``__init__`` skipped
+  (it installs the handler, see the next test), nothing loads jax or Orbax."""
+  bare = ('import sys, types\n'
+          'pkg = types.ModuleType("orbax_pathways")\n'
+          f'pkg.__path__ = [{str(REPO / "orbax_pathways")!r}]\n'
+          'sys.modules["orbax_pathways"] = pkg\n')
+  proc = subprocess.run([sys.executable, '-c', bare + _NO_JAX], capture_output=True, text=True,
+                        cwd=REPO, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+
+
+def test_importing_the_cli_does_not_load_jax():
+  proc = subprocess.run([sys.executable, '-c', _NO_JAX], capture_output=True, text=True,
+                        cwd=REPO, timeout=120, env=_hermetic_env())
+  if proc.returncode != 0:
+    assert 'importing the CLI loaded' in proc.stderr, proc.stderr  # anything else is a failure
+    pytest.xfail('orbax_pathways/__init__.py imports the handler (jax, Orbax) to install it at '
+                 'import time; `import orbax_pathways.cli.main` runs it first')
+
+
 def test_console_script(built):
   script = pathlib.Path(sys.executable).parent / 'orbax-pathways'
   if not script.exists():
@@ -644,3 +674,235 @@ def test_gcs_ls_show_verify(built):
     assert report['ok'] and report['chunks_checksummed'] > 0
   finally:
     gcs.stop()
+
+
+# ----------------------------------------------------------------------------------------------
+# Records lost, uncommitted steps, empty paths, damaged JSON, diff across a training run.
+
+
+def _train_state(mesh: Mesh, step: int):
+  """Every leaf a jax.Array (as in a real train state), so every value carries checksums. Step 30
+  changes the kernel's first row block; otherwise only the step counter changes."""
+  kernel = np.arange(256 * 128, dtype=np.float32).reshape(256, 128)
+  if step >= 30:
+    kernel = kernel.copy()
+    kernel[:8] += 1.0
+  put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+  return {'params': {'kernel': put(kernel, P('data', 'model')),
+                     'bias': put(np.ones(128, np.float32), P())},
+          'step': put(np.int32(step), P())}
+
+
+@pytest.fixture(scope='module')
+def saved(tmp_path_factory) -> dict[str, pathlib.Path]:
+  """Manager-written steps with the library installed: a training run without OCDBT (chunk
+  files we can delete), a two-item step, and a colocated-transport step."""
+  base = tmp_path_factory.mktemp('run')
+  mesh = _mesh()
+  orbax_pathways.install(orbax_pathways.Options(coalesce_bytes=0))
+  try:
+    with ocp.CheckpointManager(base / 'train', item_handlers=ocp.StandardCheckpointHandler(
+        use_ocdbt=False)) as mngr:
+      for s in (10, 20, 30):
+        mngr.save(s, args=ocp.args.StandardSave(_train_state(mesh, s)))
+      mngr.wait_until_finished()
+    with ocp.CheckpointManager(base / 'two_items') as mngr:
+      mngr.save(1, args=ocp.args.Composite(
+          model=ocp.args.StandardSave(_train_state(mesh, 1)),
+          ema=ocp.args.StandardSave(_train_state(mesh, 1))))
+      mngr.wait_until_finished()
+    orbax_pathways.install(orbax_pathways.Options(transport='colocated'))
+    with ocp.CheckpointManager(base / 'colocated') as mngr:
+      mngr.save(1, args=ocp.args.StandardSave(_train_state(mesh, 1)))
+      mngr.wait_until_finished()
+  finally:
+    orbax_pathways.install(orbax_pathways.Options.from_env())
+  for step in (base / 'train' / '10', base / 'two_items' / '1', base / 'colocated' / '1'):
+    assert list(step.glob('*/' + pw_metadata.DIRNAME)), f'{step}: the library wrote no records'
+  return {'train': base / 'train', 'two_items': base / 'two_items',
+          'colocated': base / 'colocated'}
+
+
+def test_verify_fails_when_pathways_dir_deleted_and_a_sibling_item_has_records(saved, tmp_path):
+  step = _copy(saved['two_items'] / '1', tmp_path / '1')
+  assert run_json('verify', step)[0] == 0
+  shutil.rmtree(step / 'ema' / pw_metadata.DIRNAME)
+  code, out, _ = run('verify', step)
+  assert code == 1 and 'FAILED: 1 problem' in out
+  assert f'missing_record {"ema"}  {step / "ema" / "_pathways"}' in out
+  assert 'model of the same save have orbax-pathways records' in out
+  _, doc = run_json('verify', step)
+  (bad,) = doc['problems']
+  assert (bad['kind'], bad['item'], bad['origin']) == ('missing_record', 'ema', None)
+  assert doc['modes'] == {'model': 'checksum', 'ema': 'decode'}
+
+
+def test_verify_fails_when_colocated_records_deleted(saved, tmp_path):
+  step = _copy(saved['colocated'] / '1', tmp_path / '1')
+  assert run_json('verify', step)[0] == 0
+  shutil.rmtree(step / 'default' / pw_metadata.DIRNAME)
+  code, doc = run_json('verify', step)
+  assert code == 1 and _kinds(doc) == {'missing_record'}
+  (bad,) = doc['problems']
+  assert 'ocdbt.process_w' in bad['error'] and 'colocated transport' in bad['error']
+  assert doc['chunks'] > 0 and doc['chunks_checksummed'] == 0  # still decoded, nothing checked
+
+
+def test_verify_stock_looking_step_without_records_passes(saved, tmp_path):
+  """With the local transport and a single item nothing that survives says who wrote the step
+  (no marker exists without a format change); verify cannot tell it from stock Orbax: decodes."""
+  step = _copy(saved['train'] / '10', tmp_path / '10')
+  shutil.rmtree(step / 'default' / pw_metadata.DIRNAME)
+  code, doc = run_json('verify', step)
+  assert code == 0 and doc['modes'] == {'default': 'decode'}
+
+
+def _rewrite_records(item: pathlib.Path, keep) -> None:
+  """Rewrites every writer file of ``item`` with ``keep(array_record)`` (None drops it)."""
+  for f in sorted((item / pw_metadata.DIRNAME).glob('*.msgpack')):
+    rec = pw_metadata.decode(f.read_bytes())
+    arrays = tuple(a for a in (keep(a) for a in rec.arrays) if a is not None)
+    f.write_bytes(pw_metadata.encode(dataclasses.replace(rec, arrays=arrays)))
+
+
+def test_verify_names_every_chunk_of_an_array_without_records(built, tmp_path):
+  step = _copy(built['ours'] / '1', tmp_path / '1')
+  _rewrite_records(step / 'default', lambda a: None if a.name == 'opt.mu' else a)
+  code, doc = run_json('verify', step)
+  assert code == 1 and _kinds(doc) == {'missing_record'} and _bad_arrays(doc) == {'opt.mu'}
+  mesh = _mesh()
+  rows = 64 // mesh.shape['data']
+  assert sorted(tuple(p['origin']) for p in doc['problems']) == [
+      (r, 0) for r in range(0, 64, rows)]
+  assert {p['path'] for p in doc['problems']} == {
+      f'{step / "default"} (ocdbt key opt.mu/{r // rows}.0)' for r in range(0, 64, rows)}
+  # The unrecorded chunks were still read and decoded.
+  assert doc['chunks'] == run_json('verify', built['ours'] / '1')[1]['chunks']
+
+
+def test_verify_names_chunks_a_deleted_writer_file_recorded(built, tmp_path):
+  step = _copy(built['plain_ours'] / '1', tmp_path / '1')
+  (step / 'default' / '_pathways' / 'process_1.msgpack').unlink()
+  code, out, _ = run('verify', step)
+  assert code == 1
+  _, doc = run_json('verify', step)
+  assert _kinds(doc) == {'missing_record'}
+  kernel = [p for p in doc['problems'] if p['array'] == KERNEL]
+  assert kernel and all(p['path'].startswith(str(step / 'default' / KERNEL) + '/')
+                        for p in kernel)
+  assert all(pathlib.Path(p['path']).exists() for p in kernel)  # present in storage
+  assert f'{KERNEL} chunk ({kernel[0]["origin"][0]}, {kernel[0]["origin"][1]})' in out
+
+
+def test_verify_persistence_records_without_checksums_decode(built, tmp_path):
+  """The persistence transport records shardings but no chunk checksums: decode, no failure."""
+  step = _copy(built['ours'] / '1', tmp_path / '1')
+  item = step / 'default'
+  _rewrite_records(item, lambda a: dataclasses.replace(a, chunks=()))
+  for f in (item / pw_metadata.DIRNAME).glob('*.msgpack'):
+    rec = pw_metadata.decode(f.read_bytes())
+    f.write_bytes(pw_metadata.encode(dataclasses.replace(rec, transport='persistence')))
+  code, doc = run_json('verify', step)
+  assert code == 0, doc['problems']
+  assert doc['modes'] == {'default': 'decode'} and doc['chunks_checksummed'] == 0
+
+
+def test_du_and_show_accept_an_uncommitted_step(built, tmp_path):
+  root = tmp_path / 'root'
+  four = _copy(built['stock'] / '1', root / '4')  # final name, killed before any step metadata
+  (four / 'commit_success.txt').unlink()
+  (four / '_CHECKPOINT_METADATA').unlink()
+  tmp = _copy(four, root / '5.orbax-checkpoint-tmp')
+  for step in (four, tmp):
+    code, doc = run_json('du', step)
+    assert code == 0, step
+    (s,) = doc['steps']
+    assert s['state'] == 'partial' and s['bytes'] > 100 * 1024
+    assert {k['key'] for k in s['items'][0]['keys']} == {'params', 'opt', 'step'}
+    assert run_json('show', step)[0] == 0
+  code, doc = run_json('du', root)
+  assert code == 0 and [s['name'] for s in doc['steps']] == ['4', '5.orbax-checkpoint-tmp']
+  runs = _copy(root, tmp_path / 'runs' / '7')  # a root that is named like a step
+  code, doc = run_json('du', runs)
+  assert code == 0 and [s['name'] for s in doc['steps']] == ['4', '5.orbax-checkpoint-tmp']
+  code, _, err = run('show', runs)
+  assert code == 2 and 'pass one step' in err
+
+
+def test_empty_path_is_an_error(built):
+  for argv in (('ls', ''), ('show', ''), ('verify', ''), ('du', ''), ('ls', ' '),
+               ('diff', '', built['stock'] / '1')):
+    code, out, err = run(*argv)
+    assert code == 2 and out == '', argv
+    assert err.startswith('orbax-pathways: error: empty path') and err.count('\n') == 1, err
+
+
+def test_damaged_json_names_the_file_and_what_to_do(built, tmp_path):
+  root = _copy(built['stock'], tmp_path / 'root')
+  meta = root / '1' / 'default' / '_METADATA'
+  meta.write_bytes(b'\x00\xffgarbage{')
+  code, out, err = run('show', root / '1')
+  assert code == 0 and 'Traceback' not in err
+  line = next(l for l in out.splitlines() if l.startswith('! '))
+  assert f'{meta} is damaged (not valid JSON' in line
+  assert 'Orbax cannot restore this item' in line and 'Restore another step' in line
+  code, doc = run_json('verify', root / '1')
+  assert code == 1 and any(str(meta) in p['error'] for p in doc['problems'])
+  code, out, err = run('diff', root / '1', root / '2')
+  assert code == 2 and out == '' and err.count('\n') == 1
+  assert f'cannot compare {root / "1"}: {meta} is damaged' in err
+  ckpt = root / '2' / '_CHECKPOINT_METADATA'
+  ckpt.write_text('{"item_handlers": ')
+  code, out, _ = run('ls', root)
+  assert code == 0
+  assert f'step 2: {ckpt} is damaged (not valid JSON' in out and 'commit time' in out
+
+
+def test_diff_training_steps_compares_values_by_checksum(saved, tmp_path):
+  """Steps of one run have the same tree: diff must say whether values changed, from the
+  recorded crc32c alone (the chunk files are deleted here, so nothing can have been read)."""
+  root = _copy(saved['train'], tmp_path / 'train')
+  deleted = 0
+  for step in ('10', '20', '30'):
+    for f in (root / step / 'default').rglob('*'):
+      if f.parent.name in ('params.kernel', 'params.bias', 'step') and f.name[0] != '.':
+        f.unlink()  # a chunk file (zarr v2: '0.1'); '.zarray' stays
+        deleted += 1
+  assert deleted >= 3 * 3
+  same = _copy(root / '10', tmp_path / 'copy' / '10')
+  code, out, _ = run('diff', root / '10', same)
+  assert code == 0, out
+  assert out.splitlines()[-2:] == [
+      'compared: tree, value types, dtypes, shapes, shardings; values of 3 arrays by recorded '
+      'crc32c (no data read)', 'identical']
+  code, out, _ = run('diff', root / '10', root / '20')  # only the step counter changed
+  assert code == 1
+  assert out.splitlines()[2:] == [
+      '~ default/step  values differ (recorded crc32c of 1 of 1 chunks)',
+      'compared: tree, value types, dtypes, shapes, shardings; values of 3 arrays by recorded '
+      'crc32c (no data read)', '0 added, 0 removed, 1 changed, 2 unchanged']
+  code, out, _ = run('diff', root / '10', root / '30')
+  assert code == 1
+  rows = 256 // _mesh().shape['data']
+  n_chunks = (256 // rows) * _mesh().shape['model']
+  assert (f'~ default/params.kernel  values differ (recorded crc32c of {_mesh().shape["model"]} '
+          f'of {n_chunks} chunks)') in out
+  assert out.splitlines()[-1] == '0 added, 0 removed, 2 changed, 1 unchanged'
+  _, doc = run_json('diff', root / '10', root / '30')
+  changed = {e['key']: e for e in doc['changed']}
+  assert set(changed) == {'params.kernel', 'step'}
+  assert changed['params.kernel']['changes'] == {'values': 'differ'}
+  assert changed['params.kernel']['values_basis'] == 'crc32c'
+  assert doc['compared']['values_by_crc32c'] == 3 and doc['compared']['values_not_compared'] == []
+  code, doc = run_json('diff', root / '10', root / '30', '--values')  # the data is gone
+  assert code == 1 and 'unreadable' in doc['changed'][0]['changes']['values']
+
+
+def test_diff_without_checksums_says_values_were_not_compared(built):
+  code, out, _ = run('diff', built['stock'] / '1', built['ours'] / '1')
+  assert code == 0
+  assert 'values of 0 arrays by recorded crc32c' in out
+  assert 'values not compared (4): default/opt.mu' in out and '--values reads them' in out
+  assert out.splitlines()[-1] == 'no differences found; values of 4 leaves not compared'
+  _, doc = run_json('diff', built['stock'] / '1', built['ours'] / '1')
+  assert doc['identical'] and len(doc['compared']['values_not_compared']) == 4

@@ -199,8 +199,9 @@ def test_shape_mismatch_error_names_array_path_and_fix(tmp_path):
     mngr.save(0, args=ocp.args.StandardSave({'a': put(np.zeros((8, 4), np.float32), m, 'data')}))
     mngr.wait_until_finished()
     target = {'a': jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=NamedSharding(m, P()))}
-    with pytest.raises(ValueError, match=r"Array 'a' at .*0/default/a was saved with shape \(8, 4\) "
-                                         r"but the restore target asks for \(8, 6\).*strict=False"):
+    # Stock's exception type and key phrase, plus the array, its path and the fix.
+    with pytest.raises(ValueError, match=r"Array 'a' at .*0/default/a: Requested shape: \(8, 6\) is "
+                                         r"not compatible with the stored shape: \(8, 4\).*strict=False"):
       mngr.restore(0, args=ocp.args.StandardRestore(target))
 
 

@@ -27,17 +27,21 @@ from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 from orbax.checkpoint._src.serialization import type_handler_registry as _thr
 from orbax.checkpoint._src.asyncio_utils import run_sync  # noqa: F401  (re-exported)
 
+from orbax_pathways import format as format_lib
+
 SUPPORTED_ORBAX = '>=0.12.4,<0.13'
 ORBAX_VERSION = ocp.__version__
 
 # Public Orbax API, re-exported so the rest of the package imports Orbax from one place.
 ArrayHandler = _th.ArrayHandler
 ArrayRestoreArgs = _th.ArrayRestoreArgs
+NumpyHandler = _th.NumpyHandler
+RestoreArgs = _th.RestoreArgs
 SaveArgs = _th.SaveArgs
 ParamInfo = _th.ParamInfo
 CommitFuture = _future.CommitFutureAwaitingContractedSignals
 JAX_ARRAY_TYPESTR = _jah.JAX_ARRAY_TYPE_STR
-SHARDING_FILE_NAME = '_sharding'
+SHARDING_FILE_NAME = format_lib.SHARDING_FILE
 ShardingMetadata = _sharding_md.ShardingMetadata
 
 
@@ -56,6 +60,8 @@ class HandlerSettings:
   enable_write_sharding_file: bool
   array_metadata_store: Any
   dispatcher: Any
+  callback: Any  # Orbax's SerializationStatusCallback
+  metadata_key: str | None
 
 
 def handler_settings(handler: Any) -> HandlerSettings:
@@ -64,7 +70,17 @@ def handler_settings(handler: Any) -> HandlerSettings:
       primary_host=handler._primary_host, replica_id=handler._replica_id,
       use_replica_parallel=bool(handler._use_replica_parallel),
       enable_write_sharding_file=bool(handler._enable_write_sharding_file),
-      array_metadata_store=handler._array_metadata_store, dispatcher=handler._dispatcher)
+      array_metadata_store=handler._array_metadata_store, dispatcher=handler._dispatcher,
+      callback=handler._callback, metadata_key=handler._metadata_key)
+
+
+def limiter_bytes(limiter: Any) -> int | None:
+  """The byte budget of one of Orbax's byte limiters (``save_concurrent_gb``,
+  ``restore_concurrent_gb``), or None when it is unlimited or absent."""
+  from orbax.checkpoint._src.serialization import limits  # pylint: disable=g-import-not-at-top
+  if isinstance(limiter, limits.LimitInFlightBytes):
+    return int(limiter.max_bytes)
+  return None
 
 
 def handler_constructor_kwargs(handler: Any) -> dict[str, Any]:
@@ -127,6 +143,7 @@ def _array_write_spec(item: Any, name: str, *, global_shape: Sequence[int],
       process_id=process_id,
       ocdbt_target_data_file_size=item.ocdbt_target_data_file_size,
       ext_metadata=dict(ext_metadata) if ext_metadata else None,
+      metadata_key=item.metadata_key,
   )
 
 
@@ -176,6 +193,7 @@ def build_read_spec(item: Any, name: str, *, raise_array_data_missing_error: boo
       name,
       item.use_zarr3,
       use_ocdbt=item.use_ocdbt,
+      metadata_key=item.metadata_key,
       raise_array_data_missing_error=raise_array_data_missing_error,
       target_dtype=target_dtype,
   ).json
@@ -249,6 +267,21 @@ def register_array_handler(handler: Any) -> None:
   absl_logging.set_verbosity(absl_logging.ERROR)
   try:
     _thr.register_type_handler(jax.Array, handler, override=True)
+  finally:
+    absl_logging.set_verbosity(verbosity)
+
+
+def registered_handler(ty: type) -> Any:
+  return _thr.GLOBAL_TYPE_HANDLER_REGISTRY.get(ty)
+
+
+def register_handler(ty: type, handler: Any) -> None:
+  """Like ``register_array_handler``, for another type (``np.ndarray``)."""
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  verbosity = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.ERROR)
+  try:
+    _thr.register_type_handler(ty, handler, override=True)
   finally:
     absl_logging.set_verbosity(verbosity)
 

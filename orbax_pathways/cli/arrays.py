@@ -1,23 +1,21 @@
-"""Tensorstore access for the CLI: open saved arrays with Orbax's own spec rules, chunk grids,
-value comparison. Called by ``inspect.read_step(open_arrays=True)``, ``verify`` and ``diff``.
-Nothing here imports jax."""
+"""Tensorstore access for the CLI: open saved arrays with Orbax's own spec rules
+(``orbax_pathways.format``), read chunks, compare values.
+
+Called by ``steps.read_step(open_arrays=True)``, ``verify`` and ``diff`` on the machine running
+the CLI. Nothing here imports jax; tensorstore is imported on first use.
+"""
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
-from orbax_pathways import metadata as pw_metadata
-from orbax_pathways.cli.inspect import Item, Leaf, _read_json, classify_remote_error, is_remote
-
-
-# ----------------------------------------------------------------------------------------------
-# Tensorstore: Orbax's own spec rules (tensorstore_utils.ArrayReadSpec / build_kvstore_tspec).
-
+from orbax_pathways import format as fmt
+from orbax_pathways.cli import paths
+from orbax_pathways.cli.model import Item, Leaf
 
 _CONTEXT = None
 
@@ -35,39 +33,11 @@ def ts_context():
   return _CONTEXT
 
 
-def _base_kvstore(path: str) -> dict[str, Any]:
-  if path.startswith('gs://'):
-    bucket, _, rest = path[len('gs://'):].partition('/')
-    return {
-        'driver': os.environ.get('TENSORSTORE_GCS_BACKEND', 'gcs'),
-        'bucket': bucket,
-        'path': rest,
-    }
-  return {'driver': 'file', 'path': path}
-
-
-def kvstore_spec(item: Item, key: str) -> dict[str, Any]:
-  """Where the zarr array ``key`` of ``item`` lives."""
-  base = os.fspath(item.path).rstrip('/')
-  if item.use_ocdbt:
-    return {
-        'driver': 'ocdbt',
-        'base': _base_kvstore(base + '/'),
-        'path': key,
-        'cache_pool': 'cache_pool#ocdbt',
-    }
-  return _base_kvstore(f'{base}/{key}')
-
-
 def array_spec(item: Item, leaf: Leaf) -> dict[str, Any]:
-  return {
-      'driver': 'zarr3' if item.use_zarr3 else 'zarr',
-      'kvstore': kvstore_spec(item, leaf.key),
-      'recheck_cached_data': False,
-      'recheck_cached_metadata': False,
-      # Orbax always stores chunks equal to the fill value, so a missing chunk is an error.
-      'fill_missing_data_reads': not item.store_fill,
-  }
+  return fmt.array_read_spec(
+      os.fspath(item.path), leaf.key, ocdbt=item.use_ocdbt, zarr3=item.use_zarr3,
+      raise_missing_chunks=item.store_fill,
+      gcs_driver=os.environ.get('TENSORSTORE_GCS_BACKEND', 'gcs'))
 
 
 def open_array(item: Item, leaf: Leaf):
@@ -84,15 +54,19 @@ def open_leaves(item: Item) -> None:
     try:
       t = fut.result()
     except Exception as e:  # pylint: disable=broad-except  # tensorstore raises ValueError etc.
-      err = classify_remote_error(item.path, e) if is_remote(item.path) else None
+      err = paths.classify_remote_error(item.path, e) if paths.is_remote(item.path) else None
       if err is not None and 'credentials' in str(err):
         raise err from e
       leaf.error = first_line(e)
       _fill_from_record(leaf)
       continue
-    leaf.dtype = t.dtype.name
-    leaf.shape = tuple(int(n) for n in t.shape)
-    leaf.chunk_shape = write_chunk_shape(t)
+    fill_from_store(leaf, t)
+
+
+def fill_from_store(leaf: Leaf, t: Any) -> None:
+  leaf.dtype = t.dtype.name
+  leaf.shape = tuple(int(n) for n in t.shape)
+  leaf.chunk_shape = write_chunk_shape(t)
 
 
 def _fill_from_record(leaf: Leaf) -> None:
@@ -116,28 +90,9 @@ def first_line(e: BaseException) -> str:
   return f'{type(e).__name__}: {line}'[:500]
 
 
-def chunk_origins(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[tuple[int, ...]]:
-  """Origins of the regular chunk grid over ``shape`` (one empty origin for a scalar)."""
-  return itertools.product(*[range(0, s, max(c, 1)) for s, c in zip(shape, chunk)])
-
-
-def chunk_box(origin: Sequence[int], chunk: Sequence[int], shape: Sequence[int]) -> tuple[slice, ...]:
-  """The chunk region clipped to the array bounds."""
-  return tuple(slice(o, min(o + c, s)) for o, c, s in zip(origin, chunk, shape))
-
-
-def chunk_key(item: Item, leaf: Leaf, origin: Sequence[int]) -> str:
-  """Storage key of the chunk at ``origin`` (Orbax's zarr v2 '.' separator / zarr3 default)."""
-  chunk = leaf.chunk_shape or ()
-  idx = [str(o // c) if c else '0' for o, c in zip(origin, chunk)]
-  if item.use_zarr3:
-    return '/'.join(['c', *idx])
-  return '.'.join(idx) if idx else '0'
-
-
-def chunk_location(item: Item, leaf: Leaf, origin: Sequence[int]) -> str:
+def chunk_location(item: Item, leaf: Leaf, origin) -> str:
   """Human path of a chunk: a file for plain zarr, an OCDBT key inside the item otherwise."""
-  key = f'{leaf.key}/{chunk_key(item, leaf, origin)}'
+  key = fmt.param_chunk_key(leaf.key, origin, leaf.chunk_shape or (), zarr3=item.use_zarr3)
   base = os.fspath(item.path).rstrip('/')
   if item.use_ocdbt:
     return f'{base} (ocdbt key {key})'
@@ -159,15 +114,15 @@ def max_abs_diff(ia: Item, la: Leaf, ib: Item, lb: Leaf) -> float | None:
   ValueError when either cannot be read.
   """
   if 'string' in (la.value_type, lb.value_type):
-    va, vb = _read_string(ia, la), _read_string(ib, lb)
+    va, vb = read_string(ia, la), read_string(ib, lb)
     return 0.0 if va == vb else math.inf
   if not (la.is_array and lb.is_array) or la.shape is None or la.shape != lb.shape:
     return None
   ta, tb = open_array(ia, la).result(), open_array(ib, lb).result()
   chunk = la.chunk_shape or la.shape
   worst = 0.0
-  for origin in chunk_origins(la.shape, chunk):
-    box = chunk_box(origin, chunk, la.shape)
+  for origin in fmt.chunk_origins(la.shape, chunk):
+    box = fmt.chunk_region(origin, chunk, la.shape).to_slices()
     fa, fb = ta[box].read(), tb[box].read()
     a, b = _as_float(fa.result()), _as_float(fb.result())
     same = (a == b) | (np.isnan(a) & np.isnan(b))
@@ -184,8 +139,10 @@ def _as_float(a: np.ndarray) -> np.ndarray:
   return a.astype(np.float64)
 
 
-def _read_string(item: Item, leaf: Leaf) -> Any:
+def read_string(item: Item, leaf: Leaf) -> Any:
+  """A string leaf's value from the item's ``_strings.json``; ValueError naming the file."""
+  p = item.path / fmt.STRINGS_FILE
   try:
-    return _read_json(item.path / STRINGS_FILE)[leaf.key]
-  except (OSError, KeyError) as e:
-    raise ValueError(f'{item.path / STRINGS_FILE}: {first_line(e)}') from e
+    return paths.read_json(p)[leaf.key]
+  except (OSError, KeyError, TypeError) as e:
+    raise ValueError(f'{p}: {first_line(e)}') from e

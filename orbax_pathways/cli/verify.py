@@ -1,13 +1,17 @@
 """``orbax-pathways verify``: read every chunk of every array of a step and check it.
 
-Per item, two modes:
+Runs on the machine running the CLI (``main.cmd_verify``). Per item, two modes:
   checksum     our ``_pathways`` metadata is present: every recorded chunk region (origin +
                chunk_shape, clipped to the array) is read in the stored dtype and its crc32c
-               (of ``np.ascontiguousarray(chunk).tobytes()``) compared with the recorded one.
-               Chunks of the grid that no writer recorded are reported too.
+               compared with the recorded one. A chunk of the grid that no writer recorded is a
+               ``missing_record`` problem naming the chunk (and is still read and decoded); so is
+               every chunk of a ``jax.Array`` leaf that has no record at all.
   decode       stock Orbax: every chunk of the zarr write-chunk grid is read and decoded. Orbax
                stores every chunk (``store_array_data_equal_to_fill_value``), so a missing chunk
                is an error, not zeros.
+An item without ``_pathways`` that orbax-pathways demonstrably wrote (a sibling item of the same
+step has records, or the colocated transport's ``ocdbt.process_w<id>`` databases are there) fails
+with ``missing_record``: its records were deleted, so nothing in it can be checked.
 Metadata is checked in both modes: ``_CHECKPOINT_METADATA``, commit marker, ``_METADATA``,
 ``_sharding``, ``array_metadatas/*``, ``_strings.json``, zarr metadata, our msgpack files.
 """
@@ -16,20 +20,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
-import math
-import sys
 import time
-from typing import Any, Iterable, TextIO
-
-import numpy as np
+from typing import Any, Iterable
 
 from orbax_pathways import checksum
+from orbax_pathways import format as fmt
 from orbax_pathways import metadata as pw_metadata
 from orbax_pathways.cli import arrays
-from orbax_pathways.cli import inspect
-
-CHECKSUM, DECODE = 'checksum', 'decode'
+from orbax_pathways.cli import paths
+from orbax_pathways.cli import steps
+from orbax_pathways.cli.model import CHECKSUM, DECODE, PARTIAL, Item, Leaf, Step, np_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,97 +90,67 @@ class Report:
 
 @dataclasses.dataclass(frozen=True)
 class _Task:
-  item: inspect.Item
-  leaf: inspect.Leaf
+  item: Item
+  leaf: Leaf
   store: Any
   origin: tuple[int, ...]
   chunk_shape: tuple[int, ...]
   expected: pw_metadata.ChunkRecord | None
 
   @property
+  def region(self):
+    return fmt.chunk_region(self.origin, self.chunk_shape, self.leaf.shape)
+
+  @property
   def nbytes(self) -> int:
-    box = arrays.chunk_box(self.origin, self.chunk_shape, self.leaf.shape)
-    return math.prod(s.stop - s.start for s in box) * self.store.dtype.numpy_dtype.itemsize
+    return self.region.size * self.store.dtype.numpy_dtype.itemsize
 
 
-class Progress:
-  """A one-line progress bar with throughput on a stream (stderr); silent when disabled."""
+class NoProgress:
+  """What ``verify_step`` reports progress to by default: nothing (see ``render.Progress``)."""
 
-  def __init__(self, total_bytes: int, total_chunks: int, *, stream: TextIO, enabled: bool):
-    self.total_bytes, self.total_chunks = total_bytes, total_chunks
-    self.stream, self.enabled = stream, enabled
-    self.bytes = self.chunks = 0
-    self.start = self._last = time.monotonic()
+  def start(self, total_bytes: int, total_chunks: int) -> None:
+    pass
 
   def advance(self, nbytes: int) -> None:
-    self.bytes += nbytes
-    self.chunks += 1
-    now = time.monotonic()
-    if self.enabled and now - self._last > 0.1:
-      self._last = now
-      self.stream.write('\r' + self.line())
-      self.stream.flush()
-
-  def line(self) -> str:
-    elapsed = max(time.monotonic() - self.start, 1e-9)
-    frac = self.bytes / self.total_bytes if self.total_bytes else 1.0
-    bar = '#' * int(frac * 24)
-    return (
-        f'verify [{bar:<24}] {frac:4.0%} {human_bytes(self.bytes)}/{human_bytes(self.total_bytes)}'
-        f' {human_bytes(self.bytes / elapsed)}/s chunks {self.chunks}/{self.total_chunks}'
-    )
+    pass
 
   def close(self) -> None:
-    if self.enabled:
-      self.stream.write('\r' + self.line() + '\n')
-      self.stream.flush()
-
-
-def human_bytes(n: float) -> str:
-  for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
-    if abs(n) < 1024 or unit == 'TiB':
-      return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
-    n /= 1024
-  raise AssertionError
-
-
-def crc32c(a: np.ndarray) -> int:
-  """The same checksum the writer recorded (``orbax_pathways.checksum``)."""
-  return checksum.of_array(a)
+    pass
 
 
 # ----------------------------------------------------------------------------------------------
 
 
-def verify_step(
-    step_dir, *, progress_stream: TextIO | None = None, progress: bool | None = None,
-    window: int = 16, window_bytes: int = 512 << 20,
-) -> Report:
+def verify_step(step_dir, *, progress=None, window: int = 16,
+                window_bytes: int = 512 << 20) -> Report:
   """Checks one step; returns a Report whose ``problems`` is empty only when everything passed."""
   t0 = time.monotonic()
-  step = inspect.read_step(step_dir)
+  progress = progress or NoProgress()
+  step = steps.read_step(step_dir)
   report = Report(path=str(step.path), step=step.step, state=step.state)
   report.problems += _step_problems(step)
   tasks: list[_Task] = []
   for item in step.items:
     if item.kind != 'pytree' or not item.leaves:
       continue
-    report.modes[item.name] = CHECKSUM if item.pathways is not None else DECODE
+    checksummed = item.pathways is not None and not (item.pathways.writers and all(
+        w.transport in fmt.CHECKSUMLESS_TRANSPORTS for w in item.pathways.writers))
+    report.modes[item.name] = CHECKSUM if checksummed else DECODE
     report.problems += _file_problems(item)
+    report.problems += _deleted_records(step, item)
     tasks += _item_tasks(item, report)
-  stream = progress_stream or sys.stderr
-  enabled = stream.isatty() if progress is None else progress
-  bar = Progress(sum(t.nbytes for t in tasks), len(tasks), stream=stream, enabled=enabled)
-  _run(tasks, report, bar, window=window, window_bytes=window_bytes)
-  bar.close()
+  progress.start(sum(t.nbytes for t in tasks), len(tasks))
+  _run(tasks, report, progress, window=window, window_bytes=window_bytes)
+  progress.close()
   report.seconds = time.monotonic() - t0
   return report
 
 
-def _step_problems(step: inspect.Step) -> list[Problem]:
+def _step_problems(step: Step) -> list[Problem]:
   out = [Problem('metadata', path=str(step.path), error=p) for p in step.problems
          if not p.startswith('no commit marker')]
-  if step.state == inspect.PARTIAL:
+  if step.state == PARTIAL:
     out.append(Problem(
         'not_committed', path=str(step.path),
         error='step was never committed (temporary name or no commit marker); '
@@ -189,58 +159,98 @@ def _step_problems(step: inspect.Step) -> list[Problem]:
   return out
 
 
-def _file_problems(item: inspect.Item) -> list[Problem]:
+def _file_problems(item: Item) -> list[Problem]:
   """Orbax metadata files beside the arrays: must parse; string leaves must be present."""
   out = []
-  am = item.path / 'array_metadatas'
+  am = item.path / fmt.ARRAY_METADATAS_DIR
   if am.exists():
     for p in sorted(am.iterdir(), key=lambda p: p.name):
       try:
-        json.loads(p.read_text())
-      except ValueError as e:
-        out.append(Problem('metadata', path=str(p), item=item.name, error=f'unreadable: {e}'))
+        paths.read_json(p)
+      except paths.DamagedFile as e:
+        out.append(Problem('metadata', path=str(p), item=item.name, error=steps.damaged(e)))
   strings = [l.key for l in item.leaves if l.value_type == 'string']
   if strings:
-    p = item.path / inspect.STRINGS_FILE
+    p = item.path / fmt.STRINGS_FILE
     try:
-      values = json.loads(p.read_text())
+      values = paths.read_json(p)
       missing = [s for s in strings if s not in values]
       if missing:
         out.append(Problem('metadata', path=str(p), item=item.name,
                            error=f'string leaves missing: {", ".join(missing)}'))
-    except (OSError, ValueError) as e:
+    except paths.DamagedFile as e:
+      out.append(Problem('metadata', path=str(p), item=item.name, error=steps.damaged(e)))
+    except OSError as e:
       out.append(Problem('metadata', path=str(p), item=item.name, error=arrays.first_line(e)))
   return out
 
 
-def _item_tasks(item: inspect.Item, report: Report) -> list[_Task]:
+def written_by_us_evidence(step: Step, item: Item) -> str | None:
+  """Why ``item`` (which has no ``_pathways`` records) must have been written by orbax-pathways,
+  or None when nothing that survives says so (stock Orbax writes the same files)."""
+  if item.pathways is not None or not any(l.is_jax_array for l in item.leaves):
+    return None
+  colocated = sorted(p.name for p in paths.listdir(item.path)
+                     if fmt.COLOCATED_OCDBT_RE.match(p.name))
+  if colocated:
+    return (f'its OCDBT databases {", ".join(colocated[:3])}{" ..." if len(colocated) > 3 else ""}'
+            ' were written by the orbax-pathways colocated transport')
+  siblings = [i.name for i in step.items if i.pathways is not None]
+  if siblings:
+    return (f'item(s) {", ".join(siblings)} of the same save have orbax-pathways records, so '
+            'its jax.Array leaves were written by orbax-pathways too')
+  return None
+
+
+def _deleted_records(step: Step, item: Item) -> list[Problem]:
+  evidence = written_by_us_evidence(step, item)
+  if evidence is None:
+    return []
+  return [Problem(
+      'missing_record', path=str(item.path / fmt.PATHWAYS_DIR), item=item.name,
+      error=f'{fmt.PATHWAYS_DIR}/ is missing but {evidence}: its checksum records were deleted, '
+      'so no chunk could be checked (every chunk was only decoded). Restore another step, or put '
+      f'{fmt.PATHWAYS_DIR}/ back from a copy of this checkpoint.')]
+
+
+def _item_tasks(item: Item, report: Report) -> list[_Task]:
   opened = [(leaf, arrays.open_array(item, leaf)) for leaf in item.arrays]
   tasks = []
   for leaf, fut in opened:
-    location = arrays.kvstore_location(item, leaf)
     try:
       store = fut.result()
     except Exception as e:  # pylint: disable=broad-except
-      report.problems.append(Problem('open_error', path=location, item=item.name,
-                                     array=leaf.key, error=arrays.first_line(e)))
+      report.problems.append(Problem('open_error', path=arrays.kvstore_location(item, leaf),
+                                     item=item.name, array=leaf.key, error=arrays.first_line(e)))
       continue
     report.arrays += 1
-    leaf.dtype, leaf.shape = store.dtype.name, tuple(int(n) for n in store.shape)
-    leaf.chunk_shape = arrays.write_chunk_shape(store)
-    if leaf.record is None:
-      tasks += [_Task(item, leaf, store, o, leaf.chunk_shape, None)
-                for o in arrays.chunk_origins(leaf.shape, leaf.chunk_shape)]
-    else:
+    arrays.fill_from_store(leaf, store)
+    if leaf.record is not None and leaf.key not in item.checksumless:
       tasks += _record_tasks(item, leaf, store, report)
+      continue
+    lost = item.pathways is not None and leaf.is_jax_array and leaf.key not in item.checksumless
+    for origin in fmt.chunk_origins(leaf.shape, leaf.chunk_shape):
+      if lost:
+        report.problems.append(_missing_record(item, leaf, origin))
+      tasks.append(_Task(item, leaf, store, origin, leaf.chunk_shape, None))
   return tasks
 
 
-def _record_tasks(item, leaf, store, report: Report) -> list[_Task]:
-  """Chunks our metadata recorded for ``leaf``, after checking the record against the zarr array."""
+def _missing_record(item: Item, leaf: Leaf, origin: tuple[int, ...]) -> Problem:
+  return Problem(
+      'missing_record', path=arrays.chunk_location(item, leaf, origin), item=item.name,
+      array=leaf.key, origin=origin,
+      error=f'no writer in {item.path / fmt.PATHWAYS_DIR} recorded this chunk (a writer file is '
+      'missing or incomplete): it was decoded but its checksum could not be checked')
+
+
+def _record_tasks(item: Item, leaf: Leaf, store: Any, report: Report) -> list[_Task]:
+  """Every chunk of ``leaf``'s grid, after checking our record against the zarr array: recorded
+  chunks are checksummed, unrecorded ones decoded and reported."""
   rec = leaf.record
-  where = dict(path=str(item.path / pw_metadata.DIRNAME), item=item.name, array=leaf.key)
+  where = dict(path=str(item.path / fmt.PATHWAYS_DIR), item=item.name, array=leaf.key)
   mismatch = []
-  if inspect.np_dtype(rec.dtype) != store.dtype.numpy_dtype:
+  if np_dtype(rec.dtype) != store.dtype.numpy_dtype:
     mismatch.append(f'dtype {rec.dtype} recorded, {leaf.dtype} stored')
   if tuple(rec.shape) != leaf.shape:
     mismatch.append(f'shape {tuple(rec.shape)} recorded, {leaf.shape} stored')
@@ -255,29 +265,28 @@ def _record_tasks(item, leaf, store, report: Report) -> list[_Task]:
           'metadata', origin=tuple(c.origin),
           error=f'writers disagree on crc32c ({prev.crc32c:#010x} vs {c.crc32c:#010x})', **where))
   chunk = tuple(rec.chunk_shape)
-  for origin in arrays.chunk_origins(leaf.shape, chunk):
+  tasks = []
+  for origin in fmt.chunk_origins(leaf.shape, chunk):
     if origin not in index:
-      report.problems.append(Problem(
-          'missing_record', origin=origin,
-          error='no writer recorded this chunk (a writer file is missing or incomplete)', **where))
-  return [_Task(item, leaf, store, o, chunk, c) for o, c in sorted(index.items())]
+      report.problems.append(_missing_record(item, leaf, origin))
+    tasks.append(_Task(item, leaf, store, origin, chunk, index.get(origin)))
+  return tasks
 
 
-def _run(tasks: Iterable[_Task], report: Report, bar: Progress, *, window: int,
+def _run(tasks: Iterable[_Task], report: Report, progress, *, window: int,
          window_bytes: int) -> None:
   pending: collections.deque = collections.deque()
   in_flight = 0
   for task in tasks:
-    box = arrays.chunk_box(task.origin, task.chunk_shape, task.leaf.shape)
-    pending.append((task, task.store[box].read()))
+    pending.append((task, task.store[task.region.to_slices()].read()))
     in_flight += task.nbytes
     while pending and (len(pending) >= window or in_flight > window_bytes):
-      in_flight -= _finish(*pending.popleft(), report, bar)
+      in_flight -= _finish(*pending.popleft(), report, progress)
   while pending:
-    _finish(*pending.popleft(), report, bar)
+    _finish(*pending.popleft(), report, progress)
 
 
-def _finish(task: _Task, fut, report: Report, bar: Progress) -> int:
+def _finish(task: _Task, fut, report: Report, progress) -> int:
   nbytes = task.nbytes
   report.chunks += 1
   where = dict(
@@ -292,9 +301,9 @@ def _finish(task: _Task, fut, report: Report, bar: Progress) -> int:
     report.bytes_read += data.nbytes
     if task.expected is not None:
       report.chunks_checksummed += 1
-      found = crc32c(data)
+      found = checksum.of_array(data)
       if found != task.expected.crc32c:
         report.problems.append(Problem('crc_mismatch', expected_crc32c=task.expected.crc32c,
                                        found_crc32c=found, **where))
-  bar.advance(nbytes)
+  progress.advance(nbytes)
   return nbytes

@@ -53,6 +53,16 @@ def _leaf(value: jax.Array, info: Any, arg: Any, options: options_lib.Options,
       sharding=engine_lib.sharding_record(value.sharding, num_slices), ext_metadata=ext)
 
 
+def _notify(callback: Any, event: str, infos: Sequence[Any]) -> None:
+  """Orbax's ``SerializationStatusCallback`` hooks, per parameter keypath (as stock calls them)."""
+  if callback is None:
+    return
+  hook = getattr(callback, event, None)
+  for info in infos:
+    if hook is not None and getattr(info, 'keypath', None) is not None:
+      hook(info.keypath)
+
+
 class ProxyArrayHandler(compat.ArrayHandler):
   """Drop-in replacement of Orbax's ArrayHandler (same typestr, same on-disk format)."""
 
@@ -70,18 +80,31 @@ class ProxyArrayHandler(compat.ArrayHandler):
         use_zarr3=bool(info.use_zarr3),
         ocdbt_target_data_file_size=info.ocdbt_target_data_file_size,
         gcs_grpc=self.options.gcs_grpc, context_extra=self.options.ts_context_extra(),
-        raise_array_data_missing_error=bool(getattr(info, 'raise_array_data_missing_error', True)))
+        raise_array_data_missing_error=bool(getattr(info, 'raise_array_data_missing_error', True)),
+        metadata_key=compat.handler_settings(self).metadata_key)
 
   def _context(self, info: Any) -> Any:
     """Orbax's tensorstore context for this item (shared with Orbax's other handlers)."""
     return info.ts_context or compat.ts_context(bool(info.is_ocdbt_checkpoint))
 
+  def _snapshot_mode(self, info: Any) -> str:
+    """``Options.snapshot``, where 'auto' follows Orbax's ``enable_pinned_host_transfer``: True
+    means pinned; False set explicitly on a GPU (whose default is True) means host; Orbax's own
+    default False elsewhere leaves our choice (pinned where the devices offer pinned_host)."""
+    requested = getattr(info, 'enable_pinned_host_transfer', None)
+    if self.options.snapshot != 'auto' or requested is None:
+      return self.options.snapshot
+    if requested:
+      return 'pinned'
+    return 'host' if jax.default_backend() == 'gpu' else 'auto'
+
   def _save_config(self, info: Any) -> transports.SaveConfig:
     settings = compat.handler_settings(self)
+    orbax_limit = compat.limiter_bytes(getattr(info, 'byte_limiter', None))
     return transports.SaveConfig(
-        max_inflight_bytes=self.options.max_inflight_bytes,
+        max_inflight_bytes=min(self.options.max_inflight_bytes, orbax_limit or self.options.max_inflight_bytes),
         replica_parallel=self.options.replica_parallel and settings.use_replica_parallel,
-        coalesce_bytes=self.options.coalesce_bytes, snapshot_mode=self.options.snapshot,
+        coalesce_bytes=self.options.coalesce_bytes, snapshot_mode=self._snapshot_mode(info),
         is_primary=settings.primary_host is None or jax.process_index() == settings.primary_host,
         ocdbt_process_id=compat.ocdbt_subdir_process_id(bool(info.is_ocdbt_checkpoint)),
         context=self._context(info))
@@ -103,6 +126,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
     pending = await self.engine.save(arrays, leaves, item, config=self._save_config(infos[0]),
                                      ready=ready)
     settings = compat.handler_settings(self)
+    _notify(settings.callback, 'on_transfer_end', infos)  # as stock: once the snapshot is taken
     futures = []
     if settings.enable_write_sharding_file:
       futures.append(compat.CommitFuture(
@@ -146,6 +170,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
     for r in done:
       if isinstance(r, BaseException):
         raise r
+    _notify(settings.callback, 'on_write_end', infos)
 
   # ---- restore ---------------------------------------------------------------------------------
 
@@ -159,12 +184,13 @@ class ProxyArrayHandler(compat.ArrayHandler):
                                         divisibility=self.options.divisibility)
 
   async def _records(self, info: Any) -> dict:
-    item_md = await asyncio.to_thread(meta_io.read_item, info.parent_dir)
-    return item_md.arrays() if item_md else {}
+    return await read_records(info)
 
   def _delegate(self, args) -> bool:
+    """Orbax's own handler serves restores we cannot: a dispatcher the user built this handler
+    with, or args that are not ``ArrayRestoreArgs`` (Orbax's error message then applies)."""
     return compat.handler_settings(self).dispatcher is not None or any(
-        not isinstance(a, compat.ArrayRestoreArgs) or not getattr(a, 'strict', True) for a in args)
+        not isinstance(a, compat.ArrayRestoreArgs) for a in args)
 
   async def deserialize(self, infos: Sequence[Any],
                         args: Sequence[Any] | None = None) -> Sequence[jax.Array]:
@@ -179,13 +205,13 @@ class ProxyArrayHandler(compat.ArrayHandler):
     leaves = []
     for info, arg, sharding in zip(infos, args, shardings):
       shape, dtype, sharding = compat.physical_read_spec(arg, sharding)
-      leaves.append(engine_lib.RestoreLeaf(
-          name=info.name, shape=tuple(shape) if shape is not None else None, dtype=dtype,
-          sharding=sharding, strict=bool(getattr(arg, 'strict', True))))
+      leaves.append(engine_lib.RestoreLeaf.of(info.name, shape, dtype, sharding,
+                                              strict=bool(getattr(arg, 'strict', True))))
     out = await self.engine.restore(
         leaves, self._item(infos[0]), records=records, context=self._context(infos[0]),
-        config=transports.ReadConfig(verify=self.options.verify_checksums,
-                                     context=self._context(infos[0])))
+        config=transports.ReadConfig(
+            verify=self.options.verify_checksums, context=self._context(infos[0]),
+            max_inflight_bytes=compat.limiter_bytes(getattr(infos[0], 'byte_limiter', None))))
     store = compat.handler_settings(self).array_metadata_store
     if store is not None:
       mds = await compat.read_array_metadatas(store, infos[0].parent_dir)
@@ -204,3 +230,49 @@ class ProxyArrayHandler(compat.ArrayHandler):
                                            divisibility=self.options.divisibility)
       args = elastic.fill_shardings(args, missing, infos, metas)
     return await compat.shardings_from_args_or_file(infos, args)
+
+
+async def read_records(info: Any) -> dict:
+  """This item's ``_pathways`` records by array name (empty for a stock checkpoint)."""
+  item_md = await asyncio.to_thread(meta_io.read_item, info.parent_dir)
+  return item_md.arrays() if item_md else {}
+
+
+class ProxyNumpyHandler(compat.NumpyHandler):
+  """Orbax's ``np.ndarray`` handler, except that arrays we wrote are read back verified.
+
+  Orbax routes a restore whose target (or ``RestoreArgs.restore_type``) is ``np.ndarray`` here,
+  also for arrays saved as ``jax.Array``. Saving numpy leaves and reading arrays without our
+  records (stock checkpoints, numpy leaves) stay Orbax's own code.
+  """
+
+  def __init__(self, *, options: options_lib.Options | None = None, **kwargs):
+    super().__init__(**kwargs)
+    self.options = options or options_lib.Options.from_env()
+    self.engine = engine_lib.Engine(self.options)
+
+  async def deserialize(self, infos: Sequence[Any], args: Sequence[Any] | None = None) -> list[Any]:
+    args = list(args or [compat.RestoreArgs()] * len(infos))
+    await asyncio.gather(*(info.await_path_creation() for info in infos))
+    records = await read_records(infos[0])
+    ours = [i for i, info in enumerate(infos) if info.name in records]
+    out: list[Any] = [None] * len(infos)
+    rest = [i for i in range(len(infos)) if i not in set(ours)]
+    if rest:
+      for i, value in zip(rest, await super().deserialize([infos[i] for i in rest],
+                                                           [args[i] for i in rest])):
+        out[i] = value
+    if ours:
+      info0 = infos[ours[0]]
+      item = values.Item(
+          directory=compat.logical_parent_dir(info0), use_ocdbt=bool(info0.is_ocdbt_checkpoint),
+          use_zarr3=bool(info0.use_zarr3), gcs_grpc=self.options.gcs_grpc,
+          context_extra=self.options.ts_context_extra(),
+          raise_array_data_missing_error=bool(getattr(info0, 'raise_array_data_missing_error', True)))
+      arrays = await self.engine.read_to_host(
+          [infos[i].name for i in ours], [getattr(args[i], 'dtype', None) for i in ours], item,
+          records=records, verify=self.options.verify_checksums,
+          context=info0.ts_context or compat.ts_context(item.use_ocdbt))
+      for i, value in zip(ours, arrays):
+        out[i] = value
+    return out

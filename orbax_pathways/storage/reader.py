@@ -31,6 +31,9 @@ class ArrayRead:
   chunk_shape: tuple[int, ...] | None
   chunks: Mapping[tuple[int, ...], metadata.ChunkRecord]  # empty: nothing to verify
   target_dtype: np.dtype | None
+  # True when the array was written with checksums: a chunk without a record is then an error
+  # (a writer's record went missing), not a chunk to skip.
+  require_checksums: bool = False
 
 
 @dataclasses.dataclass
@@ -54,7 +57,7 @@ def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
 
 def verify_region(read: ArrayRead, region: Box, data: np.ndarray) -> int:
   """Checks every recorded chunk lying wholly inside ``region``; returns how many it checked."""
-  if not read.chunks or read.chunk_shape is None:
+  if read.chunk_shape is None or (not read.chunks and not read.require_checksums):
     return 0
   checked = 0
   for cell in boxes_lib.chunk_grid(region, read.chunk_shape):
@@ -63,6 +66,13 @@ def verify_region(read: ArrayRead, region: Box, data: np.ndarray) -> int:
       continue
     record = read.chunks.get(chunk.start)
     if record is None:
+      if read.require_checksums:
+        raise errors.MissingChecksumError(
+            f'Array {read.name!r}, chunk at {list(chunk.start)} (shape {list(chunk.shape)}) of '
+            f'{read.path} has no recorded checksum, although the array was written with '
+            'checksums: a writer\'s _pathways record is missing, so these bytes cannot be '
+            'verified. Restore an earlier step, run `orbax-pathways verify` on this one, or '
+            'restore with verification off (Options(verify_checksums=False)) at your own risk.')
       continue
     found = checksum.of_array(data[chunk.relative_to(region)])
     if found != record.crc32c:
@@ -76,16 +86,26 @@ def verify_region(read: ArrayRead, region: Box, data: np.ndarray) -> int:
   return checked
 
 
+def open_error(name: str, path: str, e: BaseException) -> errors.RestoreError:
+  """The error for an array tensorstore could not open: ``ArrayNotFoundError`` (also a
+  ``FileNotFoundError``, as stock Orbax raises) when it is not there, else ``RestoreError``.
+  Tensorstore reports a missing array only through its status text ('NOT_FOUND')."""
+  if 'NOT_FOUND' in str(e):
+    return errors.ArrayNotFoundError(
+        f'Array {name!r} not found at {path}: {e}. The step is incomplete or damaged, or the '
+        'target names an array this checkpoint does not have: check with `orbax-pathways show`.')
+  return errors.RestoreError(
+      f'Cannot open array {name!r} at {path}: {type(e).__name__}: {e}. Check that the step is '
+      'complete (`orbax-pathways ls`) and the path is reachable.')
+
+
 async def read_array(read: ArrayRead, *, context: ts.Context, verify: bool,
                      stats: ReadStats) -> dict[Box, np.ndarray]:
   """Host buffers for every needed box of one array (each region read once)."""
   try:
     t = await ts.open(ts.Spec(read.tspec), open=True, context=context)
   except Exception as e:
-    raise errors.RestoreError(
-        f'Cannot open array {read.name!r} at {read.path}: {type(e).__name__}: {e}. '
-        'Check that the step is complete (`orbax-pathways ls`) and the path is reachable.'
-    ) from e
+    raise open_error(read.name, read.path, e) from e
   loop = asyncio.get_running_loop()
 
   async def one(region: restore_plan.Region) -> list[tuple[Box, np.ndarray]]:

@@ -16,6 +16,7 @@ import tensorstore as ts
 
 from orbax_pathways import checksum
 from orbax_pathways import errors
+from orbax_pathways import format as format_lib
 from orbax_pathways import metadata
 from orbax_pathways.plan import boxes as boxes_lib
 
@@ -131,7 +132,7 @@ async def _write_empty_array_marker(write: ArrayWrite, context: ts.Context) -> N
   if kv.get('driver') != 'ocdbt':
     return
   rank = len(write.global_shape)
-  key = ('c/' + '/'.join(['0'] * rank)) if spec['driver'] == 'zarr3' else '.'.join(['0'] * max(rank, 1))
+  key = format_lib.chunk_key((0,) * rank, (1,) * rank, zarr3=spec['driver'] == 'zarr3')
   kv['path'] = kv.get('path', '').rstrip('/') + '/'
   store = await ts.KvStore.open(kv, context=context)
   await store.write(key, b'')

@@ -52,6 +52,7 @@ class SaveConfig:
 class ReadConfig:
   verify: bool
   context: Any = None  # Orbax's tensorstore context (local transport only)
+  max_inflight_bytes: int | None = None  # host bytes read before going to devices (None: all)
 
 
 @dataclasses.dataclass

@@ -358,15 +358,25 @@ def make_worker_restore(task: WorkerReadTask) -> Callable[[jax.Array], tuple[jax
     # Readers: each local device in the simulation, else this worker as one host.
     readers = [[d] for d in local] if task.per_device_hosts else [local]
 
-    async def read(devs):
-      reads = []
+    async def read(devs) -> tuple[list[dict[Box, np.ndarray]], Any]:
+      # Each distinct box is read on its own, with the checksums of the devices that need it:
+      # a region merged across boxes could hold chunks no local device needs (and whose
+      # checksums this worker was not sent).
+      entries, targets, boxes = [], [], []
       for i, (t, m) in enumerate(zip(task.targets, mine)):
-        chunks = {}
+        by_box: dict[Box, dict] = {}
         for d in devs:
-          chunks.update(rows[d.id][i])
-        needed = [m[d] for d in devs if d in m]
-        reads.append(share.array_read(dataclasses.replace(t, chunks=chunks), needed))
-      return await share.read_share(reads, item=task.item, verify=task.verify)
+          if d in m:
+            by_box.setdefault(m[d], {}).update(rows[d.id][i])
+        for box, chunks in by_box.items():
+          entries.append(i)
+          targets.append(dataclasses.replace(t, chunks=chunks))
+          boxes.append([box])
+      buffers, stats = await share.read_share(targets, boxes, item=task.item, verify=task.verify)
+      per_target: list[dict[Box, np.ndarray]] = [{} for _ in task.targets]
+      for i, bufs in zip(entries, buffers):
+        per_target[i].update(bufs)
+      return per_target, stats
 
     async def run():
       return await _bounded([read(devs) for devs in readers], MAX_CONCURRENT_HOSTS)

@@ -133,8 +133,9 @@ def assemble(targets: Sequence[values.ReadTarget], boxes: Sequence[dict[Any, Box
       vals.append(whole)
       dests.append(t.sharding)
     else:
+      kind = t.sharding.memory_kind
       vals += [bufs[box] for box in bx.values()]
-      dests += list(bx)
+      dests += [jax.sharding.SingleDeviceSharding(d, memory_kind=kind) for d in bx]
     whole_of.append(whole is not None)
   placed = iter(jax.device_put(vals, dests) if vals else [])
   out = []
@@ -199,19 +200,28 @@ class LocalTransport:
                  item: values.Item) -> tuple[list[jax.Array], list[values.ReadOutcome]]:
     cfg = self._read
     host = this_host()
-    reads, boxes = [], []
+    needed, boxes = [], []
     for t in targets:
       bx = layout.device_boxes(t.sharding, t.shape, addressable_only=True)
-      needed = list(bx.values())
+      wanted = list(bx.values())
       if _whole_put(t, bx):
-        needed.append(Box.full(t.shape))  # read as one region; assemble() puts it in one call
-      reads.append(share.array_read(t, needed))
+        wanted.append(Box.full(t.shape))  # read as one region; assemble() puts it in one call
+      needed.append(wanted)
       boxes.append(bx)
-    with trace('read'):
-      buffers, rstats = await share.read_share(reads, item=item, verify=cfg.verify,
-                                               context=cfg.context)
-    with trace('device_put'):
-      out = assemble(targets, boxes, buffers)
-    needed_bytes = sum(b.size * np.dtype(t.dtype).itemsize
-                       for t, bx in zip(targets, boxes) for b in set(bx.values()))
-    return out, [values.ReadOutcome(host, rstats.bytes_read, rstats.chunks_verified, needed_bytes)]
+    sizes = [sum(b.size for b in set(bx.values())) * np.dtype(t.dtype).itemsize
+             for t, bx in zip(targets, boxes)]
+    out: list[Any] = [None] * len(targets)
+    bytes_read = chunks_verified = 0
+    # Orbax's restore byte limit (restore_concurrent_gb): at most that many bytes of host
+    # buffers between storage and the devices at once (one array above it goes alone).
+    for idx in share.batches(sizes, cfg.max_inflight_bytes):
+      with trace('read'):
+        buffers, rstats = await share.read_share(
+            [targets[i] for i in idx], [needed[i] for i in idx], item=item, verify=cfg.verify,
+            context=cfg.context)
+      with trace('device_put'):
+        for i, arr in zip(idx, assemble([targets[i] for i in idx], [boxes[i] for i in idx], buffers)):
+          out[i] = arr
+      bytes_read += rstats.bytes_read
+      chunks_verified += rstats.chunks_verified
+    return out, [values.ReadOutcome(host, bytes_read, chunks_verified, sum(sizes))]

@@ -118,18 +118,71 @@ def host_chunks(plan: save_plan.ArrayWritePlan, host: str) -> list[Box]:
   return [b for w in plan.for_host(host) for b in write_chunks(plan, w)]
 
 
-def array_read(target: values.ReadTarget, needed: Sequence[Box]) -> reader_lib.ArrayRead:
+def _on_storage(target: values.ReadTarget, box: Box) -> Box | None:
+  """The part of target box ``box`` that exists on storage (all of it unless padding)."""
+  stored = target.shape_on_storage
+  if stored == tuple(target.shape):
+    return box
+  part = box.intersect(Box.full(stored))
+  return part if part is not None and part.size else None
+
+
+def batches(sizes: Sequence[int], limit: int | None) -> list[list[int]]:
+  """Indices grouped in order so that each group's sizes sum to at most ``limit`` (an item
+  larger than ``limit`` forms a group alone); one group when there is no limit."""
+  if not limit:
+    return [list(range(len(sizes)))] if sizes else []
+  out: list[list[int]] = []
+  total = 0
+  for i, n in enumerate(sizes):
+    if out and total + n <= limit:
+      out[-1].append(i)
+      total += n
+    else:
+      out.append([i])
+      total = n
+  return out
+
+
+def array_read(target: values.ReadTarget, boxes: Sequence[Box]) -> reader_lib.ArrayRead:
+  """What to read for the target boxes ``boxes``: their parts that exist on storage, in
+  chunk-aligned regions of the stored array (so every chunk read is verified whole)."""
+  needed = [b for b in (_on_storage(target, box) for box in boxes) if b is not None]
   return reader_lib.ArrayRead(
       name=target.name, path=target.path, tspec=dict(target.tspec),
-      plan=values.read_plan(target, list(needed)), chunk_shape=target.chunk_shape,
-      chunks=target.chunks, target_dtype=np.dtype(target.dtype))
+      plan=values.read_plan(target, needed), chunk_shape=target.chunk_shape,
+      chunks=target.chunks, target_dtype=np.dtype(target.dtype),
+      require_checksums=target.require_checksums)
 
 
-async def read_share(reads: Sequence[reader_lib.ArrayRead], *, item: values.Item, verify: bool,
+def place(target: values.ReadTarget, boxes: Sequence[Box],
+          buffers: dict[Box, np.ndarray]) -> dict[Box, np.ndarray]:
+  """Host buffers for the target boxes: the read ones as they are, or, when the target pads or
+  truncates (``strict=False``), zeros with the stored part copied in."""
+  if target.shape_on_storage == tuple(target.shape):
+    return buffers
+  out = {}
+  for box in boxes:
+    buf = np.zeros(box.shape, np.dtype(target.dtype))
+    part = _on_storage(target, box)
+    if part is not None:
+      buf[part.relative_to(box)] = buffers[part]
+    out[box] = buf
+  return out
+
+
+async def read_share(targets: Sequence[values.ReadTarget], boxes: Sequence[Sequence[Box]], *,
+                     item: values.Item, verify: bool,
                      context: Any = None) -> tuple[list[dict[Box, np.ndarray]], reader_lib.ReadStats]:
-  """Reads, verifies and returns host buffers for every needed box of every array."""
+  """Reads and verifies what this host needs: for each target, host buffers of the target boxes
+  in ``boxes`` (each needed chunk read once)."""
   stats = reader_lib.ReadStats()
   ctx = context_for(item, context)
+  reads = [array_read(t, bx) for t, bx in zip(targets, boxes)]
   buffers = await asyncio.gather(*(
-      reader_lib.read_array(r, context=ctx, verify=verify, stats=stats) for r in reads))
-  return list(buffers), stats
+      reader_lib.read_array(r, context=ctx, verify=verify, stats=stats) for r in reads),
+      return_exceptions=True)  # all settle before we raise: no callback outlives the loop
+  for b in buffers:
+    if isinstance(b, BaseException):
+      raise b
+  return [place(t, bx, bufs) for t, bx, bufs in zip(targets, boxes, buffers)], stats

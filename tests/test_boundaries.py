@@ -1,0 +1,69 @@
+"""The layering docs/architecture.md promises, checked on the source (what an import-linter
+contract would check): who may import what."""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'orbax_pathways'
+
+
+def _modules():
+  return sorted(p for p in PACKAGE.rglob('*.py'))
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+  """Every module name ``path`` imports (also inside functions)."""
+  tree = ast.parse(path.read_text(), str(path))
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      out.add(node.module)
+      out.update(f'{node.module}.{a.name}' for a in node.names)
+  return out
+
+
+def _rel(path):
+  return path.relative_to(PACKAGE).as_posix()
+
+
+def test_only_compat_reaches_private_orbax_and_jax():
+  offenders = {
+      _rel(p): sorted(m for m in _imports(p)
+                      if m.startswith(('orbax.checkpoint._src', 'orbax.checkpoint.experimental.v1._src',
+                                       'jax._src')))
+      for p in _modules() if not _rel(p).startswith('_compat/')}
+  assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_only_compat_silences_protected_access():
+  """Reading Orbax's private attributes happens in _compat only (pylint marks each such read)."""
+  offenders = [_rel(p) for p in _modules() if not _rel(p).startswith('_compat/')
+               and 'protected-access' in p.read_text()]
+  assert offenders == []
+
+
+@pytest.mark.parametrize('layer,forbidden', [
+    ('plan/', ('jax', 'tensorstore', 'orbax', 'etils', 'orbax_pathways.storage',
+               'orbax_pathways.transports', 'orbax_pathways.engine')),
+    ('storage/', ('jax', 'orbax', 'orbax_pathways.transports', 'orbax_pathways.engine',
+                  'orbax_pathways.frontends')),
+    ('cli/', ('jax', 'orbax_pathways.engine', 'orbax_pathways.transports',
+              'orbax_pathways.frontends')),
+    ('transports/', ('orbax_pathways.engine', 'orbax_pathways.frontends',
+                     'orbax_pathways._registration')),
+    ('engine.py', ('orbax_pathways.frontends', 'orbax_pathways._registration')),
+    ('values.py', ('jax', 'orbax', 'orbax_pathways.transports', 'orbax_pathways.engine')),
+])
+def test_layers_do_not_import_upwards(layer, forbidden):
+  offenders = {}
+  for p in _modules():
+    if not _rel(p).startswith(layer):
+      continue
+    bad = sorted(m for m in _imports(p) if any(m == f or m.startswith(f + '.') for f in forbidden))
+    if bad:
+      offenders[_rel(p)] = bad
+  assert offenders == {}
