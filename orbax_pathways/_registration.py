@@ -29,9 +29,11 @@ from orbax_pathways import preemption
 from orbax_pathways import retention
 from orbax_pathways import stats as stats_lib
 from orbax_pathways._compat import orbax as compat
+from orbax_pathways._compat import orbax_finalize
 from orbax_pathways._compat import orbax_manager
 from orbax_pathways._compat import orbax_v1 as compat_v1
 from orbax_pathways.frontends import orbax_v1
+from orbax_pathways.storage import index as index_lib
 
 log = logging.getLogger('orbax_pathways')
 DISABLE_ENV = 'ORBAX_PATHWAYS_DISABLE'
@@ -95,6 +97,7 @@ def _install_manager_side() -> None:
   orbax_manager.set_hook('before_save', lambda mngr, step: check_installed())
   orbax_manager.set_hook('after_commit', _log_commit)
   orbax_manager.install_manager_hooks()
+  orbax_finalize.install(index_lib.merge_item)  # the _pathways index, written before commit
 
 
 def _log_commit(mngr, step: int, commit_s: float) -> None:
@@ -169,6 +172,7 @@ def uninstall() -> None:
     preemption.uninstall()
     retention.uninstall()
     compat_v1.uninstall()
+    orbax_finalize.uninstall()
     if _previous is not None:
       compat.register_array_handler(_previous)
     if _previous_numpy is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 
 from orbax_pathways.plan import boxes as boxes_lib
 
@@ -118,8 +118,13 @@ def param_chunk_key(param: str, origin: Sequence[int], chunk_shape: Sequence[int
 
 def chunk_index(
     records: Iterable['metadata.ArrayRecord'],
-) -> dict[tuple[int, ...], 'metadata.ChunkRecord']:
-  """Origin -> chunk record for one array across writers (later duplicates must agree)."""
+) -> Mapping[tuple[int, ...], 'metadata.ChunkRecord']:
+  """Origin -> chunk record for one array across writers (later duplicates must agree). The
+  record of an item's index holds a ``metadata.ChunkGrid``: its mapping view, which makes each
+  record when looked up (a restoring host pays for the chunks it reads, not for all)."""
+  records = list(records)
+  if len(records) == 1 and hasattr(records[0].chunks, 'mapping'):
+    return records[0].chunks.mapping()
   out = {}
   for r in records:
     for c in r.chunks:

@@ -2,6 +2,7 @@
 kinds and device layouts, numpy targets, padding/truncation, Orbax's options, and the exception
 types (with their key phrases) that user code catches. Everything we read is verified."""
 
+import dataclasses
 import os
 
 import jax
@@ -12,6 +13,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import orbax_pathways
+from orbax_pathways import metadata as pw_metadata
 from orbax_pathways.storage import meta_io
 
 from helpers import assert_trees_equal, mesh, put
@@ -121,16 +123,20 @@ def test_padding_and_truncation_match_stock_and_are_verified(tmp_path, shape):
 
 
 def test_a_lost_writer_record_is_an_error_not_an_unchecked_chunk(tmp_path):
-  """Eight (simulated) Pathways workers write eight records; losing one leaves chunks with no
-  checksum, which restore refuses to return unchecked."""
+  """Eight (simulated) Pathways workers write eight chunks; an index that lost one worker's
+  checksums (or, before schema 2, a lost record) leaves chunks with no checksum, which restore
+  refuses to return unchecked."""
   value = _value((512, 512))
   orbax_pathways.install(orbax_pathways.Options(transport='colocated'))
   _save_w(tmp_path, value)
   item = tmp_path / '0' / 'default'
-  records = sorted((item / '_pathways').glob('*.msgpack'))
-  assert len(records) == 8
-  records[-1].unlink()
-  assert len(meta_io.read_item(item).arrays()['w'].chunks) < 8
+  md = meta_io.read_item(item)
+  w = md.arrays()['w']
+  assert len(md.writers) == 8 and len(w.chunks) == 8
+  lost = dataclasses.replace(w, chunks=tuple(w.chunks)[:-1])
+  meta_io.write_index(item, pw_metadata.ItemMetadata(md.writers, (lost,), source='index'))
+  meta_io.clear_cache()
+  assert len(meta_io.read_item(item).arrays()['w'].chunks) == 7
   with ocp.CheckpointManager(tmp_path) as mngr:
     with pytest.raises(orbax_pathways.errors.MissingChecksumError,
                        match=r"Array 'w', chunk at \[\d+, \d+\].*has no recorded checksum"):

@@ -111,4 +111,4 @@ def test_on_disk_tree_matches_stock(tmp_path, variant):
   ours, stock = _normalized_tree(tmp_path / 'ours'), _normalized_tree(tmp_path / 'stock')
   assert ours == stock, (sorted(ours - stock), sorted(stock - ours))
   added = sorted(os.listdir(tmp_path / 'ours' / str(golden_lib.GOLDEN_STEP) / 'default' / '_pathways'))
-  assert added == ['p0.msgpack']
+  assert added == ['index.msgpack', 'p0.msgpack']

@@ -112,6 +112,7 @@ def test_deleted_ocdbt_data_file(tmp_path):
 def test_damaged_pathways_metadata(tmp_path):
   state = _save(tmp_path)
   record = tmp_path / '0' / 'default' / '_pathways' / 'p0.msgpack'
+  (record.parent / 'index.msgpack').unlink()  # as written before schema 2: records only
   record.write_bytes(record.read_bytes()[:20])
   with pytest.raises(metadata.MetadataError, match=r'orbax-pathways metadata file .*p0\.msgpack is '
                                                    r'damaged.*orbax-pathways verify'):
@@ -120,12 +121,12 @@ def test_damaged_pathways_metadata(tmp_path):
 
 def test_checkpoint_from_a_newer_schema_is_refused(tmp_path):
   state = _save(tmp_path)
-  record = tmp_path / '0' / 'default' / '_pathways' / 'p0.msgpack'
+  record = tmp_path / '0' / 'default' / '_pathways' / 'index.msgpack'
   import msgpack  # pylint: disable=g-import-not-at-top
   obj = msgpack.unpackb(record.read_bytes(), raw=False, strict_map_key=False)
   obj['schema'] = metadata.SCHEMA_VERSION + 1
   record.write_bytes(msgpack.packb(obj, use_bin_type=True))
-  with pytest.raises(metadata.MetadataError, match=r'has schema 2, this version reads up to 1\. '
+  with pytest.raises(metadata.MetadataError, match=r'has schema 3, this version reads up to 2\. '
                                                    r'Upgrade orbax-pathways'):
     _restore(tmp_path, state)
 

@@ -1,41 +1,188 @@
-"""Reads and writes the ``_pathways/<writer>.msgpack`` files (see ``orbax_pathways.metadata``).
+"""Reads and writes ``<item>/_pathways/`` (what is in it: ``orbax_pathways.metadata``).
 
-Called on each writer host from the background part of a save (``write_record``), and on any
-host at restore or by the CLI (``read_item``). Paths are ``etils.epath`` paths: a local directory
-or ``gs://``. One object per writer per item, written once: never rewritten in place.
+Who calls what, on which host:
+
+- ``write_record``: each writer process (local transport) in the background part of a save; the
+  persistence transport's controller.
+- ``write_index``: whoever knows the item is complete, before the step becomes visible: the
+  primary host in Orbax's finalize (``storage/index.merge_item``), or the colocated controller
+  once every worker call has returned.
+- ``read_item``: every restoring process (the Orbax front door, twice for a restore without a
+  target: ``metadata()`` then ``deserialize()``), ``elastic.remapped_abstract_state`` and the CLI.
+  It reads one object, the index; a second call for the same item checks the index's storage
+  generation (a conditional read: no bytes move when unchanged) and answers from a small cache.
+  An item without an index (written before schema 2, or by an interrupted finalize) has its
+  records listed and read concurrently.
+- ``read_records``: ``storage/index.merge_item`` (the records it merges), tests and the CLI.
+
+I/O goes through tensorstore's kvstore (``file``, ``gcs``, ``s3``): one request per object read
+or written, storage generations for the cache check, concurrent reads bounded by tensorstore's
+own per-driver concurrency limits, atomic writes on local disk.
 """
 
 from __future__ import annotations
 
-from etils import epath
+import collections
+import os
+import threading
+from typing import Any, Sequence
+
+import tensorstore as ts
 
 from orbax_pathways import metadata
+from orbax_pathways import version
+
+# Items whose index stays cached (per process). Small: a restore touches one or a few items.
+CACHE_ITEMS = 16
+
+_ctx_lock = threading.Lock()
+_context: ts.Context | None = None
+_cache_lock = threading.Lock()
+_cache: collections.OrderedDict[str, tuple[bytes, metadata.ItemMetadata]] = collections.OrderedDict()
+_stats = collections.Counter()  # reads by kind, for tests and benchmarks: see read_counts()
 
 
-def record_path(item_dir: epath.PathLike, writer: str) -> epath.Path:
-  return epath.Path(item_dir) / metadata.DIRNAME / metadata.writer_filename(writer)
+def _ctx() -> ts.Context:
+  global _context
+  with _ctx_lock:
+    if _context is None:
+      _context = ts.Context()
+    return _context
 
 
-def write_record(item_dir: epath.PathLike, record: metadata.WriterRecord) -> epath.Path:
-  """Writes one writer's record. On a local disk the write is atomic (temp file + rename)."""
-  path = record_path(item_dir, record.writer)
-  data = metadata.encode(record)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  if str(path).startswith('gs://'):
-    path.write_bytes(data)  # One PUT: GCS object writes are atomic.
+def kvstore_spec(item_dir: Any) -> dict:
+  """The tensorstore kvstore spec of ``<item_dir>/`` (a local path, ``file://``, ``gs://`` or
+  ``s3://``)."""
+  d = os.fspath(item_dir).rstrip('/')
+  scheme, sep, rest = d.partition('://')
+  if not sep:
+    return {'driver': 'file', 'path': os.path.abspath(d) + '/'}
+  if scheme == 'file':
+    return {'driver': 'file', 'path': rest + '/'}
+  if scheme in ('gs', 's3'):
+    bucket, _, path = rest.partition('/')
+    return {'driver': 'gcs' if scheme == 'gs' else 's3', 'bucket': bucket,
+            'path': (path + '/') if path else ''}
+  return ts.KvStore.Spec(d + '/').to_json()
+
+
+def _kv(item_dir: Any) -> ts.KvStore:
+  return ts.KvStore.open(kvstore_spec(item_dir), context=_ctx()).result()
+
+
+def _key(name: str) -> str:
+  return f'{metadata.DIRNAME}/{name}'
+
+
+def record_path(item_dir: Any, writer: str) -> str:
+  return f'{os.fspath(item_dir).rstrip("/")}/{_key(metadata.writer_filename(writer))}'
+
+
+def index_path(item_dir: Any) -> str:
+  return f'{os.fspath(item_dir).rstrip("/")}/{_key(metadata.INDEX_FILENAME)}'
+
+
+def read_counts() -> dict[str, int]:
+  """Objects this process has read from ``_pathways/`` since it started, by kind: ``index``,
+  ``index_unchanged`` (a cache check: a conditional read that moved no bytes), ``record`` and
+  ``list``. A restore of an item with an index reads one ``index`` per call."""
+  return dict(_stats)
+
+
+# ---- write -------------------------------------------------------------------------------------
+
+
+def write_record(item_dir: Any, record: metadata.WriterRecord) -> str:
+  """Writes one writer's record (one object, never rewritten)."""
+  _kv(item_dir).write(_key(metadata.writer_filename(record.writer)),
+                      metadata.encode(record)).result()
+  return record_path(item_dir, record.writer)
+
+
+def write_index(item_dir: Any, item: metadata.ItemMetadata) -> str:
+  """Writes the item's index (one object). Called once per save, before the commit."""
+  data = metadata.encode_index(item, library_version=version.VERSION)
+  _kv(item_dir).write(_key(metadata.INDEX_FILENAME), data).result()
+  return index_path(item_dir)
+
+
+# ---- read --------------------------------------------------------------------------------------
+
+
+def list_item(item_dir: Any) -> tuple[list[str], bool]:
+  """(keys of the item's writer records, sorted; whether it has an index): one listing."""
+  kv = _kv(item_dir)
+  prefix = f'{metadata.DIRNAME}/'
+  keys = [k.decode() for k in kv.list(ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord('/') + 1))).result()]
+  _stats['list'] += 1
+  index_key = _key(metadata.INDEX_FILENAME)
+  records = sorted(k for k in keys if k.endswith(metadata.SUFFIX) and k != index_key
+                   and '/' not in k[len(prefix):])
+  return records, index_key in keys
+
+
+def read_records(item_dir: Any, keys: Sequence[str] | None = None) -> list[metadata.WriterRecord]:
+  """Every writer record of an item (or those at ``keys``), read concurrently: all reads are
+  issued at once and tensorstore bounds how many are in flight (its per-driver concurrency)."""
+  kv = _kv(item_dir)
+  keys = list_item(item_dir)[0] if keys is None else list(keys)
+  futures = [kv.read(k) for k in keys]
+  out = []
+  base = os.fspath(item_dir).rstrip('/')
+  for k, f in zip(keys, futures):
+    r = f.result()
+    _stats['record'] += 1
+    if r.state != 'value':
+      raise FileNotFoundError(f'{base}/{k} disappeared while it was being read')
+    out.append(metadata.decode(r.value, path=f'{base}/{k}'))
+  return out
+
+
+def _cache_key(item_dir: Any) -> str:
+  return os.fspath(item_dir).rstrip('/')
+
+
+def read_index(item_dir: Any) -> metadata.ItemMetadata | None:
+  """The item's index, or None if it has none. Cached per item path: a later call re-reads it
+  only if its storage generation changed (a step directory deleted and saved again under the
+  same number gets a new generation), and a conditional read moves no bytes otherwise."""
+  key = _cache_key(item_dir)
+  with _cache_lock:
+    cached = _cache.get(key)
+  kv = _kv(item_dir)
+  if cached is not None:
+    r = kv.read(_key(metadata.INDEX_FILENAME), if_not_equal=cached[0]).result()
+    if r.state == 'unspecified':  # unchanged since we read it
+      _stats['index_unchanged'] += 1
+      with _cache_lock:
+        _cache.move_to_end(key)
+      return cached[1]
   else:
-    tmp = path.parent / f'.{path.name}.tmp'
-    tmp.write_bytes(data)
-    tmp.rename(path)
-  return path
-
-
-def read_item(item_dir: epath.PathLike) -> metadata.ItemMetadata | None:
-  """All writer records of an item, or None for a checkpoint written without orbax-pathways."""
-  d = epath.Path(item_dir) / metadata.DIRNAME
-  if not d.exists():
+    r = kv.read(_key(metadata.INDEX_FILENAME)).result()
+  if r.state == 'missing':
+    with _cache_lock:
+      _cache.pop(key, None)
     return None
-  records = []
-  for p in sorted(d.glob(f'*{metadata.SUFFIX}')):
-    records.append(metadata.decode(p.read_bytes(), path=str(p)))
-  return metadata.merge(records)
+  _stats['index'] += 1
+  item = metadata.decode_index(r.value, path=index_path(item_dir))
+  with _cache_lock:
+    _cache[key] = (r.stamp.generation, item)
+    _cache.move_to_end(key)
+    while len(_cache) > CACHE_ITEMS:
+      _cache.popitem(last=False)
+  return item
+
+
+def read_item(item_dir: Any) -> metadata.ItemMetadata | None:
+  """An item's metadata (its index; without one, its writer records merged), or None for an
+  item written without orbax-pathways."""
+  item = read_index(item_dir)
+  if item is not None:
+    return item
+  records = read_records(item_dir)
+  return metadata.merge(records) if records else None
+
+
+def clear_cache() -> None:
+  with _cache_lock:
+    _cache.clear()

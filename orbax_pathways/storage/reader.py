@@ -57,7 +57,7 @@ def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
 
 def verify_region(read: ArrayRead, region: Box, data: np.ndarray) -> int:
   """Checks every recorded chunk lying wholly inside ``region``; returns how many it checked."""
-  if not read.chunks or read.chunk_shape is None:
+  if read.chunk_shape is None or (not read.chunks and not read.require_checksums):
     return 0
   checked = 0
   for cell in boxes_lib.chunk_grid(region, read.chunk_shape):

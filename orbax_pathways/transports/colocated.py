@@ -2,18 +2,27 @@
 
 Under Pathways the controller sees every device as local, but the bytes live on worker hosts.
 ``jax.experimental.colocated_python`` runs a Python function on the CPU devices colocated with
-the accelerators. Who does what (call order in ``transports/base.py``):
+the accelerators. Each CPU device is one writer (``w<cpu device id>``). Who does what (call
+order in ``transports/base.py``):
 
 - Controller, ``snapshot``: plans over the colocated CPU devices (pure), copies each array to them
   with ``jax.device_put`` (a worker-local transfer: the snapshot ``save()`` waits for).
-- Controller, ``write`` (Orbax's commit thread): one colocated call per device group, whose
-  closure holds only a ``WorkerSaveTask`` (the item, the leaves, the plans). It gets back two
-  int64 per CPU device (bytes and chunks written) and never touches tensor bytes.
-- Worker (``worker_save``): for each writer host on it (``w<cpu device id>``), writes the pieces
-  the plan gives that host and ``_pathways/w<id>.g<group>.msgpack``; hosts run concurrently.
-- Restore: the controller resolves targets; ``worker_restore`` reads on each worker exactly the
-  boxes its devices need, verifies them and returns CPU arrays plus its counters; the controller
-  moves them to the accelerators with ``device_put`` (again worker-local).
+- Controller, ``write`` (Orbax's commit thread): one colocated call per device group. What the
+  call ships to every worker does not grow with the fleet: the item, the leaves (no shardings)
+  and a few settings (``WorkerSaveTask``). Each worker derives its own writes from its arguments'
+  shardings with the same pure planner. It returns, per CPU device, two int64 (bytes, chunks)
+  and the crc32c of each chunk it wrote (uint32, in plan order); no tensor byte reaches the
+  controller. The controller then writes the item's ``_pathways/index.msgpack`` itself (the
+  origins and sizes come from its own plan): no per-worker records.
+- Worker (``worker_save``): for each writer host on it, writes the pieces the plan gives that
+  host; hosts run concurrently (at most ``MAX_CONCURRENT_HOSTS``).
+- Restore: the controller resolves targets and sends each CPU device, as one row of a sharded
+  uint8 argument, only the checksums of the chunks that device needs (the call itself carries
+  the targets without their chunk index). ``worker_restore`` reads exactly the boxes its devices
+  need, verifies them and returns CPU arrays plus its counters; the controller moves them to the
+  accelerators with ``device_put`` (again worker-local). A real worker reads once for all its
+  devices; in the CPU simulation (the "accelerators" are CPU devices, every one a simulated host)
+  each simulated host reads its own boxes, concurrently, bounded like the writes.
 
 On the CPU backend colocated Python runs in this process, so the same code runs in the tests.
 """
@@ -21,26 +30,38 @@ On the CPU backend colocated Python runs in this process, so the same code runs 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import math
+import struct
 from typing import Any, Awaitable, Callable, Sequence
 
 import jax
+import msgpack
 import numpy as np
 
+from orbax_pathways import errors
 from orbax_pathways import layout
+from orbax_pathways import metadata
 from orbax_pathways import values
+from orbax_pathways import version
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
+from orbax_pathways.storage import meta_io
 from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.transports import base
 from orbax_pathways.transports import share
 
 NAME = 'colocated'
 Box = boxes_lib.Box
-# Writer hosts one worker call serves at once (on a real worker: its own CPU devices; in the
-# CPU simulation: every simulated worker, so this bounds the in-process fan-out).
+# Writer (or, in the CPU simulation, reader) hosts one worker call serves at once: on a real
+# worker its own CPU devices; in the CPU simulation every simulated host, so this bounds the
+# in-process fan-out.
 MAX_CONCURRENT_HOSTS = 16
+# Largest per-device payload row (bytes) of recent restore calls, newest last: what one worker
+# host receives beyond the call itself (benchmarks/fleet.py and the tests read it).
+payload_row_bytes: collections.deque[int] = collections.deque(maxlen=64)
 
 
 def _colocated():
@@ -77,20 +98,33 @@ def _sorted_devices(shardings) -> list[Any]:
   return sorted({d for s in shardings for d in s.device_set}, key=lambda d: d.id)
 
 
-def _counts_result(devices: Sequence[Any], counts: dict[int, tuple[int, int]]) -> jax.Array:
-  """Two int64 per CPU device of the call (e.g. bytes, chunks): a tiny array returned to the
-  controller. Each worker supplies the rows of its own (addressable) devices."""
-  sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.asarray(devices), ('w',)),
-                                        jax.sharding.PartitionSpec('w'))
-  shards = [jax.device_put(np.asarray([counts.get(d.id, (0, 0))], np.int64), d)
-            for d in sharding.addressable_devices]
-  return jax.make_array_from_single_device_arrays((len(devices), 2), sharding, shards)
+def _simulated(devices: Sequence[Any]) -> bool:
+  """The CPU simulation: the "accelerators" are CPU devices, each its own worker host."""
+  return all(d.platform == 'cpu' for d in devices)
 
 
-def _counts_spec(devices: Sequence[Any]) -> jax.ShapeDtypeStruct:
-  mesh = jax.sharding.Mesh(np.asarray(devices), ('w',))
-  return jax.ShapeDtypeStruct((len(devices), 2), np.int64,
-                              sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('w')))
+def _row_sharding(devices: Sequence[Any]) -> jax.sharding.NamedSharding:
+  return jax.sharding.NamedSharding(jax.sharding.Mesh(np.asarray(devices), ('w',)),
+                                    jax.sharding.PartitionSpec('w'))
+
+
+def _rows_result(devices: Sequence[Any], rows: dict[int, np.ndarray], width: int,
+                 dtype) -> jax.Array:
+  """A (len(devices), width) array returned to the controller; each worker supplies the rows of
+  its own (addressable) devices (zeros for devices it has nothing for)."""
+  sharding = _row_sharding(devices)
+  shards = []
+  for d in sharding.addressable_devices:
+    row = np.zeros((1, width), dtype)
+    got = rows.get(d.id)
+    if got is not None:
+      row[0, :len(got)] = got
+    shards.append(jax.device_put(row, d))
+  return jax.make_array_from_single_device_arrays((len(devices), width), sharding, shards)
+
+
+def _rows_spec(devices: Sequence[Any], width: int, dtype) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct((len(devices), width), dtype, sharding=_row_sharding(devices))
 
 
 def _groups(shardings: Sequence[jax.sharding.Sharding]) -> list[list[int]]:
@@ -120,15 +154,28 @@ async def _bounded(coros: Sequence[Awaitable[Any]], limit: int) -> list[Any]:
 # ---- save --------------------------------------------------------------------------------------
 
 
+def plan_for(sharding: jax.sharding.Sharding, leaf: values.SaveLeaf, *, replica_parallel: bool,
+             coalesce_bytes: int) -> save_plan.ArrayWritePlan:
+  """The save plan of one leaf over the CPU devices: the controller and every worker call this
+  with the same arguments and get the same plan (``layout.plan_writes`` is pure and cached)."""
+  return layout.plan_writes(sharding, tuple(leaf.shape), np.dtype(leaf.dtype).itemsize, worker_key,
+                            max_chunk_bytes=leaf.max_chunk_bytes,
+                            replica_parallel=replica_parallel, coalesce_bytes=coalesce_bytes)
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerSaveTask:
-  """Everything a worker needs to write its share of one device group (pickled to workers)."""
+  """What every worker of one device group receives (pickled into the call): the same for every
+  worker and independent of the fleet's size. ``leaves`` carry no shardings (the controller
+  records those); ``crc_width`` is the most chunks one CPU device of the group writes."""
 
   group: int
   item: values.Item
   leaves: tuple[values.SaveLeaf, ...]
-  plans: tuple[save_plan.ArrayWritePlan, ...]
+  replica_parallel: bool
+  coalesce_bytes: int
   max_inflight_bytes: int
+  crc_width: int
 
 
 def _creates(host: str, plan: save_plan.ArrayWritePlan, local_hosts: Sequence[str]) -> bool:
@@ -136,14 +183,6 @@ def _creates(host: str, plan: save_plan.ArrayWritePlan, local_hosts: Sequence[st
   if plan.writes:
     return plan.writes[0].host == host
   return host == local_hosts[0]  # zero-size array: no pieces at all
-
-
-def _records_sharding(host: str, plans: Sequence[save_plan.ArrayWritePlan]) -> bool:
-  """The host writing the first piece of the first array also records the shardings."""
-  for plan in plans:
-    if plan.writes:
-      return plan.writes[0].host == host
-  return True
 
 
 def _host_pieces(host: str, cpu_arrays: Sequence[jax.Array],
@@ -159,29 +198,86 @@ def _host_pieces(host: str, cpu_arrays: Sequence[jax.Array],
   return out
 
 
-def make_worker_save(task: WorkerSaveTask) -> Callable[..., jax.Array]:
+def _crc_row(host: str, plans: Sequence[save_plan.ArrayWritePlan], leaves: Sequence[values.SaveLeaf],
+             chunks: dict[str, list[metadata.ChunkRecord]]) -> np.ndarray:
+  """This host's chunk checksums in plan order (``share.host_chunks``), which the controller
+  pairs with the origins of its own plan."""
+  row = []
+  for leaf, plan in zip(leaves, plans):
+    by_origin = {c.origin: c.crc32c for c in chunks.get(leaf.name, ())}
+    row += [by_origin[b.start] for b in share.host_chunks(plan, host)]
+  return np.asarray(row, np.uint32)
+
+
+def make_worker_save(task: WorkerSaveTask) -> Callable[..., tuple[jax.Array, jax.Array]]:
   """The function shipped to the workers of one device group; its closure is ``task`` only."""
 
   def worker_save(*cpu_arrays):
     devices = _sorted_devices(a.sharding for a in cpu_arrays)
+    plans = [plan_for(a.sharding, leaf, replica_parallel=task.replica_parallel,
+                      coalesce_bytes=task.coalesce_bytes)
+             for a, leaf in zip(cpu_arrays, task.leaves)]
     local_hosts = sorted({worker_key(s.device) for a in cpu_arrays for s in a.addressable_shards})
 
-    async def one(host: str) -> tuple[int, values.WriterOutcome]:
-      outcome = await share.write_share(
-          f'{host}.g{task.group}', NAME, task.item, task.leaves, task.plans,
-          _host_pieces(host, cpu_arrays, task.plans),
-          creates=[_creates(host, p, local_hosts) for p in task.plans], process_id=host,
-          with_sharding=_records_sharding(host, task.plans),
+    async def one(host: str):
+      outcome, chunks = await share.write_pieces(
+          host, task.item, task.leaves, plans, _host_pieces(host, cpu_arrays, plans),
+          creates=[_creates(host, p, local_hosts) for p in plans], process_id=host,
           max_inflight_bytes=task.max_inflight_bytes)
-      return int(host[1:]), outcome
+      return int(host[1:]), outcome, _crc_row(host, plans, task.leaves, chunks)
 
     async def run():
       return await _bounded([one(h) for h in local_hosts], MAX_CONCURRENT_HOSTS)
 
     done = compat.run_sync(run())
-    return _counts_result(devices, {dev: (o.bytes_written, o.chunks_written) for dev, o in done})
+    counts = {dev: np.asarray([o.bytes_written, o.chunks_written], np.int64) for dev, o, _ in done}
+    crcs = {dev: row for dev, _, row in done}
+    return (_rows_result(devices, counts, 2, np.int64),
+            _rows_result(devices, crcs, task.crc_width, np.uint32))
 
   return worker_save
+
+
+def host_chunk_boxes(plans: Sequence[save_plan.ArrayWritePlan]) -> dict[str, list[list[Box]]]:
+  """host -> per plan, the chunks that host writes, in the order its checksums come back."""
+  out: dict[str, list[list[Box]]] = {}
+  for i, p in enumerate(plans):  # one pass over the writes (for_host per host is quadratic)
+    for w in p.writes:
+      out.setdefault(w.host, [[] for _ in plans])[i] += share.write_chunks(p, w)
+  return dict(sorted(out.items()))
+
+
+def _chunks_per_host(plans: Sequence[save_plan.ArrayWritePlan]) -> collections.Counter:
+  """How many chunks each host writes (arithmetic over the writes: no chunk is enumerated)."""
+  out = collections.Counter()
+  for p in plans:
+    for w in p.writes:
+      if w.box.ndim == 0:
+        out[w.host] += 1
+      elif w.box.size:
+        out[w.host] += math.prod((b - 1) // c - a // c + 1
+                                 for a, b, c in zip(w.box.start, w.box.stop, p.chunk_shape))
+  return out
+
+
+def _index_arrays(leaves: Sequence[values.SaveLeaf], plans: Sequence[save_plan.ArrayWritePlan],
+                  boxes: dict[str, list[list[Box]]],
+                  crcs: dict[str, np.ndarray]) -> list[metadata.ArrayRecord]:
+  """Every chunk of every leaf: origins and sizes from the controller's plan (``boxes``),
+  checksums from the workers' rows (``crcs``: host -> its row, in the same order)."""
+  chunks: list[list[metadata.ChunkRecord]] = [[] for _ in leaves]
+  for host, per_plan in boxes.items():
+    row = crcs[host].tolist()
+    k = 0
+    for i, (leaf, bs) in enumerate(zip(leaves, per_plan)):
+      itemsize = np.dtype(leaf.stored_dtype).itemsize
+      chunks[i] += [metadata.ChunkRecord(b.start, int(c), b.size * itemsize)
+                    for b, c in zip(bs, row[k:k + len(bs)])]
+      k += len(bs)
+  return [metadata.ArrayRecord(
+      name=leaf.name, dtype=np.dtype(leaf.stored_dtype).name, shape=tuple(leaf.shape),
+      chunk_shape=tuple(plan.chunk_shape), chunks=tuple(sorted(cs, key=lambda c: c.origin)),
+      sharding=leaf.sharding) for leaf, plan, cs in zip(leaves, plans, chunks)]
 
 
 # ---- restore -----------------------------------------------------------------------------------
@@ -189,29 +285,112 @@ def make_worker_save(task: WorkerSaveTask) -> Callable[..., jax.Array]:
 
 @dataclasses.dataclass(frozen=True)
 class WorkerReadTask:
-  """Everything a worker needs to read its devices' boxes of one device group (pickled)."""
+  """What every worker of one device group receives in the call: the item and the targets
+  (shardings over the colocated CPU devices, which colocated Python ships as the output specs
+  anyway) without their chunk index; each device's checksums come in its row of the payload
+  argument. ``per_device_hosts``: the CPU simulation (every device a host)."""
 
   item: values.Item
-  targets: tuple[values.ReadTarget, ...]  # shardings over the colocated CPU devices
+  targets: tuple[values.ReadTarget, ...]
   verify: bool
+  per_device_hosts: bool
 
 
-def make_worker_restore(task: WorkerReadTask) -> Callable[[], tuple[jax.Array, ...]]:
+def _needed_chunks(target: values.ReadTarget, box: Box) -> list[metadata.ChunkRecord]:
+  """The recorded chunks a device holding ``box`` of ``target`` reads (all that intersect it)."""
+  if not target.chunks or target.chunk_shape is None or box.size == 0:
+    return []
+  out = []
+  for cell in boxes_lib.chunk_grid(box, target.chunk_shape):
+    rec = target.chunks.get(cell.start)
+    if rec is not None:
+      out.append(rec)
+  return out
+
+
+def encode_row(targets: Sequence[values.ReadTarget], boxes: Sequence[Box | None]) -> bytes:
+  """One device's payload: per target, the origins (flattened), crc32c and sizes of the chunks it
+  reads; a 4-byte length first (rows are padded to one width)."""
+  body = []
+  for t, box in zip(targets, boxes):
+    recs = _needed_chunks(t, box) if box is not None else []
+    body.append([[i for r in recs for i in r.origin], [r.crc32c for r in recs],
+                 [r.nbytes for r in recs]])
+  data = msgpack.packb(body, use_bin_type=True)
+  return struct.pack('<I', len(data)) + data
+
+
+def decode_row(row: np.ndarray, targets: Sequence[values.ReadTarget]) -> list[dict]:
+  """Per target, origin -> ChunkRecord, from one device's payload row."""
+  raw = row.tobytes()
+  (n,) = struct.unpack('<I', raw[:4])
+  body = msgpack.unpackb(raw[4:4 + n], raw=False)
+  out = []
+  for t, (origins, crcs, sizes) in zip(targets, body):
+    ndim = len(t.shape)
+    out.append({tuple(origins[i * ndim:(i + 1) * ndim]): metadata.ChunkRecord(
+        tuple(origins[i * ndim:(i + 1) * ndim]), c, s) for i, (c, s) in enumerate(zip(crcs, sizes))})
+  return out
+
+
+def payload_rows(targets: Sequence[values.ReadTarget], devices: Sequence[Any]) -> np.ndarray:
+  """The (len(devices), width) uint8 payload of one restore call: row i is device i's checksums
+  (``encode_row``). Computed on the controller from the targets' chunk index."""
+  maps = [layout.device_boxes(t.sharding, t.shape, addressable_only=False) for t in targets]
+  rows = [encode_row(targets, [m.get(d) for m in maps]) for d in devices]
+  width = max(len(r) for r in rows)
+  out = np.zeros((len(devices), width), np.uint8)
+  for i, r in enumerate(rows):
+    out[i, :len(r)] = np.frombuffer(r, np.uint8)
+  return out
+
+
+def make_worker_restore(task: WorkerReadTask) -> Callable[[jax.Array], tuple[jax.Array, ...]]:
   """The restore function shipped to workers: reads only their devices' boxes and returns the
-  arrays plus its read counters (attributed to its first CPU device)."""
+  arrays plus its read counters."""
 
-  def worker_restore():
-    devices = _sorted_devices([t.sharding for t in task.targets])
-    local = sorted(task.targets[0].sharding.addressable_devices, key=lambda d: d.id)
+  def worker_restore(payload):
+    devices = _sorted_devices([payload.sharding])
+    rows = {s.device.id: decode_row(np.asarray(s.data)[0], task.targets)
+            for s in payload.addressable_shards}
     mine = [layout.device_boxes(t.sharding, t.shape, addressable_only=True) for t in task.targets]
-    buffers, stats = compat.run_sync(share.read_share(
-        task.targets, [list(m.values()) for m in mine], item=task.item, verify=task.verify))
+    local = sorted(payload.sharding.addressable_devices, key=lambda d: d.id)
+    # Readers: each local device in the simulation, else this worker as one host.
+    readers = [[d] for d in local] if task.per_device_hosts else [local]
+
+    async def read(devs) -> tuple[list[dict[Box, np.ndarray]], Any]:
+      # Each distinct box is read on its own, with the checksums of the devices that need it:
+      # a region merged across boxes could hold chunks no local device needs (and whose
+      # checksums this worker was not sent).
+      entries, targets, boxes = [], [], []
+      for i, (t, m) in enumerate(zip(task.targets, mine)):
+        by_box: dict[Box, dict] = {}
+        for d in devs:
+          if d in m:
+            by_box.setdefault(m[d], {}).update(rows[d.id][i])
+        for box, chunks in by_box.items():
+          entries.append(i)
+          targets.append(dataclasses.replace(t, chunks=chunks))
+          boxes.append([box])
+      buffers, stats = await share.read_share(targets, boxes, item=task.item, verify=task.verify)
+      per_target: list[dict[Box, np.ndarray]] = [{} for _ in task.targets]
+      for i, bufs in zip(entries, buffers):
+        per_target[i].update(bufs)
+      return per_target, stats
+
+    async def run():
+      return await _bounded([read(devs) for devs in readers], MAX_CONCURRENT_HOSTS)
+
+    done = compat.run_sync(run())
     out = []
-    for t, m, bufs in zip(task.targets, mine, buffers):
-      arrays = [jax.device_put(bufs[b], d) for d, b in m.items()]
+    for i, (t, m) in enumerate(zip(task.targets, mine)):
+      arrays = []
+      for devs, (buffers, _) in zip(readers, done):
+        arrays += [jax.device_put(buffers[i][m[d]], d) for d in devs if d in m]
       out.append(jax.make_array_from_single_device_arrays(t.shape, t.sharding, arrays))
-    counts = {local[0].id: (stats.bytes_read, stats.chunks_verified)} if local else {}
-    return tuple(out) + (_counts_result(devices, counts),)
+    counts = {devs[0].id: np.asarray([st.bytes_read, st.chunks_verified], np.int64)
+              for devs, (_, st) in zip(readers, done) if devs}
+    return tuple(out) + (_rows_result(devices, counts, 2, np.int64),)
 
   return worker_restore
 
@@ -241,57 +420,87 @@ class ColocatedTransport:
     with trace('plan'):
       # Planned over the CPU devices: the workers find their sources among the CPU arrays'
       # shards by device id, and a CPU device's id is not its accelerator's under Pathways.
-      plans = [layout.plan_writes(cs, leaf.shape, np.dtype(leaf.dtype).itemsize, worker_key,
-                                  max_chunk_bytes=leaf.max_chunk_bytes,
-                                  replica_parallel=cfg.replica_parallel,
-                                  coalesce_bytes=cfg.coalesce_bytes)
+      plans = [plan_for(cs, leaf, replica_parallel=cfg.replica_parallel,
+                        coalesce_bytes=cfg.coalesce_bytes)
                for cs, leaf in zip(cpu_shardings, leaves)]
     with trace('snapshot'):
       cpu_arrays = [jax.device_put(a, cs) for a, cs in zip(arrays, cpu_shardings)]
       jax.block_until_ready(cpu_arrays)  # the snapshot: training may now donate its buffers
     calls = []
     for g, idx in enumerate(_groups(cpu_shardings)):
-      task = WorkerSaveTask(g, item, tuple(leaves[i] for i in idx), tuple(plans[i] for i in idx),
-                            cfg.max_inflight_bytes)
+      width = max(_chunks_per_host([plans[i] for i in idx]).values(), default=0) or 1
+      task = WorkerSaveTask(
+          g, item, tuple(dataclasses.replace(leaves[i], sharding=None) for i in idx),
+          cfg.replica_parallel, cfg.coalesce_bytes, cfg.max_inflight_bytes, width)
       fn = _colocated().colocated_python(make_worker_save(task)).specialize(
-          out_specs_fn=lambda *xs: _counts_spec(_sorted_devices(x.sharding for x in xs)))
-      calls.append((fn, [cpu_arrays[i] for i in idx]))
+          out_specs_fn=lambda *xs, w=width: (
+              _rows_spec(_sorted_devices(x.sharding for x in xs), 2, np.int64),
+              _rows_spec(_sorted_devices(x.sharding for x in xs), w, np.uint32)))
+      calls.append((fn, idx, [cpu_arrays[i] for i in idx]))
     return base.Snapshot(
         layouts=[values.LeafLayout.of(leaf, plan) for leaf, plan in zip(leaves, plans)],
-        controller_tensor_bytes=0, state=calls)
+        controller_tensor_bytes=0, state=(item, tuple(leaves), plans, calls))
 
   async def write(self, snap: base.Snapshot) -> list[values.WriterOutcome]:
+    item, leaves, plans, calls = snap.state
     outcomes: dict[str, list[int]] = {}
+    records: list[metadata.ArrayRecord] = []
     with trace('write'):
-      for fn, group_arrays in snap.state:  # sequential: groups share each worker's OCDBT database
-        counts = await asyncio.to_thread(
-            lambda f=fn, xs=group_arrays: np.asarray(jax.block_until_ready(f(*xs))))
+      for fn, idx, group_arrays in calls:  # sequential: groups share each worker's OCDBT database
+        counts, crcs = await asyncio.to_thread(
+            lambda f=fn, xs=group_arrays: tuple(np.asarray(r) for r in jax.block_until_ready(f(*xs))))
         devices = _sorted_devices(x.sharding for x in group_arrays)
-        for d, (nbytes, chunks) in zip(devices, counts.tolist()):
+        rows = {}
+        for d, (nbytes, chunks), row in zip(devices, counts.tolist(), crcs):
           if nbytes or chunks:
             acc = outcomes.setdefault(worker_key(d), [0, 0])
             acc[0] += int(nbytes)
             acc[1] += int(chunks)
+          rows[worker_key(d)] = (int(chunks), row)
+        boxes = host_chunk_boxes([plans[i] for i in idx])
+        wrong = {h: (sum(map(len, bs)), rows.get(h, (0,))[0]) for h, bs in boxes.items()
+                 if sum(map(len, bs)) != rows.get(h, (0,))[0]}
+        if wrong:
+          raise errors.SaveError(
+              f'Colocated save to {item.directory}: workers wrote other chunks than the '
+              f'controller planned (host: (planned, written)) {dict(sorted(wrong.items())[:8])}. '
+              'The step is not committed. Check that every worker runs the same orbax-pathways '
+              f'version as the controller ({version.VERSION}).')
+        records += _index_arrays([leaves[i] for i in idx], [plans[i] for i in idx], boxes,
+                                 {h: row for h, (_, row) in rows.items()})
+    writers = tuple(
+        metadata.WriterRecord(writer=w, transport=NAME, arrays=(), library_version=version.VERSION,
+                              stats={'written_bytes': b, 'chunks': c})
+        for w, (b, c) in sorted(outcomes.items()))
+    with trace('index'):
+      await asyncio.to_thread(meta_io.write_index, item.directory,
+                              metadata.ItemMetadata(writers, tuple(records), source='index'))
     return [values.WriterOutcome(w, b, c) for w, (b, c) in outcomes.items()]
 
   async def read(self, targets: Sequence[values.ReadTarget],
                  item: values.Item) -> tuple[list[jax.Array], list[values.ReadOutcome]]:
     cfg = self._read
-    cpus = cpu_map(_sorted_devices(t.sharding for t in targets))
+    accel = _sorted_devices(t.sharding for t in targets)
+    cpus = cpu_map(accel)
+    simulated = _simulated(accel)
     out: list[Any] = [None] * len(targets)
     outcomes: dict[str, list[int]] = {}
     for idx in _groups([t.sharding for t in targets]):
-      cpu_targets = tuple(dataclasses.replace(targets[i], sharding=to_cpu_sharding(targets[i].sharding, cpus))
-                          for i in idx)
-      group_devices = _sorted_devices([cpu_targets[0].sharding])
+      full = [dataclasses.replace(targets[i], sharding=to_cpu_sharding(targets[i].sharding, cpus))
+              for i in idx]
+      group_devices = _sorted_devices([full[0].sharding])
+      with trace('plan_read'):
+        rows = payload_rows(full, group_devices)
+      payload_row_bytes.append(int(rows.shape[1]))
+      cpu_targets = tuple(dataclasses.replace(t, chunks={}) for t in full)
       fn = _colocated().colocated_python(
-          make_worker_restore(WorkerReadTask(item, cpu_targets, cfg.verify))).specialize(
-              devices=group_devices,
-              out_specs_fn=lambda ct=cpu_targets, gd=group_devices: tuple(
+          make_worker_restore(WorkerReadTask(item, cpu_targets, cfg.verify, simulated))).specialize(
+              out_specs_fn=lambda p, ct=cpu_targets, gd=group_devices: tuple(
                   jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=t.sharding) for t in ct)
-              + (_counts_spec(gd),))
+              + (_rows_spec(gd, 2, np.int64),))
       with trace('read'):
-        *arrays, counts = await asyncio.to_thread(fn)
+        payload = jax.device_put(rows, _row_sharding(group_devices))
+        *arrays, counts = await asyncio.to_thread(fn, payload)
       with trace('device_put'):
         for i, arr in zip(idx, arrays):
           out[i] = jax.device_put(arr, targets[i].sharding)

@@ -1,9 +1,11 @@
 """One host's share of a save or a restore: runs on the host that holds the bytes.
 
-Called by the local transport on each process, and inside the colocated-Python functions on each
-Pathways worker. Host bytes in, storage out (or back): builds Orbax's tensorstore specs for this
-host's pieces, writes them with checksums, writes this writer's ``_pathways`` record; on restore,
-reads and verifies the regions this host's devices need.
+Called by the local transport on each process (``write_share``: the pieces, then this writer's
+``_pathways`` record), and inside the colocated-Python functions on each Pathways worker
+(``write_pieces``: the pieces only; the checksums go back to the controller, which writes the
+item's index). Host bytes in, storage out (or back): builds Orbax's tensorstore specs for this
+host's pieces and writes them with checksums; on restore, reads and verifies the regions this
+host's devices need.
 """
 
 from __future__ import annotations
@@ -69,21 +71,51 @@ def writer_record(writer: str, transport: str, leaves: Sequence[values.SaveLeaf]
       stats={'written_bytes': outcome.bytes_written, 'chunks': outcome.chunks_written})
 
 
-async def write_share(writer: str, transport: str, item: values.Item,
-                      leaves: Sequence[values.SaveLeaf], plans: Sequence[save_plan.ArrayWritePlan],
-                      pieces: Sequence[Sequence[writer_lib.Piece]], *, creates: Sequence[bool],
-                      process_id: int | str | None, with_sharding: bool, max_inflight_bytes: int,
-                      context: Any = None) -> values.WriterOutcome:
-  """Writes this host's pieces and then its record (the record last: it lists what landed)."""
+async def write_pieces(writer: str, item: values.Item, leaves: Sequence[values.SaveLeaf],
+                       plans: Sequence[save_plan.ArrayWritePlan],
+                       pieces: Sequence[Sequence[writer_lib.Piece]], *, creates: Sequence[bool],
+                       process_id: int | str | None, max_inflight_bytes: int, context: Any = None,
+                       ) -> tuple[values.WriterOutcome, dict[str, list[metadata.ChunkRecord]]]:
+  """Writes this host's pieces; returns what it wrote and the checksum of every chunk."""
   writes = array_writes(item, leaves, plans, pieces, creates=creates, process_id=process_id)
   chunks = await writer_lib.write_arrays(writes, context=context_for(item, context),
                                          max_inflight_bytes=max_inflight_bytes)
   outcome = values.WriterOutcome(writer, sum(w.nbytes for w in writes),
                                  sum(len(c) for c in chunks.values()))
+  return outcome, chunks
+
+
+async def write_share(writer: str, transport: str, item: values.Item,
+                      leaves: Sequence[values.SaveLeaf], plans: Sequence[save_plan.ArrayWritePlan],
+                      pieces: Sequence[Sequence[writer_lib.Piece]], *, creates: Sequence[bool],
+                      process_id: int | str | None, with_sharding: bool, max_inflight_bytes: int,
+                      context: Any = None) -> values.WriterOutcome:
+  """Writes this host's pieces and then its record (the record last: it lists what landed).
+  The primary host merges every host's record into the item's index at commit
+  (``storage/index.py``)."""
+  outcome, chunks = await write_pieces(writer, item, leaves, plans, pieces, creates=creates,
+                                       process_id=process_id,
+                                       max_inflight_bytes=max_inflight_bytes, context=context)
   record = writer_record(writer, transport, leaves, plans, chunks, with_sharding=with_sharding,
                          outcome=outcome)
   await asyncio.to_thread(meta_io.write_record, item.directory, record)
   return outcome
+
+
+def write_chunks(plan: save_plan.ArrayWritePlan, write: save_plan.ShardWrite) -> list[Box]:
+  """The chunks of one write, in the order the writer checksums them (its chunk grid in order,
+  clipped to the array: ``writer.chunk_records``)."""
+  out = []
+  for c in boxes_lib.chunk_grid(write.box, plan.chunk_shape):
+    region = boxes_lib.clip(c, plan.global_shape).intersect(write.box)
+    if region is not None and region.size:
+      out.append(region)
+  return out
+
+
+def host_chunks(plan: save_plan.ArrayWritePlan, host: str) -> list[Box]:
+  """The chunks ``host`` writes of one array, in checksum order (its writes in plan order)."""
+  return [b for w in plan.for_host(host) for b in write_chunks(plan, w)]
 
 
 def _on_storage(target: values.ReadTarget, box: Box) -> Box | None:

@@ -1,0 +1,297 @@
+"""The item index (``_pathways/index.msgpack``, schema 2): written once per save before the step
+is committed, read once per restore whatever the number of writers; checkpoints without one
+(schema 1: writer records only) still restore and verify, their records read concurrently."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import orbax_pathways
+from orbax_pathways import metadata
+from orbax_pathways._compat import orbax_finalize
+from orbax_pathways.storage import index as index_lib
+from orbax_pathways.storage import meta_io
+
+from helpers import REPO, assert_trees_equal, mesh, random_state
+
+TMP_SUFFIX = '.orbax-checkpoint-tmp'
+
+
+def _abstract(state):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                      if isinstance(x, jax.Array) else x, state)
+
+
+def _save(directory, state, step=0):
+  with ocp.CheckpointManager(directory) as mngr:
+    mngr.save(step, args=ocp.args.StandardSave(state))
+    mngr.wait_until_finished()
+
+
+def _restore(directory, step=0, target=None):
+  with ocp.CheckpointManager(directory) as mngr:
+    return mngr.restore(step, args=ocp.args.StandardRestore(target) if target is not None else None)
+
+
+class _Reads:
+  """``_pathways`` objects this process reads inside the block, by kind (cold cache)."""
+
+  def __enter__(self):
+    meta_io.clear_cache()
+    self.before = meta_io.read_counts()
+    return self
+
+  def __exit__(self, *exc):
+    after = meta_io.read_counts()
+    self.counts = {k: after.get(k, 0) - self.before.get(k, 0) for k in after
+                   if after.get(k, 0) != self.before.get(k, 0)}
+
+
+def test_save_writes_the_index_before_the_commit(tmp_path):
+  seen = []
+
+  def merge_and_look(directory):
+    seen.append((str(directory), sorted(os.listdir(os.path.join(str(directory), '_pathways')))))
+    return index_lib.merge_item(directory)
+
+  orbax_finalize.install(merge_and_look)
+  try:
+    state = random_state(mesh())
+    _save(tmp_path, state)
+  finally:
+    orbax_finalize.install(index_lib.merge_item)
+  # Orbax's finalize ran it on the item's temporary directory, before the rename committed it.
+  assert len(seen) == 1 and TMP_SUFFIX in seen[0][0] and seen[0][1] == ['p0.msgpack'], seen
+  item = tmp_path / '0' / 'default'
+  assert sorted(os.listdir(item / '_pathways')) == ['index.msgpack', 'p0.msgpack']
+  # The index is the records merged, nothing lost: every chunk, checksum and sharding.
+  records = metadata.merge(meta_io.read_records(item))
+  index = meta_io.read_index(item)
+  assert index.source == 'index' and records.source == 'records'
+  assert index.arrays() == records.arrays()
+  assert [(w.writer, w.transport, dict(w.stats)) for w in index.writers] == [
+      (w.writer, w.transport, dict(w.stats)) for w in records.writers]
+
+
+def test_a_failing_merge_leaves_the_step_uncommitted(tmp_path):
+  def fail(directory):
+    raise OSError(f'no space left writing the index of {directory}')
+
+  orbax_finalize.install(fail)
+  try:
+    with ocp.CheckpointManager(tmp_path) as mngr:
+      mngr.save(0, args=ocp.args.StandardSave(random_state(mesh())))
+      with pytest.raises(OSError, match='no space left writing the index'):
+        mngr.wait_until_finished()
+  finally:
+    orbax_finalize.install(index_lib.merge_item)
+  assert ocp.CheckpointManager(tmp_path).all_steps() == []
+
+
+def test_restore_reads_one_metadata_object(tmp_path):
+  state = random_state(mesh())
+  _save(tmp_path, state)
+  with _Reads() as r:
+    restored = _restore(tmp_path, target=_abstract(state))
+  assert_trees_equal(restored, state)
+  assert r.counts == {'index': 1}
+  assert orbax_pathways.stats.last_restore().chunks_verified > 0
+  # Without a target Orbax asks metadata() and then deserialize(): the second finds the index
+  # unchanged (a conditional read that moves no bytes).
+  with _Reads() as r:
+    restored = _restore(tmp_path)
+  assert_trees_equal(restored, state)
+  assert r.counts == {'index': 1, 'index_unchanged': 1}
+
+
+def test_a_step_saved_again_under_the_same_number_is_read_anew(tmp_path):
+  m = mesh()
+  first = random_state(m, seed=1)
+  _save(tmp_path, first)
+  assert_trees_equal(_restore(tmp_path, target=_abstract(first)), first)  # index now cached
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.delete(0)
+  second = random_state(m, seed=2)
+  _save(tmp_path, second)
+  before = meta_io.read_counts()
+  assert_trees_equal(_restore(tmp_path, target=_abstract(second)), second)
+  after = meta_io.read_counts()
+  assert after.get('index', 0) == before.get('index', 0) + 1  # not served from the cache
+  assert orbax_pathways.stats.last_restore().chunks_verified > 0  # the new step's checksums
+
+
+def test_an_index_rewritten_in_place_is_not_served_from_the_cache(tmp_path):
+  def item(crc):
+    a = metadata.ArrayRecord(name='w', dtype='float32', shape=(4,), chunk_shape=(4,),
+                             chunks=(metadata.ChunkRecord((0,), crc, 16),))
+    return metadata.ItemMetadata((metadata.WriterRecord('p0', 'local', ()),), (a,), 'index')
+
+  meta_io.write_index(tmp_path, item(1))
+  assert meta_io.read_index(tmp_path).arrays()['w'].chunks[0].crc32c == 1
+  meta_io.write_index(tmp_path, item(2))  # same size, same path, at once
+  assert meta_io.read_index(tmp_path).arrays()['w'].chunks[0].crc32c == 2
+  os.remove(meta_io.index_path(tmp_path))
+  assert meta_io.read_index(tmp_path) is None
+
+
+def test_checkpoint_without_index_restores_and_verifies_from_its_records(tmp_path):
+  state = random_state(mesh())
+  _save(tmp_path, state)
+  pw = tmp_path / '0' / 'default' / '_pathways'
+  os.remove(pw / 'index.msgpack')  # as schema 1 wrote it: the records only
+  import msgpack  # pylint: disable=g-import-not-at-top
+  obj = msgpack.unpackb((pw / 'p0.msgpack').read_bytes(), raw=False, strict_map_key=False)
+  obj['schema'] = 1
+  (pw / 'p0.msgpack').write_bytes(msgpack.packb(obj, use_bin_type=True))
+  with _Reads() as r:
+    restored = _restore(tmp_path, target=_abstract(state))
+  assert_trees_equal(restored, state)
+  assert r.counts == {'list': 1, 'record': 1}
+  assert orbax_pathways.stats.last_restore().chunks_verified > 0
+
+
+@pytest.mark.gcs
+def test_records_without_index_are_read_concurrently(faulty_gcs):
+  item = faulty_gcs.path('old', '0', 'default')
+  n = 12
+  for i in range(n):
+    meta_io.write_record(item, metadata.WriterRecord(f'p{i}', 'local', (metadata.ArrayRecord(
+        name='w', dtype='float32', shape=(n,), chunk_shape=(1,),
+        chunks=(metadata.ChunkRecord((i,), i, 4),)),)))
+  arrivals = []
+  proxy = faulty_gcs.proxy
+  proxy.delay_s = 0.5
+  proxy.match = lambda method, target: ('/_pathways/p' in target.replace('%2F', '/')
+                                        and 'alt=media' in target)
+  original = proxy._choose  # pylint: disable=protected-access
+
+  def choose(method, target):
+    kind = original(method, target)
+    if kind == 'delay':
+      arrivals.append(time.monotonic())
+    return kind
+
+  proxy._choose = choose  # pylint: disable=protected-access
+  proxy.set_rate(1.0, ['delay'])  # every record read is answered 0.5 s late
+  try:
+    item_md = meta_io.read_item(item)
+  finally:
+    proxy.set_rate(0.0)
+  assert sorted(c.origin for c in item_md.arrays()['w'].chunks) == [(i,) for i in range(n)]
+  assert len(arrivals) == n
+  # A reader waiting for each answer before the next request would space requests >= 0.5 s
+  # apart; concurrent reads arrive while earlier ones are still held.
+  gaps = np.diff(sorted(arrivals))
+  assert (gaps < proxy.delay_s / 2).sum() >= n // 2, gaps
+
+
+def test_damaged_index_is_reported_with_its_path(tmp_path):
+  state = random_state(mesh())
+  _save(tmp_path, state)
+  index = tmp_path / '0' / 'default' / '_pathways' / 'index.msgpack'
+  index.write_bytes(index.read_bytes()[:30])
+  meta_io.clear_cache()
+  with pytest.raises(metadata.MetadataError, match=r'orbax-pathways index .*0/default/_pathways/'
+                                                   r'index\.msgpack is damaged.*orbax-pathways verify'):
+    _restore(tmp_path, target=_abstract(state))
+
+
+def test_merge_item_leaves_items_without_records_and_existing_indexes_alone(tmp_path):
+  assert index_lib.merge_item(tmp_path / 'nothing') is None
+  assert not (tmp_path / 'nothing').exists()
+  state = random_state(mesh())
+  _save(tmp_path, state)
+  item = tmp_path / '0' / 'default'
+  stamp = os.stat(item / '_pathways' / 'index.msgpack').st_mtime_ns
+  assert index_lib.merge_item(item) is None
+  assert os.stat(item / '_pathways' / 'index.msgpack').st_mtime_ns == stamp
+
+
+def test_uninstall_puts_orbax_finalize_back_exactly(tmp_path):
+  from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as base  # pylint: disable=g-import-not-at-top
+  cls = base.BasePyTreeCheckpointHandler
+  original = orbax_finalize.original()
+  assert original is not None and cls.__dict__['_finalize_async'] is not original
+  orbax_pathways.uninstall()
+  try:
+    assert cls.__dict__['_finalize_async'] is original and not orbax_finalize.installed()
+    _save(tmp_path / 'stock', random_state(mesh()))
+    assert not (tmp_path / 'stock' / '0' / 'default' / '_pathways').exists()
+  finally:
+    orbax_pathways.install()
+  assert orbax_finalize.original() is original
+  orbax_pathways.install()  # idempotent: still wraps Orbax's own function once
+  assert orbax_finalize.original() is original
+
+
+def test_orbax_v1_saves_write_the_index_and_loads_read_it_once(tmp_path):
+  state = random_state(mesh())
+  ocp.v1.save(tmp_path / 'a', state)
+  item = tmp_path / 'a' / 'state'
+  assert sorted(os.listdir(item / '_pathways')) == ['index.msgpack', 'p0.msgpack']
+  with _Reads() as r:
+    loaded = ocp.v1.load(tmp_path / 'a')
+  assert_trees_equal(loaded, state)
+  assert r.counts.get('index') == 1 and 'record' not in r.counts, r.counts
+
+
+def test_cli_verify_reads_the_index(tmp_path):
+  state = random_state(mesh())
+  _save(tmp_path, state)
+  # A damaged writer record beside a sound index: the index is what restore and the CLI read.
+  record = tmp_path / '0' / 'default' / '_pathways' / 'p0.msgpack'
+  record.write_bytes(b'\xc1garbage')
+  assert_trees_equal(_restore(tmp_path, target=_abstract(state)), state)
+  proc = subprocess.run([sys.executable, '-m', 'orbax_pathways', 'verify', str(tmp_path / '0')],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_index_round_trips_every_kind_of_array():
+  def rec(name, dtype, shape, chunk_shape, chunks):
+    return metadata.ArrayRecord(name, dtype, shape, chunk_shape, tuple(
+        metadata.ChunkRecord(o, crc, n) for o, crc, n in chunks))
+
+  isz = {'float32': 4, 'bfloat16': 2, 'int8': 1}
+  def cells(shape, chunk_shape, dtype, skip=()):
+    out = []
+    for i in range(-(-shape[0] // chunk_shape[0])):
+      for j in range(-(-shape[1] // chunk_shape[1])):
+        o = (i * chunk_shape[0], j * chunk_shape[1])
+        if o in skip:
+          continue
+        n = (min(o[0] + chunk_shape[0], shape[0]) - o[0]) * (min(o[1] + chunk_shape[1], shape[1]) - o[1])
+        out.append((o, (o[0] * 131 + o[1]) ^ 0xdeadbeef, n * isz[dtype]))
+    return out
+
+  arrays = [
+      rec('edges', 'bfloat16', (10, 7), (4, 3), cells((10, 7), (4, 3), 'bfloat16')),  # clipped cells
+      rec('partial', 'float32', (8, 8), (4, 4), cells((8, 8), (4, 4), 'float32', skip={(4, 0)})),
+      rec('scalar', 'float32', (), (), [((), 7, 4)]),
+      rec('empty', 'int8', (0, 4), (1, 4), []),
+      rec('off_grid', 'float32', (8,), (4,), [((2,), 5, 16)]),  # not on its grid: list form
+  ]
+  # Two writers, the chunks of each array split between them.
+  writers = [metadata.WriterRecord(f'p{w}', 'local', tuple(
+      dataclasses.replace(a, chunks=a.chunks[w::2]) for a in arrays), stats={'chunks': w})
+      for w in range(2)]
+  merged = metadata.merge(writers)
+  back = metadata.decode_index(metadata.encode_index(merged))
+  assert back.arrays() == merged.arrays()
+  assert [w.writer for w in back.writers] == ['p0', 'p1'] and back.transports() == {'local'}
+  grid = metadata.chunk_index([back.arrays()['edges']])
+  want = metadata.chunk_index([merged.arrays()['edges']])
+  assert dict(grid) == want and len(grid) == 9
+  assert grid.get((8, 6)) == metadata.ChunkRecord((8, 6), (8 * 131 + 6) ^ 0xdeadbeef, 2 * 1 * 2)
+  assert grid.get((1, 0)) is None and grid.get((12, 0)) is None  # off the grid, out of bounds
+  assert metadata.chunk_index([back.arrays()['partial']]).get((4, 0)) is None
+  assert len(back.arrays()['empty'].chunks) == 0
