@@ -142,6 +142,38 @@ class PendingSave:
              st.write_s, total / max(st.write_s, 1e-9) / 1e9, self.item.directory)
 
 
+_TRANSPORT_NOTES = {
+    ('pathways', 'colocated'): (logging.WARNING,
+        'the worker hosts write and read the shards through colocated Python, and Pathways '
+        'cannot transparently suspend-resume a workload that uses colocated Python: a preemption '
+        'notice restarts the job from the latest committed step (preemption.resume) instead. '
+        'ORBAX_PATHWAYS_TRANSPORT=local keeps suspend-resume, with every byte through the '
+        'controller.'),
+    ('pathways', 'persistence'): (logging.WARNING,
+        'the Pathways workers write the shards through the persistence plugin; restores read '
+        'through colocated Python, after which Pathways cannot transparently suspend-resume this '
+        'workload.'),
+    ('pathways', 'local'): (logging.INFO,
+        'the controller moves every shard\'s bytes (as stock Orbax does), so Pathways can still '
+        'suspend and resume this workload transparently; ORBAX_PATHWAYS_TRANSPORT=colocated '
+        'writes from the worker hosts instead.'),
+}
+_announced: set[tuple[str, str]] = set()
+
+
+def announce_transport(transport: str) -> None:
+  """Once per process and transport: which one moves the bytes, and what it costs (README
+  "Transports and Pathways suspend-resume")."""
+  rt = runtime.detect_runtime().value
+  if (rt, transport) in _announced:
+    return
+  _announced.add((rt, transport))
+  level, note = _TRANSPORT_NOTES.get(
+      (rt, transport), (logging.INFO, 'each process writes and reads the shards its own devices '
+                                      'hold.'))
+  log.log(level, 'orbax_pathways: transport %s (%s): %s', transport, rt, note)
+
+
 class Engine:
   """Save and restore for one set of ``Options`` (a front door holds one)."""
 
@@ -167,6 +199,7 @@ class Engine:
           'on-disk format). Use use_ocdbt=False, no dtype casts and supported dtypes to use '
           f'{transport.name}.', RuntimeWarning, stacklevel=4)
       transport = transport.fallback
+    announce_transport(transport.name)
     snap = await transport.snapshot(arrays, leaves, item, ready)
     step_dir = _step_dir(item.directory)
     st = stats_lib.SaveStats(

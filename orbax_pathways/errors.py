@@ -27,6 +27,10 @@ class ArrayNotFoundError(RestoreError, FileNotFoundError):
   OCDBT, tensorstore's ``ValueError`` with it; this is both)."""
 
 
+class StepDeletedError(RestoreError, FileNotFoundError):
+  """The step was deleted (another process's retention) while it was being restored."""
+
+
 class ShapeMismatchError(RestoreError):
   """The restore target's shape differs from the stored one and truncation/padding is off."""
 
@@ -46,3 +50,28 @@ class TopologyError(RestoreError):
 
 class MetadataError(RestoreError):
   """An orbax-pathways metadata file that cannot be decoded (damaged, or from a newer schema)."""
+
+
+_KEEPING: dict[tuple[type, type], type] = {}
+
+
+def keeping_type(cls: type[OrbaxPathwaysError], cause: BaseException,
+                 message: str) -> OrbaxPathwaysError:
+  """``cls(message)`` that is also an instance of ``type(cause)``, so code that caught the
+  original error (``except OSError``) still catches ours. Raise it ``from cause``. Falls back to
+  plain ``cls`` when the two types cannot be combined or the cause needs other arguments."""
+  base = type(cause)
+  if isinstance(cause, cls) or not isinstance(cause, Exception):
+    return cls(message)
+  key = (cls, base)
+  combined = _KEEPING.get(key)
+  if combined is None:
+    try:
+      combined = type(f'{cls.__name__}', (cls, base), {'__module__': cls.__module__})
+    except TypeError:  # incompatible layouts
+      combined = cls
+    _KEEPING[key] = combined
+  try:
+    return combined(message)
+  except Exception:  # pylint: disable=broad-except  # a cause type with a custom constructor
+    return cls(message)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
+
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
 from orbax_pathways import metadata
+from orbax_pathways import options as options_lib
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
 from orbax_pathways.plan import shards as shards_lib
@@ -146,7 +147,7 @@ def slice_of_devices(devices: Sequence[Any], *, num_slices: int | None = None) -
   if devices and all(getattr(d, 'slice_index', None) is not None for d in devices) and (
       any(d.platform == 'tpu' for d in devices) or len({d.slice_index for d in devices}) > 1):
     return {d.id: int(d.slice_index) for d in devices}
-  n = num_slices or int(os.environ.get(NUM_SLICES_ENV, '0') or 0)
+  n = num_slices or (options_lib.num_slices_from_env() or 0)
   if n:
     if len(devices) % n:
       raise ValueError(
@@ -173,7 +174,7 @@ def sharding_record(sharding: jax.sharding.Sharding, *, num_slices: int | None =
   model's arrays share a few meshes of up to tens of thousands of devices).
   """
   if isinstance(sharding, jax.sharding.NamedSharding):
-    n = num_slices or int(os.environ.get(NUM_SLICES_ENV, '0') or 0)
+    n = num_slices or (options_lib.num_slices_from_env() or 0)
     mesh_part = _mesh_record(sharding.mesh, n or None, jax.process_count())
     return dataclasses.replace(mesh_part, spec=tuple(_spec_entry(p) for p in sharding.spec))
   if isinstance(sharding, jax.sharding.SingleDeviceSharding):

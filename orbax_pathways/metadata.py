@@ -27,11 +27,13 @@ from typing import Any, Iterable, Mapping, Sequence
 import msgpack
 import numpy as np
 
+from orbax_pathways import errors
+from orbax_pathways import format as format_lib
 from orbax_pathways.format import chunk_index  # noqa: F401  (re-exported: the one definition)
 
 SCHEMA_VERSION = 2
-DIRNAME = '_pathways'
-SUFFIX = '.msgpack'
+DIRNAME = format_lib.PATHWAYS_DIR
+SUFFIX = format_lib.PATHWAYS_SUFFIX
 INDEX_FILENAME = 'index.msgpack'  # never a writer name: writers are p<i>, w<id>[.g<k>], controller
 
 
@@ -292,8 +294,7 @@ def encode(record: WriterRecord) -> bytes:
   )
 
 
-class MetadataError(ValueError):
-  """A ``_pathways`` file that cannot be decoded (damaged, or written by a newer schema)."""
+MetadataError = errors.MetadataError  # a damaged ``_pathways`` file, or one from a newer schema
 
 
 def decode(data: bytes, *, path: str = '<bytes>') -> WriterRecord:

@@ -534,7 +534,7 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   mngr.wait_until_finished()
-  if _om.is_primary_host(_om.manager_primary_host(mngr)) and not mngr._options.read_only:  # pylint: disable=protected-access
+  if _om.is_primary_host(_om.manager_primary_host(mngr)) and not _om.manager_read_only(mngr):
     retention.cleanup_leftovers(mngr.directory)
     retention.cleanup_abandoned_temporary_steps(mngr.directory)
   mngr.reload()

@@ -435,7 +435,7 @@ def cleanup_abandoned_temporary_steps(directory: epath.PathLike, *,
 
 def _manager_init_hook(mngr) -> None:
   try:
-    if getattr(mngr, '_options', None) is not None and mngr._options.read_only:  # pylint: disable=protected-access
+    if _om.manager_read_only(mngr):
       return
     if _om.is_primary_host(_om.manager_primary_host(mngr)):
       cleanup_leftovers(mngr.directory)

@@ -93,3 +93,22 @@ def test_background_commit_error_names_its_own_step(faulty_gcs):
     orbax_pathways.install(orbax_pathways.Options.from_env())
     mngr.close()
   assert ocp.CheckpointManager(path).all_steps() == [1, 3]
+
+
+def test_a_step_deleted_under_a_restore_does_not_poison_the_manager(tmp_path):
+  """Stock Orbax decides 'one default item' from the first restored step's directory and keeps
+  the answer: a step deleted by a trainer under an evaluator's restore then makes every later
+  restore of that manager fail ('Must provide `args` of type `Composite`')."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    for step in (0, 1):
+      mngr.save(step, args=ocp.args.StandardSave({'a': np.arange(4) + step}))
+    mngr.wait_until_finished()
+  reader = ocp.CheckpointManager(tmp_path)
+  shutil.rmtree(tmp_path / '1')  # the trainer's retention, after the reader listed it
+  with pytest.raises(FileNotFoundError, match='was deleted while it was being restored'):
+    reader.restore(1, args=ocp.args.StandardRestore({'a': np.arange(4)}))
+  out = reader.restore(0, args=ocp.args.StandardRestore({'a': np.arange(4)}))
+  assert out['a'].tolist() == [0, 1, 2, 3]

@@ -232,10 +232,12 @@ def test_requests_per_step_exceed_stock_by_a_constant_per_host(fake_gcs):
     # lists, reads it and writes the index. A restore reads the index: one GET.
     assert save['colocated']['pathways'] == 2 and save['local']['pathways'] == 4, save
     assert restore['colocated']['pathways'] == 1 and restore['local']['pathways'] == 1, restore
-    # One writer (one process): ours within a few requests of stock's (a restore adds the
-    # manager side's step-completeness checks, the index and Orbax's array metadata).
+    # One writer (one process): ours within a few requests of stock's. A restore adds the index,
+    # and Orbax's own existence checks of the step (4-6 of them) each reach the server because
+    # the manager side drops gcsfs's listing cache first, so that a reader sees the steps other
+    # processes committed (stock serves them from a listing that never expires).
     assert save['local']['requests'] <= save['stock']['requests'] + 8, save
-    assert restore['local']['requests'] <= restore['stock']['requests'] + 12, restore
+    assert restore['local']['requests'] <= restore['stock']['requests'] + 18, restore
     # n writer hosts (colocated): each writes its own OCDBT database and reads its own boxes.
     per_host[n] = ((save['colocated']['requests'] - save['stock']['requests']) / n,
                    (restore['colocated']['requests'] - restore['stock']['requests']) / n)

@@ -127,3 +127,18 @@ def test_colocated_with_cpu_device_ids_unlike_the_accelerators(tmp_path, monkeyp
     assert_trees_equal(restored, state)
     assert_trees_equal(no_target, state)
     assert_stock_reads_same(tmp_path / 'local', path)
+
+
+def test_the_transport_and_its_cost_are_said_once_at_the_first_save(tmp_path, monkeypatch, caplog):
+  """Under Pathways the colocated transport costs transparent suspend-resume: said once, loudly."""
+  from orbax_pathways import engine  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(engine, '_announced', set())
+  monkeypatch.setenv('ORBAX_PATHWAYS_RUNTIME', 'pathways')
+  state = {'w': random_state(mesh())['params']['w']}
+  with caplog.at_level('INFO', logger='orbax_pathways'):
+    for step in range(2):
+      _save_restore(tmp_path / str(step), state, None)
+  said = [r for r in caplog.records if 'orbax_pathways: transport ' in r.getMessage()]
+  assert len(said) == 1 and said[0].levelname == 'WARNING'
+  assert 'transport colocated (pathways)' in said[0].getMessage()
+  assert 'cannot transparently suspend-resume' in said[0].getMessage()

@@ -273,13 +273,7 @@ def registered_handler(ty: type) -> Any:
 
 def register_handler(ty: type, handler: Any) -> None:
   """Like ``register_array_handler``, for another type (``np.ndarray``)."""
-  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
-  verbosity = absl_logging.get_verbosity()
-  absl_logging.set_verbosity(absl_logging.ERROR)
-  try:
-    _thr.register_type_handler(ty, handler, override=True)
-  finally:
-    absl_logging.set_verbosity(verbosity)
+  _thr.GLOBAL_TYPE_HANDLER_REGISTRY.add(ty, handler, override=True, ignore_warnings=True)
 
 
 # ---- restore helpers -------------------------------------------------------------------------

@@ -55,17 +55,20 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.checkpointers import checkpointer as _checkpointer
 from orbax.checkpoint._src.multihost import multihost as _multihost
-from orbax.checkpoint._src.path import atomicity_types as _atomicity_types
 from orbax.checkpoint._src.path import deleter as _deleter
 from orbax.checkpoint._src.path import gcs_utils as _gcs_utils
 from orbax.checkpoint._src.path import step as _step_lib
 from orbax.checkpoint._src.path import temporary_paths as _temporary_paths
 
+from orbax_pathways import format as format_lib
+
 SUPPORTED = '>=0.12.4,<0.13'
 
-TMP_DIR_SUFFIX: str = _atomicity_types.TMP_DIR_SUFFIX  # '.orbax-checkpoint-tmp'
-COMMIT_SUCCESS_FILE: str = _atomicity_types.COMMIT_SUCCESS_FILE  # 'commit_success.txt'
-STEP_METADATA_FILE = '_CHECKPOINT_METADATA'
+# One definition of the names (orbax_pathways.format; tests/test_format.py checks them against
+# Orbax's own constants).
+TMP_DIR_SUFFIX: str = format_lib.TMP_SUFFIX
+COMMIT_SUCCESS_FILE: str = format_lib.COMMIT_SUCCESS_FILE
+STEP_METADATA_FILE: str = format_lib.CHECKPOINT_METADATA_FILE
 
 HOOK_NAMES = ('delete_step', 'explicit_delete', 'step_complete', 'manager_init',
               'manager_init_check', 'manager_init_notice', 'reached_preemption', 'before_save',
@@ -248,7 +251,8 @@ def _wrap_save(original):
       if getattr(e, _STEP_ATTR, None) is not None or not _is_storage_error(e):
         raise  # an earlier step's commit error (named by _finalize), or not a storage error
       from orbax_pathways import errors  # pylint: disable=g-import-not-at-top
-      raise errors.SaveError(
+      raise errors.keeping_type(
+          errors.SaveError, e,
           f'Saving step {step} to {manager_step_path(self, step)} failed in storage: '
           f'{type(e).__module__}.{type(e).__name__}: {e}. Earlier steps are untouched; the step '
           'is not committed.') from e
@@ -286,7 +290,8 @@ def _wrap_finalize(original):
 def _commit_error(mngr, step: int, e: BaseException) -> Exception:
   from orbax_pathways import errors  # pylint: disable=g-import-not-at-top
   where = 'in storage' if _is_storage_error(e) else 'in the background'
-  err = errors.SaveError(
+  err = errors.keeping_type(
+      errors.SaveError, e,
       f'Step {step} ({manager_step_path(mngr, step)}) was not committed: its background commit '
       f'failed {where}: {type(e).__module__}.{type(e).__name__}: {e}. Orbax reports this from '
       f'the next save() or wait_until_finished(); earlier steps are untouched, and step {step} '
@@ -299,13 +304,22 @@ def _wrap_restore(original):
   @functools.wraps(original)
   def restore(self, step, *args, **kwargs):
     invalidate_gcs_listings()
+    item_mode = getattr(self, '_default_item', None)  # pylint: disable=protected-access
+    undecided = item_mode is not None and item_mode.get() is None
     try:
       return original(self, step, *args, **kwargs)
     except Exception as e:  # pylint: disable=broad-except
+      if undecided:
+        # Orbax decides "single default item or several" from the first restored step's
+        # directory and keeps that answer; a step deleted under the restore (another process's
+        # retention) makes it answer "several", and every later restore of this manager then
+        # fails ("Must provide args of type Composite"). Let the next restore decide again.
+        item_mode.set(None)
       if step is None or _hooks['step_complete'] is None or not _step_vanished(self, step):
         raise
       from orbax_pathways import errors  # pylint: disable=g-import-not-at-top
-      raise errors.RestoreError(
+      raise errors.keeping_type(
+          errors.StepDeletedError, e,
           f'Step {step} ({manager_step_path(self, step)}) was deleted while it was being restored '
           '(by the retention of a process saving into this directory, e.g. max_to_keep) and is '
           f'no longer listed: {type(e).__name__}: {str(e)[:500]}. Restore a step that is still '
@@ -414,6 +428,12 @@ def is_gcs_path(path: epath.PathLike) -> bool:
 
 def is_local_path(path: epath.PathLike) -> bool:
   return _deleter._is_local_path(epath.Path(path))  # pylint: disable=protected-access
+
+
+def manager_read_only(mngr: ocp.CheckpointManager) -> bool:
+  """Whether the manager was built with ``CheckpointManagerOptions(read_only=True)``."""
+  options = getattr(mngr, '_options', None)  # pylint: disable=protected-access
+  return bool(options is not None and options.read_only)
 
 
 def manager_primary_host(mngr: ocp.CheckpointManager) -> int | None:

@@ -116,7 +116,8 @@ async def write_array(write: ArrayWrite, *, context: ts.Context) -> list[metadat
         raise r
     return records
   except Exception as e:
-    raise errors.SaveError(
+    raise errors.keeping_type(
+        errors.SaveError, e,
         f'Writing array {write.name!r} to {write.path} failed: {type(e).__name__}: {e}. '
         'Earlier checkpoints are untouched; this step will not be committed. Check the storage '
         'path, credentials and free space, then save again.'
