@@ -30,8 +30,8 @@ import time
 from collections import Counter
 from typing import Callable, Iterable
 
-DEFAULT_KINDS = ("429", "503", "reset", "delay")
-ALL_KINDS = ("429", "503", "reset", "reset_after", "delay")
+DEFAULT_KINDS = ('429', '503', 'reset', 'delay')
+ALL_KINDS = ('429', '503', 'reset', 'reset_after', 'delay')
 
 _CHUNK = 1 << 16
 _MAX_HEAD = 1 << 16
@@ -39,364 +39,364 @@ _NO_BODY_STATUS = {204, 304}
 
 
 class _Closed(Exception):
-    """The peer closed the connection between messages."""
+  """The peer closed the connection between messages."""
 
 
 def _read_head(f) -> tuple[bytes, list[tuple[bytes, bytes]]] | None:
-    """Read a start line and headers. None on clean EOF before any byte."""
+  """Read a start line and headers. None on clean EOF before any byte."""
+  start = f.readline(_MAX_HEAD)
+  while start in (b'\r\n', b'\n'):  # tolerate stray CRLF between messages
     start = f.readline(_MAX_HEAD)
-    while start in (b"\r\n", b"\n"):  # tolerate stray CRLF between messages
-        start = f.readline(_MAX_HEAD)
-    if not start:
-        return None
-    if not start.endswith(b"\n"):
-        raise ConnectionError("truncated start line")
-    headers = []
-    total = 0
-    while True:
-        line = f.readline(_MAX_HEAD)
-        if not line:
-            raise ConnectionError("EOF in headers")
-        total += len(line)
-        if total > _MAX_HEAD:
-            raise ConnectionError("headers too large")
-        if line in (b"\r\n", b"\n"):
-            break
-        name, _, value = line.partition(b":")
-        headers.append((name.strip(), value.strip()))
-    return start.rstrip(b"\r\n"), headers
+  if not start:
+    return None
+  if not start.endswith(b'\n'):
+    raise ConnectionError('truncated start line')
+  headers = []
+  total = 0
+  while True:
+    line = f.readline(_MAX_HEAD)
+    if not line:
+      raise ConnectionError('EOF in headers')
+    total += len(line)
+    if total > _MAX_HEAD:
+      raise ConnectionError('headers too large')
+    if line in (b'\r\n', b'\n'):
+      break
+    name, _, value = line.partition(b':')
+    headers.append((name.strip(), value.strip()))
+  return start.rstrip(b'\r\n'), headers
 
 
 def _get(headers, name: bytes) -> bytes | None:
-    name = name.lower()
-    for k, v in headers:
-        if k.lower() == name:
-            return v
-    return None
+  name = name.lower()
+  for k, v in headers:
+    if k.lower() == name:
+      return v
+  return None
 
 
 def _has_token(headers, name: bytes, token: bytes) -> bool:
-    v = _get(headers, name)
-    return v is not None and token in [t.strip().lower() for t in v.split(b",")]
+  v = _get(headers, name)
+  return v is not None and token in [t.strip().lower() for t in v.split(b',')]
 
 
 def _encode_head(start: bytes, headers) -> bytes:
-    return start + b"\r\n" + b"".join(k + b": " + v + b"\r\n" for k, v in headers) + b"\r\n"
+  return start + b'\r\n' + b''.join(k + b': ' + v + b'\r\n' for k, v in headers) + b'\r\n'
 
 
 def _relay_body(src, dst: Callable[[bytes], None], headers, until_eof: bool) -> None:
-    """Copy one message body from file ``src`` to ``dst`` as raw bytes."""
-    if _has_token(headers, b"transfer-encoding", b"chunked"):
-        while True:
-            line = src.readline(_MAX_HEAD)
-            if not line.endswith(b"\n"):
-                raise ConnectionError("EOF in chunk size")
-            dst(line)
-            size = int(line.split(b";", 1)[0].strip(), 16)
-            if size == 0:
-                while True:  # trailers, then the empty line
-                    t = src.readline(_MAX_HEAD)
-                    if not t:
-                        raise ConnectionError("EOF in trailers")
-                    dst(t)
-                    if t in (b"\r\n", b"\n"):
-                        return
-            _copy_n(src, dst, size + 2)
+  """Copy one message body from file ``src`` to ``dst`` as raw bytes."""
+  if _has_token(headers, b'transfer-encoding', b'chunked'):
+    while True:
+      line = src.readline(_MAX_HEAD)
+      if not line.endswith(b'\n'):
+        raise ConnectionError('EOF in chunk size')
+      dst(line)
+      size = int(line.split(b';', 1)[0].strip(), 16)
+      if size == 0:
+        while True:  # trailers, then the empty line
+          t = src.readline(_MAX_HEAD)
+          if not t:
+            raise ConnectionError('EOF in trailers')
+          dst(t)
+          if t in (b'\r\n', b'\n'):
+            return
+      _copy_n(src, dst, size + 2)
+    return
+  length = _get(headers, b'content-length')
+  if length is not None:
+    _copy_n(src, dst, int(length))
+  elif until_eof:
+    while True:
+      b = src.read1(_CHUNK) if hasattr(src, 'read1') else src.read(_CHUNK)
+      if not b:
         return
-    length = _get(headers, b"content-length")
-    if length is not None:
-        _copy_n(src, dst, int(length))
-    elif until_eof:
-        while True:
-            b = src.read1(_CHUNK) if hasattr(src, "read1") else src.read(_CHUNK)
-            if not b:
-                return
-            dst(b)
+      dst(b)
 
 
 def _copy_n(src, dst, n: int) -> None:
-    while n > 0:
-        b = src.read1(min(n, _CHUNK)) if hasattr(src, "read1") else src.read(min(n, _CHUNK))
-        if not b:
-            raise ConnectionError("EOF in body")
-        dst(b)
-        n -= len(b)
+  while n > 0:
+    b = src.read1(min(n, _CHUNK)) if hasattr(src, 'read1') else src.read(min(n, _CHUNK))
+    if not b:
+      raise ConnectionError('EOF in body')
+    dst(b)
+    n -= len(b)
 
 
 def _rst_close(sock: socket.socket) -> None:
-    """Close with RST instead of FIN."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    except OSError:
-        pass
-    try:
-        sock.close()
-    except OSError:
-        pass
+  """Close with RST instead of FIN."""
+  try:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack('ii', 1, 0))
+  except OSError:
+    pass
+  try:
+    sock.close()
+  except OSError:
+    pass
 
 
 class _Server(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    proxy: "FaultProxy"
+  daemon_threads = True
+  allow_reuse_address = True
+  proxy: 'FaultProxy'
 
 
 class _Handler(socketserver.BaseRequestHandler):
-    def handle(self) -> None:
-        self.server.proxy._serve_connection(self.request)
+  def handle(self) -> None:
+    self.server.proxy._serve_connection(self.request)
 
 
 class FaultProxy:
-    """Fault-injecting HTTP/1.1 proxy in front of ``upstream_url`` (http://127.0.0.1:PORT)."""
+  """Fault-injecting HTTP/1.1 proxy in front of ``upstream_url`` (http://127.0.0.1:PORT)."""
 
-    def __init__(
-        self,
-        upstream_url: str,
-        rate: float = 0.0,
-        seed: int = 0,
-        kinds: Iterable[str] = DEFAULT_KINDS,
-        delay_s: float = 0.3,
-        match: Callable[[str, str], bool] | None = None,
-    ):
-        assert upstream_url.startswith("http://"), upstream_url
-        hostport = upstream_url[len("http://"):].rstrip("/")
-        host, _, port = hostport.partition(":")
-        self.upstream = (host, int(port or 80))
-        self.upstream_url = upstream_url.rstrip("/")
-        self.delay_s = delay_s
-        self.match = match  # (method, target) -> whether faults may hit this request
-        self._lock = threading.Lock()
-        self._rng = random.Random(seed)
-        self._rate = 0.0
-        self._kinds: tuple[str, ...] = ()
-        self.set_rate(rate, kinds)
-        self._requests = 0
-        self._forwarded = 0
-        self._faults: Counter[str] = Counter()
-        self._by_method: Counter[str] = Counter()
-        self._errors: Counter[str] = Counter()
-        self._conns: set[socket.socket] = set()
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
+  def __init__(
+      self,
+      upstream_url: str,
+      rate: float = 0.0,
+      seed: int = 0,
+      kinds: Iterable[str] = DEFAULT_KINDS,
+      delay_s: float = 0.3,
+      match: Callable[[str, str], bool] | None = None,
+  ):
+    assert upstream_url.startswith('http://'), upstream_url
+    hostport = upstream_url[len('http://'):].rstrip('/')
+    host, _, port = hostport.partition(':')
+    self.upstream = (host, int(port or 80))
+    self.upstream_url = upstream_url.rstrip('/')
+    self.delay_s = delay_s
+    self.match = match  # (method, target) -> whether faults may hit this request
+    self._lock = threading.Lock()
+    self._rng = random.Random(seed)
+    self._rate = 0.0
+    self._kinds: tuple[str, ...] = ()
+    self.set_rate(rate, kinds)
+    self._requests = 0
+    self._forwarded = 0
+    self._faults: Counter[str] = Counter()
+    self._by_method: Counter[str] = Counter()
+    self._errors: Counter[str] = Counter()
+    self._conns: set[socket.socket] = set()
+    self._server: _Server | None = None
+    self._thread: threading.Thread | None = None
 
-    # -- configuration -----------------------------------------------------------------
-    def set_rate(self, rate: float, kinds: Iterable[str] | None = None) -> None:
-        if not 0.0 <= rate <= 1.0:
-            raise ValueError(rate)
-        with self._lock:
-            self._rate = rate
-            if kinds is not None:
-                kinds = tuple(kinds)
-                bad = set(kinds) - set(ALL_KINDS)
-                if bad or not kinds:
-                    raise ValueError(f"kinds must be a non-empty subset of {ALL_KINDS}")
-                self._kinds = kinds
+  # -- configuration -----------------------------------------------------------------
+  def set_rate(self, rate: float, kinds: Iterable[str] | None = None) -> None:
+    if not 0.0 <= rate <= 1.0:
+      raise ValueError(rate)
+    with self._lock:
+      self._rate = rate
+      if kinds is not None:
+        kinds = tuple(kinds)
+        bad = set(kinds) - set(ALL_KINDS)
+        if bad or not kinds:
+          raise ValueError(f'kinds must be a non-empty subset of {ALL_KINDS}')
+        self._kinds = kinds
 
-    def stats(self) -> dict:
-        with self._lock:
-            return {
-                "requests": self._requests,
-                "forwarded": self._forwarded,
-                "faults": dict(self._faults),
-                "faults_total": sum(self._faults.values()),
-                "by_method": dict(self._by_method),
-                "proxy_errors": dict(self._errors),
-            }
+  def stats(self) -> dict:
+    with self._lock:
+      return {
+          'requests': self._requests,
+          'forwarded': self._forwarded,
+          'faults': dict(self._faults),
+          'faults_total': sum(self._faults.values()),
+          'by_method': dict(self._by_method),
+          'proxy_errors': dict(self._errors),
+      }
 
-    def reset_stats(self) -> None:
-        with self._lock:
-            self._requests = self._forwarded = 0
-            self._faults.clear()
-            self._by_method.clear()
-            self._errors.clear()
+  def reset_stats(self) -> None:
+    with self._lock:
+      self._requests = self._forwarded = 0
+      self._faults.clear()
+      self._by_method.clear()
+      self._errors.clear()
 
-    @property
-    def url(self) -> str:
-        assert self._server is not None, "not started"
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+  @property
+  def url(self) -> str:
+    assert self._server is not None, 'not started'
+    host, port = self._server.server_address[:2]
+    return f'http://{host}:{port}'
 
-    # -- lifecycle ---------------------------------------------------------------------
-    def start(self) -> "FaultProxy":
-        self._server = _Server(("127.0.0.1", 0), _Handler)
-        self._server.proxy = self
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-            name="fault-proxy", daemon=True,
-        )
-        self._thread.start()
-        return self
+  # -- lifecycle ---------------------------------------------------------------------
+  def start(self) -> 'FaultProxy':
+    self._server = _Server(('127.0.0.1', 0), _Handler)
+    self._server.proxy = self
+    self._thread = threading.Thread(
+        target=self._server.serve_forever, kwargs={'poll_interval': 0.05},
+        name='fault-proxy', daemon=True,
+    )
+    self._thread.start()
+    return self
 
-    def stop(self) -> None:
-        if self._server is None:
-            return
-        self._server.shutdown()
-        self._server.server_close()
-        with self._lock:
-            conns = list(self._conns)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._thread.join(5)
-        self._server = None
+  def stop(self) -> None:
+    if self._server is None:
+      return
+    self._server.shutdown()
+    self._server.server_close()
+    with self._lock:
+      conns = list(self._conns)
+    for c in conns:
+      try:
+        c.shutdown(socket.SHUT_RDWR)
+      except OSError:
+        pass
+    self._thread.join(5)
+    self._server = None
 
-    def __enter__(self) -> "FaultProxy":
-        return self.start()
+  def __enter__(self) -> 'FaultProxy':
+    return self.start()
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+  def __exit__(self, *exc) -> None:
+    self.stop()
 
-    # -- internals ---------------------------------------------------------------------
-    def _choose(self, method: str, target: str) -> str | None:
-        with self._lock:
-            self._requests += 1
-            self._by_method[method] += 1
-            if self._rate <= 0 or (self.match is not None and not self.match(method, target)):
-                return None
-            if self._rng.random() >= self._rate:
-                return None
-            kind = self._rng.choice(self._kinds)
-            self._faults[kind] += 1
-            return kind
+  # -- internals ---------------------------------------------------------------------
+  def _choose(self, method: str, target: str) -> str | None:
+    with self._lock:
+      self._requests += 1
+      self._by_method[method] += 1
+      if self._rate <= 0 or (self.match is not None and not self.match(method, target)):
+        return None
+      if self._rng.random() >= self._rate:
+        return None
+      kind = self._rng.choice(self._kinds)
+      self._faults[kind] += 1
+      return kind
 
-    def _count_error(self, what: str) -> None:
-        with self._lock:
-            self._errors[what] += 1
+  def _count_error(self, what: str) -> None:
+    with self._lock:
+      self._errors[what] += 1
 
-    def _serve_connection(self, client: socket.socket) -> None:
-        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with self._lock:
-            self._conns.add(client)
-        cf = client.makefile("rb", buffering=_CHUNK)
-        up: socket.socket | None = None
-        uf = None
-        phase = "read_request"
-        method, status = "-", 0
+  def _serve_connection(self, client: socket.socket) -> None:
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with self._lock:
+      self._conns.add(client)
+    cf = client.makefile('rb', buffering=_CHUNK)
+    up: socket.socket | None = None
+    uf = None
+    phase = 'read_request'
+    method, status = '-', 0
+    try:
+      while True:
         try:
-            while True:
-                try:
-                    head = _read_head(cf)
-                except (ConnectionError, OSError, ValueError):
-                    return
-                if head is None:
-                    return
-                phase = "decide"
-                start, headers = head
-                try:
-                    method, target, version = start.decode("latin-1").split(" ", 2)
-                except ValueError:
-                    self._count_error("bad_request_line")
-                    return
-                expect_continue = _has_token(headers, b"expect", b"100-continue")
-                client_close = _has_token(headers, b"connection", b"close") or version == "HTTP/1.0"
-                kind = self._choose(method, target)
+          head = _read_head(cf)
+        except (ConnectionError, OSError, ValueError):
+          return
+        if head is None:
+          return
+        phase = 'decide'
+        start, headers = head
+        try:
+          method, target, version = start.decode('latin-1').split(' ', 2)
+        except ValueError:
+          self._count_error('bad_request_line')
+          return
+        expect_continue = _has_token(headers, b'expect', b'100-continue')
+        client_close = _has_token(headers, b'connection', b'close') or version == 'HTTP/1.0'
+        kind = self._choose(method, target)
 
-                if kind == "reset":
-                    _rst_close(client)
-                    return
-                if kind in ("429", "503"):
-                    if expect_continue:
-                        # The body was never sent; answer and close (it cannot be skipped).
-                        self._send_error(client, int(kind), close=True)
-                        return
-                    _relay_body(cf, lambda b: None, headers, until_eof=False)
-                    self._send_error(client, int(kind), close=client_close)
-                    if client_close:
-                        return
-                    continue
+        if kind == 'reset':
+          _rst_close(client)
+          return
+        if kind in ('429', '503'):
+          if expect_continue:
+            # The body was never sent; answer and close (it cannot be skipped).
+            self._send_error(client, int(kind), close=True)
+            return
+          _relay_body(cf, lambda b: None, headers, until_eof=False)
+          self._send_error(client, int(kind), close=client_close)
+          if client_close:
+            return
+          continue
 
-                # Forward. The proxy answers Expect: 100-continue itself and strips it.
-                fwd = [(k, v) for k, v in headers if k.lower() != b"expect"]
-                if expect_continue:
-                    client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-                phase = "send_upstream"
-                for attempt in (0, 1):
-                    if up is None:
-                        up = socket.create_connection(self.upstream, timeout=120)
-                        up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                        uf = up.makefile("rb", buffering=_CHUNK)
-                    try:
-                        up.sendall(_encode_head(start, fwd))
-                        break
-                    except OSError:
-                        # Stale keep-alive upstream connection: reconnect once.
-                        up.close()
-                        up = None
-                        if attempt:
-                            raise
-                phase = "relay_request_body"
-                _relay_body(cf, up.sendall, headers, until_eof=False)
-                phase = "read_response"
-                with self._lock:
-                    self._forwarded += 1
+        # Forward. The proxy answers Expect: 100-continue itself and strips it.
+        fwd = [(k, v) for k, v in headers if k.lower() != b'expect']
+        if expect_continue:
+          client.sendall(b'HTTP/1.1 100 Continue\r\n\r\n')
+        phase = 'send_upstream'
+        for attempt in (0, 1):
+          if up is None:
+            up = socket.create_connection(self.upstream, timeout=120)
+            up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            uf = up.makefile('rb', buffering=_CHUNK)
+          try:
+            up.sendall(_encode_head(start, fwd))
+            break
+          except OSError:
+            # Stale keep-alive upstream connection: reconnect once.
+            up.close()
+            up = None
+            if attempt:
+              raise
+        phase = 'relay_request_body'
+        _relay_body(cf, up.sendall, headers, until_eof=False)
+        phase = 'read_response'
+        with self._lock:
+          self._forwarded += 1
 
-                rhead = _read_head(uf)
-                while rhead is not None and rhead[0].split(b" ", 2)[1].startswith(b"1"):
-                    rhead = _read_head(uf)  # swallow interim responses
-                if rhead is None:
-                    self._count_error("upstream_eof")
-                    _rst_close(client)
-                    return
-                rstart, rheaders = rhead
-                status = int(rstart.split(b" ", 2)[1])
-                if kind == "reset_after":
-                    _rst_close(client)
-                    return
-                if kind == "delay":
-                    time.sleep(self.delay_s)
-                rheaders = [
-                    (k, v.replace(self.upstream_url.encode(), self.url.encode()))
-                    if k.lower() == b"location" else (k, v)
-                    for k, v in rheaders
-                ]
-                upstream_close = _has_token(rheaders, b"connection", b"close")
-                framed = (
-                    _get(rheaders, b"content-length") is not None
-                    or _has_token(rheaders, b"transfer-encoding", b"chunked")
-                )
-                phase = "relay_response"
-                client.sendall(_encode_head(rstart, rheaders))
-                if method != "HEAD" and status not in _NO_BODY_STATUS:
-                    _relay_body(uf, client.sendall, rheaders, until_eof=True)
-                if upstream_close or not framed:
-                    uf.close()
-                    up.close()
-                    up = uf = None
-                if client_close or (not framed and method != "HEAD"
-                                    and status not in _NO_BODY_STATUS):
-                    return
-                phase = "read_request"
-        except (ConnectionError, OSError, ValueError) as e:
-            self._count_error(f"{phase}:{method}:{status}:{type(e).__name__}")
-        finally:
-            with self._lock:
-                self._conns.discard(client)
-            try:
-                cf.close()
-            except OSError:
-                pass
-            if up is not None:
-                up.close()
-            try:
-                client.close()
-            except OSError:
-                pass
-
-    @staticmethod
-    def _send_error(client: socket.socket, status: int, close: bool) -> None:
-        reason = {429: "Too Many Requests", 503: "Service Unavailable"}[status]
-        body = (
-            b'{"error":{"code":%d,"message":"injected by fault_proxy","errors":'
-            b'[{"reason":"injected"}]}}' % status
-        )
-        head = [
-            (b"Content-Type", b"application/json; charset=UTF-8"),
-            (b"Content-Length", str(len(body)).encode()),
+        rhead = _read_head(uf)
+        while rhead is not None and rhead[0].split(b' ', 2)[1].startswith(b'1'):
+          rhead = _read_head(uf)  # swallow interim responses
+        if rhead is None:
+          self._count_error('upstream_eof')
+          _rst_close(client)
+          return
+        rstart, rheaders = rhead
+        status = int(rstart.split(b' ', 2)[1])
+        if kind == 'reset_after':
+          _rst_close(client)
+          return
+        if kind == 'delay':
+          time.sleep(self.delay_s)
+        rheaders = [
+            (k, v.replace(self.upstream_url.encode(), self.url.encode()))
+            if k.lower() == b'location' else (k, v)
+            for k, v in rheaders
         ]
-        if status == 503:
-            head.append((b"Retry-After", b"0"))
-        if close:
-            head.append((b"Connection", b"close"))
-        client.sendall(_encode_head(b"HTTP/1.1 %d %s" % (status, reason.encode()), head) + body)
+        upstream_close = _has_token(rheaders, b'connection', b'close')
+        framed = (
+            _get(rheaders, b'content-length') is not None
+            or _has_token(rheaders, b'transfer-encoding', b'chunked')
+        )
+        phase = 'relay_response'
+        client.sendall(_encode_head(rstart, rheaders))
+        if method != 'HEAD' and status not in _NO_BODY_STATUS:
+          _relay_body(uf, client.sendall, rheaders, until_eof=True)
+        if upstream_close or not framed:
+          uf.close()
+          up.close()
+          up = uf = None
+        if client_close or (not framed and method != 'HEAD'
+                            and status not in _NO_BODY_STATUS):
+          return
+        phase = 'read_request'
+    except (ConnectionError, OSError, ValueError) as e:
+      self._count_error(f'{phase}:{method}:{status}:{type(e).__name__}')
+    finally:
+      with self._lock:
+        self._conns.discard(client)
+      try:
+        cf.close()
+      except OSError:
+        pass
+      if up is not None:
+        up.close()
+      try:
+        client.close()
+      except OSError:
+        pass
+
+  @staticmethod
+  def _send_error(client: socket.socket, status: int, close: bool) -> None:
+    reason = {429: 'Too Many Requests', 503: 'Service Unavailable'}[status]
+    body = (
+        b'{"error":{"code":%d,"message":"injected by fault_proxy","errors":'
+        b'[{"reason":"injected"}]}}' % status
+    )
+    head = [
+        (b'Content-Type', b'application/json; charset=UTF-8'),
+        (b'Content-Length', str(len(body)).encode()),
+    ]
+    if status == 503:
+      head.append((b'Retry-After', b'0'))
+    if close:
+      head.append((b'Connection', b'close'))
+    client.sendall(_encode_head(b'HTTP/1.1 %d %s' % (status, reason.encode()), head) + body)

@@ -25,17 +25,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fault_proxy import FaultProxy  # noqa: E402
 from gcs_server import FakeGcs, configure_fsspec_anon, hermetic_env  # noqa: E402
 
-_ENDPOINT_KEYS = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL")
+_ENDPOINT_KEYS = ('STORAGE_EMULATOR_HOST', 'TENSORSTORE_GCS_HTTP_URL')
 
 
 def _apply_static_env() -> None:
-    cfg = tempfile.mkdtemp(prefix="gcloud-empty-")
-    for k in FakeGcs.unset_keys():
-        os.environ.pop(k, None)
-    for k, v in hermetic_env("http://127.0.0.1:1", cfg).items():
-        if k not in _ENDPOINT_KEYS:
-            os.environ[k] = v
-    configure_fsspec_anon()
+  cfg = tempfile.mkdtemp(prefix='gcloud-empty-')
+  for k in FakeGcs.unset_keys():
+    os.environ.pop(k, None)
+  for k, v in hermetic_env('http://127.0.0.1:1', cfg).items():
+    if k not in _ENDPOINT_KEYS:
+      os.environ[k] = v
+  configure_fsspec_anon()
 
 
 _apply_static_env()
@@ -43,71 +43,71 @@ _apply_static_env()
 
 @dataclasses.dataclass(frozen=True)
 class GcsBucket:
-    """A fresh bucket on the fake server. ``root`` is ``gs://<name>``."""
+  """A fresh bucket on the fake server. ``root`` is ``gs://<name>``."""
 
-    name: str
-    server: FakeGcs
-    endpoint: str  # the URL clients were pointed at (server or proxy)
+  name: str
+  server: FakeGcs
+  endpoint: str  # the URL clients were pointed at (server or proxy)
 
-    @property
-    def root(self) -> str:
-        return f"gs://{self.name}"
+  @property
+  def root(self) -> str:
+    return f'gs://{self.name}'
 
-    def path(self, *parts: str) -> str:
-        return "/".join([self.root, *parts])
+  def path(self, *parts: str) -> str:
+    return '/'.join([self.root, *parts])
 
-    def objects(self) -> list[str]:
-        """Object names in the bucket, read directly from the server (no proxy)."""
-        return self.server.list_objects(self.name)
+  def objects(self) -> list[str]:
+    """Object names in the bucket, read directly from the server (no proxy)."""
+    return self.server.list_objects(self.name)
 
 
 @dataclasses.dataclass(frozen=True)
 class FaultyGcs(GcsBucket):
-    proxy: FaultProxy = None  # type: ignore[assignment]
+  proxy: FaultProxy = None  # type: ignore[assignment]
 
 
 def _point_at(monkeypatch: pytest.MonkeyPatch, server: FakeGcs, url: str) -> None:
-    for k, v in server.env(url).items():
-        monkeypatch.setenv(k, v)
-    for k in FakeGcs.unset_keys():
-        monkeypatch.delenv(k, raising=False)
-    # gcsfs caches filesystem instances; the endpoint is read per request, but start clean.
-    configure_fsspec_anon()
+  for k, v in server.env(url).items():
+    monkeypatch.setenv(k, v)
+  for k in FakeGcs.unset_keys():
+    monkeypatch.delenv(k, raising=False)
+  # gcsfs caches filesystem instances; the endpoint is read per request, but start clean.
+  configure_fsspec_anon()
 
 
 def _fresh_name(prefix: str) -> str:
-    name = f"{prefix}-{uuid.uuid4().hex[:20]}"
-    assert 3 <= len(name) <= 63
-    return name
+  name = f'{prefix}-{uuid.uuid4().hex[:20]}'
+  assert 3 <= len(name) <= 63
+  return name
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope='session')
 def fake_gcs():
-    """One fake-gcs-server (in-memory) for the whole session."""
-    with FakeGcs(backend="memory") as server:
-        yield server
+  """One fake-gcs-server (in-memory) for the whole session."""
+  with FakeGcs(backend='memory') as server:
+    yield server
 
 
 @pytest.fixture
 def gcs_bucket(fake_gcs: FakeGcs, monkeypatch: pytest.MonkeyPatch) -> GcsBucket:
-    """A fresh bucket, with every GCS client in this process pointed at the fake server.
+  """A fresh bucket, with every GCS client in this process pointed at the fake server.
 
-    A fresh bucket per test also means a fresh tensorstore gcs driver: tensorstore reads
-    TENSORSTORE_GCS_HTTP_URL when it opens a driver, and reuses an open driver (per Context
-    and bucket) with the URL it had then.
-    """
-    name = fake_gcs.create_bucket(_fresh_name("t"))
-    _point_at(monkeypatch, fake_gcs, fake_gcs.url)
-    yield GcsBucket(name=name, server=fake_gcs, endpoint=fake_gcs.url)
-    configure_fsspec_anon()
+  A fresh bucket per test also means a fresh tensorstore gcs driver: tensorstore reads
+  TENSORSTORE_GCS_HTTP_URL when it opens a driver, and reuses an open driver (per Context
+  and bucket) with the URL it had then.
+  """
+  name = fake_gcs.create_bucket(_fresh_name('t'))
+  _point_at(monkeypatch, fake_gcs, fake_gcs.url)
+  yield GcsBucket(name=name, server=fake_gcs, endpoint=fake_gcs.url)
+  configure_fsspec_anon()
 
 
 @pytest.fixture
 def faulty_gcs(fake_gcs: FakeGcs, monkeypatch: pytest.MonkeyPatch):
-    """Like ``gcs_bucket`` but every client goes through a FaultProxy (rate 0 at first;
-    call ``faulty_gcs.proxy.set_rate(p)``)."""
-    name = fake_gcs.create_bucket(_fresh_name("f"))
-    with FaultProxy(fake_gcs.url, rate=0.0, seed=1234) as proxy:
-        _point_at(monkeypatch, fake_gcs, proxy.url)
-        yield FaultyGcs(name=name, server=fake_gcs, endpoint=proxy.url, proxy=proxy)
-        configure_fsspec_anon()
+  """Like ``gcs_bucket`` but every client goes through a FaultProxy (rate 0 at first;
+  call ``faulty_gcs.proxy.set_rate(p)``)."""
+  name = fake_gcs.create_bucket(_fresh_name('f'))
+  with FaultProxy(fake_gcs.url, rate=0.0, seed=1234) as proxy:
+    _point_at(monkeypatch, fake_gcs, proxy.url)
+    yield FaultyGcs(name=name, server=fake_gcs, endpoint=proxy.url, proxy=proxy)
+    configure_fsspec_anon()
