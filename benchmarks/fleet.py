@@ -17,7 +17,7 @@ runs stock, ours-local and ours-colocated one after another on the same state (2
 - files (objects) in step 1, and the ``_pathways/`` files one restore opens (local disk: an
   audit hook on ``open``; gcs: the proxy's requests naming ``_pathways/``);
 - gcs: requests of the second save (save() to committed) and of the restore with a target,
-  counted by ``tests/fault_proxy.py`` in front of fake-gcs-server;
+  counted by ``tests/support/fault_proxy.py`` in front of fake-gcs-server;
 - colocated: the bytes of the function each worker call ships, as colocated Python pickles it
   (``jax.experimental.colocated_python.serialization``), beyond the output specs it ships
   anyway, and the bytes of the per-device payload arrays (largest row);
@@ -305,8 +305,8 @@ def child_main(args) -> int:
   proxy = server = None
   if args.storage == 'gcs':
     sys.path.insert(0, TESTS)
-    import gcs_server  # pylint: disable=import-outside-toplevel
-    from fault_proxy import FaultProxy  # pylint: disable=import-outside-toplevel
+    from support import gcs_server  # pylint: disable=import-outside-toplevel
+    from support.fault_proxy import FaultProxy  # pylint: disable=import-outside-toplevel
     server = gcs_server.FakeGcs(backend='memory').start()
     bucket = server.new_bucket('fleet')
     proxy = FaultProxy(server.url, rate=0.0).start()
@@ -422,7 +422,7 @@ def restore_main(args) -> int:
   import numpy as np
   import orbax.checkpoint as ocp
   sys.path.insert(0, TESTS)
-  import gcs_server  # pylint: disable=import-outside-toplevel
+  from support import gcs_server  # pylint: disable=import-outside-toplevel
   gcs_server.configure_fsspec_anon()
   import orbax_pathways
   impl = args.impls

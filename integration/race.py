@@ -289,9 +289,10 @@ def run(args) -> int:
 
 
 def _run_on_fake_gcs(args) -> int:
+  # tests/ on sys.path: its support package has the fake-gcs-server launcher.
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                   'tests'))
-  import gcs_server  # pylint: disable=g-import-not-at-top
+  from support import gcs_server  # pylint: disable=g-import-not-at-top
   with gcs_server.FakeGcs(backend='memory') as server:
     for key in server.unset_keys():
       os.environ.pop(key, None)

@@ -202,7 +202,7 @@ def main(argv=None) -> int:
   p.add_argument('--fresh', action='store_true', help='remove a local --dir first')
   p.add_argument('--verbose', action='store_true')
   p.add_argument('--fake-gcs', action='store_true',
-                 help='start fake-gcs-server (tests/gcs_server.py) on loopback and use '
+                 help='start fake-gcs-server (tests/support/gcs_server.py) on loopback and use '
                       'gs://<new bucket>/ckpt as --dir (give --dir -)')
   p.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
   args = p.parse_args(argv)
@@ -217,9 +217,10 @@ def main(argv=None) -> int:
 def _run_on_fake_gcs(args) -> int:
   """Starts fake-gcs-server on loopback, points every GCS client (children inherit the
   environment) at it, and runs the rounds against a fresh bucket."""
+  # tests/ on sys.path: its support package has the fake-gcs-server launcher.
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                   'tests'))
-  import gcs_server  # pylint: disable=g-import-not-at-top
+  from support import gcs_server  # pylint: disable=g-import-not-at-top
   with gcs_server.FakeGcs(backend='memory') as server:
     for key in server.unset_keys():
       os.environ.pop(key, None)

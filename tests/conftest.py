@@ -1,15 +1,21 @@
-"""Test setup: 8 virtual CPU devices in this process, set before anything imports jax."""
+"""Test setup in the pytest process: 8 virtual CPU devices (set before anything imports jax), the
+GCS fixtures, and the library's default install around every test.
+
+Support code lives in ``tests/support`` (``from support import ...``; ``tests/`` is on sys.path
+through ``pythonpath`` in pyproject.toml).
+"""
 
 import os
-import sys
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8').strip()
 os.environ['NO_GCE_CHECK'] = 'true'  # google-auth and gcsfs compare with exactly 'true'
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest  # noqa: E402
+
+# fake-gcs-server fixtures (importing sets loopback-only GCS environment variables).
+from support.gcs_fixtures import fake_gcs, faulty_gcs, gcs_bucket  # noqa: E402,F401
 
 
 @pytest.fixture(autouse=True)
@@ -20,6 +26,3 @@ def _restore_default_install():
   orbax_pathways.install(orbax_pathways.Options.from_env())
   yield
   orbax_pathways.install(orbax_pathways.Options.from_env())
-
-# GCS fixtures (fake-gcs-server started by the tests; importing sets loopback-only env vars).
-from conftest_gcs import fake_gcs, faulty_gcs, gcs_bucket  # noqa: E402,F401

@@ -9,20 +9,13 @@ Most tests call ``main(argv)`` in-process; a few run ``python -m orbax_pathways`
 
 from __future__ import annotations
 
-import os
-
-if 'jax' not in __import__('sys').modules:
-  os.environ['XLA_FLAGS'] = (
-      os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
-  ).strip()
-  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-
 import contextlib
 import dataclasses
 import http.client
 import io
 import itertools
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -32,20 +25,22 @@ import urllib.parse
 
 import google_crc32c
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
-import orbax_pathways
 import pytest
 
 from orbax_pathways import metadata as pw_metadata
 from orbax_pathways.cli import steps as cli_steps
 from orbax_pathways.cli import main as cli_main
 from orbax_pathways.storage import meta_io
+from support import ckpt
+from support import golden
+from support.arrays import mesh as make_mesh
+from support.arrays import put
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-TESTS = REPO / 'tests'
 KERNEL = 'params.dense.kernel'
 
 
@@ -75,9 +70,7 @@ def run_subprocess(*argv, env=None, timeout=120) -> subprocess.CompletedProcess:
 
 
 def _mesh() -> Mesh:
-  devs = np.asarray(jax.devices())
-  shape = (2, len(devs) // 2) if len(devs) % 2 == 0 else (1, len(devs))
-  return Mesh(devs.reshape(shape), ('data', 'model'))
+  return make_mesh((2, 4))
 
 
 def _state(mesh: Mesh, step: int):
@@ -86,16 +79,15 @@ def _state(mesh: Mesh, step: int):
   kernel = rng.standard_normal((256, 128), dtype=np.float32)  # 16 KiB chunks: out-of-line in OCDBT
   bias = (np.arange(128) / 4).astype(ml_dtypes.bfloat16)
   mu = np.zeros((64, 64), np.float32)
-  put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
   if step == 1:
-    tree = {'params': {'dense': {'kernel': put(kernel, P('data', 'model')),
-                                 'bias': put(bias, P())}},
-            'opt': {'mu': put(mu, P('data', None))}, 'step': 7}
+    tree = {'params': {'dense': {'kernel': put(kernel, mesh, 'data', 'model'),
+                                 'bias': put(bias, mesh)}},
+            'opt': {'mu': put(mu, mesh, 'data', None)}, 'step': 7}
   else:
-    tree = {'params': {'dense': {'kernel': put(kernel + 0.5, P('data', 'model')),
-                                 'bias': put(bias.astype(np.float32), P()),
-                                 'scale': put(np.ones(64, np.float32), P())}},
-            'opt': {'mu': put(mu, P(None, 'model'))}}
+    tree = {'params': {'dense': {'kernel': put(kernel + 0.5, mesh, 'data', 'model'),
+                                 'bias': put(bias.astype(np.float32), mesh),
+                                 'scale': put(np.ones(64, np.float32), mesh)}},
+            'opt': {'mu': put(mu, mesh, None, 'model')}}
   return tree
 
 
@@ -103,15 +95,10 @@ def _save(root: pathlib.Path, steps, handler=None) -> pathlib.Path:
   """Saves with one chunk per shard (coalescing off), the grid stock Orbax writes, so the
   stripped copies below are laid out exactly like stock checkpoints."""
   mesh = _mesh()
-  orbax_pathways.install(orbax_pathways.Options(coalesce_bytes=0))
-  try:
-    mngr = ocp.CheckpointManager(root, item_handlers=handler)
+  with ckpt.options(coalesce_bytes=0), ocp.CheckpointManager(root, item_handlers=handler) as mngr:
     for s in steps:
       mngr.save(s, args=ocp.args.StandardSave(_state(mesh, s)))
     mngr.wait_until_finished()
-    mngr.close()
-  finally:
-    orbax_pathways.install(orbax_pathways.Options.from_env())
   return root
 
 
@@ -593,46 +580,28 @@ def test_console_script(built):
 # ----------------------------------------------------------------------------------------------
 # Golden stock checkpoints (tests/golden, written by stock orbax-checkpoint).
 
-try:
-  sys.path.insert(0, str(TESTS))
-  import golden_lib  # pylint: disable=g-import-not-at-top
-except ImportError:
-  golden_lib = None
-finally:
-  sys.path.remove(str(TESTS))
 
-
-@pytest.mark.skipif(golden_lib is None or not (TESTS / 'golden').is_dir(),
-                    reason='tests/golden not generated')
-@pytest.mark.parametrize('variant', golden_lib.VARIANTS if golden_lib else ())
+@pytest.mark.parametrize('variant', golden.VARIANTS)
 def test_golden(variant):
-  ocdbt, zarr3 = golden_lib.VARIANT_OPTIONS[variant]
-  code, doc = run_json('show', golden_lib.step_dir(variant))
+  ocdbt, zarr3 = golden.VARIANT_OPTIONS[variant]
+  code, doc = run_json('show', golden.step_dir(variant))
   assert code == 0 and doc['state'] == 'complete'
   (item,) = doc['items']
   assert (item['ocdbt'], item['zarr3'], item['writer']) == (ocdbt, zarr3, 'stock orbax')
   leaves = {l['key']: l for l in item['leaves']}
-  assert set(leaves) == {l.key.replace('/', '.') for l in golden_lib.LEAVES}
-  for gl in golden_lib.LEAVES:
+  assert set(leaves) == {l.key.replace('/', '.') for l in golden.LEAVES}
+  for gl in golden.LEAVES:
     got = leaves[gl.key.replace('/', '.')]
     assert got['dtype'] == gl.dtype and tuple(got['shape']) == gl.shape, gl.key
     if gl.kind == 'jax':
-      assert got['sharding']['mesh_shape'] == list(golden_lib.MESH_SHAPE)
+      assert got['sharding']['mesh_shape'] == list(golden.MESH_SHAPE)
       assert tuple(got['sharding']['spec']) == tuple(gl.spec) or gl.spec == ()
-  code, doc = run_json('verify', golden_lib.step_dir(variant))
-  assert code == 0 and doc['ok'] and doc['arrays'] == len(golden_lib.LEAVES), doc['problems']
+  code, doc = run_json('verify', golden.step_dir(variant))
+  assert code == 0 and doc['ok'] and doc['arrays'] == len(golden.LEAVES), doc['problems']
 
 
 # ----------------------------------------------------------------------------------------------
-# gs:// through fake-gcs-server (tests/gcs_server.py).
-
-try:
-  sys.path.insert(0, str(TESTS))
-  import gcs_server  # pylint: disable=g-import-not-at-top
-except ImportError:
-  gcs_server = None
-finally:
-  sys.path.remove(str(TESTS))
+# gs:// through fake-gcs-server (the session's server, tests/support/gcs_fixtures.py).
 
 
 def _upload_tree(gcs, bucket: str, local: pathlib.Path, prefix: str) -> None:
@@ -647,33 +616,25 @@ def _upload_tree(gcs, bucket: str, local: pathlib.Path, prefix: str) -> None:
 
 
 @pytest.mark.gcs
-@pytest.mark.skipif(gcs_server is None, reason='tests/gcs_server.py not present')
-def test_gcs_ls_show_verify(built):
-  try:
-    gcs = gcs_server.FakeGcs().start()
-  except Exception as e:  # pylint: disable=broad-except
-    pytest.skip(f'fake-gcs-server unavailable: {e}')
-  try:
-    bucket = gcs.new_bucket('cli')
-    _upload_tree(gcs, bucket, built['ours'], 'ckpt')
-    env = {k: v for k, v in os.environ.items() if k not in gcs.unset_keys()}
-    env.update(gcs.env(), JAX_PLATFORMS='cpu', XLA_FLAGS='')
-    root = f'gs://{bucket}/ckpt'
-    proc = run_subprocess('ls', root, '--json', env=env)
-    assert proc.returncode == 0, proc.stderr
-    steps = json.loads(proc.stdout)['steps']
-    assert [(s['step'], s['state']) for s in steps] == [(1, 'complete'), (2, 'complete')]
-    assert steps[0]['devices'] == len(jax.devices()) and steps[0]['bytes'] > 0
-    proc = run_subprocess('show', f'{root}/1', '--json', env=env)
-    assert proc.returncode == 0, proc.stderr
-    item = json.loads(proc.stdout)['items'][0]
-    assert item['transports'] == ['test-fixture'] and item['ocdbt']
-    proc = run_subprocess('verify', f'{root}/1', '--json', env=env)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
-    assert report['ok'] and report['chunks_checksummed'] > 0
-  finally:
-    gcs.stop()
+def test_gcs_ls_show_verify(built, fake_gcs):
+  bucket = fake_gcs.new_bucket('cli')
+  _upload_tree(fake_gcs, bucket, built['ours'], 'ckpt')
+  env = {k: v for k, v in os.environ.items() if k not in fake_gcs.unset_keys()}
+  env.update(fake_gcs.env(), JAX_PLATFORMS='cpu', XLA_FLAGS='')
+  root = f'gs://{bucket}/ckpt'
+  proc = run_subprocess('ls', root, '--json', env=env)
+  assert proc.returncode == 0, proc.stderr
+  steps = json.loads(proc.stdout)['steps']
+  assert [(s['step'], s['state']) for s in steps] == [(1, 'complete'), (2, 'complete')]
+  assert steps[0]['devices'] == len(jax.devices()) and steps[0]['bytes'] > 0
+  proc = run_subprocess('show', f'{root}/1', '--json', env=env)
+  assert proc.returncode == 0, proc.stderr
+  item = json.loads(proc.stdout)['items'][0]
+  assert item['transports'] == ['test-fixture'] and item['ocdbt']
+  proc = run_subprocess('verify', f'{root}/1', '--json', env=env)
+  assert proc.returncode == 0, proc.stderr
+  report = json.loads(proc.stdout)
+  assert report['ok'] and report['chunks_checksummed'] > 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -687,10 +648,9 @@ def _train_state(mesh: Mesh, step: int):
   if step >= 30:
     kernel = kernel.copy()
     kernel[:8] += 1.0
-  put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
-  return {'params': {'kernel': put(kernel, P('data', 'model')),
-                     'bias': put(np.ones(128, np.float32), P())},
-          'step': put(np.int32(step), P())}
+  return {'params': {'kernel': put(kernel, mesh, 'data', 'model'),
+                     'bias': put(np.ones(128, np.float32), mesh)},
+          'step': put(np.int32(step), mesh)}
 
 
 @pytest.fixture(scope='module')
@@ -699,8 +659,7 @@ def saved(tmp_path_factory) -> dict[str, pathlib.Path]:
   files we can delete), a two-item step, and a colocated-transport step."""
   base = tmp_path_factory.mktemp('run')
   mesh = _mesh()
-  orbax_pathways.install(orbax_pathways.Options(coalesce_bytes=0))
-  try:
+  with ckpt.options(coalesce_bytes=0):
     with ocp.CheckpointManager(base / 'train', item_handlers=ocp.StandardCheckpointHandler(
         use_ocdbt=False)) as mngr:
       for s in (10, 20, 30):
@@ -711,12 +670,8 @@ def saved(tmp_path_factory) -> dict[str, pathlib.Path]:
           model=ocp.args.StandardSave(_train_state(mesh, 1)),
           ema=ocp.args.StandardSave(_train_state(mesh, 1))))
       mngr.wait_until_finished()
-    orbax_pathways.install(orbax_pathways.Options(transport='colocated'))
-    with ocp.CheckpointManager(base / 'colocated') as mngr:
-      mngr.save(1, args=ocp.args.StandardSave(_train_state(mesh, 1)))
-      mngr.wait_until_finished()
-  finally:
-    orbax_pathways.install(orbax_pathways.Options.from_env())
+  with ckpt.options(transport='colocated'):
+    ckpt.save(base / 'colocated', _train_state(mesh, 1), step=1)
   for step in (base / 'train' / '10', base / 'two_items' / '1', base / 'colocated' / '1'):
     assert list(step.glob('*/' + pw_metadata.DIRNAME)), f'{step}: the library wrote no records'
   return {'train': base / 'train', 'two_items': base / 'two_items',

@@ -9,7 +9,7 @@ from orbax_pathways import values
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways._compat import orbax_manager
 
-from helpers import mesh, put
+from support.arrays import mesh, put
 
 
 def test_installed_orbax_is_in_the_supported_range():

@@ -18,7 +18,8 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support import REPO
+
 RACE = os.path.join(REPO, 'integration', 'race.py')
 
 

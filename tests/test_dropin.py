@@ -16,7 +16,7 @@ import orbax_pathways
 from orbax_pathways import metadata as pw_metadata
 from orbax_pathways.storage import meta_io
 
-from helpers import assert_trees_equal, mesh, put
+from support.arrays import abstract, assert_trees_equal, mesh, put
 
 
 def _value(shape=(256, 64), seed=0):
@@ -51,7 +51,7 @@ def test_host_offloaded_state_saves_and_restores_bit_exact(tmp_path, kind, trans
   with ocp.CheckpointManager(tmp_path) as mngr:
     mngr.save(0, args=ocp.args.StandardSave(state))
     mngr.wait_until_finished()
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    target = abstract(state)
     out = mngr.restore(0, args=ocp.args.StandardRestore(target))
   assert orbax_pathways.stats.last_restore().chunks_verified > 0
   for k in state:
@@ -179,7 +179,7 @@ def test_byte_limits_bound_what_is_in_flight_and_restore_exactly(tmp_path):
   with ocp.CheckpointManager(tmp_path, item_handlers=handler) as mngr:
     mngr.save(0, args=ocp.args.PyTreeSave(state))
     mngr.wait_until_finished()
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    target = abstract(state)
     out = mngr.restore(0, args=ocp.args.PyTreeRestore(
         target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
   assert_trees_equal(out, state)
@@ -225,7 +225,7 @@ def test_missing_array_raises_what_stock_raises(tmp_path, use_ocdbt):
     kv.delete_range(ts.KvStore.KeyRange(b'y/', b'y0')).result()
   else:
     os.remove(item / 'y' / '.zarray')
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  target = abstract(state)
   with ocp.CheckpointManager(tmp_path, item_handlers=handler()) as mngr:
     with pytest.raises(FileNotFoundError, match=r"Array 'y' not found at .*0/default/y") as e:
       mngr.restore(0, args=ocp.args.PyTreeRestore(

@@ -15,7 +15,8 @@ from orbax_pathways.plan import elastic as plan
 from orbax_pathways.plan import restore as restore_plan
 from orbax_pathways.plan.boxes import Box
 
-from helpers import mesh, save_with_options
+from support import ckpt
+from support.arrays import mesh, put
 
 
 # ---- pure planning -------------------------------------------------------------------------
@@ -81,19 +82,21 @@ def test_read_plan_column_split_of_row_chunks():
 # ---- end to end on 8 CPU devices -----------------------------------------------------------
 
 def _state(m):
+  """Arrays whose dims divide every slice count tried here, and 'odd' (8 rows over 'data'),
+  which does not divide 3 or 6."""
   rng = np.random.default_rng(0)
   return {
-      'sharded': jax.device_put(rng.standard_normal((24, 8), dtype=np.float32), NamedSharding(m, P('data', 'model'))),
-      'slice_only': jax.device_put(rng.standard_normal((12, 3), dtype=np.float32), NamedSharding(m, P('data'))),
-      'model_only': jax.device_put(rng.standard_normal((5, 8), dtype=np.float32), NamedSharding(m, P(None, 'model'))),
-      'replicated': jax.device_put(rng.standard_normal((7,), dtype=np.float32), NamedSharding(m, P())),
-      'odd': jax.device_put(rng.standard_normal((8, 2), dtype=np.float32), NamedSharding(m, P('data'))),
-      'bf16': jax.device_put(rng.standard_normal((24, 4)).astype(jnp.bfloat16), NamedSharding(m, P('data', 'model'))),
+      'sharded': put(rng.standard_normal((24, 8), dtype=np.float32), m, 'data', 'model'),
+      'slice_only': put(rng.standard_normal((12, 3), dtype=np.float32), m, 'data'),
+      'model_only': put(rng.standard_normal((5, 8), dtype=np.float32), m, None, 'model'),
+      'replicated': put(rng.standard_normal((7,), dtype=np.float32), m),
+      'odd': put(rng.standard_normal((8, 2), dtype=np.float32), m, 'data'),
+      'bf16': put(rng.standard_normal((24, 4)).astype(jnp.bfloat16), m, 'data', 'model'),
   }
 
 
 def _save(directory, state, num_slices):
-  save_with_options(directory, state, num_slices=num_slices)
+  ckpt.save_with_options(directory, state, num_slices=num_slices)
 
 
 def _check(restored, state, n_devices):
@@ -128,16 +131,12 @@ def test_four_slices_restore_onto_fewer_without_target(tmp_path, m):
 def test_strict_divisibility_raises_with_the_facts(tmp_path):
   state = _state(mesh((4, 2)))
   _save(tmp_path, state, num_slices=4)
-  orbax_pathways.install(orbax_pathways.Options(divisibility='strict'))
-  try:
-    with elastic.topology(jax.devices()[:6], num_slices=3):
-      with ocp.CheckpointManager(tmp_path) as mngr:
-        with pytest.raises(orbax_pathways.TopologyError,
-                           match=r"array 'odd' \(8, 2\): dim 0 \(size 8\) over data does not divide "
-                                 r"after resizing mesh axes \['data'\] to \[3\]"):
-          mngr.restore(0)
-  finally:
-    orbax_pathways.install(orbax_pathways.Options.from_env())
+  with ckpt.options(divisibility='strict'), elastic.topology(jax.devices()[:6], num_slices=3):
+    with ocp.CheckpointManager(tmp_path) as mngr:
+      with pytest.raises(orbax_pathways.TopologyError,
+                         match=r"array 'odd' \(8, 2\): dim 0 \(size 8\) over data does not divide "
+                               r"after resizing mesh axes \['data'\] to \[3\]"):
+        mngr.restore(0)
 
 
 def test_grow_from_two_slices_back_to_four(tmp_path):
@@ -180,13 +179,8 @@ def test_explicit_targets_still_win(tmp_path):
 
 def test_stock_checkpoint_restores_onto_fewer_devices(tmp_path):
   state = _state(mesh((4, 2)))
-  orbax_pathways.uninstall()
-  try:
-    with ocp.CheckpointManager(tmp_path) as mngr:
-      mngr.save(0, args=ocp.args.StandardSave(state))
-      mngr.wait_until_finished()
-  finally:
-    orbax_pathways.install()
+  with ckpt.stock_orbax():
+    ckpt.save(tmp_path, state)
   with elastic.topology(jax.devices()[:4], num_slices=1):
     with warnings.catch_warnings():
       warnings.simplefilter('ignore')

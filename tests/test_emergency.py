@@ -12,19 +12,18 @@ import os
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency
 
 import orbax_pathways
+from support.arrays import mesh, put
 
 
 def _run(tmp_path, monkeypatch, slices: int):
   """Saves steps 0..2 (persistent every 2 steps), restores the latest; returns (steps, restored,
   state, which ProxyArrayHandler methods ran)."""
-  m = Mesh(np.asarray(jax.devices()).reshape(slices, 8 // slices), ('replica', 'data'))
-  state = {'w': jax.device_put(np.arange(256, dtype=np.float32).reshape(16, 16),
-                               NamedSharding(m, P(None, 'data'))),
-           'b': jax.device_put(np.arange(8, dtype=np.int32), NamedSharding(m, P('data')))}
+  m = mesh((slices, 8 // slices), ('replica', 'data'))
+  state = {'w': put(np.arange(256, dtype=np.float32).reshape(16, 16), m, None, 'data'),
+           'b': put(np.arange(8, dtype=np.int32), m, 'data')}
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
   (tmp_path / 'local').mkdir()
   options = emergency.CheckpointManagerOptions(

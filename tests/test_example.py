@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from helpers import REPO
+from support import REPO
 
 
 def test_main_job_is_preempted_and_resumes_on_fewer_slices(tmp_path):

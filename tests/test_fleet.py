@@ -4,7 +4,7 @@ with the number of hosts.
 - Simulated fleets: one interpreter with 64 or 256 CPU devices
   (``--xla_force_host_platform_device_count``, set before jax is imported, so each size runs in
   a subprocess); the colocated transport makes every CPU device its own worker host.
-- Real multi-controller: 8 ``jax.distributed`` processes (``tests/mp_workers/fleet_worker.py``).
+- Real multi-controller: 8 ``jax.distributed`` processes (``tests/support/workers/fleet_worker.py``).
 - Requests per step on fake-gcs-server, ours against stock Orbax in the same subprocess.
 
 Counts are asserted; timings live in ``benchmarks/fleet.py``.
@@ -12,31 +12,21 @@ Counts are asserted; timings live in ``benchmarks/fleet.py``.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from helpers import REPO
+from support.mp_harness import run_processes
+from support.procs import run_json
+from support.workers import fleet_worker
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
 FLEETS = (64, 256)
 
 
-def _run_fleet(n: int, code: str, env: dict | None = None, timeout: int = 600) -> dict:
+def _run_fleet(n: int, code: str) -> dict:
   """Runs ``code`` in a fresh interpreter with ``n`` CPU devices; returns the JSON it printed last."""
-  full = dict(os.environ)
-  full.update(env or {})
-  full['JAX_PLATFORMS'] = 'cpu'
-  full['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={n}'
-  full['PYTHONPATH'] = os.pathsep.join([TESTS, REPO, full.get('PYTHONPATH', '')])
-  proc = subprocess.run([sys.executable, '-c', textwrap.dedent(code)], env=full, cwd=REPO,
-                        capture_output=True, text=True, timeout=timeout)
-  assert proc.returncode == 0, f'{n} devices: {proc.stdout[-3000:]}\n{proc.stderr[-6000:]}'
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return run_json(code, devices=n, timeout=600)
 
 
 # ---- 1. what one colocated worker call carries -------------------------------------------------
@@ -140,10 +130,8 @@ def test_simulated_hosts_each_write_and_read_their_own_share(payloads):
 
 @pytest.mark.multiprocess
 def test_each_of_8_processes_reads_one_metadata_object_per_restore(tmp_path):
-  from mp_harness import run_processes  # pylint: disable=g-import-not-at-top
   n = 8
-  worker = os.path.join(TESTS, 'mp_workers', 'fleet_worker.py')
-  results = run_processes(worker, n, 1, args=[str(tmp_path / 'ckpt')], shared_dir=str(tmp_path),
+  results = run_processes(fleet_worker.__file__, n, 1, args=[str(tmp_path / 'ckpt')], shared_dir=str(tmp_path),
                           timeout=240)
   for r in results:
     got = r.result
@@ -166,8 +154,8 @@ GCS_CHILD = """
     import json, os, sys, time
     import jax, numpy as np, orbax.checkpoint as ocp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    import gcs_server
-    from fault_proxy import FaultProxy
+    from support import gcs_server
+    from support.fault_proxy import FaultProxy
     import orbax_pathways
 
     mode, server_url, root = sys.argv[1:4]

@@ -9,11 +9,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-import golden_lib
 import orbax_pathways
-from helpers import assert_trees_equal, mesh, put, run_python
+from support import ckpt
+from support import golden
+from support.arrays import mesh
+from support.procs import run_python
 
-VARIANTS = [pytest.param(v, id=v) for v in golden_lib.VARIANTS]
+VARIANTS = [pytest.param(v, id=v) for v in golden.VARIANTS]
 
 
 def _handler(use_ocdbt: bool, use_zarr3: bool):
@@ -22,61 +24,61 @@ def _handler(use_ocdbt: bool, use_zarr3: bool):
 
 @pytest.mark.parametrize('variant', VARIANTS)
 def test_we_restore_stock_golden_checkpoints(tmp_path, variant):
-  src = golden_lib.golden_dir(variant)
+  src = golden.golden_dir(variant)
   shutil.copytree(src, tmp_path / 'ckpt')  # never touch the committed goldens
-  m = mesh(golden_lib.MESH_SHAPE, golden_lib.MESH_AXES)
-  expected = golden_lib.expected_state()
+  m = mesh(golden.MESH_SHAPE, golden.MESH_AXES)
+  expected = golden.expected_state()
   with ocp.CheckpointManager(tmp_path / 'ckpt') as mngr:
-    assert mngr.all_steps() == [golden_lib.GOLDEN_STEP]
-    restored = mngr.restore(golden_lib.GOLDEN_STEP,
-                            args=ocp.args.StandardRestore(golden_lib.abstract_target(m)))
+    assert mngr.all_steps() == [golden.GOLDEN_STEP]
+    restored = mngr.restore(golden.GOLDEN_STEP,
+                            args=ocp.args.StandardRestore(golden.abstract_target(m)))
     rst = orbax_pathways.stats.last_restore()
-    no_target = mngr.restore(golden_lib.GOLDEN_STEP)
-  assert rst is not None and rst.arrays == sum(1 for leaf in golden_lib.LEAVES if leaf.kind == 'jax')
+    no_target = mngr.restore(golden.GOLDEN_STEP)
+  assert rst is not None and rst.arrays == sum(1 for leaf in golden.LEAVES if leaf.kind == 'jax')
   assert rst.chunks_verified == 0  # stock checkpoints carry no checksums; decode only
-  for key, value in golden_lib.flatten(restored).items():
+  for key, value in golden.flatten(restored).items():
     np.testing.assert_array_equal(np.asarray(value), np.asarray(expected[key]), err_msg=key)
     assert np.asarray(value).dtype == np.asarray(expected[key]).dtype, key
-  for key, value in golden_lib.flatten(no_target).items():
+  for key, value in golden.flatten(no_target).items():
     np.testing.assert_array_equal(np.asarray(value), np.asarray(expected[key]), err_msg=key)
 
 
 def _save_ours(directory, use_ocdbt, use_zarr3):
-  m = mesh(golden_lib.MESH_SHAPE, golden_lib.MESH_AXES)
-  expected = golden_lib.expected_state()
-  state = golden_lib.unflatten({
+  m = mesh(golden.MESH_SHAPE, golden.MESH_AXES)
+  expected = golden.expected_state()
+  state = golden.unflatten({
       k: (jax.device_put(v, _sharding_of(k, m))
-          if golden_lib.LEAF_BY_KEY[k].kind == 'jax' else v)
+          if golden.LEAF_BY_KEY[k].kind == 'jax' else v)
       for k, v in expected.items()})
   with ocp.CheckpointManager(directory, item_handlers=_handler(use_ocdbt, use_zarr3)) as mngr:
-    mngr.save(golden_lib.GOLDEN_STEP, args=ocp.args.PyTreeSave(state))
+    mngr.save(golden.GOLDEN_STEP, args=ocp.args.PyTreeSave(state))
     mngr.wait_until_finished()
   return state
 
 
 def _sharding_of(key, m):
-  flat = golden_lib.flatten(golden_lib.abstract_target(m))
+  flat = golden.flatten(golden.abstract_target(m))
   return flat[key].sharding
 
 
 @pytest.mark.parametrize('variant', VARIANTS)
 def test_stock_orbax_restores_our_checkpoints(tmp_path, variant):
-  use_ocdbt, use_zarr3 = golden_lib.VARIANT_OPTIONS[variant]
+  use_ocdbt, use_zarr3 = golden.VARIANT_OPTIONS[variant]
   _save_ours(tmp_path, use_ocdbt, use_zarr3)
-  assert (tmp_path / str(golden_lib.GOLDEN_STEP) / 'default' / '_pathways' / 'p0.msgpack').exists()
+  assert (tmp_path / str(golden.GOLDEN_STEP) / 'default' / '_pathways' / 'p0.msgpack').exists()
   # A fresh interpreter that never imports orbax_pathways.
   run_python(f"""
       import sys, numpy as np, jax, orbax.checkpoint as ocp
-      sys.path.insert(0, 'tests')
-      import golden_lib
-      m = jax.sharding.Mesh(np.asarray(jax.devices()).reshape({golden_lib.MESH_SHAPE}), {golden_lib.MESH_AXES})
+      from support import golden
+      from support.arrays import mesh
+      m = mesh({golden.MESH_SHAPE}, {golden.MESH_AXES})
       with ocp.CheckpointManager({str(tmp_path)!r}, item_handlers=ocp.PyTreeCheckpointHandler(
           use_ocdbt={use_ocdbt}, use_zarr3={use_zarr3})) as mngr:
-        target = golden_lib.abstract_target(m)
-        r = mngr.restore({golden_lib.GOLDEN_STEP}, args=ocp.args.PyTreeRestore(
+        target = golden.abstract_target(m)
+        r = mngr.restore({golden.GOLDEN_STEP}, args=ocp.args.PyTreeRestore(
             target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
-      exp = golden_lib.expected_state()
-      for k, v in golden_lib.flatten(r).items():
+      exp = golden.expected_state()
+      for k, v in golden.flatten(r).items():
         np.testing.assert_array_equal(np.asarray(v), np.asarray(exp[k]), err_msg=k)
         assert np.asarray(v).dtype == np.asarray(exp[k]).dtype, k
       assert 'orbax_pathways' not in sys.modules
@@ -101,14 +103,11 @@ def _normalized_tree(root):
 
 @pytest.mark.parametrize('variant', VARIANTS)
 def test_on_disk_tree_matches_stock(tmp_path, variant):
-  use_ocdbt, use_zarr3 = golden_lib.VARIANT_OPTIONS[variant]
+  use_ocdbt, use_zarr3 = golden.VARIANT_OPTIONS[variant]
   _save_ours(tmp_path / 'ours', use_ocdbt, use_zarr3)
-  orbax_pathways.uninstall()
-  try:
+  with ckpt.stock_orbax():
     _save_ours(tmp_path / 'stock', use_ocdbt, use_zarr3)
-  finally:
-    orbax_pathways.install()
   ours, stock = _normalized_tree(tmp_path / 'ours'), _normalized_tree(tmp_path / 'stock')
   assert ours == stock, (sorted(ours - stock), sorted(stock - ours))
-  added = sorted(os.listdir(tmp_path / 'ours' / str(golden_lib.GOLDEN_STEP) / 'default' / '_pathways'))
+  added = sorted(os.listdir(tmp_path / 'ours' / str(golden.GOLDEN_STEP) / 'default' / '_pathways'))
   assert added == ['index.msgpack', 'p0.msgpack']

@@ -1,5 +1,5 @@
 """orbax_pathways on gs://: real Orbax CheckpointManager, tensorstore and gcsfs against
-fake-gcs-server (tests/conftest_gcs.py), optionally through the fault-injecting proxy.
+fake-gcs-server (tests/support/gcs_fixtures.py), optionally through the fault-injecting proxy.
 Loopback only, no mocks. The proxy's per-request decision (``FaultProxy._choose``) is wrapped
 in some tests only to *record* (method, target) of each request; nothing is faked.
 
@@ -27,7 +27,10 @@ import orbax_pathways
 from orbax_pathways import elastic
 from orbax_pathways import preemption
 
-from helpers import assert_trees_equal, mesh, put, random_state, run_python, save_with_options
+from support.arrays import abstract, assert_bit_identical, mesh, put, random_state
+from support.ckpt import save_with_options
+from support.mp_harness import run_processes
+from support.procs import run_python
 
 pytestmark = pytest.mark.gcs
 
@@ -47,30 +50,6 @@ def _record_requests(monkeypatch, proxy) -> list[tuple[str, str]]:
 
   monkeypatch.setattr(proxy, '_choose', choose)
   return seen
-
-
-def _abstract(state):
-  def leaf(x):
-    if isinstance(x, jax.Array):
-      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-    return x
-  return jax.tree.map(leaf, state)
-
-
-def _assert_bit_identical(restored, expected, *, same_sharding=True):
-  assert_trees_equal(restored, expected)
-  for (kp, r), e in zip(jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(expected)):
-    name = jax.tree_util.keystr(kp)
-    if isinstance(e, jax.Array):
-      if jax.dtypes.issubdtype(e.dtype, jax.dtypes.prng_key):
-        assert jax.dtypes.issubdtype(r.dtype, jax.dtypes.prng_key), name
-        assert jax.random.key_impl(r) == jax.random.key_impl(e), name
-        r, e = jax.random.key_data(r), jax.random.key_data(e)
-      else:
-        assert r.dtype == e.dtype, name
-      assert np.asarray(r).tobytes() == np.asarray(e).tobytes(), name
-      if same_sharding:
-        assert r.sharding.is_equivalent_to(e.sharding, e.ndim), name
 
 
 def _steps_objects(objects, step) -> list[str]:
@@ -150,12 +129,12 @@ def test_sharded_state_round_trip_on_gcs_with_our_handler(faulty_gcs, monkeypatc
                                          ) + jax.random.key_data(state['rng']).nbytes
   with ocp.CheckpointManager(path) as mngr:
     assert mngr.all_steps() == [1]
-    with_target = mngr.restore(1, args=ocp.args.StandardRestore(_abstract(state)))
+    with_target = mngr.restore(1, args=ocp.args.StandardRestore(abstract(state)))
     rst = orbax_pathways.stats.last_restore()
     assert rst.transport == 'local' and rst.arrays == 6 and rst.chunks_verified > 0, rst
     no_target = mngr.restore(1)
-  _assert_bit_identical(with_target, state)
-  _assert_bit_identical(no_target, state)
+  assert_bit_identical(with_target, state)
+  assert_bit_identical(no_target, state)
 
   objs = faulty_gcs.objects()
   for name in ('ckpt/1/default/_pathways/p0.msgpack', 'ckpt/1/commit_success.txt',
@@ -195,9 +174,9 @@ def test_step_without_commit_marker_is_not_listed_and_resume_skips_it(gcs_bucket
   calls = []
   with ocp.CheckpointManager(path) as fresh:
     step, restored = preemption.resume(fresh, lambda: calls.append('init') or {},
-                                       abstract_state=_abstract(states[1]))
+                                       abstract_state=abstract(states[1]))
     assert (step, calls) == (1, [])
-    _assert_bit_identical(restored, states[1])
+    assert_bit_identical(restored, states[1])
     assert fresh.all_steps() == [1]
   # On gs:// an unmarked step is a temporary. A fresh one may be another process's save in
   # progress (a trainer next to this resuming evaluator): resume() leaves it alone ...
@@ -206,7 +185,7 @@ def test_step_without_commit_marker_is_not_listed_and_resume_skips_it(gcs_bucket
   from orbax_pathways import retention  # pylint: disable=g-import-not-at-top
   retention.install(abandoned_after_s=0.001)  # the autouse fixture puts the default back
   with ocp.CheckpointManager(path) as fresh:
-    assert preemption.resume(fresh, dict, abstract_state=_abstract(states[1]))[0] == 1
+    assert preemption.resume(fresh, dict, abstract_state=abstract(states[1]))[0] == 1
   assert not _steps_objects(gcs_bucket.objects(), 2), gcs_bucket.objects()
 
 
@@ -233,7 +212,7 @@ def test_retention_keeps_two_newest_and_deletes_commit_marker_first(faulty_gcs, 
     assert f'ckpt/{s}/commit_success.txt' in objs
   with ocp.CheckpointManager(path) as fresh:
     assert fresh.all_steps() == [2, 3]
-    _assert_bit_identical(fresh.restore(2, args=ocp.args.StandardRestore(_abstract(states[2]))),
+    assert_bit_identical(fresh.restore(2, args=ocp.args.StandardRestore(abstract(states[2]))),
                           states[2])
   # Retention deleted the commit marker of each old step before any other object of it. (Orbax
   # also sends DELETEs of a step's metadata files while saving it, before writing them; only
@@ -273,7 +252,7 @@ def test_elastic_restore_four_slices_onto_two_on_gcs(gcs_bucket):
       warnings.simplefilter('ignore')
       with ocp.CheckpointManager(path) as mngr:
         restored = mngr.restore(0)
-  _assert_bit_identical(restored, state, same_sharding=False)
+  assert_bit_identical(restored, state, same_sharding=False)
   for k, v in restored.items():
     assert v.sharding.device_set <= four, k
   assert restored['sharded'].sharding.mesh.shape == {'data': 2, 'model': 2}
@@ -306,7 +285,7 @@ def test_preemption_notice_saves_and_commits_on_gcs(gcs_bucket):
   assert 'ckpt/6/commit_success.txt' in gcs_bucket.objects()
   with ocp.CheckpointManager(path) as fresh:
     assert fresh.latest_step() == 6
-    _assert_bit_identical(fresh.restore(6, args=ocp.args.StandardRestore(_abstract(st6))), st6)
+    assert_bit_identical(fresh.restore(6, args=ocp.args.StandardRestore(abstract(st6))), st6)
 
 
 # ---- 5. faults ------------------------------------------------------------------------------
@@ -337,10 +316,10 @@ def test_save_restore_8mib_through_mixed_faults(faulty_gcs):
   t_save = time.monotonic() - t0
   with ocp.CheckpointManager(path) as mngr:
     assert mngr.all_steps() == [0]
-    restored = mngr.restore(0, args=ocp.args.StandardRestore(_abstract(state)))
+    restored = mngr.restore(0, args=ocp.args.StandardRestore(abstract(state)))
   t_total = time.monotonic() - t0
   assert orbax_pathways.stats.last_restore().chunks_verified > 0
-  _assert_bit_identical(restored, state)
+  assert_bit_identical(restored, state)
   stats = proxy.stats()
   print(f'\n[faults 5%] save {t_save:.1f}s, save+restore {t_total:.1f}s, {stats}')
   assert stats['faults_total'] > 0, stats
@@ -370,7 +349,7 @@ def _check_step1_survives(faulty_gcs, state):
   with ocp.CheckpointManager(faulty_gcs.path('ckpt')) as fresh:
     assert fresh.all_steps() == [1]
     assert fresh.latest_step() == 1
-    _assert_bit_identical(fresh.restore(1, args=ocp.args.StandardRestore(_abstract(state))), state)
+    assert_bit_identical(fresh.restore(1, args=ocp.args.StandardRestore(abstract(state))), state)
   assert 'ckpt/2/commit_success.txt' not in faulty_gcs.objects()
 
 
@@ -480,9 +459,9 @@ def test_request_count_of_a_20_array_save(faulty_gcs, monkeypatch):
   save_reqs, n_blocking, n_init, t_save = _save_counting(faulty_gcs, seen, 'ckpt', state)
   with ocp.CheckpointManager(faulty_gcs.path('ckpt')) as fresh:
     n0 = len(seen)
-    restored = fresh.restore(0, args=ocp.args.StandardRestore(_abstract(state)))
+    restored = fresh.restore(0, args=ocp.args.StandardRestore(abstract(state)))
     restore_reqs = seen[n0:]
-  _assert_bit_identical(restored, state)
+  assert_bit_identical(restored, state)
 
   by_cat = collections.Counter(_classify(meth, t) for meth, t in save_reqs)
   by_obj = collections.Counter(_object_of(t).replace('ckpt/0/', '') for _, t in save_reqs)
@@ -536,8 +515,8 @@ def test_long_lived_reader_sees_steps_written_by_another_process(gcs_bucket):
 
 _MP_GCS_WORKER = """
 import sys
-import mp_worker_lib
-mp_worker_lib.init()
+from support import mp_worker
+mp_worker.init()
 import jax, numpy as np, orbax.checkpoint as ocp, orbax_pathways
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 path, mode = sys.argv[1], sys.argv[2]
@@ -549,11 +528,11 @@ with ocp.CheckpointManager(path) as mngr:
     mngr.save(0, args=ocp.args.StandardSave({'w': x}))
     mngr.wait_until_finished()
     st = orbax_pathways.stats.last_save()
-    mp_worker_lib.emit({'written': st.written_bytes})
+    mp_worker.emit({'written': st.written_bytes})
   else:
     r = mngr.restore(0)
-    mp_worker_lib.emit({'shards': mp_worker_lib.shard_digests(r['w']),
-                        'spec': list(r['w'].sharding.spec)})
+    mp_worker.emit({'shards': mp_worker.shard_digests(r['w']),
+                    'spec': list(r['w'].sharding.spec)})
 """
 
 
@@ -562,7 +541,6 @@ with ocp.CheckpointManager(path) as mngr:
 def test_two_processes_save_and_restore_on_gcs(gcs_bucket):
   """Two jax.distributed processes write their own shards to gs:// (one OCDBT database each,
   merged by process 0) and read them back without a target."""
-  from mp_harness import run_processes  # pylint: disable=g-import-not-at-top
   import os  # pylint: disable=g-import-not-at-top
   path = gcs_bucket.path('ckpt')
   env = {k: v for k, v in os.environ.items() if k.startswith(

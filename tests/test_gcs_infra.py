@@ -4,64 +4,31 @@ fake-gcs-server, optionally behind the fault-injecting proxy. Loopback only, no 
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 
-if 'jax' not in sys.modules:
-  flags = os.environ.get('XLA_FLAGS', '')
-  if 'xla_force_host_platform_device_count' not in flags:
-    os.environ['XLA_FLAGS'] = (flags + ' --xla_force_host_platform_device_count=8').strip()
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
-
-import orbax.checkpoint as ocp  # noqa: E402
-
-# Provided by tests/conftest.py once it imports them; imported here so this module also runs
-# on its own. (Harmless duplicates if conftest.py imports them too.)
-# fixtures come from tests/conftest.py
-from fault_proxy import FaultProxy  # noqa: E402
+from support.arrays import abstract, assert_bit_identical, mesh, put
+from support.fault_proxy import FaultProxy
 
 pytestmark = pytest.mark.gcs
 
 
-def _mesh() -> Mesh:
-  devs = np.array(jax.devices())
-  if devs.size < 8:
-    pytest.skip('needs XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax import')
-  return Mesh(devs[:8].reshape(4, 2), ('data', 'model'))
-
-
-def _state(mesh: Mesh, seed: int = 0) -> dict:
+def _state(seed: int = 0) -> dict:
+  m = mesh()
   rng = np.random.default_rng(seed)
-
-  def put(x, spec):
-    return jax.device_put(x, NamedSharding(mesh, spec))
-
   return {
-      'w': put(rng.standard_normal((64, 32), dtype=np.float32), P('data', 'model')),
-      'b': put(rng.standard_normal((32,), dtype=np.float32).astype(jnp.bfloat16), P('model')),
-      'emb': put(rng.integers(0, 1 << 30, (128, 16), dtype=np.int32), P('data', None)),
-      'rep': put(np.arange(10, dtype=np.float64 if jax.config.x64_enabled else np.float32), P()),
-      'step': put(np.int32(7), P()),
+      'w': put(rng.standard_normal((64, 32), dtype=np.float32), m, 'data', 'model'),
+      'b': put(rng.standard_normal((32,), dtype=np.float32).astype(jnp.bfloat16), m, 'model'),
+      'emb': put(rng.integers(0, 1 << 30, (128, 16), dtype=np.int32), m, 'data', None),
+      'rep': put(np.arange(10, dtype=np.float64 if jax.config.x64_enabled else np.float32), m),
+      'step': put(np.int32(7), m),
   }
-
-
-def _abstract(state: dict) -> dict:
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-
-
-def _assert_identical(restored: dict, expected: dict) -> None:
-  assert restored.keys() == expected.keys()
-  for k in expected:
-    r, e = restored[k], expected[k]
-    assert r.dtype == e.dtype and r.shape == e.shape, k
-    assert r.sharding.is_equivalent_to(e.sharding, e.ndim), k
-    assert np.asarray(r).tobytes() == np.asarray(e).tobytes(), k
 
 
 def _save_restore(path: str, state: dict) -> dict:
@@ -71,7 +38,7 @@ def _save_restore(path: str, state: dict) -> dict:
     mgr.wait_until_finished()
   with ocp.CheckpointManager(path) as mgr2:
     assert mgr2.all_steps() == [3]
-    return mgr2.restore(3, args=ocp.args.StandardRestore(_abstract(state)))
+    return mgr2.restore(3, args=ocp.args.StandardRestore(abstract(state)))
 
 
 def test_env_points_only_at_loopback(gcs_bucket):
@@ -87,12 +54,12 @@ def test_env_points_only_at_loopback(gcs_bucket):
 
 
 def test_orbax_ocdbt_roundtrip(gcs_bucket):
-  state = _state(_mesh())
+  state = _state()
   path = gcs_bucket.path('ckpt')
   t = time.monotonic()
   restored = _save_restore(path, state)
   elapsed = time.monotonic() - t
-  _assert_identical(restored, state)
+  assert_bit_identical(restored, state)
   objs = gcs_bucket.objects()
   # OCDBT layout: a manifest plus data files under ocdbt.process_* / d/.
   assert any('manifest.ocdbt' in o for o in objs), objs
@@ -101,11 +68,11 @@ def test_orbax_ocdbt_roundtrip(gcs_bucket):
 
 
 def test_orbax_roundtrip_through_fault_proxy(faulty_gcs):
-  state = _state(_mesh(), seed=1)
+  state = _state(seed=1)
   proxy: FaultProxy = faulty_gcs.proxy
   proxy.set_rate(0.05, kinds=('429', '503', 'reset', 'delay'))
   restored = _save_restore(faulty_gcs.path('ckpt'), state)
-  _assert_identical(restored, state)
+  assert_bit_identical(restored, state)
   stats = proxy.stats()
   # Both gcsfs (epath: directories, metadata, commit markers) and tensorstore went through it.
   assert stats['requests'] > 40, stats
@@ -119,7 +86,7 @@ def test_orbax_roundtrip_through_fault_proxy(faulty_gcs):
 def test_second_manager_lists_steps_after_quick_async_saves(gcs_bucket):
   """The hang in gcs_testing.md: three quick async saves, then a second manager on the same
   path lists steps. Root cause was gcsfs's ExtendedGcsFileSystem probing the Storage
-  Control gRPC API per operation (see gcs_server.hermetic_env); with
+  Control gRPC API per operation (see support.gcs_server.hermetic_env); with
   GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false this completes at once."""
   path = gcs_bucket.path('ckpt')
   result: dict = {}

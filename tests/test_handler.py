@@ -1,7 +1,5 @@
 """Unchanged CheckpointManager code, through ProxyArrayHandler, on 8 CPU devices."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -11,11 +9,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import orbax_pathways
-from orbax_pathways import metadata
 from orbax_pathways.storage import meta_io
 
-from helpers import (assert_stock_reads_same, assert_trees_equal, mesh, put, random_state,
-                     run_python)
+from support import ckpt
+from support.arrays import assert_trees_equal, mesh, put, random_state
+from support.procs import run_python
 
 
 def test_registered_handler_is_ours():
@@ -248,8 +246,7 @@ def test_pytree_and_composite_items_and_partial_restore(tmp_path):
 def test_chunks_are_bounded_and_recorded(tmp_path):
   m = mesh((8,), ('x',))
   value = np.random.default_rng(0).standard_normal((256, 512), dtype=np.float32)  # 512 KiB
-  handler = orbax_pathways.install(orbax_pathways.Options(max_chunk_bytes=16 * 1024))
-  try:
+  with ckpt.options(max_chunk_bytes=16 * 1024) as handler:
     with ocp.CheckpointManager(tmp_path) as mngr:
       mngr.save(0, args=ocp.args.StandardSave({'a': put(value, m, 'x', None)}))
       mngr.wait_until_finished()
@@ -259,9 +256,7 @@ def test_chunks_are_bounded_and_recorded(tmp_path):
       assert sum(c.nbytes for c in rec.chunks) == value.nbytes
       assert len({c.origin for c in rec.chunks}) == len(rec.chunks)
       np.testing.assert_array_equal(np.asarray(mngr.restore(0)['a']), value)
-  finally:
-    orbax_pathways.install(orbax_pathways.Options.from_env())  # back to default options
-  assert handler is not orbax_pathways.installed()
+  assert handler is not orbax_pathways.installed()  # back to default options
 
 
 def test_save_blocks_only_for_snapshot(tmp_path):
@@ -307,16 +302,8 @@ def test_small_sharded_arrays_are_stored_as_one_chunk(tmp_path):
   bytes read back equal on the same and on another layout, and stock Orbax reads it."""
   m = mesh()
   state = random_state(m)
-  with ocp.CheckpointManager(tmp_path / 'on') as mngr:
-    mngr.save(0, args=ocp.args.StandardSave(state))
-    mngr.wait_until_finished()
-  orbax_pathways.install(orbax_pathways.Options(coalesce_bytes=0))
-  try:
-    with ocp.CheckpointManager(tmp_path / 'off') as mngr:
-      mngr.save(0, args=ocp.args.StandardSave(state))
-      mngr.wait_until_finished()
-  finally:
-    orbax_pathways.install(orbax_pathways.Options.from_env())
+  ckpt.save(tmp_path / 'on', state)
+  ckpt.save_with_options(tmp_path / 'off', state, coalesce_bytes=0)
   on = meta_io.read_item(tmp_path / 'on' / '0' / 'default').arrays()
   off = meta_io.read_item(tmp_path / 'off' / '0' / 'default').arrays()
   w = state['params']['w']  # (64, 32) float32 over a (4, 2) mesh: 8 shards of (16, 16)
@@ -324,7 +311,7 @@ def test_small_sharded_arrays_are_stored_as_one_chunk(tmp_path):
   assert on['params.w'].chunk_shape == (64, 32) and len(on['params.w'].chunks) == 1
   assert on['params.w'].chunks[0].nbytes == w.nbytes
   assert on['opt.mu'].chunk_shape == (64, 32)  # sharded over 'data' only, replicated over 'model'
-  assert_stock_reads_same(tmp_path / 'on', tmp_path / 'off')
+  ckpt.assert_stock_reads_same(tmp_path / 'on', tmp_path / 'off')
   with ocp.CheckpointManager(tmp_path / 'on') as mngr:
     assert_trees_equal(mngr.restore(0, args=ocp.args.StandardRestore(state)), state)
     small = mesh((2,), ('x',))  # another layout, on two devices: w split over its columns
@@ -347,17 +334,13 @@ def test_snapshot_modes_copy_before_save_returns(tmp_path, mode):
   state = {'big': put(big, m, 'data', 'model'), 'rep': put(big[:256], m, None, None),
            'small': put(big[0, :64], m, ('data', 'model'))}
   want = jax.tree.map(np.asarray, state)
-  orbax_pathways.install(orbax_pathways.Options(snapshot=mode))
-  try:
-    with ocp.CheckpointManager(tmp_path) as mngr:
-      mngr.save(0, args=ocp.args.StandardSave(state))
-      assert orbax_pathways.stats.last_save().snapshot == mode
-      for x in state.values():
-        x.delete()
-      mngr.wait_until_finished()
-      got = mngr.restore(0)
-  finally:
-    orbax_pathways.install(orbax_pathways.Options.from_env())
+  with ckpt.options(snapshot=mode), ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(0, args=ocp.args.StandardSave(state))
+    assert orbax_pathways.stats.last_save().snapshot == mode
+    for x in state.values():
+      x.delete()
+    mngr.wait_until_finished()
+    got = mngr.restore(0)
   assert_trees_equal(got, want)
 
 

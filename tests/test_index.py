@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -21,20 +20,10 @@ from orbax_pathways._compat import orbax_finalize
 from orbax_pathways.storage import index as index_lib
 from orbax_pathways.storage import meta_io
 
-from helpers import REPO, assert_trees_equal, mesh, random_state
+from support import REPO, ckpt
+from support.arrays import abstract, assert_trees_equal, mesh, random_state
 
 TMP_SUFFIX = '.orbax-checkpoint-tmp'
-
-
-def _abstract(state):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                      if isinstance(x, jax.Array) else x, state)
-
-
-def _save(directory, state, step=0):
-  with ocp.CheckpointManager(directory) as mngr:
-    mngr.save(step, args=ocp.args.StandardSave(state))
-    mngr.wait_until_finished()
 
 
 def _restore(directory, step=0, target=None):
@@ -66,7 +55,7 @@ def test_save_writes_the_index_before_the_commit(tmp_path):
   orbax_finalize.install(merge_and_look)
   try:
     state = random_state(mesh())
-    _save(tmp_path, state)
+    ckpt.save(tmp_path, state)
   finally:
     orbax_finalize.install(index_lib.merge_item)
   # Orbax's finalize ran it on the item's temporary directory, before the rename committed it.
@@ -99,9 +88,9 @@ def test_a_failing_merge_leaves_the_step_uncommitted(tmp_path):
 
 def test_restore_reads_one_metadata_object(tmp_path):
   state = random_state(mesh())
-  _save(tmp_path, state)
+  ckpt.save(tmp_path, state)
   with _Reads() as r:
-    restored = _restore(tmp_path, target=_abstract(state))
+    restored = _restore(tmp_path, target=abstract(state))
   assert_trees_equal(restored, state)
   assert r.counts == {'index': 1}
   assert orbax_pathways.stats.last_restore().chunks_verified > 0
@@ -116,14 +105,14 @@ def test_restore_reads_one_metadata_object(tmp_path):
 def test_a_step_saved_again_under_the_same_number_is_read_anew(tmp_path):
   m = mesh()
   first = random_state(m, seed=1)
-  _save(tmp_path, first)
-  assert_trees_equal(_restore(tmp_path, target=_abstract(first)), first)  # index now cached
+  ckpt.save(tmp_path, first)
+  assert_trees_equal(_restore(tmp_path, target=abstract(first)), first)  # index now cached
   with ocp.CheckpointManager(tmp_path) as mngr:
     mngr.delete(0)
   second = random_state(m, seed=2)
-  _save(tmp_path, second)
+  ckpt.save(tmp_path, second)
   before = meta_io.read_counts()
-  assert_trees_equal(_restore(tmp_path, target=_abstract(second)), second)
+  assert_trees_equal(_restore(tmp_path, target=abstract(second)), second)
   after = meta_io.read_counts()
   assert after.get('index', 0) == before.get('index', 0) + 1  # not served from the cache
   assert orbax_pathways.stats.last_restore().chunks_verified > 0  # the new step's checksums
@@ -145,7 +134,7 @@ def test_an_index_rewritten_in_place_is_not_served_from_the_cache(tmp_path):
 
 def test_checkpoint_without_index_restores_and_verifies_from_its_records(tmp_path):
   state = random_state(mesh())
-  _save(tmp_path, state)
+  ckpt.save(tmp_path, state)
   pw = tmp_path / '0' / 'default' / '_pathways'
   os.remove(pw / 'index.msgpack')  # as schema 1 wrote it: the records only
   import msgpack  # pylint: disable=g-import-not-at-top
@@ -153,7 +142,7 @@ def test_checkpoint_without_index_restores_and_verifies_from_its_records(tmp_pat
   obj['schema'] = 1
   (pw / 'p0.msgpack').write_bytes(msgpack.packb(obj, use_bin_type=True))
   with _Reads() as r:
-    restored = _restore(tmp_path, target=_abstract(state))
+    restored = _restore(tmp_path, target=abstract(state))
   assert_trees_equal(restored, state)
   assert r.counts == {'list': 1, 'record': 1}
   assert orbax_pathways.stats.last_restore().chunks_verified > 0
@@ -196,20 +185,20 @@ def test_records_without_index_are_read_concurrently(faulty_gcs):
 
 def test_damaged_index_is_reported_with_its_path(tmp_path):
   state = random_state(mesh())
-  _save(tmp_path, state)
+  ckpt.save(tmp_path, state)
   index = tmp_path / '0' / 'default' / '_pathways' / 'index.msgpack'
   index.write_bytes(index.read_bytes()[:30])
   meta_io.clear_cache()
   with pytest.raises(metadata.MetadataError, match=r'orbax-pathways index .*0/default/_pathways/'
                                                    r'index\.msgpack is damaged.*orbax-pathways verify'):
-    _restore(tmp_path, target=_abstract(state))
+    _restore(tmp_path, target=abstract(state))
 
 
 def test_merge_item_leaves_items_without_records_and_existing_indexes_alone(tmp_path):
   assert index_lib.merge_item(tmp_path / 'nothing') is None
   assert not (tmp_path / 'nothing').exists()
   state = random_state(mesh())
-  _save(tmp_path, state)
+  ckpt.save(tmp_path, state)
   item = tmp_path / '0' / 'default'
   stamp = os.stat(item / '_pathways' / 'index.msgpack').st_mtime_ns
   assert index_lib.merge_item(item) is None
@@ -224,7 +213,7 @@ def test_uninstall_puts_orbax_finalize_back_exactly(tmp_path):
   orbax_pathways.uninstall()
   try:
     assert cls.__dict__['_finalize_async'] is original and not orbax_finalize.installed()
-    _save(tmp_path / 'stock', random_state(mesh()))
+    ckpt.save(tmp_path / 'stock', random_state(mesh()))
     assert not (tmp_path / 'stock' / '0' / 'default' / '_pathways').exists()
   finally:
     orbax_pathways.install()
@@ -246,11 +235,11 @@ def test_orbax_v1_saves_write_the_index_and_loads_read_it_once(tmp_path):
 
 def test_cli_verify_reads_the_index(tmp_path):
   state = random_state(mesh())
-  _save(tmp_path, state)
+  ckpt.save(tmp_path, state)
   # A damaged writer record beside a sound index: the index is what restore and the CLI read.
   record = tmp_path / '0' / 'default' / '_pathways' / 'p0.msgpack'
   record.write_bytes(b'\xc1garbage')
-  assert_trees_equal(_restore(tmp_path, target=_abstract(state)), state)
+  assert_trees_equal(_restore(tmp_path, target=abstract(state)), state)
   proc = subprocess.run([sys.executable, '-m', 'orbax_pathways', 'verify', str(tmp_path / '0')],
                         cwd=REPO, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -15,7 +15,7 @@ from orbax_pathways import checksum
 from orbax_pathways import metadata
 from orbax_pathways.storage import meta_io
 
-from helpers import mesh, put
+from support.arrays import abstract, mesh, put
 
 
 def _save(directory, use_ocdbt=True):
@@ -32,7 +32,7 @@ def _save(directory, use_ocdbt=True):
 def _restore(directory, state, use_ocdbt=True):
   handler = ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt)
   with ocp.CheckpointManager(directory, item_handlers=handler) as mngr:
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    target = abstract(state)
     return mngr.restore(0, args=ocp.args.PyTreeRestore(
         target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
 

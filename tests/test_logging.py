@@ -6,7 +6,7 @@ process has long since imported everything) with a root handler at INFO, as a us
 
 import json
 
-from helpers import run_python
+from support.procs import run_python
 
 # Saves and restores one sharded array with a custom logger, then saves with the default
 # StandardLogger; prints what the user's handler and logger received as JSON on the last line.

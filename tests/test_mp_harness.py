@@ -1,4 +1,4 @@
-"""Proves tests/mp_harness.py: stock orbax CheckpointManager save/restore across real
+"""Proves tests/support/mp_harness.py: stock orbax CheckpointManager save/restore across real
 jax.distributed CPU processes (gloo), plus the harness's own failure/timeout handling."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from mp_harness import MultiProcessError, run_processes
+from support.mp_harness import MultiProcessError, run_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -26,7 +26,7 @@ ROUNDTRIP_WORKER = """
 import os
 import sys
 
-import mp_worker_lib as w
+from support import mp_worker as w
 
 w.init()
 
@@ -154,7 +154,7 @@ def test_orbax_roundtrip_4_processes_x_2_devices(tmp_path):
 
 FAILING_WORKER = """
 import subprocess, sys
-import mp_worker_lib as w
+from support import mp_worker as w
 w.init()
 from jax.experimental import multihost_utils
 # A grandchild in the worker's process group: must not survive the run.
@@ -215,7 +215,7 @@ def test_emit_args_env_and_shared_dir(tmp_path):
   script = tmp_path / 'worker.py'
   script.write_text(
       'import os, sys\n'
-      'import mp_worker_lib as w\n'
+      'from support import mp_worker as w\n'
       'w.init()\n'
       'import jax\n'
       'open(os.path.join(w.shared_dir(), f"hello_{w.process_id()}"), "w").close()\n'

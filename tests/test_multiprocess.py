@@ -1,6 +1,6 @@
 """orbax-pathways under real multi-controller JAX: N jax.distributed CPU processes (gloo) on
 127.0.0.1 share one checkpoint directory and run *unchanged* ``ocp.CheckpointManager`` code after
-``import orbax_pathways`` (worker: ``tests/mp_workers/pathways_worker.py``).
+``import orbax_pathways`` (worker: ``tests/support/workers/pathways_worker.py``).
 
 Everything here is real: processes, Orbax, OCDBT, tensorstore. The parent computes from the
 shardings alone what each process must write / read and checks what the workers report
@@ -11,7 +11,6 @@ and sha256 of every addressable shard after restore.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import itertools
 import math
 import os
@@ -20,15 +19,13 @@ import time
 import numpy as np
 import pytest
 
-from mp_harness import MultiProcessError, run_processes
 from orbax_pathways import metadata as pw_metadata
+from support.mp_harness import run_processes
+from support.workers import pathways_worker as wk  # numpy-only top: the workers' values, specs
 
 pytestmark = pytest.mark.multiprocess
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'mp_workers', 'pathways_worker.py')
-_spec = importlib.util.spec_from_file_location('pathways_worker', WORKER)
-wk = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(wk)  # numpy-only top half: the values and specs the workers use
+WORKER = wk.__file__
 
 MiB = 1 << 20
 MIN_SPLIT_BYTES = 1 << 20  # plan/save.py: replica-split pieces are at least this big

@@ -17,7 +17,9 @@ from orbax_pathways import elastic
 from orbax_pathways import preemption
 from orbax_pathways.storage import meta_io
 
-from helpers import REPO, assert_trees_equal, mesh, put, random_state, run_python
+from support import REPO
+from support.arrays import assert_trees_equal, mesh, put, random_state
+from support.procs import run_python
 
 v1 = ocp.v1
 

@@ -18,7 +18,7 @@ import orbax_pathways
 from orbax_pathways import values
 from orbax_pathways.transports import persistence
 
-from helpers import assert_trees_equal, mesh, put
+from support.arrays import assert_trees_equal, mesh, put
 
 
 def _leaf(name, arr, stored=None):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,10 +17,11 @@ import pytest
 
 from orbax_pathways import preemption
 from orbax_pathways import retention
-from orbax_pathways._compat import orbax_manager as om
+from support import REPO
+from support.mp_harness import run_processes
+from support.procs import child_env, free_port
 
 PY = sys.executable
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -308,19 +308,12 @@ _LOOP = textwrap.dedent('''
 ''')
 
 
-def _env():
-  env = dict(os.environ)
-  env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
-  env['JAX_PLATFORMS'] = 'cpu'
-  return env
-
-
 def test_sigterm_saves_at_notice_commits_and_exits_zero_then_resumes(tmp_path):
   script = tmp_path / 'loop.py'
   script.write_text(_LOOP)
   ckpt = tmp_path / 'ckpt'
   proc = subprocess.Popen([PY, str(script), str(ckpt), 'train'], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
+                          stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
   lines = []
   deadline = time.time() + 120
   while time.time() < deadline:
@@ -349,7 +342,7 @@ def test_sigterm_saves_at_notice_commits_and_exits_zero_then_resumes(tmp_path):
   assert saved == [100, 200, notice_step]
 
   r = subprocess.run([PY, str(script), str(ckpt), 'resume'], capture_output=True, text=True,
-                     env=_env(), cwd=REPO, timeout=120)
+                     env=child_env(), cwd=REPO, timeout=120)
   assert r.returncode == 0, r.stderr[-3000:]
   resumed = [l.split() for l in r.stdout.splitlines() if l.startswith('RESUMED')]
   assert resumed == [['RESUMED', str(notice_step), 'True', 'True']] * 2, r.stdout
@@ -381,17 +374,11 @@ _MC = textwrap.dedent('''
 ''')
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
 def test_multi_controller_kv_agreement(tmp_path):
   script = tmp_path / 'mc.py'
   script.write_text(_MC)
-  port = str(_free_port())
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  port = str(free_port())
+  env = child_env()
   procs = [subprocess.Popen([PY, str(script), str(i), port], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
            for i in range(2)]
@@ -411,7 +398,7 @@ def test_multi_controller_kv_agreement(tmp_path):
 _MP_RESUME = '''
     import sys
     import numpy as np
-    import mp_worker_lib as w
+    from support import mp_worker as w
     w.init()
     import jax
     import orbax.checkpoint as ocp
@@ -441,7 +428,6 @@ _MP_RESUME = '''
 
 @pytest.mark.multiprocess
 def test_resume_fallback_is_agreed_by_every_process(tmp_path):
-  from mp_harness import run_processes  # pylint: disable=g-import-not-at-top
   ckpt = tmp_path / 'ckpt'
   results = run_processes(_MP_RESUME, 2, 2, args=['save', str(ckpt)], timeout=180)
   assert [r.result for r in results] == [{'saved': [1, 2]}] * 2

@@ -18,9 +18,9 @@ from etils import epath
 
 from orbax_pathways import retention
 from orbax_pathways._compat import orbax_manager as om
+from support import REPO
 
 PY = sys.executable
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _state(step: int) -> dict:

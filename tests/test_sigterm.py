@@ -8,7 +8,6 @@ asserts a duration.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -20,16 +19,16 @@ import time
 
 import pytest
 
-from gcs_server import hermetic_env
+from support import REPO
+from support.gcs_server import hermetic_env
+from support.procs import child_env, last_json
 
 PY = sys.executable
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANG = 180  # seconds after which a subprocess counts as hung (the bug made them run forever)
 
 
 def _env(**extra) -> dict:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=REPO)
-  env.pop('XLA_FLAGS', None)  # one CPU device is enough here
+  env = child_env(devices=None)  # one CPU device is enough here
   for k in ('ORBAX_PATHWAYS_NO_SIGTERM', 'ORBAX_PATHWAYS_SIGTERM_GRACE_S'):
     env.pop(k, None)
   env.update({k: str(v) for k, v in extra.items()})
@@ -40,12 +39,6 @@ def _script(tmp_path, name: str, code: str) -> str:
   path = tmp_path / name
   path.write_text(textwrap.dedent(code))
   return str(path)
-
-
-def _last_json(out: str) -> dict:
-  lines = [l for l in out.splitlines() if l.startswith('{')]
-  assert lines, out[-3000:]
-  return json.loads(lines[-1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -72,14 +65,14 @@ def test_import_and_cli_leave_sigterm_alone_manager_in_main_thread_takes_it(tmp_
   r = subprocess.run([PY, _script(tmp_path, 'where.py', _WHERE), str(tmp_path)],
                      capture_output=True, text=True, env=_env(), timeout=HANG, cwd=REPO)
   assert r.returncode == 0, r.stderr[-3000:]
-  assert _last_json(r.stdout) == {'after_import': 'default',
+  assert last_json(r.stdout) == {'after_import': 'default',
                                   'after_manager_off_main_thread': 'default',
                                   'after_manager': '_sigterm_handler'}
   r = subprocess.run([PY, _script(tmp_path, 'where.py', _WHERE), str(tmp_path)],
                      capture_output=True, text=True, timeout=HANG, cwd=REPO,
                      env=_env(ORBAX_PATHWAYS_NO_SIGTERM='yes'))
   assert r.returncode == 0, r.stderr[-3000:]
-  assert _last_json(r.stdout)['after_manager'] == 'default'
+  assert last_json(r.stdout)['after_manager'] == 'default'
   # The CLI module imports the package but never makes SIGTERM a notice.
   r = subprocess.run([PY, '-c', 'import signal, orbax_pathways.cli.main as m; '
                       'print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)'],
@@ -148,7 +141,7 @@ def test_multiprocessing_children_stop_on_sigterm(tmp_path, method, case):
   r = subprocess.run([PY, script, method, str(tmp_path), case], capture_output=True, text=True,
                      env=_env(), timeout=HANG, cwd=REPO)
   assert r.returncode == 0, r.stderr[-3000:]
-  result = _last_json(r.stdout)
+  result = last_json(r.stdout)
   if case == 'pool_exception':
     assert result == {'raised': 'boom in the pool block'}
   elif case == 'pool_terminate':
@@ -202,7 +195,7 @@ def test_stray_notice_costs_one_save_then_the_grace_period_ends_the_process(tmp_
                      text=True, env=_env(ORBAX_PATHWAYS_SIGTERM_GRACE_S=10), timeout=HANG,
                      cwd=REPO)
   assert r.returncode == -signal.SIGTERM, (r.returncode, r.stderr[-3000:])
-  result = _last_json(r.stdout)
+  result = last_json(r.stdout)
   # Exactly one preemption save (21); steps 22-59 follow the interval; retention keeps the
   # rollback history [30, 40, 50] (the bug saved every step and kept [57, 58, 59]).
   assert result == {'saved': [0, 10, 20, 21, 30, 40, 50], 'kept': [30, 40, 50],

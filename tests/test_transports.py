@@ -13,7 +13,9 @@ import orbax_pathways
 from orbax_pathways import runtime
 from orbax_pathways.storage import meta_io
 
-from helpers import assert_stock_reads_same, assert_trees_equal, mesh, random_state
+from support.arrays import assert_trees_equal, mesh, random_state
+from support.ckpt import assert_stock_reads_same
+from support.mp_harness import run_processes
 
 
 def test_detect_runtime_single_process_and_override(monkeypatch):
@@ -32,16 +34,15 @@ def test_detect_runtime_single_process_and_override(monkeypatch):
 
 
 _WORKER = """
-import mp_worker_lib
-mp_worker_lib.init()
+from support import mp_worker
+mp_worker.init()
 from orbax_pathways import runtime
-mp_worker_lib.emit({'runtime': runtime.detect_runtime().value,
-                    'transport': runtime.choose_transport().value})
+mp_worker.emit({'runtime': runtime.detect_runtime().value,
+                'transport': runtime.choose_transport().value})
 """
 
 
 def test_multi_controller_runtime_is_detected_in_a_distributed_process():
-  from mp_harness import run_processes  # pylint: disable=g-import-not-at-top
   results = run_processes(_WORKER, num_processes=2, devices_per_process=1, timeout=120)
   assert {(r.result['runtime'], r.result['transport']) for r in results} == {
       ('multi_controller', 'local')}

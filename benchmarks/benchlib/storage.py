@@ -1,7 +1,7 @@
 """Where the benchmark's checkpoints go, how they are removed, and the bytes that came off storage.
 
 cpu / gpu modes: a fresh directory (``--dir`` or ``/tmp/orbax-bench-*``) removed at the end.
-gcs mode: a bucket on ``tests/gcs_server.py``'s fake-gcs-server (memory backend, loopback), with
+gcs mode: a bucket on ``tests/support/gcs_server.py``'s fake-gcs-server (memory backend, loopback), with
 that module's environment applied to this process (and inherited by the RSS subprocesses).
 ``ts_bytes_read`` sums tensorstore's per-driver kvstore ``bytes_read`` counters, the same counter
 for both handlers. Nothing here imports jax.
@@ -20,16 +20,16 @@ from benchlib import TESTS
 
 
 def import_gcs_server():
-  """tests/gcs_server.py (FakeGcs), or None with the reason."""
-  if not os.path.exists(os.path.join(TESTS, 'gcs_server.py')):
-    return None, 'tests/gcs_server.py is absent'
+  """tests/support/gcs_server.py (FakeGcs), or None with the reason."""
+  if not os.path.exists(os.path.join(TESTS, 'support', 'gcs_server.py')):
+    return None, 'tests/support/gcs_server.py is absent'
   if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
   try:
-    import gcs_server  # pylint: disable=import-outside-toplevel
+    from support import gcs_server  # pylint: disable=import-outside-toplevel
     return gcs_server, None
   except Exception as e:  # pylint: disable=broad-except
-    return None, f'cannot import tests/gcs_server.py: {type(e).__name__}: {e}'
+    return None, f'cannot import tests/support/gcs_server.py: {type(e).__name__}: {e}'
 
 
 class Storage:

@@ -2,7 +2,7 @@
 
     cd /work/main && .venv/bin/python tests/golden/generate.py
 
-Deletes and rewrites tests/golden/<variant>/ for every variant in golden_lib.VARIANTS, and
+Deletes and rewrites tests/golden/<variant>/ for every variant in support.golden.VARIANTS, and
 tests/golden/expected.npz. Runs on 8 forced host CPU devices in one process.
 """
 
@@ -19,14 +19,15 @@ _flags = re.sub(r'--xla_force_host_platform_device_count=\S*', '',
 os.environ['XLA_FLAGS'] = f'{_flags} --xla_force_host_platform_device_count=8'.strip()
 os.environ['JAX_PLATFORMS'] = 'cpu'
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: support
 
 import jax  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
 
-import golden_lib as gl  # pylint: disable=g-import-not-at-top
+from support import golden as gl  # pylint: disable=g-import-not-at-top
+from support.arrays import mesh as make_mesh  # pylint: disable=g-import-not-at-top
 
 assert 'orbax_pathways' not in sys.modules, 'goldens must be written by stock orbax only'
 
@@ -46,7 +47,7 @@ def build_state(mesh):
 
 def main():
   assert jax.device_count() == gl.NUM_DEVICES, jax.devices()
-  mesh = gl.make_mesh()
+  mesh = make_mesh(gl.MESH_SHAPE, gl.MESH_AXES)
   flat = build_state(mesh)
   state = gl.unflatten(flat)
   for variant, (use_ocdbt, use_zarr3) in gl.VARIANT_OPTIONS.items():

@@ -1,70 +1,33 @@
-"""Small builders shared by the tests: meshes, states and comparisons on 8 CPU devices."""
+"""Meshes, sharded states and tree comparisons on the test process's 8 virtual CPU devices.
+
+The one set of builders the tests share (imports jax): ``mesh`` / ``put`` build arrays,
+``random_state`` is the suite's standard train-state-like tree, ``abstract`` its restore target;
+``assert_trees_equal`` / ``assert_bit_identical`` compare what a user would compare after a
+restore (tree, dtypes, shapes, bytes; shardings for the latter).
+"""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def mesh(shape=(4, 2), axes=('data', 'model'), devices=None) -> Mesh:
+  """A mesh of ``shape`` over the first devices (or over ``devices``), row-major by device id."""
   devices = devices if devices is not None else jax.devices()[: int(np.prod(shape))]
   return Mesh(np.asarray(devices).reshape(shape), axes)
 
 
 def put(value, m: Mesh, *spec) -> jax.Array:
+  """``value`` placed on ``m`` with ``PartitionSpec(*spec)`` (no spec: replicated)."""
   return jax.device_put(value, NamedSharding(m, P(*spec)))
 
 
-def host(x):
-  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
-  return np.asarray(x)
-
-
-def assert_trees_equal(a, b):
-  la, ta = jax.tree.flatten(a)
-  lb, tb = jax.tree.flatten(b)
-  assert ta == tb, f'tree structure differs: {ta} vs {tb}'
-  for x, y in zip(la, lb):
-    hx, hy = host(x), host(y)
-    assert hx.dtype == hy.dtype, (hx.dtype, hy.dtype)
-    assert hx.shape == hy.shape, (hx.shape, hy.shape)
-    np.testing.assert_array_equal(hx, hy)
-
-
-def run_python(code: str, *, env=None, timeout=180) -> subprocess.CompletedProcess:
-  """Runs ``code`` in a fresh interpreter (8 CPU devices) and fails with its output on error."""
-  full_env = dict(os.environ)
-  full_env.update(env or {})
-  proc = subprocess.run([sys.executable, '-c', textwrap.dedent(code)], env=full_env, cwd=REPO,
-                        capture_output=True, text=True, timeout=timeout)
-  assert proc.returncode == 0, f'subprocess failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}'
-  return proc
-
-
-def assert_stock_reads_same(dir_a, dir_b, step: int = 0) -> None:
-  """Stock Orbax, in a fresh interpreter that never imports orbax_pathways, restores ``step``
-  of both checkpoint directories to identical leaves."""
-  run_python(f"""
-      import numpy as np, orbax.checkpoint as ocp, sys, jax
-      a = ocp.CheckpointManager({str(dir_a)!r}).restore({step})
-      b = ocp.CheckpointManager({str(dir_b)!r}).restore({step})
-      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-      assert 'orbax_pathways' not in sys.modules
-  """)
-
-
 def random_state(m: Mesh, seed: int = 0) -> dict:
+  """A small train state on a (data, model) mesh: sharded, partly replicated and replicated
+  float32 / bfloat16 arrays plus a Python int."""
   rng = np.random.default_rng(seed)
   return {
       'params': {
@@ -77,15 +40,48 @@ def random_state(m: Mesh, seed: int = 0) -> dict:
   }
 
 
-def save_with_options(directory, state, step: int = 0, **options) -> None:
-  """Saves ``state`` with unchanged CheckpointManager code under ``Options(**options)``, then
-  puts the default options back."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  import orbax_pathways  # pylint: disable=g-import-not-at-top
-  orbax_pathways.install(orbax_pathways.Options(**options))
-  try:
-    with ocp.CheckpointManager(directory) as mngr:
-      mngr.save(step, args=ocp.args.StandardSave(state))
-      mngr.wait_until_finished()
-  finally:
-    orbax_pathways.install(orbax_pathways.Options.from_env())
+def abstract(tree):
+  """Restore target of ``tree``: each jax.Array as a ShapeDtypeStruct with its sharding, every
+  other leaf as it is."""
+  def leaf(x):
+    if isinstance(x, jax.Array):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return x
+  return jax.tree.map(leaf, tree)
+
+
+def host(x):
+  """``x`` as a numpy array (PRNG keys as their key data)."""
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  return np.asarray(x)
+
+
+def assert_trees_equal(a, b):
+  """Same tree structure; every leaf the same dtype, shape and values."""
+  la, ta = jax.tree.flatten(a)
+  lb, tb = jax.tree.flatten(b)
+  assert ta == tb, f'tree structure differs: {ta} vs {tb}'
+  for x, y in zip(la, lb):
+    hx, hy = host(x), host(y)
+    assert hx.dtype == hy.dtype, (hx.dtype, hy.dtype)
+    assert hx.shape == hy.shape, (hx.shape, hy.shape)
+    np.testing.assert_array_equal(hx, hy)
+
+
+def assert_bit_identical(restored, expected, *, same_sharding=True):
+  """``assert_trees_equal``, and every jax.Array leaf byte for byte the same (PRNG keys: same
+  implementation and key data), on an equivalent sharding unless ``same_sharding`` is False."""
+  assert_trees_equal(restored, expected)
+  for (kp, r), e in zip(jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(expected)):
+    name = jax.tree_util.keystr(kp)
+    if isinstance(e, jax.Array):
+      if jax.dtypes.issubdtype(e.dtype, jax.dtypes.prng_key):
+        assert jax.dtypes.issubdtype(r.dtype, jax.dtypes.prng_key), name
+        assert jax.random.key_impl(r) == jax.random.key_impl(e), name
+        r, e = jax.random.key_data(r), jax.random.key_data(e)
+      else:
+        assert r.dtype == e.dtype, name
+      assert np.asarray(r).tobytes() == np.asarray(e).tobytes(), name
+      if same_sharding:
+        assert r.sharding.is_equivalent_to(e.sharding, e.ndim), name

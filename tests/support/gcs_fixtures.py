@@ -1,6 +1,5 @@
-"""pytest fixtures for tests against fake-gcs-server (import them into tests/conftest.py).
-
-    from tests.conftest_gcs import fake_gcs, gcs_bucket, faulty_gcs  # noqa: F401
+"""pytest fixtures for tests against fake-gcs-server, in the process that runs pytest
+(``tests/conftest.py`` imports them: ``fake_gcs``, ``gcs_bucket``, ``faulty_gcs``).
 
 Importing this module sets the endpoint-independent variables of ``hermetic_env`` in
 os.environ at once, because several are read only when a library is imported
@@ -13,17 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import tempfile
 import uuid
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from fault_proxy import FaultProxy  # noqa: E402
-from gcs_server import FakeGcs, configure_fsspec_anon, hermetic_env  # noqa: E402
+from support.fault_proxy import FaultProxy
+from support.gcs_server import FakeGcs, configure_fsspec_anon, hermetic_env
 
 _ENDPOINT_KEYS = ('STORAGE_EMULATOR_HOST', 'TENSORSTORE_GCS_HTTP_URL')
 

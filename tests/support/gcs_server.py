@@ -13,13 +13,14 @@ import contextlib
 import http.client
 import json
 import os
-import socket
 import subprocess
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Iterator
+
+from support.procs import free_port
 
 # Unroutable loopback address: anything that tries a GCE metadata server fails at once.
 _NO_METADATA = '127.0.0.1:1'
@@ -69,12 +70,6 @@ def _die_with_parent() -> None:
     ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
   except Exception:
     pass
-
-
-def free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
 
 
 def hermetic_env(url: str, config_dir: str) -> dict[str, str]:

@@ -10,7 +10,10 @@ string keys, so the mapping is one-to-one. In the npz, every value is stored as 
 bfloat16 is not a native npz dtype, so bfloat16 leaves are stored as float32 (all golden values
 are exactly representable) and ``expected_state()`` casts them back from ``LEAVES``' dtype.
 
-This module must not import orbax_pathways (the goldens are a stock-orbax reference).
+Read by the format tests and the CLI tests in the pytest process, by a fresh stock-Orbax
+interpreter that restores our checkpoints (``test_format_compat``), and by
+``tests/golden/generate.py``. This module must not import orbax_pathways (the goldens are a
+stock-orbax reference).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-GOLDEN_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'golden')
+GOLDEN_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'golden')
 EXPECTED_NPZ = os.path.join(GOLDEN_ROOT, 'expected.npz')
 GOLDEN_STEP = 3
 ITEM = 'default'  # CheckpointManager's item name for a single StandardSave
@@ -175,15 +178,6 @@ def npz_payload(flat: dict[str, Any]) -> dict[str, np.ndarray]:
       a = a.astype(np.float32)
     out[key] = a
   return out
-
-
-def make_mesh(devices=None):
-  """The generation mesh: Mesh((4, 2), ('data', 'model')) over the first 8 devices."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
-
-  devices = jax.devices() if devices is None else devices
-  return Mesh(np.asarray(devices[:NUM_DEVICES]).reshape(MESH_SHAPE), MESH_AXES)
 
 
 def abstract_target(mesh) -> dict[str, Any]:

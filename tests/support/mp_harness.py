@@ -2,7 +2,7 @@
 
 Usage (parent, e.g. inside a pytest test)::
 
-    from mp_harness import run_processes
+    from support.mp_harness import run_processes
     results = run_processes(WORKER_SOURCE, num_processes=2, devices_per_process=4,
                             shared_dir=tmp_path, timeout=60)
     assert results[0].result == results[1].result
@@ -12,11 +12,12 @@ Each worker is ``sys.executable <script> *args`` in its own process group (sessi
 * ``JAX_PLATFORMS=cpu``
 * ``XLA_FLAGS=--xla_force_host_platform_device_count=<devices_per_process>`` (other flags
   already in ``XLA_FLAGS`` are kept; an existing device-count flag is replaced)
-* ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo`` (``mp_worker_lib.init`` also does
+* ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo`` (``mp_worker.init`` also does
   ``jax.config.update('jax_cpu_collectives_implementation', 'gloo')``)
 * ``MP_*`` variables (coordinator ``127.0.0.1:<free port>``, N, id, results dir, shared dir)
-  read by ``mp_worker_lib.init()`` / ``emit()`` / ``shared_dir()``
-* ``PYTHONPATH`` = this ``tests/`` directory + the repository root + the caller's PYTHONPATH.
+  read by ``mp_worker.init()`` / ``emit()`` / ``shared_dir()``
+* ``PYTHONPATH`` = ``tests/`` + the repository root + the caller's PYTHONPATH
+  (``procs.child_env``), so a worker script anywhere does ``from support import mp_worker``.
 
 The worker's stdout/stderr go to files (no pipe can fill up and block a worker). The parent
 polls; when every worker has exited it returns one ``ProcessResult`` per process. If a worker
@@ -24,7 +25,7 @@ fails, the others get ``fail_fast_grace`` seconds to finish and are then killed 
 otherwise leaves them blocked in a barrier until jax's own timeouts). On timeout, on failure,
 on KeyboardInterrupt, on any exception in the parent: every process group is SIGKILLed and
 reaped, so no worker (or anything a worker spawned) outlives ``run_processes``. Workers also
-set ``PR_SET_PDEATHSIG=SIGKILL`` when they import ``mp_worker_lib`` (Linux), so they die if the
+set ``PR_SET_PDEATHSIG=SIGKILL`` when they import ``mp_worker`` (Linux), so they die if the
 parent itself is SIGKILLed (a preexec_fn would do it earlier but is unsafe in a threaded parent).
 """
 
@@ -34,10 +35,8 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,12 +44,9 @@ import textwrap
 import time
 from typing import Any, Mapping, Sequence
 
-import mp_worker_lib as _w
-
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(TESTS_DIR)
-
-_DEVICE_COUNT_FLAG = re.compile(r'--xla_force_host_platform_device_count=\S*')
+from support import REPO
+from support import mp_worker as _w
+from support.procs import child_env, free_port
 
 
 @dataclasses.dataclass
@@ -87,13 +83,6 @@ class MultiProcessError(RuntimeError):
         parts.append(f'--- stdout tail ---\n{r.stdout_tail.rstrip()}')
       parts.append(f'--- stderr tail ---\n{r.stderr_tail.rstrip()}')
     super().__init__('\n'.join(parts))
-
-
-def free_port() -> int:
-  """A TCP port free on 127.0.0.1 right now (the coordinator binds it a moment later)."""
-  with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
 
 
 def _tail(path: str, max_chars: int) -> str:
@@ -145,18 +134,9 @@ def _worker_env(
     shared_dir: str,
     init_timeout: float | None,
 ) -> dict[str, str]:
-  env = dict(base)
-  xla_flags = _DEVICE_COUNT_FLAG.sub('', env.get('XLA_FLAGS', '')).strip()
-  env['XLA_FLAGS'] = (
-      f'{xla_flags} --xla_force_host_platform_device_count={devices_per_process}'.strip()
-  )
-  env['JAX_PLATFORMS'] = 'cpu'
+  env = child_env(base=base, devices=devices_per_process)
   env['JAX_CPU_COLLECTIVES_IMPLEMENTATION'] = 'gloo'
   env['PYTHONUNBUFFERED'] = '1'
-  pythonpath = [TESTS_DIR, REPO_ROOT]
-  if env.get('PYTHONPATH'):
-    pythonpath.append(env['PYTHONPATH'])
-  env['PYTHONPATH'] = os.pathsep.join(pythonpath)
   env[_w.ENV_COORDINATOR] = coordinator
   env[_w.ENV_NUM_PROCESSES] = str(num_processes)
   env[_w.ENV_PROCESS_ID] = str(pid)
@@ -199,7 +179,7 @@ def run_processes(
     env: extra environment for every worker (applied last, so it can override the harness's).
     timeout: wall-clock seconds for the whole run; then every worker is killed and
       MultiProcessError raised (regardless of ``check``).
-    shared_dir: directory passed to every worker as ``mp_worker_lib.shared_dir()``. Created if
+    shared_dir: directory passed to every worker as ``mp_worker.shared_dir()``. Created if
       missing and left in place. Default: a fresh temp dir, deleted after the run.
     per_process_args / per_process_env: optional per-worker extra argv / env (length N).
     check: raise MultiProcessError if any worker exits non-zero. With check=False the results
@@ -255,7 +235,7 @@ def run_processes(
         logs.append((out_path, err_path))
         with open(out_path, 'wb') as out, open(err_path, 'wb') as err:
           procs.append(subprocess.Popen(
-              argv, env=wenv, cwd=os.fspath(cwd) if cwd else REPO_ROOT,
+              argv, env=wenv, cwd=os.fspath(cwd) if cwd else REPO,
               stdin=subprocess.DEVNULL, stdout=out, stderr=err,
               start_new_session=True))
 

@@ -1,13 +1,14 @@
-"""Worker-side half of the multi-process JAX test harness (see ``mp_harness.py``).
+"""Worker-side half of the multi-process JAX test harness (see ``mp_harness.py``): runs in each
+``jax.distributed`` worker process that ``mp_harness.run_processes`` starts.
 
-A worker script started by ``mp_harness.run_processes`` does::
+A worker script does::
 
-    import mp_worker_lib as w
+    from support import mp_worker as w
     w.init()                      # jax.distributed.initialize from the harness's env vars
     ...                           # jax / orbax work; w.shared_dir() is common to all workers
     w.emit({'checksum': ...})     # JSON result handed back to the parent
 
-The harness puts this file's directory on ``PYTHONPATH``, so ``import mp_worker_lib`` works
+The harness puts ``tests/`` on ``PYTHONPATH``, so ``from support import mp_worker`` works
 from a script anywhere. Everything is read from environment variables that the harness sets;
 ``XLA_FLAGS`` / ``JAX_PLATFORMS`` are set before the interpreter starts, so they are in force
 when jax is first imported.
@@ -60,7 +61,7 @@ def _env(name: str) -> str:
     return os.environ[name]
   except KeyError:
     raise RuntimeError(
-        f'{name} is not set: this script must be started by mp_harness.run_processes'
+        f'{name} is not set: this script must be started by support.mp_harness.run_processes'
     ) from None
 
 

@@ -2,7 +2,7 @@
 and restoring with a stock ``ocp.CheckpointManager`` after ``import orbax_pathways``, reporting
 how many ``_pathways/`` objects it read in each phase (``meta_io.read_counts()``).
 
-Usage (started by ``mp_harness.run_processes``)::
+Usage (started by ``support.mp_harness.run_processes``)::
 
     fleet_worker.py CKPT_DIR
 
@@ -21,7 +21,7 @@ ROWS_PER_PROCESS = 16
 
 
 def main() -> None:
-  import mp_worker_lib as w  # pylint: disable=g-import-not-at-top
+  from support import mp_worker as w  # pylint: disable=g-import-not-at-top
 
   w.init()
 

@@ -1,7 +1,7 @@
 """Worker for tests/test_multiprocess.py: one jax.distributed process saving / restoring with a
 stock ``ocp.CheckpointManager`` after ``import orbax_pathways``.
 
-Usage (started by ``mp_harness.run_processes``)::
+Usage (started by ``support.mp_harness.run_processes``)::
 
     pathways_worker.py MODE CKPT_DIR [key=value ...]
 
@@ -62,7 +62,7 @@ def sha(a: np.ndarray) -> str:
 # ---- worker side --------------------------------------------------------------------------
 
 def main() -> None:
-  import mp_worker_lib as w  # pylint: disable=g-import-not-at-top
+  from support import mp_worker as w  # pylint: disable=g-import-not-at-top
 
   w.init()
 

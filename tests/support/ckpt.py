@@ -1,0 +1,68 @@
+"""The library's install state around a block, and saves with unchanged CheckpointManager code.
+
+Tests compare orbax_pathways with stock Orbax and with non-default ``Options`` in one process; the
+autouse fixture in ``tests/conftest.py`` puts the default install back after every test, and these
+helpers put it back at the end of their block, so a test can go on with the defaults.
+``assert_stock_reads_same`` restores in a fresh interpreter that never imports orbax_pathways.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import orbax.checkpoint as ocp
+
+import orbax_pathways
+from support import procs
+
+
+def install_defaults() -> None:
+  """What ``import orbax_pathways`` installs (options from the environment)."""
+  orbax_pathways.install(orbax_pathways.Options.from_env())
+
+
+@contextlib.contextmanager
+def options(**kwargs):
+  """orbax_pathways installed with ``Options(**kwargs)`` inside the block (yields the handler);
+  the defaults after it."""
+  handler = orbax_pathways.install(orbax_pathways.Options(**kwargs))
+  try:
+    yield handler
+  finally:
+    install_defaults()
+
+
+@contextlib.contextmanager
+def stock_orbax():
+  """Stock Orbax inside the block (orbax_pathways uninstalled); the defaults after it."""
+  orbax_pathways.uninstall()
+  try:
+    yield
+  finally:
+    install_defaults()
+
+
+def save(directory, state, step: int = 0, **manager_kwargs) -> None:
+  """Saves ``state`` as ``step`` with a CheckpointManager on ``directory`` and waits for it."""
+  with ocp.CheckpointManager(directory, **manager_kwargs) as mngr:
+    mngr.save(step, args=ocp.args.StandardSave(state))
+    mngr.wait_until_finished()
+
+
+def save_with_options(directory, state, step: int = 0, **kwargs) -> None:
+  """``save`` under ``Options(**kwargs)``, then the default options again."""
+  with options(**kwargs):
+    save(directory, state, step)
+
+
+def assert_stock_reads_same(dir_a, dir_b, step: int = 0) -> None:
+  """Stock Orbax, in a fresh interpreter that never imports orbax_pathways, restores ``step``
+  of both checkpoint directories to identical leaves."""
+  procs.run_python(f"""
+      import numpy as np, orbax.checkpoint as ocp, sys, jax
+      a = ocp.CheckpointManager({str(dir_a)!r}).restore({step})
+      b = ocp.CheckpointManager({str(dir_b)!r}).restore({step})
+      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+      assert 'orbax_pathways' not in sys.modules
+  """)

@@ -1,0 +1,74 @@
+"""Fresh interpreters for the tests (``python -c``), with the suite's environment.
+
+The test process itself runs on 8 virtual CPU devices (``tests/conftest.py``); a child gets the
+same environment plus ``PYTHONPATH`` = ``tests/`` + the repository root, so that it imports
+``support`` modules and the working tree's ``orbax_pathways``. Used by tests on the host that runs
+pytest; ``mp_harness`` builds its workers' environment with ``child_env`` too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+from typing import Mapping
+
+from support import REPO, TESTS
+
+_DEVICE_COUNT_FLAG = re.compile(r'--xla_force_host_platform_device_count=\S*')
+
+
+def child_env(extra: Mapping[str, object] | None = None, *, devices: int | None = 8,
+              base: Mapping[str, str] | None = None) -> dict[str, str]:
+  """``base`` (default ``os.environ``) for a child interpreter: CPU backend, ``devices`` virtual
+  CPU devices (None: no device-count flag, one device), ``PYTHONPATH`` reaching ``support``;
+  then ``extra`` (values turned into strings), which wins."""
+  env = dict(os.environ if base is None else base)
+  env['JAX_PLATFORMS'] = 'cpu'
+  flags = _DEVICE_COUNT_FLAG.sub('', env.get('XLA_FLAGS', '')).strip()
+  if devices is not None:
+    flags = f'{flags} --xla_force_host_platform_device_count={devices}'.strip()
+  if flags:
+    env['XLA_FLAGS'] = flags
+  else:
+    env.pop('XLA_FLAGS', None)
+  env['PYTHONPATH'] = os.pathsep.join(
+      [TESTS, REPO] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
+  env.update({k: str(v) for k, v in (extra or {}).items()})
+  return env
+
+
+def run_python(code: str, *, env: Mapping[str, object] | None = None, devices: int | None = 8,
+               timeout: float = 180) -> subprocess.CompletedProcess:
+  """Runs ``code`` (dedented) in a fresh interpreter in the repository root and fails with its
+  output tails unless it exits 0."""
+  proc = subprocess.run([sys.executable, '-c', textwrap.dedent(code)],
+                        env=child_env(env, devices=devices), cwd=REPO, capture_output=True,
+                        text=True, timeout=timeout)
+  assert proc.returncode == 0, (f'subprocess failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n'
+                                f'{proc.stderr[-6000:]}')
+  return proc
+
+
+def last_json(stdout: str):
+  """The JSON object printed last (lines starting with ``{``) by a child."""
+  lines = [l for l in stdout.splitlines() if l.startswith('{')]
+  assert lines, f'no JSON line in the output:\n{stdout[-3000:]}'
+  return json.loads(lines[-1])
+
+
+def run_json(code: str, **kwargs):
+  """``run_python(code, **kwargs)``; returns the JSON object the child printed last."""
+  return last_json(run_python(code, **kwargs).stdout)
+
+
+def free_port() -> int:
+  """A TCP port free on 127.0.0.1 right now (whoever needs it binds it a moment later)."""
+  with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
