@@ -15,7 +15,8 @@ os.environ['NO_GCE_CHECK'] = 'true'  # google-auth and gcsfs compare with exactl
 import pytest  # noqa: E402
 
 # fake-gcs-server fixtures (importing sets loopback-only GCS environment variables).
-from support.gcs_fixtures import fake_gcs, faulty_gcs, gcs_bucket  # noqa: E402,F401
+from support.gcs_fixtures import (  # noqa: E402,F401
+    fake_gcs, fast_gcsfs_backoff, faulty_gcs, gcs_bucket)
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,7 @@ Counts are asserted; timings live in ``benchmarks/fleet.py``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import textwrap
 
@@ -27,6 +28,12 @@ FLEETS = (64, 256)
 def _run_fleet(n: int, code: str) -> dict:
   """Runs ``code`` in a fresh interpreter with ``n`` CPU devices; returns the JSON it printed last."""
   return run_json(code, devices=n, timeout=600)
+
+
+def _per_fleet(fn) -> dict:
+  """``{n: fn(n)}`` for every fleet size, the sizes in parallel (independent subprocesses)."""
+  with concurrent.futures.ThreadPoolExecutor(len(FLEETS)) as pool:
+    return dict(zip(FLEETS, pool.map(fn, FLEETS)))
 
 
 # ---- 1. what one colocated worker call carries -------------------------------------------------
@@ -99,11 +106,14 @@ PAYLOAD_CHILD = """
 @pytest.fixture(scope='module')
 def payloads(tmp_path_factory):
   base = tmp_path_factory.mktemp('fleet')
-  out = {}
-  for n in FLEETS:
+
+  def run(n):
     ckpt = base / f'n{n:05d}'  # the same path length at every size: paths are in the call
-    out[n] = _run_fleet(n, f'CKPT = {str(ckpt)!r}\n' + textwrap.dedent(PAYLOAD_CHILD))
-    print(f'[payload] {n} devices: {out[n]}')
+    return _run_fleet(n, f'CKPT = {str(ckpt)!r}\n' + textwrap.dedent(PAYLOAD_CHILD))
+
+  out = _per_fleet(run)
+  for n, got in out.items():
+    print(f'[payload] {n} devices: {got}')
   return out
 
 
@@ -206,13 +216,17 @@ GCS_CHILD = """
 def test_requests_per_step_exceed_stock_by_a_constant_per_host(fake_gcs):
   bucket = fake_gcs.create_bucket(f'fleet-{os.getpid()}')
   code = textwrap.dedent(GCS_CHILD)
-  per_host = {}
-  for n in FLEETS:
+
+  def run(n):
     root = f'gs://{bucket}/n{n}'
     counts = {}
     for mode in ('save', 'restore'):  # the restore in a fresh process: no client cache helps
       counts[mode] = _run_fleet(n, f'import sys; sys.argv = ["-", {mode!r}, {fake_gcs.url!r}, '
                                    f'{root!r}]\n' + code)
+    return counts
+
+  per_host = {}
+  for n, counts in _per_fleet(run).items():
     print(f'[requests] {n} devices: {counts}')
     save, restore = counts['save'], counts['restore']
     # Our metadata: the colocated controller writes the index (one PUT; the finalize lists

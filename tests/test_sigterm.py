@@ -192,7 +192,7 @@ _LOOP = '''
 def test_stray_notice_costs_one_save_then_the_grace_period_ends_the_process(tmp_path):
   script = _script(tmp_path, 'loop.py', _LOOP)
   r = subprocess.run([PY, script, str(tmp_path / 'ckpt'), 'self'], capture_output=True,
-                     text=True, env=_env(ORBAX_PATHWAYS_SIGTERM_GRACE_S=10), timeout=HANG,
+                     text=True, env=_env(ORBAX_PATHWAYS_SIGTERM_GRACE_S=6), timeout=HANG,
                      cwd=REPO)
   assert r.returncode == -signal.SIGTERM, (r.returncode, r.stderr[-3000:])
   result = last_json(r.stdout)
@@ -251,17 +251,22 @@ def test_main_thread_stuck_in_native_code_is_still_terminated(tmp_path):
 def test_cli_stalled_on_storage_dies_on_sigterm_and_under_timeout(tmp_path):
   with socket.socket() as hole:
     hole.bind(('127.0.0.1', 0))
-    hole.listen(64)  # accepts (kernel backlog), never reads or answers
+    hole.listen(64)  # accepts, never answers
+    hole.settimeout(HANG)
     url = f'http://127.0.0.1:{hole.getsockname()[1]}'
     env = _env(**hermetic_env(url, tempfile.mkdtemp(prefix='gcloud-')))
     cmd = [PY, '-m', 'orbax_pathways', 'show', 'gs://bucket/ckpt', '--step', '1']
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=REPO)
     try:
-      time.sleep(6)  # well into the stalled request
-      assert proc.poll() is None, proc.communicate()[1][-3000:]  # stalled, as intended
-      proc.send_signal(signal.SIGTERM)
-      _, err = proc.communicate(timeout=HANG)
+      conn, _ = hole.accept()  # the CLI reached storage
+      with conn:
+        conn.settimeout(HANG)
+        assert conn.recv(1), 'the CLI connected but sent no request'
+        time.sleep(1)  # its request is in flight and unanswered
+        assert proc.poll() is None, proc.communicate()[1][-3000:]  # stalled, as intended
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=HANG)
     finally:
       proc.kill()
       proc.wait()

@@ -6,10 +6,15 @@ os.environ at once, because several are read only when a library is imported
 (google-auth's NO_GCE_CHECK / GCE_METADATA_HOST, gcsfs's GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT,
 fsspec's FSSPEC_GCS_*). The endpoint (STORAGE_EMULATOR_HOST, TENSORSTORE_GCS_HTTP_URL) is
 set per test by ``gcs_bucket`` / ``faulty_gcs`` with monkeypatch.
+
+Behind the fault proxy, gcsfs's own backoff between attempts (1, 2, 4, 8, 16 s plus up to 1 s)
+is only waiting: ``faulty_gcs`` scales it down (``fast_gcsfs_backoff``); every fault is still
+injected, seen and retried by the same code, the same number of times.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import tempfile
@@ -21,6 +26,7 @@ from support.fault_proxy import FaultProxy
 from support.gcs_server import FakeGcs, configure_fsspec_anon, hermetic_env
 
 _ENDPOINT_KEYS = ('STORAGE_EMULATOR_HOST', 'TENSORSTORE_GCS_HTTP_URL')
+GCSFS_BACKOFF_SCALE = 20  # gcsfs's backoff sleeps are divided by this behind the fault proxy
 
 
 def _apply_static_env() -> None:
@@ -97,10 +103,37 @@ def gcs_bucket(fake_gcs: FakeGcs, monkeypatch: pytest.MonkeyPatch) -> GcsBucket:
   configure_fsspec_anon()
 
 
+class _ScaledSleep:
+  """``asyncio`` as gcsfs.retry sees it, with ``sleep`` shortened by ``GCSFS_BACKOFF_SCALE``."""
+
+  def __init__(self, module):
+    self._module = module
+
+  def __getattr__(self, name):
+    return getattr(self._module, name)
+
+  async def sleep(self, delay, result=None):
+    return await self._module.sleep(delay / GCSFS_BACKOFF_SCALE, result)
+
+
 @pytest.fixture
-def faulty_gcs(fake_gcs: FakeGcs, monkeypatch: pytest.MonkeyPatch):
+def fast_gcsfs_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+  """gcsfs (``retry.retry_request``) sleeps ``2 ** (attempt - 1)`` s plus jitter before each of
+  its 5 retries; a test that makes storage fail on purpose only waits for that. In this process,
+  for this test, those sleeps are divided by ``GCSFS_BACKOFF_SCALE``."""
+  try:
+    import gcsfs.retry  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return
+  if getattr(gcsfs.retry, 'asyncio', None) is asyncio:
+    monkeypatch.setattr(gcsfs.retry, 'asyncio', _ScaledSleep(asyncio))
+
+
+@pytest.fixture
+def faulty_gcs(fake_gcs: FakeGcs, monkeypatch: pytest.MonkeyPatch, fast_gcsfs_backoff):
   """Like ``gcs_bucket`` but every client goes through a FaultProxy (rate 0 at first;
-  call ``faulty_gcs.proxy.set_rate(p)``)."""
+  call ``faulty_gcs.proxy.set_rate(p)``), with gcsfs's backoff shortened
+  (``fast_gcsfs_backoff``)."""
   name = fake_gcs.create_bucket(_fresh_name('f'))
   with FaultProxy(fake_gcs.url, rate=0.0, seed=1234) as proxy:
     _point_at(monkeypatch, fake_gcs, proxy.url)
