@@ -6,26 +6,39 @@ one evaluator process constructs ordinary CheckpointManagers and restores the la
 another runs ``preemption.resume`` in a loop. Checked: 0 lost saves, 0 stranded steps or
 leftovers, 0 wrong values, 0 failed restores of a step that was not deleted meanwhile. For a
 longer manual run: ``python integration/race.py --seconds 600 --evaluators 2 --evaluator both
---dir /tmp/race`` (add ``--fake-gcs --dir -`` for gs://).
+--dir /tmp/race`` (add ``--fake-gcs --dir -`` for gs://). The two races are independent
+subprocesses: both start together, at the first race test, and each test checks its own.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from support import REPO
+from support.procs import Background
 
 RACE = os.path.join(REPO, 'integration', 'race.py')
 
 
-def _race(*args, timeout=900):
-  r = subprocess.run([sys.executable, RACE, '--evaluators', '2', '--evaluator', 'both', *args],
-                     capture_output=True, text=True, timeout=timeout, cwd=REPO)
+@pytest.fixture(scope='module')
+def races(tmp_path_factory):
+  base = tmp_path_factory.mktemp('race')
+  argv = [sys.executable, RACE, '--evaluators', '2', '--evaluator', 'both']
+  started = {
+      'local': Background(argv + ['--seconds', '15', '--dir', base / 'ckpt'], base / 'local'),
+      'gcs': Background(argv + ['--seconds', '20', '--fake-gcs', '--dir', '-'], base / 'gcs'),
+  }
+  yield started
+  for run in started.values():
+    run.kill()
+
+
+def _race(run: Background, timeout=900):
+  r = run.wait(timeout)
   summary = [l for l in r.stdout.splitlines() if l.startswith(('race:', 'FAIL'))]
   print('\n'.join(summary))
   assert r.returncode == 0, '\n'.join(summary) + '\n' + r.stderr[-3000:]
@@ -44,13 +57,13 @@ def _check(fields, deleted):
   assert all('was deleted while it was being restored' in m for m in deleted), deleted
 
 
-def test_trainer_and_evaluators_race_local(tmp_path):
-  _check(*_race('--seconds', '15', '--dir', str(tmp_path / 'ckpt')))
+def test_trainer_and_evaluators_race_local(races):
+  _check(*_race(races['local']))
 
 
 @pytest.mark.gcs
-def test_trainer_and_evaluators_race_on_fake_gcs():
-  _check(*_race('--seconds', '20', '--fake-gcs', '--dir', '-'))
+def test_trainer_and_evaluators_race_on_fake_gcs(races):
+  _check(*_race(races['gcs']))
 
 
 # ----------------------------------------------------------------------------------------------

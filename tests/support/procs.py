@@ -72,3 +72,34 @@ def free_port() -> int:
   with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
     s.bind(('127.0.0.1', 0))
     return s.getsockname()[1]
+
+
+class Background:
+  """A program started now, its stdout and stderr going to files (no pipe can fill up while the
+  test waits on something else); ``wait`` returns its CompletedProcess. Lets a module start
+  independent long runs together and check each in its own test."""
+
+  def __init__(self, argv, log_dir, *, env: Mapping[str, str] | None = None, cwd: str = REPO):
+    os.makedirs(log_dir, exist_ok=True)
+    self.argv = [str(a) for a in argv]
+    self._out = os.path.join(log_dir, 'stdout')
+    self._err = os.path.join(log_dir, 'stderr')
+    with open(self._out, 'wb') as out, open(self._err, 'wb') as err:
+      self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    env=None if env is None else dict(env), cwd=cwd)
+
+  def wait(self, timeout: float) -> subprocess.CompletedProcess:
+    """Waits for the exit (killing it after ``timeout`` s, then raising TimeoutExpired)."""
+    try:
+      self._proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      self.kill()
+      raise
+    with open(self._out, encoding='utf-8', errors='replace') as out, \
+        open(self._err, encoding='utf-8', errors='replace') as err:
+      return subprocess.CompletedProcess(self.argv, self._proc.returncode, out.read(), err.read())
+
+  def kill(self) -> None:
+    if self._proc.poll() is None:
+      self._proc.kill()
+      self._proc.wait()
