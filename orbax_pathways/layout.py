@@ -122,7 +122,9 @@ def shard_table(sharding: jax.sharding.Sharding, shape: Sequence[int],
 @functools.lru_cache(maxsize=4096)
 def plan_writes(sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsize: int,
                 host_of: Callable[[Any], str], *, max_chunk_bytes: int, replica_parallel: bool,
-                coalesce_bytes: int) -> save_plan.ArrayWritePlan:
+                coalesce_bytes: int, min_split_bytes: int | None = None,
+                max_replicas: int | None = None,
+                split_axes: tuple[int, ...] | None = None) -> save_plan.ArrayWritePlan:
   """Who writes which box of an array laid out by ``sharding``, and its chunk grid.
 
   Called on the controller (every process in multi-controller JAX) at each save. Plans are pure
@@ -131,7 +133,9 @@ def plan_writes(sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsiz
   """
   return save_plan.plan_shards(
       shard_table(sharding, shape, host_of), itemsize, max_chunk_bytes=max_chunk_bytes,
-      replica_parallel=replica_parallel, coalesce_bytes=coalesce_bytes)
+      replica_parallel=replica_parallel, coalesce_bytes=coalesce_bytes,
+      min_split_bytes=(1 << 20) if min_split_bytes is None else min_split_bytes,
+      max_replicas=max_replicas, split_axes=split_axes)
 
 
 def slice_of_devices(devices: Sequence[Any], *, num_slices: int | None = None) -> dict[int, int]:

@@ -62,6 +62,8 @@ class HandlerSettings:
   dispatcher: Any
   callback: Any  # Orbax's SerializationStatusCallback
   metadata_key: str | None
+  min_slice_bytes_for_replica_parallel: int | None
+  max_replicas_for_replica_parallel: int | None
 
 
 def handler_settings(handler: Any) -> HandlerSettings:
@@ -71,7 +73,9 @@ def handler_settings(handler: Any) -> HandlerSettings:
       use_replica_parallel=bool(handler._use_replica_parallel),
       enable_write_sharding_file=bool(handler._enable_write_sharding_file),
       array_metadata_store=handler._array_metadata_store, dispatcher=handler._dispatcher,
-      callback=handler._callback, metadata_key=handler._metadata_key)
+      callback=handler._callback, metadata_key=handler._metadata_key,
+      min_slice_bytes_for_replica_parallel=handler._min_slice_bytes_for_replica_parallel,
+      max_replicas_for_replica_parallel=handler._max_replicas_for_replica_parallel)
 
 
 def limiter_bytes(limiter: Any) -> int | None:

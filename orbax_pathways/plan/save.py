@@ -238,7 +238,9 @@ def plan_shards(
     max_chunk_bytes: int,
     replica_parallel: bool = True,
     min_split_bytes: int = 1 << 20,
+    max_replicas: int | None = None,
     coalesce_bytes: int = 0,
+    split_axes: Sequence[int] | None = None,
 ) -> ArrayWritePlan:
   """Each distinct shard is written exactly once.
 
@@ -258,6 +260,8 @@ def plan_shards(
   num = h.num_shards
   sizes = table.stop - table.start
   parts = int(h.count.min()) if num else 1
+  if max_replicas is not None:
+    parts = max(1, min(parts, int(max_replicas)))
   axis = None
   if replica_parallel and parts > 1 and num and bool((sizes == sizes[0]).all()):
     shard_shape = tuple(sizes[0].tolist())
@@ -284,19 +288,21 @@ def plan_shards(
       writes = WriteTable(h.hosts, h.host[pick], start, stop, device=h.device[pick],
                           shard_start=table.start[shard], shard_stop=table.stop[shard],
                           host_index=h.host_index)
-  return ArrayWritePlan(global_shape, _chunk_shape(global_shape, writes, itemsize, max_chunk_bytes),
-                        writes)
+  return ArrayWritePlan(
+      global_shape, _chunk_shape(global_shape, writes, itemsize, max_chunk_bytes, split_axes),
+      writes)
 
 
 def _chunk_shape(global_shape: tuple[int, ...], writes: WriteTable, itemsize: int,
-                 max_chunk_bytes: int) -> tuple[int, ...]:
+                 max_chunk_bytes: int, split_axes: Sequence[int] | None = None) -> tuple[int, ...]:
   """One regular chunk grid for the whole array: it divides every piece and start offset."""
   grid = []
   for dim in range(len(global_shape)):
     g = int(np.gcd.reduce(np.concatenate([writes.start[:, dim], writes.stop[:, dim]]))) \
         if len(writes) else 0  # gcd(start, stop) == gcd(start, stop - start)
     grid.append(g or max(1, global_shape[dim]))
-  return boxes_lib.choose_chunk_shape(tuple(grid), itemsize, max_chunk_bytes)
+  return boxes_lib.choose_chunk_shape(tuple(grid), itemsize, max_chunk_bytes,
+                                     split_axes=split_axes)
 
 
 MAX_COALESCE_SHARDS = 256  # beyond this many shards the search is not worth it for a small array

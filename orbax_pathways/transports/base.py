@@ -40,8 +40,7 @@ class SaveConfig:
   """Per-call settings a transport needs besides the leaves (from options and Orbax's handler)."""
 
   max_inflight_bytes: int
-  replica_parallel: bool
-  coalesce_bytes: int
+  plan: types.PlanSettings
   snapshot_mode: str  # 'auto', 'pinned' or 'host'
   is_primary: bool  # this process writes the zarr metadata and the shardings (local transport)
   ocdbt_process_id: int | str | None  # Orbax's ocdbt.process_<id> suffix for this process

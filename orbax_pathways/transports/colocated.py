@@ -154,13 +154,11 @@ async def _bounded(coros: Sequence[Awaitable[Any]], limit: int) -> list[Any]:
 # ---- save --------------------------------------------------------------------------------------
 
 
-def plan_for(sharding: jax.sharding.Sharding, leaf: values.SaveLeaf, *, replica_parallel: bool,
-             coalesce_bytes: int) -> save_plan.ArrayWritePlan:
+def plan_for(sharding: jax.sharding.Sharding, leaf: values.SaveLeaf,
+             settings: values.PlanSettings) -> save_plan.ArrayWritePlan:
   """The save plan of one leaf over the CPU devices: the controller and every worker call this
-  with the same arguments and get the same plan (``layout.plan_writes`` is pure and cached)."""
-  return layout.plan_writes(sharding, tuple(leaf.shape), np.dtype(leaf.dtype).itemsize, worker_key,
-                            max_chunk_bytes=leaf.max_chunk_bytes,
-                            replica_parallel=replica_parallel, coalesce_bytes=coalesce_bytes)
+  with the same arguments and get the same plan (``share.plan`` is pure and cached)."""
+  return share.plan(sharding, leaf, worker_key, settings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,8 +170,7 @@ class WorkerSaveTask:
   group: int
   item: values.Item
   leaves: tuple[values.SaveLeaf, ...]
-  replica_parallel: bool
-  coalesce_bytes: int
+  plan: values.PlanSettings
   max_inflight_bytes: int
   crc_width: int
 
@@ -214,9 +211,7 @@ def make_worker_save(task: WorkerSaveTask) -> Callable[..., tuple[jax.Array, jax
 
   def worker_save(*cpu_arrays):
     devices = _sorted_devices(a.sharding for a in cpu_arrays)
-    plans = [plan_for(a.sharding, leaf, replica_parallel=task.replica_parallel,
-                      coalesce_bytes=task.coalesce_bytes)
-             for a, leaf in zip(cpu_arrays, task.leaves)]
+    plans = [plan_for(a.sharding, leaf, task.plan) for a, leaf in zip(cpu_arrays, task.leaves)]
     local_hosts = sorted({worker_key(s.device) for a in cpu_arrays for s in a.addressable_shards})
 
     async def one(host: str):
@@ -420,9 +415,7 @@ class ColocatedTransport:
     with trace('plan'):
       # Planned over the CPU devices: the workers find their sources among the CPU arrays'
       # shards by device id, and a CPU device's id is not its accelerator's under Pathways.
-      plans = [plan_for(cs, leaf, replica_parallel=cfg.replica_parallel,
-                        coalesce_bytes=cfg.coalesce_bytes)
-               for cs, leaf in zip(cpu_shardings, leaves)]
+      plans = [plan_for(cs, leaf, cfg.plan) for cs, leaf in zip(cpu_shardings, leaves)]
     with trace('snapshot'):
       cpu_arrays = [jax.device_put(a, cs) for a, cs in zip(arrays, cpu_shardings)]
       jax.block_until_ready(cpu_arrays)  # the snapshot: training may now donate its buffers
@@ -431,7 +424,7 @@ class ColocatedTransport:
       width = max(_chunks_per_host([plans[i] for i in idx]).values(), default=0) or 1
       task = WorkerSaveTask(
           g, item, tuple(dataclasses.replace(leaves[i], sharding=None) for i in idx),
-          cfg.replica_parallel, cfg.coalesce_bytes, cfg.max_inflight_bytes, width)
+          cfg.plan, cfg.max_inflight_bytes, width)
       fn = _colocated().colocated_python(make_worker_save(task)).specialize(
           out_specs_fn=lambda *xs, w=width: (
               _rows_spec(_sorted_devices(x.sharding for x in xs), 2, np.int64),

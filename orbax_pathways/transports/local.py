@@ -169,11 +169,7 @@ class LocalTransport:
     cfg = self._save
     host = this_host()
     with trace('plan'):
-      plans = [layout.plan_writes(a.sharding, leaf.shape, np.dtype(leaf.dtype).itemsize, host_of,
-                                  max_chunk_bytes=leaf.max_chunk_bytes,
-                                  replica_parallel=cfg.replica_parallel,
-                                  coalesce_bytes=cfg.coalesce_bytes)
-               for a, leaf in zip(arrays, leaves)]
+      plans = [share.plan(a.sharding, leaf, host_of, cfg.plan) for a, leaf in zip(arrays, leaves)]
     pinned = use_pinned(arrays, cfg.snapshot_mode)
     with trace('snapshot'):
       pieces = snapshot(arrays, plans, host, pinned=pinned)
