@@ -133,6 +133,10 @@ class Item:
     """Arrays whose only records come from transports that record no checksums (persistence)."""
     if self.pathways is None:
       return set()
+    if self.pathways.source == 'index':  # one merged record per array: no chunks, no checksums
+      if not self.pathways.transports() & fmt.CHECKSUMLESS_TRANSPORTS:
+        return set()
+      return {name for name, a in self.pathways.arrays().items() if not a.chunks}
     with_crc, without = set(), set()
     for w in self.pathways.writers:
       names = {a.name for a in w.arrays}

@@ -130,7 +130,8 @@ def _show_item(item: Item) -> list[str]:
   head = f'item {item.name}  [{fmt_ if item.kind == "pytree" else "not a pytree item"}]'
   if item.pathways is not None:
     n = len(item.pathways.writers)
-    head += f'  written by {item.writer} ({n} writer file{"" if n == 1 else "s"})'
+    what = 'writer' if item.pathways.source == 'index' else 'writer file'
+    head += f'  written by {item.writer} ({n} {what}{"" if n == 1 else "s"})'
   else:
     head += '  written by stock orbax (orbax-pathways metadata absent: no transport, ' \
             'slices or chunk checksums)'
