@@ -12,7 +12,7 @@ import collections.abc
 import dataclasses
 import itertools
 import math
-from typing import Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence, cast
 
 import numpy as np
 
@@ -105,15 +105,19 @@ class WriteTable(collections.abc.Sequence):
     missing = np.asarray([i for i, w in enumerate(self._items) if w is None], dtype=np.int64)
     if len(missing):
       self._build(missing)
-    return iter(self._items)
+    return iter(cast('list[ShardWrite]', self._items))  # every item is built now
 
   def _build(self, idx: np.ndarray) -> list[ShardWrite]:
     """Builds (and keeps) the writes at ``idx``."""
+    # Only a table of arrays (``device`` given, ``items`` not) has writes still to build.
+    assert self._device is not None, 'WriteTable without device arrays has every write built'
     out = []
     start, stop = self.start[idx].tolist(), self.stop[idx].tolist()
     device = self._device[idx].tolist()
-    shards = (zip(self._shard_start[idx].tolist(), self._shard_stop[idx].tolist())
-              if self._shard_start is not None else itertools.repeat(None))
+    shard_start, shard_stop = self._shard_start, self._shard_stop  # both given, or neither
+    shards: Iterable[tuple[Any, Any] | None] = (
+        zip(shard_start[idx].tolist(), shard_stop[idx].tolist())
+        if shard_start is not None and shard_stop is not None else itertools.repeat(None))
     for i, h, a, b, d, s in zip(idx.tolist(), self.host[idx].tolist(), start, stop, device, shards):
       box = _box(a, b)
       w = ShardWrite(self.hosts[h], box, (Source(d, box if s is None else _box(*s)),))
