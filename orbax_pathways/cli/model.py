@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -88,7 +88,7 @@ class Leaf:
     return np_dtype(self.dtype).itemsize * math.prod(self.shape)
 
   @property
-  def chunks(self) -> dict[tuple[int, ...], pw_metadata.ChunkRecord]:
+  def chunks(self) -> Mapping[tuple[int, ...], pw_metadata.ChunkRecord]:
     """Origin -> recorded chunk (empty without our metadata)."""
     return fmt.chunk_index([self.record]) if self.record is not None else {}
 
@@ -137,7 +137,8 @@ class Item:
       if not self.pathways.transports() & fmt.CHECKSUMLESS_TRANSPORTS:
         return set()
       return {name for name, a in self.pathways.arrays().items() if not a.chunks}
-    with_crc, without = set(), set()
+    with_crc: set[str] = set()
+    without: set[str] = set()
     for w in self.pathways.writers:
       names = {a.name for a in w.arrays}
       (without if w.transport in fmt.CHECKSUMLESS_TRANSPORTS else with_crc).update(names)
@@ -173,7 +174,8 @@ class Step:
 
   def saved_with(self) -> tuple[int | None, int | None]:
     """(slice count, device count) from our sharding records; None when absent."""
-    slices, devices, seen = 0, set(), False
+    slices, seen = 0, False
+    devices: set[int] = set()
     for item in self.items:
       for leaf in item.leaves:
         s = leaf.sharding

@@ -80,6 +80,7 @@ def ls_text(steps: Sequence[Step]) -> str:
   rows, notes = [], []
   for s in steps:
     slices, devices = s.saved_with()
+    assert s.bytes is not None, 'cmd_ls sizes every step before rendering it'
     rows.append([s.step, s.state, s.commit_time, _H(s.bytes), s.num_arrays, slices, devices,
                  s.name])
     if s.state == CORRUPT:
