@@ -73,14 +73,15 @@ def sharding_record(sharding: jax.sharding.Sharding,
 @dataclasses.dataclass(frozen=True)
 class RestoreLeaf:
   """One array to restore, as the front door resolved it: the global shape and dtype to return
-  (None: as saved), the target sharding (with its memory kind), whether shapes must match
+  (None: as saved), the target sharding (with its memory kind; None: to this host's memory,
+  ``read_to_host``), whether shapes must match
   (``strict``), and a ``jax.experimental.layout.Format`` when the target asks for a device layout
   of its own."""
 
   name: str
   shape: tuple[int, ...] | None
   dtype: Any
-  sharding: jax.sharding.Sharding
+  sharding: jax.sharding.Sharding | None
   strict: bool = True
   format: Any = None
 
@@ -288,6 +289,7 @@ class Engine:
                                    raise_array_data_missing_error=item.raise_array_data_missing_error)
     path = item.path_of(leaf.name)
     dtype = leaf.dtype
+    chunk_shape: tuple[int, ...] | None
     if record is not None:
       stored_shape, chunk_shape = tuple(record.shape), tuple(record.chunk_shape)
       chunks = format_lib.chunk_index([record])
@@ -300,7 +302,8 @@ class Engine:
       except Exception as e:
         raise reader_lib.open_error(leaf.name, path, e) from e
       stored_shape = tuple(t.shape)
-      chunk_shape = tuple(t.chunk_layout.read_chunk.shape or ()) or None
+      # tensorstore types each chunk dimension Optional; an open array's are all set.
+      chunk_shape = tuple(t.chunk_layout.read_chunk.shape or ()) or None  # type: ignore[arg-type]
       chunks = {}
       if dtype is None:
         dtype = t.dtype.numpy_dtype

@@ -76,7 +76,10 @@ class Transport(Protocol):
   """See the module docstring for the call order and the host of each call."""
 
   name: str
-  fallback: 'Transport | None'
+
+  @property
+  def fallback(self) -> 'Transport | None':  # read-only, so implementations may narrow it
+    ...
 
   def unsupported(self, leaves: Sequence[types.SaveLeaf], item: types.Item) -> list[str]:
     ...

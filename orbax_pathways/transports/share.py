@@ -197,4 +197,5 @@ async def read_share(targets: Sequence[values.ReadTarget], boxes: Sequence[Seque
   for b in buffers:
     if isinstance(b, BaseException):
       raise b
-  return [place(t, bx, bufs) for t, bx, bufs in zip(targets, boxes, buffers)], stats
+  done = [b for b in buffers if not isinstance(b, BaseException)]  # all of them, by now
+  return [place(t, bx, bufs) for t, bx, bufs in zip(targets, boxes, done)], stats
