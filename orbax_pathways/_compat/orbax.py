@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from etils import epath
 import numpy as np
@@ -132,7 +132,7 @@ def ocdbt_subdir_process_id(use_ocdbt: bool, override: str | None = None) -> int
 
 def _array_write_spec(item: Any, name: str, *, global_shape: Sequence[int],
                       write_shape: Sequence[int], dtype: Any, stored_dtype: Any,
-                      process_id: int | str | None, ext_metadata: dict | None,
+                      process_id: int | str | None, ext_metadata: Mapping[str, Any] | None,
                       use_compression: bool) -> Any:
   return _ts_utils.ArrayWriteSpec(
       item.directory,
@@ -154,7 +154,7 @@ def _array_write_spec(item: Any, name: str, *, global_shape: Sequence[int],
 def build_write_spec(item: Any, name: str, *, global_shape: Sequence[int],
                      write_shape: Sequence[int], chunk_shape: Sequence[int], dtype: Any,
                      stored_dtype: Any, process_id: int | str | None,
-                     ext_metadata: dict | None, use_compression: bool) -> dict:
+                     ext_metadata: Mapping[str, Any] | None, use_compression: bool) -> dict:
   """Orbax's exact tensorstore write spec for array ``name`` of ``item`` (an
   ``orbax_pathways.values.Item``), with our chunk grid.
 
@@ -179,7 +179,8 @@ def build_write_spec(item: Any, name: str, *, global_shape: Sequence[int],
 
 def array_metadata(item: Any, name: str, *, global_shape: Sequence[int],
                    write_shape: Sequence[int], chunk_shape: Sequence[int], dtype: Any,
-                   stored_dtype: Any, ext_metadata: dict | None, use_compression: bool) -> Any:
+                   stored_dtype: Any, ext_metadata: Mapping[str, Any] | None,
+                   use_compression: bool) -> Any:
   """Orbax's per-array ``ArrayMetadata`` (the ``array_metadatas/process_<i>`` entry), with our
   chunk shape."""
   spec = _array_write_spec(item, name, global_shape=global_shape, write_shape=write_shape,
