@@ -41,7 +41,8 @@ def _runs(a: np.ndarray, k: int, crc: int) -> int:
   """Extends ``crc`` over ``a`` block by block, each block its ``k`` contiguous trailing
   dimensions (iterating an array yields views: one C call per block, no copies)."""
   if a.ndim == k:
-    return _crc32c.crc32c(a, crc)
+    # numpy's stubs give ndarray __buffer__ only for Python >= 3.12; crc32c < 2.5 has no types.
+    return _crc32c.crc32c(a, crc)  # type: ignore[arg-type, unused-ignore]
   for sub in a:
     crc = _runs(sub, k, crc)
   return crc

@@ -210,8 +210,9 @@ def remapped_abstract_state(directory: Any, step: int, *, item: str = 'default',
     if not hasattr(meta, 'sharding') or meta.sharding is None:
       return meta
     name = '.'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path)
-    rec = records.get(name)
-    rec = rec.sharding if rec is not None and rec.sharding else _record_from_orbax(meta.sharding)
+    found = records.get(name)
+    rec = (found.sharding if found is not None and found.sharding
+           else _record_from_orbax(meta.sharding))
     if rec is not None and needs_remap(rec, topo):
       sharding = remap_sharding(name, meta.shape, meta.dtype, rec, topo, divisibility=divisibility)
     else:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import time
 import warnings
 from typing import Any, Awaitable, Callable, Sequence
@@ -72,14 +73,15 @@ def sharding_record(sharding: jax.sharding.Sharding,
 @dataclasses.dataclass(frozen=True)
 class RestoreLeaf:
   """One array to restore, as the front door resolved it: the global shape and dtype to return
-  (None: as saved), the target sharding (with its memory kind), whether shapes must match
+  (None: as saved), the target sharding (with its memory kind; None: to this host's memory,
+  ``read_to_host``), whether shapes must match
   (``strict``), and a ``jax.experimental.layout.Format`` when the target asks for a device layout
   of its own."""
 
   name: str
   shape: tuple[int, ...] | None
   dtype: Any
-  sharding: jax.sharding.Sharding
+  sharding: jax.sharding.Sharding | None
   strict: bool = True
   format: Any = None
 
@@ -108,6 +110,16 @@ def check_global(arrays: Sequence[jax.Array], names: Sequence[str]) -> None:
           'multihost_utils.host_local_array_to_global_array before saving.')
 
 
+def record_array_sizes(arrays: Sequence[jax.Array]) -> None:
+  """``/jax/orbax/write/{sharded,replicated}_array_gb`` per array, as stock records them."""
+  for a in arrays:
+    gb = math.prod(a.shape) * np.dtype(a.dtype).itemsize / 1024**3
+    replicated = len(a.sharding.device_set) * math.prod(a.sharding.shard_shape(a.shape)) > math.prod(a.shape)
+    jax.monitoring.record_scalar(
+        '/jax/orbax/write/replicated_array_gb' if replicated else '/jax/orbax/write/sharded_array_gb',
+        value=gb)
+
+
 @dataclasses.dataclass
 class PendingSave:
   """A save whose snapshot is taken; ``write()`` finishes it in the background."""
@@ -127,6 +139,7 @@ class PendingSave:
     metadata objects the front door writes alongside (Orbax's array metadata file)."""
     await self.ready()
     t0 = time.perf_counter()
+    telemetry = compat.io_metrics_start('write')
     outcomes = await self.transport.write(self.snapshot)
     st = self.stats
     st.write = stats_lib.WriteStats(
@@ -135,6 +148,7 @@ class PendingSave:
         write_s=time.perf_counter() - t0,
         storage_requests=len(outcomes) + extra_requests)
     total = st.total_written
+    compat.io_metrics_end('write', telemetry, total, self.item.directory)
     log.info('orbax_pathways: saved %d arrays, %.1f MiB from %s (%s%s), save() blocked '
              '%.0f ms, write %.2f s (%.2f GB/s) to %s', st.arrays, total / 2**20,
              ', '.join(sorted(st.written_bytes)) or 'no host', st.transport,
@@ -201,6 +215,8 @@ class Engine:
       transport = transport.fallback
     announce_transport(transport.name)
     snap = await transport.snapshot(arrays, leaves, item, ready)
+    if jax.process_index() == 0:
+      record_array_sizes(arrays)
     step_dir = _step_dir(item.directory)
     st = stats_lib.SaveStats(
         transport=transport.name, arrays=len(leaves), snapshot=snap.snapshot_mode,
@@ -222,7 +238,11 @@ class Engine:
     with _trace('plan_read'):
       targets = [await self._target(leaf, item, records.get(leaf.name), context) for leaf in leaves]
     transport = transports.create(self.transport_name(), read=config)
+    telemetry = compat.io_metrics_start('read')
     out, outcomes = await transport.read(targets, item)
+    for t in targets:
+      if t.sharding.shard_shape(t.shape) != t.shape_on_storage:  # as stock counts it
+        jax.monitoring.record_event('/jax/orbax/checkpoint/deserialize/shard_shape_changed')
     with _trace('device_put'):
       out = [jax.device_put(a, leaf.format) if leaf.format is not None else a
              for a, leaf in zip(out, leaves)]
@@ -235,6 +255,8 @@ class Engine:
         chunks_verified=sum(o.chunks_verified for o in outcomes),
         step=stats_lib.step_of(step_dir.rsplit('/', 1)[-1]), step_dir=step_dir)
     stats_lib.record_restore(st)
+    compat.io_metrics_end('read', telemetry, sum(st.bytes_needed.values()) or sum(st.bytes_read.values()),
+                          item.directory)
     log.info('orbax_pathways: restored %d arrays, read %.1f MiB (%s, %s) in %.2f s, %d chunks '
              'verified, from %s', len(out), sum(st.bytes_read.values()) / 2**20, st.transport,
              ', '.join(sorted(st.bytes_read)), st.read_s, st.chunks_verified, item.directory)
@@ -267,6 +289,7 @@ class Engine:
                                    raise_array_data_missing_error=item.raise_array_data_missing_error)
     path = item.path_of(leaf.name)
     dtype = leaf.dtype
+    chunk_shape: tuple[int, ...] | None
     if record is not None:
       stored_shape, chunk_shape = tuple(record.shape), tuple(record.chunk_shape)
       chunks = format_lib.chunk_index([record])
@@ -279,7 +302,8 @@ class Engine:
       except Exception as e:
         raise reader_lib.open_error(leaf.name, path, e) from e
       stored_shape = tuple(t.shape)
-      chunk_shape = tuple(t.chunk_layout.read_chunk.shape or ()) or None
+      # tensorstore types each chunk dimension Optional; an open array's are all set.
+      chunk_shape = tuple(t.chunk_layout.read_chunk.shape or ()) or None  # type: ignore[arg-type]
       chunks = {}
       if dtype is None:
         dtype = t.dtype.numpy_dtype

@@ -170,7 +170,8 @@ def kvstore_spec(item_dir: str, param: str, *, ocdbt: bool, gcs_driver: str = 'g
       base = _gcs_kvstore(directory, gcs_driver)
     else:
       base = {'driver': 'file', 'path': directory + '/'}
-    spec = {'driver': 'ocdbt', 'base': base, 'path': param, 'cache_pool': 'cache_pool#ocdbt'}
+    spec: dict[str, Any] = {'driver': 'ocdbt', 'base': base, 'path': param,
+                            'cache_pool': 'cache_pool#ocdbt'}
     if is_gcs(directory):  # Orbax merges adjacent reads on remote storage.
       spec.update(_REMOTE_READ_COALESCING)
     return spec

@@ -30,14 +30,18 @@ NUM_SLICES_ENV = 'ORBAX_PATHWAYS_NUM_SLICES'
 # ``devices_indices_map`` lists (tests/test_plan_properties.py checks them against it), without
 # a Python object per device, and one computation serves every shape laid out the same way.
 
-def _named_axes(sharding: jax.sharding.Sharding, ndim: int) -> tuple[tuple[str, ...], ...] | None:
+def _named_axes(sharding: jax.sharding.Sharding,
+                ndim: int) -> tuple[jax.sharding.Mesh, tuple[tuple[str, ...], ...]] | None:
+  """(mesh, the mesh axes of each dimension) of a NamedSharding on a concrete mesh whose spec
+  is plain mesh axes; else None."""
   if not isinstance(sharding, jax.sharding.NamedSharding) or not isinstance(sharding.mesh,
                                                                             jax.sharding.Mesh):
     return None
   spec = sharding.spec
   if getattr(spec, 'unreduced', None) or getattr(spec, 'reduced', None):
     return None
-  return shards_lib.spec_axes(spec, ndim)
+  axes = shards_lib.spec_axes(spec, ndim)
+  return None if axes is None else (sharding.mesh, axes)
 
 
 @functools.lru_cache(maxsize=256)  # a few layouts per model; each holds an int per device
@@ -72,16 +76,18 @@ def device_boxes(sharding: jax.sharding.Sharding, shape: Sequence[int], *,
   """Device -> the box it holds, in JAX's ``devices_indices_map`` order (devices holding the
   same box share one ``Box``)."""
   shape = tuple(int(d) for d in shape)
-  axes = _named_axes(sharding, len(shape))
-  cells = _mesh_cells(sharding.mesh, axes) if axes is not None else None
-  if cells is None or not shards_lib.fits(cells[0], shape):
+  named = _named_axes(sharding, len(shape))
+  cells = _mesh_cells(*named) if named is not None else None
+  if named is None or cells is None or not shards_lib.fits(cells[0], shape):
     if addressable_only:
       index_map = sharding.addressable_devices_indices_map(shape)
     else:
       index_map = sharding.devices_indices_map(shape)
-    return {d: Box.from_slices(idx, shape) for d, idx in index_map.items()}
+    # jax types the addressable map's values Optional; both maps hold every device's index.
+    return {d: Box.from_slices(idx, shape)  # type: ignore[arg-type]
+            for d, idx in index_map.items()}
   counts, shard_of = cells
-  devices, _ = _mesh_devices(sharding.mesh)
+  devices, _ = _mesh_devices(named[0])
   pos = np.arange(len(devices))
   if addressable_only and not sharding.is_fully_addressable:  # jax's order: the mesh's, filtered
     mine = sharding.addressable_devices
@@ -92,7 +98,7 @@ def device_boxes(sharding: jax.sharding.Sharding, shape: Sequence[int], *,
   made = np.empty(len(used), dtype=object)
   made[:] = [Box(tuple(a), tuple(b)) for a, b in zip(start.tolist(), stop.tolist())]
   if len(pos) < len(devices):
-    devices = [devices[p] for p in pos.tolist()]
+    devices = tuple(devices[p] for p in pos.tolist())
   return dict(zip(devices, made[which.reshape(-1)]))
 
 
@@ -109,8 +115,8 @@ def shard_table(sharding: jax.sharding.Sharding, shape: Sequence[int],
   in device-id order. A NamedSharding that divides ``shape`` evenly is pure arithmetic on its
   mesh (cached per mesh, spec and ``host_of``); anything else asks JAX for every device's index."""
   shape = tuple(int(d) for d in shape)
-  axes = _named_axes(sharding, len(shape))
-  grid = _mesh_grid(sharding.mesh, axes, host_of) if axes is not None else None
+  named = _named_axes(sharding, len(shape))
+  grid = _mesh_grid(*named, host_of) if named is not None else None
   if grid is not None and grid.fits(shape):
     return grid.table(shape)
   boxes = device_boxes(sharding, shape, addressable_only=False)
@@ -122,7 +128,9 @@ def shard_table(sharding: jax.sharding.Sharding, shape: Sequence[int],
 @functools.lru_cache(maxsize=4096)
 def plan_writes(sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsize: int,
                 host_of: Callable[[Any], str], *, max_chunk_bytes: int, replica_parallel: bool,
-                coalesce_bytes: int) -> save_plan.ArrayWritePlan:
+                coalesce_bytes: int, min_split_bytes: int | None = None,
+                max_replicas: int | None = None,
+                split_axes: tuple[int, ...] | None = None) -> save_plan.ArrayWritePlan:
   """Who writes which box of an array laid out by ``sharding``, and its chunk grid.
 
   Called on the controller (every process in multi-controller JAX) at each save. Plans are pure
@@ -131,7 +139,9 @@ def plan_writes(sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsiz
   """
   return save_plan.plan_shards(
       shard_table(sharding, shape, host_of), itemsize, max_chunk_bytes=max_chunk_bytes,
-      replica_parallel=replica_parallel, coalesce_bytes=coalesce_bytes)
+      replica_parallel=replica_parallel, coalesce_bytes=coalesce_bytes,
+      min_split_bytes=(1 << 20) if min_split_bytes is None else min_split_bytes,
+      max_replicas=max_replicas, split_axes=split_axes)
 
 
 def slice_of_devices(devices: Sequence[Any], *, num_slices: int | None = None) -> dict[int, int]:
@@ -177,10 +187,11 @@ def sharding_record(sharding: jax.sharding.Sharding, *, num_slices: int | None =
     n = num_slices or (options_lib.num_slices_from_env() or 0)
     mesh_part = _mesh_record(sharding.mesh, n or None, jax.process_count())
     return dataclasses.replace(mesh_part, spec=tuple(_spec_entry(p) for p in sharding.spec))
+  devices: set[Any] = sharding.device_set  # of jax.Device: jaxlib ships no types for it
   if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-    d = next(iter(sharding.device_set))
+    d = next(iter(devices))
     return metadata.ShardingRecord(kind='single_device', device_ids=(int(d.id),))
-  return metadata.ShardingRecord(kind='other', device_ids=tuple(sorted(int(d.id) for d in sharding.device_set)))
+  return metadata.ShardingRecord(kind='other', device_ids=tuple(sorted(int(d.id) for d in devices)))
 
 
 @functools.lru_cache(maxsize=64)

@@ -450,6 +450,7 @@ def _array_to_index_obj(a: ArrayRecord) -> dict:
 
 def _array_from_index_obj(name: str, a: Mapping[str, Any]) -> ArrayRecord:
   shape, chunk_shape = tuple(a['shape']), tuple(a['chunk_shape'])
+  chunks: Sequence[ChunkRecord]
   if 'grid_crc32c' in a:
     crc = np.frombuffer(a['grid_crc32c'], '<u4')
     present = a.get('grid_present')

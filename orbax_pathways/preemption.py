@@ -557,8 +557,8 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
     except Exception as e:  # pylint: disable=broad-except
       error = e
     if _all_processes_ok(error is None, step):
-      for s, p, e in damaged:
-        message = _damaged_warning(s, p, e, step)
+      for s, p, err in damaged:
+        message = _damaged_warning(s, p, err, step)
         logging.error(message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         _om.forget_step(mngr, s)

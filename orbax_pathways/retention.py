@@ -263,7 +263,7 @@ def remove_tree(path: epath.PathLike, remove=None, *, attempts: int = 5) -> None
   the tree is still there after ``attempts`` tries, or on errors other than "not found"."""
   path = epath.Path(path)
   remove = remove or _rmtree_missing_ok
-  last = None
+  last: OSError | None = None
   for attempt in range(attempts):
     try:
       (remove if attempt == 0 else _rmtree_missing_ok)(path)

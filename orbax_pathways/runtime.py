@@ -43,7 +43,9 @@ def detect_runtime() -> Runtime:
   override = _choice(Runtime, RUNTIME_ENV)
   if override is not None:
     return override
-  if jax.default_backend() == 'proxy' or 'proxy' in str(jax.config.jax_platforms or ''):
+  # jax < 0.12 types jax.config without its flags (attributes made at runtime).
+  platforms = jax.config.jax_platforms  # type: ignore[attr-defined, unused-ignore]
+  if jax.default_backend() == 'proxy' or 'proxy' in str(platforms or ''):
     return Runtime.PATHWAYS
   if jax.process_count() > 1:
     return Runtime.MULTI_CONTROLLER

@@ -47,6 +47,23 @@ class Item:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanSettings:
+  """How a save is planned, the same on every host of it (picklable, shipped to workers).
+
+  ``replica_parallel``: split a shard held by several hosts among them (Orbax's
+  ``use_replica_parallel`` and ours), into at most ``max_replicas`` pieces (Orbax's
+  ``max_replicas_for_replica_parallel``), each of at least ``min_split_bytes`` (Orbax's
+  ``min_slice_bytes_for_replica_parallel``; ours is 1 MiB). ``coalesce_bytes``: small arrays as
+  one chunk per host (``Options.coalesce_bytes``; 0 for transports that write whole shards).
+  """
+
+  replica_parallel: bool = True
+  coalesce_bytes: int = 0
+  min_split_bytes: int | None = None
+  max_replicas: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class SaveLeaf:
   """One array to save, as the engine sees it (its bytes stay on the devices).
 
@@ -65,6 +82,7 @@ class SaveLeaf:
   max_chunk_bytes: int
   sharding: metadata.ShardingRecord | None = None
   ext_metadata: Mapping[str, Any] | None = None
+  split_axes: tuple[int, ...] | None = None  # chunk only along these axes (SaveArgs.shard_axes)
 
 
 @dataclasses.dataclass(frozen=True)

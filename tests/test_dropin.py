@@ -232,3 +232,38 @@ def test_missing_array_raises_what_stock_raises(tmp_path, use_ocdbt):
           target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
   assert isinstance(e.value, ValueError)  # what stock raises with OCDBT
   assert isinstance(e.value, orbax_pathways.RestoreError)
+
+
+def test_save_args_shard_axes_chunk_only_along_those_axes(tmp_path):
+  value = _value((512, 512))
+  handler = ocp.PyTreeCheckpointHandler()
+  with ocp.CheckpointManager(tmp_path, item_handlers=handler) as mngr:
+    mngr.save(0, args=ocp.args.PyTreeSave(
+        {'w': put(value, mesh(), None)},  # replicated: one 1 MiB write
+        save_args={'w': ocp.SaveArgs(chunk_byte_size=64 * 1024, shard_axes=(0,))}))
+    mngr.wait_until_finished()
+    out = mngr.restore(0)
+  chunk = _chunk_shape(tmp_path / '0' / 'default', 'w')
+  assert chunk[1] == 512 and np.prod(chunk) * 4 <= 64 * 1024, chunk  # rows cut, columns whole
+  np.testing.assert_array_equal(np.asarray(out['w']), value)
+
+
+@pytest.mark.parametrize('max_replicas,min_bytes,writers', [(None, None, 8), (2, None, 2),
+                                                             (None, 1 << 30, 1)])
+def test_replica_parallel_limits(tmp_path, max_replicas, min_bytes, writers):
+  """``max_replicas_for_replica_parallel`` / ``min_slice_bytes_for_replica_parallel``: a fully
+  replicated array held by 8 (simulated Pathways) worker hosts is split among at most that many,
+  each piece at least that big."""
+  orbax_pathways.install(orbax_pathways.Options(transport='colocated', coalesce_bytes=0))
+  value = _value((2048, 1024))  # 8 MiB on every device: 1 MiB pieces over 8 hosts
+  registry = ocp.type_handlers.create_type_handler_registry((jax.Array, orbax_pathways.ProxyArrayHandler(
+      options=orbax_pathways.Options(transport='colocated', coalesce_bytes=0),
+      max_replicas_for_replica_parallel=max_replicas,
+      min_slice_bytes_for_replica_parallel=min_bytes)))
+  handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+  with ocp.CheckpointManager(tmp_path, item_handlers=handler) as mngr:
+    mngr.save(0, args=ocp.args.PyTreeSave({'w': put(value, mesh(), None)}))
+    mngr.wait_until_finished()
+  st = orbax_pathways.stats.last_save()
+  assert len([w for w, n in st.written_bytes.items() if n]) == writers, st.written_bytes
+  assert sum(st.written_bytes.values()) == value.nbytes

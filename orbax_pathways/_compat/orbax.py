@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from etils import epath
 import numpy as np
@@ -62,6 +62,8 @@ class HandlerSettings:
   dispatcher: Any
   callback: Any  # Orbax's SerializationStatusCallback
   metadata_key: str | None
+  min_slice_bytes_for_replica_parallel: int | None
+  max_replicas_for_replica_parallel: int | None
 
 
 def handler_settings(handler: Any) -> HandlerSettings:
@@ -71,7 +73,9 @@ def handler_settings(handler: Any) -> HandlerSettings:
       use_replica_parallel=bool(handler._use_replica_parallel),
       enable_write_sharding_file=bool(handler._enable_write_sharding_file),
       array_metadata_store=handler._array_metadata_store, dispatcher=handler._dispatcher,
-      callback=handler._callback, metadata_key=handler._metadata_key)
+      callback=handler._callback, metadata_key=handler._metadata_key,
+      min_slice_bytes_for_replica_parallel=handler._min_slice_bytes_for_replica_parallel,
+      max_replicas_for_replica_parallel=handler._max_replicas_for_replica_parallel)
 
 
 def limiter_bytes(limiter: Any) -> int | None:
@@ -128,7 +132,7 @@ def ocdbt_subdir_process_id(use_ocdbt: bool, override: str | None = None) -> int
 
 def _array_write_spec(item: Any, name: str, *, global_shape: Sequence[int],
                       write_shape: Sequence[int], dtype: Any, stored_dtype: Any,
-                      process_id: int | str | None, ext_metadata: dict | None,
+                      process_id: int | str | None, ext_metadata: Mapping[str, Any] | None,
                       use_compression: bool) -> Any:
   return _ts_utils.ArrayWriteSpec(
       item.directory,
@@ -150,7 +154,7 @@ def _array_write_spec(item: Any, name: str, *, global_shape: Sequence[int],
 def build_write_spec(item: Any, name: str, *, global_shape: Sequence[int],
                      write_shape: Sequence[int], chunk_shape: Sequence[int], dtype: Any,
                      stored_dtype: Any, process_id: int | str | None,
-                     ext_metadata: dict | None, use_compression: bool) -> dict:
+                     ext_metadata: Mapping[str, Any] | None, use_compression: bool) -> dict:
   """Orbax's exact tensorstore write spec for array ``name`` of ``item`` (an
   ``orbax_pathways.values.Item``), with our chunk grid.
 
@@ -175,7 +179,8 @@ def build_write_spec(item: Any, name: str, *, global_shape: Sequence[int],
 
 def array_metadata(item: Any, name: str, *, global_shape: Sequence[int],
                    write_shape: Sequence[int], chunk_shape: Sequence[int], dtype: Any,
-                   stored_dtype: Any, ext_metadata: dict | None, use_compression: bool) -> Any:
+                   stored_dtype: Any, ext_metadata: Mapping[str, Any] | None,
+                   use_compression: bool) -> Any:
   """Orbax's per-array ``ArrayMetadata`` (the ``array_metadatas/process_<i>`` entry), with our
   chunk shape."""
   spec = _array_write_spec(item, name, global_shape=global_shape, write_shape=write_shape,
@@ -338,3 +343,31 @@ def persistence_write_arrays(location: str, names: Sequence[str], arrays: Sequen
   on the IFRT proxy backend (Pathways)."""
   from orbax.checkpoint._src.serialization import cloud_pathways_helper  # pylint: disable=g-import-not-at-top
   return cloud_pathways_helper.write_arrays(location, names, arrays, timeout)
+
+
+# ---- Orbax's I/O telemetry (jax.monitoring metrics and their INFO lines) ---------------------
+
+def io_metrics_start(direction: str) -> tuple[float, int | None]:
+  """(start time, tensorstore's raw byte counter) for ``io_metrics_end``; ``direction`` is
+  'write' or 'read'."""
+  import time  # pylint: disable=g-import-not-at-top
+  try:
+    from orbax.checkpoint._src.serialization import types as _types  # pylint: disable=g-import-not-at-top
+    raw = _ts_utils.get_tensorstore_raw_bytes(_types.IoDirection(direction))
+  except (ImportError, AttributeError):  # older Orbax: no raw-byte telemetry
+    raw = None
+  return time.time(), raw
+
+
+def io_metrics_end(direction: str, start: tuple[float, int | None], logical_bytes: int,
+                   directory: str) -> None:
+  """Records what stock's ArrayHandler records per save and restore on each host:
+  ``/jax/orbax/{write,read}/worker/{total_duration_secs,io/requested/...,io/raw/...,
+  io/compression_ratio}`` and their INFO log lines (Orbax's own function, so names, labels and
+  wording stay Orbax's). A no-op on an Orbax without it."""
+  log_io = getattr(_jah, '_log_io_metrics', None)
+  if log_io is None:
+    return
+  from orbax.checkpoint._src.serialization import types as _types  # pylint: disable=g-import-not-at-top
+  log_io(_types.IoDirection(direction), logical_bytes, start[0], epath.Path(directory),
+         initial_raw_bytes=start[1])

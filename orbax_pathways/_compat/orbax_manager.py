@@ -304,7 +304,7 @@ def _wrap_restore(original):
   @functools.wraps(original)
   def restore(self, step, *args, **kwargs):
     invalidate_gcs_listings()
-    item_mode = getattr(self, '_default_item', None)  # pylint: disable=protected-access
+    item_mode: Any = getattr(self, '_default_item', None)  # pylint: disable=protected-access
     undecided = item_mode is not None and item_mode.get() is None
     try:
       return original(self, step, *args, **kwargs)

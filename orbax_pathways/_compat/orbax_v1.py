@@ -26,7 +26,9 @@ _hook: Callable[[Any, Any], Any] | None = None
 
 
 def _wrapped(context):
-  handler = _original(context)
+  original = _original
+  assert original is not None, 'installed as the patch only while _original holds the original'
+  handler = original(context)
   hook = _hook
   return hook(context, handler) if hook is not None else handler
 

@@ -64,7 +64,7 @@ def _brief(k, l: Leaf) -> dict[str, Any]:
 def _compare(k, a, b, *, values: bool) -> tuple[dict[str, Any] | None, str | None]:
   """(the changed entry or None, how values were compared: READ, CRC32C or None)."""
   (ia, la), (ib, lb) = a, b
-  changes = {}
+  changes: dict[str, Any] = {}
   for field in STRUCTURE[:3]:
     va, vb = getattr(la, field), getattr(lb, field)
     if va != vb:

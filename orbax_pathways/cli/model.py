@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -88,7 +88,7 @@ class Leaf:
     return np_dtype(self.dtype).itemsize * math.prod(self.shape)
 
   @property
-  def chunks(self) -> dict[tuple[int, ...], pw_metadata.ChunkRecord]:
+  def chunks(self) -> Mapping[tuple[int, ...], pw_metadata.ChunkRecord]:
     """Origin -> recorded chunk (empty without our metadata)."""
     return fmt.chunk_index([self.record]) if self.record is not None else {}
 
@@ -133,7 +133,12 @@ class Item:
     """Arrays whose only records come from transports that record no checksums (persistence)."""
     if self.pathways is None:
       return set()
-    with_crc, without = set(), set()
+    if self.pathways.source == 'index':  # one merged record per array: no chunks, no checksums
+      if not self.pathways.transports() & fmt.CHECKSUMLESS_TRANSPORTS:
+        return set()
+      return {name for name, a in self.pathways.arrays().items() if not a.chunks}
+    with_crc: set[str] = set()
+    without: set[str] = set()
     for w in self.pathways.writers:
       names = {a.name for a in w.arrays}
       (without if w.transport in fmt.CHECKSUMLESS_TRANSPORTS else with_crc).update(names)
@@ -169,7 +174,8 @@ class Step:
 
   def saved_with(self) -> tuple[int | None, int | None]:
     """(slice count, device count) from our sharding records; None when absent."""
-    slices, devices, seen = 0, set(), False
+    slices, seen = 0, False
+    devices: set[int] = set()
     for item in self.items:
       for leaf in item.leaves:
         s = leaf.sharding

@@ -80,6 +80,7 @@ def ls_text(steps: Sequence[Step]) -> str:
   rows, notes = [], []
   for s in steps:
     slices, devices = s.saved_with()
+    assert s.bytes is not None, 'cmd_ls sizes every step before rendering it'
     rows.append([s.step, s.state, s.commit_time, _H(s.bytes), s.num_arrays, slices, devices,
                  s.name])
     if s.state == CORRUPT:
@@ -130,7 +131,8 @@ def _show_item(item: Item) -> list[str]:
   head = f'item {item.name}  [{fmt_ if item.kind == "pytree" else "not a pytree item"}]'
   if item.pathways is not None:
     n = len(item.pathways.writers)
-    head += f'  written by {item.writer} ({n} writer file{"" if n == 1 else "s"})'
+    what = 'writer' if item.pathways.source == 'index' else 'writer file'
+    head += f'  written by {item.writer} ({n} {what}{"" if n == 1 else "s"})'
   else:
     head += '  written by stock orbax (orbax-pathways metadata absent: no transport, ' \
             'slices or chunk checksums)'

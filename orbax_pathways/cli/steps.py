@@ -135,7 +135,9 @@ def resolve_root_or_step(path: str | os.PathLike[str]) -> list[epath.Path]:
 def _step_numbers(root: epath.Path) -> str:
   nums = []
   for d in list_step_dirs(root):
-    n, tmp = parse_step_name(d.name)
+    parsed = parse_step_name(d.name)
+    assert parsed is not None, 'list_step_dirs returns only directories named as steps'
+    n, tmp = parsed
     nums.append(f'{n}{" (partial)" if tmp else ""}')
   return ', '.join(nums)
 
@@ -235,7 +237,7 @@ def read_item(path: epath.Path, name: str, handler: str | None) -> Item:
 
 
 def _is_pytree_handler(handler: str | None) -> bool:
-  return bool(handler) and ('PyTree' in handler or 'Standard' in handler)
+  return handler is not None and ('PyTree' in handler or 'Standard' in handler)
 
 
 def _parse_item_metadata(item: Item, meta: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, TypedDict
 
 from orbax_pathways import checksum
 from orbax_pathways import format as fmt
@@ -88,6 +88,20 @@ class Report:
     }
 
 
+class _Where(TypedDict):
+  """The ``Problem`` fields that place a problem in an array."""
+
+  path: str
+  item: str | None
+  array: str | None
+
+
+class _ChunkWhere(_Where):
+  """... and in one of its chunks."""
+
+  origin: tuple[int, ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Task:
   item: Item
@@ -99,6 +113,7 @@ class _Task:
 
   @property
   def region(self):
+    assert self.leaf.shape is not None, 'tasks are made for opened leaves (fill_from_store)'
     return fmt.chunk_region(self.origin, self.chunk_shape, self.leaf.shape)
 
   @property
@@ -225,6 +240,7 @@ def _item_tasks(item: Item, report: Report) -> list[_Task]:
       continue
     report.arrays += 1
     arrays.fill_from_store(leaf, store)
+    assert leaf.shape is not None and leaf.chunk_shape is not None, 'fill_from_store sets both'
     if leaf.record is not None and leaf.key not in item.checksumless:
       tasks += _record_tasks(item, leaf, store, report)
       continue
@@ -248,7 +264,8 @@ def _record_tasks(item: Item, leaf: Leaf, store: Any, report: Report) -> list[_T
   """Every chunk of ``leaf``'s grid, after checking our record against the zarr array: recorded
   chunks are checksummed, unrecorded ones decoded and reported."""
   rec = leaf.record
-  where = dict(path=str(item.path / fmt.PATHWAYS_DIR), item=item.name, array=leaf.key)
+  assert rec is not None and leaf.shape is not None, 'called for opened leaves with a record'
+  where: _Where = dict(path=str(item.path / fmt.PATHWAYS_DIR), item=item.name, array=leaf.key)
   mismatch = []
   if np_dtype(rec.dtype) != store.dtype.numpy_dtype:
     mismatch.append(f'dtype {rec.dtype} recorded, {leaf.dtype} stored')
@@ -275,7 +292,7 @@ def _record_tasks(item: Item, leaf: Leaf, store: Any, report: Report) -> list[_T
 
 def _run(tasks: Iterable[_Task], report: Report, progress, *, window: int,
          window_bytes: int) -> None:
-  pending: collections.deque = collections.deque()
+  pending: collections.deque[tuple[_Task, Any]] = collections.deque()  # (task, read future)
   in_flight = 0
   for task in tasks:
     pending.append((task, task.store[task.region.to_slices()].read()))
@@ -289,7 +306,7 @@ def _run(tasks: Iterable[_Task], report: Report, progress, *, window: int,
 def _finish(task: _Task, fut, report: Report, progress) -> int:
   nbytes = task.nbytes
   report.chunks += 1
-  where = dict(
+  where: _ChunkWhere = dict(
       path=arrays.chunk_location(task.item, task.leaf, task.origin), item=task.item.name,
       array=task.leaf.key, origin=task.origin,
   )

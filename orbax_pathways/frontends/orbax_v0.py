@@ -46,11 +46,13 @@ def _leaf(value: jax.Array, info: Any, arg: Any, options: options_lib.Options,
     value = jax.random.key_data(value)
   stored = np.dtype(arg.dtype) if arg.dtype is not None else np.dtype(value.dtype)
   chunk_cap = getattr(arg, 'chunk_byte_size', None)
+  shard_axes = getattr(arg, 'shard_axes', None)
   return value, values.SaveLeaf(
       name=info.name, shape=tuple(value.shape), dtype=np.dtype(value.dtype), stored_dtype=stored,
       compress=options.compress(stored, bool(info.use_compression)),
       max_chunk_bytes=min(options.max_chunk_bytes, chunk_cap) if chunk_cap else options.max_chunk_bytes,
-      sharding=engine_lib.sharding_record(value.sharding, num_slices), ext_metadata=ext)
+      sharding=engine_lib.sharding_record(value.sharding, num_slices), ext_metadata=ext,
+      split_axes=tuple(int(a) for a in shard_axes) if shard_axes else None)
 
 
 def _notify(callback: Any, event: str, infos: Sequence[Any]) -> None:
@@ -103,8 +105,12 @@ class ProxyArrayHandler(compat.ArrayHandler):
     orbax_limit = compat.limiter_bytes(getattr(info, 'byte_limiter', None))
     return transports.SaveConfig(
         max_inflight_bytes=min(self.options.max_inflight_bytes, orbax_limit or self.options.max_inflight_bytes),
-        replica_parallel=self.options.replica_parallel and settings.use_replica_parallel,
-        coalesce_bytes=self.options.coalesce_bytes, snapshot_mode=self._snapshot_mode(info),
+        plan=values.PlanSettings(
+            replica_parallel=self.options.replica_parallel and settings.use_replica_parallel,
+            coalesce_bytes=self.options.coalesce_bytes,
+            min_split_bytes=settings.min_slice_bytes_for_replica_parallel,
+            max_replicas=settings.max_replicas_for_replica_parallel),
+        snapshot_mode=self._snapshot_mode(info),
         is_primary=settings.primary_host is None or jax.process_index() == settings.primary_host,
         ocdbt_process_id=compat.ocdbt_subdir_process_id(bool(info.is_ocdbt_checkpoint)),
         context=self._context(info))

@@ -78,16 +78,19 @@ def _divisors(n: int) -> tuple[int, ...]:
 
 
 def choose_chunk_shape(write_shape: Sequence[int], itemsize: int, max_bytes: int, *,
-                       max_aspect: int = 4, min_bytes: int = 64 * 1024) -> tuple[int, ...]:
+                       max_aspect: int = 4, min_bytes: int = 64 * 1024,
+                       split_axes: Sequence[int] | None = None) -> tuple[int, ...]:
   """The chunk shape used for one array (see ``_choose_chunk_shape``; cached: arrays of one
   model share a handful of piece shapes)."""
   return _choose_chunk_shape(tuple(int(d) for d in write_shape), int(itemsize), int(max_bytes),
-                             int(max_aspect), int(min_bytes))
+                             int(max_aspect), int(min_bytes),
+                             tuple(int(a) for a in split_axes) if split_axes else None)
 
 
 @functools.lru_cache(maxsize=4096)
 def _choose_chunk_shape(write_shape: tuple[int, ...], itemsize: int, max_bytes: int,
-                        max_aspect: int, min_bytes: int) -> tuple[int, ...]:
+                        max_aspect: int, min_bytes: int,
+                        split_axes: tuple[int, ...] | None = None) -> tuple[int, ...]:
   """The chunk shape used for one array: divides ``write_shape`` and is at most ``max_bytes``.
 
   Unlike splitting only the sharded dimension, this halves (to the next divisor) whichever
@@ -96,7 +99,9 @@ def _choose_chunk_shape(write_shape: tuple[int, ...], itemsize: int, max_bytes: 
   per boundary instead of whole full-width slabs. That holds for shards already under
   ``max_bytes`` too: a chunk more than ``max_aspect`` times longer on one side than on another
   keeps halving its longest side while it is larger than ``min_bytes``.
-  Zero-size dimensions become 1 (zarr rejects 0).
+  Zero-size dimensions become 1 (zarr rejects 0). ``split_axes`` (Orbax's ``SaveArgs.shard_axes``)
+  restricts the splitting to those dimensions; a chunk that cannot shrink further along them
+  stays larger than ``max_bytes``, as with Orbax.
   """
   shape = [max(1, int(d)) for d in write_shape]
   if not shape:
@@ -109,9 +114,10 @@ def _choose_chunk_shape(write_shape: tuple[int, ...], itemsize: int, max_bytes: 
 
   while True:
     nbytes = math.prod(chunk) * itemsize
+    allowed = [i for i in range(len(chunk)) if split_axes is None or i in split_axes]
     if nbytes > max_bytes:
-      order = sorted(range(len(chunk)), key=lambda i: -chunk[i])
-    elif nbytes > min_bytes and elongated():
+      order = sorted(allowed, key=lambda i: -chunk[i])
+    elif nbytes > min_bytes and elongated() and split_axes is None:
       order = [max(range(len(chunk)), key=lambda i: chunk[i])]  # only the longest side
     else:
       break

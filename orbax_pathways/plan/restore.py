@@ -111,7 +111,7 @@ def _overlapping(start: np.ndarray, stop: np.ndarray) -> tuple[np.ndarray, np.nd
   """All pairs (i, j) of boxes that overlap, by a sweep along the dimension where the fewest
   pairs overlap in projection (linear for boxes tiling an array, whatever its layout)."""
   n, ndim = start.shape
-  best = None
+  best: tuple[np.ndarray, int, np.ndarray] | None = None
   for k in range(ndim):
     order = np.argsort(start[:, k], kind='stable')
     # Boxes after i in start order that begin before i ends: the candidates along k.
@@ -119,6 +119,7 @@ def _overlapping(start: np.ndarray, stop: np.ndarray) -> tuple[np.ndarray, np.nd
     count = np.maximum(reach - np.arange(n) - 1, 0)
     if best is None or count.sum() < best[2].sum():
       best = (order, k, count)
+  assert best is not None, 'plan_array_reads merges boxes only for arrays of ndim >= 1'
   order, _, count = best
   found_a, found_b = [], []
   first = 0

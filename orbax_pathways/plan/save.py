@@ -12,7 +12,7 @@ import collections.abc
 import dataclasses
 import itertools
 import math
-from typing import Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence, cast
 
 import numpy as np
 
@@ -105,15 +105,19 @@ class WriteTable(collections.abc.Sequence):
     missing = np.asarray([i for i, w in enumerate(self._items) if w is None], dtype=np.int64)
     if len(missing):
       self._build(missing)
-    return iter(self._items)
+    return iter(cast('list[ShardWrite]', self._items))  # every item is built now
 
   def _build(self, idx: np.ndarray) -> list[ShardWrite]:
     """Builds (and keeps) the writes at ``idx``."""
+    # Only a table of arrays (``device`` given, ``items`` not) has writes still to build.
+    assert self._device is not None, 'WriteTable without device arrays has every write built'
     out = []
     start, stop = self.start[idx].tolist(), self.stop[idx].tolist()
     device = self._device[idx].tolist()
-    shards = (zip(self._shard_start[idx].tolist(), self._shard_stop[idx].tolist())
-              if self._shard_start is not None else itertools.repeat(None))
+    shard_start, shard_stop = self._shard_start, self._shard_stop  # both given, or neither
+    shards: Iterable[tuple[Any, Any] | None] = (
+        zip(shard_start[idx].tolist(), shard_stop[idx].tolist())
+        if shard_start is not None and shard_stop is not None else itertools.repeat(None))
     for i, h, a, b, d, s in zip(idx.tolist(), self.host[idx].tolist(), start, stop, device, shards):
       box = _box(a, b)
       w = ShardWrite(self.hosts[h], box, (Source(d, box if s is None else _box(*s)),))
@@ -238,7 +242,9 @@ def plan_shards(
     max_chunk_bytes: int,
     replica_parallel: bool = True,
     min_split_bytes: int = 1 << 20,
+    max_replicas: int | None = None,
     coalesce_bytes: int = 0,
+    split_axes: Sequence[int] | None = None,
 ) -> ArrayWritePlan:
   """Each distinct shard is written exactly once.
 
@@ -258,6 +264,8 @@ def plan_shards(
   num = h.num_shards
   sizes = table.stop - table.start
   parts = int(h.count.min()) if num else 1
+  if max_replicas is not None:
+    parts = max(1, min(parts, int(max_replicas)))
   axis = None
   if replica_parallel and parts > 1 and num and bool((sizes == sizes[0]).all()):
     shard_shape = tuple(sizes[0].tolist())
@@ -284,19 +292,21 @@ def plan_shards(
       writes = WriteTable(h.hosts, h.host[pick], start, stop, device=h.device[pick],
                           shard_start=table.start[shard], shard_stop=table.stop[shard],
                           host_index=h.host_index)
-  return ArrayWritePlan(global_shape, _chunk_shape(global_shape, writes, itemsize, max_chunk_bytes),
-                        writes)
+  return ArrayWritePlan(
+      global_shape, _chunk_shape(global_shape, writes, itemsize, max_chunk_bytes, split_axes),
+      writes)
 
 
 def _chunk_shape(global_shape: tuple[int, ...], writes: WriteTable, itemsize: int,
-                 max_chunk_bytes: int) -> tuple[int, ...]:
+                 max_chunk_bytes: int, split_axes: Sequence[int] | None = None) -> tuple[int, ...]:
   """One regular chunk grid for the whole array: it divides every piece and start offset."""
   grid = []
   for dim in range(len(global_shape)):
     g = int(np.gcd.reduce(np.concatenate([writes.start[:, dim], writes.stop[:, dim]]))) \
         if len(writes) else 0  # gcd(start, stop) == gcd(start, stop - start)
     grid.append(g or max(1, global_shape[dim]))
-  return boxes_lib.choose_chunk_shape(tuple(grid), itemsize, max_chunk_bytes)
+  return boxes_lib.choose_chunk_shape(tuple(grid), itemsize, max_chunk_bytes,
+                                     split_axes=split_axes)
 
 
 MAX_COALESCE_SHARDS = 256  # beyond this many shards the search is not worth it for a small array

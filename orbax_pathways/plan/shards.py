@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -81,7 +82,7 @@ class ShardTable:
 
 
 def from_boxes(global_shape: Sequence[int], device_ids: Sequence[int], host_names: Sequence[str],
-               start: np.ndarray, stop: np.ndarray) -> ShardTable:
+               start: npt.ArrayLike, stop: npt.ArrayLike) -> ShardTable:
   """From every device's box (rows of ``start``/``stop``), in the order that decides first
   holders. Devices with equal boxes hold the same shard."""
   global_shape = tuple(int(d) for d in global_shape)
@@ -138,13 +139,13 @@ def cell_coords(counts: tuple[int, ...]) -> np.ndarray:
   return out
 
 
-def spec_axes(spec: Sequence[Any], ndim: int) -> tuple[tuple[str, ...], ...] | None:
+def spec_axes(spec: Iterable[Any], ndim: int) -> tuple[tuple[str, ...], ...] | None:
   """PartitionSpec entries (None, an axis name, or a sequence of names) as one tuple of mesh
   axes per array dimension; None when the spec is longer than ``ndim`` or has other entries."""
   spec = tuple(spec)
   if len(spec) > ndim:
     return None
-  out = []
+  out: list[tuple[str, ...]] = []
   for entry in spec + (None,) * (ndim - len(spec)):
     if entry is None:
       out.append(())
@@ -194,11 +195,11 @@ def mesh_grid(mesh_shape: Sequence[int], axis_names: Sequence[str], spec: Sequen
   return None if cells is None else grid(*cells, device_ids, host_of, hosts)
 
 
-def grid(counts: tuple[int, ...], shard_of: np.ndarray, device_ids: Sequence[int],
-         host_of: Sequence[int], hosts: tuple[str, ...]) -> Grid:
+def grid(counts: tuple[int, ...], shard_of: np.ndarray, device_ids: npt.ArrayLike,
+         host_of: npt.ArrayLike, hosts: tuple[str, ...]) -> Grid:
   """From ``mesh_cells`` and the mesh's devices (row-major); first holders in device-id order."""
-  device_ids = np.asarray(device_ids, dtype=np.int64).reshape(-1)
-  order = np.argsort(device_ids, kind='stable')
-  return Grid(counts, holders(np.asarray(shard_of)[order], device_ids[order],
+  ids = np.asarray(device_ids, dtype=np.int64).reshape(-1)
+  order = np.argsort(ids, kind='stable')
+  return Grid(counts, holders(np.asarray(shard_of)[order], ids[order],
                               np.asarray(host_of, dtype=np.int64).reshape(-1)[order], hosts,
                               math.prod(counts)))

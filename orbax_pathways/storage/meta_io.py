@@ -39,7 +39,8 @@ _ctx_lock = threading.Lock()
 _context: ts.Context | None = None
 _cache_lock = threading.Lock()
 _cache: collections.OrderedDict[str, tuple[bytes, metadata.ItemMetadata]] = collections.OrderedDict()
-_stats = collections.Counter()  # reads by kind, for tests and benchmarks: see read_counts()
+# Reads by kind, for tests and benchmarks: see read_counts().
+_stats: collections.Counter[str] = collections.Counter()
 
 
 def _ctx() -> ts.Context:

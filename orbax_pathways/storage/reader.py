@@ -135,4 +135,4 @@ async def read_array(read: ArrayRead, *, context: ts.Context, verify: bool,
   for part in parts:
     if isinstance(part, BaseException):
       raise part
-  return {box: buf for part in parts for box, buf in part}
+  return {box: buf for part in parts if not isinstance(part, BaseException) for box, buf in part}

@@ -40,8 +40,7 @@ class SaveConfig:
   """Per-call settings a transport needs besides the leaves (from options and Orbax's handler)."""
 
   max_inflight_bytes: int
-  replica_parallel: bool
-  coalesce_bytes: int
+  plan: types.PlanSettings
   snapshot_mode: str  # 'auto', 'pinned' or 'host'
   is_primary: bool  # this process writes the zarr metadata and the shardings (local transport)
   ocdbt_process_id: int | str | None  # Orbax's ocdbt.process_<id> suffix for this process
@@ -77,7 +76,10 @@ class Transport(Protocol):
   """See the module docstring for the call order and the host of each call."""
 
   name: str
-  fallback: 'Transport | None'
+
+  @property
+  def fallback(self) -> 'Transport | None':  # read-only, so implementations may narrow it
+    ...
 
   def unsupported(self, leaves: Sequence[types.SaveLeaf], item: types.Item) -> list[str]:
     ...

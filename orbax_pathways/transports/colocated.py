@@ -90,7 +90,8 @@ def to_cpu_sharding(sharding: jax.sharding.Sharding, cpus: dict[int, Any]) -> ja
     devs = np.vectorize(lambda d: cpus[d.id], otypes=[object])(np.asarray(mesh.devices))
     return jax.sharding.NamedSharding(jax.sharding.Mesh(devs, mesh.axis_names), sharding.spec)
   if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-    return jax.sharding.SingleDeviceSharding(cpus[next(iter(sharding.device_set)).id])
+    device: Any = next(iter(sharding.device_set))  # jax.Device: jaxlib ships no types for it
+    return jax.sharding.SingleDeviceSharding(cpus[device.id])
   raise ValueError(f'colocated transport: unsupported sharding {sharding!r}; use NamedSharding.')
 
 
@@ -114,7 +115,8 @@ def _rows_result(devices: Sequence[Any], rows: dict[int, np.ndarray], width: int
   its own (addressable) devices (zeros for devices it has nothing for)."""
   sharding = _row_sharding(devices)
   shards = []
-  for d in sharding.addressable_devices:
+  mine: set[Any] = sharding.addressable_devices  # of jax.Device: jaxlib ships no types for it
+  for d in mine:
     row = np.zeros((1, width), dtype)
     got = rows.get(d.id)
     if got is not None:
@@ -132,8 +134,14 @@ def _groups(shardings: Sequence[jax.sharding.Sharding]) -> list[list[int]]:
   argument of one call on the same device list)."""
   groups: dict[tuple[int, ...], list[int]] = {}
   for i, sh in enumerate(shardings):
-    groups.setdefault(tuple(sorted(d.id for d in sh.device_set)), []).append(i)
+    devices: set[Any] = sh.device_set  # of jax.Device: jaxlib ships no types for it
+    groups.setdefault(tuple(sorted(d.id for d in devices)), []).append(i)
   return list(groups.values())
+
+
+def _call_and_fetch(fn: Callable[..., Any], xs: Sequence[jax.Array]) -> tuple[np.ndarray, ...]:
+  """Runs one colocated call to completion (blocking: on a thread) and fetches its results."""
+  return tuple(np.asarray(r) for r in jax.block_until_ready(fn(*xs)))
 
 
 async def _bounded(coros: Sequence[Awaitable[Any]], limit: int) -> list[Any]:
@@ -154,13 +162,11 @@ async def _bounded(coros: Sequence[Awaitable[Any]], limit: int) -> list[Any]:
 # ---- save --------------------------------------------------------------------------------------
 
 
-def plan_for(sharding: jax.sharding.Sharding, leaf: values.SaveLeaf, *, replica_parallel: bool,
-             coalesce_bytes: int) -> save_plan.ArrayWritePlan:
+def plan_for(sharding: jax.sharding.Sharding, leaf: values.SaveLeaf,
+             settings: values.PlanSettings) -> save_plan.ArrayWritePlan:
   """The save plan of one leaf over the CPU devices: the controller and every worker call this
-  with the same arguments and get the same plan (``layout.plan_writes`` is pure and cached)."""
-  return layout.plan_writes(sharding, tuple(leaf.shape), np.dtype(leaf.dtype).itemsize, worker_key,
-                            max_chunk_bytes=leaf.max_chunk_bytes,
-                            replica_parallel=replica_parallel, coalesce_bytes=coalesce_bytes)
+  with the same arguments and get the same plan (``share.plan`` is pure and cached)."""
+  return share.plan(sharding, leaf, worker_key, settings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,8 +178,7 @@ class WorkerSaveTask:
   group: int
   item: values.Item
   leaves: tuple[values.SaveLeaf, ...]
-  replica_parallel: bool
-  coalesce_bytes: int
+  plan: values.PlanSettings
   max_inflight_bytes: int
   crc_width: int
 
@@ -214,9 +219,7 @@ def make_worker_save(task: WorkerSaveTask) -> Callable[..., tuple[jax.Array, jax
 
   def worker_save(*cpu_arrays):
     devices = _sorted_devices(a.sharding for a in cpu_arrays)
-    plans = [plan_for(a.sharding, leaf, replica_parallel=task.replica_parallel,
-                      coalesce_bytes=task.coalesce_bytes)
-             for a, leaf in zip(cpu_arrays, task.leaves)]
+    plans = [plan_for(a.sharding, leaf, task.plan) for a, leaf in zip(cpu_arrays, task.leaves)]
     local_hosts = sorted({worker_key(s.device) for a in cpu_arrays for s in a.addressable_shards})
 
     async def one(host: str):
@@ -249,7 +252,7 @@ def host_chunk_boxes(plans: Sequence[save_plan.ArrayWritePlan]) -> dict[str, lis
 
 def _chunks_per_host(plans: Sequence[save_plan.ArrayWritePlan]) -> collections.Counter:
   """How many chunks each host writes (arithmetic over the writes: no chunk is enumerated)."""
-  out = collections.Counter()
+  out: collections.Counter[str] = collections.Counter()
   for p in plans:
     for w in p.writes:
       if w.box.ndim == 0:
@@ -415,14 +418,13 @@ class ColocatedTransport:
                      item: values.Item, ready: Callable[[], Awaitable[None]]) -> base.Snapshot:
     del ready
     cfg = self._save
+    assert cfg is not None, 'a transport that saves is created with save=SaveConfig(...)'
     cpus = cpu_map(_sorted_devices(a.sharding for a in arrays))
     cpu_shardings = [to_cpu_sharding(a.sharding, cpus) for a in arrays]
     with trace('plan'):
       # Planned over the CPU devices: the workers find their sources among the CPU arrays'
       # shards by device id, and a CPU device's id is not its accelerator's under Pathways.
-      plans = [plan_for(cs, leaf, replica_parallel=cfg.replica_parallel,
-                        coalesce_bytes=cfg.coalesce_bytes)
-               for cs, leaf in zip(cpu_shardings, leaves)]
+      plans = [plan_for(cs, leaf, cfg.plan) for cs, leaf in zip(cpu_shardings, leaves)]
     with trace('snapshot'):
       cpu_arrays = [jax.device_put(a, cs) for a, cs in zip(arrays, cpu_shardings)]
       jax.block_until_ready(cpu_arrays)  # the snapshot: training may now donate its buffers
@@ -431,7 +433,7 @@ class ColocatedTransport:
       width = max(_chunks_per_host([plans[i] for i in idx]).values(), default=0) or 1
       task = WorkerSaveTask(
           g, item, tuple(dataclasses.replace(leaves[i], sharding=None) for i in idx),
-          cfg.replica_parallel, cfg.coalesce_bytes, cfg.max_inflight_bytes, width)
+          cfg.plan, cfg.max_inflight_bytes, width)
       fn = _colocated().colocated_python(make_worker_save(task)).specialize(
           out_specs_fn=lambda *xs, w=width: (
               _rows_spec(_sorted_devices(x.sharding for x in xs), 2, np.int64),
@@ -447,8 +449,7 @@ class ColocatedTransport:
     records: list[metadata.ArrayRecord] = []
     with trace('write'):
       for fn, idx, group_arrays in calls:  # sequential: groups share each worker's OCDBT database
-        counts, crcs = await asyncio.to_thread(
-            lambda f=fn, xs=group_arrays: tuple(np.asarray(r) for r in jax.block_until_ready(f(*xs))))
+        counts, crcs = await asyncio.to_thread(_call_and_fetch, fn, group_arrays)
         devices = _sorted_devices(x.sharding for x in group_arrays)
         rows = {}
         for d, (nbytes, chunks), row in zip(devices, counts.tolist(), crcs):
@@ -480,6 +481,7 @@ class ColocatedTransport:
   async def read(self, targets: Sequence[values.ReadTarget],
                  item: values.Item) -> tuple[list[jax.Array], list[values.ReadOutcome]]:
     cfg = self._read
+    assert cfg is not None, 'a transport that restores is created with read=ReadConfig(...)'
     accel = _sorted_devices(t.sharding for t in targets)
     cpus = cpu_map(accel)
     simulated = _simulated(accel)

@@ -48,7 +48,7 @@ def this_host() -> str:
 
 def pinned_available(arrays: Sequence[jax.Array]) -> bool:
   """Whether every device of ``arrays`` is an accelerator with a ``pinned_host`` memory."""
-  devices = {d for a in arrays for d in a.sharding.device_set}
+  devices: set[Any] = {d for a in arrays for d in a.sharding.device_set}  # jax.Device: untyped
   try:
     return bool(devices) and all(
         d.platform != 'cpu' and any(m.kind == 'pinned_host' for m in d.addressable_memories())
@@ -139,8 +139,8 @@ def assemble(targets: Sequence[values.ReadTarget], boxes: Sequence[dict[Any, Box
     whole_of.append(whole is not None)
   placed = iter(jax.device_put(vals, dests) if vals else [])
   out = []
-  for t, bx, whole in zip(targets, boxes, whole_of):
-    if whole:
+  for t, bx, put_whole in zip(targets, boxes, whole_of):
+    if put_whole:
       out.append(next(placed))
       continue
     device_arrays = [next(placed) for _ in bx]
@@ -167,13 +167,10 @@ class LocalTransport:
                      item: values.Item, ready: Callable[[], Awaitable[None]]) -> base.Snapshot:
     del ready  # nothing is written before write()
     cfg = self._save
+    assert cfg is not None, 'a transport that saves is created with save=SaveConfig(...)'
     host = this_host()
     with trace('plan'):
-      plans = [layout.plan_writes(a.sharding, leaf.shape, np.dtype(leaf.dtype).itemsize, host_of,
-                                  max_chunk_bytes=leaf.max_chunk_bytes,
-                                  replica_parallel=cfg.replica_parallel,
-                                  coalesce_bytes=cfg.coalesce_bytes)
-               for a, leaf in zip(arrays, leaves)]
+      plans = [share.plan(a.sharding, leaf, host_of, cfg.plan) for a, leaf in zip(arrays, leaves)]
     pinned = use_pinned(arrays, cfg.snapshot_mode)
     with trace('snapshot'):
       pieces = snapshot(arrays, plans, host, pinned=pinned)
@@ -188,6 +185,7 @@ class LocalTransport:
 
   async def write(self, snap: base.Snapshot) -> list[values.WriterOutcome]:
     cfg = self._save
+    assert cfg is not None, 'a transport that saves is created with save=SaveConfig(...)'
     item, leaves, plans, pieces, host = snap.state
     with trace('write'):
       outcome = await share.write_share(
@@ -199,6 +197,7 @@ class LocalTransport:
   async def read(self, targets: Sequence[values.ReadTarget],
                  item: values.Item) -> tuple[list[jax.Array], list[values.ReadOutcome]]:
     cfg = self._read
+    assert cfg is not None, 'a transport that restores is created with read=ReadConfig(...)'
     host = this_host()
     needed, boxes = [], []
     for t in targets:

@@ -26,7 +26,6 @@ from typing import Any, Awaitable, Callable, Sequence
 import jax
 import numpy as np
 
-from orbax_pathways import layout
 from orbax_pathways import metadata
 from orbax_pathways import values
 from orbax_pathways import version
@@ -34,6 +33,7 @@ from orbax_pathways._compat import orbax as compat
 from orbax_pathways.storage import meta_io
 from orbax_pathways.transports import base
 from orbax_pathways.transports import colocated
+from orbax_pathways.transports import share
 
 NAME = 'persistence'
 TIMEOUT = datetime.timedelta(hours=1)
@@ -103,9 +103,8 @@ class PersistenceTransport:
     groups = build_groups(arrays, leaves, item)
     futures = [compat.persistence_write_arrays(g.location, g.names, g.arrays, TIMEOUT)
                for g in groups]
-    plans = [layout.plan_writes(a.sharding, leaf.shape, np.dtype(leaf.dtype).itemsize,
-                                _one_writer, max_chunk_bytes=leaf.max_chunk_bytes,
-                                replica_parallel=False, coalesce_bytes=0)
+    whole_shards = values.PlanSettings(replica_parallel=False, coalesce_bytes=0)
+    plans = [share.plan(a.sharding, leaf, _one_writer, whole_shards)
              for a, leaf in zip(arrays, leaves)]
     return base.Snapshot(
         layouts=[values.LeafLayout.of(leaf, plan) for leaf, plan in zip(leaves, plans)],

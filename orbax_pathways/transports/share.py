@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from orbax_pathways import layout
 from orbax_pathways import metadata
 from orbax_pathways import values
 from orbax_pathways import version
@@ -26,6 +27,17 @@ from orbax_pathways.storage import reader as reader_lib
 from orbax_pathways.storage import writer as writer_lib
 
 Box = boxes_lib.Box
+
+
+def plan(sharding: Any, leaf: values.SaveLeaf, host_of: Any,
+         settings: values.PlanSettings) -> save_plan.ArrayWritePlan:
+  """The save plan of one leaf over ``sharding``'s devices (pure and cached: every host that
+  calls it with the same arguments gets the same plan)."""
+  return layout.plan_writes(
+      sharding, tuple(leaf.shape), np.dtype(leaf.dtype).itemsize, host_of,
+      max_chunk_bytes=leaf.max_chunk_bytes, replica_parallel=settings.replica_parallel,
+      coalesce_bytes=settings.coalesce_bytes, min_split_bytes=settings.min_split_bytes,
+      max_replicas=settings.max_replicas, split_axes=leaf.split_axes)
 
 
 def context_for(item: values.Item, context: Any = None) -> Any:
@@ -185,4 +197,5 @@ async def read_share(targets: Sequence[values.ReadTarget], boxes: Sequence[Seque
   for b in buffers:
     if isinstance(b, BaseException):
       raise b
-  return [place(t, bx, bufs) for t, bx, bufs in zip(targets, boxes, buffers)], stats
+  done = [b for b in buffers if not isinstance(b, BaseException)]  # all of them, by now
+  return [place(t, bx, bufs) for t, bx, bufs in zip(targets, boxes, done)], stats
