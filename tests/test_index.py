@@ -290,7 +290,7 @@ def test_cli_knows_checksumless_arrays_from_the_index(tmp_path):
   """An index whose only writer is the persistence plugin (no chunk checksums): verify decodes
   the arrays instead of failing every chunk, and show counts writers, not files."""
   import json  # pylint: disable=g-import-not-at-top
-  _save(tmp_path, random_state(mesh()))
+  ckpt.save(tmp_path, random_state(mesh()))
   item = tmp_path / '0' / 'default'
   arrays = meta_io.read_item(item).arrays()
   plugin = metadata.merge([metadata.WriterRecord(

@@ -3,7 +3,7 @@ package installed as without it: every metric stock's save and restore record, b
 
 import json
 
-from helpers import run_python
+from support.procs import run_python
 
 _CHILD = """
     import json, jax, numpy as np, sys
