@@ -4,7 +4,9 @@ The wrapper's own ``FakeGCSServer`` pipes the server's stderr without ever readi
 server logs every request, so after ~64 KiB of log lines it blocks on write and every client
 hangs. We therefore launch the binary ourselves with its log going to a file.
 
-Everything here talks to 127.0.0.1 only.
+Everything here talks to 127.0.0.1 only. Used in the pytest process by the fixtures
+(``support.gcs_fixtures``: one server per session), in children that point their own clients at a
+server (``hermetic_env``), and by ``integration/`` and ``benchmarks/`` scripts (``--fake-gcs``).
 """
 
 from __future__ import annotations
