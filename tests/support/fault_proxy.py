@@ -15,10 +15,11 @@ instead injects one fault:
 
 ``stats()`` returns counts of requests and of faults by kind, so tests can assert on them.
 ``proxy_errors`` counts connections that ended abnormally, keyed ``phase:method:status:error``.
-Runs as threads of the process that starts it: the pytest process (``faulty_gcs``) or a child
-that counts its own requests (``test_fleet``, ``benchmarks/fleet.py``).
 A few ``relay_response:GET:200:BrokenPipeError`` are normal even at rate 0: a client (gcsfs
 or tensorstore) closed its connection without reading a whole response body.
+
+Runs as threads of the process that starts it: the pytest process (``faulty_gcs``) or a child
+that counts its own requests (``test_fleet``, ``benchmarks/fleet.py``).
 """
 
 from __future__ import annotations
