@@ -336,9 +336,9 @@ def decode(data: bytes, *, path: str = '<bytes>') -> WriterRecord:
         stats=o.get('stats', {}),
         schema=schema,
     )
-  except (KeyError, TypeError, ValueError) as e:
+  except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
     raise MetadataError(
-        f'orbax-pathways metadata file {path} is missing field {e}; it is damaged. '
+        f'orbax-pathways metadata file {path} {_what_is_wrong(e)}; it is damaged. '
         'Run `orbax-pathways verify` on the step.'
     ) from e
 
@@ -391,6 +391,12 @@ class WriterSummaries(collections.abc.Sequence):
     for k in ('transport', 'library_version'):
       if len(columns[k]) != self._n:
         raise ValueError(f'writers.{k} has {len(columns[k])} entries for {self._n} writers')
+    stats = columns.get('stats', {})
+    if not isinstance(stats, Mapping):  # checked now, not when a writer is looked up
+      raise TypeError(f'writers.stats is a {type(stats).__name__}, not a map')
+    for k, v in stats.items():
+      if not isinstance(v, (list, tuple)) or len(v) != self._n:
+        raise ValueError(f'writers.stats.{k} is not a column of {self._n} entries')
 
   def __len__(self) -> int:
     return self._n
@@ -480,6 +486,12 @@ def encode_index(item: ItemMetadata, *, library_version: str = '') -> bytes:
       use_bin_type=True)
 
 
+def _what_is_wrong(e: BaseException) -> str:
+  if isinstance(e, KeyError):
+    return f'is missing field {e}'
+  return f'has a malformed field ({type(e).__name__}: {e})'
+
+
 def decode_index(data: bytes, *, path: str = '<bytes>') -> ItemMetadata:
   """Parses an item's index; raises MetadataError naming ``path`` if damaged or too new."""
   try:
@@ -502,8 +514,8 @@ def decode_index(data: bytes, *, path: str = '<bytes>') -> ItemMetadata:
   try:
     writers = WriterSummaries(o['writers'], schema)
     merged = tuple(_array_from_index_obj(name, a) for name, a in o['arrays'].items())
-  except (KeyError, TypeError, ValueError) as e:
+  except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
     raise MetadataError(
-        f'orbax-pathways index {path} is missing field {e}; it is damaged. Run '
+        f'orbax-pathways index {path} {_what_is_wrong(e)}; it is damaged. Run '
         '`orbax-pathways verify` on the step.') from e
   return ItemMetadata(writers, merged, source='index')
