@@ -22,7 +22,6 @@ from orbax.checkpoint._src.metadata import sharding as sharding_metadata
 from orbax.checkpoint._src.path import atomicity_types
 from orbax.checkpoint._src.path import format_utils
 from orbax.checkpoint._src.serialization import jax_array_handlers
-from orbax.checkpoint._src.serialization import ocdbt_process_spec
 from orbax.checkpoint._src.serialization import ocdbt_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils
 import pytest
@@ -43,7 +42,13 @@ def test_names_are_orbaxs():
   assert fmt.SHARDING_FILE == sharding_metadata._SHARDING == jax_array_handlers._SHARDING_FILE_NAME  # pylint: disable=protected-access
   assert fmt.STRINGS_FILE == ocp.type_handlers.StringHandler()._filename  # pylint: disable=protected-access
   assert fmt.ARRAY_METADATAS_DIR == array_metadata_store.PathResolver._metadata_subdir  # pylint: disable=protected-access
-  assert fmt.OCDBT_PROCESS_PREFIX == ocdbt_process_spec.PROCESS_PREFIX
+  try:  # Orbax >= 0.12.5 keeps it here; older ones in tensorstore_utils
+    from orbax.checkpoint._src.serialization import ocdbt_process_spec  # pylint: disable=g-import-not-at-top
+    prefix = ocdbt_process_spec.PROCESS_PREFIX
+  except ImportError:
+    from orbax.checkpoint._src.serialization import tensorstore_utils  # pylint: disable=g-import-not-at-top
+    prefix = tensorstore_utils.PROCESS_SUBDIR_PREFIX
+  assert fmt.OCDBT_PROCESS_PREFIX == prefix
   assert fmt.JAX_ARRAY_VALUE_TYPE == jax_array_handlers.JAX_ARRAY_TYPE_STR
 
 

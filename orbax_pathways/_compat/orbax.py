@@ -347,27 +347,53 @@ def persistence_write_arrays(location: str, names: Sequence[str], arrays: Sequen
 
 # ---- Orbax's I/O telemetry (jax.monitoring metrics and their INFO lines) ---------------------
 
-def io_metrics_start(direction: str) -> tuple[float, int | None]:
-  """(start time, tensorstore's raw byte counter) for ``io_metrics_end``; ``direction`` is
-  'write' or 'read'."""
+def _telemetry_kind() -> str:
+  """How the installed Orbax's ``_log_io_metrics`` takes its starting point: 'raw' (a raw byte
+  counter, 0.12.8), 'ts_metrics' (tensorstore's metric snapshot, older), or 'none'."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  log_io = getattr(_jah, '_log_io_metrics', None)
+  if log_io is None:
+    return 'none'
+  params = inspect.signature(log_io).parameters
+  if 'initial_raw_bytes' in params and hasattr(_ts_utils, 'get_tensorstore_raw_bytes'):
+    return 'raw'
+  if 'initial_ts_metrics' in params:
+    return 'ts_metrics'
+  return 'none'
+
+
+def io_metrics_start(direction: str) -> tuple[float, Any]:
+  """(start time, the starting point Orbax's telemetry needs) for ``io_metrics_end``;
+  ``direction`` is 'write' or 'read'. Never raises: telemetry must not fail a save."""
   import time  # pylint: disable=g-import-not-at-top
+  start: Any = None
   try:
-    from orbax.checkpoint._src.serialization import types as _types  # pylint: disable=g-import-not-at-top
-    raw = _ts_utils.get_tensorstore_raw_bytes(_types.IoDirection(direction))
-  except (ImportError, AttributeError):  # older Orbax: no raw-byte telemetry
-    raw = None
-  return time.time(), raw
+    kind = _telemetry_kind()
+    if kind == 'raw':
+      from orbax.checkpoint._src.serialization import types as _types  # pylint: disable=g-import-not-at-top
+      start = _ts_utils.get_tensorstore_raw_bytes(_types.IoDirection(direction))
+    elif kind == 'ts_metrics':
+      import tensorstore as ts  # pylint: disable=g-import-not-at-top
+      start = ts.experimental_collect_matching_metrics('/tensorstore/')
+  except Exception:  # pylint: disable=broad-except
+    start = None
+  return time.time(), start
 
 
-def io_metrics_end(direction: str, start: tuple[float, int | None], logical_bytes: int,
+def io_metrics_end(direction: str, start: tuple[float, Any], logical_bytes: int,
                    directory: str) -> None:
   """Records what stock's ArrayHandler records per save and restore on each host:
   ``/jax/orbax/{write,read}/worker/{total_duration_secs,io/requested/...,io/raw/...,
   io/compression_ratio}`` and their INFO log lines (Orbax's own function, so names, labels and
-  wording stay Orbax's). A no-op on an Orbax without it."""
-  log_io = getattr(_jah, '_log_io_metrics', None)
-  if log_io is None:
+  wording stay Orbax's). A no-op on an Orbax without it; never raises."""
+  import logging  # pylint: disable=g-import-not-at-top
+  kind = _telemetry_kind()
+  if kind == 'none':
     return
-  from orbax.checkpoint._src.serialization import types as _types  # pylint: disable=g-import-not-at-top
-  log_io(_types.IoDirection(direction), logical_bytes, start[0], epath.Path(directory),
-         initial_raw_bytes=start[1])
+  try:
+    from orbax.checkpoint._src.serialization import types as _types  # pylint: disable=g-import-not-at-top
+    keyword = 'initial_raw_bytes' if kind == 'raw' else 'initial_ts_metrics'
+    _jah._log_io_metrics(_types.IoDirection(direction), logical_bytes, start[0],  # pylint: disable=protected-access
+                         epath.Path(directory), **{keyword: start[1]})
+  except Exception as e:  # pylint: disable=broad-except
+    logging.getLogger('orbax_pathways').debug('Orbax telemetry not recorded: %s', e)
