@@ -132,7 +132,8 @@ def evaluator(args) -> dict:
       mngr = ocp.CheckpointManager(args.dir, options=_options(args))
       constructed += 1
     except Exception as e:  # pylint: disable=broad-except
-      unexplained.append({'step': None, 'error': 'constructing the manager: ' + _short(e)})
+      unexplained.append({'step': None, 'error': 'constructing the manager: ' + _short(e),
+                          'trace': traceback.format_exc()[-3000:]})
       time.sleep(0.05)
       continue
     step = None

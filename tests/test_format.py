@@ -153,12 +153,15 @@ def test_read_spec_reads_what_orbax_wrote(tmp_path, zarr3, ocdbt):
 @pytest.mark.parametrize('ocdbt', [False, True], ids=['dirs', 'ocdbt'])
 def test_kvstore_spec_is_orbaxs_read_rule(directory, ocdbt):
   ours = fmt.kvstore_spec(directory, 'params.w', ocdbt=ocdbt)
+  assert fmt.array_read_spec(directory, 'params.w', ocdbt=ocdbt, zarr3=True)['kvstore'] == ours
   orbax = tensorstore_utils.build_kvstore_tspec(directory, 'params.w', use_ocdbt=ocdbt)
   if ocdbt and not directory.startswith('gs://'):  # write-side locking of local OCDBT files
     orbax = {k: v for k, v in orbax.items() if k != 'manifest'}
     orbax['base'] = {k: v for k, v in orbax['base'].items() if k != 'file_io_locking'}
+  if ocdbt:  # Orbax versions differ on a trailing '/' of the OCDBT base: the same directory
+    orbax['base'] = {**orbax['base'], 'path': orbax['base']['path'].rstrip('/')}
+    ours = {**ours, 'base': {**ours['base'], 'path': ours['base']['path'].rstrip('/')}}
   assert ours == orbax
-  assert fmt.array_read_spec(directory, 'params.w', ocdbt=ocdbt, zarr3=True)['kvstore'] == ours
 
 
 def test_chunk_index_merges_writers():

@@ -224,7 +224,15 @@ def ts_context(use_ocdbt: bool = True, extra: dict | None = None) -> Any:
     return _ts_utils.get_ts_context(use_ocdbt=use_ocdbt)
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
   base = _ts_utils._DEFAULT_OCDBT_TS_CONTEXT if use_ocdbt else _ts_utils._BASE_TS_CONTEXT  # pylint: disable=protected-access
-  return ts.Context({**copy.deepcopy(base), **extra})
+  try:
+    return ts.Context({**copy.deepcopy(base), **extra})
+  except ValueError:
+    retries = extra.get('gcs_request_retries', {})
+    if retries.get('max_retries') != 0:
+      raise
+    # tensorstore < 0.1.86 wants at least one retry: the closest it can do to none.
+    extra = {**extra, 'gcs_request_retries': {**retries, 'max_retries': 1}}
+    return ts.Context({**copy.deepcopy(base), **extra})
 
 
 def serialize_sharding_file(shardings: Sequence[Any], infos: Sequence[Any], *, primary_host: int | None):

@@ -146,6 +146,24 @@ def _path_remover(deleter) -> Callable[[epath.Path], None]:
   return remove
 
 
+@dataclasses.dataclass(frozen=True)
+class _PinnedStepMetadata(_step_lib.Metadata):
+  """Orbax's step metadata with the commit time read once (see ``_wrap_build_metadata``)."""
+
+  pinned_commit_timestamp: Any = None
+
+  @property
+  def commit_timestamp(self):
+    return self.pinned_commit_timestamp
+
+
+def _pinned(metadata: Any, commit_timestamp: Any) -> Any:
+  if type(metadata) is not _step_lib.Metadata:  # pylint: disable=unidiomatic-typecheck
+    return metadata  # a subclass of Orbax's we do not know how to rebuild: leave it
+  fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
+  return _PinnedStepMetadata(**fields, pinned_commit_timestamp=commit_timestamp)
+
+
 def _wrap_build_metadata(original):
   @functools.wraps(original)
   def _build_metadata(self, step_path, step=None):
@@ -156,15 +174,15 @@ def _wrap_build_metadata(original):
       metadata = original(self, step_path, step=step)
       if metadata is None or not hook(epath.Path(metadata.path)):
         return None
-      # Read (and cache) the commit time now: a step that retention renames away while a reader
-      # lists the directory then drops out of the listing, instead of failing the reader's
-      # CheckpointManager construction with FileNotFoundError from a later stat().
-      metadata.commit_timestamp  # pylint: disable=pointless-statement
+      # Read the commit time now and keep it: a step that retention deletes while a reader lists
+      # the directory then drops out of the listing, instead of failing the reader's
+      # CheckpointManager construction with FileNotFoundError from a later stat() (Orbax reads
+      # the property again, and without a commit timestamp in _CHECKPOINT_METADATA it stats).
+      return _pinned(metadata, metadata.commit_timestamp)
     except (FileNotFoundError, NotADirectoryError):
       # Renamed away between two of Orbax's checks (exists() then is_dir()): another process's
       # retention deleted it while we listed.
       return None
-    return metadata
   return _build_metadata
 
 
