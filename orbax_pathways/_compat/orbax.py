@@ -97,6 +97,18 @@ def handler_constructor_kwargs(handler: Any) -> dict[str, Any]:
       callback=handler._callback)
 
 
+def numpy_handler_constructor_kwargs(handler: Any) -> dict[str, Any]:
+  """The keyword arguments that build a ``NumpyHandler`` like ``handler`` (same settings)."""
+  # pylint: disable=protected-access
+  return dict(metadata_key=handler._metadata_key,
+              ocdbt_process_id=handler._override_ocdbt_process_id)
+
+
+def numpy_handler_metadata_key(handler: Any) -> str | None:
+  """The zarr metadata file name a ``NumpyHandler`` reads and writes (None: Orbax's default)."""
+  return handler._metadata_key  # pylint: disable=protected-access
+
+
 def is_plain_array_handler(handler: Any) -> bool:
   """Orbax's own ``ArrayHandler`` or its Pathways persistence handler, which ours replaces; not
   a ``SingleReplicaArrayHandler`` (load-and-broadcast) or a user's subclass."""

@@ -64,10 +64,13 @@ def _notify(callback: Any, event: str, infos: Sequence[Any]) -> None:
 
 
 class ProxyArrayHandler(compat.ArrayHandler):
-  """Drop-in replacement of Orbax's ArrayHandler (same typestr, same on-disk format)."""
+  """Drop-in replacement of Orbax's ArrayHandler (same typestr, same on-disk format).
+
+  Takes Orbax's constructor arguments with Orbax's defaults: built directly it has no
+  array-metadata store, like ``ArrayHandler()``; the handler ``install()`` registers takes the
+  settings of the one it replaces (Orbax's default has a store)."""
 
   def __init__(self, *, options: options_lib.Options | None = None, **kwargs):
-    kwargs.setdefault('array_metadata_store', compat.array_metadata_store())
     super().__init__(**kwargs)
     self.options = options or options_lib.Options.from_env()
     self.engine = engine_lib.Engine(self.options)
@@ -268,7 +271,8 @@ class ProxyNumpyHandler(compat.NumpyHandler):
           directory=compat.logical_parent_dir(info0), use_ocdbt=bool(info0.is_ocdbt_checkpoint),
           use_zarr3=bool(info0.use_zarr3), gcs_grpc=self.options.gcs_grpc,
           context_extra=self.options.ts_context_extra(),
-          raise_array_data_missing_error=bool(getattr(info0, 'raise_array_data_missing_error', True)))
+          raise_array_data_missing_error=bool(getattr(info0, 'raise_array_data_missing_error', True)),
+          metadata_key=compat.numpy_handler_metadata_key(self))
       arrays = await self.engine.read_to_host(
           [infos[i].name for i in ours], [getattr(args[i], 'dtype', None) for i in ours], item,
           records=records, verify=self.options.verify_checksums,
