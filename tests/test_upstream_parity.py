@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_pathways
+from orbax_pathways.frontends import orbax_v0
 
 from helpers import mesh, put
 
@@ -118,3 +119,28 @@ def test_install_keeps_a_registered_array_handlers_options(tmp_path, _stock_regi
   assert orbax_pathways.stats.last_save().arrays == 1
   assert '_sharding' not in stock_files
   assert ours_files == stock_files
+
+
+# ---- an Orbax option we do not honour says so --------------------------------------------------
+
+def test_replica_separate_folder_is_said_not_honoured_and_the_values_read_back(tmp_path, caplog,
+                                                                              monkeypatch):
+  """``enable_replica_parallel_separate_folder`` (v1 ``ArrayOptions.Saving``, v0 ``ArrayHandler``
+  argument) makes stock write fully replicated arrays into ``ocdbt.process_replica_<i>/``. We
+  write them with the others (same values after Orbax's merge) and say so once, in the log."""
+  monkeypatch.setattr(orbax_v0, '_said', set())  # said once per process: this test's process
+  v1 = ocp.v1
+  state = {'replicated': put(_value(), mesh()), 'sharded': put(_value(seed=1), mesh(), 'data')}
+  saving = v1.options.ArrayOptions.Saving(use_replica_parallel=True,
+                                          enable_replica_parallel_separate_folder=True)
+  with v1.Context(array_options=v1.options.ArrayOptions(saving=saving)):
+    with caplog.at_level('WARNING', logger='orbax_pathways'):
+      v1.save(tmp_path / 'a', state)
+      v1.save(tmp_path / 'b', state)
+    loaded = v1.load(tmp_path / 'a')
+  said = [r.getMessage() for r in caplog.records
+          if 'enable_replica_parallel_separate_folder is not honoured' in r.getMessage()]
+  assert len(said) == 1, said
+  assert orbax_pathways.stats.last_save().arrays == 2
+  for k, v in state.items():
+    np.testing.assert_array_equal(np.asarray(loaded[k]), np.asarray(v))

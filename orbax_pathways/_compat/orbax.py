@@ -62,6 +62,7 @@ class HandlerSettings:
   dispatcher: Any
   callback: Any  # Orbax's SerializationStatusCallback
   metadata_key: str | None
+  replica_separate_folder: bool  # enable_replica_parallel_separate_folder (not honoured by us)
 
 
 def handler_settings(handler: Any) -> HandlerSettings:
@@ -71,7 +72,8 @@ def handler_settings(handler: Any) -> HandlerSettings:
       use_replica_parallel=bool(handler._use_replica_parallel),
       enable_write_sharding_file=bool(handler._enable_write_sharding_file),
       array_metadata_store=handler._array_metadata_store, dispatcher=handler._dispatcher,
-      callback=handler._callback, metadata_key=handler._metadata_key)
+      callback=handler._callback, metadata_key=handler._metadata_key,
+      replica_separate_folder=bool(handler._enable_replica_parallel_separate_folder))
 
 
 def limiter_bytes(limiter: Any) -> int | None:
