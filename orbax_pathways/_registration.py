@@ -120,6 +120,10 @@ def _log_commit(mngr, step: int, commit_s: float) -> None:
 def install(options: options_lib.Options | None = None) -> handler_lib.ProxyArrayHandler:
   """Registers our handler for ``jax.Array``; a second call returns the installed one unless
   ``options`` differ (then it replaces ours, keeping the original to restore on uninstall).
+  Ours takes the constructor settings of the handler it replaces (``primary_host``,
+  ``metadata_key``, ``enable_write_sharding_file``, the array-metadata store, ...), so handlers
+  configured before ``import orbax_pathways`` keep writing and reading the same files; likewise
+  for ``np.ndarray``.
 
   Also turns on the CheckpointManager side: retention that never leaves a torn step listed,
   listing that skips incomplete steps, and SIGTERM as a preemption notice in the main process
@@ -134,7 +138,7 @@ def install(options: options_lib.Options | None = None) -> handler_lib.ProxyArra
       return _ours
     if _ours is None or current is not _ours and not isinstance(current, handler_lib.ProxyArrayHandler):
       _previous = current
-    _ours = handler_lib.ProxyArrayHandler(options=options)
+    _ours = handler_lib.ProxyArrayHandler(options=options, **_settings_of(current))
     compat.register_array_handler(_ours)
     _install_numpy(options)
     compat_v1.install(_v1_handler)
@@ -145,13 +149,25 @@ def install(options: options_lib.Options | None = None) -> handler_lib.ProxyArra
     return _ours
 
 
+def _settings_of(current) -> dict:
+  """The constructor settings of the jax.Array handler ``install()`` replaces (what the user
+  registered, e.g. with ``register_standard_handlers_with_options``, or Orbax's default, which
+  has an array-metadata store); Orbax's defaults if it is not an ``ArrayHandler``."""
+  if isinstance(current, compat.ArrayHandler):
+    return compat.handler_constructor_kwargs(current)
+  return {'array_metadata_store': compat.array_metadata_store()}
+
+
 def _install_numpy(options) -> None:
-  """Our np.ndarray handler (verified restores of our arrays into numpy targets)."""
+  """Our np.ndarray handler (verified restores of our arrays into numpy targets), with the
+  settings (``metadata_key``) of the one it replaces."""
   global _previous_numpy
   current = compat.registered_handler(np.ndarray)
   if not isinstance(current, handler_lib.ProxyNumpyHandler):
     _previous_numpy = current
-  compat.register_handler(np.ndarray, handler_lib.ProxyNumpyHandler(options=options))
+  kwargs = (compat.numpy_handler_constructor_kwargs(current)
+            if isinstance(current, compat.NumpyHandler) else {})
+  compat.register_handler(np.ndarray, handler_lib.ProxyNumpyHandler(options=options, **kwargs))
 
 
 def _v1_handler(context, stock):

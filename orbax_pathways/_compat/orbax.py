@@ -64,6 +64,7 @@ class HandlerSettings:
   metadata_key: str | None
   min_slice_bytes_for_replica_parallel: int | None
   max_replicas_for_replica_parallel: int | None
+  replica_separate_folder: bool  # enable_replica_parallel_separate_folder (not honoured by us)
 
 
 def handler_settings(handler: Any) -> HandlerSettings:
@@ -75,7 +76,9 @@ def handler_settings(handler: Any) -> HandlerSettings:
       array_metadata_store=handler._array_metadata_store, dispatcher=handler._dispatcher,
       callback=handler._callback, metadata_key=handler._metadata_key,
       min_slice_bytes_for_replica_parallel=handler._min_slice_bytes_for_replica_parallel,
-      max_replicas_for_replica_parallel=handler._max_replicas_for_replica_parallel)
+      max_replicas_for_replica_parallel=handler._max_replicas_for_replica_parallel,
+      replica_separate_folder=bool(
+          getattr(handler, '_enable_replica_parallel_separate_folder', False)))
 
 
 def limiter_bytes(limiter: Any) -> int | None:
@@ -99,6 +102,18 @@ def handler_constructor_kwargs(handler: Any) -> dict[str, Any]:
       array_metadata_store=handler._array_metadata_store,
       enable_replica_parallel_separate_folder=handler._enable_replica_parallel_separate_folder,
       callback=handler._callback)
+
+
+def numpy_handler_constructor_kwargs(handler: Any) -> dict[str, Any]:
+  """The keyword arguments that build a ``NumpyHandler`` like ``handler`` (same settings)."""
+  # pylint: disable=protected-access
+  return dict(metadata_key=handler._metadata_key,
+              ocdbt_process_id=handler._override_ocdbt_process_id)
+
+
+def numpy_handler_metadata_key(handler: Any) -> str | None:
+  """The zarr metadata file name a ``NumpyHandler`` reads and writes (None: Orbax's default)."""
+  return handler._metadata_key  # pylint: disable=protected-access
 
 
 def is_plain_array_handler(handler: Any) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 from typing import Any, Sequence
 
 import jax
@@ -34,6 +35,16 @@ from orbax_pathways import values
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways.storage import meta_io
 from orbax_pathways.transports import base as transports
+
+
+log = logging.getLogger('orbax_pathways')
+_said: set[str] = set()
+
+
+def _say_once(key: str, msg: str, *args) -> None:
+  if key not in _said:
+    _said.add(key)
+    log.warning(msg, *args)
 
 
 def _leaf(value: jax.Array, info: Any, arg: Any, options: options_lib.Options,
@@ -66,10 +77,13 @@ def _notify(callback: Any, event: str, infos: Sequence[Any]) -> None:
 
 
 class ProxyArrayHandler(compat.ArrayHandler):
-  """Drop-in replacement of Orbax's ArrayHandler (same typestr, same on-disk format)."""
+  """Drop-in replacement of Orbax's ArrayHandler (same typestr, same on-disk format).
+
+  Takes Orbax's constructor arguments with Orbax's defaults: built directly it has no
+  array-metadata store, like ``ArrayHandler()``; the handler ``install()`` registers takes the
+  settings of the one it replaces (Orbax's default has a store)."""
 
   def __init__(self, *, options: options_lib.Options | None = None, **kwargs):
-    kwargs.setdefault('array_metadata_store', compat.array_metadata_store())
     super().__init__(**kwargs)
     self.options = options or options_lib.Options.from_env()
     self.engine = engine_lib.Engine(self.options)
@@ -125,13 +139,18 @@ class ProxyArrayHandler(compat.ArrayHandler):
     arrays = [a for a, _ in converted]
     leaves = [leaf for _, leaf in converted]
     item = self._item(infos[0])
+    settings = compat.handler_settings(self)
+    if settings.replica_separate_folder and settings.use_replica_parallel and item.use_ocdbt:
+      _say_once('replica_separate_folder',
+                'orbax_pathways: enable_replica_parallel_separate_folder is not honoured: '
+                'replicated arrays are written into ocdbt.process_<i>/ with the others, not into '
+                'ocdbt.process_replica_<i>/ (the merged checkpoint reads the same).')
 
     async def ready():
       await asyncio.gather(*(info.await_path_creation() for info in infos))
 
     pending = await self.engine.save(arrays, leaves, item, config=self._save_config(infos[0]),
                                      ready=ready)
-    settings = compat.handler_settings(self)
     _notify(settings.callback, 'on_transfer_end', infos)  # as stock: once the snapshot is taken
     futures = []
     if settings.enable_write_sharding_file:
@@ -274,7 +293,8 @@ class ProxyNumpyHandler(compat.NumpyHandler):
           directory=compat.logical_parent_dir(info0), use_ocdbt=bool(info0.is_ocdbt_checkpoint),
           use_zarr3=bool(info0.use_zarr3), gcs_grpc=self.options.gcs_grpc,
           context_extra=self.options.ts_context_extra(),
-          raise_array_data_missing_error=bool(getattr(info0, 'raise_array_data_missing_error', True)))
+          raise_array_data_missing_error=bool(getattr(info0, 'raise_array_data_missing_error', True)),
+          metadata_key=compat.numpy_handler_metadata_key(self))
       arrays = await self.engine.read_to_host(
           [infos[i].name for i in ours], [getattr(args[i], 'dtype', None) for i in ours], item,
           records=records, verify=self.options.verify_checksums,
