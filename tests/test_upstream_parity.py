@@ -16,7 +16,7 @@ import pytest
 import orbax_pathways
 from orbax_pathways.frontends import orbax_v0
 
-from helpers import mesh, put
+from support.arrays import mesh, put
 
 
 def _value(shape=(64, 32), seed=0):
