@@ -144,3 +144,28 @@ def test_stock_v1_reads_ours_and_we_read_stock_v1(tmp_path):
   """, env={'ORBAX_PATHWAYS_DISABLE': '1'})
   np.testing.assert_array_equal(np.load(tmp_path / 'w.npy'), np.asarray(state['params']['w']))
   assert v1.load(tmp_path / 'stock')['x'].tolist() == list(np.arange(10.0))
+
+
+def test_load_and_broadcast_is_left_to_orbax_and_said_once(tmp_path, caplog, monkeypatch):
+  """A Context asking for ``use_load_and_broadcast`` is served by Orbax's own handler (we have
+  no broadcast restore): the values read back equal, our engine did not serve it, and the log
+  says so once per process however many loads."""
+  from orbax.checkpoint.experimental.v1._src.context import options as v1_options  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.frontends import _said  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(_said, '_said', set())
+  m = mesh()
+  x = put(np.arange(64, dtype=np.float32).reshape(8, 8), m, None, 'model')
+  v1.save_pytree(tmp_path / 'ckpt', {'x': x})
+  ours_before = orbax_pathways.stats.last_restore()
+  ctx = v1.Context(array_options=v1_options.ArrayOptions(
+      loading=v1_options.ArrayOptions.Loading(use_load_and_broadcast=True)))
+  target = {'x': jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)}
+  with caplog.at_level('INFO', logger='orbax_pathways'), ctx:
+    for _ in range(2):
+      out = v1.load_pytree(tmp_path / 'ckpt', target)
+      np.testing.assert_array_equal(np.asarray(out['x']), np.asarray(x))
+      assert out['x'].sharding == x.sharding
+  assert orbax_pathways.stats.last_restore() is ours_before
+  said = [r.getMessage() for r in caplog.records if 'use_load_and_broadcast' in r.getMessage()]
+  assert len(said) == 1, said
+  assert 'not checksummed' in said[0]

@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_pathways
-from orbax_pathways.frontends import orbax_v0
+from orbax_pathways.frontends import _said
 
 from support.arrays import mesh, put
 
@@ -128,7 +128,7 @@ def test_replica_separate_folder_is_said_not_honoured_and_the_values_read_back(t
   """``enable_replica_parallel_separate_folder`` (v1 ``ArrayOptions.Saving``, v0 ``ArrayHandler``
   argument) makes stock write fully replicated arrays into ``ocdbt.process_replica_<i>/``. We
   write them with the others (same values after Orbax's merge) and say so once, in the log."""
-  monkeypatch.setattr(orbax_v0, '_said', set())  # said once per process: this test's process
+  monkeypatch.setattr(_said, '_said', set())  # said once per process: this test's process
   v1 = ocp.v1
   state = {'replicated': put(_value(), mesh()), 'sharded': put(_value(seed=1), mesh(), 'data')}
   saving = v1.options.ArrayOptions.Saving(use_replica_parallel=True,

@@ -33,18 +33,9 @@ from orbax_pathways import engine as engine_lib
 from orbax_pathways import options as options_lib
 from orbax_pathways import values
 from orbax_pathways._compat import orbax as compat
+from orbax_pathways.frontends import _said
 from orbax_pathways.storage import meta_io
 from orbax_pathways.transports import base as transports
-
-
-log = logging.getLogger('orbax_pathways')
-_said: set[str] = set()
-
-
-def _say_once(key: str, msg: str, *args) -> None:
-  if key not in _said:
-    _said.add(key)
-    log.warning(msg, *args)
 
 
 def _leaf(value: jax.Array, info: Any, arg: Any, options: options_lib.Options,
@@ -141,7 +132,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
     item = self._item(infos[0])
     settings = compat.handler_settings(self)
     if settings.replica_separate_folder and settings.use_replica_parallel and item.use_ocdbt:
-      _say_once('replica_separate_folder',
+      _said.once(logging.WARNING, 'replica_separate_folder',
                 'orbax_pathways: enable_replica_parallel_separate_folder is not honoured: '
                 'replicated arrays are written into ocdbt.process_<i>/ with the others, not into '
                 'ocdbt.process_replica_<i>/ (the merged checkpoint reads the same).')

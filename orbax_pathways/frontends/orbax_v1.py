@@ -28,17 +28,8 @@ from orbax_pathways import options as options_lib
 from orbax_pathways import runtime
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways._compat import orbax_v1 as compat_v1
+from orbax_pathways.frontends import _said
 from orbax_pathways.frontends import orbax_v0
-
-log = logging.getLogger('orbax_pathways')
-_said: set[str] = set()
-
-
-def _once(key: str, msg: str, *args) -> None:
-  if key not in _said:
-    _said.add(key)
-    log.info(msg, *args)
-
 
 def options_for(context: Any, base: options_lib.Options) -> options_lib.Options:
   """Our options for one v1 Context: ``base`` (the installed ones) plus what the Context says."""
@@ -55,7 +46,7 @@ def handler_for(context: Any, stock: Any, base: options_lib.Options) -> Any:
   if not compat.is_plain_array_handler(stock):
     reason = ('ArrayOptions.Loading.use_load_and_broadcast' if compat_v1.uses_load_and_broadcast(context)
               else f'a {type(stock).__name__}')
-    _once(type(stock).__name__,
+    _said.once(logging.INFO, type(stock).__name__,
           'orbax_pathways: this Orbax v1 Context uses %s; Orbax\'s %s serves it (orbax_pathways '
           'has no equivalent), so its arrays are not checksummed or written by their owners.',
           reason, type(stock).__name__)
