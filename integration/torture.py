@@ -221,12 +221,8 @@ def _run_on_fake_gcs(args) -> int:
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                   'tests'))
   from support import gcs_server  # pylint: disable=g-import-not-at-top
-  with gcs_server.FakeGcs(backend='memory') as server:
-    for key in server.unset_keys():
-      os.environ.pop(key, None)
-    os.environ.update(server.env())
-    gcs_server.configure_fsspec_anon()
-    args.dir = f'gs://{server.new_bucket("torture")}/ckpt'
+  with gcs_server.serving_bucket('torture') as url:
+    args.dir = url
     return run(args)
 
 

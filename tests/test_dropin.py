@@ -16,6 +16,7 @@ import orbax_pathways
 from orbax_pathways import metadata as pw_metadata
 from orbax_pathways.storage import meta_io
 
+from support import damage
 from support.arrays import abstract, assert_trees_equal, mesh, put
 
 
@@ -26,16 +27,8 @@ def _value(shape=(256, 64), seed=0):
 def _flip_a_byte(item, value):
   """Flips one byte inside the stored (uncompressed float) bytes of ``value``'s first rows."""
   needle = np.ascontiguousarray(value[:8, :8]).tobytes()[:32]
-  for path in sorted(item.rglob('*'), key=lambda p: -p.stat().st_size if p.is_file() else 0):
-    if not path.is_file():
-      continue
-    data = bytearray(path.read_bytes())
-    at = data.find(needle)
-    if at >= 0:
-      data[at + 5] ^= 0x01
-      path.write_bytes(bytes(data))
-      return
-  raise AssertionError('chunk bytes not found')
+  files = sorted(item.rglob('*'), key=lambda p: -p.stat().st_size if p.is_file() else 0)
+  damage.flip_bit_in(files, needle, what='chunk bytes', offset=5)
 
 
 # ---- memory kinds and device layouts ----------------------------------------------------------

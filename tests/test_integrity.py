@@ -15,6 +15,7 @@ from orbax_pathways import checksum
 from orbax_pathways import metadata
 from orbax_pathways.storage import meta_io
 
+from support import damage
 from support.arrays import abstract, mesh, put
 
 
@@ -43,15 +44,8 @@ def _data_files(item):
 
 def _flip_byte_in_chunk_data(item, value: np.ndarray):
   """Flips one byte inside the stored float bytes (found by content, not by guessing offsets)."""
-  needle = np.ascontiguousarray(value).tobytes()[:64]
-  for path in _data_files(item):
-    data = bytearray(path.read_bytes())
-    at = data.find(needle)
-    if at >= 0:
-      data[at + 10] ^= 0x01
-      path.write_bytes(bytes(data))
-      return
-  raise AssertionError('uncompressed chunk bytes not found in any data file')
+  damage.flip_bit_in(_data_files(item), np.ascontiguousarray(value).tobytes()[:64],
+                     what='uncompressed chunk bytes')
 
 
 def test_flipped_byte_is_caught_by_the_checksum(tmp_path):

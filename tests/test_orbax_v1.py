@@ -17,7 +17,7 @@ from orbax_pathways import elastic
 from orbax_pathways import preemption
 from orbax_pathways.storage import meta_io
 
-from support import REPO
+from support import REPO, damage
 from support.arrays import assert_trees_equal, mesh, put, random_state
 from support.procs import run_python
 
@@ -61,15 +61,8 @@ def test_flipped_byte_is_caught_through_v1(tmp_path):
   v1.save(tmp_path / 'a', {'w': put(value, m, 'data', 'model')})
   item = tmp_path / 'a' / 'state'
   needle = np.ascontiguousarray(value[:32, :32]).tobytes()[:64]
-  for path in sorted(item.glob('ocdbt.process_0/d/*'), key=lambda p: -p.stat().st_size):
-    data = bytearray(path.read_bytes())
-    at = data.find(needle)
-    if at >= 0:
-      data[at + 10] ^= 0x01
-      path.write_bytes(bytes(data))
-      break
-  else:
-    pytest.fail('chunk bytes not found (v1 writes zarr3; floats are stored uncompressed)')
+  files = sorted(item.glob('ocdbt.process_0/d/*'), key=lambda p: -p.stat().st_size)
+  damage.flip_bit_in(files, needle, what='chunk of w (v1 writes zarr3; floats uncompressed)')
   with pytest.raises(orbax_pathways.ChecksumMismatchError, match=r"Checksum mismatch in array 'w'"):
     v1.load(tmp_path / 'a')
 

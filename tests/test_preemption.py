@@ -17,7 +17,7 @@ import pytest
 
 from orbax_pathways import preemption
 from orbax_pathways import retention
-from support import REPO
+from support import REPO, damage
 from support.mp_harness import run_processes
 from support.procs import child_env, free_port
 
@@ -192,15 +192,8 @@ def _saved_steps(directory, steps):
 
 def _flip_byte(step_dir, step):
   """Flips one byte of the stored (uncompressed float) bytes of ``w`` at ``step``."""
-  needle = _w(step).tobytes()[:64]
-  for path in sorted(step_dir.rglob('d/*')):
-    data = bytearray(path.read_bytes())
-    at = data.find(needle)
-    if at >= 0:
-      data[at + 10] ^= 0x01
-      path.write_bytes(bytes(data))
-      return
-  raise AssertionError(f'bytes of w not found under {step_dir}')
+  damage.flip_bit_in(sorted(step_dir.rglob('d/*')), _w(step).tobytes()[:64],
+                     what=f'w under {step_dir}')
 
 
 def test_resume_falls_back_past_a_damaged_step_and_training_replaces_it(tmp_path, installed):
@@ -434,15 +427,7 @@ def test_resume_fallback_is_agreed_by_every_process(tmp_path):
   # Damage a chunk of step 2 that only process 1 reads (global elements 2048.. live on its
   # first device).
   needle = (np.arange(4 * 1024, dtype=np.float32) + 2000)[2048:2064].tobytes()
-  for path in sorted((ckpt / '2').rglob('d/*')):
-    data = bytearray(path.read_bytes())
-    at = data.find(needle)
-    if at >= 0:
-      data[at + 10] ^= 0x01
-      path.write_bytes(bytes(data))
-      break
-  else:
-    raise AssertionError('bytes of process 1 shard not found')
+  damage.flip_bit_in(sorted((ckpt / '2').rglob('d/*')), needle, what='process 1 shard')
   results = run_processes(_MP_RESUME, 2, 2, args=['resume', str(ckpt)], timeout=180)
   assert [r.result for r in results] == [{'step': 1, 'ok': True, 'latest': 1}] * 2
   assert 'is DAMAGED and was skipped (ChecksumMismatchError' in results[1].stderr_tail

@@ -302,3 +302,12 @@ def applied_env(env: dict[str, str], unset: tuple[str, ...] = _UNSET) -> Iterato
         os.environ.pop(k, None)
       else:
         os.environ[k] = v
+
+
+@contextlib.contextmanager
+def serving_bucket(name: str) -> Iterator[str]:
+  """fake-gcs-server (memory backend) for the duration, with this process's environment (which
+  its children inherit) pointing every GCS client at it; yields ``gs://<fresh bucket>/ckpt``.
+  Used by the integration scripts (``integration/race.py``, ``integration/torture.py``)."""
+  with FakeGcs(backend='memory') as server, applied_env(server.env()):
+    yield f'gs://{server.new_bucket(name)}/ckpt'
