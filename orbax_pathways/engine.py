@@ -34,6 +34,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from orbax_pathways import _said
 from orbax_pathways import errors
 from orbax_pathways import format as format_lib
 from orbax_pathways import layout
@@ -172,20 +173,15 @@ _TRANSPORT_NOTES = {
         'suspend and resume this workload transparently; ORBAX_PATHWAYS_TRANSPORT=colocated '
         'writes from the worker hosts instead.'),
 }
-_announced: set[tuple[str, str]] = set()
-
-
 def announce_transport(transport: str) -> None:
   """Once per process and transport: which one moves the bytes, and what it costs (README
   "Transports and Pathways suspend-resume")."""
   rt = runtime.detect_runtime().value
-  if (rt, transport) in _announced:
-    return
-  _announced.add((rt, transport))
   level, note = _TRANSPORT_NOTES.get(
       (rt, transport), (logging.INFO, 'each process writes and reads the shards its own devices '
                                       'hold.'))
-  log.log(level, 'orbax_pathways: transport %s (%s): %s', transport, rt, note)
+  _said.once(level, ('transport', rt, transport), 'orbax_pathways: transport %s (%s): %s',
+             transport, rt, note)
 
 
 class Engine:

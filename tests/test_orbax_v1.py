@@ -144,7 +144,7 @@ def test_load_and_broadcast_is_left_to_orbax_and_said_once(tmp_path, caplog, mon
   no broadcast restore): the values read back equal, our engine did not serve it, and the log
   says so once per process however many loads."""
   from orbax.checkpoint.experimental.v1._src.context import options as v1_options  # pylint: disable=g-import-not-at-top
-  from orbax_pathways.frontends import _said  # pylint: disable=g-import-not-at-top
+  from orbax_pathways import _said  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(_said, '_said', set())
   m = mesh()
   x = put(np.arange(64, dtype=np.float32).reshape(8, 8), m, None, 'model')

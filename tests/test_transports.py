@@ -132,8 +132,8 @@ def test_colocated_with_cpu_device_ids_unlike_the_accelerators(tmp_path, monkeyp
 
 def test_the_transport_and_its_cost_are_said_once_at_the_first_save(tmp_path, monkeypatch, caplog):
   """Under Pathways the colocated transport costs transparent suspend-resume: said once, loudly."""
-  from orbax_pathways import engine  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(engine, '_announced', set())
+  from orbax_pathways import _said  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(_said, '_said', set())
   monkeypatch.setenv('ORBAX_PATHWAYS_RUNTIME', 'pathways')
   state = {'w': random_state(mesh())['params']['w']}
   with caplog.at_level('INFO', logger='orbax_pathways'):

@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_pathways
-from orbax_pathways.frontends import _said
+from orbax_pathways import _said
 
 from support.arrays import mesh, put
 

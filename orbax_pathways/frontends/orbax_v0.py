@@ -30,10 +30,10 @@ import numpy as np
 
 from orbax_pathways import elastic
 from orbax_pathways import engine as engine_lib
+from orbax_pathways import _said
 from orbax_pathways import options as options_lib
 from orbax_pathways import values
 from orbax_pathways._compat import orbax as compat
-from orbax_pathways.frontends import _said
 from orbax_pathways.storage import meta_io
 from orbax_pathways.transports import base as transports
 

@@ -24,11 +24,11 @@ import dataclasses
 import logging
 from typing import Any
 
+from orbax_pathways import _said
 from orbax_pathways import options as options_lib
 from orbax_pathways import runtime
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways._compat import orbax_v1 as compat_v1
-from orbax_pathways.frontends import _said
 from orbax_pathways.frontends import orbax_v0
 
 def options_for(context: Any, base: options_lib.Options) -> options_lib.Options:
