@@ -90,15 +90,15 @@ def remap_mesh(saved: SavedMesh, current: Mapping[int, Sequence[int]]) -> NewMes
   # Fallback: keep the shape if the device count is unchanged, else scale one axis.
   devices = [d for s in slices for d in s]
   total_saved, total_now = int(np.prod(saved.shape)), len(devices)
-  if not total_now:
+  if not total_now or not saved.shape:
     raise RemapError(f'Cannot lay the saved mesh {dict(zip(saved.axis_names, saved.shape))} '
-                     'over no devices: this job sees none.')
+                     f'over {total_now} devices: nothing to lay it over. Pass a restore target '
+                     'with explicit shardings.')
   new_shape = list(saved.shape)
-  resized: tuple[str, ...] = ()
   if total_now == total_saved:
-    return NewMesh(tuple(new_shape), saved.axis_names, tuple(devices), resized)
-  order = [saved.axis_names.index(x) for x in saved.slice_axes] or list(range(len(saved.shape)))
-  for a in order:
+    return NewMesh(tuple(new_shape), saved.axis_names, tuple(devices), ())
+  axes = [saved.axis_names.index(x) for x in saved.slice_axes] or list(range(len(saved.shape)))
+  for a in axes:
     rest = total_saved // saved.shape[a]
     if total_now % rest == 0:
       new_shape[a] = total_now // rest
@@ -106,10 +106,10 @@ def remap_mesh(saved: SavedMesh, current: Mapping[int, Sequence[int]]) -> NewMes
   # No single axis can absorb it: each axis (slice axes first) keeps the part of its size that
   # divides what is left of the new count; the first of them takes whatever remains.
   left = total_now
-  for a in order + [i for i in range(len(saved.shape)) if i not in order]:
+  for a in axes + [i for i in range(len(saved.shape)) if i not in axes]:
     new_shape[a] = math.gcd(saved.shape[a], left)
     left //= new_shape[a]
-  new_shape[order[0]] *= left
+  new_shape[axes[0]] *= left
   resized = tuple(x for x, was, now in zip(saved.axis_names, saved.shape, new_shape) if was != now)
   return NewMesh(tuple(new_shape), saved.axis_names, tuple(devices), resized, fitted=True)
 
