@@ -90,9 +90,9 @@ def remap_mesh(saved: SavedMesh, current: Mapping[int, Sequence[int]]) -> NewMes
   # Fallback: keep the shape if the device count is unchanged, else scale one axis.
   devices = [d for s in slices for d in s]
   total_saved, total_now = int(np.prod(saved.shape)), len(devices)
-  if not total_now or not saved.shape:
+  if not total_now or (not saved.shape and total_now != total_saved):
     raise RemapError(f'Cannot lay the saved mesh {dict(zip(saved.axis_names, saved.shape))} '
-                     f'over {total_now} devices: nothing to lay it over. Pass a restore target '
+                     f'over {total_now} devices: it has no axis to resize. Pass a restore target '
                      'with explicit shardings.')
   new_shape = list(saved.shape)
   if total_now == total_saved:
