@@ -106,7 +106,8 @@ def needs_remap(record: metadata.ShardingRecord, topo: Topology) -> bool:
 
 @dataclasses.dataclass
 class Laid:
-  """What one restore laid where, for its one INFO line (``say``). Filled by ``remap_sharding``."""
+  """What one restore laid where, for its one INFO line (``say``): filled by ``remap_sharding``
+  and said by ``remap_value_metadata`` / ``remapped_abstract_state``, on each controller process."""
   meshes: dict[tuple[str, str], list[str]] = dataclasses.field(default_factory=dict)
   replicated: dict[tuple[str, str], list[str]] = dataclasses.field(default_factory=dict)
 
