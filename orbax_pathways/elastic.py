@@ -5,7 +5,9 @@ doors: for Orbax's ``metadata`` call (it asks for the saved shardings when a res
 target, or a target whose leaves carry no sharding), and for restore args that name no sharding.
 A saved sharding is kept when all its devices still exist and the slice count is unchanged;
 otherwise the saved mesh is rebuilt over the current slices (``plan/elastic.py``), keeping the
-PartitionSpecs. ``remapped_abstract_state`` shows the result before restoring.
+PartitionSpecs. Any device count works: what no longer divides is replicated. Each remapping
+call logs one INFO line saying which mesh was laid over which and what got replicated.
+``remapped_abstract_state`` shows the result before restoring.
 """
 
 from __future__ import annotations
@@ -102,9 +104,42 @@ def needs_remap(record: metadata.ShardingRecord, topo: Topology) -> bool:
   return record.kind == 'named' and topo.slices_known and len(topo.slices) != record.num_slices
 
 
+@dataclasses.dataclass
+class Laid:
+  """What one restore laid where, for its one INFO line (``say``): filled by ``remap_sharding``
+  and said by ``remap_value_metadata`` / ``remapped_abstract_state``, on each controller process."""
+  meshes: dict[tuple[str, str], list[str]] = dataclasses.field(default_factory=dict)
+  replicated: dict[tuple[str, str], list[str]] = dataclasses.field(default_factory=dict)
+
+  def add(self, saved: str, now: str, name: str, replicated: str | None) -> None:
+    self.meshes.setdefault((saved, now), []).append(name)
+    if replicated:
+      self.replicated.setdefault((saved, now), []).append(replicated)
+
+  def say(self, devices: int) -> None:
+    parts = []
+    for key, names in self.meshes.items():
+      reps = self.replicated.get(key, [])
+      shown = ', '.join(reps[:5]) + (f' and {len(reps) - 5} more' if len(reps) > 5 else '')
+      parts.append(f'saved mesh {key[0]} laid over them as {key[1]}: {len(names) - len(reps)} '
+                   f'of {len(names)} arrays keep their PartitionSpec, {len(reps)} are replicated '
+                   'along a dim that does not divide' + (f' ({shown})' if reps else ''))
+    if parts:
+      log.info('orbax_pathways: restoring without target shardings onto %d device(s): %s. '
+               'Values are read as saved; pass a target with shardings to choose the layout.',
+               devices, '; '.join(parts))
+
+
+def _mesh_text(shape: Sequence[int], names: Sequence[str]) -> str:
+  return f'{dict(zip(names, (int(x) for x in shape)))} ({math.prod(shape)} device(s))'
+
+
 def remap_sharding(name: str, shape: Sequence[int], dtype: Any, record: metadata.ShardingRecord,
-                   topo: Topology, *, divisibility: str) -> jax.sharding.Sharding:
-  """The sharding ``name`` gets on ``topo`` (see module docstring for the rule)."""
+                   topo: Topology, *, divisibility: str,
+                   laid: Laid | None = None) -> jax.sharding.Sharding:
+  """The sharding ``name`` gets on ``topo`` (see module docstring for the rule). A dim that no
+  longer divides is replicated along the resized axes: with a warning naming it, or, on a device
+  count no single axis could absorb, noted in ``laid`` for the caller's one line."""
   by_id = {d.id: d for d in topo.devices}
   if record.kind != 'named':
     first = by_id.get(record.device_ids[0]) if record.device_ids else None
@@ -133,10 +168,14 @@ def remap_sharding(name: str, shape: Sequence[int], dtype: Any, record: metadata
       raise errors.TopologyError(
           f'Cannot restore {facts}. Pass an explicit target sharding for it, or use '
           "Options(divisibility='replicate') to replicate it along those axes.")
-    warnings.warn(
-        f'orbax_pathways: {facts}; replicating it along them instead (spec {tuple(record.spec)} '
-        f'-> {spec}): {per_device} bytes per device, {extra} more than an even split would be.',
-        RuntimeWarning, stacklevel=2)
+    if not new.fitted:
+      warnings.warn(
+          f'orbax_pathways: {facts}; replicating it along them instead (spec '
+          f'{tuple(record.spec)} -> {spec}): {per_device} bytes per device, {extra} more than an '
+          'even split would be.', RuntimeWarning, stacklevel=2)
+  if laid is not None:
+    laid.add(_mesh_text(record.mesh_shape, record.axis_names), _mesh_text(new.shape, new.axis_names),
+             name, f'{name!r} {tuple(shape)} dim {", ".join(map(str, changed))}' if changed else None)
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
@@ -159,15 +198,17 @@ def remap_value_metadata(infos: Sequence[Any], metas: list[Any],
   if not metas:
     return metas
   topo = current_topology(num_slices)
+  laid = Laid()
   out = []
   for info, meta in zip(infos, metas):
     rec = _saved_record(info.name, records, getattr(meta, 'sharding', None))
     if rec is not None and needs_remap(rec, topo):
       with jax.profiler.TraceAnnotation('orbax_pathways.reshard'):
         sharding = remap_sharding(info.name, meta.shape, meta.dtype, rec, topo,
-                                  divisibility=divisibility)
+                                  divisibility=divisibility, laid=laid)
       meta = dataclasses.replace(meta, sharding=compat.sharding_metadata_from_jax(sharding))
     out.append(meta)
+  laid.say(len(topo.devices))
   return out
 
 
@@ -205,6 +246,7 @@ def remapped_abstract_state(directory: Any, step: int, *, item: str = 'default',
   ours = meta_io.read_item(item_dir)
   records = ours.arrays() if ours else {}
   topo = current_topology(num_slices)
+  laid = Laid()
 
   def leaf(path, meta):
     if not hasattr(meta, 'sharding') or meta.sharding is None:
@@ -214,9 +256,12 @@ def remapped_abstract_state(directory: Any, step: int, *, item: str = 'default',
     rec = (found.sharding if found is not None and found.sharding
            else _record_from_orbax(meta.sharding))
     if rec is not None and needs_remap(rec, topo):
-      sharding = remap_sharding(name, meta.shape, meta.dtype, rec, topo, divisibility=divisibility)
+      sharding = remap_sharding(name, meta.shape, meta.dtype, rec, topo, divisibility=divisibility,
+                                laid=laid)
     else:
       sharding = meta.sharding.to_jax_sharding()
     return jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=sharding)
 
-  return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=lambda x: hasattr(x, 'sharding'))
+  out = jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=lambda x: hasattr(x, 'sharding'))
+  laid.say(len(topo.devices))
+  return out

@@ -132,7 +132,7 @@ def num_slices_from_env(environ: Mapping[str, str] | None = None) -> int | None:
 def parse_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
   """Every known variable parsed; one ValueError listing every malformed one.
 
-  Variables with the ``ORBAX_PATHWAYS_`` prefix that are not known are returned under
+  Variables that are not known but look meant for us (``unknown_env``) are returned under
   ``'unknown'`` (with the closest known name, if any) for the caller to warn about.
   """
   environ = os.environ if environ is None else environ
@@ -144,13 +144,38 @@ def parse_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
       problems.append(str(e))
   if problems:
     raise ValueError('orbax_pathways: invalid environment: ' + ' '.join(problems))
-  unknown = {}
-  for name in environ:
-    if name.startswith('ORBAX_PATHWAYS_') and name not in ENV_VARS:
-      close = difflib.get_close_matches(name, list(ENV_VARS), n=1)
-      unknown[name] = close[0] if close else None
-  values['unknown'] = unknown
+  values['unknown'] = unknown_env(environ)
   return values
+
+
+_PREFIX = 'ORBAX_PATHWAYS_'
+
+
+def unknown_env(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+  """Set variables that are not ours but look meant to be: name -> the closest known name.
+
+  Any unknown ``ORBAX_PATHWAYS_*`` name (closest known name or None), and a near-miss of a known
+  name outside that prefix (``ORBAX_PATHWAY_VERIFY``, ``orbax_pathways_verify``,
+  ``ORBAXPATHWAYS_VERIFY``): a name mentioning ORBAX or PATHWAY whose upper case is a close
+  ``difflib`` match of a known one. ``_registration`` warns once per name at install (import).
+  """
+  environ = os.environ if environ is None else environ
+  known = list(ENV_VARS)
+  unknown: dict[str, str | None] = {}
+  for name in environ:
+    if name in ENV_VARS:
+      continue
+    upper = name.upper()
+    if name.startswith(_PREFIX):
+      close = difflib.get_close_matches(name, known, n=1)
+      unknown[name] = close[0] if close else None
+    elif 'ORBAX' in upper or 'PATHWAY' in upper:
+      # A Pathways runtime variable (PATHWAYS_*) is not ours: without ORBAX, only a typo of the
+      # whole name (OBRAX_PATHWAYS_VERIFY) counts.
+      close = difflib.get_close_matches(upper, known, n=1, cutoff=0.8 if 'ORBAX' in upper else 0.9)
+      if close:
+        unknown[name] = close[0]
+  return unknown
 
 
 def _check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -> None:

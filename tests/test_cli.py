@@ -311,6 +311,50 @@ def test_show_stock_table(built, tmp_path):
   assert "mesh(data=" in out and "P('data', 'model') [orbax]" in out
 
 
+def test_show_single_checkpoint_and_a_very_long_key(tmp_path):
+  """A v1 single checkpoint has no step number: say so, not 'step None'; a 300-character key
+  gets its own line instead of padding every row to 300 columns."""
+  long_key = 'k' * 300
+  save = getattr(ocp.v1, 'save', None) or ocp.v1.save_pytree
+  save(tmp_path / 'ckpt', {'w': np.ones((4, 4), np.float32), long_key: np.zeros(3, np.float32)})
+  code, out, err = run('show', tmp_path / 'ckpt')
+  assert code == 0, err
+  head = out.splitlines()[0]
+  assert 'step None' not in out and 'single checkpoint (no step number)' in head
+  rows = [l for l in out.splitlines() if l.startswith('  ') and long_key not in l]
+  assert any(l.split()[:2] == ['KEY', 'TYPE'] for l in rows)
+  w = next(l for l in rows if l.split()[0] == 'w')
+  assert len(w) < 120 and 'float32' in w and '(4, 4)' in w
+  (alone,) = [l for l in out.splitlines() if long_key in l]
+  assert alone.strip() == long_key  # the long key on its line, its row continues below it
+  after = out.splitlines()[out.splitlines().index(alone) + 1]
+  assert after.startswith('  ' + ' ' * len('KEY')) and len(after) < 120
+  assert after.split()[1:3] == ['float32', '(3,)'], after
+  assert run_json('show', tmp_path / 'ckpt')[1]['step'] is None
+  code, out, _ = run('verify', tmp_path / 'ckpt')
+  assert code == 0 and 'step None' not in out and 'single checkpoint' in out
+
+
+def test_json_fatal_errors_print_a_json_error(built, tmp_path):
+  """With --json, a fatal error still leaves a JSON document on stdout (and its one stderr line)."""
+  (tmp_path / 'empty').mkdir()
+  cases = [
+      (('show', tmp_path / 'missing'), 'does not exist'),
+      (('show', built['stock'], '--step', '9'), 'step 9 not found'),
+      (('verify', built['stock'] / '9'), 'steps in'),
+      (('ls', tmp_path / 'missing'), 'does not exist'),
+      (('du', tmp_path / 'empty'), 'not an Orbax checkpoint directory'),
+      (('diff', built['stock'] / '1', tmp_path / 'missing'), 'does not exist'),
+  ]
+  for argv, text in cases:
+    code, out, err = run(*argv, '--json')
+    assert code == 2, argv
+    assert out, f'stdout empty for {argv}; stderr: {err}'
+    doc = json.loads(out)
+    assert doc['command'] == argv[0] and doc['exit_code'] == 2 and text in doc['error'], doc
+    assert err.count('\n') == 1 and text in err and 'Traceback' not in err
+
+
 # ----------------------------------------------------------------------------------------------
 # verify
 

@@ -1,5 +1,6 @@
 """Elastic restore: saved on N slices, restored onto M with no hand-built target."""
 
+import hashlib
 import warnings
 
 import jax
@@ -16,6 +17,7 @@ from orbax_pathways.plan import restore as restore_plan
 from orbax_pathways.plan.boxes import Box
 
 from support import ckpt
+from support import procs
 from support.arrays import mesh, put
 
 
@@ -52,9 +54,19 @@ def test_remap_mesh_hybrid_axis_keeps_intra_slice_positions():
 def test_remap_mesh_without_slice_axes_scales_first_axis():
   saved = plan.SavedMesh((4, 2), ('data', 'model'), tuple(range(8)), (0,) * 8, ())
   new = plan.remap_mesh(saved, {0: [0, 1, 2, 3]})
-  assert new.shape == (2, 2) and new.resized_axes == ('data',)
-  with pytest.raises(plan.RemapError, match='no mesh axis can absorb'):
-    plan.remap_mesh(saved, {0: [0, 1, 2]})
+  assert new.shape == (2, 2) and new.resized_axes == ('data',) and not new.fitted
+
+
+@pytest.mark.parametrize('n, shape', [(1, (1, 1)), (3, (3, 1)), (5, (5, 1)), (7, (7, 1)),
+                                      (6, (3, 2)), (12, (6, 2))])
+def test_remap_mesh_lays_any_device_count(n, shape):
+  # Saved 4x2 on 8 devices; 1, 3, 5, 7 fit no single axis: each axis keeps what divides.
+  saved = plan.SavedMesh((4, 2), ('data', 'model'), tuple(range(8)), (0,) * 8, ())
+  new = plan.remap_mesh(saved, {0: list(range(100, 100 + n))})
+  assert new.shape == shape and new.device_ids == tuple(range(100, 100 + n))
+  assert new.fitted == (n in (1, 3, 5, 7))
+  if n in (3, 5, 7):
+    assert new.resized_axes == ('data', 'model')
 
 
 def test_fit_spec_replicates_only_non_dividing_dims():
@@ -126,6 +138,56 @@ def test_four_slices_restore_onto_fewer_without_target(tmp_path, m):
     assert 'bytes per device' in odd_warned[0]
   else:
     assert restored['odd'].sharding.spec == P('data') and not odd_warned
+
+
+_NO_TARGET_RESTORE = """
+import hashlib, json, logging, sys
+import jax, numpy as np, orbax.checkpoint as ocp
+import orbax_pathways
+lines = []
+class Keep(logging.Handler):
+  def emit(self, record):
+    lines.append(record.getMessage())
+logging.getLogger('orbax_pathways').addHandler(Keep())
+logging.getLogger('orbax_pathways').setLevel(logging.INFO)
+with ocp.CheckpointManager(sys.argv[1]) as mngr:
+  restored = mngr.restore(0)
+print(json.dumps({
+    'devices': len(jax.devices()),
+    'arrays': {k: [hashlib.sha256(np.asarray(v).tobytes()).hexdigest(), str(v.dtype),
+                   dict(v.sharding.mesh.shape), str(v.sharding.spec), len(v.sharding.device_set)]
+               for k, v in restored.items()},
+    'laid': [l for l in lines if 'without target shardings' in l]}))
+"""
+
+
+@pytest.mark.parametrize('n', [1, 3, 5, 7])
+def test_no_target_restore_onto_any_device_count(tmp_path, n):
+  # Saved on a 4x2 mesh of 8 devices; restored in a fresh process that has n devices.
+  state = _state(mesh((4, 2)))
+  ckpt.save(tmp_path, state)
+  got = procs.last_json(procs.run_python(
+      'import sys; sys.argv[1:] = [%r]\n' % str(tmp_path) + _NO_TARGET_RESTORE,
+      devices=n, timeout=300).stdout)
+  assert got['devices'] == n
+  for k, v in state.items():
+    digest, dtype, mesh_shape, spec, used = got['arrays'][k]
+    assert digest == hashlib.sha256(np.asarray(v).tobytes()).hexdigest(), k  # bit-exact
+    assert dtype == str(v.dtype) and used == n
+    assert mesh_shape == {'data': n, 'model': 1}
+  # Sharded along what divides n, replicated along the rest.
+  expect = {'sharded': ('data', 'model') if 24 % n == 0 else (None, 'model'),
+            'slice_only': ('data',) if 12 % n == 0 else (), 'odd': ('data',) if 8 % n == 0 else ()}
+  for k, spec in expect.items():
+    assert got['arrays'][k][3] == str(P(*spec)), k
+  (line,) = got['laid']  # one line says what was laid out how
+  assert f"onto {n} device(s): saved mesh {{'data': 4, 'model': 2}} (8 device(s)) laid over " \
+         f"them as {{'data': {n}, 'model': 1}}" in line
+  replicated = [k for k, spec in expect.items() if 'data' not in spec]
+  replicated += ['bf16'] if 24 % n else []
+  assert f'{len(state) - len(replicated)} of {len(state)} arrays keep their PartitionSpec' in line
+  for k in replicated:
+    assert f"'{k}'" in line
 
 
 def test_strict_divisibility_raises_with_the_facts(tmp_path):

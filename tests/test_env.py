@@ -104,6 +104,33 @@ def test_unknown_variable_is_warned_about_with_the_closest_name(monkeypatch):
     orbax_pathways.install()
 
 
+@pytest.mark.parametrize('name', ['ORBAX_PATHWAY_VERIFY', 'orbax_pathways_verify',
+                                  'ORBAXPATHWAYS_VERIFY', 'OBRAX_PATHWAYS_VERIFY'])
+def test_near_miss_of_a_known_name_is_warned_about(monkeypatch, name):
+  monkeypatch.setenv(name, '0')
+  with pytest.warns(RuntimeWarning, match=rf"unknown environment variable {name}='0' is ignored\. "
+                                          r'Did you mean ORBAX_PATHWAYS_VERIFY\?'):
+    orbax_pathways.install()
+  assert orbax_pathways.installed().options.verify_checksums is True  # really ignored
+
+
+def test_other_programs_variables_are_not_ours(monkeypatch):
+  for name in ('PATHWAYS_TRANSPORT', 'PATHWAYS_VERIFY', 'ORBAX_USE_OCDBT', 'JAX_PLATFORMS'):
+    monkeypatch.setenv(name, 'x')
+  assert options_lib.unknown_env() == {}
+
+
+def test_misspelled_variable_is_warned_about_once_at_import():
+  env = dict(os.environ, ORBAX_PATHWAY_VERIFY='0', ORBAX_PATHWAYS_VERIFI='0')
+  r = subprocess.run([sys.executable, '-c', 'import orbax_pathways; orbax_pathways.install(); '
+                      'orbax_pathways.install()'], capture_output=True, text=True, env=env,
+                     cwd=REPO, timeout=180)
+  assert r.returncode == 0, r.stderr[-3000:]
+  for name in ('ORBAX_PATHWAY_VERIFY', 'ORBAX_PATHWAYS_VERIFI'):
+    assert r.stderr.count(f'unknown environment variable {name}=') == 1, r.stderr[-3000:]
+  assert r.stderr.count('Did you mean ORBAX_PATHWAYS_VERIFY?') == 2
+
+
 def test_num_slices_that_does_not_divide_the_devices_fails_at_manager_construction(
     tmp_path, monkeypatch):
   assert len(jax.devices()) == 8

@@ -447,3 +447,19 @@ def test_remap_keeps_every_slice_whole(case):
     block = np.take(grid, range(s * k, (s + 1) * k), axis=a)
     assert sorted(block.reshape(-1).tolist()) == sorted(devs)  # slice s, all of it, only it
     assert block.size == per
+
+
+@FAST
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=3), st.integers(1, 24))
+def test_remap_lays_any_device_count(shape, n):
+  # Any saved mesh over any device count: every current device used once, in order; an axis
+  # other than the first keeps a size that divides its saved size (so its shards still nest).
+  names = tuple('xyz'[:len(shape)])
+  saved = elastic_plan.SavedMesh(tuple(shape), names, tuple(range(math.prod(shape))),
+                                 (0,) * math.prod(shape), ())
+  new = elastic_plan.remap_mesh(saved, {0: list(range(100, 100 + n))})
+  assert math.prod(new.shape) == n and new.device_ids == tuple(range(100, 100 + n))
+  assert new.axis_names == names
+  if new.fitted:
+    assert all(s % t == 0 for s, t in zip(shape[1:], new.shape[1:]))
+  assert set(new.resized_axes) == {x for x, a, b in zip(names, shape, new.shape) if a != b}

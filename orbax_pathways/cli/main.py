@@ -18,7 +18,8 @@ Commands (every one takes ``--json``; tables otherwise):
                              (basis "chunks", from our metadata) or dtype x shape ("logical").
 
 Exit codes: 0 ok; 1 verify found problems / diff found differences; 2 user error (bad path,
-missing step, no credentials: one line on stderr, no traceback); 130 interrupted.
+missing step, no credentials: one line on stderr, no traceback; with --json also
+{command, error, exit_code} on stdout); 130 interrupted.
 
 JSON output (top-level keys; ``bytes`` are integers, times ISO-8601 UTC):
   ls      {path, steps: [{step, name, path, state, problems, commit_time, commit_timestamp_nsecs,
@@ -68,16 +69,24 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     return args.func(args, sys.stdout)
   except paths.CliError as e:
-    print(f'{PROG}: error: {e}', file=sys.stderr)
-    return 2
+    return _fatal(args, str(e))
   except PermissionError as e:
-    print(f'{PROG}: error: permission denied: {e.filename or e}', file=sys.stderr)
-    return 2
+    return _fatal(args, f'permission denied: {e.filename or e}')
   except KeyboardInterrupt:
     print(f'{PROG}: interrupted', file=sys.stderr)
     return 130
   except BrokenPipeError:
     return 1
+
+
+def _fatal(args, message: str, code: int = 2) -> int:
+  """A user error: one line on stderr; with ``--json`` also a JSON object on stdout, so that a
+  script reading stdout gets a document, not nothing."""
+  print(f'{PROG}: error: {message}', file=sys.stderr)
+  if getattr(args, 'json', False):
+    json.dump({'command': args.command, 'error': message, 'exit_code': code}, sys.stdout, indent=2)
+    sys.stdout.write('\n')
+  return code
 
 
 def _quiet_storage_loggers() -> None:

@@ -23,12 +23,29 @@ def human_bytes(n: float) -> str:
 _H = human_bytes
 
 
+WIDEST = 64  # a longer cell does not widen its column (it gets its own line instead)
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = '') -> str:
+  """Columns as wide as their widest cell up to ``WIDEST``. A longer first cell (a 300-character
+  key) is printed alone on its line and its row continues below it; a longer cell elsewhere
+  just pushes the rest of its own row right. No column pads every row to one long cell."""
   cells = [[str(c) for c in headers]] + [['-' if c is None else str(c) for c in r] for r in rows]
-  widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-  return '\n'.join(
-      indent + '  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells
-  )
+  widths = [max([len(r[i]) for r in cells if len(r[i]) <= WIDEST] or [len(cells[0][i])])
+            for i in range(len(headers))]
+  lines = []
+  for r in cells:
+    if len(r[0]) > widths[0]:
+      lines.append(indent + r[0])
+      r = [''] + r[1:]
+    lines.append(indent + '  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+  return '\n'.join(lines)
+
+
+def step_label(step: int | None) -> str:
+  """``step N``; a checkpoint saved without a step number (``ocp.v1.save(path, tree)``, a bare
+  ``Checkpointer``) is a ``single checkpoint``."""
+  return 'single checkpoint (no step number)' if step is None else f'step {step}'
 
 
 def shape(s) -> str | None:
@@ -107,7 +124,7 @@ def ls_json(s: Step) -> dict[str, Any]:
 
 
 def show(step: Step, on_disk: int) -> tuple[dict[str, Any], str]:
-  lines = [f'{step.path}  step {step.step}  {step.state}'
+  lines = [f'{step.path}  {step_label(step.step)}  {step.state}'
            f'  committed {step.commit_time or "-"}  {_H(on_disk)} on disk']
   lines += [f'! {p}' for p in step.problems]
   for item in step.items:
@@ -185,7 +202,7 @@ def _leaf_json(l: Leaf) -> dict[str, Any]:
 
 
 def verify_text(report) -> str:
-  lines = [f'{report.path}  step {report.step}  {report.state}']
+  lines = [f'{report.path}  {step_label(report.step)}  {report.state}']
   for item, mode in report.modes.items():
     how = 'crc32c of every recorded chunk' if mode == CHECKSUM else \
         'decode only (no orbax-pathways checksums)'
@@ -245,7 +262,7 @@ def diff_text(obj: dict[str, Any]) -> str:
 def du_text(obj: dict[str, Any]) -> str:
   lines = []
   for s in obj['steps']:
-    lines.append(f'{_H(s["bytes"]):>10}  step {s["step"]}  {s["state"]}  ({s["name"]})')
+    lines.append(f'{_H(s["bytes"]):>10}  {step_label(s["step"])}  {s["state"]}  ({s["name"]})')
     for i in s['items']:
       for k in i['keys']:
         lines.append(f'{_H(k["bytes"]):>10}    {i["item"]}/{k["key"]}  ({k["basis"]})')

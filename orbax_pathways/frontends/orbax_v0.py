@@ -30,11 +30,13 @@ import numpy as np
 
 from orbax_pathways import elastic
 from orbax_pathways import engine as engine_lib
+from orbax_pathways import errors
 from orbax_pathways import _said
 from orbax_pathways import options as options_lib
 from orbax_pathways import values
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways.storage import meta_io
+from orbax_pathways.storage import reader as reader_lib
 from orbax_pathways.transports import base as transports
 
 
@@ -192,12 +194,29 @@ class ProxyArrayHandler(compat.ArrayHandler):
 
   async def metadata(self, infos: Sequence[Any]) -> Sequence[Any]:
     """Orbax's metadata, with shardings remapped onto the current devices where needed."""
-    metas = list(await super().metadata(infos))
+    metas = await self._orbax_metadata(infos)
     if not metas:
       return metas
     records = await self._records(infos[0])
     return elastic.remap_value_metadata(infos, metas, records, num_slices=self.options.num_slices,
                                         divisibility=self.options.divisibility)
+
+  async def _orbax_metadata(self, infos: Sequence[Any]) -> list[Any]:
+    """Orbax's metadata of ``infos``. An array tensorstore cannot open (a lost
+    ``manifest.ocdbt``) raises what a restore with a target raises, ``ArrayNotFoundError``
+    naming the array, instead of tensorstore's bare ``ValueError``."""
+    try:
+      return list(await super().metadata(infos))
+    except ValueError as e:
+      if isinstance(e, errors.OrbaxPathwaysError) or 'NOT_FOUND' not in str(e):
+        raise
+      failed = e
+    for info in infos:  # Which array: ask again one at a time (error path only).
+      try:
+        await super().metadata([info])
+      except ValueError as e:
+        raise reader_lib.open_error(info.name, self._item(info).path_of(info.name), e) from e
+    raise failed
 
   async def _records(self, info: Any) -> dict:
     return await read_records(info)
@@ -240,7 +259,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
     topology (elastic restore), from the same records."""
     missing = [i for i, a in enumerate(args) if not elastic.has_sharding(a)]
     if missing:
-      metas = list(await super().metadata([infos[i] for i in missing]))
+      metas = await self._orbax_metadata([infos[i] for i in missing])
       metas = elastic.remap_value_metadata([infos[i] for i in missing], metas, records,
                                            num_slices=self.options.num_slices,
                                            divisibility=self.options.divisibility)

@@ -3,7 +3,10 @@
 Called on every controller process at restore (each derives the same answer from the same
 global device list). The saved mesh's *slice axes* (mesh axes whose coordinate crosses a slice
 boundary) are resized by M/N; every other axis, the PartitionSpecs and each device's position
-inside its slice are kept.
+inside its slice are kept. A device count that no single axis can absorb (8 saved devices
+restored onto 1, 3, 5 or 7) still gets a mesh: each axis keeps what divides the new count and
+the first (slice) axis takes the rest (``NewMesh.fitted``); dims that then do not divide are
+replicated (``fit_spec``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class NewMesh:
   axis_names: tuple[str, ...]
   device_ids: tuple[int, ...]
   resized_axes: tuple[str, ...]
+  # True when no single axis could absorb the device-count change and several axes were
+  # resized to what divides it (the caller then reports one summary line, not a warning a dim).
+  fitted: bool = False
 
 
 def _slices_in_order(current: Mapping[int, Sequence[int]]) -> list[list[int]]:
@@ -47,8 +53,10 @@ def remap_mesh(saved: SavedMesh, current: Mapping[int, Sequence[int]]) -> NewMes
   counts per slice (the multislice layout), the axis becomes ``k * M`` long and the device at
   new coordinate ``c`` is, in slice ``c_a // k``, the device with the same intra-slice rank as
   the saved device at ``c_a % k``. Otherwise (no slice axis, unequal slice sizes) the mesh keeps
-  its shape when the device count allows, else its first axis is scaled by the device-count
-  ratio, and devices are assigned in slice-major order.
+  its shape when the device count allows, else one axis (a slice axis, else the first that can)
+  is scaled by the device-count ratio, else (no axis can: 8 devices onto 3) every axis is cut
+  to what divides the new count and the first takes the rest (``fitted``). Devices are assigned
+  in slice-major order. Raises ``RemapError`` only when there are no devices.
   """
   slices = _slices_in_order(current)
   m = len(slices)
@@ -82,22 +90,28 @@ def remap_mesh(saved: SavedMesh, current: Mapping[int, Sequence[int]]) -> NewMes
   # Fallback: keep the shape if the device count is unchanged, else scale one axis.
   devices = [d for s in slices for d in s]
   total_saved, total_now = int(np.prod(saved.shape)), len(devices)
+  if not total_now or (not saved.shape and total_now != total_saved):
+    raise RemapError(f'Cannot lay the saved mesh {dict(zip(saved.axis_names, saved.shape))} '
+                     f'over {total_now} devices: it has no axis to resize. Pass a restore target '
+                     'with explicit shardings.')
   new_shape = list(saved.shape)
-  resized: tuple[str, ...] = ()
-  if total_now != total_saved:
-    names = [saved.axis_names.index(x) for x in saved.slice_axes] or list(range(len(saved.shape)))
-    for a in names:
-      rest = total_saved // saved.shape[a]
-      if total_now % rest == 0:
-        new_shape[a] = total_now // rest
-        resized = (saved.axis_names[a],)
-        break
-    else:
-      raise RemapError(
-          f'Cannot lay the saved mesh {dict(zip(saved.axis_names, saved.shape))} over '
-          f'{total_now} devices in {m} slices: no mesh axis can absorb the change from '
-          f'{total_saved} devices. Pass a restore target with explicit shardings.')
-  return NewMesh(tuple(new_shape), saved.axis_names, tuple(devices[: math.prod(new_shape)]), resized)
+  if total_now == total_saved:
+    return NewMesh(tuple(new_shape), saved.axis_names, tuple(devices), ())
+  axes = [saved.axis_names.index(x) for x in saved.slice_axes] or list(range(len(saved.shape)))
+  for a in axes:
+    rest = total_saved // saved.shape[a]
+    if total_now % rest == 0:
+      new_shape[a] = total_now // rest
+      return NewMesh(tuple(new_shape), saved.axis_names, tuple(devices), (saved.axis_names[a],))
+  # No single axis can absorb it: each axis (slice axes first) keeps the part of its size that
+  # divides what is left of the new count; the first of them takes whatever remains.
+  left = total_now
+  for a in axes + [i for i in range(len(saved.shape)) if i not in axes]:
+    new_shape[a] = math.gcd(saved.shape[a], left)
+    left //= new_shape[a]
+  new_shape[axes[0]] *= left
+  resized = tuple(x for x, was, now in zip(saved.axis_names, saved.shape, new_shape) if was != now)
+  return NewMesh(tuple(new_shape), saved.axis_names, tuple(devices), resized, fitted=True)
 
 
 def fit_spec(spec: Sequence[Any], shape: Sequence[int], mesh_shape: Mapping[str, int],
