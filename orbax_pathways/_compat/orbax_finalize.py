@@ -1,4 +1,5 @@
-"""The one touch of Orbax's PyTree finalize: run a hook on each item directory before commit.
+"""The touches of Orbax's finalize: run a hook on each item directory before commit, and join
+our files of an Orbax v1 partial save's parts before Orbax moves the rest.
 
 SUPPORTED: orbax-checkpoint ``>=0.12.4,<0.13`` (written against 0.12.8), like
 ``_compat/orbax_manager.py``.
@@ -18,16 +19,40 @@ The wrapper runs Orbax's original and ``hook(directory)`` (in a worker thread) c
 either fails, the finalize fails and the step is not committed. With no hook set it is the
 original. ``orbax_pathways`` sets ``storage.index.merge_item`` as the hook (it writes the item's
 merged ``_pathways`` index).
+
+- ``experimental.v1._src.partial.saving._merge_all(partial_path)``: ``ocp.v1.partial.finalize``
+  on the primary host moves every pending partial save (``<path>.partial_save/*.pending_*``,
+  one per ``partial.save`` call, oldest first) into ``<path>.partial_save`` and then runs the
+  PyTree finalize above on each item. It refuses to overwrite a file, and every part holds the
+  same writer's ``_pathways/p<i>.msgpack``. The wrapper first calls
+  ``pending_hook(item_directory, part_item_directory)`` for each item of each pending part that
+  has ``_pathways/`` (``storage.index.merge_pending``: joins the part's records into the
+  item's), then removes the part's ``_pathways/`` and runs Orbax's original. Both steps are
+  idempotent, so a finalize that failed can be run again.
+- ``experimental.v1._src.partial.saving._read_first_metadata(pending_dirs)``: Orbax takes
+  ``use_zarr3`` for the OCDBT merge from the first pending part's ``_METADATA``; after a
+  finalize that failed half-way, the parts left may have had theirs merged already, and Orbax
+  then validates a zarr3 item as zarr2 and fails every retry. Inside the ``_merge_all`` above,
+  the wrapper falls back to the ``_METADATA`` already merged into ``<path>.partial_save``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import threading
 from typing import Any, Callable
 
 from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as _base
+from orbax.checkpoint._src.path import async_path as _async_path
+from orbax.checkpoint._src.path.snapshot import snapshot as _snapshot
+try:  # v1 partial saves are newer than the oldest supported orbax-checkpoint
+  from orbax.checkpoint.experimental.v1._src.partial import saving as _partial
+except ImportError:  # pragma: no cover
+  _partial = None
+
+from orbax_pathways import format as format_lib
 
 SUPPORTED = '>=0.12.4,<0.13'
 
@@ -35,6 +60,10 @@ _lock = threading.Lock()
 _original: Callable[..., Any] | None = None
 _replacement: Callable[..., Any] | None = None
 _hook: Callable[[Any], Any] | None = None
+_partial_originals: dict[str, Callable[..., Any]] = {}  # name in Orbax's partial saving -> its own
+_pending_hook: Callable[[Any, Any], Any] | None = None
+_finalizing: contextvars.ContextVar[Any] = contextvars.ContextVar('orbax_pathways_partial_path',
+                                                                  default=None)
 
 
 def _owner():
@@ -56,11 +85,60 @@ def _wrap(original):
   return _finalize_async
 
 
-def install(hook: Callable[[Any], Any]) -> None:
-  """Sets ``hook(item_directory)`` and installs the wrapper (once)."""
-  global _original, _replacement, _hook
+async def _join_pending(hook: Callable[[Any, Any], Any], partial_path: Any) -> None:
+  """``hook(partial_path / item, part / item)`` for each item of each pending part (in Orbax's
+  merge order) that has our directory; then that directory is removed from the part."""
+  for part in sorted(await _snapshot.list_pending_dirs(partial_path)):
+    for item in sorted(await _async_path.iterdir(part)):
+      ours = item / format_lib.PATHWAYS_DIR
+      if await _async_path.is_dir(item) and await _async_path.exists(ours):
+        await asyncio.to_thread(hook, partial_path / item.name, item)
+        await _async_path.rmtree(ours)
+
+
+def _wrap_merge_all(original):
+  @functools.wraps(original)
+  async def _merge_all(partial_path):
+    hook = _pending_hook
+    if hook is None:
+      return await original(partial_path)
+    await _join_pending(hook, partial_path)
+    token = _finalizing.set(partial_path)
+    try:
+      return await original(partial_path)
+    finally:
+      _finalizing.reset(token)
+  return _merge_all
+
+
+def _wrap_read_first_metadata(original):
+  @functools.wraps(original)
+  async def _read_first_metadata(pending_dirs):
+    found = await original(pending_dirs)
+    partial_path = _finalizing.get()
+    if found is None and partial_path is not None:  # the parts' _METADATA was merged before
+      found = await original([partial_path])
+    return found
+  return _read_first_metadata
+
+
+_PARTIAL_WRAPPERS = {'_merge_all': _wrap_merge_all,
+                     '_read_first_metadata': _wrap_read_first_metadata}
+
+
+def install(hook: Callable[[Any], Any],
+            pending_hook: Callable[[Any, Any], Any] | None = None) -> None:
+  """Sets ``hook(item_directory)`` and ``pending_hook(item_directory, part_item_directory)``
+  and installs the wrappers (once)."""
+  global _original, _replacement, _hook, _pending_hook
   with _lock:
     _hook = hook
+    _pending_hook = pending_hook
+    if (not _partial_originals and _partial is not None
+        and all(name in _partial.__dict__ for name in _PARTIAL_WRAPPERS)):
+      for name, wrap in _PARTIAL_WRAPPERS.items():
+        _partial_originals[name] = _partial.__dict__[name]
+        setattr(_partial, name, wrap(_partial_originals[name]))
     if _original is not None:
       return
     owner = _owner()
@@ -75,12 +153,16 @@ def install(hook: Callable[[Any], Any]) -> None:
 
 
 def uninstall() -> None:
-  """Puts Orbax's own ``_finalize_async`` back and clears the hook (idempotent)."""
-  global _original, _replacement, _hook
+  """Puts Orbax's own ``_finalize_async`` and partial-save functions back and clears the hooks
+  (idempotent)."""
+  global _original, _replacement, _hook, _pending_hook
   with _lock:
     if _original is not None:
       _owner()._finalize_async = _original  # pylint: disable=protected-access
-    _original, _replacement, _hook = None, None, None
+    for name, own in _partial_originals.items():
+      setattr(_partial, name, own)
+    _partial_originals.clear()
+    _original, _replacement, _hook, _pending_hook = None, None, None, None
 
 
 def installed() -> bool:
@@ -90,3 +172,9 @@ def installed() -> bool:
 def original() -> Callable[..., Any] | None:
   """Orbax's own function while the patch is installed (tests check it is put back as is)."""
   return _original
+
+
+def partial_originals() -> dict[str, Callable[..., Any]]:
+  """Orbax's own partial-save functions (``_merge_all``, ``_read_first_metadata``) while the
+  patch is installed; empty otherwise."""
+  return dict(_partial_originals)
