@@ -485,9 +485,10 @@ def join_records(have: WriterRecord, new: WriterRecord) -> WriterRecord:
 def join_indexes(have: ItemMetadata, new: ItemMetadata) -> ItemMetadata:
   """The index of two parts of a partial save (each an index, or records to index): every
   array of both (``new`` wins for a name in both), one summary per writer with its stats added
-  up. Returns ``have`` itself if ``new`` adds nothing."""
+  up. Returns ``have`` itself if ``new`` adds nothing (no array or writer it lacks)."""
   arrays = have.arrays()
-  if not _adds(arrays, new.arrays().values()):
+  known = {w.writer for w in have.writers}
+  if not _adds(arrays, new.arrays().values()) and all(w.writer in known for w in new.writers):
     return have
   arrays.update(new.arrays())
   writers = {w.writer: summary(w) for w in have.writers}

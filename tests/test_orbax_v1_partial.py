@@ -157,6 +157,30 @@ def test_finalize_retried_after_orbax_failed_midway(tmp_path, monkeypatch):
   assert_bit_identical(v1.load(path), _merged(parts))
 
 
+def test_finalize_retried_after_the_pytree_finalize_failed(tmp_path):
+  """The PyTree finalize (OCDBT merge, our index) fails after every part was moved: no part is
+  left for the retry, which must still merge and index the item before committing it (stock
+  commits it unmerged: unloadable)."""
+  parts = _parts()
+  path = tmp_path / 'ckpt'
+  for p in parts:
+    v1.partial.save(path, p)
+
+  def failing(item_dir):
+    raise OSError(f'injected: index of {item_dir} not written')
+
+  orbax_finalize.install(failing, index_lib.merge_pending)
+  with pytest.raises(OSError, match='injected'):
+    v1.partial.finalize(path)
+  assert not list((tmp_path / 'ckpt.partial_save').glob('*.pending_*'))
+  orbax_pathways.install()
+  v1.partial.finalize(path)
+  assert (path / 'state' / 'manifest.ocdbt').exists()
+  _assert_checksummed(path / 'state', NAMES)
+  assert_bit_identical(v1.load(path), _merged(parts))
+  _verify_cli(path)
+
+
 def test_joining_a_part_twice_changes_nothing(tmp_path):
   """``merge_pending`` is idempotent: a finalize interrupted after a join and before the part's
   ``_pathways`` was removed joins it again without doubling stats or chunks."""
@@ -234,7 +258,7 @@ def test_stock_loads_our_partial_checkpoint_and_we_load_stocks(tmp_path):
 def test_uninstall_puts_orbax_partial_finalize_back_exactly():
   from orbax.checkpoint.experimental.v1._src.partial import saving  # pylint: disable=g-import-not-at-top
   originals = orbax_finalize.partial_originals()
-  assert sorted(originals) == ['_merge_all', '_read_first_metadata']
+  assert sorted(originals) == ['_is_pytree_dir', '_merge_all', '_read_first_metadata']
   assert all(getattr(saving, k) is not f for k, f in originals.items())
   orbax_pathways.uninstall()
   try:

@@ -29,11 +29,13 @@ merged ``_pathways`` index).
   has ``_pathways/`` (``storage.index.merge_pending``: joins the part's records into the
   item's), then removes the part's ``_pathways/`` and runs Orbax's original. Both steps are
   idempotent, so a finalize that failed can be run again.
-- ``experimental.v1._src.partial.saving._read_first_metadata(pending_dirs)``: Orbax takes
-  ``use_zarr3`` for the OCDBT merge from the first pending part's ``_METADATA``; after a
-  finalize that failed half-way, the parts left may have had theirs merged already, and Orbax
-  then validates a zarr3 item as zarr2 and fails every retry. Inside the ``_merge_all`` above,
-  the wrapper falls back to the ``_METADATA`` already merged into ``<path>.partial_save``.
+- Three more functions of Orbax's partial saving, so that a finalize that failed half-way (on
+  an older orbax-pathways, or on storage) can be retried; stock Orbax fails every retry or
+  commits an unmerged item. Only inside the ``_merge_all`` above: ``_read_first_metadata``
+  (``use_zarr3`` for the OCDBT merge, from the first part's ``_METADATA``) falls back to the
+  ``_METADATA`` already merged into ``<path>.partial_save``; ``_is_pytree_dir`` also takes a
+  part whose ``_METADATA`` was merged already for a PyTree item; and after Orbax's merge, an
+  item Orbax did not finalize (no part of it left) is finalized as Orbax would have.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ _replacement: Callable[..., Any] | None = None
 _hook: Callable[[Any], Any] | None = None
 _partial_originals: dict[str, Callable[..., Any]] = {}  # name in Orbax's partial saving -> its own
 _pending_hook: Callable[[Any, Any], Any] | None = None
-_finalizing: contextvars.ContextVar[Any] = contextvars.ContextVar('orbax_pathways_partial_path',
+_finalizing: contextvars.ContextVar[Any] = contextvars.ContextVar('orbax_pathways_partial',
                                                                   default=None)
 
 
@@ -96,6 +98,15 @@ async def _join_pending(hook: Callable[[Any, Any], Any], partial_path: Any) -> N
         await _async_path.rmtree(ours)
 
 
+class _Finalizing:
+  """What one ``_merge_all`` under our wrapper knows: the partial path, the items Orbax took
+  for PyTree items (and so finalizes itself)."""
+
+  def __init__(self, partial_path):
+    self.partial_path = partial_path
+    self.pytree_items: set[str] = set()
+
+
 def _wrap_merge_all(original):
   @functools.wraps(original)
   async def _merge_all(partial_path):
@@ -103,27 +114,61 @@ def _wrap_merge_all(original):
     if hook is None:
       return await original(partial_path)
     await _join_pending(hook, partial_path)
-    token = _finalizing.set(partial_path)
+    state = _Finalizing(partial_path)
+    token = _finalizing.set(state)
     try:
-      return await original(partial_path)
+      await original(partial_path)
     finally:
       _finalizing.reset(token)
+    await _finalize_left_over(state)
   return _merge_all
+
+
+async def _finalize_left_over(state: _Finalizing) -> None:
+  """A finalize that failed in the PyTree finalize (the OCDBT merge, our index) after every part
+  was moved leaves no part: Orbax's retry would then commit the items unmerged. Finalize every
+  PyTree item Orbax did not (running it again after a success merges the same files again)."""
+  first = None
+  for item in sorted(await _async_path.iterdir(state.partial_path)):
+    if item.name in state.pytree_items or not await _async_path.is_dir(item):
+      continue
+    if not await _async_path.exists(item / _partial.PYTREE_METADATA_FILE):
+      continue
+    if first is None:
+      first = await _partial_originals['_read_first_metadata']([state.partial_path])
+    handler = _base.BasePyTreeCheckpointHandler(use_zarr3=bool(first and first.use_zarr3))
+    await asyncio.to_thread(handler.finalize, item)
 
 
 def _wrap_read_first_metadata(original):
   @functools.wraps(original)
   async def _read_first_metadata(pending_dirs):
     found = await original(pending_dirs)
-    partial_path = _finalizing.get()
-    if found is None and partial_path is not None:  # the parts' _METADATA was merged before
-      found = await original([partial_path])
+    state = _finalizing.get()
+    if found is None and state is not None:  # the parts' _METADATA was merged before
+      found = await original([state.partial_path])
     return found
   return _read_first_metadata
 
 
+def _wrap_is_pytree_dir(original):
+  @functools.wraps(original)
+  async def _is_pytree_dir(item):
+    state = _finalizing.get()
+    yes = await original(item)
+    if not yes and state is not None and await _async_path.is_dir(item):
+      # A part whose _METADATA an earlier, failed finalize merged already is still a PyTree
+      # item: moving it as a plain directory collides on array_metadatas/process_<i>.
+      yes = await _async_path.exists(state.partial_path / item.name / _partial.PYTREE_METADATA_FILE)
+    if yes and state is not None:
+      state.pytree_items.add(item.name)
+    return yes
+  return _is_pytree_dir
+
+
 _PARTIAL_WRAPPERS = {'_merge_all': _wrap_merge_all,
-                     '_read_first_metadata': _wrap_read_first_metadata}
+                     '_read_first_metadata': _wrap_read_first_metadata,
+                     '_is_pytree_dir': _wrap_is_pytree_dir}
 
 
 def install(hook: Callable[[Any], Any],

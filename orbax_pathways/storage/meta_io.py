@@ -208,9 +208,9 @@ def _rebuilt(item_dir: Any, damage: metadata.DamagedIndexError) -> metadata.Item
         f'{damage} The writer records beside it cannot replace it either: {e}') from damage
   if not records:
     raise damage
-  log.warning('orbax_pathways: %s Restoring from the %d writer record(s) beside it instead (the '
-              'same checksums; the array data is not affected). Saving the step again, or '
-              'deleting the index, stops this warning.', damage, len(records))
+  log.warning('orbax_pathways: %s Reading the %d writer record(s) beside it instead: the same '
+              'checksums, the array data is not affected (deleting the index silences this).',
+              damage, len(records))
   return dataclasses.replace(metadata.merge(records), damaged_index=str(damage))
 
 
