@@ -97,7 +97,8 @@ def _install_manager_side() -> None:
   orbax_manager.set_hook('before_save', lambda mngr, step: check_installed())
   orbax_manager.set_hook('after_commit', _log_commit)
   orbax_manager.install_manager_hooks()
-  orbax_finalize.install(index_lib.merge_item)  # the _pathways index, written before commit
+  # the _pathways index, written before commit; v1 partial saves' parts joined at finalize
+  orbax_finalize.install(index_lib.merge_item, index_lib.merge_pending)
 
 
 def _log_commit(mngr, step: int, commit_s: float) -> None:

@@ -297,6 +297,12 @@ def encode(record: WriterRecord) -> bytes:
 MetadataError = errors.MetadataError  # a damaged ``_pathways`` file, or one from a newer schema
 
 
+class DamagedIndexError(MetadataError):
+  """An index that cannot be decoded (truncated, empty, garbage, not an index): unlike an index
+  from a newer schema, its item can be rebuilt from the writer records beside it
+  (``storage/meta_io.read_item`` does)."""
+
+
 def decode(data: bytes, *, path: str = '<bytes>') -> WriterRecord:
   """Parses one writer file; raises MetadataError naming ``path`` if it is damaged or too new."""
   try:
@@ -350,11 +356,14 @@ class ItemMetadata:
   Built from the index (``source='index'``: ``writers`` are one summary per writer, with no
   arrays of their own; ``merged`` holds the arrays) or, for a checkpoint without an index, from
   every writer's record (``source='records'``: ``merged`` is None and ``arrays()`` merges).
+  ``damaged_index`` is set (the error's text) when the item has an index that could not be
+  decoded and was rebuilt from its records instead (``meta_io.read_item``).
   """
 
   writers: Sequence[WriterRecord]
   merged: tuple[ArrayRecord, ...] | None = None
   source: str = 'records'
+  damaged_index: str | None = None
 
   @functools.cached_property
   def _arrays(self) -> dict[str, ArrayRecord]:
@@ -441,6 +450,56 @@ def index_of(item: ItemMetadata) -> ItemMetadata:
   return ItemMetadata(tuple(summary(w) for w in item.writers), merged, source='index')
 
 
+# ---- partial saves: one save's parts joined -----------------------------------------------------
+#
+# An Orbax v1 partial save (``ocp.v1.partial.save`` called several times, then ``finalize``)
+# writes each call's arrays into a pending directory of its own, each with the same writer's
+# record (``p0.msgpack``) or, under the colocated transport, its own index. Finalize joins them
+# (``storage/index.merge_pending``): later parts win for an array saved twice (as Orbax's own
+# metadata merge does), and joining a part that is already in is a no-op, so a retried finalize
+# gives the same files.
+
+
+def _adds(have: Mapping[str, ArrayRecord], new: Iterable[ArrayRecord]) -> bool:
+  return any(have.get(a.name) != a for a in new)
+
+
+def _sum_stats(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, int]:
+  return {k: int(a.get(k) or 0) + int(b.get(k) or 0) for k in sorted({*a, *b})}
+
+
+def join_records(have: WriterRecord, new: WriterRecord) -> WriterRecord:
+  """One writer's record of two parts of a partial save: ``have``'s arrays, then ``new``'s
+  (``new`` wins for a name in both), stats added up. Returns ``have`` itself if ``new`` adds
+  nothing (joined before: a retried finalize)."""
+  if have.writer != new.writer:
+    raise ValueError(f'cannot join the records of writers {have.writer!r} and {new.writer!r}')
+  if not _adds({a.name: a for a in have.arrays}, new.arrays):
+    return have
+  names = {a.name for a in new.arrays}
+  return dataclasses.replace(
+      new, arrays=tuple(a for a in have.arrays if a.name not in names) + tuple(new.arrays),
+      stats=_sum_stats(have.stats, new.stats))
+
+
+def join_indexes(have: ItemMetadata, new: ItemMetadata) -> ItemMetadata:
+  """The index of two parts of a partial save (each an index, or records to index): every
+  array of both (``new`` wins for a name in both), one summary per writer with its stats added
+  up. Returns ``have`` itself if ``new`` adds nothing (no array or writer it lacks)."""
+  arrays = have.arrays()
+  known = {w.writer for w in have.writers}
+  if not _adds(arrays, new.arrays().values()) and all(w.writer in known for w in new.writers):
+    return have
+  arrays.update(new.arrays())
+  writers = {w.writer: summary(w) for w in have.writers}
+  for w in new.writers:
+    old = writers.get(w.writer)
+    writers[w.writer] = summary(w) if old is None else dataclasses.replace(
+        summary(w), stats=_sum_stats(old.stats, w.stats))
+  return ItemMetadata(tuple(writers[k] for k in sorted(writers)),
+                      tuple(arrays[k] for k in sorted(arrays)), source='index')
+
+
 def _array_to_index_obj(a: ArrayRecord) -> dict:
   obj = {'dtype': a.dtype, 'shape': list(a.shape), 'chunk_shape': list(a.chunk_shape),
          'sharding': _sharding_to_obj(a.sharding)}
@@ -499,23 +558,24 @@ def decode_index(data: bytes, *, path: str = '<bytes>') -> ItemMetadata:
     schema = int(o['schema'])
     kind = o.get('kind')
   except Exception as e:  # msgpack raises several unrelated types.
-    raise MetadataError(
+    raise DamagedIndexError(
         f'orbax-pathways index {path} is damaged ({type(e).__name__}: {e}). Run '
-        '`orbax-pathways verify` on the step; deleting the index makes restore read the writers\' '
-        'records beside it, or restore without checksum verification where there are none.'
+        '`orbax-pathways verify` on the step. Restore rebuilds the index from the writers\' '
+        'records beside it; where there are none, deleting the index restores without checksum '
+        'verification.'
     ) from e
   if schema > SCHEMA_VERSION:
     raise MetadataError(
         f'orbax-pathways index {path} has schema {schema}, this version reads up to '
         f'{SCHEMA_VERSION}. Upgrade orbax-pathways.')
   if kind != 'index':
-    raise MetadataError(f'orbax-pathways index {path} is not an index (kind {kind!r}); it is '
+    raise DamagedIndexError(f'orbax-pathways index {path} is not an index (kind {kind!r}); it is '
                         'damaged. Run `orbax-pathways verify` on the step.')
   try:
     writers = WriterSummaries(o['writers'], schema)
     merged = tuple(_array_from_index_obj(name, a) for name, a in o['arrays'].items())
   except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
-    raise MetadataError(
+    raise DamagedIndexError(
         f'orbax-pathways index {path} {_what_is_wrong(e)}; it is damaged. Run '
         '`orbax-pathways verify` on the step.') from e
   return ItemMetadata(writers, merged, source='index')

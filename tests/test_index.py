@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -183,15 +184,113 @@ def test_records_without_index_are_read_concurrently(faulty_gcs):
   assert (gaps < proxy.delay_s / 2).sum() >= n // 2, gaps
 
 
-def test_damaged_index_is_reported_with_its_path(tmp_path):
+# A damaged index costs nothing but reads (issue 21, item 4): the records beside it hold the same
+# checksums, so restore rebuilds it from them with one warning naming the file.
+
+DAMAGES = {
+    'truncated': lambda b: b[:30],
+    'empty': lambda b: b'',
+    'garbage': lambda b: b'\xc1garbage' * 8,
+    'not_an_index': lambda b: b'\x93\x01\x02\x03',  # valid msgpack, a list
+}
+
+
+def _damage_index(item, how):
+  index = item / '_pathways' / 'index.msgpack'
+  index.write_bytes(DAMAGES[how](index.read_bytes()))
+  meta_io.clear_cache()
+  return index
+
+
+def _warnings_naming(caplog, path):
+  return [r for r in caplog.records if r.levelname == 'WARNING' and str(path) in r.getMessage()]
+
+
+@pytest.mark.parametrize('how', sorted(DAMAGES))
+def test_damaged_index_is_rebuilt_from_the_records_with_one_warning(tmp_path, how, caplog):
   state = random_state(mesh())
   ckpt.save(tmp_path, state)
-  index = tmp_path / '0' / 'default' / '_pathways' / 'index.msgpack'
-  index.write_bytes(index.read_bytes()[:30])
-  meta_io.clear_cache()
+  index = _damage_index(tmp_path / '0' / 'default', how)
+  with caplog.at_level('WARNING', logger='orbax_pathways'):
+    assert_trees_equal(_restore(tmp_path, target=abstract(state)), state)
+    assert_trees_equal(_restore(tmp_path), state)  # metadata() and deserialize() read it too
+  assert orbax_pathways.stats.last_restore().chunks_verified > 0
+  said = _warnings_naming(caplog, index)
+  assert len(said) == 1, [r.getMessage() for r in caplog.records]
+  assert 'is damaged' in said[0].getMessage() and 'writer record' in said[0].getMessage()
+  item = meta_io.read_item(tmp_path / '0' / 'default')
+  assert item.source == 'records' and 'index.msgpack' in item.damaged_index
+  with pytest.raises(metadata.DamagedIndexError, match='is damaged|not an index'):
+    meta_io.read_index(tmp_path / '0' / 'default')  # the index itself is still reported
+
+
+def test_rebuilt_index_still_catches_flipped_bytes(tmp_path):
+  from support import damage  # pylint: disable=g-import-not-at-top
+  value = np.arange(4096, dtype=np.float32)
+  ckpt.save(tmp_path, {'w': jax.numpy.asarray(value)})
+  _damage_index(tmp_path / '0' / 'default', 'truncated')
+  damage.flip_bit_in(sorted((tmp_path / '0').rglob('d/*')), value.tobytes()[:64], what='w')
+  with pytest.raises(orbax_pathways.ChecksumMismatchError, match="array 'w'"):
+    _restore(tmp_path, target=abstract({'w': jax.numpy.asarray(value)}))
+
+
+def test_damaged_index_without_records_is_reported_with_its_path(tmp_path):
+  state = random_state(mesh())
+  ckpt.save(tmp_path, state)
+  item = tmp_path / '0' / 'default'
+  (item / '_pathways' / 'p0.msgpack').unlink()
+  _damage_index(item, 'truncated')
   with pytest.raises(metadata.MetadataError, match=r'orbax-pathways index .*0/default/_pathways/'
                                                    r'index\.msgpack is damaged.*orbax-pathways verify'):
     _restore(tmp_path, target=abstract(state))
+
+
+def test_damaged_index_and_damaged_record_name_both(tmp_path):
+  state = random_state(mesh())
+  ckpt.save(tmp_path, state)
+  item = tmp_path / '0' / 'default'
+  (item / '_pathways' / 'p0.msgpack').write_bytes(b'\xc1garbage')
+  _damage_index(item, 'empty')
+  with pytest.raises(metadata.MetadataError, match=r'index\.msgpack is damaged.*records beside it '
+                                                   r'cannot replace it.*p0\.msgpack is damaged'):
+    _restore(tmp_path, target=abstract(state))
+
+
+def test_newer_index_is_not_rebuilt_from_records(tmp_path):
+  import msgpack  # pylint: disable=g-import-not-at-top
+  ckpt.save(tmp_path, {'w': jax.numpy.arange(8.0)})
+  index = tmp_path / '0' / 'default' / '_pathways' / 'index.msgpack'
+  obj = msgpack.unpackb(index.read_bytes(), raw=False)
+  index.write_bytes(msgpack.packb({**obj, 'schema': metadata.SCHEMA_VERSION + 1}, use_bin_type=True))
+  meta_io.clear_cache()
+  with pytest.raises(metadata.MetadataError, match='Upgrade orbax-pathways'):
+    _restore(tmp_path, target=abstract({'w': jax.numpy.arange(8.0)}))
+
+
+def test_resume_restores_the_step_whose_index_is_damaged(tmp_path, caplog):
+  from orbax_pathways import preemption  # pylint: disable=g-import-not-at-top
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    for step in (1, 2):
+      w = jax.numpy.arange(512, dtype=np.float32) + step
+      mngr.save(step, args=ocp.args.StandardSave({'w': w}))
+    mngr.wait_until_finished()
+  index = _damage_index(tmp_path / '2' / 'default', 'truncated')
+  with caplog.at_level('WARNING'), ocp.CheckpointManager(tmp_path) as mngr:
+    step, state = preemption.resume(mngr, lambda: None, abstract_state={'w': jax.ShapeDtypeStruct(
+        (512,), np.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))})
+  assert step == 2
+  assert np.asarray(state['w']).tobytes() == (np.arange(512, dtype=np.float32) + 2).tobytes()
+  assert len(_warnings_naming(caplog, index)) == 1
+  assert not [r for r in caplog.records if 'trying the next older step' in r.getMessage()]
+
+
+def test_v1_load_rebuilds_a_damaged_index(tmp_path, caplog):
+  state = random_state(mesh())
+  ocp.v1.save(tmp_path / 'a', state)
+  index = _damage_index(tmp_path / 'a' / 'state', 'garbage')
+  with caplog.at_level('WARNING', logger='orbax_pathways'):
+    assert_trees_equal(ocp.v1.load(tmp_path / 'a'), state)
+  assert len(_warnings_naming(caplog, index)) == 1
 
 
 def test_merge_item_leaves_items_without_records_and_existing_indexes_alone(tmp_path):

@@ -210,7 +210,7 @@ def test_truncated_writer_record_is_a_metadata_error_naming_the_file(record, dat
 def test_truncated_index_is_a_metadata_error_naming_the_file(item, data):
   encoded = metadata.encode_index(item)
   cut = data.draw(st.integers(0, len(encoded) - 1))
-  with pytest.raises(metadata.MetadataError, match='is damaged') as err:
+  with pytest.raises(metadata.DamagedIndexError, match='is damaged') as err:  # rebuilt from records
     metadata.decode_index(encoded[:cut], path=INDEX_PATH)
   _assert_names(err, INDEX_PATH)
 
@@ -241,12 +241,13 @@ def test_newer_schema_is_a_metadata_error_saying_upgrade(record, item, ahead):
   with pytest.raises(metadata.MetadataError, match=rf'has schema {newer}.*Upgrade') as err:
     metadata.decode_index(_with(metadata.encode_index(item), schema=newer), path=INDEX_PATH)
   _assert_names(err, INDEX_PATH)
+  assert not isinstance(err.value, metadata.DamagedIndexError)  # not rebuilt: upgrade instead
 
 
 @FAST
 @given(writer_records())
 def test_a_writer_record_is_not_an_index(record):
-  with pytest.raises(metadata.MetadataError, match="is not an index \\(kind None\\)") as err:
+  with pytest.raises(metadata.DamagedIndexError, match="is not an index \\(kind None\\)") as err:
     metadata.decode_index(metadata.encode(record), path=INDEX_PATH)
   _assert_names(err, INDEX_PATH)
 
@@ -269,6 +270,7 @@ def test_garbage_is_a_metadata_error(data):
     with pytest.raises(metadata.MetadataError, match='is damaged') as err:
       decode(data, path=path)
     _assert_names(err, path)
+    assert isinstance(err.value, metadata.DamagedIndexError) == (decode is metadata.decode_index)
 
 
 # A fixed record and index, damaged in every way listed below; decoding must raise MetadataError
@@ -341,3 +343,50 @@ def test_wrongly_typed_field_is_a_metadata_error(kind, field_path, value):
   with pytest.raises(metadata.MetadataError) as err:
     _decode_all(kind, _damaged(kind, field_path, value))
   _assert_names(err, _CODECS[kind][2])
+  if kind == 'index':
+    assert isinstance(err.value, metadata.DamagedIndexError)
+
+
+# ---- partial saves: parts joined -------------------------------------------------------------
+
+def _renamed(item, prefix):
+  """``item`` with every array renamed (parts of a partial save hold different arrays)."""
+  return metadata.ItemMetadata(tuple(dataclasses.replace(w, arrays=tuple(
+      dataclasses.replace(a, name=prefix + a.name) for a in w.arrays)) for w in item.writers))
+
+
+@FAST
+@given(items(), items())
+def test_joined_indexes_hold_every_array_of_both_parts_once(a, b):
+  a, b = _renamed(a, 'a/'), _renamed(b, 'b/')
+  ia = metadata.decode_index(metadata.encode_index(a))
+  ib = metadata.decode_index(metadata.encode_index(b))
+  joined = metadata.join_indexes(ia, ib)
+  want = {**a.arrays(), **b.arrays()}
+  got = metadata.decode_index(metadata.encode_index(joined)).arrays()
+  assert sorted(got) == sorted(want)
+  for name, rec in want.items():
+    assert sorted(got[name].chunks, key=lambda c: c.origin) == sorted(rec.chunks, key=lambda c: c.origin)
+  assert metadata.join_indexes(joined, ib) is joined and metadata.join_indexes(joined, ia) is joined
+  writers = {w.writer for w in (*a.writers, *b.writers)}
+  assert [w.writer for w in joined.writers] == sorted(writers)
+  if joined is ia:  # b brought nothing new (no array, no writer): nothing joined, stats kept
+    return
+  for w in joined.writers:
+    for k, v in w.stats.items():
+      assert v == sum(int(x.stats.get(k) or 0) for x in (*a.writers, *b.writers) if x.writer == w.writer)
+
+
+@FAST
+@given(writer_records(), writer_records())
+def test_joined_records_keep_both_parts_arrays_later_winning(a, b):
+  b = dataclasses.replace(b, writer=a.writer)
+  joined = metadata.join_records(a, b)
+  assert {x.name: x for x in joined.arrays} == {**{x.name: x for x in a.arrays},
+                                                **{x.name: x for x in b.arrays}}
+  assert metadata.join_records(joined, b) is joined
+  if any(x not in a.arrays for x in b.arrays):
+    assert joined.stats == {k: a.stats.get(k, 0) + b.stats.get(k, 0) for k in {*a.stats, *b.stats}}
+  assert metadata.decode(metadata.encode(joined)) == joined
+  with pytest.raises(ValueError, match='cannot join'):
+    metadata.join_records(a, dataclasses.replace(b, writer=a.writer + 'x'))

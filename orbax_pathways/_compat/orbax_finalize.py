@@ -1,4 +1,5 @@
-"""The one touch of Orbax's PyTree finalize: run a hook on each item directory before commit.
+"""The touches of Orbax's finalize: run a hook on each item directory before commit, and join
+our files of an Orbax v1 partial save's parts before Orbax moves the rest.
 
 SUPPORTED: orbax-checkpoint ``>=0.12.4,<0.13`` (written against 0.12.8), like
 ``_compat/orbax_manager.py``.
@@ -18,16 +19,42 @@ The wrapper runs Orbax's original and ``hook(directory)`` (in a worker thread) c
 either fails, the finalize fails and the step is not committed. With no hook set it is the
 original. ``orbax_pathways`` sets ``storage.index.merge_item`` as the hook (it writes the item's
 merged ``_pathways`` index).
+
+- ``experimental.v1._src.partial.saving._merge_all(partial_path)``: ``ocp.v1.partial.finalize``
+  on the primary host moves every pending partial save (``<path>.partial_save/*.pending_*``,
+  one per ``partial.save`` call, oldest first) into ``<path>.partial_save`` and then runs the
+  PyTree finalize above on each item. It refuses to overwrite a file, and every part holds the
+  same writer's ``_pathways/p<i>.msgpack``. The wrapper first calls
+  ``pending_hook(item_directory, part_item_directory)`` for each item of each pending part that
+  has ``_pathways/`` (``storage.index.merge_pending``: joins the part's records into the
+  item's), then removes the part's ``_pathways/`` and runs Orbax's original. Both steps are
+  idempotent, so a finalize that failed can be run again.
+- Three more functions of Orbax's partial saving, so that a finalize that failed half-way (on
+  an older orbax-pathways, or on storage) can be retried; stock Orbax fails every retry or
+  commits an unmerged item. Only inside the ``_merge_all`` above: ``_read_first_metadata``
+  (``use_zarr3`` for the OCDBT merge, from the first part's ``_METADATA``) falls back to the
+  ``_METADATA`` already merged into ``<path>.partial_save``; ``_is_pytree_dir`` also takes a
+  part whose ``_METADATA`` was merged already for a PyTree item; and after Orbax's merge, an
+  item Orbax did not finalize (no part of it left) is finalized as Orbax would have.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import threading
 from typing import Any, Callable
 
 from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as _base
+from orbax.checkpoint._src.path import async_path as _async_path
+from orbax.checkpoint._src.path.snapshot import snapshot as _snapshot
+try:  # v1 partial saves are newer than the oldest supported orbax-checkpoint
+  from orbax.checkpoint.experimental.v1._src.partial import saving as _partial
+except ImportError:  # pragma: no cover
+  _partial = None
+
+from orbax_pathways import format as format_lib
 
 SUPPORTED = '>=0.12.4,<0.13'
 
@@ -35,6 +62,10 @@ _lock = threading.Lock()
 _original: Callable[..., Any] | None = None
 _replacement: Callable[..., Any] | None = None
 _hook: Callable[[Any], Any] | None = None
+_partial_originals: dict[str, Callable[..., Any]] = {}  # name in Orbax's partial saving -> its own
+_pending_hook: Callable[[Any, Any], Any] | None = None
+_finalizing: contextvars.ContextVar[Any] = contextvars.ContextVar('orbax_pathways_partial',
+                                                                  default=None)
 
 
 def _owner():
@@ -56,11 +87,103 @@ def _wrap(original):
   return _finalize_async
 
 
-def install(hook: Callable[[Any], Any]) -> None:
-  """Sets ``hook(item_directory)`` and installs the wrapper (once)."""
-  global _original, _replacement, _hook
+async def _join_pending(hook: Callable[[Any, Any], Any], partial_path: Any) -> None:
+  """``hook(partial_path / item, part / item)`` for each item of each pending part (in Orbax's
+  merge order) that has our directory; then that directory is removed from the part."""
+  for part in sorted(await _snapshot.list_pending_dirs(partial_path)):
+    for item in sorted(await _async_path.iterdir(part)):
+      ours = item / format_lib.PATHWAYS_DIR
+      if await _async_path.is_dir(item) and await _async_path.exists(ours):
+        await asyncio.to_thread(hook, partial_path / item.name, item)
+        await _async_path.rmtree(ours)
+
+
+class _Finalizing:
+  """What one ``_merge_all`` under our wrapper knows: the partial path, the items Orbax took
+  for PyTree items (and so finalizes itself)."""
+
+  def __init__(self, partial_path):
+    self.partial_path = partial_path
+    self.pytree_items: set[str] = set()
+
+
+def _wrap_merge_all(original):
+  @functools.wraps(original)
+  async def _merge_all(partial_path):
+    hook = _pending_hook
+    if hook is None:
+      return await original(partial_path)
+    await _join_pending(hook, partial_path)
+    state = _Finalizing(partial_path)
+    token = _finalizing.set(state)
+    try:
+      await original(partial_path)
+    finally:
+      _finalizing.reset(token)
+    await _finalize_left_over(state)
+  return _merge_all
+
+
+async def _finalize_left_over(state: _Finalizing) -> None:
+  """A finalize that failed in the PyTree finalize (the OCDBT merge, our index) after every part
+  was moved leaves no part: Orbax's retry would then commit the items unmerged. Finalize every
+  PyTree item Orbax did not (running it again after a success merges the same files again)."""
+  first = None
+  for item in sorted(await _async_path.iterdir(state.partial_path)):
+    if item.name in state.pytree_items or not await _async_path.is_dir(item):
+      continue
+    if not await _async_path.exists(item / _partial.PYTREE_METADATA_FILE):
+      continue
+    if first is None:
+      first = await _partial_originals['_read_first_metadata']([state.partial_path])
+    handler = _base.BasePyTreeCheckpointHandler(use_zarr3=bool(first and first.use_zarr3))
+    await asyncio.to_thread(handler.finalize, item)
+
+
+def _wrap_read_first_metadata(original):
+  @functools.wraps(original)
+  async def _read_first_metadata(pending_dirs):
+    found = await original(pending_dirs)
+    state = _finalizing.get()
+    if found is None and state is not None:  # the parts' _METADATA was merged before
+      found = await original([state.partial_path])
+    return found
+  return _read_first_metadata
+
+
+def _wrap_is_pytree_dir(original):
+  @functools.wraps(original)
+  async def _is_pytree_dir(item):
+    state = _finalizing.get()
+    yes = await original(item)
+    if not yes and state is not None and await _async_path.is_dir(item):
+      # A part whose _METADATA an earlier, failed finalize merged already is still a PyTree
+      # item: moving it as a plain directory collides on array_metadatas/process_<i>.
+      yes = await _async_path.exists(state.partial_path / item.name / _partial.PYTREE_METADATA_FILE)
+    if yes and state is not None:
+      state.pytree_items.add(item.name)
+    return yes
+  return _is_pytree_dir
+
+
+_PARTIAL_WRAPPERS = {'_merge_all': _wrap_merge_all,
+                     '_read_first_metadata': _wrap_read_first_metadata,
+                     '_is_pytree_dir': _wrap_is_pytree_dir}
+
+
+def install(hook: Callable[[Any], Any],
+            pending_hook: Callable[[Any, Any], Any] | None = None) -> None:
+  """Sets ``hook(item_directory)`` and ``pending_hook(item_directory, part_item_directory)``
+  and installs the wrappers (once)."""
+  global _original, _replacement, _hook, _pending_hook
   with _lock:
     _hook = hook
+    _pending_hook = pending_hook
+    if (not _partial_originals and _partial is not None
+        and all(name in _partial.__dict__ for name in _PARTIAL_WRAPPERS)):
+      for name, wrap in _PARTIAL_WRAPPERS.items():
+        _partial_originals[name] = _partial.__dict__[name]
+        setattr(_partial, name, wrap(_partial_originals[name]))
     if _original is not None:
       return
     owner = _owner()
@@ -75,12 +198,16 @@ def install(hook: Callable[[Any], Any]) -> None:
 
 
 def uninstall() -> None:
-  """Puts Orbax's own ``_finalize_async`` back and clears the hook (idempotent)."""
-  global _original, _replacement, _hook
+  """Puts Orbax's own ``_finalize_async`` and partial-save functions back and clears the hooks
+  (idempotent)."""
+  global _original, _replacement, _hook, _pending_hook
   with _lock:
     if _original is not None:
       _owner()._finalize_async = _original  # pylint: disable=protected-access
-    _original, _replacement, _hook = None, None, None
+    for name, own in _partial_originals.items():
+      setattr(_partial, name, own)
+    _partial_originals.clear()
+    _original, _replacement, _hook, _pending_hook = None, None, None, None
 
 
 def installed() -> bool:
@@ -90,3 +217,9 @@ def installed() -> bool:
 def original() -> Callable[..., Any] | None:
   """Orbax's own function while the patch is installed (tests check it is put back as is)."""
   return _original
+
+
+def partial_originals() -> dict[str, Callable[..., Any]]:
+  """Orbax's own partial-save functions (``_merge_all``, ``_read_first_metadata``) while the
+  patch is installed; empty otherwise."""
+  return dict(_partial_originals)

@@ -13,6 +13,12 @@ Who calls what, on which host:
   means calls ``merge_item`` itself, on one host, after all writers finished.
 - The colocated transport's controller writes the index itself, from what its workers
   returned (``transports/colocated.py``); ``merge_item`` then finds it and leaves it.
+- ``merge_pending(item_dir, part_dir)`` runs on the primary host from Orbax v1's partial-save
+  finalize (``ocp.v1.partial.finalize``, through ``_compat/orbax_finalize.py``), once per item
+  of each pending partial save, oldest first, before Orbax moves the rest of that save's files:
+  it joins the part's records (and index, colocated) into the item's, since every part has the
+  same writer's record (``p0.msgpack``) and Orbax refuses to overwrite a file. Orbax's finalize
+  then runs ``merge_item``, which indexes every part.
 
 The merge reads the records concurrently (``meta_io.read_records``): one listing, one read per
 writer, one write, on the primary only and once per save.
@@ -28,11 +34,44 @@ from orbax_pathways.storage import meta_io
 
 def merge_item(item_dir: Any) -> metadata.ItemMetadata | None:
   """Writes ``item_dir``'s index from its writer records; returns what it wrote. Does nothing
-  (returns None) if the item already has an index or has no records (an item none of whose
-  arrays went through orbax-pathways). A record that cannot be read fails the save."""
+  (returns None) if the item has no records (an item none of whose arrays went through
+  orbax-pathways, or saved by the colocated transport) or an index that already covers them
+  (a partial save's colocated parts bring their index: the records are joined into it). A
+  record or index that cannot be read fails the save."""
   keys, has_index = meta_io.list_item(item_dir)
-  if has_index or not keys:
+  if not keys:
     return None
   item = metadata.merge(meta_io.read_records(item_dir, keys))
+  if has_index:
+    have = meta_io.read_index(item_dir)
+    if have is not None:
+      joined = metadata.join_indexes(have, item)
+      if joined is have:
+        return None
+      item = joined
   meta_io.write_index(item_dir, item)
   return item
+
+
+def merge_pending(item_dir: Any, part_dir: Any) -> None:
+  """Joins the ``_pathways`` files of ``part_dir`` (one item of one pending partial save) into
+  ``item_dir``'s: each writer record with that writer's record there, the index (colocated
+  parts) with the index there; a file ``item_dir`` lacks is copied. Idempotent (a part joined
+  before adds nothing), so a finalize that failed after this can run again; the caller removes
+  ``part_dir``'s ``_pathways`` afterwards. Writes only what changes, records before the index."""
+  keys, has_index = meta_io.list_item(part_dir)
+  if keys:
+    have = {r.writer: r for r in meta_io.read_records(item_dir, meta_io.list_item(item_dir)[0])}
+    for new in meta_io.read_records(part_dir, keys):
+      old = have.get(new.writer)
+      joined = new if old is None else metadata.join_records(old, new)
+      if joined is not old:
+        meta_io.write_record(item_dir, joined)
+  if has_index:
+    new_index = meta_io.read_index(part_dir)
+    old_index = meta_io.read_index(item_dir)
+    if new_index is not None:
+      joined_index = (new_index if old_index is None
+                      else metadata.join_indexes(old_index, new_index))
+      if joined_index is not old_index:
+        meta_io.write_index(item_dir, joined_index)

@@ -12,8 +12,10 @@ Who calls what, on which host:
   It reads one object, the index; a second call for the same item checks the index's storage
   generation (a conditional read: no bytes move when unchanged) and answers from a small cache.
   An item without an index (written before schema 2, or by an interrupted finalize) has its
-  records listed and read concurrently.
-- ``read_records``: ``storage/index.merge_item`` (the records it merges), tests and the CLI.
+  records listed and read concurrently; so has one whose index cannot be decoded (truncated,
+  empty, garbage: the index only saves reads), with one warning per process naming it.
+- ``read_records``: ``storage/index.merge_item`` / ``merge_pending`` (the records they join),
+  tests and the CLI.
 
 I/O goes through tensorstore's kvstore (``file``, ``gcs``, ``s3``): one request per object read
 or written, storage generations for the cache check, concurrent reads bounded by tensorstore's
@@ -23,6 +25,8 @@ own per-driver concurrency limits, atomic writes on local disk.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
 import os
 import threading
 from typing import Any, Sequence
@@ -31,6 +35,8 @@ import tensorstore as ts
 
 from orbax_pathways import metadata
 from orbax_pathways import version
+
+log = logging.getLogger('orbax_pathways')
 
 # Items whose index stays cached (per process). Small: a restore touches one or a few items.
 CACHE_ITEMS = 16
@@ -146,7 +152,14 @@ def _cache_key(item_dir: Any) -> str:
 def read_index(item_dir: Any) -> metadata.ItemMetadata | None:
   """The item's index, or None if it has none. Cached per item path: a later call re-reads it
   only if its storage generation changed (a step directory deleted and saved again under the
-  same number gets a new generation), and a conditional read moves no bytes otherwise."""
+  same number gets a new generation), and a conditional read moves no bytes otherwise. A
+  damaged index raises ``metadata.DamagedIndexError`` naming it."""
+  return _read_index(item_dir, rebuild=False)
+
+
+def _read_index(item_dir: Any, *, rebuild: bool) -> metadata.ItemMetadata | None:
+  """``read_index``; with ``rebuild``, a damaged index is replaced by the item's records
+  (``_rebuilt``), and that is cached under the damaged object's generation like an index."""
   key = _cache_key(item_dir)
   with _cache_lock:
     cached = _cache.get(key)
@@ -157,7 +170,10 @@ def read_index(item_dir: Any) -> metadata.ItemMetadata | None:
       _stats['index_unchanged'] += 1
       with _cache_lock:
         _cache.move_to_end(key)
-      return cached[1]
+      item = cached[1]
+      if item.damaged_index is not None and not rebuild:
+        raise metadata.DamagedIndexError(item.damaged_index)
+      return item
   else:
     r = kv.read(_key(metadata.INDEX_FILENAME)).result()
   if r.state == 'missing':
@@ -165,7 +181,12 @@ def read_index(item_dir: Any) -> metadata.ItemMetadata | None:
       _cache.pop(key, None)
     return None
   _stats['index'] += 1
-  item = metadata.decode_index(r.value, path=index_path(item_dir))
+  try:
+    item = metadata.decode_index(r.value, path=index_path(item_dir))
+  except metadata.DamagedIndexError as e:
+    if not rebuild:
+      raise
+    item = _rebuilt(item_dir, e)
   with _cache_lock:
     _cache[key] = (r.stamp.generation, item)
     _cache.move_to_end(key)
@@ -174,10 +195,31 @@ def read_index(item_dir: Any) -> metadata.ItemMetadata | None:
   return item
 
 
+def _rebuilt(item_dir: Any, damage: metadata.DamagedIndexError) -> metadata.ItemMetadata:
+  """The item from its writer records, for an index that cannot be decoded (the index only
+  saves reads: the records hold the same checksums). Logs one warning naming the index (the
+  result is cached under the damaged index's generation, so a process says it once). Without
+  records (a colocated save writes none) the index's own error stands; a damaged record as
+  well names both."""
+  try:
+    records = read_records(item_dir)
+  except metadata.MetadataError as e:
+    raise metadata.DamagedIndexError(
+        f'{damage} The writer records beside it cannot replace it either: {e}') from damage
+  if not records:
+    raise damage
+  log.warning('orbax_pathways: %s Reading the %d writer record(s) beside it instead: the same '
+              'checksums, the array data is not affected (deleting the index silences this).',
+              damage, len(records))
+  return dataclasses.replace(metadata.merge(records), damaged_index=str(damage))
+
+
 def read_item(item_dir: Any) -> metadata.ItemMetadata | None:
   """An item's metadata (its index; without one, its writer records merged), or None for an
-  item written without orbax-pathways."""
-  item = read_index(item_dir)
+  item written without orbax-pathways. A damaged index is rebuilt from the records (one
+  warning per process; ``ItemMetadata.damaged_index`` says what was wrong); without records
+  its ``DamagedIndexError`` is raised."""
+  item = _read_index(item_dir, rebuild=True)
   if item is not None:
     return item
   records = read_records(item_dir)
