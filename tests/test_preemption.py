@@ -69,7 +69,7 @@ def test_notice_makes_should_save_and_reached_preemption_true(tmp_path, installe
 
 def test_sigterm_handler_chains_and_restores(tmp_path, installed, monkeypatch):
   preemption.uninstall()
-  monkeypatch.setattr(preemption, '_manager_seen', False)  # as in a fresh process
+  monkeypatch.setattr(preemption.notice, '_manager_seen', False)  # as in a fresh process
   calls = []
   previous = lambda signum, frame: calls.append(signum)
   old = signal.signal(signal.SIGTERM, previous)
@@ -78,7 +78,7 @@ def test_sigterm_handler_chains_and_restores(tmp_path, installed, monkeypatch):
     # Not at install (import): only once this main process constructs a CheckpointManager.
     assert signal.getsignal(signal.SIGTERM) is previous
     ocp.CheckpointManager(tmp_path).close()
-    assert signal.getsignal(signal.SIGTERM) is preemption._sigterm_handler
+    assert signal.getsignal(signal.SIGTERM) is preemption.notice._sigterm_handler
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.05)
     assert preemption.preemption_noticed()
@@ -88,7 +88,7 @@ def test_sigterm_handler_chains_and_restores(tmp_path, installed, monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is previous
     # Re-installed at once when a manager already exists in this process.
     preemption.install()
-    assert signal.getsignal(signal.SIGTERM) is preemption._sigterm_handler
+    assert signal.getsignal(signal.SIGTERM) is preemption.notice._sigterm_handler
     preemption.uninstall()
     assert signal.getsignal(signal.SIGTERM) is previous
   finally:
@@ -124,7 +124,7 @@ def test_handler_not_installed_off_main_thread():
   t.start()
   t.join()
   assert result == [False]
-  assert signal.getsignal(signal.SIGTERM) is not preemption._sigterm_handler
+  assert signal.getsignal(signal.SIGTERM) is not preemption.notice._sigterm_handler
 
 
 def test_resume_without_checkpoint_calls_init(tmp_path, installed):
