@@ -44,7 +44,7 @@ directory = sys.argv[1]
 me = w.process_id()
 progress = os.path.join(w.shared_dir(), f'progress_{me}')
 sh = NamedSharding(Mesh(np.array(jax.devices()), ('x',)), P('x'))
-BASE = np.arange(64, dtype=np.float32)
+BASE = np.arange(96, dtype=np.float32)  # divisible by 4, 6 and 8 devices
 
 def state_at(step):
   value = BASE + np.float32(step)
@@ -118,8 +118,8 @@ def _run_and_preempt(tmp_path, n: int, targets: str, service: bool):
                                       start_new_session=True))
     deadline = time.monotonic() + HANG
     while min(_progress(shared, i) for i in range(n)) < 60:
-      assert time.monotonic() < deadline, 'the workers never reached step 60'
-      assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
+      assert time.monotonic() < deadline, 'the workers never reached step 60: ' + _tails(logs)
+      assert all(p.poll() is None for p in procs), ([p.poll() for p in procs], _tails(logs))
       time.sleep(0.1)
     at_signal = max(_progress(shared, i) for i in range(n))
     for p in (procs if targets == 'all' else procs[-1:]):
@@ -133,11 +133,17 @@ def _run_and_preempt(tmp_path, n: int, targets: str, service: bool):
       with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(p.pid, signal.SIGKILL)
       p.wait()
-  tails = []
-  for err in logs:
-    with open(err, errors='replace') as f:
-      tails.append(f.read()[-4000:])
+  tails = [_tail(err) for err in logs]
   return codes, [_results(results_dir, i) for i in range(n)], at_signal, tails, ckpt
+
+
+def _tail(path: str) -> str:
+  with open(path, errors='replace') as f:
+    return f.read()[-4000:]
+
+
+def _tails(paths) -> str:
+  return '\n'.join(f'--- process {i} ---\n{_tail(p)}' for i, p in enumerate(paths))
 
 
 @pytest.mark.multiprocess
