@@ -116,6 +116,37 @@ def test_sigterm_ignored_or_no_sigterm_env_left_alone(tmp_path, installed, monke
     signal.signal(signal.SIGTERM, old)
 
 
+def test_which_save_decision_policies_make_sigterm_a_notice(tmp_path):
+  """SIGTERM becomes a notice only for a manager whose policy can save for it (issue 21.6)."""
+  from orbax_pathways._compat import orbax_manager  # pylint: disable=g-import-not-at-top
+  p = ocp.v1.training.save_decision_policies
+
+  class Custom:  # a policy Orbax does not define may read context.reached_preemption
+    def should_save(self, step, previous_steps, *, context):
+      return context.reached_preemption
+
+  cases = {
+      'default': (None, True),
+      'fixed': (p.FixedIntervalPolicy(5), False),
+      'fixed+specific': (p.AnySavePolicy([p.FixedIntervalPolicy(5),
+                                          p.SpecificStepsPolicy([3])]), False),
+      'fixed+preemption': (p.AnySavePolicy([p.FixedIntervalPolicy(5),
+                                            p.PreemptionCheckpointingPolicy()]), True),
+      'nested': (p.AnySavePolicy([p.AnySavePolicy([p.PreemptionCheckpointingPolicy()])]), True),
+      'custom': (Custom(), True),
+  }
+  for name, (policy, expected) in cases.items():
+    mngr = ocp.CheckpointManager(tmp_path / name, options=ocp.CheckpointManagerOptions(
+        save_decision_policy=policy))
+    assert orbax_manager.manager_saves_on_preemption(mngr) is expected, name
+    mngr.close()
+  # should_save_fn: Orbax adds PreemptionCheckpointingPolicy to it.
+  mngr = ocp.CheckpointManager(tmp_path / 'fn', options=ocp.CheckpointManagerOptions(
+      should_save_fn=lambda step, last: step % 7 == 0))
+  assert orbax_manager.manager_saves_on_preemption(mngr)
+  mngr.close()
+
+
 def test_handler_not_installed_off_main_thread():
   import threading
   preemption.uninstall()

@@ -531,7 +531,7 @@ def distributed_process_count() -> int:
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
   if distributed.global_state.client is None:
     return 1
-  return int(distributed.global_state.num_processes or 1)
+  return int(getattr(distributed.global_state, 'num_processes', 1) or 1)
 
 
 # --- Which save decision policies can save for preemption (the SIGTERM notice needs one). ---
