@@ -69,7 +69,7 @@ def test_notice_makes_should_save_and_reached_preemption_true(tmp_path, installe
 
 def test_sigterm_handler_chains_and_restores(tmp_path, installed, monkeypatch):
   preemption.uninstall()
-  monkeypatch.setattr(preemption, '_manager_seen', False)  # as in a fresh process
+  monkeypatch.setattr(preemption.notice, '_manager_seen', False)  # as in a fresh process
   calls = []
   previous = lambda signum, frame: calls.append(signum)
   old = signal.signal(signal.SIGTERM, previous)
@@ -78,7 +78,7 @@ def test_sigterm_handler_chains_and_restores(tmp_path, installed, monkeypatch):
     # Not at install (import): only once this main process constructs a CheckpointManager.
     assert signal.getsignal(signal.SIGTERM) is previous
     ocp.CheckpointManager(tmp_path).close()
-    assert signal.getsignal(signal.SIGTERM) is preemption._sigterm_handler
+    assert signal.getsignal(signal.SIGTERM) is preemption.notice._sigterm_handler
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.05)
     assert preemption.preemption_noticed()
@@ -88,7 +88,7 @@ def test_sigterm_handler_chains_and_restores(tmp_path, installed, monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is previous
     # Re-installed at once when a manager already exists in this process.
     preemption.install()
-    assert signal.getsignal(signal.SIGTERM) is preemption._sigterm_handler
+    assert signal.getsignal(signal.SIGTERM) is preemption.notice._sigterm_handler
     preemption.uninstall()
     assert signal.getsignal(signal.SIGTERM) is previous
   finally:
@@ -116,6 +116,37 @@ def test_sigterm_ignored_or_no_sigterm_env_left_alone(tmp_path, installed, monke
     signal.signal(signal.SIGTERM, old)
 
 
+def test_which_save_decision_policies_make_sigterm_a_notice(tmp_path):
+  """SIGTERM becomes a notice only for a manager whose policy can save for it (issue 21.6)."""
+  from orbax_pathways._compat import orbax_manager  # pylint: disable=g-import-not-at-top
+  p = ocp.v1.training.save_decision_policies
+
+  class Custom:  # a policy Orbax does not define may read context.reached_preemption
+    def should_save(self, step, previous_steps, *, context):
+      return context.reached_preemption
+
+  cases = {
+      'default': (None, True),
+      'fixed': (p.FixedIntervalPolicy(5), False),
+      'fixed+specific': (p.AnySavePolicy([p.FixedIntervalPolicy(5),
+                                          p.SpecificStepsPolicy([3])]), False),
+      'fixed+preemption': (p.AnySavePolicy([p.FixedIntervalPolicy(5),
+                                            p.PreemptionCheckpointingPolicy()]), True),
+      'nested': (p.AnySavePolicy([p.AnySavePolicy([p.PreemptionCheckpointingPolicy()])]), True),
+      'custom': (Custom(), True),
+  }
+  for name, (policy, expected) in cases.items():
+    mngr = ocp.CheckpointManager(tmp_path / name, options=ocp.CheckpointManagerOptions(
+        save_decision_policy=policy))
+    assert orbax_manager.manager_saves_on_preemption(mngr) is expected, name
+    mngr.close()
+  # should_save_fn: Orbax adds PreemptionCheckpointingPolicy to it.
+  mngr = ocp.CheckpointManager(tmp_path / 'fn', options=ocp.CheckpointManagerOptions(
+      should_save_fn=lambda step, last: step % 7 == 0))
+  assert orbax_manager.manager_saves_on_preemption(mngr)
+  mngr.close()
+
+
 def test_handler_not_installed_off_main_thread():
   import threading
   preemption.uninstall()
@@ -124,7 +155,7 @@ def test_handler_not_installed_off_main_thread():
   t.start()
   t.join()
   assert result == [False]
-  assert signal.getsignal(signal.SIGTERM) is not preemption._sigterm_handler
+  assert signal.getsignal(signal.SIGTERM) is not preemption.notice._sigterm_handler
 
 
 def test_resume_without_checkpoint_calls_init(tmp_path, installed):

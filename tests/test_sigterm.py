@@ -21,7 +21,7 @@ import pytest
 
 from support import REPO
 from support.gcs_server import hermetic_env
-from support.procs import child_env, last_json
+from support.procs import child_env, free_port, last_json
 
 PY = sys.executable
 HANG = 180  # seconds after which a subprocess counts as hung (the bug made them run forever)
@@ -78,6 +78,68 @@ def test_import_and_cli_leave_sigterm_alone_manager_in_main_thread_takes_it(tmp_
                       'print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)'],
                      capture_output=True, text=True, env=_env(), timeout=HANG, cwd=REPO)
   assert r.stdout.strip() == 'True', r.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# A native SIGTERM handler (JAX's preemption notifier after jax.distributed.initialize, or any
+# other) is invisible to Python's signal.getsignal, which says SIG_DFL: a manager must not replace
+# it (issue 21, item 0). With JAX's, JAX's sync point then decides the preemption step.
+
+_NATIVE = '''
+    import ctypes, json, os, signal, sys, time
+    import orbax_pathways
+    import orbax.checkpoint as ocp
+    from orbax_pathways import preemption
+    mode, directory = sys.argv[1], sys.argv[2]
+
+    def kernel_disposition():  # sigaction(SIGTERM, NULL, &old): the handler is its first field
+      old = ctypes.create_string_buffer(512)
+      assert ctypes.CDLL(None).sigaction(int(signal.SIGTERM), None, old) == 0
+      return ctypes.c_void_p.from_buffer(old).value or 0
+
+    if mode == 'jax':
+      import jax
+      jax.distributed.initialize('127.0.0.1:' + sys.argv[3], num_processes=1, process_id=0)
+    else:
+      libc = ctypes.CDLL(None)
+      libc.signal.restype = ctypes.c_void_p
+      libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+      # A harmless native handler, installed behind Python's back.
+      libc.signal(int(signal.SIGTERM), ctypes.cast(libc.getpid, ctypes.c_void_p))
+    before = kernel_disposition()
+    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+        save_interval_steps=50))
+    out = {'python_sees_default': signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+           'native_before': before not in (0, 1),
+           'kept': kernel_disposition() == before}
+    print(json.dumps(out), flush=True)
+    if mode == 'jax':  # the README loop: SIGTERM reaches JAX's notifier, its sync point decides
+      import jax.numpy as jnp
+      for step in range(10**6):
+        if step == 30:
+          os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        mngr.save(step, args=ocp.args.StandardSave({'w': jnp.full(8, step)}))
+        if mngr.reached_preemption(step):
+          print(json.dumps(dict(out, preempted_at=step)), flush=True)
+          preemption.exit_after_commit(mngr)
+'''
+
+
+@pytest.mark.parametrize('mode', ['jax', 'other'])
+def test_a_native_sigterm_handler_is_not_replaced(tmp_path, mode):
+  script = _script(tmp_path, 'native.py', _NATIVE)
+  r = subprocess.run([PY, script, mode, str(tmp_path / 'ckpt'), str(free_port())],
+                     capture_output=True, text=True, env=_env(), timeout=HANG, cwd=REPO)
+  assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+  result = last_json(r.stdout)
+  assert result['python_sees_default'] and result['native_before'] and result['kept'], result
+  if mode == 'jax':
+    step = result['preempted_at']
+    assert step >= 30
+    periodic = {str(s) for s in range(0, step, 50)}
+    assert sorted(os.listdir(tmp_path / 'ckpt')) == sorted(periodic | {str(step)}), r.stderr[-3000:]
+  assert 'preemption notice received' not in r.stderr
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,6 +264,9 @@ def test_stray_notice_costs_one_save_then_the_grace_period_ends_the_process(tmp_
                     'preempted': [21]}
   assert 'preemption notice received (signal SIGTERM)' in r.stderr
   assert "applying SIGTERM's default action" in r.stderr
+  # The log says why SIGTERM's default action applies: no "second SIGTERM" was ever sent.
+  assert 'the preemption notice went unanswered for 6 s' in r.stderr, r.stderr[-3000:]
+  assert 'a second SIGTERM' not in r.stderr
   assert sorted(os.listdir(tmp_path / 'ckpt')) == ['30', '40', '50']
 
 
@@ -242,6 +307,65 @@ def test_main_thread_stuck_in_native_code_is_still_terminated(tmp_path):
   assert r.returncode == -signal.SIGTERM, (r.returncode, r.stderr[-3000:])
   assert 'STUCK' in r.stdout
   assert 'the main thread did not handle SIGTERM' in r.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# v1 training.Checkpointer (issue 21, item 6): the notice leads to a save where the save decision
+# policy saves for preemption; with FixedIntervalPolicy alone SIGTERM keeps its default action.
+
+_V1 = '''
+    import json, sys, time
+    import jax.numpy as jnp
+    import orbax_pathways
+    import orbax.checkpoint as ocp
+    v1 = ocp.v1
+    directory, mode = sys.argv[1], sys.argv[2]
+    p = v1.training.save_decision_policies
+    policy = (p.FixedIntervalPolicy(50) if mode == 'fixed' else
+              p.AnySavePolicy([p.FixedIntervalPolicy(50), p.PreemptionCheckpointingPolicy()]))
+    ckpt = v1.training.Checkpointer(directory, save_decision_policy=policy)
+    for step in range(10**6):
+      time.sleep(0.01)  # the training step
+      if step == 60:
+        print('READY', flush=True)
+      if ckpt.should_save(step):
+        ckpt.save(step, {'w': jnp.full(8, step)})
+        if step % 50:  # not an interval step: the preemption save
+          ckpt.wait()
+          print(json.dumps({'preemption_save': step, 'steps': [c.step for c in ckpt.checkpoints]}),
+                flush=True)
+          ckpt.close()
+          sys.exit(0)
+'''
+
+
+@pytest.mark.parametrize('mode', ['fixed', 'with_preemption_policy'])
+def test_v1_training_checkpointer_sigterm_saves_or_keeps_the_default_action(tmp_path, mode):
+  script = _script(tmp_path, 'v1_loop.py', _V1)
+  proc = subprocess.Popen([PY, script, str(tmp_path / 'ckpt'), mode], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, cwd=REPO, env=_env())
+  try:
+    for line in proc.stdout:
+      if line.startswith('READY'):
+        break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=HANG)
+  finally:
+    proc.kill()
+    proc.wait()
+  if mode == 'fixed':
+    # Stock: FixedIntervalPolicy never saves for preemption, so SIGTERM ends the process at once;
+    # no notice promising a save that never comes, no grace period.
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, err[-3000:])
+    assert 'preemption notice' not in err and 'SIGTERM' not in err, err[-3000:]
+    assert sorted(os.listdir(tmp_path / 'ckpt')) == ['0', '50']
+  else:
+    assert proc.returncode == 0, (proc.returncode, err[-3000:])
+    result = last_json(out)
+    step = result['preemption_save']
+    assert step >= 60 and result['steps'] == [0, 50, step]
+    assert 'preemption notice received (signal SIGTERM)' in err
+    assert sorted(os.listdir(tmp_path / 'ckpt')) == ['0', '50', str(step)]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
   ``all_steps()``, ``latest_step()``, ``reload()``, ``find_step`` (restore); returning None hides a
   step.
 - ``CheckpointManager.__init__``: runs hooks after the stock constructor (leftover cleanup; the
-  SIGTERM notice handler, installed lazily by the first manager of a main process).
+  SIGTERM notice handler, installed lazily by the first manager of a main process whose save
+  decision policy saves for preemption: ``manager_saves_on_preemption``).
 - ``CheckpointManager.delete`` (public): marks the user's explicit deletes, which raise on
   failure, unlike garbage collection, which logs.
 - ``CheckpointManager.reached_preemption(self, step)``: feeds both ``should_save`` (through the
@@ -522,6 +523,59 @@ def jax_preemption_service_active() -> bool:
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
   return (distributed.global_state.client is not None
           and distributed.global_state.preemption_sync_manager is not None)
+
+
+def distributed_process_count() -> int:
+  """``num_processes`` of ``jax.distributed`` (1 outside it), read without starting a backend
+  (``jax.process_count()`` would)."""
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  if distributed.global_state.client is None:
+    return 1
+  return int(getattr(distributed.global_state, 'num_processes', 1) or 1)
+
+
+# --- Which save decision policies can save for preemption (the SIGTERM notice needs one). ---
+
+
+def _blind_policy_types() -> tuple[type, ...]:
+  """Orbax's policies that never read ``context.reached_preemption`` (exact types: a subclass may
+  override ``should_save`` and read it)."""
+  from orbax.checkpoint import checkpoint_manager as _cm  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src.checkpoint_managers import save_decision_policy as _sdp  # pylint: disable=g-import-not-at-top
+  names = ('FixedIntervalPolicy', 'SpecificStepsPolicy', 'InitialSavePolicy',
+           'ContinuousCheckpointingPolicy')
+  found = [getattr(_sdp, n) for n in names if hasattr(_sdp, n)]
+  should_save_fn = getattr(_cm, '_ShouldSaveFnPolicy', None)  # options.should_save_fn
+  return tuple(found + ([should_save_fn] if should_save_fn is not None else []))
+
+
+def _saves_on_preemption(policy: Any, blind: tuple[type, ...]) -> bool:
+  from orbax.checkpoint._src.checkpoint_managers import save_decision_policy as _sdp  # pylint: disable=g-import-not-at-top
+  if isinstance(policy, _sdp.PreemptionCheckpointingPolicy):
+    return True
+  if type(policy) is _sdp.AnySavePolicy:  # pylint: disable=unidiomatic-typecheck
+    return any(_saves_on_preemption(p, blind) for p in policy.policies)
+  return type(policy) not in blind  # a policy we do not know may read reached_preemption
+
+
+def manager_saves_on_preemption(mngr: Any) -> bool:
+  """Whether ``mngr.should_save`` can answer True because ``reached_preemption`` did: its save
+  decision policy holds ``PreemptionCheckpointingPolicy`` (the default, also inside
+  ``AnySavePolicy``) or a policy Orbax does not define. False for ``FixedIntervalPolicy`` and the
+  other interval policies alone (v1 ``training.Checkpointer(save_decision_policy=...)``)."""
+  policy = getattr(mngr, '_save_decision_policy', None)  # pylint: disable=protected-access
+  if policy is None:
+    return True
+  try:
+    return _saves_on_preemption(policy, _blind_policy_types())
+  except Exception:  # pylint: disable=broad-except
+    return True  # an Orbax we do not know: keep the notice (the grace period still ends it)
+
+
+def manager_policy_name(mngr: Any) -> str:
+  """The manager's save decision policy as its repr says it (for log lines)."""
+  policy = getattr(mngr, '_save_decision_policy', None)  # pylint: disable=protected-access
+  return repr(policy)[:300]
 
 
 def is_proxy_pathways_backend() -> bool:

@@ -1,0 +1,131 @@
+"""Resume: restore the newest complete step that restores, falling back past damaged ones.
+
+Called by the user's program on every controller process at start (``preemption.resume``), before
+training. All processes of a multi-controller job agree on each step's outcome (one round through
+the coordination service's key-value store per step tried), so they resume from the same step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+import warnings
+
+from absl import logging
+
+from orbax_pathways import errors
+from orbax_pathways import retention
+from orbax_pathways._compat import orbax_manager as _om
+from orbax_pathways.preemption import decision
+
+_resume_round = 0
+
+
+def latest_complete_step(mngr, exclude=()) -> int | None:
+  """Newest step in ``mngr.directory`` that is complete per ``retention.is_step_complete``."""
+  steps = _om.manager_steps_on_disk(mngr)
+  for step, path in reversed(steps):
+    if step not in exclude and retention.is_step_complete(path):
+      return step
+  return None
+
+
+def _all_processes_ok(ok: bool, step: int) -> bool:
+  """Whether every process of a multi-controller job restored ``step`` (one KV round)."""
+  global _resume_round
+  client = _om.distributed_client()
+  if client is None or _om.process_count() <= 1:
+    return ok
+  _resume_round += 1
+  prefix = f'orbax_pathways/resume/{_resume_round}/{step}'
+  client.key_value_set(f'{prefix}/{_om.process_index()}', '1' if ok else '0',
+                       allow_overwrite=True)
+  timeout_ms = int(decision.agreement_timeout_s() * 1000)
+  return all(client.blocking_key_value_get(f'{prefix}/{p}', timeout_ms) == '1'
+             for p in range(_om.process_count()))
+
+
+def _still_complete(mngr, step: int) -> bool:
+  return any(s == step and retention.is_step_complete(p)
+             for s, p in _om.manager_steps_on_disk(mngr))
+
+
+def _damaged_warning(step: int, path, error: BaseException | None, fallback_step: int) -> str:
+  what = ('another process of this job failed to restore it' if error is None else
+          f'{type(error).__name__}: {str(error)[:1000]}')
+  return (f'orbax_pathways.preemption.resume: step {step} at {path} is DAMAGED and was '
+          f'skipped ({what}). Resuming from step {fallback_step} instead. The damaged step stays '
+          f'on storage for inspection (`orbax-pathways verify {path}`); this manager no longer '
+          'lists it, so saving that step again replaces it. Pass fallback=False to raise '
+          'instead.')
+
+
+def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
+           fallback: bool = True):
+  """Returns ``(step, state)`` from the newest complete step that restores, or
+  ``(None, init_fn())`` when the directory has no complete step.
+
+  ``abstract_state`` goes to ``ocp.args.StandardRestore`` unchanged (None: restore with the saved
+  shardings). If restoring the newest step fails (checksum mismatch, missing or truncated files),
+  the next older step is tried, and once one restores, a loud warning (``RuntimeWarning`` and an
+  ERROR log line) names each damaged step's path; the damaged steps are dropped from ``mngr``'s
+  listing so that training saves normally. ``fallback=False`` raises the first error instead.
+  Two consecutive failures of the same kind other than a checksum mismatch, or a
+  ``TopologyError``, point at the request (``abstract_state``), not the data: the newest step's
+  error is raised. If no step restores, ``RestoreError`` lists them all. A step deleted while it
+  is read (another process's retention) is not damage: the newest step is looked up again.
+
+  On the primary host, provably abandoned leftovers of interrupted deletes and saves are removed
+  first (see ``retention``); work in progress of other processes (a trainer saving into this
+  directory while an evaluator resumes) is left alone.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  mngr.wait_until_finished()
+  if _om.is_primary_host(_om.manager_primary_host(mngr)) and not _om.manager_read_only(mngr):
+    retention.cleanup_leftovers(mngr.directory)
+    retention.cleanup_abandoned_temporary_steps(mngr.directory)
+  mngr.reload()
+  damaged: list[tuple[int, Any, BaseException | None]] = []
+  vanished = 0
+  while True:
+    step = latest_complete_step(mngr, exclude={d[0] for d in damaged})
+    if step is None:
+      if damaged:
+        raise errors.RestoreError(
+            f'orbax_pathways.preemption.resume: no complete step in {mngr.directory} restores: '
+            + '; '.join(f'step {s} ({p}): ' + (f'{type(e).__name__}: {str(e)[:300]}' if e else
+                                               'failed on another process')
+                        for s, p, e in damaged)) from damaged[0][2]
+      return None, init_fn()
+    path = _om.manager_step_path(mngr, step)
+    error = None
+    try:
+      state = mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    if _all_processes_ok(error is None, step):
+      for s, p, err in damaged:
+        message = _damaged_warning(s, p, err, step)
+        logging.error(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        _om.forget_step(mngr, s)
+      return step, state
+    if error is not None and not _still_complete(mngr, step):
+      vanished += 1  # deleted meanwhile by a process saving here: look again
+      if vanished <= 100:
+        mngr.reload()
+        continue
+    if not fallback or isinstance(error, errors.TopologyError):
+      if error is not None:
+        raise error
+      raise errors.RestoreError(f'orbax_pathways.preemption.resume: step {step} ({path}) failed '
+                                'to restore on another process of this job.')
+    prev = damaged[-1][2] if damaged else None
+    if (error is not None and prev is not None
+        and not isinstance(error, errors.ChecksumMismatchError)
+        and type(error) is type(prev)):
+      raise damaged[0][2] or error  # the same failure twice: the request, not the data
+    logging.warning('orbax_pathways.preemption.resume: restoring step %d (%s) failed (%s); '
+                    'trying the next older step.', step, path,
+                    type(error).__name__ if error else 'on another process')
+    damaged.append((step, path, error))
