@@ -236,6 +236,9 @@ class WriterRecord:
   library_version: str = ''
   stats: Mapping[str, int] = dataclasses.field(default_factory=dict)
   schema: int = SCHEMA_VERSION
+  # Identifies this writer's save of the step (random, per save): a node-local tier copy is
+  # used only when it carries the save id the committed step records (``tier/chain.py``).
+  save_id: str = ''
 
 
 def _sharding_to_obj(s: ShardingRecord | None) -> Any:
@@ -289,6 +292,7 @@ def encode(record: WriterRecord) -> bytes:
           'library_version': record.library_version,
           'stats': dict(record.stats),
           'arrays': arrays,
+          **({'save_id': record.save_id} if record.save_id else {}),
       },
       use_bin_type=True,
   )
@@ -335,6 +339,7 @@ def decode(data: bytes, *, path: str = '<bytes>') -> WriterRecord:
         library_version=o.get('library_version', ''),
         stats=o.get('stats', {}),
         schema=schema,
+        save_id=str(o.get('save_id') or ''),
     )
   except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
     raise MetadataError(
@@ -406,8 +411,10 @@ class WriterSummaries(collections.abc.Sequence):
       return tuple(self[j] for j in range(*i.indices(self._n)))
     c = self._c
     stats = {k: v[i] for k, v in c.get('stats', {}).items() if v[i] is not None}
+    save_ids = c.get('save_id') or ()
     return WriterRecord(writer=c['writer'][i], transport=c['transport'][i], arrays=(),
-                        library_version=c['library_version'][i], stats=stats, schema=self._schema)
+                        library_version=c['library_version'][i], stats=stats, schema=self._schema,
+                        save_id=str(save_ids[i] or '') if i < len(save_ids) else '')
 
   def transports(self) -> set[str]:
     return set(self._c['transport'])
@@ -480,6 +487,8 @@ def encode_index(item: ItemMetadata, *, library_version: str = '') -> bytes:
   writers = {'writer': [w.writer for w in ws], 'transport': [w.transport for w in ws],
              'library_version': [w.library_version for w in ws],
              'stats': {k: [w.stats.get(k) for w in ws] for k in keys}}
+  if any(w.save_id for w in ws):
+    writers['save_id'] = [w.save_id or None for w in ws]
   return msgpack.packb(
       {'schema': SCHEMA_VERSION, 'kind': 'index', 'library_version': library_version,
        'writers': writers, 'arrays': arrays},

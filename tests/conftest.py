@@ -11,6 +11,15 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8').strip()
 os.environ['NO_GCE_CHECK'] = 'true'  # google-auth and gcsfs compare with exactly 'true'
+# The node-local tier (on by default under /dev/shm): one directory for this test session (and
+# the processes it starts), removed at exit, so tests never fill the machine's /dev/shm.
+if 'ORBAX_PATHWAYS_LOCAL_DIR' not in os.environ:
+  import atexit  # noqa: E402
+  import shutil  # noqa: E402
+  import tempfile  # noqa: E402
+  _tier_dir = tempfile.mkdtemp(prefix='orbax-pathways-tier-tests-')
+  os.environ['ORBAX_PATHWAYS_LOCAL_DIR'] = _tier_dir
+  atexit.register(shutil.rmtree, _tier_dir, True)
 
 import pytest  # noqa: E402
 

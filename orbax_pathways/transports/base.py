@@ -45,6 +45,7 @@ class SaveConfig:
   is_primary: bool  # this process writes the zarr metadata and the shardings (local transport)
   ocdbt_process_id: int | str | None  # Orbax's ocdbt.process_<id> suffix for this process
   context: Any = None  # Orbax's tensorstore context for this item (local transport only)
+  tier: Any = None  # tier.store.TierConfig: this node's tier (None: off); set by the engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,7 @@ class ReadConfig:
   verify: bool
   context: Any = None  # Orbax's tensorstore context (local transport only)
   max_inflight_bytes: int | None = None  # host bytes read before going to devices (None: all)
+  tier: Any = None  # tier.store.TierConfig: read this node's tier first (None: storage only)
 
 
 @dataclasses.dataclass
