@@ -47,6 +47,7 @@ from orbax_pathways._compat import orbax as compat
 from orbax_pathways.storage import reader as reader_lib
 from orbax_pathways.tier import store as tier_store
 from orbax_pathways.transports import base as transports
+from orbax_pathways.transports import registry
 
 log = logging.getLogger('orbax_pathways')
 
@@ -206,7 +207,7 @@ class Engine:
     t0 = time.perf_counter()
     check_global(arrays, [leaf.name for leaf in leaves])
     config = dataclasses.replace(config, tier=self.tier())
-    transport = transports.create(self.transport_name(), save=config)
+    transport = registry.create(self.transport_name(), save=config)
     reasons = transport.unsupported(leaves, item)
     if reasons and transport.fallback is not None:
       warnings.warn(
@@ -240,7 +241,7 @@ class Engine:
     with _trace('plan_read'):
       targets = [await self._target(leaf, item, records.get(leaf.name), context) for leaf in leaves]
     config = dataclasses.replace(config, tier=self.tier())
-    transport = transports.create(self.transport_name(), read=config)
+    transport = registry.create(self.transport_name(), read=config)
     telemetry = compat.io_metrics_start('read')
     out, outcomes = await transport.read(targets, item)
     for t in targets:
@@ -297,7 +298,7 @@ class Engine:
     chunk_shape: tuple[int, ...] | None
     if record is not None:
       stored_shape, chunk_shape = tuple(record.shape), tuple(record.chunk_shape)
-      chunks = format_lib.chunk_index([record])
+      chunks = metadata.chunk_index([record])
       if dtype is None:
         dtype = np.dtype(record.dtype)
     else:  # A checkpoint without our metadata (stock Orbax): ask tensorstore for the layout.

@@ -29,7 +29,6 @@ import numpy as np
 
 from orbax_pathways import errors
 from orbax_pathways import format as format_lib
-from orbax_pathways.format import chunk_index  # noqa: F401  (re-exported: the one definition)
 
 SCHEMA_VERSION = 2
 DIRNAME = format_lib.PATHWAYS_DIR
@@ -138,7 +137,7 @@ class ChunkGrid(collections.abc.Sequence):
     return f'ChunkGrid(grid={self.grid}, chunks={len(self)})'
 
   def mapping(self) -> 'ChunkMap':
-    """This grid as the mapping origin -> ``ChunkRecord`` (``format.chunk_index``)."""
+    """This grid as the mapping origin -> ``ChunkRecord`` (``chunk_index``)."""
     return ChunkMap(self)
 
   @classmethod
@@ -196,6 +195,20 @@ class ChunkMap(collections.abc.Mapping):
 
   def __repr__(self) -> str:
     return f'ChunkMap({self.grid!r})'
+
+
+def chunk_index(records: Iterable[ArrayRecord]) -> Mapping[tuple[int, ...], ChunkRecord]:
+  """Origin -> chunk record for one array across writers (later duplicates must agree). The
+  record of an item's index holds a ``ChunkGrid``: its mapping view, which makes each record
+  when looked up (a restoring host pays for the chunks it reads, not for all)."""
+  records = list(records)
+  if len(records) == 1 and isinstance(records[0].chunks, ChunkGrid):
+    return records[0].chunks.mapping()
+  out = {}
+  for r in records:
+    for c in r.chunks:
+      out[tuple(c.origin)] = c
+  return out
 
 
 def _origin(c: ChunkRecord) -> tuple[int, ...]:
@@ -488,7 +501,7 @@ def encode_index(item: ItemMetadata, *, library_version: str = '') -> bytes:
              'library_version': [w.library_version for w in ws],
              'stats': {k: [w.stats.get(k) for w in ws] for k in keys}}
   if any(w.save_id for w in ws):
-    writers['save_id'] = [w.save_id or None for w in ws]
+    writers['save_id'] = [w.save_id for w in ws]
   return msgpack.packb(
       {'schema': SCHEMA_VERSION, 'kind': 'index', 'library_version': library_version,
        'writers': writers, 'arrays': arrays},

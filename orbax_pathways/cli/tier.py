@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from orbax_pathways import checksum
-from orbax_pathways import format as format_lib
+from orbax_pathways import metadata
 from orbax_pathways.storage import meta_io
 from orbax_pathways.tier import chain
 from orbax_pathways.tier import layout
@@ -52,7 +52,7 @@ def _check(e: store.Entry, root: str | None) -> tuple[str, list[str]]:
     if rec is None or tuple(rec.chunk_shape) != a.chunk_shape or tuple(rec.shape) != a.shape:
       problems.append(f'array {a.name!r}: not in the committed step with this layout')
       continue
-    index = format_lib.chunk_index([rec])
+    index = metadata.chunk_index([rec])
     dtype = chain.layout_dtype(a.dtype)
     for origin, name, n in zip(a.origins, a.files, a.nbytes):
       want = index.get(tuple(origin))

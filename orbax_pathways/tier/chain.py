@@ -194,15 +194,19 @@ class SourceChain:
 
 def for_restore(cfg: store.TierConfig | None, item_dir: str) -> SourceChain | None:
   """The chain for restoring ``item_dir`` on this host: this node's tier entries of the item
-  whose save id storage's index records for their writer. None (storage only) when the tier is
-  off or holds nothing for it; one log line when it holds only unusable copies."""
+  whose save id storage's index records for their writer (the index this restore's front door
+  just read, from ``meta_io``'s cache). None (storage only) when the tier is off or holds
+  nothing for it; one log line when it holds only unusable copies."""
   if cfg is None or not os.path.isdir(cfg.local_dir):
     return None
   root, step_name, item = layout.split_item_dir(item_dir)
   found = store.entries(cfg.local_dir, root, step_name, item)
   if not found:
     return None
-  committed = meta_io.read_item(item_dir)
+  # The front door read the index moments ago in this restore: no second request for it. An
+  # item without an index (schema 1, a save that never reached Orbax's finalize) records no
+  # save ids: its tier copies are never used.
+  committed = meta_io.cached_index(item_dir)
   save_ids = ({w.writer: getattr(w, 'save_id', '') for w in committed.writers}
               if committed is not None else {})
   usable, skipped = [], []

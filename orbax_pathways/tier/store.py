@@ -144,7 +144,8 @@ def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
       for c, (origin, chunk) in enumerate(_chunks(leaf.shape, plan.chunk_shape, stored, ps)):
         name = layout.chunk_file(a, c)
         with open(os.path.join(path, name), 'wb') as f:
-          f.write(memoryview(np.ascontiguousarray(chunk)).cast('B'))
+          f.write(np.ascontiguousarray(chunk).tobytes() if chunk.ndim == 0 else
+                  np.ascontiguousarray(chunk).reshape(-1).view(np.uint8).data)
         origins.append(tuple(origin))
         sums.append(int(crcs.get(leaf.name, {}).get(tuple(origin), 0)))
         sizes.append(int(chunk.nbytes))

@@ -1,7 +1,7 @@
 """The interface every transport implements, and how the engine picks one.
 
 A transport moves shard bytes between devices and storage for one save or one restore call. The
-engine (``orbax_pathways.engine``) creates one per call with ``create()`` and drives it; a
+engine (``orbax_pathways.engine``) creates one per call with ``registry.create()`` and drives it; a
 transport never sees Orbax objects or the front door that called the engine, only the typed
 values of ``orbax_pathways.values`` and the caller's ``jax.Array``s.
 
@@ -96,20 +96,3 @@ class Transport(Protocol):
   async def read(self, targets: Sequence[types.ReadTarget],
                  item: types.Item) -> tuple[list[jax.Array], list[types.ReadOutcome]]:
     ...
-
-
-NAMES = ('local', 'colocated', 'persistence')
-
-
-def create(name: str, *, save: SaveConfig | None = None, read: ReadConfig | None = None) -> Transport:
-  """A transport of kind ``name`` configured for one save (``save``) or restore (``read``)."""
-  if name == 'local':
-    from orbax_pathways.transports import local  # pylint: disable=g-import-not-at-top
-    return local.LocalTransport(save=save, read=read)
-  if name == 'colocated':
-    from orbax_pathways.transports import colocated  # pylint: disable=g-import-not-at-top
-    return colocated.ColocatedTransport(save=save, read=read)
-  if name == 'persistence':
-    from orbax_pathways.transports import persistence  # pylint: disable=g-import-not-at-top
-    return persistence.PersistenceTransport(save=save, read=read)
-  raise ValueError(f'Unknown transport {name!r}; valid transports: {list(NAMES)}.')
