@@ -264,3 +264,38 @@ def test_keep_steps_drops_only_what_a_newer_committed_step_replaces():
   assert tier_layout.keep_steps([(1, True), (2, True)], 1) == {2}
   assert tier_layout.keep_steps([(1, True), (2, True), (3, False)], 2) == {1, 2, 3}
   assert tier_layout.keep_steps([(1, False), (2, False), (3, False)], 1) == {2, 3}
+
+
+def test_colocated_workers_write_and_read_their_tier(tmp_path, caplog):
+  """Under the colocated transport each worker host writes its own chunks to its node's tier
+  (in the CPU simulation: in-process, one node) and reads them back first."""
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier, transport='colocated')
+  state, host = _state()
+  state['key'] = jax.random.key(3)  # a second device set: a second colocated call per save
+  with ocp.CheckpointManager(root) as m:
+    m.save(1, args=ocp.args.StandardSave(state))
+    m.wait_until_finished()
+    written = stats.last_save().written_bytes
+    found = _entries(tier, root)
+    assert {e.writer for e in found} == set(written)
+    assert {e.writer: e.manifest.nbytes for e in found} == written
+    item = meta_io.read_item(str(root / '1' / 'default'))
+    assert {w.writer: w.save_id for w in item.writers} == {e.writer: e.save_id for e in found}
+    out = m.restore(1, args=ocp.args.StandardRestore(state))
+    st = stats.last_restore()
+    assert st.transport == 'colocated'
+    assert st.bytes_by_source.get('storage') == 0, st
+    # Every simulated worker shares the one node's tier: replicas another worker wrote too.
+    assert st.bytes_by_source.get('local') == sum(st.bytes_read.values())
+    _assert_exact({k: out[k] for k in host}, host)
+    # A flipped byte in a worker's local chunk: that chunk comes from storage, one log line.
+    e = next(e for e in found if any(a.name == 'w' for a in e.manifest.arrays))
+    w = next(a for a in e.manifest.arrays if a.name == 'w')  # sharded: one reader needs it
+    with open(os.path.join(e.path, w.files[0]), 'r+b') as f:
+      f.write(b'\x00\x01\x02\x03' if f.read(4) != b'\x00\x01\x02\x03' else b'\x09\x09\x09\x09')
+    caplog.set_level(logging.INFO, logger='orbax_pathways')
+    out = m.restore(1, args=ocp.args.StandardRestore(state))
+  _assert_exact({k: out[k] for k in host}, host)
+  assert stats.last_restore().bytes_by_source['storage'] == w.nbytes[0]
+  assert len(_chain_lines(caplog)) == 1

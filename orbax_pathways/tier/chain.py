@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Container, Protocol, Sequence
+from typing import Any, Container, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -192,11 +192,13 @@ class SourceChain:
                   'storage instead (first: %s)', self.where, len(self.problems), self.problems[0])
 
 
-def for_restore(cfg: store.TierConfig | None, item_dir: str) -> SourceChain | None:
+def for_restore(cfg: store.TierConfig | None, item_dir: str,
+                save_ids: Mapping[str, str] | None = None) -> SourceChain | None:
   """The chain for restoring ``item_dir`` on this host: this node's tier entries of the item
   whose save id storage's index records for their writer (the index this restore's front door
   just read, from ``meta_io``'s cache). None (storage only) when the tier is off or holds
-  nothing for it; one log line when it holds only unusable copies."""
+  nothing for it; one log line when it holds only unusable copies. A colocated worker, which
+  has no index, gets the committed ``save_ids`` (writer -> save id) from the controller."""
   if cfg is None or not os.path.isdir(cfg.local_dir):
     return None
   root, step_name, item = layout.split_item_dir(item_dir)
@@ -206,9 +208,9 @@ def for_restore(cfg: store.TierConfig | None, item_dir: str) -> SourceChain | No
   # The front door read the index moments ago in this restore: no second request for it. An
   # item without an index (schema 1, a save that never reached Orbax's finalize) records no
   # save ids: its tier copies are never used.
-  committed = meta_io.cached_index(item_dir)
-  save_ids = ({w.writer: getattr(w, 'save_id', '') for w in committed.writers}
-              if committed is not None else {})
+  if save_ids is None:
+    committed = meta_io.cached_index(item_dir)
+    save_ids = {w.writer: w.save_id for w in committed.writers} if committed is not None else {}
   usable, skipped = [], []
   for e in found:
     if e.manifest is None:

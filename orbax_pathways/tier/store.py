@@ -121,7 +121,8 @@ def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
   """Writes this writer's chunks of one item into the tier (the manifest last); returns the
   entry directory, or None when skipped (one warning per process and reason). ``leaves`` are
   ``values.SaveLeaf``s, ``plans`` their write plans, ``pieces`` this host's ``writer.Piece``s,
-  ``crcs`` the checksums the storage write computed (name -> origin -> crc32c)."""
+  ``crcs`` the checksums the storage write computed (name -> origin -> crc32c). A second call
+  for the same writer and save (the next device group of a colocated save) adds its arrays."""
   root, step_name, item_name = layout.split_item_dir(item_dir)
   path = layout.entry_dir(cfg.local_dir, root, step_name, item_name, writer, save_id)
   total = sum(int(np.asarray(p.data).nbytes) for ps in pieces for p in ps)
@@ -137,8 +138,10 @@ def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
     if not os.path.exists(root_file):
       with open(root_file, 'w', encoding='utf-8') as f:
         f.write(root + '\n')
-    arrays = []
-    for a, (leaf, plan, ps) in enumerate(zip(leaves, plans, pieces)):
+    # A colocated save writes one device group per call: later groups add to the entry.
+    arrays = list(_existing(path, save_id))
+    first = len(arrays)
+    for a, (leaf, plan, ps) in enumerate(zip(leaves, plans, pieces), start=first):
       stored = np.dtype(leaf.stored_dtype)
       origins, sums, sizes, files = [], [], [], []
       for c, (origin, chunk) in enumerate(_chunks(leaf.shape, plan.chunk_shape, stored, ps)):
@@ -169,6 +172,15 @@ def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
     _pending.setdefault((root, step_name), []).append((path, cfg))
   prune(cfg, root)
   return path
+
+
+def _existing(path: str, save_id: str) -> tuple[layout.TierArray, ...]:
+  try:
+    with open(os.path.join(path, layout.MANIFEST), 'rb') as f:
+      m = layout.decode(f.read())
+  except (OSError, ValueError):
+    return ()
+  return m.arrays if m.save_id == save_id else ()
 
 
 @dataclasses.dataclass(frozen=True)
