@@ -299,3 +299,17 @@ def test_colocated_workers_write_and_read_their_tier(tmp_path, caplog):
   _assert_exact({k: out[k] for k in host}, host)
   assert stats.last_restore().bytes_by_source['storage'] == w.nbytes[0]
   assert len(_chain_lines(caplog)) == 1
+
+
+def test_scalars_and_zero_size_arrays_restore_from_the_tier(tmp_path):
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier)
+  dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  host = {'s': np.float32(2.5), 'e': np.zeros((0, 3), np.float32), 'v': np.arange(5.0)}
+  state = {k: jax.device_put(v, dev) for k, v in host.items()}
+  with ocp.CheckpointManager(root) as m:
+    m.save(1, args=ocp.args.StandardSave(state))
+    m.wait_until_finished()
+    out = m.restore(1, args=ocp.args.StandardRestore(state))
+  _assert_exact(out, host)
+  assert stats.last_restore().bytes_by_source.get('storage') == 0

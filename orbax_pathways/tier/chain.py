@@ -174,7 +174,9 @@ class SourceChain:
       failed = []
       for i, chunk in plan.chunks:
         t0 = time.perf_counter()
-        ok = self._take(read, i, chunk, data[chunk.relative_to(region)])
+        # ``...`` keeps a 0-d region a view (``data[()]`` would be a scalar copy).
+        view = data[chunk.relative_to(region)] if data.ndim else data[...]
+        ok = self._take(read, i, chunk, view)
         if ok:
           self.add(self.sources[i].name, chunk.size * data.dtype.itemsize,
                    time.perf_counter() - t0)
