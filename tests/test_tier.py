@@ -313,3 +313,20 @@ def test_scalars_and_zero_size_arrays_restore_from_the_tier(tmp_path):
     out = m.restore(1, args=ocp.args.StandardRestore(state))
   _assert_exact(out, host)
   assert stats.last_restore().bytes_by_source.get('storage') == 0
+
+
+def test_v1_save_and_load_use_the_tier(tmp_path):
+  """``ocp.v1`` has no manager commit hook: the entry stays unmarked, and is used because the
+  committed index records its save id. Directories that are not step numbers are kept by age."""
+  tier = tmp_path / 'tier'
+  _install(tier, local_keep=1)
+  state, host = _state()
+  for name in ('a', 'b', 'c'):
+    ocp.v1.save(tmp_path / name, state)
+  assert sorted(e.step_name for e in _entries(tier, tmp_path)) == ['b', 'c']
+  out = ocp.v1.load(tmp_path / 'c', jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state))
+  _assert_exact(out, host)
+  st = stats.last_restore()
+  assert st.bytes_by_source.get('storage') == 0
+  assert st.bytes_by_source.get('local') == sum(v.nbytes for v in host.values())

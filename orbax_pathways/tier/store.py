@@ -296,10 +296,22 @@ def on_commit(root: Any, step: int) -> None:
       prune(cfg, root)
 
 
+def _mtime(path: str) -> float:
+  try:
+    return os.stat(path).st_mtime
+  except OSError:
+    return 0.0
+
+
 def prune(cfg: TierConfig, root: str) -> None:
-  """Drops the entries of ``root`` older than what ``layout.keep_steps`` keeps."""
+  """Drops the entries of ``root`` older than what ``layout.keep_steps`` keeps. Directories
+  whose name is no step number (``ocp.v1.save(path)`` saves into any directory) are kept by
+  age: the newest ``keep + 1`` of them."""
   found = entries(cfg.local_dir, root)
   kept = layout.keep_steps([(e.step, e.committed) for e in found if e.step is not None], cfg.keep)
+  named = sorted({e.step_name for e in found if e.step is None},
+                 key=lambda n: -max(_mtime(e.path) for e in found if e.step_name == n))
   for e in found:
-    if e.step is not None and e.step not in kept:
+    if (e.step is not None and e.step not in kept) or (
+        e.step is None and e.step_name not in named[:cfg.keep + 1]):
       _remove(e.path)
