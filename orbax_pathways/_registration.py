@@ -34,6 +34,7 @@ from orbax_pathways._compat import orbax_manager
 from orbax_pathways._compat import orbax_v1 as compat_v1
 from orbax_pathways.frontends import orbax_v1
 from orbax_pathways.storage import index as index_lib
+from orbax_pathways.tier import store as tier_store
 
 log = logging.getLogger('orbax_pathways')
 DISABLE_ENV = 'ORBAX_PATHWAYS_DISABLE'
@@ -95,10 +96,21 @@ def _install_manager_side() -> None:
   preemption.install()
   orbax_manager.set_hook('manager_init_check', _check_slices)
   orbax_manager.set_hook('before_save', lambda mngr, step: check_installed())
-  orbax_manager.set_hook('after_commit', _log_commit)
+  orbax_manager.set_hook('after_commit', _after_commit)
   orbax_manager.install_manager_hooks()
   # the _pathways index, written before commit; v1 partial saves' parts joined at finalize
   orbax_finalize.install(index_lib.merge_item, index_lib.merge_pending)
+
+
+def _after_commit(mngr, step: int, commit_s: float) -> None:
+  """Every process, once ``step`` committed: its node-local tier copy of the step becomes the
+  committed one (older copies dropped), then the commit's log line."""
+  try:
+    tier_store.on_commit(str(mngr.directory), step)
+  except Exception as e:  # pylint: disable=broad-except  # the tier never costs a save
+    log.warning('orbax_pathways: node-local tier after step %d committed: %s: %s', step,
+                type(e).__name__, e)
+  _log_commit(mngr, step, commit_s)
 
 
 def _log_commit(mngr, step: int, commit_s: float) -> None:

@@ -45,7 +45,9 @@ from orbax_pathways import stats as stats_lib
 from orbax_pathways import values
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways.storage import reader as reader_lib
+from orbax_pathways.tier import store as tier_store
 from orbax_pathways.transports import base as transports
+from orbax_pathways.transports import registry
 
 log = logging.getLogger('orbax_pathways')
 
@@ -193,6 +195,10 @@ class Engine:
   def transport_name(self) -> str:
     return runtime.choose_transport(requested=self.options.transport).value
 
+  def tier(self) -> tier_store.TierConfig | None:
+    """This node's tier as the options set it (None: off)."""
+    return tier_store.resolve(self.options.local_dir, self.options.local_keep)
+
   # ---- save ------------------------------------------------------------------------------------
 
   async def save(self, arrays: Sequence[jax.Array], leaves: Sequence[values.SaveLeaf],
@@ -200,7 +206,8 @@ class Engine:
                  ready: Callable[[], Awaitable[None]]) -> PendingSave:
     t0 = time.perf_counter()
     check_global(arrays, [leaf.name for leaf in leaves])
-    transport = transports.create(self.transport_name(), save=config)
+    config = dataclasses.replace(config, tier=self.tier())
+    transport = registry.create(self.transport_name(), save=config)
     reasons = transport.unsupported(leaves, item)
     if reasons and transport.fallback is not None:
       warnings.warn(
@@ -233,7 +240,8 @@ class Engine:
     t0 = time.perf_counter()
     with _trace('plan_read'):
       targets = [await self._target(leaf, item, records.get(leaf.name), context) for leaf in leaves]
-    transport = transports.create(self.transport_name(), read=config)
+    config = dataclasses.replace(config, tier=self.tier())
+    transport = registry.create(self.transport_name(), read=config)
     telemetry = compat.io_metrics_start('read')
     out, outcomes = await transport.read(targets, item)
     for t in targets:
@@ -249,13 +257,15 @@ class Engine:
         bytes_read={o.reader: o.bytes_read for o in outcomes},
         bytes_needed={o.reader: o.bytes_needed for o in outcomes if o.bytes_needed},
         chunks_verified=sum(o.chunks_verified for o in outcomes),
-        step=stats_lib.step_of(step_dir.rsplit('/', 1)[-1]), step_dir=step_dir)
+        step=stats_lib.step_of(step_dir.rsplit('/', 1)[-1]), step_dir=step_dir,
+        **stats_lib.by_source(outcomes))
     stats_lib.record_restore(st)
     compat.io_metrics_end('read', telemetry, sum(st.bytes_needed.values()) or sum(st.bytes_read.values()),
                           item.directory)
-    log.info('orbax_pathways: restored %d arrays, read %.1f MiB (%s, %s) in %.2f s, %d chunks '
-             'verified, from %s', len(out), sum(st.bytes_read.values()) / 2**20, st.transport,
-             ', '.join(sorted(st.bytes_read)), st.read_s, st.chunks_verified, item.directory)
+    log.info('orbax_pathways: restored %d arrays, read %.1f MiB (%s, %s; %s) in %.2f s, %d '
+             'chunks verified, from %s', len(out), sum(st.bytes_read.values()) / 2**20,
+             st.transport, ', '.join(sorted(st.bytes_read)), st.sources_text(), st.read_s,
+             st.chunks_verified, item.directory)
     return out
 
   async def read_to_host(self, names: Sequence[str], dtypes: Sequence[Any], item: values.Item, *,
@@ -288,7 +298,7 @@ class Engine:
     chunk_shape: tuple[int, ...] | None
     if record is not None:
       stored_shape, chunk_shape = tuple(record.shape), tuple(record.chunk_shape)
-      chunks = format_lib.chunk_index([record])
+      chunks = metadata.chunk_index([record])
       if dtype is None:
         dtype = np.dtype(record.dtype)
     else:  # A checkpoint without our metadata (stock Orbax): ask tensorstore for the layout.

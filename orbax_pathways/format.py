@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Sequence
 
 from orbax_pathways.plan import boxes as boxes_lib
-
-if TYPE_CHECKING:
-  from orbax_pathways import metadata
 
 # ---- Orbax's step directory ------------------------------------------------------------------
 
@@ -114,22 +111,6 @@ def param_chunk_key(param: str, origin: Sequence[int], chunk_shape: Sequence[int
                     zarr3: bool) -> str:
   """The chunk's key inside the item: its OCDBT key, or its file path below the item directory."""
   return f'{param}/{chunk_key(origin, chunk_shape, zarr3=zarr3)}'
-
-
-def chunk_index(
-    records: Iterable['metadata.ArrayRecord'],
-) -> Mapping[tuple[int, ...], 'metadata.ChunkRecord']:
-  """Origin -> chunk record for one array across writers (later duplicates must agree). The
-  record of an item's index holds a ``metadata.ChunkGrid``: its mapping view, which makes each
-  record when looked up (a restoring host pays for the chunks it reads, not for all)."""
-  records = list(records)
-  if len(records) == 1 and hasattr(records[0].chunks, 'mapping'):
-    return records[0].chunks.mapping()
-  out = {}
-  for r in records:
-    for c in r.chunks:
-      out[tuple(c.origin)] = c
-  return out
 
 
 # ---- Where Orbax's tensorstore specs put an array (tensorstore_utils.build_kvstore_tspec) ----

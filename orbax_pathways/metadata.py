@@ -29,7 +29,6 @@ import numpy as np
 
 from orbax_pathways import errors
 from orbax_pathways import format as format_lib
-from orbax_pathways.format import chunk_index  # noqa: F401  (re-exported: the one definition)
 
 SCHEMA_VERSION = 2
 DIRNAME = format_lib.PATHWAYS_DIR
@@ -138,7 +137,7 @@ class ChunkGrid(collections.abc.Sequence):
     return f'ChunkGrid(grid={self.grid}, chunks={len(self)})'
 
   def mapping(self) -> 'ChunkMap':
-    """This grid as the mapping origin -> ``ChunkRecord`` (``format.chunk_index``)."""
+    """This grid as the mapping origin -> ``ChunkRecord`` (``chunk_index``)."""
     return ChunkMap(self)
 
   @classmethod
@@ -198,6 +197,20 @@ class ChunkMap(collections.abc.Mapping):
     return f'ChunkMap({self.grid!r})'
 
 
+def chunk_index(records: Iterable[ArrayRecord]) -> Mapping[tuple[int, ...], ChunkRecord]:
+  """Origin -> chunk record for one array across writers (later duplicates must agree). The
+  record of an item's index holds a ``ChunkGrid``: its mapping view, which makes each record
+  when looked up (a restoring host pays for the chunks it reads, not for all)."""
+  records = list(records)
+  if len(records) == 1 and isinstance(records[0].chunks, ChunkGrid):
+    return records[0].chunks.mapping()
+  out = {}
+  for r in records:
+    for c in r.chunks:
+      out[tuple(c.origin)] = c
+  return out
+
+
 def _origin(c: ChunkRecord) -> tuple[int, ...]:
   return c.origin
 
@@ -236,6 +249,9 @@ class WriterRecord:
   library_version: str = ''
   stats: Mapping[str, int] = dataclasses.field(default_factory=dict)
   schema: int = SCHEMA_VERSION
+  # Identifies this writer's save of the step (random, per save): a node-local tier copy is
+  # used only when it carries the save id the committed step records (``tier/chain.py``).
+  save_id: str = ''
 
 
 def _sharding_to_obj(s: ShardingRecord | None) -> Any:
@@ -289,6 +305,7 @@ def encode(record: WriterRecord) -> bytes:
           'library_version': record.library_version,
           'stats': dict(record.stats),
           'arrays': arrays,
+          **({'save_id': record.save_id} if record.save_id else {}),
       },
       use_bin_type=True,
   )
@@ -341,6 +358,7 @@ def decode(data: bytes, *, path: str = '<bytes>') -> WriterRecord:
         library_version=o.get('library_version', ''),
         stats=o.get('stats', {}),
         schema=schema,
+        save_id=str(o.get('save_id') or ''),
     )
   except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
     raise MetadataError(
@@ -415,8 +433,10 @@ class WriterSummaries(collections.abc.Sequence):
       return tuple(self[j] for j in range(*i.indices(self._n)))
     c = self._c
     stats = {k: v[i] for k, v in c.get('stats', {}).items() if v[i] is not None}
+    save_ids = c.get('save_id') or ()
     return WriterRecord(writer=c['writer'][i], transport=c['transport'][i], arrays=(),
-                        library_version=c['library_version'][i], stats=stats, schema=self._schema)
+                        library_version=c['library_version'][i], stats=stats, schema=self._schema,
+                        save_id=str(save_ids[i] or '') if i < len(save_ids) else '')
 
   def transports(self) -> set[str]:
     return set(self._c['transport'])
@@ -539,6 +559,8 @@ def encode_index(item: ItemMetadata, *, library_version: str = '') -> bytes:
   writers = {'writer': [w.writer for w in ws], 'transport': [w.transport for w in ws],
              'library_version': [w.library_version for w in ws],
              'stats': {k: [w.stats.get(k) for w in ws] for k in keys}}
+  if any(w.save_id for w in ws):
+    writers['save_id'] = [w.save_id for w in ws]
   return msgpack.packb(
       {'schema': SCHEMA_VERSION, 'kind': 'index', 'library_version': library_version,
        'writers': writers, 'arrays': arrays},

@@ -32,7 +32,7 @@ _FALSE = ('0', 'false', 'no', 'n', 'off', 'f')
 class EnvVar:
   """One ``ORBAX_PATHWAYS_*`` variable: its type, default and accepted values."""
   name: str
-  kind: str  # 'bool' | 'int' | 'float' | 'choice'
+  kind: str  # 'bool' | 'int' | 'float' | 'choice' | 'str'
   default: Any
   doc: str
   choices: tuple[str, ...] = ()
@@ -45,6 +45,8 @@ class EnvVar:
       return f'a boolean: one of {list(_TRUE)} or {list(_FALSE)}, any case'
     if self.kind == 'choice':
       return f'one of {list(self.choices)}'
+    if self.kind == 'str':
+      return 'a directory path, or "off"'
     number = 'an integer' if self.kind == 'int' else 'a number'
     bound = '' if self.minimum is None else f' >= {self.minimum:g}'
     return f'{number}{bound}{" (" + self.unit + ")" if self.unit else ""}'
@@ -61,6 +63,8 @@ class EnvVar:
     if raw is None or not raw.strip():
       return self.default
     text = raw.strip()
+    if self.kind == 'str':
+      return text
     if self.kind == 'bool':
       low = text.lower()
       if low in _TRUE:
@@ -114,6 +118,11 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar('ORBAX_PATHWAYS_NUM_SLICES', 'int', None,
            'split devices into equal slices when they carry no slice_index', minimum=1,
            unset='take slices from the devices (slice_index, else one per process)'),
+    EnvVar('ORBAX_PATHWAYS_LOCAL_DIR', 'str', None,
+           'node-local tier directory (tmpfs), or "off"',
+           unset='use /dev/shm when it is a tmpfs'),
+    EnvVar('ORBAX_PATHWAYS_LOCAL_KEEP', 'int', 1, 'committed steps the node-local tier keeps',
+           minimum=1),
     EnvVar('ORBAX_PATHWAYS_SLOW', 'bool', False, 'test suite only: run slow tests'),
 )}
 
@@ -226,6 +235,18 @@ class Options:
     Lower it to fail fast when storage is down.
   num_slices: split devices into this many equal slices when devices carry no ``slice_index``
     (``ORBAX_PATHWAYS_NUM_SLICES``; tests and platforms that know their grouping).
+  local_dir: the node-local tier (``ORBAX_PATHWAYS_LOCAL_DIR``): a directory on node-local
+    memory (tmpfs) where every save also leaves, in its background part, a copy of the chunks
+    this host wrote (same bytes, same crc32c as on storage), which a restore of that committed
+    step reads before storage. None (default): ``/dev/shm/orbax-pathways-<uid>`` when /dev/shm
+    is a tmpfs with room for this host's share (64 MiB left over), else no tier; ``'off'``: no
+    tier. A tier that would not fit, or a read-only or full directory, is skipped with one
+    warning; it never fails or slows a save. A host keeps only the chunks it wrote (no extra
+    device-to-host copy, so ``save()`` blocking is unchanged); replicas it holds but another
+    host wrote are not kept. Not part of the checkpoint: storage stays the truth
+    (``docs/format.md``, "The node-local tier").
+  local_keep: committed steps the tier keeps per checkpoint directory (``ORBAX_PATHWAYS_LOCAL_KEEP``,
+    1); a step's copy is dropped once a newer step's copy is complete and that step committed.
   """
 
   max_chunk_bytes: int = 16 * MiB
@@ -240,6 +261,8 @@ class Options:
   gcs_grpc: bool = False
   storage_retries: int | None = None
   num_slices: int | None = None
+  local_dir: str | None = None
+  local_keep: int = 1
 
   def compress(self, dtype, requested: bool) -> bool:
     """Whether to zstd-compress an array of ``dtype`` when the checkpoint handler asks
@@ -274,6 +297,10 @@ class Options:
     _check_int('coalesce_bytes', self.coalesce_bytes, 0)
     _check_int('storage_retries', self.storage_retries, 0, optional=True)
     _check_int('num_slices', self.num_slices, 1, optional=True)
+    _check_int('local_keep', self.local_keep, 1)
+    if self.local_dir is not None and not isinstance(self.local_dir, str):
+      raise ValueError(f'Options.local_dir={self.local_dir!r}: use a directory path (str), '
+                       '"off", or None for the /dev/shm default.')
 
   @classmethod
   def from_env(cls, environ: Mapping[str, str] | None = None) -> 'Options':
@@ -292,4 +319,6 @@ class Options:
         gcs_grpc=get('ORBAX_PATHWAYS_GCS_GRPC'),
         num_slices=get('ORBAX_PATHWAYS_NUM_SLICES'),
         storage_retries=get('ORBAX_PATHWAYS_STORAGE_RETRIES'),
+        local_dir=get('ORBAX_PATHWAYS_LOCAL_DIR'),
+        local_keep=get('ORBAX_PATHWAYS_LOCAL_KEEP'),
     )

@@ -78,3 +78,31 @@ def test_layers_do_not_import_upwards(layer, forbidden):
     if bad:
       offenders[_rel(p)] = bad
   assert offenders == {}
+
+
+def _package_graph() -> dict[str, set[str]]:
+  """orbax_pathways module -> the orbax_pathways modules it imports (also inside functions and
+  under TYPE_CHECKING)."""
+  names = {_rel(p)[:-3].replace('/', '.').removesuffix('.__init__'): p for p in _modules()}
+  graph: dict[str, set[str]] = {}
+  for name, p in names.items():
+    deps = set()
+    for m in _imports(p):
+      if m.startswith('orbax_pathways.'):
+        short = m[len('orbax_pathways.'):]
+        while short and short not in names:
+          short = short.rpartition('.')[0]
+        if short and short != name:
+          deps.add(short)
+    graph[name] = deps
+  return graph
+
+
+@pytest.mark.parametrize('a,b', [('format', 'metadata'), ('transports.base', 'transports.local'),
+                                 ('transports.base', 'transports.colocated'),
+                                 ('transports.base', 'transports.persistence')])
+def test_no_import_circle(a, b):
+  """Issue 20's house-keeping: format <-> metadata (through chunk_index) and transports.base
+  <-> the concrete transports (through create) no longer import each other."""
+  graph = _package_graph()
+  assert not (b in graph[a] and a in graph[b]), (a, sorted(graph[a]), b, sorted(graph[b]))

@@ -11,6 +11,7 @@ Modules (each imports only those above it):
   verify   reads every chunk; checks crc32c from ``_pathways`` metadata, or decodes only.
   diff     compares two steps: structure, and values by recorded crc32c or by reading.
   du       bytes per step and per top-level key.
+  tier     a node's local tier: its steps, checked against the committed records.
   render   text and JSON output, progress bar.
   main     argparse and dispatch (``main(argv) -> exit code``).
 """

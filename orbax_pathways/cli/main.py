@@ -16,6 +16,9 @@ Commands (every one takes ``--json``; tables otherwise):
                              recorded crc32c, or read with --values; says what was compared.
   du DIR | DIR/STEP          bytes on disk per step; per top-level key: recorded chunk bytes
                              (basis "chunks", from our metadata) or dtype x shape ("logical").
+  tier [LOCAL_DIR]           the steps this node's tier holds (default: ORBAX_PATHWAYS_LOCAL_DIR,
+                             else /dev/shm), each checked against the committed step on storage:
+                             ok, stale, damaged or incomplete (exit 1 unless all ok).
 
 Exit codes: 0 ok; 1 verify found problems / diff found differences; 2 user error (bad path,
 missing step, no credentials: one line on stderr, no traceback; with --json also
@@ -35,6 +38,8 @@ JSON output (top-level keys; ``bytes`` are integers, times ISO-8601 UTC):
            values, values_by_crc32c, values_not_compared}}
   du      {path, bytes, steps: [{step, name, state, bytes, items: [{item, keys: [{key, bytes,
            basis}]}]}]}
+  tier    {local_dir, ok, entries: [{root, step, step_name, item, writer, save_id,
+           committed_marker, chunks, bytes, status, problems, path}]}
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from orbax_pathways.cli import du as du_lib
 from orbax_pathways.cli import paths
 from orbax_pathways.cli import render
 from orbax_pathways.cli import steps as steps_lib
+from orbax_pathways.cli import tier as tier_lib
 from orbax_pathways.cli import verify as verify_lib
 
 PROG = 'orbax-pathways'
@@ -121,6 +127,9 @@ def _parser() -> argparse.ArgumentParser:
                  help='read both and compare values (default: by recorded crc32c where present)')
   s = cmd('du', cmd_du, 'bytes per step and per top-level key')
   s.add_argument('path', help='checkpoint directory, or one step DIR/STEP')
+  s = cmd('tier', cmd_tier, 'list and verify the steps this node\'s local tier holds')
+  s.add_argument('local_dir', nargs='?', default=None,
+                 help='the tier directory (default: ORBAX_PATHWAYS_LOCAL_DIR, else /dev/shm)')
   return p
 
 
@@ -163,6 +172,18 @@ def cmd_diff(args, out: TextIO) -> int:
   obj = diff_lib.diff_steps(a, b, values=args.values)
   _emit(out, args, obj, render.diff_text(obj))
   return 0 if obj['identical'] else 1
+
+
+def cmd_tier(args, out: TextIO) -> int:
+  local_dir = args.local_dir or tier_lib.default_dir()
+  if local_dir is None:
+    raise paths.CliError('no node-local tier here: ORBAX_PATHWAYS_LOCAL_DIR is "off", or unset '
+                         'and /dev/shm is not a tmpfs; pass the tier directory')
+  if not os.path.isdir(local_dir):
+    raise paths.CliError(f'{local_dir}: no such tier directory')
+  obj = tier_lib.report(local_dir)
+  _emit(out, args, obj, tier_lib.text(obj))
+  return 0 if obj['ok'] else 1
 
 
 def cmd_du(args, out: TextIO) -> int:

@@ -90,7 +90,7 @@ class Leaf:
   @property
   def chunks(self) -> Mapping[tuple[int, ...], pw_metadata.ChunkRecord]:
     """Origin -> recorded chunk (empty without our metadata)."""
-    return fmt.chunk_index([self.record]) if self.record is not None else {}
+    return pw_metadata.chunk_index([self.record]) if self.record is not None else {}
 
   @property
   def chunk_nbytes(self) -> int | None:

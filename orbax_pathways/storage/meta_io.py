@@ -213,6 +213,13 @@ def _rebuilt(item_dir: Any, damage: metadata.DamagedIndexError) -> metadata.Item
               damage, len(records))
   return dataclasses.replace(metadata.merge(records), damaged_index=str(damage))
 
+def cached_index(item_dir: Any) -> metadata.ItemMetadata | None:
+  """The index ``read_index`` last returned for ``item_dir``, without any request (None if not
+  cached): for a caller inside the restore that just read it (the tier's source chain)."""
+  with _cache_lock:
+    cached = _cache.get(_cache_key(item_dir))
+  return cached[1] if cached is not None else None
+
 
 def read_item(item_dir: Any) -> metadata.ItemMetadata | None:
   """An item's metadata (its index; without one, its writer records merged), or None for an

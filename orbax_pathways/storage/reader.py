@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Mapping
+import time
+from typing import Any, Mapping
 
 import numpy as np
 import tensorstore as ts
@@ -38,8 +39,10 @@ class ArrayRead:
 
 @dataclasses.dataclass
 class ReadStats:
-  bytes_read: int = 0
+  bytes_read: int = 0  # from every source
   chunks_verified: int = 0
+  storage_bytes: int = 0  # of ``bytes_read``, from storage (the rest: the source chain's)
+  storage_s: float = 0.0  # seconds of storage reads, summed over concurrent reads
 
 
 def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
@@ -100,8 +103,10 @@ def open_error(name: str, path: str, e: BaseException) -> errors.RestoreError:
 
 
 async def read_array(read: ArrayRead, *, context: ts.Context, verify: bool,
-                     stats: ReadStats) -> dict[Box, np.ndarray]:
-  """Host buffers for every needed box of one array (each region read once)."""
+                     stats: ReadStats, chain: Any = None) -> dict[Box, np.ndarray]:
+  """Host buffers for every needed box of one array (each region read once). With a source
+  ``chain`` (``tier/chain.py``), the chunks it holds and that match their recorded checksums
+  come from it, the rest from storage."""
   try:
     t = await ts.open(ts.Spec(read.tspec), open=True, context=context)
   except Exception as e:
@@ -109,20 +114,28 @@ async def read_array(read: ArrayRead, *, context: ts.Context, verify: bool,
   loop = asyncio.get_running_loop()
 
   async def one(region: restore_plan.Region) -> list[tuple[Box, np.ndarray]]:
-    try:
-      data = aligned_empty(region.box.shape, t.dtype.numpy_dtype)
-      # Decode straight into our buffer (tensorstore's own read() result is not 64-byte aligned).
-      await ts.array(data, copy=False, write=True).write(t[region.box.to_slices()])
-    except Exception as e:
-      raise errors.RestoreError(
-          f'Reading array {read.name!r} region {list(region.box.start)}..'
-          f'{list(region.box.stop)} from {read.path} failed: {type(e).__name__}: {e}. '
-          'The step may be damaged or incomplete: run `orbax-pathways verify` on it.'
-      ) from e
+    data = aligned_empty(region.box.shape, t.dtype.numpy_dtype)
+    storage = [region.box] if chain is None else await chain.fill(read, region.box, data)
+    for box in storage:
+      part = data if box == region.box else aligned_empty(box.shape, t.dtype.numpy_dtype)
+      t0 = time.perf_counter()
+      try:
+        # Decode straight into our buffer (tensorstore's own read() result is not 64-byte aligned).
+        await ts.array(part, copy=False, write=True).write(t[box.to_slices()])
+      except Exception as e:
+        raise errors.RestoreError(
+            f'Reading array {read.name!r} region {list(box.start)}..'
+            f'{list(box.stop)} from {read.path} failed: {type(e).__name__}: {e}. '
+            'The step may be damaged or incomplete: run `orbax-pathways verify` on it.'
+        ) from e
+      stats.storage_s += time.perf_counter() - t0
+      stats.storage_bytes += part.nbytes
+      if part is not data:
+        data[box.relative_to(region.box)] = part
+      if verify:
+        checked = await loop.run_in_executor(None, verify_region, read, box, part)
+        stats.chunks_verified += checked  # Not `+= await`: that reads the counter before awaiting.
     stats.bytes_read += data.nbytes
-    if verify:
-      checked = await loop.run_in_executor(None, verify_region, read, region.box, data)
-      stats.chunks_verified += checked  # Not `+= await`: that reads the counter before awaiting.
     if read.target_dtype is not None and data.dtype != read.target_dtype:
       data = data.astype(read.target_dtype)
     out = []

@@ -1,7 +1,7 @@
 """The interface every transport implements, and how the engine picks one.
 
 A transport moves shard bytes between devices and storage for one save or one restore call. The
-engine (``orbax_pathways.engine``) creates one per call with ``create()`` and drives it; a
+engine (``orbax_pathways.engine``) creates one per call with ``registry.create()`` and drives it; a
 transport never sees Orbax objects or the front door that called the engine, only the typed
 values of ``orbax_pathways.values`` and the caller's ``jax.Array``s.
 
@@ -45,6 +45,7 @@ class SaveConfig:
   is_primary: bool  # this process writes the zarr metadata and the shardings (local transport)
   ocdbt_process_id: int | str | None  # Orbax's ocdbt.process_<id> suffix for this process
   context: Any = None  # Orbax's tensorstore context for this item (local transport only)
+  tier: Any = None  # tier.store.TierConfig: this node's tier (None: off); set by the engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,7 @@ class ReadConfig:
   verify: bool
   context: Any = None  # Orbax's tensorstore context (local transport only)
   max_inflight_bytes: int | None = None  # host bytes read before going to devices (None: all)
+  tier: Any = None  # tier.store.TierConfig: read this node's tier first (None: storage only)
 
 
 @dataclasses.dataclass
@@ -94,20 +96,3 @@ class Transport(Protocol):
   async def read(self, targets: Sequence[types.ReadTarget],
                  item: types.Item) -> tuple[list[jax.Array], list[types.ReadOutcome]]:
     ...
-
-
-NAMES = ('local', 'colocated', 'persistence')
-
-
-def create(name: str, *, save: SaveConfig | None = None, read: ReadConfig | None = None) -> Transport:
-  """A transport of kind ``name`` configured for one save (``save``) or restore (``read``)."""
-  if name == 'local':
-    from orbax_pathways.transports import local  # pylint: disable=g-import-not-at-top
-    return local.LocalTransport(save=save, read=read)
-  if name == 'colocated':
-    from orbax_pathways.transports import colocated  # pylint: disable=g-import-not-at-top
-    return colocated.ColocatedTransport(save=save, read=read)
-  if name == 'persistence':
-    from orbax_pathways.transports import persistence  # pylint: disable=g-import-not-at-top
-    return persistence.PersistenceTransport(save=save, read=read)
-  raise ValueError(f'Unknown transport {name!r}; valid transports: {list(NAMES)}.')

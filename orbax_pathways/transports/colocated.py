@@ -34,7 +34,7 @@ import collections
 import dataclasses
 import math
 import struct
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import jax
 import msgpack
@@ -51,6 +51,7 @@ from orbax_pathways.plan import save as save_plan
 from orbax_pathways.storage import meta_io
 from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.transports import base
+from orbax_pathways.tier import chain as tier_chain
 from orbax_pathways.transports import share
 
 NAME = 'colocated'
@@ -181,6 +182,8 @@ class WorkerSaveTask:
   plan: values.PlanSettings
   max_inflight_bytes: int
   crc_width: int
+  tier: Any = None  # tier.store.TierConfig: each worker host copies its chunks to its node's tier
+  save_id: str = ''  # this save's id (every worker's; the controller's index records it)
 
 
 def _creates(host: str, plan: save_plan.ArrayWritePlan, local_hosts: Sequence[str]) -> bool:
@@ -223,10 +226,14 @@ def make_worker_save(task: WorkerSaveTask) -> Callable[..., tuple[jax.Array, jax
     local_hosts = sorted({worker_key(s.device) for a in cpu_arrays for s in a.addressable_shards})
 
     async def one(host: str):
+      pieces = _host_pieces(host, cpu_arrays, plans)
       outcome, chunks = await share.write_pieces(
-          host, task.item, task.leaves, plans, _host_pieces(host, cpu_arrays, plans),
+          host, task.item, task.leaves, plans, pieces,
           creates=[_creates(host, p, local_hosts) for p in plans], process_id=host,
           max_inflight_bytes=task.max_inflight_bytes)
+      if task.tier is not None and task.save_id:  # this worker's node, from the same buffers
+        await asyncio.to_thread(share.write_tier, task.tier, task.item, host, task.save_id,
+                                task.leaves, plans, pieces, chunks)
       return int(host[1:]), outcome, _crc_row(host, plans, task.leaves, chunks)
 
     async def run():
@@ -297,6 +304,8 @@ class WorkerReadTask:
   targets: tuple[values.ReadTarget, ...]
   verify: bool
   per_device_hosts: bool
+  tier: Any = None  # tier.store.TierConfig: read the worker node's tier first
+  save_ids: Mapping[str, str] = dataclasses.field(default_factory=dict)  # committed, per writer
 
 
 def _needed_chunks(target: values.ReadTarget, box: Box) -> list[metadata.ChunkRecord]:
@@ -361,7 +370,7 @@ def make_worker_restore(task: WorkerReadTask) -> Callable[[jax.Array], tuple[jax
     # Readers: each local device in the simulation, else this worker as one host.
     readers = [[d] for d in local] if task.per_device_hosts else [local]
 
-    async def read(devs) -> tuple[list[dict[Box, np.ndarray]], Any]:
+    async def read(devs) -> tuple[list[dict[Box, np.ndarray]], Any, Any]:
       # Each distinct box is read on its own, with the checksums of the devices that need it:
       # a region merged across boxes could hold chunks no local device needs (and whose
       # checksums this worker was not sent).
@@ -375,11 +384,16 @@ def make_worker_restore(task: WorkerReadTask) -> Callable[[jax.Array], tuple[jax
           entries.append(i)
           targets.append(dataclasses.replace(t, chunks=chunks))
           boxes.append([box])
-      buffers, stats = await share.read_share(targets, boxes, item=task.item, verify=task.verify)
+      chain = (await asyncio.to_thread(tier_chain.for_restore, task.tier, task.item.directory,
+                                       task.save_ids) if task.tier is not None else None)
+      buffers, stats = await share.read_share(targets, boxes, item=task.item, verify=task.verify,
+                                              chain=chain)
+      if chain is not None:
+        chain.report()
       per_target: list[dict[Box, np.ndarray]] = [{} for _ in task.targets]
       for i, bufs in zip(entries, buffers):
         per_target[i].update(bufs)
-      return per_target, stats
+      return per_target, stats, chain
 
     async def run():
       return await _bounded([read(devs) for devs in readers], MAX_CONCURRENT_HOSTS)
@@ -388,12 +402,13 @@ def make_worker_restore(task: WorkerReadTask) -> Callable[[jax.Array], tuple[jax
     out = []
     for i, (t, m) in enumerate(zip(task.targets, mine)):
       arrays = []
-      for devs, (buffers, _) in zip(readers, done):
+      for devs, (buffers, _, _) in zip(readers, done):
         arrays += [jax.device_put(buffers[i][m[d]], d) for d in devs if d in m]
       out.append(jax.make_array_from_single_device_arrays(t.shape, t.sharding, arrays))
-    counts = {devs[0].id: np.asarray([st.bytes_read, st.chunks_verified], np.int64)
-              for devs, (_, st) in zip(readers, done) if devs}
-    return tuple(out) + (_rows_result(devices, counts, 2, np.int64),)
+    counts = {devs[0].id: np.asarray(
+        [st.bytes_read, st.chunks_verified + (chain.verified if chain else 0), st.storage_bytes],
+        np.int64) for devs, (_, st, chain) in zip(readers, done) if devs}
+    return tuple(out) + (_rows_result(devices, counts, 3, np.int64),)
 
   return worker_restore
 
@@ -429,11 +444,12 @@ class ColocatedTransport:
       cpu_arrays = [jax.device_put(a, cs) for a, cs in zip(arrays, cpu_shardings)]
       jax.block_until_ready(cpu_arrays)  # the snapshot: training may now donate its buffers
     calls = []
+    save_id = share.new_save_id()  # one per save: every worker's tier copy and the index carry it
     for g, idx in enumerate(_groups(cpu_shardings)):
       width = max(_chunks_per_host([plans[i] for i in idx]).values(), default=0) or 1
       task = WorkerSaveTask(
           g, item, tuple(dataclasses.replace(leaves[i], sharding=None) for i in idx),
-          cfg.plan, cfg.max_inflight_bytes, width)
+          cfg.plan, cfg.max_inflight_bytes, width, tier=cfg.tier, save_id=save_id)
       fn = _colocated().colocated_python(make_worker_save(task)).specialize(
           out_specs_fn=lambda *xs, w=width: (
               _rows_spec(_sorted_devices(x.sharding for x in xs), 2, np.int64),
@@ -441,10 +457,10 @@ class ColocatedTransport:
       calls.append((fn, idx, [cpu_arrays[i] for i in idx]))
     return base.Snapshot(
         layouts=[values.LeafLayout.of(leaf, plan) for leaf, plan in zip(leaves, plans)],
-        controller_tensor_bytes=0, state=(item, tuple(leaves), plans, calls))
+        controller_tensor_bytes=0, state=(item, tuple(leaves), plans, calls, save_id))
 
   async def write(self, snap: base.Snapshot) -> list[values.WriterOutcome]:
-    item, leaves, plans, calls = snap.state
+    item, leaves, plans, calls, save_id = snap.state
     outcomes: dict[str, list[int]] = {}
     records: list[metadata.ArrayRecord] = []
     with trace('write'):
@@ -471,7 +487,7 @@ class ColocatedTransport:
                                  {h: row for h, (_, row) in rows.items()})
     writers = tuple(
         metadata.WriterRecord(writer=w, transport=NAME, arrays=(), library_version=version.VERSION,
-                              stats={'written_bytes': b, 'chunks': c})
+                              stats={'written_bytes': b, 'chunks': c}, save_id=save_id)
         for w, (b, c) in sorted(outcomes.items()))
     with trace('index'):
       await asyncio.to_thread(meta_io.write_index, item.directory,
@@ -487,6 +503,8 @@ class ColocatedTransport:
     simulated = _simulated(accel)
     out: list[Any] = [None] * len(targets)
     outcomes: dict[str, list[int]] = {}
+    committed = meta_io.cached_index(item.directory) if cfg.tier is not None else None
+    save_ids = {w.writer: w.save_id for w in committed.writers} if committed is not None else {}
     for idx in _groups([t.sharding for t in targets]):
       full = [dataclasses.replace(targets[i], sharding=to_cpu_sharding(targets[i].sharding, cpus))
               for i in idx]
@@ -496,19 +514,23 @@ class ColocatedTransport:
       payload_row_bytes.append(int(rows.shape[1]))
       cpu_targets = tuple(dataclasses.replace(t, chunks={}) for t in full)
       fn = _colocated().colocated_python(
-          make_worker_restore(WorkerReadTask(item, cpu_targets, cfg.verify, simulated))).specialize(
+          make_worker_restore(WorkerReadTask(item, cpu_targets, cfg.verify, simulated,
+                                             tier=cfg.tier if save_ids else None,
+                                             save_ids=save_ids))).specialize(
               out_specs_fn=lambda p, ct=cpu_targets, gd=group_devices: tuple(
                   jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=t.sharding) for t in ct)
-              + (_rows_spec(gd, 2, np.int64),))
+              + (_rows_spec(gd, 3, np.int64),))
       with trace('read'):
         payload = jax.device_put(rows, _row_sharding(group_devices))
         *arrays, counts = await asyncio.to_thread(fn, payload)
       with trace('device_put'):
         for i, arr in zip(idx, arrays):
           out[i] = jax.device_put(arr, targets[i].sharding)
-      for d, (nbytes, chunks) in zip(group_devices, np.asarray(counts).tolist()):
+      for d, (nbytes, chunks, storage) in zip(group_devices, np.asarray(counts).tolist()):
         if nbytes or chunks:
-          acc = outcomes.setdefault(worker_key(d), [0, 0])
+          acc = outcomes.setdefault(worker_key(d), [0, 0, 0])
           acc[0] += int(nbytes)
           acc[1] += int(chunks)
-    return out, [values.ReadOutcome(w, b, c) for w, (b, c) in outcomes.items()]
+          acc[2] += int(storage)
+    return out, [values.ReadOutcome(w, b, c, bytes_by_source={'storage': st, 'local': b - st})
+                 for w, (b, c, st) in outcomes.items()]

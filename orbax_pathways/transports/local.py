@@ -9,6 +9,7 @@ on them.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -21,6 +22,7 @@ from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
 from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.transports import base
+from orbax_pathways.tier import chain as tier_chain
 from orbax_pathways.transports import share
 
 NAME = 'local'
@@ -191,7 +193,8 @@ class LocalTransport:
       outcome = await share.write_share(
           host, NAME, item, leaves, plans, pieces, creates=[cfg.is_primary] * len(leaves),
           process_id=cfg.ocdbt_process_id, with_sharding=cfg.is_primary,
-          max_inflight_bytes=cfg.max_inflight_bytes, context=cfg.context)
+          max_inflight_bytes=cfg.max_inflight_bytes, context=cfg.context, tier=cfg.tier,
+          save_id=share.new_save_id())
     return [outcome]
 
   async def read(self, targets: Sequence[values.ReadTarget],
@@ -210,17 +213,29 @@ class LocalTransport:
     sizes = [sum(b.size for b in set(bx.values())) * np.dtype(t.dtype).itemsize
              for t, bx in zip(targets, boxes)]
     out: list[Any] = [None] * len(targets)
-    bytes_read = chunks_verified = 0
+    bytes_read = chunks_verified = storage_bytes = 0
+    storage_s = 0.0
+    chain = (await asyncio.to_thread(tier_chain.for_restore, cfg.tier, item.directory)
+             if cfg.tier is not None else None)
     # Orbax's restore byte limit (restore_concurrent_gb): at most that many bytes of host
     # buffers between storage and the devices at once (one array above it goes alone).
     for idx in share.batches(sizes, cfg.max_inflight_bytes):
       with trace('read'):
         buffers, rstats = await share.read_share(
             [targets[i] for i in idx], [needed[i] for i in idx], item=item, verify=cfg.verify,
-            context=cfg.context)
+            context=cfg.context, chain=chain)
       with trace('device_put'):
         for i, arr in zip(idx, assemble([targets[i] for i in idx], [boxes[i] for i in idx], buffers)):
           out[i] = arr
       bytes_read += rstats.bytes_read
       chunks_verified += rstats.chunks_verified
-    return out, [values.ReadOutcome(host, bytes_read, chunks_verified, sum(sizes))]
+      storage_bytes += rstats.storage_bytes
+      storage_s += rstats.storage_s
+    by_source, seconds = {'storage': storage_bytes}, {'storage': storage_s}
+    if chain is not None:
+      chain.report()
+      chunks_verified += chain.verified
+      by_source.update(chain.bytes)
+      seconds.update(chain.seconds)
+    return out, [values.ReadOutcome(host, bytes_read, chunks_verified, sum(sizes),
+                                    bytes_by_source=by_source, seconds_by_source=seconds)]

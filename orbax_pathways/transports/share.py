@@ -11,6 +11,8 @@ host's devices need.
 from __future__ import annotations
 
 import asyncio
+import logging
+import uuid
 from typing import Any, Sequence
 
 import numpy as np
@@ -25,8 +27,16 @@ from orbax_pathways.plan import save as save_plan
 from orbax_pathways.storage import meta_io
 from orbax_pathways.storage import reader as reader_lib
 from orbax_pathways.storage import writer as writer_lib
+from orbax_pathways.tier import store as tier_store
 
 Box = boxes_lib.Box
+log = logging.getLogger('orbax_pathways')
+
+
+def new_save_id() -> str:
+  """A fresh id for one writer's save of one item: its record and the index carry it, and so
+  does the node-local tier copy of the same bytes (``tier/``)."""
+  return uuid.uuid4().hex[:16]
 
 
 def plan(sharding: Any, leaf: values.SaveLeaf, host_of: Any,
@@ -70,7 +80,7 @@ def array_writes(item: values.Item, leaves: Sequence[values.SaveLeaf],
 def writer_record(writer: str, transport: str, leaves: Sequence[values.SaveLeaf],
                   plans: Sequence[save_plan.ArrayWritePlan],
                   chunks: dict[str, list[metadata.ChunkRecord]], *, with_sharding: bool,
-                  outcome: values.WriterOutcome) -> metadata.WriterRecord:
+                  outcome: values.WriterOutcome, save_id: str = '') -> metadata.WriterRecord:
   """The ``_pathways/<writer>.msgpack`` content for what this writer wrote."""
   arrays = tuple(
       metadata.ArrayRecord(
@@ -80,7 +90,8 @@ def writer_record(writer: str, transport: str, leaves: Sequence[values.SaveLeaf]
       for leaf, plan in zip(leaves, plans))
   return metadata.WriterRecord(
       writer=writer, transport=transport, arrays=arrays, library_version=version.VERSION,
-      stats={'written_bytes': outcome.bytes_written, 'chunks': outcome.chunks_written})
+      stats={'written_bytes': outcome.bytes_written, 'chunks': outcome.chunks_written},
+      save_id=save_id)
 
 
 async def write_pieces(writer: str, item: values.Item, leaves: Sequence[values.SaveLeaf],
@@ -101,17 +112,35 @@ async def write_share(writer: str, transport: str, item: values.Item,
                       leaves: Sequence[values.SaveLeaf], plans: Sequence[save_plan.ArrayWritePlan],
                       pieces: Sequence[Sequence[writer_lib.Piece]], *, creates: Sequence[bool],
                       process_id: int | str | None, with_sharding: bool, max_inflight_bytes: int,
-                      context: Any = None) -> values.WriterOutcome:
+                      context: Any = None, tier: tier_store.TierConfig | None = None,
+                      save_id: str = '') -> values.WriterOutcome:
   """Writes this host's pieces and then its record (the record last: it lists what landed).
   The primary host merges every host's record into the item's index at commit
-  (``storage/index.py``)."""
+  (``storage/index.py``). With a ``tier``, then copies the same host buffers into this node's
+  tier under ``save_id`` (never failing the save)."""
   outcome, chunks = await write_pieces(writer, item, leaves, plans, pieces, creates=creates,
                                        process_id=process_id,
                                        max_inflight_bytes=max_inflight_bytes, context=context)
   record = writer_record(writer, transport, leaves, plans, chunks, with_sharding=with_sharding,
-                         outcome=outcome)
+                         outcome=outcome, save_id=save_id)
   await asyncio.to_thread(meta_io.write_record, item.directory, record)
+  if tier is not None and save_id:
+    await asyncio.to_thread(write_tier, tier, item, writer, save_id, leaves, plans, pieces, chunks)
   return outcome
+
+
+def write_tier(tier: tier_store.TierConfig, item: values.Item, writer: str, save_id: str,
+               leaves: Sequence[values.SaveLeaf], plans: Sequence[save_plan.ArrayWritePlan],
+               pieces: Sequence[Sequence[writer_lib.Piece]],
+               chunks: dict[str, list[metadata.ChunkRecord]]) -> None:
+  """This host's share into its node-local tier (background, after the storage write); a
+  failure is logged, never raised: the tier must not cost a save."""
+  try:
+    crcs = {name: {c.origin: c.crc32c for c in cs} for name, cs in chunks.items()}
+    tier_store.write_entry(tier, item.directory, writer, save_id, leaves, plans, pieces, crcs)
+  except Exception as e:  # pylint: disable=broad-except
+    log.warning('orbax_pathways: node-local tier copy of %s skipped: %s: %s', item.directory,
+                type(e).__name__, e)
 
 
 def write_chunks(plan: save_plan.ArrayWritePlan, write: save_plan.ShardWrite) -> list[Box]:
@@ -184,15 +213,17 @@ def place(target: values.ReadTarget, boxes: Sequence[Box],
 
 
 async def read_share(targets: Sequence[values.ReadTarget], boxes: Sequence[Sequence[Box]], *,
-                     item: values.Item, verify: bool,
-                     context: Any = None) -> tuple[list[dict[Box, np.ndarray]], reader_lib.ReadStats]:
+                     item: values.Item, verify: bool, context: Any = None,
+                     chain: Any = None) -> tuple[list[dict[Box, np.ndarray]], reader_lib.ReadStats]:
   """Reads and verifies what this host needs: for each target, host buffers of the target boxes
-  in ``boxes`` (each needed chunk read once)."""
+  in ``boxes`` (each needed chunk read once: from the source ``chain`` (``tier/chain.py``) where
+  it holds the chunk, else from storage)."""
   stats = reader_lib.ReadStats()
   ctx = context_for(item, context)
   reads = [array_read(t, bx) for t, bx in zip(targets, boxes)]
   buffers = await asyncio.gather(*(
-      reader_lib.read_array(r, context=ctx, verify=verify, stats=stats) for r in reads),
+      reader_lib.read_array(r, context=ctx, verify=verify, stats=stats, chain=chain)
+      for r in reads),
       return_exceptions=True)  # all settle before we raise: no callback outlives the loop
   for b in buffers:
     if isinstance(b, BaseException):

@@ -1,0 +1,15 @@
+"""The node-local tier: each host's copy of the chunks it wrote of a committed step, in node-local
+memory (a tmpfs directory, by default under ``/dev/shm``), read first on restore.
+
+Modules, each one job:
+
+- ``layout``: where an entry lives and what its manifest says (pure: names and msgpack).
+- ``store``: writes an entry in the background part of a save, marks it committed after the
+  step commits and drops older ones, lists entries (the CLI), resolves ``Options.local_dir``.
+- ``chain``: the per-chunk source chain of a restore (this node's tier -> [peers, phase 2] ->
+  storage), verified against the committed step's checksums from storage.
+
+The tier is not part of the checkpoint format (``docs/format.md``): storage stays the truth, a
+tier entry is used only when its save id is the one storage's index records for its writer.
+No jax here: the CLI lists and verifies tiers.
+"""

@@ -1,0 +1,230 @@
+"""The source chain of a restore: each needed chunk from this node's tier, else [a peer's tier:
+phase 2], else storage; every chunk checked against the committed step's checksums.
+
+Who calls what, on which host: the local transport's ``read`` (every process) builds the chain
+once per restore with ``for_restore`` and hands it to ``share.read_share``; the storage reader
+(``storage/reader.read_array``) calls ``fill`` once per chunk-aligned region, which plans with
+``plan/sources.assign`` (pure) and copies the chunks a source holds into the region's buffer;
+the reader reads the rest from storage and verifies it as before. ``report`` logs, once per
+restore, what was not usable.
+
+A source is anything with ``name``, ``held(read)`` (origins of the chunks it holds of one array)
+and ``read_chunk(read, chunk)`` (the chunk's bytes, or raises ``SourceError``). A chunk a
+source returns is used only if its crc32c and size equal the committed step's record (read from
+storage's index, never from the source); otherwise it falls back to the next source, and
+finally storage. Never chunks of two saves mixed: a tier entry joins the chain only when its
+save id is the one storage's index records for its writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import Any, Container, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from orbax_pathways import checksum
+from orbax_pathways.plan import boxes as boxes_lib
+from orbax_pathways.plan import sources as plan_sources
+from orbax_pathways.storage import meta_io
+from orbax_pathways.tier import layout
+from orbax_pathways.tier import store
+
+Box = boxes_lib.Box
+log = logging.getLogger('orbax_pathways')
+SOURCES = ('local', 'peer', 'storage')  # the names stats report, in chain order
+
+
+class SourceError(Exception):
+  """A source cannot provide a chunk it listed (missing or unreadable file, lost peer)."""
+
+
+class Source(Protocol):
+  name: str
+
+  def held(self, read: Any) -> Container[tuple[int, ...]]:
+    ...
+
+  def read_chunk(self, read: Any, chunk: Box) -> np.ndarray:
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+  path: str
+  dtype: str
+  shape: tuple[int, ...]
+  chunk_shape: tuple[int, ...]
+  files: dict[tuple[int, ...], str]
+
+
+class LocalSource:
+  """This node's tier entries of one committed item (every writer whose save id matches)."""
+
+  name = 'local'
+
+  def __init__(self, found: Sequence[store.Entry]):
+    self._arrays: dict[str, list[_Held]] = {}
+    for e in found:
+      assert e.manifest is not None
+      for a in e.manifest.arrays:
+        self._arrays.setdefault(a.name, []).append(
+            _Held(e.path, a.dtype, a.shape, a.chunk_shape, dict(zip(a.origins, a.files))))
+
+  def _matching(self, read: Any) -> list[_Held]:
+    return [h for h in self._arrays.get(read.name, ())
+            if read.chunk_shape is not None and h.chunk_shape == tuple(read.chunk_shape)
+            and h.shape == tuple(read.plan.global_shape)]
+
+  def held(self, read: Any) -> Container[tuple[int, ...]]:
+    out: set[tuple[int, ...]] = set()
+    for h in self._matching(read):
+      out.update(h.files)
+    return out
+
+  def read_chunk(self, read: Any, chunk: Box) -> np.ndarray:
+    for h in self._matching(read):
+      name = h.files.get(chunk.start)
+      if name is None:
+        continue
+      path = os.path.join(h.path, name)
+      try:
+        raw = np.fromfile(path, dtype=np.uint8)
+      except OSError as e:
+        raise SourceError(f'{path}: {e}') from e
+      dtype = np.dtype(layout_dtype(h.dtype))
+      if raw.nbytes != chunk.size * dtype.itemsize:
+        raise SourceError(f'{path}: {raw.nbytes} bytes, expected {chunk.size * dtype.itemsize}')
+      return raw.view(dtype).reshape(chunk.shape)
+    raise SourceError(f'no file for chunk {list(chunk.start)} of {read.name!r}')
+
+
+def layout_dtype(name: str) -> np.dtype:
+  import ml_dtypes  # pylint: disable=g-import-not-at-top,unused-import  (registers bfloat16 & co.)
+  return np.dtype(name)
+
+
+class SourceChain:
+  """The sources of one restore on one host, in order, and what each delivered."""
+
+  def __init__(self, sources: Sequence[Source], where: str):
+    self.sources = list(sources)
+    self.where = where
+    self.bytes: dict[str, int] = {}
+    self.seconds: dict[str, float] = {}
+    self.problems: list[str] = []
+    self.verified = 0  # chunks delivered by a source, each checked against its record
+    self._held: dict[tuple[str, int], Container[tuple[int, ...]]] = {}
+    self._lock = threading.Lock()  # regions are filled concurrently, in executor threads
+
+  def _held_by(self, read: Any, i: int) -> Container[tuple[int, ...]]:
+    key = (read.name, i)
+    if key not in self._held:
+      self._held[key] = self.sources[i].held(read)
+    return self._held[key]
+
+  def add(self, source: str, nbytes: int, seconds: float) -> None:
+    with self._lock:
+      self._add(source, nbytes, seconds)
+
+  def _add(self, source: str, nbytes: int, seconds: float) -> None:
+    self.verified += 1
+    self.bytes[source] = self.bytes.get(source, 0) + nbytes
+    self.seconds[source] = self.seconds.get(source, 0.0) + seconds
+
+  def _take(self, read: Any, i: int, chunk: Box, out: np.ndarray) -> bool:
+    """Copies the chunk from source ``i`` into ``out`` if it matches the committed record."""
+    record = read.chunks.get(chunk.start) if read.chunks else None
+    src = self.sources[i]
+    if record is None:
+      self.problems.append(f'{src.name}: {read.name!r} chunk {list(chunk.start)} has no '
+                           'committed checksum to check it against')
+      return False
+    try:
+      data = src.read_chunk(read, chunk)
+    except SourceError as e:
+      self.problems.append(f'{src.name}: {e}')
+      return False
+    found = checksum.of_array(data)
+    if data.nbytes != record.nbytes or found != record.crc32c:
+      self.problems.append(
+          f'{src.name}: {read.name!r} chunk {list(chunk.start)} is damaged (committed crc32c '
+          f'{record.crc32c:#010x}, {record.nbytes} bytes; found {found:#010x}, {data.nbytes})')
+      return False
+    out[...] = data
+    return True
+
+  async def fill(self, read: Any, region: Box, data: np.ndarray) -> list[Box]:
+    """Fills the chunks of ``region`` that a source holds (and whose bytes check out) into
+    ``data`` (the region's buffer); returns the boxes still to read from storage."""
+    if not self.sources or not read.chunks:
+      return [region]
+    held = [self._held_by(read, i) for i in range(len(self.sources))]
+    plan = plan_sources.assign(region, read.chunk_shape, read.plan.global_shape, held)
+    if not plan.chunks:
+      return [region]
+    loop = asyncio.get_running_loop()
+
+    def copy_all() -> list[Box]:
+      failed = []
+      for i, chunk in plan.chunks:
+        t0 = time.perf_counter()
+        # ``...`` keeps a 0-d region a view (``data[()]`` would be a scalar copy).
+        view = data[chunk.relative_to(region)] if data.ndim else data[...]
+        ok = self._take(read, i, chunk, view)
+        if ok:
+          self.add(self.sources[i].name, chunk.size * data.dtype.itemsize,
+                   time.perf_counter() - t0)
+        else:
+          failed.append(chunk)
+      return failed
+
+    failed = await loop.run_in_executor(None, copy_all)
+    return list(plan.storage) + failed
+
+  def report(self) -> None:
+    """One log line for this restore if any source fell back."""
+    if self.problems:
+      log.warning('orbax_pathways: node-local copy of %s: %d chunk(s) not usable, read from '
+                  'storage instead (first: %s)', self.where, len(self.problems), self.problems[0])
+
+
+def for_restore(cfg: store.TierConfig | None, item_dir: str,
+                save_ids: Mapping[str, str] | None = None) -> SourceChain | None:
+  """The chain for restoring ``item_dir`` on this host: this node's tier entries of the item
+  whose save id storage's index records for their writer (the index this restore's front door
+  just read, from ``meta_io``'s cache). None (storage only) when the tier is off or holds
+  nothing for it; one log line when it holds only unusable copies. A colocated worker, which
+  has no index, gets the committed ``save_ids`` (writer -> save id) from the controller."""
+  if cfg is None or not os.path.isdir(cfg.local_dir):
+    return None
+  root, step_name, item = layout.split_item_dir(item_dir)
+  found = store.entries(cfg.local_dir, root, step_name, item)
+  if not found:
+    return None
+  # The front door read the index moments ago in this restore: no second request for it. An
+  # item without an index (schema 1, a save that never reached Orbax's finalize) records no
+  # save ids: its tier copies are never used.
+  if save_ids is None:
+    committed = meta_io.cached_index(item_dir)
+    save_ids = {w.writer: w.save_id for w in committed.writers} if committed is not None else {}
+  usable, skipped = [], []
+  for e in found:
+    if e.manifest is None:
+      skipped.append(f'{e.path} ({e.error})')
+    elif not save_ids.get(e.writer) or save_ids[e.writer] != e.save_id:
+      skipped.append(f'{e.path} (stale: save {e.save_id}, the committed step records '
+                     f'{save_ids.get(e.writer) or "no save id"} for writer {e.writer})')
+    else:
+      usable.append(e)
+  if skipped:
+    log.info('orbax_pathways: node-local copy of %s not used: %s; reading storage for it',
+             item_dir, '; '.join(skipped[:3]) + (f' (+{len(skipped) - 3} more)' if len(skipped) > 3 else ''))
+  if not usable:
+    return None
+  return SourceChain([LocalSource(usable)], item_dir)

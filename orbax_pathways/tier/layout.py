@@ -1,0 +1,160 @@
+"""Where a tier entry lives and what its manifest holds: pure names and msgpack, no I/O.
+
+An entry is one writer's chunks of one item of one save::
+
+    <local_dir>/<root key>/<step name>/<item name>/<writer>.<save id>/
+        manifest.msgpack   written last (atomic rename): the entry is whole once it exists
+        COMMITTED          created after the step committed (the manager's after_commit hook)
+        <a>.<c>.bin        raw bytes of chunk c of array a (stored dtype, C order, clipped)
+
+``root key`` names the checkpoint directory (the manager's root, local path or gs://) by a
+readable tail and a hash, so two jobs or directories on one node never share entries; the step
+name is Orbax's (``12``, ``ckpt_12``); the save id is the one the writer's ``_pathways`` record
+and the item's index carry, so a re-save of the same step (or another job's save) is told apart.
+Several processes of one node write side by side (their writer names differ).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+from typing import Any, Sequence
+
+import msgpack
+
+from orbax_pathways import format as format_lib
+
+MANIFEST = 'manifest.msgpack'
+COMMITTED = 'COMMITTED'
+ROOT_FILE = 'root.txt'
+KIND = 'orbax-pathways-tier'
+SCHEMA = 1
+DEFAULT_SHM = '/dev/shm'
+
+
+def normalize_root(root: Any) -> str:
+  """The checkpoint directory as one string: gs:// kept, local paths absolute."""
+  text = os.fspath(root).rstrip('/')
+  if '://' in text:
+    return text
+  return os.path.abspath(text)
+
+
+def root_key(root: Any) -> str:
+  """A directory name for ``root``: its last two components (sanitized) and 16 hex of its hash."""
+  norm = normalize_root(root)
+  tail = '_'.join(norm.split('://', 1)[-1].strip('/').split('/')[-2:])
+  tail = re.sub(r'[^A-Za-z0-9_.-]', '_', tail)[-48:] or 'root'
+  return f'{tail}-{hashlib.sha256(norm.encode()).hexdigest()[:16]}'
+
+
+def split_item_dir(item_dir: Any) -> tuple[str, str, str]:
+  """(checkpoint root, final step name, final item name) of an item directory, during a save
+  (Orbax's temporary names) or after the commit."""
+  text = os.fspath(item_dir).rstrip('/')
+  step_dir, _, item = text.rpartition('/')
+  root, _, step = step_dir.rpartition('/')
+  return normalize_root(root or '.'), format_lib.final_name(step), format_lib.final_name(item)
+
+
+def item_dir_of(root: str, step_name: str, item_name: str) -> str:
+  return f'{root.rstrip("/")}/{step_name}/{item_name}'
+
+
+def entry_name(writer: str, save_id: str) -> str:
+  return f'{writer}.{save_id}'
+
+
+def parse_entry_name(name: str) -> tuple[str, str] | None:
+  writer, dot, save_id = name.rpartition('.')
+  return (writer, save_id) if dot and writer and save_id else None
+
+
+def entry_dir(local_dir: str, root: str, step_name: str, item_name: str, writer: str,
+              save_id: str) -> str:
+  return os.path.join(local_dir, root_key(root), step_name, item_name, entry_name(writer, save_id))
+
+
+def chunk_file(array_index: int, chunk_index: int) -> str:
+  return f'{array_index}.{chunk_index}.bin'
+
+
+@dataclasses.dataclass(frozen=True)
+class TierArray:
+  """One array of an entry: its stored layout and the chunks this writer wrote (file names
+  relative to the entry directory; ``crc32c`` as computed at save, informational: restore
+  checks storage's)."""
+
+  name: str
+  dtype: str
+  shape: tuple[int, ...]
+  chunk_shape: tuple[int, ...]
+  origins: tuple[tuple[int, ...], ...]
+  crc32c: tuple[int, ...]
+  nbytes: tuple[int, ...]
+  files: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+  root: str
+  step_name: str
+  item: str
+  writer: str
+  save_id: str
+  arrays: tuple[TierArray, ...]
+  library_version: str = ''
+
+  @property
+  def nbytes(self) -> int:
+    return sum(sum(a.nbytes) for a in self.arrays)
+
+  @property
+  def chunks(self) -> int:
+    return sum(len(a.origins) for a in self.arrays)
+
+
+def encode(m: Manifest) -> bytes:
+  return msgpack.packb({
+      'kind': KIND, 'schema': SCHEMA, 'root': m.root, 'step': m.step_name, 'item': m.item,
+      'writer': m.writer, 'save_id': m.save_id, 'library_version': m.library_version,
+      'arrays': {a.name: {'dtype': a.dtype, 'shape': list(a.shape),
+                          'chunk_shape': list(a.chunk_shape),
+                          'origins': [list(o) for o in a.origins], 'crc32c': list(a.crc32c),
+                          'nbytes': list(a.nbytes), 'files': list(a.files)}
+                 for a in m.arrays}}, use_bin_type=True)
+
+
+def decode(data: bytes) -> Manifest:
+  """Parses a manifest; ValueError (with what is wrong) if it is not one this version reads."""
+  try:
+    o = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    if o.get('kind') != KIND or int(o['schema']) > SCHEMA:
+      raise ValueError(f'kind {o.get("kind")!r}, schema {o.get("schema")!r}')
+    arrays = tuple(
+        TierArray(name=n, dtype=a['dtype'], shape=tuple(a['shape']),
+                  chunk_shape=tuple(a['chunk_shape']),
+                  origins=tuple(tuple(x) for x in a['origins']), crc32c=tuple(a['crc32c']),
+                  nbytes=tuple(a['nbytes']), files=tuple(a['files']))
+        for n, a in o['arrays'].items())
+    return Manifest(root=o['root'], step_name=o['step'], item=o['item'], writer=o['writer'],
+                    save_id=o['save_id'], arrays=arrays,
+                    library_version=o.get('library_version', ''))
+  except ValueError:
+    raise
+  except Exception as e:  # msgpack and malformed fields raise several unrelated types
+    raise ValueError(f'{type(e).__name__}: {e}') from e
+
+
+def keep_steps(steps: Sequence[tuple[int, bool]], keep: int) -> set[int]:
+  """Which step numbers of one checkpoint directory a node keeps, given each entry's (step,
+  committed): the newest ``keep`` committed steps, and every step newer than the newest
+  committed one (saves in flight; at most ``keep + 1`` of them, for front doors without a
+  commit hook that marks entries). Everything older is dropped, so a step's copy goes only once
+  a newer one is committed."""
+  committed = sorted({s for s, c in steps if c}, reverse=True)
+  newest = committed[0] if committed else -1
+  pending = sorted({s for s, _ in steps if s > newest}, reverse=True)
+  return set(committed[:keep]) | set(pending[:keep + 1])

@@ -1,0 +1,332 @@
+"""The node-local tier (issue 20, phase 1): each save leaves this host's chunks in a node-local
+directory; a restore of that committed step reads them first, checked against storage's
+checksums, and falls back to storage for anything missing, stale or damaged.
+
+Single-process cases here (real Orbax CheckpointManager, real tensorstore, real files); the
+multi-process ones (fewer devices, SIGKILL after commit) in ``test_tier_multiprocess.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import orbax_pathways
+from orbax_pathways.cli import main as cli
+from orbax_pathways import stats
+from orbax_pathways.plan import boxes as boxes_lib
+from orbax_pathways.plan import sources as plan_sources
+from orbax_pathways.storage import meta_io
+from orbax_pathways.tier import layout as tier_layout
+from orbax_pathways.tier import store as tier_store
+
+P = jax.sharding.PartitionSpec
+Box = boxes_lib.Box
+
+
+def _state(seed: int = 0):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('x', 'y'))
+  rng = np.random.default_rng(seed)
+  w = rng.standard_normal((256, 64)).astype(np.float32)
+  b = rng.integers(0, 1000, (32,)).astype(np.int32)
+  return {
+      'w': jax.device_put(w, jax.sharding.NamedSharding(mesh, P('x', 'y'))),
+      'b': jax.device_put(b, jax.sharding.NamedSharding(mesh, P())),
+  }, {'w': w, 'b': b}
+
+
+def _install(local_dir, **kw):
+  orbax_pathways.install(orbax_pathways.Options(local_dir=str(local_dir), **kw))
+
+
+def _save(root, steps, seed=0):
+  state, host = _state(seed)
+  with ocp.CheckpointManager(root) as m:
+    for s in steps:
+      m.save(s, args=ocp.args.StandardSave(state))
+    m.wait_until_finished()
+  return state, host
+
+
+def _restore(root, step, state):
+  with ocp.CheckpointManager(root) as m:
+    out = m.restore(step, args=ocp.args.StandardRestore(state))
+  return out, stats.last_restore()
+
+
+def _assert_exact(out, host):
+  for k, v in host.items():
+    np.testing.assert_array_equal(np.asarray(out[k]), v)
+
+
+def _entries(tier, root=None):
+  return tier_store.entries(str(tier), None if root is None else str(root))
+
+
+def _chain_lines(caplog):
+  return [r for r in caplog.records if 'node-local copy' in r.getMessage()]
+
+
+def test_same_topology_restore_reads_nothing_from_storage(tmp_path):
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier)
+  state, host = _save(root, [1])
+  out, st = _restore(root, 1, state)
+  _assert_exact(out, host)
+  total = sum(v.nbytes for v in host.values())
+  assert st.bytes_by_source.get('storage') == 0
+  assert st.bytes_by_source.get('local') == total
+  assert st.chunks_verified > 0
+  (e,) = _entries(tier, root)
+  assert e.committed and e.manifest is not None and e.manifest.nbytes == total
+  # The save id the tier entry carries is the one storage's committed index records.
+  item = meta_io.read_item(str(root / '1' / 'default'))
+  assert {w.writer: w.save_id for w in item.writers} == {'p0': e.save_id}
+
+
+def test_keeps_local_keep_steps_and_drops_older_after_commit(tmp_path):
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier, local_keep=2)
+  state, host = _save(root, [1, 2, 3])
+  assert sorted(e.step for e in _entries(tier, root)) == [2, 3]
+  assert all(e.committed for e in _entries(tier, root))
+  out, st = _restore(root, 2, state)
+  _assert_exact(out, host)
+  assert st.bytes_by_source.get('storage') == 0
+
+
+def test_flipped_byte_in_a_local_chunk_falls_back_to_storage(tmp_path, caplog):
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier)
+  state, host = _save(root, [1])
+  (e,) = _entries(tier, root)
+  w = next(a for a in e.manifest.arrays if a.name == 'w')
+  path = os.path.join(e.path, w.files[0])
+  with open(path, 'r+b') as f:
+    f.seek(5)
+    byte = f.read(1)
+    f.seek(5)
+    f.write(bytes([byte[0] ^ 0x10]))
+  caplog.set_level(logging.INFO, logger='orbax_pathways')
+  out, st = _restore(root, 1, state)
+  _assert_exact(out, host)
+  assert st.bytes_by_source['storage'] == w.nbytes[0]
+  assert st.bytes_by_source['local'] == sum(v.nbytes for v in host.values()) - w.nbytes[0]
+  lines = _chain_lines(caplog)
+  assert len(lines) == 1, [r.getMessage() for r in lines]
+  assert 'damaged' in lines[0].getMessage() and "'w'" in lines[0].getMessage()
+
+
+def test_missing_local_chunk_falls_back_to_storage(tmp_path, caplog):
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier)
+  state, host = _save(root, [1])
+  (e,) = _entries(tier, root)
+  w = next(a for a in e.manifest.arrays if a.name == 'w')
+  os.remove(os.path.join(e.path, w.files[-1]))
+  caplog.set_level(logging.INFO, logger='orbax_pathways')
+  out, st = _restore(root, 1, state)
+  _assert_exact(out, host)
+  assert st.bytes_by_source['storage'] == w.nbytes[-1]
+  assert len(_chain_lines(caplog)) == 1
+
+
+def test_another_save_of_the_same_step_is_stale(tmp_path, caplog):
+  """The tier holds step 1 of a first save; step 1 is deleted and saved again with other
+  values (the tier off meanwhile): the old copy must not be used."""
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier)
+  _save(root, [1], seed=0)
+  (old,) = _entries(tier, root)
+  shutil.rmtree(root / '1')
+  _install('off')
+  state, host = _save(root, [1], seed=1)
+  assert [e.path for e in _entries(tier, root)] == [old.path]  # 'off' wrote nothing
+  _install(tier)
+  caplog.set_level(logging.INFO, logger='orbax_pathways')
+  out, st = _restore(root, 1, state)
+  _assert_exact(out, host)
+  assert st.bytes_by_source.get('local', 0) == 0
+  assert st.bytes_by_source['storage'] == sum(v.nbytes for v in host.values())
+  lines = _chain_lines(caplog)
+  assert len(lines) == 1 and 'stale' in lines[0].getMessage(), [r.getMessage() for r in lines]
+
+
+def test_an_older_step_in_the_tier_is_not_used(tmp_path):
+  """A node lost during a save: its tier holds step 1, storage's newest is step 2."""
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier)
+  _save(root, [1], seed=0)
+  _install('off')
+  state, host = _save(root, [2], seed=1)
+  _install(tier)
+  assert [e.step for e in _entries(tier, root)] == [1]
+  out, st = _restore(root, 2, state)
+  _assert_exact(out, host)
+  assert st.bytes_by_source.get('local', 0) == 0
+
+
+def test_off_writes_nothing(tmp_path):
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  tier.mkdir()
+  _install('off')
+  state, host = _save(root, [1])
+  assert os.listdir(tier) == []
+  out, st = _restore(root, 1, state)
+  _assert_exact(out, host)
+  assert st.bytes_by_source == {'storage': sum(v.nbytes for v in host.values())}
+
+
+def test_unwritable_tier_directory_skips_with_one_warning(tmp_path, caplog):
+  blocker = tmp_path / 'a_file'
+  blocker.write_text('not a directory')
+  tier, root = blocker / 'tier', tmp_path / 'ckpt'
+  _install(tier)
+  caplog.set_level(logging.INFO, logger='orbax_pathways')
+  state, host = _save(root, [1, 2])
+  warnings = [r for r in caplog.records if 'node-local tier skipped' in r.getMessage()]
+  assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+  assert str(tier) in warnings[0].getMessage()
+  out, st = _restore(root, 2, state)
+  _assert_exact(out, host)
+  assert st.bytes_by_source == {'storage': sum(v.nbytes for v in host.values())}
+
+
+def _mount_tmpfs(path, *options):
+  path.mkdir()
+  r = subprocess.run(['mount', '-t', 'tmpfs', '-o', ','.join(('size=1m',) + options), 'tmpfs',
+                      str(path)], capture_output=True, check=False)
+  if r.returncode:
+    pytest.skip(f'cannot mount a tmpfs here (needs root): {r.stderr.decode().strip()}')
+
+
+@pytest.mark.parametrize('kind', ['full', 'read-only'])
+def test_full_or_read_only_tmpfs_skips_with_one_warning(tmp_path, caplog, kind):
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _mount_tmpfs(tier, *(('ro',) if kind == 'read-only' else ()))
+  try:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
+    big = np.arange(2 << 20, dtype=np.float32) if kind == 'full' else np.arange(8, dtype=np.float32)
+    state = {'big': jax.device_put(big, jax.sharding.NamedSharding(mesh, P('x')))}
+    _install(tier)
+    caplog.set_level(logging.INFO, logger='orbax_pathways')
+    with ocp.CheckpointManager(root) as m:
+      m.save(1, args=ocp.args.StandardSave(state))
+      m.save(2, args=ocp.args.StandardSave(state))
+      m.wait_until_finished()
+      out = m.restore(2, args=ocp.args.StandardRestore(state))
+    np.testing.assert_array_equal(np.asarray(out['big']), big)
+    warnings = [r for r in caplog.records if 'node-local tier skipped' in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert os.listdir(tier) == [] or kind == 'full' and not _entries(tier)
+  finally:
+    subprocess.run(['umount', str(tier)], check=False)
+
+
+def test_cli_tier_lists_and_verifies(tmp_path, capsys):
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier, local_keep=2)
+  _save(root, [1, 2])
+  assert cli.main(['tier', str(tier), '--json']) == 0
+  obj = json.loads(capsys.readouterr().out)
+  assert [(e['step'], e['item'], e['writer'], e['status']) for e in obj['entries']] == [
+      (1, 'default', 'p0', 'ok'), (2, 'default', 'p0', 'ok')]
+  assert obj['entries'][0]['root'] == str(root)
+  e = _entries(tier, root)[1]
+  with open(os.path.join(e.path, e.manifest.arrays[0].files[0]), 'r+b') as f:
+    f.write(b'\xff\xff')
+  assert cli.main(['tier', str(tier)]) == 1
+  text = capsys.readouterr().out
+  assert 'damaged' in text and str(root) in text
+
+
+def test_plan_sources_splits_a_region_chunk_by_chunk():
+  region = Box((0, 0), (8, 8))
+  held = [{(0, 0), (4, 4)}, {(0, 4), (0, 0)}]
+  plan = plan_sources.assign(region, (4, 4), (8, 8), held)
+  assert plan.chunks == ((0, Box((0, 0), (4, 4))), (1, Box((0, 4), (4, 8))),
+                         (0, Box((4, 4), (8, 8))))
+  assert plan.storage == (Box((4, 0), (8, 4)),)
+  assert plan_sources.assign(region, (4, 4), (8, 8), [set()]).storage == (region,)
+  assert plan_sources.assign(region, (4, 4), (8, 8), []).storage == (region,)
+
+
+def test_keep_steps_drops_only_what_a_newer_committed_step_replaces():
+  assert tier_layout.keep_steps([(1, True), (2, False)], 1) == {1, 2}
+  assert tier_layout.keep_steps([(1, True), (2, True)], 1) == {2}
+  assert tier_layout.keep_steps([(1, True), (2, True), (3, False)], 2) == {1, 2, 3}
+  assert tier_layout.keep_steps([(1, False), (2, False), (3, False)], 1) == {2, 3}
+
+
+def test_colocated_workers_write_and_read_their_tier(tmp_path, caplog):
+  """Under the colocated transport each worker host writes its own chunks to its node's tier
+  (in the CPU simulation: in-process, one node) and reads them back first."""
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier, transport='colocated')
+  state, host = _state()
+  state['key'] = jax.random.key(3)  # a second device set: a second colocated call per save
+  with ocp.CheckpointManager(root) as m:
+    m.save(1, args=ocp.args.StandardSave(state))
+    m.wait_until_finished()
+    written = stats.last_save().written_bytes
+    found = _entries(tier, root)
+    assert {e.writer for e in found} == set(written)
+    assert {e.writer: e.manifest.nbytes for e in found} == written
+    item = meta_io.read_item(str(root / '1' / 'default'))
+    assert {w.writer: w.save_id for w in item.writers} == {e.writer: e.save_id for e in found}
+    out = m.restore(1, args=ocp.args.StandardRestore(state))
+    st = stats.last_restore()
+    assert st.transport == 'colocated'
+    assert st.bytes_by_source.get('storage') == 0, st
+    # Every simulated worker shares the one node's tier: replicas another worker wrote too.
+    assert st.bytes_by_source.get('local') == sum(st.bytes_read.values())
+    _assert_exact({k: out[k] for k in host}, host)
+    # A flipped byte in a worker's local chunk: that chunk comes from storage, one log line.
+    e = next(e for e in found if any(a.name == 'w' for a in e.manifest.arrays))
+    w = next(a for a in e.manifest.arrays if a.name == 'w')  # sharded: one reader needs it
+    with open(os.path.join(e.path, w.files[0]), 'r+b') as f:
+      f.write(b'\x00\x01\x02\x03' if f.read(4) != b'\x00\x01\x02\x03' else b'\x09\x09\x09\x09')
+    caplog.set_level(logging.INFO, logger='orbax_pathways')
+    out = m.restore(1, args=ocp.args.StandardRestore(state))
+  _assert_exact({k: out[k] for k in host}, host)
+  assert stats.last_restore().bytes_by_source['storage'] == w.nbytes[0]
+  assert len(_chain_lines(caplog)) == 1
+
+
+def test_scalars_and_zero_size_arrays_restore_from_the_tier(tmp_path):
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier)
+  dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  host = {'s': np.float32(2.5), 'e': np.zeros((0, 3), np.float32), 'v': np.arange(5.0)}
+  state = {k: jax.device_put(v, dev) for k, v in host.items()}
+  with ocp.CheckpointManager(root) as m:
+    m.save(1, args=ocp.args.StandardSave(state))
+    m.wait_until_finished()
+    out = m.restore(1, args=ocp.args.StandardRestore(state))
+  _assert_exact(out, host)
+  assert stats.last_restore().bytes_by_source.get('storage') == 0
+
+
+def test_v1_save_and_load_use_the_tier(tmp_path):
+  """``ocp.v1`` has no manager commit hook: the entry stays unmarked, and is used because the
+  committed index records its save id. Directories that are not step numbers are kept by age."""
+  tier = tmp_path / 'tier'
+  _install(tier, local_keep=1)
+  state, host = _state()
+  for name in ('a', 'b', 'c'):
+    ocp.v1.save(tmp_path / name, state)
+  assert sorted(e.step_name for e in _entries(tier, tmp_path)) == ['b', 'c']
+  out = ocp.v1.load(tmp_path / 'c', jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state))
+  _assert_exact(out, host)
+  st = stats.last_restore()
+  assert st.bytes_by_source.get('storage') == 0
+  assert st.bytes_by_source.get('local') == sum(v.nbytes for v in host.values())
