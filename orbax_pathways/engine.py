@@ -145,7 +145,8 @@ class HostArray:
   tspec: dict
 
 
-def host_chunk_records(value: np.ndarray, chunk_shape: tuple[int, ...]) -> list[metadata.ChunkRecord]:
+def host_chunk_records(value: np.ndarray,
+                       chunk_shape: tuple[int, ...]) -> list[metadata.ChunkRecord]:
   """crc32c of every chunk of ``value`` (already in the stored dtype) on the grid
   ``chunk_shape``, clipped to the array, in C order of the grid."""
   out = []

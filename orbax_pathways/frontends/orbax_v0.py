@@ -378,6 +378,7 @@ class ProxyScalarHandler(compat.ScalarHandler, ProxyNumpyHandler):
   WRITER_KIND = 'scalar'
 
   def __init__(self, *, options: options_lib.Options | None = None, **kwargs):
-    compat.ScalarHandler.__init__(self, **kwargs)  # reaches ProxyNumpyHandler.__init__ through the MRO
+    # Orbax's ScalarHandler.__init__ reaches ProxyNumpyHandler.__init__ through the MRO.
+    compat.ScalarHandler.__init__(self, **kwargs)
     self.options = options or options_lib.Options.from_env()
     self.engine = engine_lib.Engine(self.options)
