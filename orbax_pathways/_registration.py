@@ -160,7 +160,7 @@ def _settings_of(current) -> dict:
 
 # Scalar leaf types that Orbax's ScalarHandler serves and ours replaces (one instance for all,
 # so one item's scalars make one record). ``bytes`` stays Orbax's: it has no numeric dtype.
-SCALAR_TYPES = (int, float, np.number)
+SCALAR_TYPES: tuple[type, ...] = (int, float, np.number)
 
 
 def _install_numpy(options) -> None:

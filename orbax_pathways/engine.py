@@ -164,7 +164,9 @@ async def write_host_array(a: HostArray, *, context: Any) -> metadata.ArrayRecor
   try:
     t = await ts.open(ts.Spec(a.tspec), create=True, open=True, context=context)
     await t.write(a.value, can_reference_source_data_indefinitely=True)
-    chunk_shape = tuple(int(c) for c in (t.chunk_layout.read_chunk.shape or a.value.shape))
+    grid = t.chunk_layout.read_chunk.shape  # tensorstore types each dimension Optional
+    chunk_shape = tuple(int(c) if c is not None else int(d)
+                        for c, d in zip(grid or a.value.shape, a.value.shape))
     stored = t.dtype.numpy_dtype
     data = a.value if np.dtype(a.value.dtype) == stored else await t.read()
   except Exception as e:

@@ -324,7 +324,7 @@ def _item_tasks(item: Item, report: Report) -> list[_Task]:
       continue
     why = _why_unrecorded(item, leaf)
     lost = why is None
-    if not lost:
+    if why is not None:
       report.unchecked.append(Unchecked(item.name, leaf.key, why))
     for origin in fmt.chunk_origins(leaf.shape, leaf.chunk_shape):
       if lost:
