@@ -17,6 +17,7 @@ import pytest
 
 import orbax_pathways
 from orbax_pathways import metadata as pw_metadata
+from orbax_pathways.storage import index as index_lib
 from orbax_pathways.storage import meta_io
 from support import ckpt
 from support import damage
@@ -189,4 +190,24 @@ def test_a_pytree_restore_without_target_verifies_jax_arrays(tmp_path):
   damage.flip_bit_in(_data_files(item), np.asarray(state['w'])[:8, :16].tobytes()[:32],
                      what='w bytes')
   with pytest.raises(orbax_pathways.ChecksumMismatchError, match="array 'w'"):
+    _restore(tmp_path)
+
+
+def test_host_leaves_that_were_never_recorded_restore_unchecked(tmp_path):
+  """Numpy and scalar leaves saved by Orbax's own handlers beside our arrays (Orbax v1's leaf
+  handlers, or an orbax-pathways version that did not record them): read as stock reads them;
+  the jax.Array leaf is still verified, and still required to have its record."""
+  state = _state()
+  item = _save(tmp_path, state)
+  for f in (item / pw_metadata.DIRNAME).glob('*.msgpack'):
+    if f.name.startswith(('numpy.', 'scalar.', 'index.')):
+      f.unlink()
+  index_lib.merge_item(item)  # the index of the arrays' records only
+  meta_io.clear_cache()
+  assert set(meta_io.read_item(item).arrays()) == {'w'}
+  out = _restore(tmp_path)
+  np.testing.assert_array_equal(out['loader'], state['loader'])
+  assert out['step'] == 7 and out['lr'] == 0.25
+  _drop_record(item, 'w')
+  with pytest.raises(orbax_pathways.errors.MissingChecksumError, match="Array 'w'"):
     _restore(tmp_path)

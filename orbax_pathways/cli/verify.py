@@ -21,7 +21,7 @@ Verdict (``Report.verdict``, the exit status of ``orbax-pathways verify``):
   ok         every value was checked against a recorded crc32c and matched (exit 0);
   unchecked  nothing is damaged as far as decoding can tell, but some values carry no checksum
              (``Report.unchecked``: stock Orbax items, arrays of the persistence transport,
-             string leaves, host leaves saved before orbax-pathways recorded them) (exit 3);
+             string leaves, host leaves saved by Orbax v1 or by an older orbax-pathways) (exit 3);
   failed     a problem (``Report.problems``): damage, a missing record, unreadable metadata
              (exit 1).
 """
@@ -348,8 +348,8 @@ def _why_unrecorded(item: Item, leaf: Leaf) -> str | None:
     return None
   if any(w.writer.startswith(HOST_WRITER_KINDS) for w in item.pathways.writers):
     return None
-  return (f'{leaf.value_type} leaf saved by Orbax\'s own handler (before orbax-pathways '
-          'recorded numpy and scalar leaves)')
+  return (f'{leaf.value_type} leaf saved by Orbax\'s own handler (Orbax v1, or an '
+          'orbax-pathways version that did not record numpy and scalar leaves)')
 
 
 def _missing_record(item: Item, leaf: Leaf, origin: tuple[int, ...]) -> Problem:

@@ -217,7 +217,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
     args = [as_array_restore_args(a) for a in args]
     if self._delegate(args):
       return await super().deserialize(infos, args)
-    records, written_by_us = await read_item_records(infos[0])
+    records, written_by_us, _ = await read_item_records(infos[0])
     shardings = await self._shardings(infos, args, records)
     leaves = []
     for info, arg, sharding in zip(infos, args, shardings):
@@ -265,9 +265,13 @@ def as_array_restore_args(arg: Any) -> Any:
 _reading: dict[tuple[int, str], asyncio.Future] = {}
 
 
-async def read_item_records(info: Any) -> tuple[dict, bool]:
+HOST_WRITER_KINDS = ('numpy', 'scalar')  # ProxyNumpyHandler / ProxyScalarHandler records
+
+
+async def read_item_records(info: Any) -> tuple[dict, bool, bool]:
   """(this item's ``_pathways`` records by array name, whether the item has ``_pathways``
-  metadata at all, i.e. orbax-pathways wrote it). (``{}``, False) for a stock checkpoint.
+  metadata at all, i.e. orbax-pathways wrote it, whether its host leaves were recorded, i.e. it
+  has a ``numpy.<id>`` or ``scalar.<id>`` record). (``{}``, False, False) for a stock checkpoint.
   Concurrent calls for one item (the handlers of one restore) share one read."""
   key = (id(asyncio.get_running_loop()), str(info.parent_dir))
   fut = _reading.get(key)
@@ -276,7 +280,10 @@ async def read_item_records(info: Any) -> tuple[dict, bool]:
     _reading[key] = fut
     fut.add_done_callback(lambda _: _reading.pop(key, None))
   item_md = await asyncio.shield(fut)
-  return (item_md.arrays(), True) if item_md else ({}, False)
+  if not item_md:
+    return {}, False, False
+  host = any(w.writer.split('.', 1)[0] in HOST_WRITER_KINDS for w in item_md.writers)
+  return item_md.arrays(), True, host
 
 
 async def read_records(info: Any) -> dict:
@@ -287,6 +294,7 @@ async def read_records(info: Any) -> dict:
 def host_writer_name(kind: str, names: Sequence[str]) -> str:
   """The writer name of one host-leaf handler call: ``<kind>.<crc32 of the leaf names>``, so two
   calls that save different leaves into one item (Orbax v1 partial saves) never share a file."""
+  assert kind in HOST_WRITER_KINDS, kind
   return f'{kind}.{zlib.crc32(chr(0).join(sorted(names)).encode()):08x}'
 
 
@@ -300,7 +308,9 @@ class ProxyNumpyHandler(compat.NumpyHandler):
   (or ``RestoreArgs.restore_type``) is ``np.ndarray`` here, also for arrays saved as
   ``jax.Array``. Arrays of items without ``_pathways`` (stock checkpoints) are read by Orbax's
   own code, unchecked; in an item with ``_pathways`` an array without a record raises
-  ``MissingChecksumError`` (unless verification is off).
+  ``MissingChecksumError`` (unless verification is off), except a numpy or scalar leaf of an
+  item whose host leaves were never recorded (saved by Orbax v1's own handlers, or by an older
+  orbax-pathways), which is read unchecked as stock reads it.
   """
 
   WRITER_KIND = 'numpy'
@@ -345,9 +355,17 @@ class ProxyNumpyHandler(compat.NumpyHandler):
   async def deserialize(self, infos: Sequence[Any], args: Sequence[Any] | None = None) -> list[Any]:
     args = list(args or [compat.RestoreArgs()] * len(infos))
     await asyncio.gather(*(info.await_path_creation() for info in infos))
-    records, written_by_us = await read_item_records(infos[0])
-    checked = written_by_us and self.options.verify_checksums
-    ours = [i for i, info in enumerate(infos) if info.name in records or checked]
+    records, written_by_us, host_recorded = await read_item_records(infos[0])
+    verify = self.options.verify_checksums
+
+    def must_have_record(info: Any) -> bool:
+      """In an item we wrote: a leaf saved as jax.Array, or any leaf once host leaves were
+      recorded (not by Orbax v1's own numpy and scalar handlers, nor by older versions)."""
+      saved_as = getattr(info, 'value_typestr', None)
+      return written_by_us and (host_recorded or saved_as in (None, compat.JAX_ARRAY_TYPESTR))
+
+    ours = [i for i, info in enumerate(infos)
+            if info.name in records or (verify and must_have_record(info))]
     out: list[Any] = [None] * len(infos)
     rest = [i for i in range(len(infos)) if i not in set(ours)]
     if rest:
