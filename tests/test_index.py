@@ -308,6 +308,7 @@ def test_cli_knows_checksumless_arrays_from_the_index(tmp_path):
 
   out = cli('verify', str(tmp_path / '0'), '--json')
   doc = json.loads(out.stdout)
-  assert out.returncode == 0, doc['problems']
+  assert out.returncode == 3 and doc['problems'] == [], doc['problems']  # intact, unchecked
+  assert doc['verdict'] == 'unchecked' and len(doc['unchecked']) == doc['arrays']
   assert doc['modes'] == {'default': 'decode'} and doc['chunks_checksummed'] == 0
   assert 'written by persistence (1 writer)' in cli('show', str(tmp_path), '--step', '0').stdout
