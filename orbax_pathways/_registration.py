@@ -42,7 +42,7 @@ DISABLE_ENV = 'ORBAX_PATHWAYS_DISABLE'
 _lock = threading.RLock()
 _previous = None  # the handler that was registered before install()
 _ours = None  # the handler install() registered
-_previous_numpy = None  # likewise for np.ndarray (ours only verifies restores of our arrays)
+_previous_numpy: dict | None = None  # likewise for np.ndarray and the scalar types, by type
 _warned: set[int] = set()
 _warned_env: set[str] = set()
 
@@ -171,16 +171,36 @@ def _settings_of(current) -> dict:
   return {'array_metadata_store': compat.array_metadata_store()}
 
 
+# Scalar leaf types that Orbax's ScalarHandler serves and ours replaces (one instance for all,
+# so one item's scalars make one record). ``bytes`` stays Orbax's: it has no numeric dtype.
+SCALAR_TYPES: tuple[type, ...] = (int, float, np.number)
+
+
 def _install_numpy(options) -> None:
-  """Our np.ndarray handler (verified restores of our arrays into numpy targets), with the
-  settings (``metadata_key``) of the one it replaces."""
+  """Our np.ndarray and scalar handlers (numpy and scalar leaves saved with checksums, verified
+  restores of our arrays into numpy targets), with the settings (``metadata_key``,
+  ``ocdbt_process_id``) of the ones they replace. A type whose registered handler is not
+  Orbax's (a user's own) is left alone."""
   global _previous_numpy
   current = compat.registered_handler(np.ndarray)
   if not isinstance(current, handler_lib.ProxyNumpyHandler):
-    _previous_numpy = current
-  kwargs = (compat.numpy_handler_constructor_kwargs(current)
-            if isinstance(current, compat.NumpyHandler) else {})
-  compat.register_handler(np.ndarray, handler_lib.ProxyNumpyHandler(options=options, **kwargs))
+    _previous_numpy = {np.ndarray: current}
+    for ty in SCALAR_TYPES:
+      _previous_numpy[ty] = compat.registered_handler(ty)
+  assert _previous_numpy is not None
+  previous = _previous_numpy[np.ndarray]
+  kwargs = (compat.numpy_handler_constructor_kwargs(previous)
+            if isinstance(previous, compat.NumpyHandler) else {})
+  if previous is None or type(previous) is compat.NumpyHandler or isinstance(
+      previous, handler_lib.ProxyNumpyHandler):
+    compat.register_handler(np.ndarray, handler_lib.ProxyNumpyHandler(options=options, **kwargs))
+  scalar_previous = [_previous_numpy[ty] for ty in SCALAR_TYPES]
+  first = next((h for h in scalar_previous if isinstance(h, compat.ScalarHandler)), None)
+  scalar = handler_lib.ProxyScalarHandler(
+      options=options, **(compat.numpy_handler_constructor_kwargs(first) if first else {}))
+  for ty, prev in zip(SCALAR_TYPES, scalar_previous):
+    if prev is None or type(prev) is compat.ScalarHandler:
+      compat.register_handler(ty, scalar)
 
 
 def _v1_handler(context, stock):
@@ -205,7 +225,9 @@ def uninstall() -> None:
     if _previous is not None:
       compat.register_array_handler(_previous)
     if _previous_numpy is not None:
-      compat.register_handler(np.ndarray, _previous_numpy)
+      for ty, handler in _previous_numpy.items():
+        if handler is not None:
+          compat.register_handler(ty, handler)
     log.info('orbax_pathways: uninstalled; jax.Array handled by %s again.', type(_previous).__name__)
     _previous, _ours = None, None
     _previous_numpy = None

@@ -22,6 +22,7 @@ Orbax's ``ParamInfo``/``SaveArgs``/``RestoreArgs`` and never imports a front doo
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import logging
@@ -35,6 +36,7 @@ import numpy as np
 import tensorstore as ts
 
 from orbax_pathways import _said
+from orbax_pathways import checksum
 from orbax_pathways import errors
 from orbax_pathways import format as format_lib
 from orbax_pathways import layout
@@ -43,7 +45,9 @@ from orbax_pathways import options as options_lib
 from orbax_pathways import runtime
 from orbax_pathways import stats as stats_lib
 from orbax_pathways import values
+from orbax_pathways import version
 from orbax_pathways._compat import orbax as compat
+from orbax_pathways.storage import meta_io
 from orbax_pathways.storage import reader as reader_lib
 from orbax_pathways.tier import store as tier_store
 from orbax_pathways.transports import base as transports
@@ -121,6 +125,61 @@ def record_array_sizes(arrays: Sequence[jax.Array]) -> None:
     jax.monitoring.record_scalar(
         '/jax/orbax/write/replicated_array_gb' if replicated else '/jax/orbax/write/sharded_array_gb',
         value=gb)
+
+
+def missing_record_error(name: str, path: str, item_directory: str) -> errors.MissingChecksumError:
+  """The error for an array with no checksum record in an item orbax-pathways wrote."""
+  return errors.MissingChecksumError(
+      f'Array {name!r} at {path} has no checksum record in {meta_io.index_path(item_directory)} '
+      f'or the writer records beside it, although orbax-pathways wrote this item (its '
+      f'{metadata.DIRNAME}/ exists): the record was lost (a writer\'s record file deleted, or an '
+      'index missing the key), so these bytes cannot be verified. Run `orbax-pathways verify` '
+      'on the step, or restore an earlier step; to read it unchecked at your own risk, restore '
+      'with ORBAX_PATHWAYS_VERIFY=0 (Options(verify_checksums=False)).')
+
+
+@dataclasses.dataclass(frozen=True)
+class HostArray:
+  """One host (numpy) leaf to write as Orbax writes it: ``tspec`` is Orbax's own write spec."""
+
+  name: str
+  value: np.ndarray
+  tspec: dict
+
+
+def host_chunk_records(value: np.ndarray,
+                       chunk_shape: tuple[int, ...]) -> list[metadata.ChunkRecord]:
+  """crc32c of every chunk of ``value`` (already in the stored dtype) on the grid
+  ``chunk_shape``, clipped to the array, in C order of the grid."""
+  out = []
+  for origin in format_lib.chunk_origins(value.shape, chunk_shape):
+    region = format_lib.chunk_region(origin, chunk_shape, value.shape)
+    sub = value[region.to_slices()]
+    out.append(metadata.ChunkRecord(tuple(origin), checksum.of_array(sub), sub.nbytes))
+  return out
+
+
+async def write_host_array(a: HostArray, *, context: Any) -> metadata.ArrayRecord:
+  """Writes one host leaf with Orbax's spec, then returns its record: the crc32c of each chunk
+  of the grid tensorstore created, in the stored dtype (a cast by ``SaveArgs.dtype`` is read
+  back, so the checksums are of what tensorstore stored)."""
+  try:
+    t = await ts.open(ts.Spec(a.tspec), create=True, open=True, context=context)
+    await t.write(a.value, can_reference_source_data_indefinitely=True)
+    grid = t.chunk_layout.read_chunk.shape  # tensorstore types each dimension Optional
+    chunk_shape = tuple(int(c) if c is not None else int(d)
+                        for c, d in zip(grid or a.value.shape, a.value.shape))
+    stored = t.dtype.numpy_dtype
+    data = a.value if np.dtype(a.value.dtype) == stored else await t.read()
+  except Exception as e:
+    raise errors.keeping_type(
+        errors.SaveError, e,
+        f'Writing array {a.name!r} failed: {type(e).__name__}: {e}. Earlier checkpoints are '
+        'untouched; this step will not be committed. Check the storage path, credentials and '
+        'free space, then save again.') from e
+  chunks = await asyncio.to_thread(host_chunk_records, np.asarray(data), chunk_shape)
+  return metadata.ArrayRecord(name=a.name, dtype=stored.name, shape=tuple(a.value.shape),
+                              chunk_shape=chunk_shape, chunks=tuple(chunks))
 
 
 @dataclasses.dataclass
@@ -229,17 +288,43 @@ class Engine:
     stats_lib.record_save(st)
     return PendingSave(transport, snap, st, item, ready)
 
+  async def save_host(self, writer: str, item: values.Item, arrays: Sequence[HostArray], *,
+                      context: Any) -> metadata.WriterRecord:
+    """Writes host (numpy, scalar) leaves exactly as Orbax's ``NumpyHandler`` does, then their
+    record ``_pathways/<writer>.msgpack`` (crc32c of every chunk), which the item's index merges
+    like any writer's. Runs in Orbax's background commit, on the one process that writes them
+    (process 0, as stock)."""
+    t0 = time.perf_counter()
+    records = await asyncio.gather(*(write_host_array(a, context=context) for a in arrays),
+                                   return_exceptions=True)  # all settle, then raise
+    for r in records:
+      if isinstance(r, BaseException):
+        raise r
+    done = [r for r in records if not isinstance(r, BaseException)]
+    written = sum(int(a.value.nbytes) for a in arrays)
+    record = metadata.WriterRecord(
+        writer=writer, transport='local', arrays=tuple(done), library_version=version.VERSION,
+        stats={'written_bytes': written, 'chunks': sum(len(r.chunks) for r in done)})
+    await asyncio.to_thread(meta_io.write_record, item.directory, record)
+    log.debug('orbax_pathways: wrote %d host arrays (%d bytes) with checksums in %.2f s to %s',
+              len(arrays), written, time.perf_counter() - t0, item.directory)
+    return record
+
   # ---- restore ---------------------------------------------------------------------------------
 
   async def restore(self, leaves: Sequence[RestoreLeaf], item: values.Item, *,
                     config: transports.ReadConfig,
                     records: dict[str, metadata.ArrayRecord],
+                    written_by_us: bool = False,
                     context: Any = None) -> list[jax.Array]:
     """``records`` are this item's ``_pathways`` records by array name (empty for a stock
-    checkpoint), read once by the front door."""
+    checkpoint), read once by the front door; ``written_by_us`` says the item has our metadata
+    (then an array without a record is an error while ``config.verify`` is on)."""
     t0 = time.perf_counter()
     with _trace('plan_read'):
-      targets = [await self._target(leaf, item, records.get(leaf.name), context) for leaf in leaves]
+      targets = [await self._target(leaf, item, records.get(leaf.name), context,
+                                    require_record=written_by_us and config.verify)
+                 for leaf in leaves]
     config = dataclasses.replace(config, tier=self.tier())
     transport = registry.create(self.transport_name(), read=config)
     telemetry = compat.io_metrics_start('read')
@@ -270,30 +355,40 @@ class Engine:
 
   async def read_to_host(self, names: Sequence[str], dtypes: Sequence[Any], item: values.Item, *,
                          records: dict[str, metadata.ArrayRecord], verify: bool,
+                         written_by_us: bool = False, record_stats: bool = True,
                          context: Any = None) -> list[np.ndarray]:
-    """Whole arrays as numpy on this host (restore targets that ask for ``np.ndarray``), read
-    and verified like any restore; no devices involved."""
+    """Whole arrays as numpy on this host (restore targets that ask for ``np.ndarray``,
+    ``np.ndarray`` and scalar leaves), read and verified like any restore; no devices involved.
+    An array without a record is read unchecked (stock Orbax wrote it) unless the item is
+    ``written_by_us`` and ``verify`` is on: then ``MissingChecksumError``. ``record_stats``:
+    publish a ``RestoreStats`` (transport 'host') for this read."""
     from orbax_pathways.plan import boxes as boxes_lib  # pylint: disable=g-import-not-at-top
     from orbax_pathways.transports import share  # pylint: disable=g-import-not-at-top
     t0 = time.perf_counter()
-    targets = [await self._target(RestoreLeaf(n, None, d, None), item, records.get(n), context)
+    targets = [await self._target(RestoreLeaf(n, None, d, None), item, records.get(n), context,
+                                  require_record=written_by_us and verify)
                for n, d in zip(names, dtypes)]
     boxes = [[boxes_lib.Box.full(t.shape)] for t in targets]
     buffers, rstats = await share.read_share(targets, boxes, item=item, verify=verify,
                                              context=context)
     step_dir = _step_dir(item.directory)
-    stats_lib.record_restore(stats_lib.RestoreStats(
-        transport='host', arrays=len(targets), read_s=time.perf_counter() - t0,
-        bytes_read={'host': rstats.bytes_read}, chunks_verified=rstats.chunks_verified,
-        step=stats_lib.step_of(step_dir.rsplit('/', 1)[-1]), step_dir=step_dir))
+    if record_stats:
+      stats_lib.record_restore(stats_lib.RestoreStats(
+          transport='host', arrays=len(targets), read_s=time.perf_counter() - t0,
+          bytes_read={'host': rstats.bytes_read}, chunks_verified=rstats.chunks_verified,
+          step=stats_lib.step_of(step_dir.rsplit('/', 1)[-1]), step_dir=step_dir))
     return [bufs[bx[0]] for bufs, bx in zip(buffers, boxes)]
 
   async def _target(self, leaf: RestoreLeaf, item: values.Item,
-                    record: metadata.ArrayRecord | None, context: Any) -> values.ReadTarget:
-    """Resolves one leaf against what is on storage."""
+                    record: metadata.ArrayRecord | None, context: Any, *,
+                    require_record: bool = False) -> values.ReadTarget:
+    """Resolves one leaf against what is on storage. ``require_record``: the item was written
+    by orbax-pathways and verification is on, so a leaf without a record cannot be verified."""
     tspec = compat.build_read_spec(item, leaf.name,
                                    raise_array_data_missing_error=item.raise_array_data_missing_error)
     path = item.path_of(leaf.name)
+    if record is None and require_record:
+      raise missing_record_error(leaf.name, path, item.directory)
     dtype = leaf.dtype
     chunk_shape: tuple[int, ...] | None
     if record is not None:

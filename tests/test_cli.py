@@ -36,6 +36,7 @@ from orbax_pathways.cli import steps as cli_steps
 from orbax_pathways.cli import main as cli_main
 from orbax_pathways.storage import meta_io
 from support import ckpt
+from support import damage
 from support import golden
 from support.arrays import mesh as make_mesh
 from support.arrays import put
@@ -360,17 +361,48 @@ def test_json_fatal_errors_print_a_json_error(built, tmp_path):
 
 
 def test_verify_clean_stock_and_ours(built):
+  # Stock Orbax: intact, but nothing could be checked by checksum: not "OK", exit 3.
   code, doc = run_json('verify', built['stock'] / '1')
-  assert code == 0 and doc['ok'] and doc['modes'] == {'default': 'decode'}
-  for key in ('path', 'step', 'state', 'ok', 'modes', 'arrays', 'chunks', 'chunks_checksummed',
-              'bytes_read', 'seconds', 'problems'):
+  assert code == 3 and not doc['ok'] and doc['verdict'] == 'unchecked'
+  assert doc['modes'] == {'default': 'decode'} and doc['problems'] == []
+  for key in ('path', 'step', 'state', 'ok', 'verdict', 'modes', 'arrays', 'chunks',
+              'chunks_checksummed', 'bytes_read', 'seconds', 'problems', 'unchecked'):
     assert key in doc
   assert doc['arrays'] == 4 and doc['bytes_read'] == 256 * 128 * 4 + 128 * 2 + 64 * 64 * 4 + 8
+  assert sorted(u['key'] for u in doc['unchecked']) == [
+      'opt.mu', 'params.dense.bias', KERNEL, 'step']
+  assert {u['reason'] for u in doc['unchecked']} == {
+      'no orbax-pathways checksums (written by stock Orbax)'}
+  code, out, _ = run('verify', built['stock'] / '1')
+  assert code == 3 and out.splitlines()[-1].startswith(
+      'UNCHECKED: no damage found, but 4 values without a checksum (decoded only); 4 arrays')
+  assert f'unchecked      default {KERNEL}: no orbax-pathways checksums' in out
+  # Ours (records written by the fixture for the arrays only): the Python int 'step' has no
+  # checksum, as when Orbax's own handler saved it; the verdict says so.
   code, doc = run_json('verify', built['ours'] / '1')
-  assert code == 0 and doc['modes'] == {'default': 'checksum'}, doc['problems']
+  assert code == 3 and doc['modes'] == {'default': 'checksum'} and doc['problems'] == []
+  assert not doc['ok'] and doc['verdict'] == 'unchecked'
   assert doc['chunks_checksummed'] == doc['chunks'] - 1  # all but the scalar 'step'
+  assert doc['unchecked'] == [{'item': 'default', 'key': 'step', 'reason': (
+      "scalar leaf saved by Orbax's own handler (Orbax v1, or an orbax-pathways version that "
+      'did not record numpy and scalar leaves)')}]
+  code, out, _ = run('verify', built['ours'] / '1')
+  assert out.splitlines()[-1].startswith('UNCHECKED: no damage found, but 1 value without')
   code, doc = run_json('verify', built['plain_ours'] / '1')
-  assert code == 0 and doc['chunks_checksummed'] > 0, doc['problems']
+  assert code == 3 and doc['chunks_checksummed'] == doc['chunks'] - 1, doc['problems']
+
+
+def test_verify_a_host_leaf_record_lost_beside_other_host_records_is_a_problem(saved, tmp_path):
+  """Host leaves recorded (a numpy record exists) but one scalar's record is gone: restore
+  raises MissingChecksumError, so verify fails it too."""
+  step = _copy(saved['host'] / '1', tmp_path / '1')
+  assert run_json('verify', step)[0] == 0
+  pw = step / 'default' / pw_metadata.DIRNAME
+  (pw / 'index.msgpack').unlink()
+  (scalar,) = pw.glob('scalar.*.msgpack')
+  scalar.unlink()
+  code, doc = run_json('verify', step)
+  assert code == 1 and _kinds(doc) == {'missing_record'} and _bad_arrays(doc) == {'count', 'lr'}
 
 
 def test_verify_manager_written(built):
@@ -469,7 +501,7 @@ def test_verify_partial_step_fails(built, tmp_path):
 
 def test_verify_progress_bar(built):
   code, _, err = run('verify', built['ours'] / '1', '--progress')
-  assert code == 0 and 'verify [' in err and '/s' in err and 'chunks' in err
+  assert code == 3 and 'verify [' in err and '/s' in err and 'chunks' in err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -562,8 +594,8 @@ def test_subprocess_and_gcs_without_credentials(built):
   assert 'credentials' in proc.stderr and 'Traceback' not in proc.stderr
   assert proc.stderr.strip().splitlines()[-1].startswith('orbax-pathways: error:')
   proc = run_subprocess('verify', built['ours'] / '1', '--json', env=_hermetic_env())
-  assert proc.returncode == 0, proc.stderr
-  assert json.loads(proc.stdout)['ok']
+  assert proc.returncode == 3, proc.stderr  # intact; the scalar 'step' has no checksum
+  assert json.loads(proc.stdout)['problems'] == []
 
 
 def test_cli_never_initializes_a_backend(built):
@@ -571,7 +603,7 @@ def test_cli_never_initializes_a_backend(built):
       'import sys\n'
       'from orbax_pathways.cli import main\n'
       f'assert main.main(["show", {str(built["ours"] / "1")!r}, "--json"]) == 0\n'
-      f'assert main.main(["verify", {str(built["ours"] / "1")!r}]) == 0\n'
+      f'assert main.main(["verify", {str(built["ours"] / "1")!r}]) == 3\n'
       'xb = sys.modules.get("jax._src.xla_bridge")\n'
       'assert xb is None or not xb.backends_are_initialized(), "a jax backend was initialized"\n'
   )
@@ -647,8 +679,9 @@ def test_golden(variant):
     if gl.kind == 'jax':
       assert got['sharding']['mesh_shape'] == list(golden.MESH_SHAPE)
       assert tuple(got['sharding']['spec']) == tuple(gl.spec) or gl.spec == ()
-  code, doc = run_json('verify', golden.step_dir(variant))
-  assert code == 0 and doc['ok'] and doc['arrays'] == len(golden.LEAVES), doc['problems']
+  code, doc = run_json('verify', golden.step_dir(variant))  # stock: decoded, not checksummed
+  assert code == 3 and doc['verdict'] == 'unchecked' and doc['problems'] == []
+  assert doc['arrays'] == len(golden.LEAVES) == len(doc['unchecked'])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -683,9 +716,10 @@ def test_gcs_ls_show_verify(built, fake_gcs):
   item = json.loads(proc.stdout)['items'][0]
   assert item['transports'] == ['test-fixture'] and item['ocdbt']
   proc = run_subprocess('verify', f'{root}/1', '--json', env=env)
-  assert proc.returncode == 0, proc.stderr
+  assert proc.returncode == 3, proc.stderr  # the scalar 'step' has no checksum
   report = json.loads(proc.stdout)
-  assert report['ok'] and report['chunks_checksummed'] > 0
+  assert report['problems'] == [] and report['chunks_checksummed'] > 0
+  assert [u['key'] for u in report['unchecked']] == ['step']
 
 
 # ----------------------------------------------------------------------------------------------
@@ -702,6 +736,14 @@ def _train_state(mesh: Mesh, step: int):
   return {'params': {'kernel': put(kernel, mesh, 'data', 'model'),
                      'bias': put(np.ones(128, np.float32), mesh)},
           'step': put(np.int32(step), mesh)}
+
+
+def _host_state(mesh: Mesh):
+  """A state after ``jax.device_get`` of part of it: numpy and scalar leaves beside an array."""
+  return {'params': {'kernel': put(np.arange(64 * 64, dtype=np.float32).reshape(64, 64), mesh,
+                                   'data', 'model')},
+          'loader': np.linspace(0, 1, 64 * 64, dtype=np.float32).reshape(64, 64),
+          'count': 5, 'lr': 0.125}
 
 
 @pytest.fixture(scope='module')
@@ -723,10 +765,15 @@ def saved(tmp_path_factory) -> dict[str, pathlib.Path]:
       mngr.wait_until_finished()
   with ckpt.options(transport='colocated'):
     ckpt.save(base / 'colocated', _train_state(mesh, 1), step=1)
-  for step in (base / 'train' / '10', base / 'two_items' / '1', base / 'colocated' / '1'):
+  with ocp.CheckpointManager(base / 'host', item_handlers=ocp.PyTreeCheckpointHandler(
+      use_compression=False)) as mngr:  # uncompressed: a flipped byte still decodes
+    mngr.save(1, args=ocp.args.PyTreeSave(_host_state(mesh)))
+    mngr.wait_until_finished()
+  for step in (base / 'train' / '10', base / 'two_items' / '1', base / 'colocated' / '1',
+               base / 'host' / '1'):
     assert list(step.glob('*/' + pw_metadata.DIRNAME)), f'{step}: the library wrote no records'
   return {'train': base / 'train', 'two_items': base / 'two_items',
-          'colocated': base / 'colocated'}
+          'colocated': base / 'colocated', 'host': base / 'host'}
 
 
 def test_verify_fails_when_pathways_dir_deleted_and_a_sibling_item_has_records(saved, tmp_path):
@@ -760,7 +807,8 @@ def test_verify_stock_looking_step_without_records_passes(saved, tmp_path):
   step = _copy(saved['train'] / '10', tmp_path / '10')
   shutil.rmtree(step / 'default' / pw_metadata.DIRNAME)
   code, doc = run_json('verify', step)
-  assert code == 0 and doc['modes'] == {'default': 'decode'}
+  assert code == 3 and doc['modes'] == {'default': 'decode'} and doc['verdict'] == 'unchecked'
+  assert doc['problems'] == [] and len(doc['unchecked']) == doc['arrays']
 
 
 def _rewrite_records(item: pathlib.Path, keep) -> None:
@@ -809,8 +857,11 @@ def test_verify_persistence_records_without_checksums_decode(built, tmp_path):
     rec = pw_metadata.decode(f.read_bytes())
     f.write_bytes(pw_metadata.encode(dataclasses.replace(rec, transport='persistence')))
   code, doc = run_json('verify', step)
-  assert code == 0, doc['problems']
+  assert code == 3 and doc['problems'] == [], doc['problems']
   assert doc['modes'] == {'default': 'decode'} and doc['chunks_checksummed'] == 0
+  assert {u['key'] for u in doc['unchecked']
+          if u['reason'] == 'written by the persistence transport, which records no checksums'
+          } == {KERNEL, 'params.dense.bias', 'opt.mu'}
 
 
 def test_du_and_show_accept_an_uncommitted_step(built, tmp_path):
@@ -912,3 +963,70 @@ def test_diff_without_checksums_says_values_were_not_compared(built):
   assert out.splitlines()[-1] == 'no differences found; values of 4 leaves not compared'
   _, doc = run_json('diff', built['stock'] / '1', built['ours'] / '1')
   assert doc['identical'] and len(doc['compared']['values_not_compared']) == 4
+
+
+# ----------------------------------------------------------------------------------------------
+# Host leaves, a damaged index, steps on different chunk grids.
+
+
+def test_verify_checks_numpy_and_scalar_leaves(saved, tmp_path):
+  step = _copy(saved['host'] / '1', tmp_path / '1')
+  code, doc = run_json('verify', step)
+  assert code == 0 and doc['verdict'] == 'ok', doc
+  assert doc['arrays'] == 4 and doc['chunks_checksummed'] == doc['chunks']
+  loader = _host_state(_mesh())['loader']
+  data = [p for p in (step / 'default').rglob('*') if p.is_file() and p.parent.name == 'd']
+  damage.flip_bit_in(data, loader.tobytes()[:64], what='loader bytes')
+  code, doc = run_json('verify', step)
+  assert code == 1 and _kinds(doc) == {'crc_mismatch'} and _bad_arrays(doc) == {'loader'}
+
+
+def test_verify_damaged_index_checks_the_records_beside_it(saved, tmp_path):
+  step = _copy(saved['host'] / '1', tmp_path / '1')
+  index = step / 'default' / pw_metadata.DIRNAME / pw_metadata.INDEX_FILENAME
+  index.write_bytes(b'\x00garbage')
+  meta_io.clear_cache()
+  code, doc = run_json('verify', step)
+  assert code == 1 and _kinds(doc) == {'metadata'}, doc['problems']
+  (bad,) = doc['problems']
+  assert bad['path'] == str(index) and 'is damaged' in bad['error']
+  assert 'writer record(s) beside it are intact: the chunks were checked against them' in (
+      bad['error'])
+  assert doc['modes'] == {'default': 'checksum'} and doc['chunks_checksummed'] == doc['chunks']
+  for f in index.parent.glob('*.msgpack'):  # and without records nothing can be checked
+    if f != index:
+      f.unlink()
+  code, doc = run_json('verify', step)
+  assert code == 1 and 'No writer record is beside it' in doc['problems'][0]['error']
+
+
+def _save_grid(root: pathlib.Path, step: int, kernel: np.ndarray, **options) -> pathlib.Path:
+  with ckpt.options(coalesce_bytes=0, **options), ocp.CheckpointManager(root) as mngr:
+    mngr.save(step, args=ocp.args.StandardSave(
+        {'kernel': put(kernel, _mesh(), 'data', 'model'), 'step': step}))
+    mngr.wait_until_finished()
+  return root / str(step)
+
+
+def test_diff_of_steps_on_different_chunk_grids_compares_values(tmp_path):
+  """Saved with another chunk size (or on another mesh) the recorded checksums cannot be
+  compared chunk by chunk: the values are read and compared instead of "not compared"."""
+  kernel = np.arange(256 * 128, dtype=np.float32).reshape(256, 128)
+  a = _save_grid(tmp_path / 'a', 1, kernel)
+  b = _save_grid(tmp_path / 'b', 1, kernel, max_chunk_bytes=4096)
+  changed = kernel.copy()
+  changed[200, 100] += 1
+  c = _save_grid(tmp_path / 'c', 1, changed, max_chunk_bytes=4096)
+  chunks = lambda step: meta_io.read_item(step / 'default').arrays()['kernel'].chunk_shape
+  assert chunks(a) != chunks(b)
+  code, out, _ = run('diff', a, b)
+  assert code == 0, out
+  assert 'no orbax-pathways checksums' not in out and out.splitlines()[-1] == 'identical'
+  assert ('values of 1 array by recorded crc32c, of 1 read and compared (their chunk grids '
+          'differ: default/kernel)') in out
+  code, doc = run_json('diff', a, c)
+  assert code == 1 and doc['compared']['values_read'] == ['default/kernel']
+  assert doc['compared']['values_not_compared'] == []
+  (entry,) = doc['changed']
+  assert entry['key'] == 'kernel' and entry['values_basis'] == 'read'
+  assert entry['max_abs_diff'] == 1.0

@@ -76,7 +76,7 @@ def test_save_and_restore_are_served_by_our_handler(tmp_path):
     if isinstance(target, jax.Array):
       assert leaf.sharding == target.sharding
   record = meta_io.read_item(tmp_path / '1' / 'default')
-  assert set(record.arrays()) == {'params.w', 'params.b', 'params.e', 'opt.mu'}
+  assert set(record.arrays()) == {'params.w', 'params.b', 'params.e', 'opt.mu', 'step'}
   assert record.transports() == {'local'}
 
 

@@ -60,9 +60,11 @@ def test_save_writes_the_index_before_the_commit(tmp_path):
   finally:
     orbax_finalize.install(index_lib.merge_item)
   # Orbax's finalize ran it on the item's temporary directory, before the rename committed it.
-  assert len(seen) == 1 and TMP_SUFFIX in seen[0][0] and seen[0][1] == ['p0.msgpack'], seen
+  # (p0: the jax.Array leaves; scalar.<id>: the Python int 'step', written by process 0.)
+  assert len(seen) == 1 and TMP_SUFFIX in seen[0][0] and [
+      f.split('.')[0] for f in seen[0][1]] == ['p0', 'scalar'], seen
   item = tmp_path / '0' / 'default'
-  assert sorted(os.listdir(item / '_pathways')) == ['index.msgpack', 'p0.msgpack']
+  assert sorted(os.listdir(item / '_pathways')) == ['index.msgpack'] + seen[0][1]
   # The index is the records merged, nothing lost: every chunk, checksum and sharding.
   records = metadata.merge(meta_io.read_records(item))
   index = meta_io.read_index(item)
@@ -145,7 +147,7 @@ def test_checkpoint_without_index_restores_and_verifies_from_its_records(tmp_pat
   with _Reads() as r:
     restored = _restore(tmp_path, target=abstract(state))
   assert_trees_equal(restored, state)
-  assert r.counts == {'list': 1, 'record': 1}
+  assert r.counts == {'list': 1, 'record': 2}  # p0 and the scalar leaves' record
   assert orbax_pathways.stats.last_restore().chunks_verified > 0
 
 
@@ -405,6 +407,7 @@ def test_cli_knows_checksumless_arrays_from_the_index(tmp_path):
 
   out = cli('verify', str(tmp_path / '0'), '--json')
   doc = json.loads(out.stdout)
-  assert out.returncode == 0, doc['problems']
+  assert out.returncode == 3 and doc['problems'] == [], doc['problems']  # intact, unchecked
+  assert doc['verdict'] == 'unchecked' and len(doc['unchecked']) == doc['arrays']
   assert doc['modes'] == {'default': 'decode'} and doc['chunks_checksummed'] == 0
   assert 'written by persistence (1 writer)' in cli('show', str(tmp_path), '--step', '0').stdout

@@ -79,12 +79,15 @@ def test_colocated_transport_writes_every_byte_on_the_workers(tmp_path):
   assert sum(rst.bytes_read.values()) >= distinct - 8
   item = tmp_path / 'colocated' / '0' / 'default'
   # The workers' OCDBT databases, plus the controller's for the Python scalar 'step', which
-  # Orbax's own ScalarHandler writes (only jax.Array leaves go through our handler).
+  # the scalar handler writes on the controller with Orbax's own spec, as stock does.
   assert sorted(p.name for p in item.glob('ocdbt.process_*')) == (
       ['ocdbt.process_0'] + [f'ocdbt.process_w{i}' for i in range(8)])
   md = meta_io.read_item(item)
-  assert md.transports() == {'colocated'}
-  assert all(w.writer.startswith('w') for w in md.writers)
+  # The arrays' bytes by the worker hosts; the Python int 'step' (a host leaf) by the
+  # controller itself, as stock Orbax writes it, with its record merged into the index.
+  assert md.transports() == {'colocated', 'local'}
+  assert all(w.writer.startswith('w') for w in md.writers if w.transport == 'colocated')
+  assert [w.writer.split('.')[0] for w in md.writers if w.transport == 'local'] == ['scalar']
 
 
 def test_colocated_and_local_store_identical_values(tmp_path):

@@ -36,6 +36,7 @@ ORBAX_VERSION = ocp.__version__
 ArrayHandler = _th.ArrayHandler
 ArrayRestoreArgs = _th.ArrayRestoreArgs
 NumpyHandler = _th.NumpyHandler
+ScalarHandler = _th.ScalarHandler
 RestoreArgs = _th.RestoreArgs
 SaveArgs = _th.SaveArgs
 ParamInfo = _th.ParamInfo
@@ -109,6 +110,37 @@ def numpy_handler_constructor_kwargs(handler: Any) -> dict[str, Any]:
   # pylint: disable=protected-access
   return dict(metadata_key=handler._metadata_key,
               ocdbt_process_id=handler._override_ocdbt_process_id)
+
+
+def numpy_handler_deepcopies(handler: Any) -> bool:
+  """Whether a ``NumpyHandler`` copies the host arrays it saves (``deepcopy_host_arrays``)."""
+  return bool(getattr(handler, '_deepcopy_host_arrays', True))
+
+
+def numpy_handler_ocdbt_process_id(handler: Any) -> str | None:
+  """The ``ocdbt_process_id`` override a ``NumpyHandler`` was built with (None: Orbax's)."""
+  return handler._override_ocdbt_process_id  # pylint: disable=protected-access
+
+
+def check_numpy_save_inputs(values: Sequence[Any], infos: Sequence[Any],
+                            args: Sequence[Any]) -> None:
+  """Orbax's ``NumpyHandler.serialize`` argument checks (lengths; zero-size arrays refused)."""
+  from orbax.checkpoint._src.serialization import types as _types  # pylint: disable=g-import-not-at-top
+  _types.check_input_arguments(values, infos, args)
+  _jah.check_array_values(values, infos)
+
+
+def numpy_write_spec(info: Any, arg: Any, value: Any, *, metadata_key: str | None,
+                     ocdbt_process_id: str | None) -> dict:
+  """Orbax's exact tensorstore write spec of an ``np.ndarray`` leaf (what ``NumpyHandler``
+  writes: one array, Orbax's chunk grid and codecs)."""
+  use_ocdbt = bool(info.is_ocdbt_checkpoint)
+  return _ts_utils.build_array_write_spec(
+      info=info, arg=arg, global_shape=value.shape, local_shape=value.shape, dtype=value.dtype,
+      use_ocdbt=use_ocdbt,
+      process_index=_ocdbt_utils.get_process_index_for_subdir(
+          use_ocdbt=use_ocdbt, override_ocdbt_process_id=ocdbt_process_id),
+      metadata_key=metadata_key).json
 
 
 def numpy_handler_metadata_key(handler: Any) -> str | None:

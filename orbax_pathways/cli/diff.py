@@ -4,7 +4,10 @@ Runs on the machine running the CLI (``main.cmd_diff``). Always compared: the le
 item's tree (added / removed), and per common leaf its value type, dtype, shape and sharding.
 Values: with ``--values`` both arrays are read chunk by chunk (max |a - b|); without, arrays that
 both steps recorded in ``_pathways`` on the same chunk grid are compared by their recorded crc32c,
-without reading any data. Leaves compared neither way are listed as not compared.
+without reading any data. Arrays both steps recorded whose checksums cannot decide (another chunk
+grid, e.g. saved on another mesh or with another ``max_chunk_bytes``; or records missing chunks)
+are read and compared by value like ``--values`` (``compared.values_read`` lists them). Leaves
+compared neither way (no checksums on one side) are listed as not compared.
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ def diff_steps(a: Step, b: Step, *, values: bool) -> dict[str, Any]:
   la, lb = _leaf_map(a), _leaf_map(b)
   added = [_brief(k, lb[k][1]) for k in sorted(set(lb) - set(la))]
   removed = [_brief(k, la[k][1]) for k in sorted(set(la) - set(lb))]
-  changed, unchanged, by_crc, not_compared = [], 0, 0, []
+  changed, unchanged, by_crc, not_compared, read = [], 0, 0, [], []
   for k in sorted(set(la) & set(lb)):
     entry, basis = _compare(k, la[k], lb[k], values=values)
     by_crc += basis == CRC32C
+    if basis == READ and not values:
+      read.append(f'{k[0]}/{k[1]}')
     if basis is None and _has_value(la[k][1]) and 'shape' not in (entry or {}).get('changes', {}):
       not_compared.append(f'{k[0]}/{k[1]}')
     if entry:
@@ -44,7 +49,8 @@ def diff_steps(a: Step, b: Step, *, values: bool) -> dict[str, Any]:
       'identical': not (added or removed or changed),
       'added': added, 'removed': removed, 'changed': changed, 'unchanged': unchanged,
       'compared': {'structure': list(STRUCTURE), 'values': READ if values else CRC32C,
-                   'values_by_crc32c': by_crc, 'values_not_compared': not_compared},
+                   'values_by_crc32c': by_crc, 'values_read': read,
+                   'values_not_compared': not_compared},
   }
 
 
@@ -74,7 +80,16 @@ def _compare(k, a, b, *, values: bool) -> tuple[dict[str, Any] | None, str | Non
     changes['sharding'] = [la.sharding.describe() if la.sharding else None,
                            lb.sharding.describe() if lb.sharding else None]
   max_abs, basis, chunks = None, None, None
-  if values and 'shape' not in changes:
+  crc = None if values else compare_checksums(la, lb)
+  if crc is not None:
+    basis = CRC32C
+    differing, compared = crc
+    if differing:
+      changes['values'] = 'differ'
+      chunks = [differing, compared]
+  elif 'shape' not in changes and (values or (la.record is not None and lb.record is not None)):
+    # --values, or both sides recorded but their checksums cannot decide (another chunk grid,
+    # or chunks without a record): read both.
     basis = READ
     try:
       max_abs = arrays.max_abs_diff(ia, la, ib, lb)
@@ -85,14 +100,7 @@ def _compare(k, a, b, *, values: bool) -> tuple[dict[str, Any] | None, str | Non
         basis = None
       elif max_abs != 0.0:
         changes['values'] = 'differ'
-  elif not values:
-    crc = compare_checksums(la, lb)
-    if crc is not None:
-      basis = CRC32C
-      differing, compared = crc
-      if differing:
-        changes['values'] = 'differ'
-        chunks = [differing, compared]
+
   if not changes:
     return None, basis
   return {'item': k[0], 'key': k[1], 'changes': changes, 'max_abs_diff': max_abs,

@@ -22,7 +22,8 @@ Commands (every one takes ``--json``; tables otherwise):
 
 Exit codes: 0 ok; 1 verify found problems / diff found differences; 2 user error (bad path,
 missing step, no credentials: one line on stderr, no traceback; with --json also
-{command, error, exit_code} on stdout); 130 interrupted.
+{command, error, exit_code} on stdout); 3 verify found no damage but some values carry no
+checksum and were only decoded (stock Orbax items, string leaves, ...); 130 interrupted.
 
 JSON output (top-level keys; ``bytes`` are integers, times ISO-8601 UTC):
   ls      {path, steps: [{step, name, path, state, problems, commit_time, commit_timestamp_nsecs,
@@ -30,12 +31,12 @@ JSON output (top-level keys; ``bytes`` are integers, times ISO-8601 UTC):
   show    {path, step, name, state, commit_time, problems, items: [{name, path, kind, handler,
            ocdbt, zarr3, writer, pathways_metadata, transports, leaves: [{key, value_type,
            dtype, shape, bytes, chunk_shape, sharding, pathways, error}], totals}], totals}
-  verify  {path, step, state, ok, modes, arrays, chunks, chunks_checksummed, bytes_read,
-           seconds, problems: [{kind, path, item, array, origin, expected_crc32c,
-           found_crc32c, error}]}
+  verify  {path, step, state, ok, verdict (ok | unchecked | failed), modes, arrays, chunks,
+           chunks_checksummed, bytes_read, seconds, problems: [{kind, path, item, array,
+           origin, expected_crc32c, found_crc32c, error}], unchecked: [{item, key, reason}]}
   diff    {a, b, values_compared, identical, added, removed, changed: [{item, key, changes,
            max_abs_diff, values_basis, chunks_differing}], unchanged, compared: {structure,
-           values, values_by_crc32c, values_not_compared}}
+           values, values_by_crc32c, values_read, values_not_compared}}
   du      {path, bytes, steps: [{step, name, state, bytes, items: [{item, keys: [{key, bytes,
            basis}]}]}]}
   tier    {local_dir, ok, entries: [{root, step, step_name, item, writer, save_id,
@@ -60,6 +61,12 @@ from orbax_pathways.cli import tier as tier_lib
 from orbax_pathways.cli import verify as verify_lib
 
 PROG = 'orbax-pathways'
+VERIFY_EXIT_CODES = """exit status:
+  0  every value was checked against its recorded crc32c and matched
+  1  a problem: damaged bytes, a missing checksum record, unreadable metadata
+  2  user error (bad path, missing step)
+  3  no damage found, but some values carry no checksum and were only decoded
+     (stock Orbax items, persistence-transport arrays, string leaves): not verified"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -116,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
   for name, func, help_ in (('show', cmd_show, 'show the tree of one step'),
                             ('verify', cmd_verify, 'read and check every chunk of one step')):
     s = cmd(name, func, help_)
+    if name == 'verify':
+      s.epilog = VERIFY_EXIT_CODES
+      s.formatter_class = argparse.RawDescriptionHelpFormatter
     s.add_argument('path', help='DIR/STEP, or DIR with --step N')
     s.add_argument('--step', type=int, help='step number inside DIR')
   s.add_argument('--progress', action=argparse.BooleanOptionalAction, default=None,
@@ -163,7 +173,7 @@ def cmd_verify(args, out: TextIO) -> int:
   report = verify_lib.verify_step(steps_lib.resolve_step(args.path, args.step),
                                   progress=render.Progress(stream=sys.stderr, enabled=enabled))
   _emit(out, args, report.to_json(), render.verify_text(report))
-  return 0 if report.ok else 1
+  return report.exit_code
 
 
 def cmd_diff(args, out: TextIO) -> int:

@@ -208,10 +208,14 @@ def verify_text(report) -> str:
         'decode only (no orbax-pathways checksums)'
     lines.append(f'  item {item}: {how}')
   lines += [p.describe() for p in report.problems]
+  lines += [f'{"unchecked":<14} {u.item} {u.key}: {u.reason}' for u in report.unchecked]
   summary = (f'{report.arrays} arrays, {report.chunks} chunks ({report.chunks_checksummed} '
              f'checksummed), {_H(report.bytes_read)} in {report.seconds:.2f} s')
-  n = len(report.problems)
-  lines.append(('OK: ' if report.ok else f'FAILED: {n} problem{"" if n == 1 else "s"}; ') + summary)
+  n, m = len(report.problems), len(report.unchecked)
+  unchecked = f'{m} value{"" if m == 1 else "s"} without a checksum (decoded only); ' if m else ''
+  verdict = {'ok': 'OK: ', 'unchecked': f'UNCHECKED: no damage found, but {unchecked}',
+             'failed': f'FAILED: {n} problem{"" if n == 1 else "s"}; {unchecked}'}
+  lines.append(verdict[report.verdict] + summary)
   return '\n'.join(lines)
 
 
@@ -236,9 +240,13 @@ def diff_text(obj: dict[str, Any]) -> str:
     lines.append(f'~ {e["item"]}/{e["key"]}  ' + '; '.join(parts))
   c = obj['compared']
   skipped = c['values_not_compared']
+  read = c.get('values_read', [])
   how = ('values read and compared (--values)' if c['values'] == 'read' else
          f'values of {c["values_by_crc32c"]} array{"" if c["values_by_crc32c"] == 1 else "s"} '
-         'by recorded crc32c (no data read)')
+         'by recorded crc32c' + (
+             f', of {len(read)} read and compared (their chunk grids differ: '
+             f'{", ".join(read[:4])}{" ..." if len(read) > 4 else ""})' if read else
+             ' (no data read)'))
   lines.append(f'compared: tree, value types, dtypes, shapes, shardings; {how}')
   if skipped:
     lines.append(f'values not compared ({len(skipped)}): {", ".join(skipped[:8])}'

@@ -13,7 +13,17 @@ An item without ``_pathways`` that orbax-pathways demonstrably wrote (a sibling 
 step has records, or the colocated transport's ``ocdbt.process_w<id>`` databases are there) fails
 with ``missing_record``: its records were deleted, so nothing in it can be checked.
 Metadata is checked in both modes: ``_CHECKPOINT_METADATA``, commit marker, ``_METADATA``,
-``_sharding``, ``array_metadatas/*``, ``_strings.json``, zarr metadata, our msgpack files.
+``_sharding``, ``array_metadatas/*``, ``_strings.json``, zarr metadata, our msgpack files. A
+damaged ``_pathways/index.msgpack`` is a ``metadata`` problem; the chunks are then checked
+against the writer records beside it (what a restore falls back to).
+
+Verdict (``Report.verdict``, the exit status of ``orbax-pathways verify``):
+  ok         every value was checked against a recorded crc32c and matched (exit 0);
+  unchecked  nothing is damaged as far as decoding can tell, but some values carry no checksum
+             (``Report.unchecked``: stock Orbax items, arrays of the persistence transport,
+             string leaves, host leaves saved by Orbax v1 or by an older orbax-pathways) (exit 3);
+  failed     a problem (``Report.problems``): damage, a missing record, unreadable metadata
+             (exit 1).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from orbax_pathways.cli import arrays
 from orbax_pathways.cli import paths
 from orbax_pathways.cli import steps
 from orbax_pathways.cli.model import CHECKSUM, DECODE, PARTIAL, Item, Leaf, Step, np_dtype
+from orbax_pathways.storage import meta_io
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +73,22 @@ class Problem:
     return f'{self.kind:<14} {where + "  " if where else ""}{self.path}\n{"":15}{what}'
 
 
+@dataclasses.dataclass(frozen=True)
+class Unchecked:
+  """A value verify could only decode (or parse): nothing recorded a checksum for it."""
+
+  item: str
+  key: str
+  reason: str
+
+  def to_json(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+OK, UNCHECKED, FAILED = 'ok', 'unchecked', 'failed'
+EXIT_CODES = {OK: 0, FAILED: 1, UNCHECKED: 3}  # 2: user error, 130: interrupted (cli/main.py)
+
+
 @dataclasses.dataclass
 class Report:
   path: str
@@ -74,17 +101,32 @@ class Report:
   bytes_read: int = 0
   seconds: float = 0.0
   problems: list[Problem] = dataclasses.field(default_factory=list)
+  unchecked: list[Unchecked] = dataclasses.field(default_factory=list)
+
+  @property
+  def verdict(self) -> str:
+    """``failed`` (problems), ``unchecked`` (none, but values without a checksum) or ``ok``."""
+    if self.problems:
+      return FAILED
+    return UNCHECKED if self.unchecked else OK
 
   @property
   def ok(self) -> bool:
-    return not self.problems
+    """Every value checked and intact."""
+    return self.verdict == OK
+
+  @property
+  def exit_code(self) -> int:
+    return EXIT_CODES[self.verdict]
 
   def to_json(self) -> dict[str, Any]:
     return {
         'path': self.path, 'step': self.step, 'state': self.state, 'ok': self.ok,
-        'modes': self.modes, 'arrays': self.arrays, 'chunks': self.chunks,
-        'chunks_checksummed': self.chunks_checksummed, 'bytes_read': self.bytes_read,
-        'seconds': round(self.seconds, 3), 'problems': [p.to_json() for p in self.problems],
+        'verdict': self.verdict, 'modes': self.modes, 'arrays': self.arrays,
+        'chunks': self.chunks, 'chunks_checksummed': self.chunks_checksummed,
+        'bytes_read': self.bytes_read, 'seconds': round(self.seconds, 3),
+        'problems': [p.to_json() for p in self.problems],
+        'unchecked': [u.to_json() for u in self.unchecked],
     }
 
 
@@ -144,16 +186,23 @@ def verify_step(step_dir, *, progress=None, window: int = 16,
   progress = progress or NoProgress()
   step = steps.read_step(step_dir)
   report = Report(path=str(step.path), step=step.step, state=step.state)
-  report.problems += _step_problems(step)
+  index_problems = {item.name: _index_problems(item) for item in step.items
+                    if item.kind == 'pytree' and item.leaves}
+  said = [p.path for ps in index_problems.values() for p in ps]
+  report.problems += [p for p in _step_problems(step)  # a damaged index is said per item
+                      if not any(s in (p.error or '') for s in said)]
   tasks: list[_Task] = []
   for item in step.items:
     if item.kind != 'pytree' or not item.leaves:
       continue
+    report.problems += index_problems[item.name]
     checksummed = item.pathways is not None and not (item.pathways.writers and all(
         w.transport in fmt.CHECKSUMLESS_TRANSPORTS for w in item.pathways.writers))
     report.modes[item.name] = CHECKSUM if checksummed else DECODE
     report.problems += _file_problems(item)
     report.problems += _deleted_records(step, item)
+    report.unchecked += [Unchecked(item.name, l.key, 'string leaf (_strings.json has no '
+                                   'checksum)') for l in item.leaves if l.value_type == 'string']
     tasks += _item_tasks(item, report)
   progress.start(sum(t.nbytes for t in tasks), len(tasks))
   _run(tasks, report, progress, window=window, window_bytes=window_bytes)
@@ -217,6 +266,35 @@ def written_by_us_evidence(step: Step, item: Item) -> str | None:
   return None
 
 
+def _index_problems(item: Item) -> list[Problem]:
+  """A damaged ``_pathways/index.msgpack`` is a problem; when its writer records are intact the
+  item is then checked against them (restore rebuilds the index from them the same way)."""
+  index = item.path / fmt.PATHWAYS_DIR / pw_metadata.INDEX_FILENAME
+  try:
+    if not index.exists():
+      return []
+    pw_metadata.decode_index(index.read_bytes(), path=str(index))
+    return []
+  except pw_metadata.MetadataError as e:
+    error = str(e)
+  except OSError as e:
+    error = f'cannot read {index}: {arrays.first_line(e)}'
+  try:
+    records = meta_io.read_records(item.path)
+  except (OSError, pw_metadata.MetadataError):
+    records = []
+  if records:
+    item.pathways = pw_metadata.merge(records)
+    merged = item.pathways.arrays()
+    for leaf in item.leaves:
+      leaf.record = leaf.record or merged.get(leaf.key)
+    error += (f' The {len(records)} writer record(s) beside it are intact: the chunks were '
+              'checked against them, and a restore rebuilds the index from them.')
+  else:
+    error += ' No writer record is beside it: nothing in this item could be checked.'
+  return [Problem('metadata', path=str(index), item=item.name, error=error)]
+
+
 def _deleted_records(step: Step, item: Item) -> list[Problem]:
   evidence = written_by_us_evidence(step, item)
   if evidence is None:
@@ -244,12 +322,34 @@ def _item_tasks(item: Item, report: Report) -> list[_Task]:
     if leaf.record is not None and leaf.key not in item.checksumless:
       tasks += _record_tasks(item, leaf, store, report)
       continue
-    lost = item.pathways is not None and leaf.is_jax_array and leaf.key not in item.checksumless
+    why = _why_unrecorded(item, leaf)
+    lost = why is None
+    if why is not None:
+      report.unchecked.append(Unchecked(item.name, leaf.key, why))
     for origin in fmt.chunk_origins(leaf.shape, leaf.chunk_shape):
       if lost:
         report.problems.append(_missing_record(item, leaf, origin))
       tasks.append(_Task(item, leaf, store, origin, leaf.chunk_shape, None))
   return tasks
+
+
+HOST_WRITER_KINDS = ('numpy.', 'scalar.')  # frontends/orbax_v0.host_writer_name
+
+
+def _why_unrecorded(item: Item, leaf: Leaf) -> str | None:
+  """Why an array without a usable record is only decoded (an ``unchecked`` entry), or None when
+  it should have had one (a ``missing_record`` problem): a jax.Array leaf in an item with our
+  metadata; a numpy or scalar leaf in an item whose host leaves were recorded."""
+  if item.pathways is None:
+    return 'no orbax-pathways checksums (written by stock Orbax)'
+  if leaf.key in item.checksumless:
+    return 'written by the persistence transport, which records no checksums'
+  if leaf.is_jax_array:
+    return None
+  if any(w.writer.startswith(HOST_WRITER_KINDS) for w in item.pathways.writers):
+    return None
+  return (f'{leaf.value_type} leaf saved by Orbax\'s own handler (Orbax v1, or an '
+          'orbax-pathways version that did not record numpy and scalar leaves)')
 
 
 def _missing_record(item: Item, leaf: Leaf, origin: tuple[int, ...]) -> Problem:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import zlib
 from typing import Any, Sequence
 
 import jax
@@ -232,10 +233,10 @@ class ProxyArrayHandler(compat.ArrayHandler):
     if args is None:
       raise ValueError('Must provide ArrayRestoreArgs to restore as jax.Array.')
     await asyncio.gather(*(info.await_path_creation() for info in infos))
+    args = [as_array_restore_args(a) for a in args]
     if self._delegate(args):
       return await super().deserialize(infos, args)
-    args = list(args)
-    records = await self._records(infos[0])
+    records, written_by_us, _ = await read_item_records(infos[0])
     shardings = await self._shardings(infos, args, records)
     leaves = []
     for info, arg, sharding in zip(infos, args, shardings):
@@ -243,7 +244,8 @@ class ProxyArrayHandler(compat.ArrayHandler):
       leaves.append(engine_lib.RestoreLeaf.of(info.name, shape, dtype, sharding,
                                               strict=bool(getattr(arg, 'strict', True))))
     out = await self.engine.restore(
-        leaves, self._item(infos[0]), records=records, context=self._context(infos[0]),
+        leaves, self._item(infos[0]), records=records, written_by_us=written_by_us,
+        context=self._context(infos[0]),
         config=transports.ReadConfig(
             verify=self.options.verify_checksums, context=self._context(infos[0]),
             max_inflight_bytes=compat.limiter_bytes(getattr(infos[0], 'byte_limiter', None))))
@@ -267,30 +269,122 @@ class ProxyArrayHandler(compat.ArrayHandler):
     return await compat.shardings_from_args_or_file(infos, args)
 
 
+def as_array_restore_args(arg: Any) -> Any:
+  """Orbax's plain ``RestoreArgs`` (what a ``PyTreeCheckpointHandler`` restore without a target
+  passes for a ``jax.Array`` leaf) as ``ArrayRestoreArgs`` without a sharding, so that the leaf
+  is read and verified by us (the saved sharding, laid over the current devices) instead of
+  unchecked by Orbax's handler. Other args are returned as they are."""
+  if type(arg) is compat.RestoreArgs:  # pylint: disable=unidiomatic-typecheck  (not subclasses)
+    return compat.ArrayRestoreArgs(restore_type=arg.restore_type, dtype=arg.dtype)
+  return arg
+
+
+# Reads of an item's metadata in flight, by (event loop, item path): Orbax restores an item's
+# jax.Array, np.ndarray and scalar leaves through three handlers at once, which share one read.
+_reading: dict[tuple[int, str], asyncio.Future] = {}
+
+
+HOST_WRITER_KINDS = ('numpy', 'scalar')  # ProxyNumpyHandler / ProxyScalarHandler records
+
+
+async def read_item_records(info: Any) -> tuple[dict, bool, bool]:
+  """(this item's ``_pathways`` records by array name, whether the item has ``_pathways``
+  metadata at all, i.e. orbax-pathways wrote it, whether its host leaves were recorded, i.e. it
+  has a ``numpy.<id>`` or ``scalar.<id>`` record). (``{}``, False, False) for a stock checkpoint.
+  Concurrent calls for one item (the handlers of one restore) share one read."""
+  key = (id(asyncio.get_running_loop()), str(info.parent_dir))
+  fut = _reading.get(key)
+  if fut is None:
+    fut = asyncio.ensure_future(asyncio.to_thread(meta_io.read_item, info.parent_dir))
+    _reading[key] = fut
+    fut.add_done_callback(lambda _: _reading.pop(key, None))
+  item_md = await asyncio.shield(fut)
+  if not item_md:
+    return {}, False, False
+  host = any(w.writer.split('.', 1)[0] in HOST_WRITER_KINDS for w in item_md.writers)
+  return item_md.arrays(), True, host
+
+
 async def read_records(info: Any) -> dict:
   """This item's ``_pathways`` records by array name (empty for a stock checkpoint)."""
-  item_md = await asyncio.to_thread(meta_io.read_item, info.parent_dir)
-  return item_md.arrays() if item_md else {}
+  return (await read_item_records(info))[0]
+
+
+def host_writer_name(kind: str, names: Sequence[str]) -> str:
+  """The writer name of one host-leaf handler call: ``<kind>.<crc32 of the leaf names>``, so two
+  calls that save different leaves into one item (Orbax v1 partial saves) never share a file."""
+  assert kind in HOST_WRITER_KINDS, kind
+  return f'{kind}.{zlib.crc32(chr(0).join(sorted(names)).encode()):08x}'
 
 
 class ProxyNumpyHandler(compat.NumpyHandler):
-  """Orbax's ``np.ndarray`` handler, except that arrays we wrote are read back verified.
+  """Orbax's ``np.ndarray`` handler with checksums: saves write exactly what Orbax writes (its
+  spec, chunk grid and codecs, on process 0) plus a record ``_pathways/numpy.<id>.msgpack`` with
+  the crc32c of every chunk; restores of arrays with records are read back verified.
 
-  Orbax routes a restore whose target (or ``RestoreArgs.restore_type``) is ``np.ndarray`` here,
-  also for arrays saved as ``jax.Array``. Saving numpy leaves and reading arrays without our
-  records (stock checkpoints, numpy leaves) stay Orbax's own code.
+  Who calls what: Orbax's PyTree handler calls ``serialize`` on every process (only process 0
+  writes, as stock) and ``deserialize`` on every process. Orbax routes a restore whose target
+  (or ``RestoreArgs.restore_type``) is ``np.ndarray`` here, also for arrays saved as
+  ``jax.Array``. Arrays of items without ``_pathways`` (stock checkpoints) are read by Orbax's
+  own code, unchecked; in an item with ``_pathways`` an array without a record raises
+  ``MissingChecksumError`` (unless verification is off), except a numpy or scalar leaf of an
+  item whose host leaves were never recorded (saved by Orbax v1's own handlers, or by an older
+  orbax-pathways), which is read unchecked as stock reads it.
   """
+
+  WRITER_KIND = 'numpy'
 
   def __init__(self, *, options: options_lib.Options | None = None, **kwargs):
     super().__init__(**kwargs)
     self.options = options or options_lib.Options.from_env()
     self.engine = engine_lib.Engine(self.options)
 
+  def _host_item(self, info: Any) -> values.Item:
+    return values.Item(
+        directory=compat.logical_parent_dir(info), use_ocdbt=bool(info.is_ocdbt_checkpoint),
+        use_zarr3=bool(info.use_zarr3), gcs_grpc=self.options.gcs_grpc,
+        context_extra=self.options.ts_context_extra(),
+        raise_array_data_missing_error=bool(getattr(info, 'raise_array_data_missing_error', True)),
+        metadata_key=compat.numpy_handler_metadata_key(self))
+
+  async def serialize(self, values_: Sequence[Any], infos: Sequence[Any],
+                      args: Sequence[Any] | None = None) -> list[Any]:
+    args = list(args or [compat.SaveArgs()] * len(values_))
+    compat.check_numpy_save_inputs(values_, infos, args)
+    if compat.numpy_handler_deepcopies(self):
+      values_ = [copy.deepcopy(v) for v in values_]
+    return [compat.CommitFuture(self._write(list(values_), infos, args), name='np_type_handler')]
+
+  async def _write(self, values_: Sequence[Any], infos: Sequence[Any], args: Sequence[Any]) -> None:
+    """Orbax's background commit: process 0 writes every leaf and the record."""
+    arrays = []
+    for value, info, arg in zip(values_, infos, args):
+      await info.await_path_creation()
+      tspec = compat.numpy_write_spec(
+          info, arg, value, metadata_key=compat.numpy_handler_metadata_key(self),
+          ocdbt_process_id=compat.numpy_handler_ocdbt_process_id(self))
+      arrays.append(engine_lib.HostArray(info.name, value, tspec))
+    if compat.primary_process_index() != 0 or not arrays:
+      return
+    item = self._host_item(infos[0])
+    await self.engine.save_host(
+        host_writer_name(self.WRITER_KIND, [a.name for a in arrays]), item, arrays,
+        context=infos[0].ts_context or compat.ts_context(item.use_ocdbt))
+
   async def deserialize(self, infos: Sequence[Any], args: Sequence[Any] | None = None) -> list[Any]:
     args = list(args or [compat.RestoreArgs()] * len(infos))
     await asyncio.gather(*(info.await_path_creation() for info in infos))
-    records = await read_records(infos[0])
-    ours = [i for i, info in enumerate(infos) if info.name in records]
+    records, written_by_us, host_recorded = await read_item_records(infos[0])
+    verify = self.options.verify_checksums
+
+    def must_have_record(info: Any) -> bool:
+      """In an item we wrote: a leaf saved as jax.Array, or any leaf once host leaves were
+      recorded (not by Orbax v1's own numpy and scalar handlers, nor by older versions)."""
+      saved_as = getattr(info, 'value_typestr', None)
+      return written_by_us and (host_recorded or saved_as in (None, compat.JAX_ARRAY_TYPESTR))
+
+    ours = [i for i, info in enumerate(infos)
+            if info.name in records or (verify and must_have_record(info))]
     out: list[Any] = [None] * len(infos)
     rest = [i for i in range(len(infos)) if i not in set(ours)]
     if rest:
@@ -299,16 +393,29 @@ class ProxyNumpyHandler(compat.NumpyHandler):
         out[i] = value
     if ours:
       info0 = infos[ours[0]]
-      item = values.Item(
-          directory=compat.logical_parent_dir(info0), use_ocdbt=bool(info0.is_ocdbt_checkpoint),
-          use_zarr3=bool(info0.use_zarr3), gcs_grpc=self.options.gcs_grpc,
-          context_extra=self.options.ts_context_extra(),
-          raise_array_data_missing_error=bool(getattr(info0, 'raise_array_data_missing_error', True)),
-          metadata_key=compat.numpy_handler_metadata_key(self))
+      item = self._host_item(info0)
+      names = [infos[i].name for i in ours]
+      # Stats for numpy targets of device arrays (records with a sharding) only: host leaves are
+      # read beside the item's device arrays, whose restore is the one ``last_restore()`` tells.
+      device_saved = any(getattr(records.get(n), 'sharding', None) is not None for n in names)
       arrays = await self.engine.read_to_host(
-          [infos[i].name for i in ours], [getattr(args[i], 'dtype', None) for i in ours], item,
-          records=records, verify=self.options.verify_checksums,
-          context=info0.ts_context or compat.ts_context(item.use_ocdbt))
+          names, [getattr(args[i], 'dtype', None) for i in ours], item,
+          records=records, verify=self.options.verify_checksums, written_by_us=written_by_us,
+          record_stats=device_saved, context=info0.ts_context or compat.ts_context(item.use_ocdbt))
       for i, value in zip(ours, arrays):
         out[i] = value
     return out
+
+
+class ProxyScalarHandler(compat.ScalarHandler, ProxyNumpyHandler):
+  """Orbax's scalar handler (Python ``int``/``float``, ``np.number`` leaves: step counters) on top
+  of ``ProxyNumpyHandler``: Orbax's ``ScalarHandler`` turns scalars into 0-d arrays and back, and
+  the arrays are written and read with checksums as above (record ``scalar.<id>.msgpack``)."""
+
+  WRITER_KIND = 'scalar'
+
+  def __init__(self, *, options: options_lib.Options | None = None, **kwargs):
+    # Orbax's ScalarHandler.__init__ reaches ProxyNumpyHandler.__init__ through the MRO.
+    compat.ScalarHandler.__init__(self, **kwargs)
+    self.options = options or options_lib.Options.from_env()
+    self.engine = engine_lib.Engine(self.options)

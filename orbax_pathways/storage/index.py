@@ -35,9 +35,11 @@ from orbax_pathways.storage import meta_io
 def merge_item(item_dir: Any) -> metadata.ItemMetadata | None:
   """Writes ``item_dir``'s index from its writer records; returns what it wrote. Does nothing
   (returns None) if the item has no records (an item none of whose arrays went through
-  orbax-pathways, or saved by the colocated transport) or an index that already covers them
-  (a partial save's colocated parts bring their index: the records are joined into it). A
-  record or index that cannot be read fails the save."""
+  orbax-pathways, or saved by the colocated transport) or an index that already covers them.
+  Records beside an existing index are joined into it: a partial save's colocated parts bring
+  their index, and the colocated controller's index does not list the numpy and scalar leaves
+  process 0 recorded beside it (``ProxyNumpyHandler``); the index is then written again, still
+  before the commit. A record or index that cannot be read fails the save."""
   keys, has_index = meta_io.list_item(item_dir)
   if not keys:
     return None
