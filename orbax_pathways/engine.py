@@ -127,15 +127,24 @@ def record_array_sizes(arrays: Sequence[jax.Array]) -> None:
         value=gb)
 
 
-def missing_record_error(name: str, path: str, item_directory: str) -> errors.MissingChecksumError:
-  """The error for an array with no checksum record in an item orbax-pathways wrote."""
+def missing_record_error(name: str, path: str, item_directory: str) -> errors.RestoreError:
+  """The error for an array with no checksum record in an item orbax-pathways wrote: a
+  ``MissingChecksumError``, or, when the item's index was damaged and rebuilt from the writer
+  records beside it (``meta_io.read_item``), a ``DamagedIndexError`` (a ``MetadataError``) that
+  names the index first: the records left do not replace it for this array."""
+  fix = ('Run `orbax-pathways verify` on the step, or restore an earlier step; to read it '
+         'unchecked at your own risk, restore with ORBAX_PATHWAYS_VERIFY=0 '
+         '(Options(verify_checksums=False)).')
+  cached = meta_io.cached_index(item_directory)
+  if cached is not None and cached.damaged_index:
+    return metadata.DamagedIndexError(
+        f'{cached.damaged_index} The writer records beside it do not cover array {name!r} at '
+        f'{path} (a record was lost as well), so these bytes cannot be verified. {fix}')
   return errors.MissingChecksumError(
       f'Array {name!r} at {path} has no checksum record in {meta_io.index_path(item_directory)} '
       f'or the writer records beside it, although orbax-pathways wrote this item (its '
       f'{metadata.DIRNAME}/ exists): the record was lost (a writer\'s record file deleted, or an '
-      'index missing the key), so these bytes cannot be verified. Run `orbax-pathways verify` '
-      'on the step, or restore an earlier step; to read it unchecked at your own risk, restore '
-      'with ORBAX_PATHWAYS_VERIFY=0 (Options(verify_checksums=False)).')
+      f'index missing the key), so these bytes cannot be verified. {fix}')
 
 
 @dataclasses.dataclass(frozen=True)
