@@ -24,6 +24,10 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
   ``wait_until_finished``, keeps the name of *that* step), the start time of each step for the
   commit log line, and the ``after_save`` hook (preemption: the notice is consumed once its save
   started).
+- ``CheckpointManager.save`` also calls the ``lease_save`` hook first, on every process: the
+  writer lease (``orbax_pathways.lease``) refuses the save if another job saves into the
+  directory. ``CheckpointManager.close`` (public) calls ``after_close`` once it returned or
+  raised: the lease is released.
 - ``CheckpointManager.reload`` / ``restore`` (public): drop gcsfs's listing cache first; a restore
   that fails because the step was deleted meanwhile (another process's retention) says so.
 - ``Checkpointer._restore(self, directory, ...)``: a process whose read fails (a damaged chunk it
@@ -71,8 +75,8 @@ COMMIT_SUCCESS_FILE: str = format_lib.COMMIT_SUCCESS_FILE
 STEP_METADATA_FILE: str = format_lib.CHECKPOINT_METADATA_FILE
 
 HOOK_NAMES = ('delete_step', 'explicit_delete', 'step_complete', 'manager_init',
-              'manager_init_check', 'manager_init_notice', 'reached_preemption', 'before_save',
-              'after_save', 'after_commit')
+              'manager_init_check', 'manager_init_notice', 'reached_preemption', 'lease_save',
+              'before_save', 'after_save', 'after_commit', 'after_close')
 
 
 def orbax_version_supported() -> bool:
@@ -258,6 +262,9 @@ _STEP_ATTR = 'orbax_pathways_step'  # on a SaveError: the step it belongs to
 def _wrap_save(original):
   @functools.wraps(original)
   def save(self, step, *args, **kwargs):
+    lease = _hooks['lease_save']
+    if lease is not None:
+      lease(self, step)  # raises (before anything is written) if another job saves here
     hook = _hooks['before_save']
     if hook is None:
       return original(self, step, *args, **kwargs)
@@ -279,6 +286,20 @@ def _wrap_save(original):
       after(self, step, saved)
     return saved
   return save
+
+
+def _wrap_close(original):
+  """``CheckpointManager.close()`` (also its ``__exit__``), then the ``after_close`` hook (the
+  writer lease is released once the manager's commits are done), even if closing raised."""
+  @functools.wraps(original)
+  def close(self, *args, **kwargs):
+    try:
+      return original(self, *args, **kwargs)
+    finally:
+      hook = _hooks['after_close']
+      if hook is not None:
+        hook(self)
+  return close
 
 
 def _wrap_finalize(original):
@@ -389,6 +410,7 @@ def _patch_targets():
       (ocp.CheckpointManager, 'reached_preemption', _wrap_reached_preemption),
       (ocp.CheckpointManager, 'save', _wrap_save),
       (ocp.CheckpointManager, '_finalize', _wrap_finalize),
+      (ocp.CheckpointManager, 'close', _wrap_close),
       (ocp.CheckpointManager, 'delete', _wrap_delete),
       (ocp.CheckpointManager, 'reload', _wrap_fresh_listing),
       (ocp.CheckpointManager, 'restore', _wrap_restore),
