@@ -34,8 +34,8 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
   alone reads) still joins the ``Checkpointer:restore`` barrier that ends ``restore()`` before
   raising, so the processes that read fine get their result instead of waiting in the barrier
   until it times out (``preemption.resume`` then has every process agree to fall back).
-- ``CheckpointManager._finalize(self, step, steps_to_remove)``: returns once ``step`` is
-  committed (raises if it was not: re-raised as ``SaveError`` naming ``step``); traced as
+- ``CheckpointManager._finalize(self, step, steps_to_remove)``: drops gcsfs's listing cache
+  first (see ``invalidate_gcs_listings``); returns once ``step`` is committed (raises if it was not: re-raised as ``SaveError`` naming ``step``); traced as
   ``orbax_pathways.commit``, then the ``after_commit`` hook logs save()-to-committed time.
 
 The wrappers dispatch to hooks set with ``set_hook(name, fn)``; with no hook set they call the
@@ -312,6 +312,12 @@ def _wrap_finalize(original):
   def _finalize(self, step, *args, **kwargs):
     if not any_hook_set():
       return original(self, step, *args, **kwargs)
+    # A process that listed the new step's directory on gs:// before tensorstore wrote into it
+    # (gcsfs caches listings, and tensorstore's writes do not update them) otherwise fails
+    # Orbax's commit with "Checkpoint directory does not exist: <step>/<item>": seen in about
+    # half of the first saves of a new step by a fresh process into an existing directory on
+    # fake-gcs-server, stock Orbax too (a restarted job).
+    invalidate_gcs_listings()
     try:
       with jax.profiler.TraceAnnotation('orbax_pathways.commit', step=step):
         out = original(self, step, *args, **kwargs)
