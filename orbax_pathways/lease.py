@@ -32,7 +32,8 @@ renewed recently -> watch it (up to ``timeout``): a renewal seen means a live wr
 none means its owner is gone (take over). Every write is conditional on the storage generation
 read just before (tensorstore's ``if_equal``: the file driver's lock, GCS ``ifGenerationMatch``),
 so two jobs racing to take the lease cannot both win; each then reads it back to be sure.
-``ORBAX_PATHWAYS_LEASE=0`` turns all of this off.
+``ORBAX_PATHWAYS_LEASE=0`` turns all of this off. ``retention.install`` (at ``import
+orbax_pathways``) installs the hooks.
 """
 
 from __future__ import annotations
@@ -62,8 +63,7 @@ TIMEOUT_ENV = 'ORBAX_PATHWAYS_LEASE_TIMEOUT_S'
 # tensorstore's storage generation of a missing key: a write conditional on it creates only.
 _ABSENT = b'\x02'
 # Scheduler variables that name the job, first found wins (recorded in the lease for humans).
-_JOB_VARS = ('ORBAX_PATHWAYS_JOB', 'JOBSET_NAME', 'SLURM_JOB_ID', 'KUBERNETES_POD_NAME',
-             'TPU_WORKER_HOSTNAMES', 'HOSTNAME')
+_JOB_VARS = ('JOBSET_NAME', 'SLURM_JOB_ID', 'JOB_NAME')
 _AGREE_KEEP = 16  # key-value entries of past saves kept per directory (multi-controller)
 
 _lock = threading.RLock()

@@ -462,7 +462,8 @@ def _manager_init_hook(mngr) -> None:
 
 def install(*, accept_unmarked_steps: bool = False,
             abandoned_after_s: float = ABANDONED_AFTER_S) -> None:
-  """Activates safe deletion and strict listing for every CheckpointManager (idempotent).
+  """Activates safe deletion and strict listing for every CheckpointManager (idempotent), and
+  the writer lease (``orbax_pathways.lease.install``: one saving job per directory).
 
   ``abandoned_after_s``: age after which a leftover whose owner cannot be checked (another host)
   or an unchanged temporary step counts as abandoned (see the module docstring)."""
@@ -483,7 +484,7 @@ def install(*, accept_unmarked_steps: bool = False,
 
 
 def uninstall() -> None:
-  """Back to stock Orbax behaviour for deletion and listing (idempotent)."""
+  """Back to stock Orbax behaviour for deletion, listing and saving (no lease; idempotent)."""
   global _installed, _accept_unmarked, _abandoned_after_s
   from orbax_pathways import lease  # pylint: disable=g-import-not-at-top  # it imports us
   lease.uninstall()
