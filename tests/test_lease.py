@@ -128,6 +128,16 @@ def test_managers_of_one_process_share_the_lease(tmp_path):
   assert not path.exists()
 
 
+def test_lease_off(tmp_path, monkeypatch):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv(lease.ENABLE_ENV, '0')
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(0, args=ocp.args.StandardSave({'a': np.arange(4)}))
+    mngr.wait_until_finished()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['0']
+
+
 # ---------------------------------------------------------------------------------------------
 # Processes.
 
