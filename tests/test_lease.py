@@ -249,6 +249,19 @@ def test_second_writer_refused_then_takes_over_once_the_first_is_killed(ckpt_dir
   assert lines[-1]['values'] == {'0': 'A0', '1': 'A1', '2': 'B2'}
 
 
+@pytest.mark.gcs
+def test_restarted_jobs_each_save_a_new_step_on_gcs(gcs_bucket, tmp_path):
+  """Each restart is a fresh process saving the next step into the same gs:// directory (its
+  predecessor's lease released). Before gcsfs's listing cache was dropped ahead of Orbax's
+  finalize, about half of these commits failed ('Checkpoint directory does not exist')."""
+  ckpt_dir = gcs_bucket.path('ckpt')
+  for step in range(6):
+    lines, err = _run(tmp_path, f'job{step}', 'save', ckpt_dir, 'A', str(step))
+    assert _saves(lines)[step]['ok'], (_saves(lines)[step], err[-2000:])
+  lines, _ = _run(tmp_path, 'final', 'read', ckpt_dir)
+  assert lines[-1]['values'] == {str(s): f'A{s}' for s in range(6)}
+
+
 def test_a_stalled_writer_loses_its_lease_and_is_refused_at_its_next_save(tmp_path):
   """The first job stops renewing (SIGSTOP: alive, silent, like a host cut off). Past the
   timeout the second takes over; the first, resumed, is refused at its next save, naming the
