@@ -193,6 +193,7 @@ class Lease:
         condition = generation
       new = self._store.write_if(fresh.encode(), condition)
       if new is None or not self._reads_back_ours(fresh):
+        time.sleep(poll / 10)
         continue  # another job won the race: look again
       self.me, self._generation = fresh, new
       self._renewed_mono = time.monotonic()
@@ -326,7 +327,6 @@ def _hold(directory: str, mngr) -> None:
 def before_save(mngr, step: int) -> None:
   """``lease_save`` hook: see the module docstring. Raises ``WriterLeaseError`` on every process
   of the job when the lease is held by another live job or was taken over from this one."""
-  del step
   if not options_lib.env_value(ENABLE_ENV):
     return
   directory = directory_key(mngr.directory)
@@ -339,6 +339,13 @@ def before_save(mngr, step: int) -> None:
       _hold(directory, mngr)
     except errors.WriterLeaseError as e:
       error = e
+    except Exception as e:  # pylint: disable=broad-except  # storage errors: shared below
+      error = errors.keeping_type(
+          errors.SaveError, e,
+          f'orbax_pathways: saving step {step} into {directory} failed before writing anything: '
+          f'the writer lease {directory}/{LEASE_FILE} could not be checked: '
+          f'{type(e).__name__}: {e}. Retry the save once storage answers again.')
+      error.__cause__ = e
   if _om.process_count() > 1 and _om.distributed_client() is not None:
     outcome = _agree(directory, seq, None if error is None else str(error), writer)
     if outcome is not None and error is None:
