@@ -75,3 +75,8 @@ def keeping_type(cls: type[OrbaxPathwaysError], cause: BaseException,
     return combined(message)
   except Exception:  # pylint: disable=broad-except  # a cause type with a custom constructor
     return cls(message)
+
+
+class WriterLeaseError(OrbaxPathwaysError, RuntimeError):
+  """A save refused because another job saves into the same checkpoint directory: it holds the
+  directory's writer lease (``orbax_pathways.lease``), or took it over from this job."""

@@ -97,6 +97,12 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar('ORBAX_PATHWAYS_SIGTERM_GRACE_S', 'float', 120.0,
            'seconds after a SIGTERM notice before SIGTERM\'s default action applies',
            minimum=0.001, unit='seconds; inf: only a second SIGTERM'),
+    EnvVar('ORBAX_PATHWAYS_LEASE', 'bool', True,
+           'saving CheckpointManagers take the directory\'s writer lease (a second live writer '
+           'is refused)'),
+    EnvVar('ORBAX_PATHWAYS_LEASE_TIMEOUT_S', 'float', 30.0,
+           'seconds without renewal after which a writer lease counts as abandoned',
+           minimum=0.1, unit='seconds'),
     EnvVar('ORBAX_PATHWAYS_MAX_CHUNK_BYTES', 'int', 16 * MiB, 'largest stored chunk',
            minimum=1, unit='bytes'),
     EnvVar('ORBAX_PATHWAYS_MAX_INFLIGHT_BYTES', 'int', 1024 * MiB,

@@ -182,6 +182,18 @@ def _pid_alive(pid: int, start: int) -> bool:
   return not (start and started and started != start)  # a different process got the PID
 
 
+def process_start(pid: int) -> int:
+  """Start time of ``pid`` on this host (clock ticks since boot; 0: unknown). Also used by
+  ``orbax_pathways.lease`` to name its owner."""
+  return _process_start(pid)
+
+
+def process_alive(pid: int, start: int) -> bool:
+  """Whether process ``pid`` of this host that started at ``start`` still runs (see
+  ``_pid_alive``). Also used by ``orbax_pathways.lease`` for a lease owner on this host."""
+  return _pid_alive(pid, start)
+
+
 def deleting_name(step_dir_name: str) -> str:
   """``<step>.orbax-pathways-deleting-<host>-<pid>-<start>-<created>-<rand>``: no ``_`` and no
   ``.orbax-checkpoint-tmp``, so no Orbax listing or cleanup ever takes it for a step."""
@@ -450,7 +462,8 @@ def _manager_init_hook(mngr) -> None:
 
 def install(*, accept_unmarked_steps: bool = False,
             abandoned_after_s: float = ABANDONED_AFTER_S) -> None:
-  """Activates safe deletion and strict listing for every CheckpointManager (idempotent).
+  """Activates safe deletion and strict listing for every CheckpointManager (idempotent), and
+  the writer lease (``orbax_pathways.lease.install``: one saving job per directory).
 
   ``abandoned_after_s``: age after which a leftover whose owner cannot be checked (another host)
   or an unchanged temporary step counts as abandoned (see the module docstring)."""
@@ -466,11 +479,15 @@ def install(*, accept_unmarked_steps: bool = False,
     _om.set_hook('manager_init', _manager_init_hook)
     _om.install_manager_hooks()
     _installed = True
+  from orbax_pathways import lease  # pylint: disable=g-import-not-at-top  # it imports us
+  lease.install()
 
 
 def uninstall() -> None:
-  """Back to stock Orbax behaviour for deletion and listing (idempotent)."""
+  """Back to stock Orbax behaviour for deletion, listing and saving (no lease; idempotent)."""
   global _installed, _accept_unmarked, _abandoned_after_s
+  from orbax_pathways import lease  # pylint: disable=g-import-not-at-top  # it imports us
+  lease.uninstall()
   with _state_lock:
     _om.set_hook('delete_step', None)
     _om.set_hook('explicit_delete', None)

@@ -25,14 +25,18 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
   ``wait_until_finished``, keeps the name of *that* step), the start time of each step for the
   commit log line, and the ``after_save`` hook (preemption: the notice is consumed once its save
   started).
+- ``CheckpointManager.save`` also calls the ``lease_save`` hook first, on every process: the
+  writer lease (``orbax_pathways.lease``) refuses the save if another job saves into the
+  directory. ``CheckpointManager.close`` (public) calls ``after_close`` once it returned or
+  raised: the lease is released.
 - ``CheckpointManager.reload`` / ``restore`` (public): drop gcsfs's listing cache first; a restore
   that fails because the step was deleted meanwhile (another process's retention) says so.
 - ``Checkpointer._restore(self, directory, ...)``: a process whose read fails (a damaged chunk it
   alone reads) still joins the ``Checkpointer:restore`` barrier that ends ``restore()`` before
   raising, so the processes that read fine get their result instead of waiting in the barrier
   until it times out (``preemption.resume`` then has every process agree to fall back).
-- ``CheckpointManager._finalize(self, step, steps_to_remove)``: returns once ``step`` is
-  committed (raises if it was not: re-raised as ``SaveError`` naming ``step``); traced as
+- ``CheckpointManager._finalize(self, step, steps_to_remove)``: drops gcsfs's listing cache
+  first (see ``invalidate_gcs_listings``); returns once ``step`` is committed (raises if it was not: re-raised as ``SaveError`` naming ``step``); traced as
   ``orbax_pathways.commit``, then the ``after_commit`` hook logs save()-to-committed time.
 
 The wrappers dispatch to hooks set with ``set_hook(name, fn)``; with no hook set they call the
@@ -72,8 +76,8 @@ COMMIT_SUCCESS_FILE: str = format_lib.COMMIT_SUCCESS_FILE
 STEP_METADATA_FILE: str = format_lib.CHECKPOINT_METADATA_FILE
 
 HOOK_NAMES = ('delete_step', 'explicit_delete', 'step_complete', 'manager_init',
-              'manager_init_check', 'manager_init_notice', 'reached_preemption', 'before_save',
-              'after_save', 'after_commit')
+              'manager_init_check', 'manager_init_notice', 'reached_preemption', 'lease_save',
+              'before_save', 'after_save', 'after_commit', 'after_close')
 
 
 def orbax_version_supported() -> bool:
@@ -259,6 +263,9 @@ _STEP_ATTR = 'orbax_pathways_step'  # on a SaveError: the step it belongs to
 def _wrap_save(original):
   @functools.wraps(original)
   def save(self, step, *args, **kwargs):
+    lease = _hooks['lease_save']
+    if lease is not None:
+      lease(self, step)  # raises (before anything is written) if another job saves here
     hook = _hooks['before_save']
     if hook is None:
       return original(self, step, *args, **kwargs)
@@ -282,6 +289,20 @@ def _wrap_save(original):
   return save
 
 
+def _wrap_close(original):
+  """``CheckpointManager.close()`` (also its ``__exit__``), then the ``after_close`` hook (the
+  writer lease is released once the manager's commits are done), even if closing raised."""
+  @functools.wraps(original)
+  def close(self, *args, **kwargs):
+    try:
+      return original(self, *args, **kwargs)
+    finally:
+      hook = _hooks['after_close']
+      if hook is not None:
+        hook(self)
+  return close
+
+
 def _wrap_finalize(original):
   """``CheckpointManager._finalize(step, steps_to_remove)`` runs once the step is committed
   (in Orbax's finalize thread, or inline for synchronous saves); it raises if the commit failed.
@@ -292,6 +313,12 @@ def _wrap_finalize(original):
   def _finalize(self, step, *args, **kwargs):
     if not any_hook_set():
       return original(self, step, *args, **kwargs)
+    # A process that listed the new step's directory on gs:// before tensorstore wrote into it
+    # (gcsfs caches listings, and tensorstore's writes do not update them) otherwise fails
+    # Orbax's commit with "Checkpoint directory does not exist: <step>/<item>": seen in about
+    # half of the first saves of a new step by a fresh process into an existing directory on
+    # fake-gcs-server, stock Orbax too (a restarted job).
+    invalidate_gcs_listings()
     try:
       with jax.profiler.TraceAnnotation('orbax_pathways.commit', step=step):
         out = original(self, step, *args, **kwargs)
@@ -390,6 +417,7 @@ def _patch_targets():
       (ocp.CheckpointManager, 'reached_preemption', _wrap_reached_preemption),
       (ocp.CheckpointManager, 'save', _wrap_save),
       (ocp.CheckpointManager, '_finalize', _wrap_finalize),
+      (ocp.CheckpointManager, 'close', _wrap_close),
       (ocp.CheckpointManager, 'delete', _wrap_delete),
       (ocp.CheckpointManager, 'reload', _wrap_fresh_listing),
       (ocp.CheckpointManager, 'restore', _wrap_restore),

@@ -1,0 +1,450 @@
+"""The writer lease: one saving job per checkpoint directory.
+
+Why: two jobs saving into one directory (two trainers with the same output path, or a job
+restarted while its previous incarnation still runs) overwrite each other's steps; stock Orbax
+reports at most one error, then both "succeed" and the kept steps hold whichever job wrote
+last. The lease object ``<directory>/orbax-pathways-lease.json`` names the job that saves there
+(``plan/lease.Owner``: host, pid, job, process count, start and renewal times); a second live
+writer is refused with ``errors.WriterLeaseError`` naming both jobs, and a lease whose owner is
+gone is taken over with one warning.
+
+Who calls what, on which host:
+
+- ``before_save`` (the ``lease_save`` manager hook, at the start of every
+  ``CheckpointManager.save`` on every process): the job's lease-writing process (the manager's
+  primary host, process 0 when it has none) takes the lease at the job's first save into the
+  directory, and at each later save checks that it still holds it (renewing it when due). Under
+  multi-controller JAX the others take the writer's answer through the coordination service's
+  key-value store, so the whole job raises together (no process left waiting in Orbax's
+  barriers) and the job is one owner. Only saving takes the lease: a manager that only lists and
+  restores (an evaluator, ``preemption.resume``) never reads or writes it.
+- A background thread of the lease-writing process renews the lease every ``timeout / 3``
+  seconds while it is held (so also while an async commit runs, and between saves).
+- ``after_close`` (the ``after_close`` manager hook): the last manager of this process on that
+  directory releases the lease (a conditional delete); leases still held at interpreter exit are
+  released too. A process killed outright leaves its lease: it is then stale.
+
+Taking the lease (``Lease.acquire``; the decision itself is ``plan/lease.decide``, pure):
+absent -> create it; held by a process of this host that is gone (pid dead or reused), or not
+renewed for ``timeout`` seconds (``ORBAX_PATHWAYS_LEASE_TIMEOUT_S``, default 30) -> take it over
+and warn once; held by a live process of this host -> refuse at once; held by another host and
+renewed recently -> watch it (up to ``timeout``): a renewal seen means a live writer (refuse),
+none means its owner is gone (take over). Every write is conditional on the storage generation
+read just before (tensorstore's ``if_equal``: the file driver's lock, GCS ``ifGenerationMatch``),
+so two jobs racing to take the lease cannot both win; each then reads it back to be sure.
+``ORBAX_PATHWAYS_LEASE=0`` turns all of this off. ``retention.install`` (at ``import
+orbax_pathways``) installs the hooks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import socket
+import threading
+import time
+import uuid
+
+from absl import logging
+import tensorstore as ts
+
+from orbax_pathways import errors
+from orbax_pathways import options as options_lib
+from orbax_pathways import retention
+from orbax_pathways import version
+from orbax_pathways._compat import orbax_manager as _om
+from orbax_pathways.plan import lease as plan
+from orbax_pathways.storage import meta_io
+
+LEASE_FILE = 'orbax-pathways-lease.json'
+ENABLE_ENV = 'ORBAX_PATHWAYS_LEASE'
+TIMEOUT_ENV = 'ORBAX_PATHWAYS_LEASE_TIMEOUT_S'
+# tensorstore's storage generation of a missing key: a write conditional on it creates only.
+_ABSENT = b'\x02'
+# Scheduler variables that name the job, first found wins (recorded in the lease for humans).
+_JOB_VARS = ('JOBSET_NAME', 'SLURM_JOB_ID', 'JOB_NAME')
+_AGREE_KEEP = 16  # key-value entries of past saves kept per directory (multi-controller)
+
+_lock = threading.RLock()
+_leases: dict[str, Lease] = {}  # directory -> the lease this process holds there
+_seq: dict[str, int] = {}  # directory -> saves started (every process counts the same)
+_installed = False
+_timeout_override: float | None = None
+_ctx: ts.Context | None = None
+
+
+def _context() -> ts.Context:
+  global _ctx
+  with _lock:
+    if _ctx is None:
+      _ctx = ts.Context()
+    return _ctx
+
+
+def directory_key(directory) -> str:
+  """The directory as one string (absolute for local paths) that names its lease."""
+  d = os.fspath(directory).rstrip('/')
+  return d if '://' in d else os.path.abspath(d)
+
+
+def lease_path(directory) -> str:
+  return f'{directory_key(directory)}/{LEASE_FILE}'
+
+
+def timeout_s() -> float:
+  return (_timeout_override if _timeout_override is not None
+          else float(options_lib.env_value(TIMEOUT_ENV)))
+
+
+def _job_name() -> str:
+  for name in _JOB_VARS:
+    value = os.environ.get(name, '').strip()
+    if value:
+      return value[:200]
+  return ''
+
+
+# ---------------------------------------------------------------------------------------------
+# Storage: one object, conditional writes.
+
+
+class _Store:
+  """The lease object of one directory, through tensorstore's kvstore (file, gcs, s3)."""
+
+  def __init__(self, directory: str):
+    self._kv = ts.KvStore.open(meta_io.kvstore_spec(directory), context=_context()).result()
+
+  def read(self) -> tuple[bool, bytes, bytes]:
+    """(present, content, storage generation)."""
+    r = self._kv.read(LEASE_FILE).result()
+    return r.state == 'value', bytes(r.value), bytes(r.stamp.generation)
+
+  def write_if(self, data: bytes | None, generation: bytes) -> bytes | None:
+    """Writes (None: deletes) only if the object's generation is still ``generation``
+    (``_ABSENT``: only if there is none). The new generation, or None if the condition failed."""
+    g = bytes(self._kv.write(LEASE_FILE, data, if_equal=generation).result().generation)
+    return g or None
+
+
+# ---------------------------------------------------------------------------------------------
+# One held lease.
+
+
+class Lease:
+  """This process's lease on one directory (its job's, under multi-controller JAX)."""
+
+  def __init__(self, directory: str, *, timeout: float, processes: int):
+    self.directory = directory
+    self.path = f'{directory}/{LEASE_FILE}'
+    self.timeout_s = timeout
+    self._store = _Store(directory)
+    now = time.time()
+    pid = os.getpid()
+    self.me = plan.Owner(
+        token=uuid.uuid4().hex, host=socket.gethostname(), host_id=retention.host_id(), pid=pid,
+        pid_start=retention.process_start(pid), job=_job_name(), processes=processes,
+        started=now, renewed=now, timeout_s=timeout, library_version=version.VERSION)
+    self.holders: set[int] = set()  # id() of the managers of this process that saved here
+    self._generation: bytes | None = None
+    self._renewed_mono = 0.0
+    self._lost: str | None = None
+    self._io_lock = threading.Lock()
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  # -- taking it
+
+  def acquire(self) -> None:
+    """Takes the lease or raises ``WriterLeaseError``; may watch a lease of another host for up
+    to ``timeout`` seconds first. Called on the lease-writing process at the job's first save."""
+    watched_since: float | None = None
+    seen: bytes | None = None
+    changed = False
+    poll = min(1.0, max(self.timeout_s / 10, 0.05))
+    give_up = time.monotonic() + 3 * self.timeout_s + 60  # a lease changing all the time
+    while True:
+      present, data, generation = self._store.read()
+      held = plan.Owner.decode(data) if present else None
+      mono = time.monotonic()
+      if watched_since is None or (seen != generation and present):
+        if watched_since is not None:
+          changed = True
+        watched_since, seen = mono, generation
+      alive = None
+      if held is not None and held.host_id == self.me.host_id:
+        alive = retention.process_alive(held.pid, held.pid_start)
+      decision = plan.decide(
+          held, present=present, my_token=self.me.token, my_host_id=self.me.host_id,
+          now=time.time(), timeout_s=self.timeout_s, owner_alive=alive,
+          unchanged_for_s=mono - watched_since if mono > watched_since else None,
+          changed_while_watched=changed)
+      if decision.action == plan.REFUSE or (decision.action == plan.WAIT and mono > give_up):
+        raise errors.WriterLeaseError(self._refusal(held, decision.reason))
+      if decision.action == plan.WAIT:
+        time.sleep(poll)
+        continue
+      fresh = self.me.renewed_at(time.time())
+      if decision.action == plan.KEEP:
+        condition = generation
+      elif decision.action == plan.TAKE:
+        condition = _ABSENT
+      else:  # TAKEOVER
+        condition = generation
+      new = self._store.write_if(fresh.encode(), condition)
+      if new is None or not self._reads_back_ours(fresh):
+        time.sleep(poll / 10)
+        continue  # another job won the race: look again
+      self.me, self._generation = fresh, new
+      self._renewed_mono = time.monotonic()
+      if decision.action == plan.TAKEOVER:
+        who = held.describe() if held is not None else 'an unreadable lease'
+        logging.warning(
+            'orbax_pathways: took over the writer lease %s from %s: %s. Its owner counts as gone; '
+            'if it is in fact still saving into %s, it will be refused at its next save.',
+            self.path, who, decision.reason, self.directory)
+      else:
+        logging.info('orbax_pathways: took the writer lease %s.', self.path)
+      self._start_renewer()
+      return
+
+  def _reads_back_ours(self, fresh: plan.Owner) -> bool:
+    """A store that ignores write conditions (some emulators) lets two racers both "win"; the
+    content read back tells who did."""
+    present, data, _ = self._store.read()
+    held = plan.Owner.decode(data) if present else None
+    return held is not None and held.token == fresh.token
+
+  def _refusal(self, held: plan.Owner | None, reason: str) -> str:
+    who = held.describe() if held is not None else 'an owner whose lease cannot be read'
+    return (
+        f'orbax_pathways: refusing to save into {self.directory}: another job is saving into it. '
+        f'The writer lease {self.path} is held by {who}; this job is {self.me.describe(holder=False)}. '
+        f'({reason}.) Two jobs saving into one directory overwrite each other\'s steps. Stop '
+        'the other job (or let it finish and close its CheckpointManager), or save into another '
+        'directory. If the other job is gone, its lease is taken over automatically once not '
+        f'renewed for {self.timeout_s:g} s ({TIMEOUT_ENV}); deleting {self.path} by hand takes '
+        'it over at once.')
+
+  # -- keeping it
+
+  def _start_renewer(self) -> None:
+    self._stop.clear()
+    self._thread = threading.Thread(target=self._renew_loop, daemon=True,
+                                    name=f'orbax_pathways-lease-{self.directory}')
+    self._thread.start()
+
+  def _renew_loop(self) -> None:
+    while not self._stop.wait(self.timeout_s / 3):
+      if self._lost is not None:
+        return
+      self.renew()
+
+  def renew(self) -> None:
+    """Renews the lease if it is still ours; otherwise remembers who took it (``check`` raises).
+    A storage error is logged and retried at the next renewal."""
+    with self._io_lock:
+      if self._lost is not None or self._generation is None:
+        return
+      fresh = self.me.renewed_at(time.time())
+      try:
+        new = self._store.write_if(fresh.encode(), self._generation)
+        if new is not None:
+          self.me, self._generation = fresh, new
+          self._renewed_mono = time.monotonic()
+          return
+        present, data, generation = self._store.read()
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning('orbax_pathways: renewing the writer lease %s failed (%s: %s); retrying '
+                        'in %.0f s.', self.path, type(e).__name__, e, self.timeout_s / 3)
+        return
+      held = plan.Owner.decode(data) if present else None
+      if held is not None and held.token == self.me.token:
+        self._generation = generation  # our write went through after all
+        return
+      who = (held.describe() if held is not None else
+             'nobody (it was deleted)' if not present else 'an unreadable lease')
+      self._lost = (
+          f'orbax_pathways: refusing to save into {self.directory}: this job '
+          f'({self.me.describe()}) no longer holds its writer lease {self.path}: it is now held '
+          f'by {who}. Another job took it over because this job did not renew it for '
+          f'{self.timeout_s:g} s ({TIMEOUT_ENV}; a stalled process or storage outage), and may '
+          'be saving into the same directory. Stop one of the two jobs; to resume saving here, '
+          'construct a new CheckpointManager once the other job is gone.')
+      logging.error('%s', self._lost)
+
+  def check(self) -> None:
+    """At each save on the lease-writing process: raises ``WriterLeaseError`` if the lease was
+    taken over; renews it first when a renewal is due (the renewer may have stalled)."""
+    if self._lost is None and time.monotonic() - self._renewed_mono > self.timeout_s / 3:
+      self.renew()
+    if self._lost is not None:
+      raise errors.WriterLeaseError(self._lost)
+
+  # -- giving it back
+
+  def release(self) -> None:
+    """Stops renewing and deletes the lease if it is still ours (conditional delete)."""
+    self._stop.set()
+    thread = self._thread
+    if thread is not None and thread is not threading.current_thread():
+      thread.join(timeout=10)
+    with self._io_lock:
+      if self._lost is not None or self._generation is None:
+        return
+      generation, self._generation = self._generation, None
+      try:
+        if self._store.write_if(None, generation) is None:
+          logging.warning('orbax_pathways: the writer lease %s changed under this job; left it '
+                          'in place.', self.path)
+        else:
+          logging.info('orbax_pathways: released the writer lease %s.', self.path)
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning('orbax_pathways: releasing the writer lease %s failed (%s: %s); the next '
+                        'job takes it over once it is stale.', self.path, type(e).__name__, e)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CheckpointManager hooks.
+
+
+def _lease_writer_process(mngr) -> bool:
+  primary = _om.manager_primary_host(mngr)
+  return _om.process_index() == (0 if primary is None else primary)
+
+
+def _hold(directory: str, mngr) -> None:
+  with _lock:
+    lease = _leases.get(directory)
+    if lease is None:
+      lease = Lease(directory, timeout=timeout_s(), processes=_om.process_count())
+      lease.acquire()
+      _leases[directory] = lease
+    lease.holders.add(id(mngr))
+  lease.check()
+
+
+def before_save(mngr, step: int) -> None:
+  """``lease_save`` hook: see the module docstring. Raises ``WriterLeaseError`` on every process
+  of the job when the lease is held by another live job or was taken over from this one."""
+  if not options_lib.env_value(ENABLE_ENV):
+    return
+  directory = directory_key(mngr.directory)
+  with _lock:
+    seq = _seq[directory] = _seq.get(directory, 0) + 1
+  writer = _lease_writer_process(mngr)
+  error: Exception | None = None
+  if writer:
+    try:
+      _hold(directory, mngr)
+    except errors.WriterLeaseError as e:
+      error = e
+    except Exception as e:  # pylint: disable=broad-except  # storage errors: shared below
+      error = errors.keeping_type(
+          errors.SaveError, e,
+          f'orbax_pathways: saving step {step} into {directory} failed before writing anything: '
+          f'the writer lease {directory}/{LEASE_FILE} could not be checked: '
+          f'{type(e).__name__}: {e}. Retry the save once storage answers again.')
+      error.__cause__ = e
+  if _om.process_count() > 1 and _om.distributed_client() is not None:
+    outcome = _agree(directory, seq, None if error is None else str(error), writer)
+    if outcome is not None and error is None:
+      error = errors.WriterLeaseError(outcome)
+  if error is not None:
+    raise error
+
+
+def _agree(directory: str, seq: int, outcome: str | None, writer: bool) -> str | None:
+  """The lease-writing process's answer (None: go ahead), shared with the job's processes."""
+  client = _om.distributed_client()
+  base = f'orbax_pathways/lease/{hashlib.sha1(directory.encode()).hexdigest()[:16]}'
+  key = f'{base}/{seq}'
+  if writer:
+    client.key_value_set(key, 'ok' if outcome is None else 'refused:' + outcome,
+                         allow_overwrite=True)
+    if seq > _AGREE_KEEP:
+      try:
+        client.key_value_delete(f'{base}/{seq - _AGREE_KEEP}')
+      except Exception:  # pylint: disable=broad-except
+        pass
+    return outcome
+  wait_s = 3 * timeout_s() + 300  # the writer may watch another host's lease for `timeout`
+  try:
+    value = client.blocking_key_value_get(key, int(wait_s * 1000))
+  except Exception as e:  # pylint: disable=broad-except
+    return (f'orbax_pathways: the lease-writing process of this job did not say within '
+            f'{wait_s:.0f} s whether it holds the writer lease of {directory} ({type(e).__name__}: '
+            f'{e}). Every process must call CheckpointManager.save at every step.')
+  return None if value == 'ok' else value.split(':', 1)[1]
+
+
+def after_close(mngr) -> None:
+  """``after_close`` hook: the last manager of this process that saved into the directory
+  releases the lease."""
+  directory = directory_key(mngr.directory)
+  with _lock:
+    lease = _leases.get(directory)
+    if lease is None or id(mngr) not in lease.holders:
+      return
+    lease.holders.discard(id(mngr))
+    if lease.holders:
+      return
+    del _leases[directory]
+  lease.release()
+
+
+def held_leases() -> dict[str, plan.Owner]:
+  """The leases this process holds now: directory -> owner as last written."""
+  with _lock:
+    return {d: lease.me for d, lease in _leases.items()}
+
+
+def release_all() -> None:
+  """Releases every lease this process holds (at interpreter exit)."""
+  with _lock:
+    leases = list(_leases.values())
+    _leases.clear()
+  for lease in leases:
+    lease.release()
+
+
+def _after_fork_in_child() -> None:
+  global _lock
+  _lock = threading.RLock()
+  _leases.clear()  # the parent's; the child takes its own if it saves
+  _seq.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(release_all)
+
+
+def install(*, timeout: float | None = None) -> None:
+  """Activates the lease for every CheckpointManager save (idempotent). ``timeout``: seconds
+  without renewal after which a lease is stale (None: ``ORBAX_PATHWAYS_LEASE_TIMEOUT_S``)."""
+  global _installed, _timeout_override
+  if timeout is not None and not timeout > 0:
+    raise ValueError(f'timeout={timeout!r} must be > 0 seconds.')
+  with _lock:
+    _timeout_override = timeout
+    _om.set_hook('lease_save', before_save)
+    _om.set_hook('after_close', after_close)
+    _om.install_manager_hooks()
+    _installed = True
+
+
+def uninstall() -> None:
+  """No lease for later saves; the leases held now are released."""
+  global _installed, _timeout_override
+  release_all()
+  with _lock:
+    _om.set_hook('lease_save', None)
+    _om.set_hook('after_close', None)
+    _timeout_override = None
+    _installed = False
+
+
+def installed() -> bool:
+  return _installed
+
+

@@ -1,0 +1,335 @@
+"""Two writers on one directory (issue 21, item 7): the writer lease.
+
+Real processes saving through ordinary CheckpointManagers, on local disk and on fake-gcs-server:
+a second live writer is refused with an error naming both jobs; once the first is killed (or
+stalls past the timeout) the second takes over with one warning and its values are what the
+directory holds; evaluators never take or need the lease; a multi-controller job is one owner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from support import REPO
+from support.procs import child_env
+from support.workers import lease_worker as lw
+
+from orbax_pathways import errors
+from orbax_pathways import lease
+from orbax_pathways.plan import lease as plan
+
+WORKER = os.path.join(REPO, 'tests', 'support', 'workers', 'lease_worker.py')
+TIMEOUT = 300  # generous: several helpers share two cores
+
+
+# ---------------------------------------------------------------------------------------------
+# The pure decision.
+
+
+def _owner(**kw):
+  base = dict(token='theirs', host='h1', host_id='aaaa', pid=10, pid_start=5, job='',
+              processes=1, started=0.0, renewed=100.0, timeout_s=30.0)
+  base.update(kw)
+  return plan.Owner(**base)
+
+
+def _decide(held, **kw):
+  args = dict(present=held is not None, my_token='mine', my_host_id='aaaa', now=110.0,
+              timeout_s=30.0, owner_alive=None, unchanged_for_s=None, changed_while_watched=False)
+  args.update(kw)
+  return plan.decide(held, **args).action
+
+
+def test_decide():
+  assert _decide(None) == plan.TAKE
+  assert _decide(_owner(token='mine')) == plan.KEEP
+  # Same host: a dead owner is taken over at once, a live one refused at once.
+  assert _decide(_owner(), owner_alive=False) == plan.TAKEOVER
+  assert _decide(_owner(), owner_alive=True) == plan.REFUSE
+  # A live pid does not keep a lease it stopped renewing (a stalled process).
+  assert _decide(_owner(), owner_alive=True, now=200.0) == plan.TAKEOVER
+  # Another host: watch; a renewal seen means a live writer, none for `timeout` a gone one.
+  other = _owner(host_id='bbbb')
+  assert _decide(other) == plan.WAIT
+  assert _decide(other, changed_while_watched=True) == plan.REFUSE
+  assert _decide(other, unchanged_for_s=31.0) == plan.TAKEOVER
+  assert _decide(other, now=131.0) == plan.TAKEOVER  # its own clock says it is stale
+  # An unreadable object: treated as another host's.
+  assert _decide(None, present=True) == plan.WAIT
+  assert _decide(None, present=True, unchanged_for_s=31.0) == plan.TAKEOVER
+
+
+def test_owner_round_trip_and_unreadable():
+  o = _owner(job='train-7', processes=4)
+  assert plan.Owner.decode(o.encode()) == o
+  assert 'train-7' in o.describe() and '4 processes' in o.describe()
+  assert plan.Owner.decode(b'{"token": 1') is None
+  assert plan.Owner.decode(b'[]') is None
+
+
+# ---------------------------------------------------------------------------------------------
+# In one process.
+
+
+def test_racing_takers_cannot_both_win(tmp_path):
+  """Eight takers race for an absent lease (each its own owner): the conditional create lets
+  exactly one win, the others are refused naming it."""
+  d = lease.directory_key(tmp_path)
+  leases = [lease.Lease(d, timeout=30.0, processes=1) for _ in range(8)]
+  start = threading.Barrier(len(leases))
+  won, refused = [], []
+
+  def take(one):
+    start.wait()
+    try:
+      one.acquire()
+      won.append(one)
+    except errors.WriterLeaseError as e:
+      refused.append(str(e))
+
+  threads = [threading.Thread(target=take, args=(one,)) for one in leases]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(TIMEOUT)
+  assert len(won) == 1 and len(refused) == 7, (len(won), refused[:1])
+  on_disk = json.loads((tmp_path / lease.LEASE_FILE).read_text())
+  assert on_disk['token'] == won[0].me.token
+  won[0].release()
+  assert not (tmp_path / lease.LEASE_FILE).exists()
+
+
+def test_managers_of_one_process_share_the_lease(tmp_path):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  first, second = ocp.CheckpointManager(tmp_path), ocp.CheckpointManager(tmp_path)
+  first.save(0, args=ocp.args.StandardSave({'a': np.arange(4)}))
+  first.wait_until_finished()
+  second.save(1, args=ocp.args.StandardSave({'a': np.arange(4) + 1}))
+  second.wait_until_finished()
+  path = tmp_path / lease.LEASE_FILE
+  owner = plan.Owner.decode(path.read_bytes())
+  assert owner is not None and owner.pid == os.getpid()
+  second.close()
+  assert path.exists()  # still held by `first`
+  first.close()
+  assert not path.exists()  # released by the last one
+  reader = ocp.CheckpointManager(tmp_path)  # a reader never takes it
+  assert reader.all_steps() == [0, 1]
+  reader.close()
+  assert not path.exists()
+
+
+def test_lease_off(tmp_path, monkeypatch):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv(lease.ENABLE_ENV, '0')
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(0, args=ocp.args.StandardSave({'a': np.arange(4)}))
+    mngr.wait_until_finished()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['0']
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes.
+
+
+class Job:
+  """A worker process whose stdout (JSON lines) goes to a file."""
+
+  def __init__(self, tmp_path, name, *args, env=None):
+    self.out = tmp_path / f'{name}.out'
+    self.err = tmp_path / f'{name}.err'
+    with open(self.out, 'wb') as out, open(self.err, 'wb') as err:
+      self.proc = subprocess.Popen([sys.executable, WORKER, *map(str, args)], stdout=out,
+                                   stderr=err, env=child_env(env, devices=None), cwd=REPO)
+
+  def lines(self):
+    return [json.loads(l) for l in self.out.read_text().splitlines() if l.startswith('{')]
+
+  def wait_for(self, key, timeout=TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+      for line in self.lines():
+        if key in line:
+          return line
+      assert self.proc.poll() is None, self.tail()
+      time.sleep(0.1)
+    raise AssertionError(f'no {key!r} line after {timeout} s: {self.tail()}')
+
+  def finish(self, timeout=TIMEOUT):
+    self.proc.wait(timeout)
+    assert self.proc.returncode == 0, self.tail()
+    return self.lines()
+
+  def stderr(self):
+    return self.err.read_text(errors='replace')
+
+  def tail(self):
+    return f'stdout:\n{self.out.read_text()[-3000:]}\nstderr:\n{self.stderr()[-5000:]}'
+
+  def kill(self):
+    if self.proc.poll() is None:
+      self.proc.kill()
+      self.proc.wait()
+
+
+def _run(tmp_path, name, *args, env=None):
+  job = Job(tmp_path, name, *args, env=env)
+  try:
+    return job.finish(), job.stderr()
+  finally:
+    job.kill()
+
+
+def _saves(lines):
+  return {l['step']: l for l in lines if 'step' in l}
+
+
+def _lease_json(directory):
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  path = epath.Path(lease.lease_path(directory))
+  return json.loads(path.read_text()) if path.exists() else None
+
+
+@pytest.fixture(params=['local', pytest.param('gcs', marks=pytest.mark.gcs)])
+def ckpt_dir(request, tmp_path):
+  if request.param == 'local':
+    return str(tmp_path / 'ckpt')
+  bucket = request.getfixturevalue('gcs_bucket')
+  return bucket.path('ckpt')
+
+
+def test_second_writer_refused_then_takes_over_once_the_first_is_killed(ckpt_dir, tmp_path):
+  first = Job(tmp_path, 'first', 'save', ckpt_dir, 'A', '0,1', '--hold', tmp_path / 'never')
+  try:
+    pid_a = first.wait_for('ready')['ready']
+    assert all(s['ok'] for s in _saves(first.lines()).values()), first.tail()
+    held = _lease_json(ckpt_dir)
+    assert held['pid'] == pid_a and held['processes'] == 1
+
+    # A second job saving into the same directory is refused, naming both, and writes nothing.
+    lines, _ = _run(tmp_path, 'second', 'save', ckpt_dir, 'B', '2')
+    refused = _saves(lines)[2]
+    pid_b = next(l['ready'] for l in lines if 'ready' in l)
+    assert not refused['ok'] and refused['type'] == 'WriterLeaseError', refused
+    text = refused['error']
+    assert text.startswith(f'orbax_pathways: refusing to save into {ckpt_dir}: another job is '
+                           'saving into it.'), text
+    assert f'{ckpt_dir}/{lease.LEASE_FILE} is held by' in text
+    assert f'(pid {pid_a};' in text and f'(pid {pid_b})' in text, text
+    assert 'Stop the other job' in text and 'ORBAX_PATHWAYS_LEASE_TIMEOUT_S' in text
+
+    # Evaluators (ours and stock Orbax) list and restore while the lease is held, and leave it.
+    for flags in ([], ['--stock']):
+      lines, _ = _run(tmp_path, 'reader' + ''.join(flags), 'read', ckpt_dir, *flags)
+      assert lines[-1]['steps'] == [0, 1] and lines[-1]['values'] == {'0': 'A0', '1': 'A1'}
+      assert lines[-1]['pathways'] == (not flags)
+    assert _lease_json(ckpt_dir)['token'] == held['token']
+
+    # kill -9 the first job: the restarted second one takes its lease over, with one warning.
+    first.kill()
+    lines, err = _run(tmp_path, 'restarted', 'save', ckpt_dir, 'B', '2')
+    assert _saves(lines)[2]['ok'], err[-3000:]
+    warnings = [l for l in err.splitlines() if 'took over the writer lease' in l]
+    assert len(warnings) == 1, err[-3000:]
+    assert f'process {pid_a} on this host, is gone' in warnings[0], warnings
+  finally:
+    first.kill()
+  assert _lease_json(ckpt_dir) is None  # released on close()
+  lines, _ = _run(tmp_path, 'final', 'read', ckpt_dir)
+  assert lines[-1]['values'] == {'0': 'A0', '1': 'A1', '2': 'B2'}
+
+
+@pytest.mark.gcs
+def test_restarted_jobs_each_save_a_new_step_on_gcs(gcs_bucket, tmp_path):
+  """Each restart is a fresh process saving the next step into the same gs:// directory (its
+  predecessor's lease released). Before gcsfs's listing cache was dropped ahead of Orbax's
+  finalize, about half of these commits failed ('Checkpoint directory does not exist')."""
+  ckpt_dir = gcs_bucket.path('ckpt')
+  for step in range(6):
+    lines, err = _run(tmp_path, f'job{step}', 'save', ckpt_dir, 'A', str(step))
+    assert _saves(lines)[step]['ok'], (_saves(lines)[step], err[-2000:])
+  lines, _ = _run(tmp_path, 'final', 'read', ckpt_dir)
+  assert lines[-1]['values'] == {str(s): f'A{s}' for s in range(6)}
+
+
+def test_a_stalled_writer_loses_its_lease_and_is_refused_at_its_next_save(tmp_path):
+  """The first job stops renewing (SIGSTOP: alive, silent, like a host cut off). Past the
+  timeout the second takes over; the first, resumed, is refused at its next save, naming the
+  new owner; the directory holds the first's steps before and the second's after."""
+  ckpt_dir = str(tmp_path / 'ckpt')
+  env = {lease.TIMEOUT_ENV: 3}
+  first = Job(tmp_path, 'first', 'save', ckpt_dir, 'A', '0', '--hold', tmp_path / 'go-a',
+              '--then', '3', env=env)
+  second = None
+  try:
+    pid_a = first.wait_for('ready')['ready']
+    os.kill(pid_a, signal.SIGSTOP)
+    time.sleep(3.5)
+    second = Job(tmp_path, 'second', 'save', ckpt_dir, 'B', '1,2', '--hold', tmp_path / 'go-b',
+                 env=env)
+    pid_b = second.wait_for('ready')['ready']
+    assert all(s['ok'] for s in _saves(second.lines()).values()), second.tail()
+    warnings = [l for l in second.stderr().splitlines() if 'took over the writer lease' in l]
+    assert len(warnings) == 1 and f'(pid {pid_a};' in warnings[0], second.stderr()[-3000:]
+    assert 'not renewed for' in warnings[0], warnings
+    os.kill(pid_a, signal.SIGCONT)
+    (tmp_path / 'go-a').touch()
+    lost = _saves(first.finish())[3]
+    assert not lost['ok'] and lost['type'] == 'WriterLeaseError', lost
+    assert 'no longer holds its writer lease' in lost['error'], lost
+    assert f'(pid {pid_b};' in lost['error'], lost['error']
+    (tmp_path / 'go-b').touch()
+    second.finish()
+  finally:
+    for job in (first, second):
+      if job is not None:
+        try:
+          os.kill(job.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+          pass
+        job.kill()
+  lines, _ = _run(tmp_path, 'final', 'read', ckpt_dir)
+  assert lines[-1]['values'] == {'0': 'A0', '1': 'B1', '2': 'B2'}
+  assert _lease_json(ckpt_dir) is None
+
+
+def test_a_multi_controller_job_is_one_owner(tmp_path):
+  """Two jax.distributed processes save together: one lease, written by process 0, naming 2
+  processes, and released on close. While a single-process job holds the lease, every process
+  of a second two-process job is refused at the same save (none is left waiting in a barrier)."""
+  from support.mp_harness import run_processes  # pylint: disable=g-import-not-at-top
+  ckpt_dir = str(tmp_path / 'ckpt')
+  results = run_processes(WORKER, 2, 1, args=['mp', ckpt_dir, 'A', '0,1'], timeout=TIMEOUT)
+  for r in results:
+    assert [o['ok'] for o in r.result['outcomes']] == [True, True], r.result
+  tokens = [r.result['held'] for r in results]
+  assert list(tokens[0]) == [ckpt_dir] and tokens[1] == {}, tokens  # process 0 only
+  assert _lease_json(ckpt_dir) is None
+
+  holder = Job(tmp_path, 'holder', 'save', ckpt_dir, 'C', '2', '--hold', tmp_path / 'never')
+  try:
+    holder.wait_for('ready')
+    results = run_processes(WORKER, 2, 1, args=['mp', ckpt_dir, 'A', '3'], timeout=TIMEOUT)
+    for r in results:
+      (outcome,) = r.result['outcomes']
+      assert not outcome['ok'] and outcome['type'] == 'WriterLeaseError', outcome
+      assert f'(pid {holder.proc.pid};' in outcome['error'], outcome['error']
+      assert f'(pid {results[0].result["pid"]}, 2 processes)' in outcome['error']
+  finally:
+    holder.kill()
+  lines, _ = _run(tmp_path, 'final', 'read', ckpt_dir)
+  assert lines[-1]['values'] == {'0': 'A0', '1': 'A1', '2': 'C2'}
+
+
+def test_values_helper():
+  assert lw.tag_of(lw.values('B', 2)) == 'B2'
