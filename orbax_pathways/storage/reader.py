@@ -18,6 +18,7 @@ from orbax_pathways import errors
 from orbax_pathways import metadata
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import restore as restore_plan
+from orbax_pathways.storage import hedge
 
 Box = boxes_lib.Box
 
@@ -102,17 +103,39 @@ def open_error(name: str, path: str, e: BaseException) -> errors.RestoreError:
 async def read_array(read: ArrayRead, *, context: ts.Context, verify: bool,
                      stats: ReadStats) -> dict[Box, np.ndarray]:
   """Host buffers for every needed box of one array (each region read once)."""
+  spec = ts.Spec(read.tspec)
+
+  async def open_attempt(n: int) -> ts.TensorStore:  # later attempts: a fresh context
+    return await ts.open(spec, open=True, context=hedge.fresh_context(context, n) if n else context)
+
   try:
-    t = await ts.open(ts.Spec(read.tspec), open=True, context=context)
+    t = await hedge.run(open_attempt, nbytes=0, what=f'array {read.name!r} at {read.path}',
+                        kind='read')
   except Exception as e:
     raise open_error(read.name, read.path, e) from e
   loop = asyncio.get_running_loop()
+  hedges: dict[int, ts.TensorStore] = {0: t}
+
+  async def handle(n: int) -> ts.TensorStore:
+    if n not in hedges:  # one handle per attempt number, shared by this array's regions
+      hedges[n] = await ts.open(spec, open=True, context=hedge.fresh_context(context, n))
+    return hedges[n]
+
+  async def read_region(box: Box, n: int) -> np.ndarray:
+    src = await handle(n)
+    # Each attempt decodes into its own buffer: a cancelled one never touches the winner's.
+    data = aligned_empty(box.shape, t.dtype.numpy_dtype)
+    # Decode straight into our buffer (tensorstore's own read() result is not 64-byte aligned).
+    await ts.array(data, copy=False, write=True).write(src[box.to_slices()])
+    return data
 
   async def one(region: restore_plan.Region) -> list[tuple[Box, np.ndarray]]:
     try:
-      data = aligned_empty(region.box.shape, t.dtype.numpy_dtype)
-      # Decode straight into our buffer (tensorstore's own read() result is not 64-byte aligned).
-      await ts.array(data, copy=False, write=True).write(t[region.box.to_slices()])
+      nbytes = region.box.size * t.dtype.numpy_dtype.itemsize
+      data = await hedge.run(
+          lambda n: read_region(region.box, n), nbytes=nbytes, kind='read',
+          what=f'array {read.name!r} region {list(region.box.start)}..'
+               f'{list(region.box.stop)} of {read.path}')
     except Exception as e:
       raise errors.RestoreError(
           f'Reading array {read.name!r} region {list(region.box.start)}..'
