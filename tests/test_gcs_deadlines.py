@@ -20,6 +20,7 @@ import orbax_pathways
 from orbax_pathways.storage import hedge
 
 from support.arrays import abstract, assert_bit_identical, mesh, random_state
+from support.ckpt import options
 
 pytestmark = pytest.mark.gcs
 
@@ -129,3 +130,45 @@ def test_restore_with_one_hung_read_finishes_with_exact_values(faulty_gcs):
   assert_bit_identical(res['value'], state)
   # The answer that won was checked against the checksums recorded at save, like any other.
   assert orbax_pathways.stats.last_restore().chunks_verified == verified_before > 0
+
+
+def test_restore_with_the_index_read_hung_finishes(faulty_gcs):
+  """Our own metadata (``_pathways/index.msgpack``) is read with a deadline too."""
+  m = mesh()
+  state = random_state(m)
+  path = faulty_gcs.path('ckpt')
+  _save(path, 1, state)
+  before = hedge.counts().get('read_hedged', 0)
+  faulty_gcs.proxy.hold(
+      lambda method, target: method == 'GET' and '_pathways/index.msgpack' in unquote(target))
+  th, res = _run_limited(lambda: _restore(path, 1, state), SLACK_S + 10)
+  held = faulty_gcs.proxy.held()
+  faulty_gcs.proxy.release()
+  th.join(120)
+  assert not th.is_alive() and res['elapsed'] < SLACK_S + 10, (res, held)
+  assert 'error' not in res, res['error']
+  assert len(held) == 1, held
+  assert hedge.counts().get('read_hedged', 0) > before
+  assert_bit_identical(res['value'], state)
+
+
+def test_restore_whose_every_request_hangs_fails_naming_the_array(faulty_gcs):
+  """Storage that accepts and never answers: the restore fails, naming the array and the
+  path, once every attempt passed its deadline; it does not hang."""
+  m = mesh()
+  state = random_state(m)
+  del state['step']  # only our arrays: Orbax's own scalar read would wait on its own timeout
+  path = faulty_gcs.path('ckpt')
+  _save(path, 1, state)
+  with options(request_deadline_floor_s=1.0, request_deadline_cap_s=1.0):
+    faulty_gcs.proxy.hold(_array_data_read(1), count=1000)
+    th, res = _run_limited(lambda: _restore(path, 1, state), SLACK_S + 10)
+    faulty_gcs.proxy.release()
+    th.join(120)
+  assert not th.is_alive()
+  err = res.get('error')
+  assert err is not None, 'the restore succeeded although no data read was ever answered'
+  text = f'{type(err).__name__}: {err}'
+  print(f'\n[all hung] failed after {res["elapsed"]:.1f}s: {text[:600]}')
+  assert 'no answer from storage' in text and f'{path}/1/default/' in text, text
+  assert any(f"'{n}'" in text for n in ('params.w', 'params.b', 'params.e', 'opt.mu')), text

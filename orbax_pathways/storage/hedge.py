@@ -121,7 +121,7 @@ def _error(what: str, kind: str, waited: float, attempts: int) -> StorageDeadlin
       f'requests, each past its deadline (Options.request_deadline_floor_s / '
       f'request_deadline_cap_s). Storage is unreachable or stuck for this object: check the '
       'bucket and network, or raise ORBAX_PATHWAYS_REQUEST_DEADLINE_CAP_S if requests this '
-      'large are normally this slow.')
+      'large are normally this slow')
 
 
 async def run(attempt: Callable[[int], Awaitable[Any]], *, nbytes: int, what: str, kind: str,
