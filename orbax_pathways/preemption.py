@@ -76,6 +76,7 @@ from absl import logging
 from orbax_pathways import errors
 from orbax_pathways import options as options_lib
 from orbax_pathways import retention
+from orbax_pathways import waits
 from orbax_pathways._compat import orbax_manager as _om
 
 NO_SIGTERM_ENV = 'ORBAX_PATHWAYS_NO_SIGTERM'
@@ -390,14 +391,8 @@ def _kv_agreement(step: int) -> bool:
   prefix = f'orbax_pathways/preemption/{_generation}/{step}'
   key = f'{prefix}/{me}'
   client.key_value_set(key, '1' if preemption_pending() else '0', allow_overwrite=True)
-  timeout_ms = int(_agreement_timeout_s * 1000)
-  try:
-    flags = [client.blocking_key_value_get(f'{prefix}/{p}', timeout_ms) for p in range(n)]
-  except Exception as e:  # pylint: disable=broad-except
-    raise RuntimeError(
-        f'orbax_pathways: preemption agreement at step {step} timed out after '
-        f'{_agreement_timeout_s}s waiting for all {n} processes (key prefix {prefix}). Every '
-        'process must call CheckpointManager.should_save/save at every step.') from e
+  flags = waits.gather(client, prefix, n, _agreement_timeout_s,
+                       what=f'orbax_pathways: preemption agreement at step {step}')
   if _last_published_key is not None:
     try:
       client.key_value_delete(_last_published_key)
@@ -492,9 +487,9 @@ def _all_processes_ok(ok: bool, step: int) -> bool:
   prefix = f'orbax_pathways/resume/{_resume_round}/{step}'
   client.key_value_set(f'{prefix}/{_om.process_index()}', '1' if ok else '0',
                        allow_overwrite=True)
-  timeout_ms = int(_agreement_timeout_s * 1000)
-  return all(client.blocking_key_value_get(f'{prefix}/{p}', timeout_ms) == '1'
-             for p in range(_om.process_count()))
+  flags = waits.gather(client, prefix, _om.process_count(), _agreement_timeout_s,
+                       what=f'orbax_pathways: resume agreement on step {step}')
+  return all(f == '1' for f in flags)
 
 
 def _still_complete(mngr, step: int) -> bool:
