@@ -223,11 +223,15 @@ def diff_text(obj: dict[str, Any]) -> str:
          f'values of {c["values_by_crc32c"]} array{"" if c["values_by_crc32c"] == 1 else "s"} '
          'by recorded crc32c (no data read)')
   lines.append(f'compared: tree, value types, dtypes, shapes, shardings; {how}')
-  if skipped:
-    lines.append(f'values not compared ({len(skipped)}): {", ".join(skipped[:8])}'
-                 f'{" ..." if len(skipped) > 8 else ""}'
+  why = c.get('values_not_compared_why') or {}
+  groups: dict[str, list[str]] = {}
+  for name in skipped:
+    groups.setdefault(why.get(name, ''), []).append(name)
+  for reason, names in groups.items():
+    lines.append(f'values not compared ({len(names)}): {", ".join(names[:8])}'
+                 f'{" ..." if len(names) > 8 else ""}'
                  + ('' if c['values'] == 'read' else
-                    ' (no orbax-pathways checksums on both sides; --values reads them)'))
+                    f' ({reason or "no checksums to compare"}; --values reads them)'))
   if not obj['identical']:
     lines.append(f'{len(obj["added"])} added, {len(obj["removed"])} removed, '
                  f'{len(obj["changed"])} changed, {obj["unchanged"]} unchanged')
