@@ -223,15 +223,17 @@ def diff_text(obj: dict[str, Any]) -> str:
          f'values of {c["values_by_crc32c"]} array{"" if c["values_by_crc32c"] == 1 else "s"} '
          'by recorded crc32c (no data read)')
   lines.append(f'compared: tree, value types, dtypes, shapes, shardings; {how}')
-  why = c.get('values_not_compared_why') or {}
-  groups: dict[str, list[str]] = {}
-  for name in skipped:
-    groups.setdefault(why.get(name, ''), []).append(name)
-  for reason, names in groups.items():
-    lines.append(f'values not compared ({len(names)}): {", ".join(names[:8])}'
-                 f'{" ..." if len(names) > 8 else ""}'
-                 + ('' if c['values'] == 'read' else
-                    f' ({reason or "no checksums to compare"}; --values reads them)'))
+  if skipped:
+    why = c.get('values_not_compared_why') or {}
+    counts: dict[str, int] = {}
+    for name in skipped:
+      reason = why.get(name) or 'no checksums to compare'
+      counts[reason] = counts.get(reason, 0) + 1
+    reasons = (next(iter(counts)) if len(counts) == 1 else
+               '; '.join(f'{r}: {n}' for r, n in counts.items()))
+    lines.append(f'values not compared ({len(skipped)}): {", ".join(skipped[:8])}'
+                 f'{" ..." if len(skipped) > 8 else ""}'
+                 + ('' if c['values'] == 'read' else f' ({reasons}; --values reads them)'))
   if not obj['identical']:
     lines.append(f'{len(obj["added"])} added, {len(obj["removed"])} removed, '
                  f'{len(obj["changed"])} changed, {obj["unchanged"]} unchanged')
