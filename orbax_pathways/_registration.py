@@ -31,6 +31,7 @@ from orbax_pathways import stats as stats_lib
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways._compat import orbax_finalize
 from orbax_pathways._compat import orbax_manager
+from orbax_pathways._compat import orbax_signals
 from orbax_pathways._compat import orbax_v1 as compat_v1
 from orbax_pathways.frontends import orbax_v1
 from orbax_pathways.storage import index as index_lib
@@ -100,6 +101,7 @@ def _install_manager_side() -> None:
   orbax_manager.install_manager_hooks()
   # the _pathways index, written before commit; v1 partial saves' parts joined at finalize
   orbax_finalize.install(index_lib.merge_item, index_lib.merge_pending)
+  orbax_signals.install()  # a failed step directory releases its waiters (no hang at exit)
 
 
 def _after_commit(mngr, step: int, commit_s: float) -> None:
@@ -222,6 +224,7 @@ def uninstall() -> None:
     retention.uninstall()
     compat_v1.uninstall()
     orbax_finalize.uninstall()
+    orbax_signals.uninstall()
     if _previous is not None:
       compat.register_array_handler(_previous)
     if _previous_numpy is not None:

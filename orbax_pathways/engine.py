@@ -48,6 +48,7 @@ from orbax_pathways import values
 from orbax_pathways import version
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways.storage import meta_io
+from orbax_pathways.storage import deadline as deadline_lib
 from orbax_pathways.storage import reader as reader_lib
 from orbax_pathways.tier import store as tier_store
 from orbax_pathways.transports import base as transports
@@ -259,6 +260,8 @@ class Engine:
 
   def __init__(self, options: options_lib.Options):
     self.options = options
+    # Storage request deadlines are per process (storage/deadline.py): these options set them.
+    deadline_lib.configure(options.request_deadline_floor_s, options.request_deadline_cap_s)
 
   def transport_name(self) -> str:
     return runtime.choose_transport(requested=self.options.transport).value

@@ -49,7 +49,8 @@ PATHWAYS_DIR = '_pathways'  # <item>/_pathways/<writer>.msgpack (metadata.DIRNAM
 PATHWAYS_SUFFIX = '.msgpack'  # metadata.SUFFIX
 # The colocated transport's writers are named w<cpu device id>: their OCDBT databases are
 # ``ocdbt.process_w<id>/``, a name stock Orbax never writes (its process ids are integers).
-COLOCATED_OCDBT_RE = re.compile(re.escape(OCDBT_PROCESS_PREFIX) + r'w\d+$')
+# A write retried past its deadline goes to ``<database>retry<n>`` (storage/writer.retry_spec).
+COLOCATED_OCDBT_RE = re.compile(re.escape(OCDBT_PROCESS_PREFIX) + r'w\d+(retry\d+)?$')
 # Writer records of these transports carry the sharding but no chunk checksums (the Pathways
 # persistence plugin computes none): their arrays verify by decoding only.
 CHECKSUMLESS_TRANSPORTS = frozenset({'persistence'})

@@ -121,6 +121,12 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar('ORBAX_PATHWAYS_GCS_GRPC', 'bool', False, "tensorstore's gRPC GCS driver"),
     EnvVar('ORBAX_PATHWAYS_STORAGE_RETRIES', 'int', None, 'GCS retries per request',
            minimum=0, unset="keep tensorstore's default (32)"),
+    EnvVar('ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S', 'float', 10.0,
+           'shortest deadline of one storage request before a second one is issued',
+           minimum=0.001, unit='seconds'),
+    EnvVar('ORBAX_PATHWAYS_REQUEST_DEADLINE_CAP_S', 'float', 120.0,
+           'longest deadline of one storage request before a second one is issued',
+           minimum=0.001, unit='seconds'),
     EnvVar('ORBAX_PATHWAYS_NUM_SLICES', 'int', None,
            'split devices into equal slices when they carry no slice_index', minimum=1,
            unset='take slices from the devices (slice_index, else one per process)'),
@@ -253,6 +259,15 @@ class Options:
     (``docs/format.md``, "The node-local tier").
   local_keep: committed steps the tier keeps per checkpoint directory (``ORBAX_PATHWAYS_LOCAL_KEEP``,
     1); a step's copy is dropped once a newer step's copy is complete and that step committed.
+  request_deadline_floor_s, request_deadline_cap_s: every storage request we issue (array
+    reads and writes, our records and index) gets a deadline from what this process observed
+    (p90 latency of small requests plus the request's bytes, and those queued ahead of it, at the
+    observed throughput; times 4), clamped to [floor, cap]
+    (``ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S``, 10 s; ``..._CAP_S``, 120 s). A read past its
+    deadline gets a second identical request (the first complete answer wins, its checksums
+    still verified); a write is written again (object writes are idempotent); after 3 requests
+    past their deadlines the save or restore fails naming the object (``storage/hedge.py``).
+    The deadlines are per process: the last handler built sets them.
   """
 
   max_chunk_bytes: int = 16 * MiB
@@ -269,6 +284,8 @@ class Options:
   num_slices: int | None = None
   local_dir: str | None = None
   local_keep: int = 1
+  request_deadline_floor_s: float = 10.0
+  request_deadline_cap_s: float = 120.0
 
   def compress(self, dtype, requested: bool) -> bool:
     """Whether to zstd-compress an array of ``dtype`` when the checkpoint handler asks
@@ -307,6 +324,12 @@ class Options:
     if self.local_dir is not None and not isinstance(self.local_dir, str):
       raise ValueError(f'Options.local_dir={self.local_dir!r}: use a directory path (str), '
                        '"off", or None for the /dev/shm default.')
+    floor, cap = self.request_deadline_floor_s, self.request_deadline_cap_s
+    if (isinstance(floor, bool) or isinstance(cap, bool)
+        or not isinstance(floor, (int, float)) or not isinstance(cap, (int, float))
+        or not 0 < floor <= cap):
+      raise ValueError(f'Options.request_deadline_floor_s={floor!r}, request_deadline_cap_s='
+                       f'{cap!r}: need numbers with 0 < floor <= cap (seconds).')
 
   @classmethod
   def from_env(cls, environ: Mapping[str, str] | None = None) -> 'Options':
@@ -327,4 +350,6 @@ class Options:
         storage_retries=get('ORBAX_PATHWAYS_STORAGE_RETRIES'),
         local_dir=get('ORBAX_PATHWAYS_LOCAL_DIR'),
         local_keep=get('ORBAX_PATHWAYS_LOCAL_KEEP'),
+        request_deadline_floor_s=get('ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S'),
+        request_deadline_cap_s=get('ORBAX_PATHWAYS_REQUEST_DEADLINE_CAP_S'),
     )

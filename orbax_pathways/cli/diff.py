@@ -32,7 +32,7 @@ def diff_steps(a: Step, b: Step, *, values: bool) -> dict[str, Any]:
   la, lb = _leaf_map(a), _leaf_map(b)
   added = [_brief(k, lb[k][1]) for k in sorted(set(lb) - set(la))]
   removed = [_brief(k, la[k][1]) for k in sorted(set(la) - set(lb))]
-  changed, unchanged, by_crc, not_compared, read = [], 0, 0, [], []
+  changed, unchanged, by_crc, not_compared, read, why = [], 0, 0, [], [], {}
   for k in sorted(set(la) & set(lb)):
     entry, basis = _compare(k, la[k], lb[k], values=values)
     by_crc += basis == CRC32C
@@ -40,6 +40,7 @@ def diff_steps(a: Step, b: Step, *, values: bool) -> dict[str, Any]:
       read.append(f'{k[0]}/{k[1]}')
     if basis is None and _has_value(la[k][1]) and 'shape' not in (entry or {}).get('changes', {}):
       not_compared.append(f'{k[0]}/{k[1]}')
+      why[f'{k[0]}/{k[1]}'] = 'unreadable' if values else why_not_by_checksums(la[k][1], lb[k][1])
     if entry:
       changed.append(entry)
     else:
@@ -50,7 +51,7 @@ def diff_steps(a: Step, b: Step, *, values: bool) -> dict[str, Any]:
       'added': added, 'removed': removed, 'changed': changed, 'unchanged': unchanged,
       'compared': {'structure': list(STRUCTURE), 'values': READ if values else CRC32C,
                    'values_by_crc32c': by_crc, 'values_read': read,
-                   'values_not_compared': not_compared},
+                   'values_not_compared': not_compared, 'values_not_compared_why': why},
   }
 
 
@@ -106,6 +107,20 @@ def _compare(k, a, b, *, values: bool) -> tuple[dict[str, Any] | None, str | Non
   return {'item': k[0], 'key': k[1], 'changes': changes, 'max_abs_diff': max_abs,
           'values_basis': basis if 'values' in changes else None,
           'chunks_differing': chunks}, basis
+
+
+def why_not_by_checksums(la: Leaf, lb: Leaf) -> str:
+  """Why ``compare_checksums`` could not decide for two arrays (a short phrase)."""
+  ra, rb = la.record, lb.record
+  if ra is None and rb is None:
+    return 'no orbax-pathways checksums on either side'
+  if ra is None or rb is None:
+    return f'no orbax-pathways checksums in {"a" if ra is None else "b"}'
+  if tuple(ra.chunk_shape) != tuple(rb.chunk_shape):
+    return 'chunk grids differ, so their checksums cannot be compared'
+  if ra.dtype != rb.dtype:
+    return 'stored dtypes differ'
+  return 'checksums recorded for only some chunks'
 
 
 def compare_checksums(la: Leaf, lb: Leaf) -> tuple[int, int] | None:

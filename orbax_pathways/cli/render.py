@@ -249,10 +249,16 @@ def diff_text(obj: dict[str, Any]) -> str:
              ' (no data read)'))
   lines.append(f'compared: tree, value types, dtypes, shapes, shardings; {how}')
   if skipped:
+    why = c.get('values_not_compared_why') or {}
+    counts: dict[str, int] = {}
+    for name in skipped:
+      reason = why.get(name) or 'no checksums to compare'
+      counts[reason] = counts.get(reason, 0) + 1
+    reasons = (next(iter(counts)) if len(counts) == 1 else
+               '; '.join(f'{r}: {n}' for r, n in counts.items()))
     lines.append(f'values not compared ({len(skipped)}): {", ".join(skipped[:8])}'
                  f'{" ..." if len(skipped) > 8 else ""}'
-                 + ('' if c['values'] == 'read' else
-                    ' (no orbax-pathways checksums on both sides; --values reads them)'))
+                 + ('' if c['values'] == 'read' else f' ({reasons}; --values reads them)'))
   if not obj['identical']:
     lines.append(f'{len(obj["added"])} added, {len(obj["removed"])} removed, '
                  f'{len(obj["changed"])} changed, {obj["unchanged"]} unchanged')

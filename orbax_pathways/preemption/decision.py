@@ -21,6 +21,7 @@ from typing import Callable
 
 from absl import logging
 
+from orbax_pathways import waits
 from orbax_pathways.preemption import notice
 from orbax_pathways._compat import orbax_manager as _om
 
@@ -97,14 +98,8 @@ def _kv_agreement(step: int) -> bool:
   prefix = f'orbax_pathways/preemption/{notice.generation()}/{step}'
   key = f'{prefix}/{me}'
   client.key_value_set(key, '1' if notice.pending() else '0', allow_overwrite=True)
-  timeout_ms = int(_agreement_timeout_s * 1000)
-  try:
-    flags = [client.blocking_key_value_get(f'{prefix}/{p}', timeout_ms) for p in range(n)]
-  except Exception as e:  # pylint: disable=broad-except
-    raise RuntimeError(
-        f'orbax_pathways: preemption agreement at step {step} timed out after '
-        f'{_agreement_timeout_s}s waiting for all {n} processes (key prefix {prefix}). Every '
-        'process must call CheckpointManager.should_save/save at every step.') from e
+  flags = waits.gather(client, prefix, n, _agreement_timeout_s,
+                       what=f'orbax_pathways: preemption agreement at step {step}')
   if _last_published_key is not None:
     try:
       client.key_value_delete(_last_published_key)

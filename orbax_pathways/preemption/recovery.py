@@ -14,6 +14,7 @@ from absl import logging
 
 from orbax_pathways import errors
 from orbax_pathways import retention
+from orbax_pathways import waits
 from orbax_pathways._compat import orbax_manager as _om
 from orbax_pathways.preemption import decision
 
@@ -39,9 +40,9 @@ def _all_processes_ok(ok: bool, step: int) -> bool:
   prefix = f'orbax_pathways/resume/{_resume_round}/{step}'
   client.key_value_set(f'{prefix}/{_om.process_index()}', '1' if ok else '0',
                        allow_overwrite=True)
-  timeout_ms = int(decision.agreement_timeout_s() * 1000)
-  return all(client.blocking_key_value_get(f'{prefix}/{p}', timeout_ms) == '1'
-             for p in range(_om.process_count()))
+  flags = waits.gather(client, prefix, _om.process_count(), decision.agreement_timeout_s(),
+                       what=f'orbax_pathways: resume agreement on step {step}')
+  return all(f == '1' for f in flags)
 
 
 def _still_complete(mngr, step: int) -> bool:

@@ -19,12 +19,15 @@ Who calls what, on which host:
 
 I/O goes through tensorstore's kvstore (``file``, ``gcs``, ``s3``): one request per object read
 or written, storage generations for the cache check, concurrent reads bounded by tensorstore's
-own per-driver concurrency limits, atomic writes on local disk.
+own per-driver concurrency limits, atomic writes on local disk. Every request has a deadline
+(``storage/hedge.run_sync``): past it, the same request is issued again through a fresh context
+and the first answer wins (objects are written whole, so a repeated write is harmless).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -35,6 +38,7 @@ import tensorstore as ts
 
 from orbax_pathways import metadata
 from orbax_pathways import version
+from orbax_pathways.storage import hedge
 
 log = logging.getLogger('orbax_pathways')
 
@@ -73,8 +77,19 @@ def kvstore_spec(item_dir: Any) -> dict:
   return ts.KvStore.Spec(d + '/').to_json()
 
 
-def _kv(item_dir: Any) -> ts.KvStore:
-  return ts.KvStore.open(kvstore_spec(item_dir), context=_ctx()).result()
+def _kv(item_dir: Any, attempt: int = 0) -> ts.KvStore:
+  """The item's kvstore: through the shared context, or a fresh one for a later attempt."""
+  ctx = _ctx() if attempt == 0 else hedge.fresh_context(_ctx(), attempt)
+  return ts.KvStore.open(kvstore_spec(item_dir), context=ctx).result()
+
+
+# How many records ``read_records`` waits on at once (each wait has its deadline).
+READ_THREADS = 16
+
+
+def _request(item_dir: Any, call, *, nbytes: int, what: str, kind: str):
+  """``call(kvstore)``'s answer, with a deadline and later attempts (``hedge.run_sync``)."""
+  return hedge.run_sync(lambda n: call(_kv(item_dir, n)), nbytes=nbytes, what=what, kind=kind)
 
 
 def _key(name: str) -> str:
@@ -101,15 +116,18 @@ def read_counts() -> dict[str, int]:
 
 def write_record(item_dir: Any, record: metadata.WriterRecord) -> str:
   """Writes one writer's record (one object, never rewritten)."""
-  _kv(item_dir).write(_key(metadata.writer_filename(record.writer)),
-                      metadata.encode(record)).result()
+  data = metadata.encode(record)
+  key = _key(metadata.writer_filename(record.writer))
+  _request(item_dir, lambda kv: kv.write(key, data), nbytes=len(data), kind='write',
+           what=record_path(item_dir, record.writer))
   return record_path(item_dir, record.writer)
 
 
 def write_index(item_dir: Any, item: metadata.ItemMetadata) -> str:
   """Writes the item's index (one object). Called once per save, before the commit."""
   data = metadata.encode_index(item, library_version=version.VERSION)
-  _kv(item_dir).write(_key(metadata.INDEX_FILENAME), data).result()
+  _request(item_dir, lambda kv: kv.write(_key(metadata.INDEX_FILENAME), data),
+           nbytes=len(data), kind='write', what=index_path(item_dir))
   return index_path(item_dir)
 
 
@@ -118,9 +136,11 @@ def write_index(item_dir: Any, item: metadata.ItemMetadata) -> str:
 
 def list_item(item_dir: Any) -> tuple[list[str], bool]:
   """(keys of the item's writer records, sorted; whether it has an index): one listing."""
-  kv = _kv(item_dir)
   prefix = f'{metadata.DIRNAME}/'
-  keys = [k.decode() for k in kv.list(ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord('/') + 1))).result()]
+  key_range = ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord('/') + 1))
+  listed = _request(item_dir, lambda kv: kv.list(key_range), nbytes=0, kind='read',
+                    what=f'the listing of {os.fspath(item_dir).rstrip("/")}/{prefix}')
+  keys = [k.decode() for k in listed]
   _stats['list'] += 1
   index_key = _key(metadata.INDEX_FILENAME)
   records = sorted(k for k in keys if k.endswith(metadata.SUFFIX) and k != index_key
@@ -131,13 +151,19 @@ def list_item(item_dir: Any) -> tuple[list[str], bool]:
 def read_records(item_dir: Any, keys: Sequence[str] | None = None) -> list[metadata.WriterRecord]:
   """Every writer record of an item (or those at ``keys``), read concurrently: all reads are
   issued at once and tensorstore bounds how many are in flight (its per-driver concurrency)."""
-  kv = _kv(item_dir)
   keys = list_item(item_dir)[0] if keys is None else list(keys)
-  futures = [kv.read(k) for k in keys]
-  out = []
   base = os.fspath(item_dir).rstrip('/')
-  for k, f in zip(keys, futures):
-    r = f.result()
+
+  def read(k: str):
+    return _request(item_dir, lambda kv: kv.read(k), nbytes=0, kind='read', what=f'{base}/{k}')
+
+  if len(keys) <= 1:
+    results = [read(k) for k in keys]
+  else:
+    with concurrent.futures.ThreadPoolExecutor(min(READ_THREADS, len(keys))) as pool:
+      results = list(pool.map(read, keys))
+  out = []
+  for k, r in zip(keys, results):
     _stats['record'] += 1
     if r.state != 'value':
       raise FileNotFoundError(f'{base}/{k} disappeared while it was being read')
@@ -163,9 +189,11 @@ def _read_index(item_dir: Any, *, rebuild: bool) -> metadata.ItemMetadata | None
   key = _cache_key(item_dir)
   with _cache_lock:
     cached = _cache.get(key)
-  kv = _kv(item_dir)
+  index_key, what = _key(metadata.INDEX_FILENAME), index_path(item_dir)
   if cached is not None:
-    r = kv.read(_key(metadata.INDEX_FILENAME), if_not_equal=cached[0]).result()
+    generation = cached[0]
+    r = _request(item_dir, lambda kv: kv.read(index_key, if_not_equal=generation), nbytes=0,
+                 kind='read', what=what)
     if r.state == 'unspecified':  # unchanged since we read it
       _stats['index_unchanged'] += 1
       with _cache_lock:
@@ -175,7 +203,7 @@ def _read_index(item_dir: Any, *, rebuild: bool) -> metadata.ItemMetadata | None
         raise metadata.DamagedIndexError(item.damaged_index)
       return item
   else:
-    r = kv.read(_key(metadata.INDEX_FILENAME)).result()
+    r = _request(item_dir, lambda kv: kv.read(index_key), nbytes=0, kind='read', what=what)
   if r.state == 'missing':
     with _cache_lock:
       _cache.pop(key, None)

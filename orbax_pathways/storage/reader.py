@@ -19,6 +19,7 @@ from orbax_pathways import errors
 from orbax_pathways import metadata
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import restore as restore_plan
+from orbax_pathways.storage import hedge
 
 Box = boxes_lib.Box
 
@@ -106,22 +107,48 @@ async def read_array(read: ArrayRead, *, context: ts.Context, verify: bool,
                      stats: ReadStats, chain: Any = None) -> dict[Box, np.ndarray]:
   """Host buffers for every needed box of one array (each region read once). With a source
   ``chain`` (``tier/chain.py``), the chunks it holds and that match their recorded checksums
-  come from it, the rest from storage."""
+  come from it, the rest from storage. Every storage request runs under ``hedge.run``: past
+  its deadline a second, identical request through a fresh context; the first answer wins."""
+  spec = ts.Spec(read.tspec)
+
+  async def open_attempt(n: int) -> ts.TensorStore:  # later attempts: a fresh context
+    return await ts.open(spec, open=True, context=hedge.fresh_context(context, n) if n else context)
+
   try:
-    t = await ts.open(ts.Spec(read.tspec), open=True, context=context)
+    t = await hedge.run(open_attempt, nbytes=0, what=f'array {read.name!r} at {read.path}',
+                        kind='read')
   except Exception as e:
     raise open_error(read.name, read.path, e) from e
   loop = asyncio.get_running_loop()
+  hedges: dict[int, ts.TensorStore] = {0: t}
+
+  async def handle(n: int) -> ts.TensorStore:
+    if n not in hedges:  # one handle per attempt number, shared by this array's regions
+      hedges[n] = await ts.open(spec, open=True, context=hedge.fresh_context(context, n))
+    return hedges[n]
+
+  async def read_region(box: Box, n: int) -> np.ndarray:
+    src = await handle(n)
+    # Each attempt decodes into its own buffer: a cancelled one never touches the winner's.
+    data = aligned_empty(box.shape, t.dtype.numpy_dtype)
+    # Decode straight into our buffer (tensorstore's own read() result is not 64-byte aligned).
+    await ts.array(data, copy=False, write=True).write(src[box.to_slices()])
+    return data
 
   async def one(region: restore_plan.Region) -> list[tuple[Box, np.ndarray]]:
-    data = aligned_empty(region.box.shape, t.dtype.numpy_dtype)
-    storage = [region.box] if chain is None else await chain.fill(read, region.box, data)
+    data: np.ndarray | None = None
+    if chain is None:
+      storage = [region.box]
+    else:
+      data = aligned_empty(region.box.shape, t.dtype.numpy_dtype)
+      storage = await chain.fill(read, region.box, data)
     for box in storage:
-      part = data if box == region.box else aligned_empty(box.shape, t.dtype.numpy_dtype)
       t0 = time.perf_counter()
       try:
-        # Decode straight into our buffer (tensorstore's own read() result is not 64-byte aligned).
-        await ts.array(part, copy=False, write=True).write(t[box.to_slices()])
+        part = await hedge.run(
+            lambda n, box=box: read_region(box, n), nbytes=box.size * t.dtype.numpy_dtype.itemsize,
+            kind='read', what=f'array {read.name!r} region {list(box.start)}..'
+                              f'{list(box.stop)} of {read.path}')
       except Exception as e:
         raise errors.RestoreError(
             f'Reading array {read.name!r} region {list(box.start)}..'
@@ -130,11 +157,15 @@ async def read_array(read: ArrayRead, *, context: ts.Context, verify: bool,
         ) from e
       stats.storage_s += time.perf_counter() - t0
       stats.storage_bytes += part.nbytes
-      if part is not data:
+      if box == region.box:
+        data = part
+      else:
+        assert data is not None
         data[box.relative_to(region.box)] = part
       if verify:
         checked = await loop.run_in_executor(None, verify_region, read, box, part)
         stats.chunks_verified += checked  # Not `+= await`: that reads the counter before awaiting.
+    assert data is not None
     stats.bytes_read += data.nbytes
     if read.target_dtype is not None and data.dtype != read.target_dtype:
       data = data.astype(read.target_dtype)

@@ -8,7 +8,9 @@ transport). It sees only numpy buffers, boxes and tensorstore specs: no devices,
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
+import re
 from typing import Sequence
 
 import numpy as np
@@ -19,6 +21,7 @@ from orbax_pathways import errors
 from orbax_pathways import format as format_lib
 from orbax_pathways import metadata
 from orbax_pathways.plan import boxes as boxes_lib
+from orbax_pathways.storage import hedge
 
 Box = boxes_lib.Box
 
@@ -88,17 +91,67 @@ def chunk_records(write: ArrayWrite) -> list[metadata.ChunkRecord]:
   return out
 
 
+_PROCESS_DB = re.compile(r'(ocdbt\.process_[A-Za-z0-9]+)(/?)$')
+
+
+def retry_spec(tspec: dict, attempt: int) -> dict:
+  """The spec a later ``attempt`` of a write uses: on OCDBT, a database of its own next to
+  this process's (``ocdbt.process_<id>`` -> ``ocdbt.process_<id>retry<n>``), which Orbax's
+  finalize merges with every other ``ocdbt.process_*`` (a process's pieces then lie in two
+  databases, each written by one driver: two drivers committing into one database would race
+  for its manifest). Without OCDBT the same objects are written again (idempotent). Documented
+  in docs/format.md."""
+  out = copy.deepcopy(tspec)
+  inner = out['base'] if out.get('driver') == 'cast' else out
+  kv = inner.get('kvstore')
+  if not isinstance(kv, dict) or kv.get('driver') != 'ocdbt':
+    return out
+  base = kv.get('base')
+  if isinstance(base, dict) and isinstance(base.get('path'), str):
+    base['path'] = _PROCESS_DB.sub(rf'\1retry{attempt}\2', base['path'])
+  elif isinstance(base, str):
+    kv['base'] = _PROCESS_DB.sub(rf'\1retry{attempt}\2', base)
+  return out
+
+
 async def write_array(write: ArrayWrite, *, context: ts.Context) -> list[metadata.ChunkRecord]:
   """Creates the array's metadata (if ``write.create``), writes every piece, returns checksums.
 
   Pieces are handed to tensorstore without a copy (``can_reference_source_data_indefinitely``):
   the caller keeps the snapshot alive and unchanged until the returned coroutine finishes.
   """
+  handles: dict[int, ts.TensorStore] = {}
+
+  async def handle(n: int) -> ts.TensorStore:
+    """The handle of attempt ``n`` (0: the caller's context; later: one fresh context per
+    attempt number, shared by this array's pieces, and ``retry_spec``). Opening is idempotent
+    (``open=True``)."""
+    if n not in handles:
+      ctx = hedge.fresh_context(context, n) if n else context
+      spec = ts.Spec(retry_spec(write.tspec, n) if n else write.tspec)
+      if write.create:  # The handle that created the metadata writes too: one open, not two.
+        handles[n] = await ts.open(spec, create=True, open=True, context=ctx)
+      else:
+        handles[n] = await ts.open(spec, open=True, assume_metadata=True, context=ctx)
+    return handles[n]
+
+  async def write_piece(p: Piece, n: int) -> None:
+    dst = await handle(n)
+    await dst[p.box.to_slices()].write(p.data, can_reference_source_data_indefinitely=True)
+
+  first = 0  # the attempt whose open answered: the pieces start from its handle
+
+  def piece(p: Piece):
+    # Past its deadline a piece is written again through a fresh context: object writes are
+    # idempotent (same keys, same bytes), the first that completes wins (storage/hedge.py).
+    return hedge.run(lambda n: write_piece(p, first + n), nbytes=p.data.nbytes, kind='write',
+                     what=f'array {write.name!r} piece {list(p.box.start)}..{list(p.box.stop)} '
+                          f'to {write.path}')
+
   try:
-    if write.create:  # The handle that created the metadata writes too: one open, not two.
-      t = await ts.open(ts.Spec(write.tspec), create=True, open=True, context=context)
-    else:
-      t = await ts.open(ts.Spec(write.tspec), open=True, assume_metadata=True, context=context)
+    t = await hedge.run(handle, nbytes=0, what=f'array {write.name!r} at {write.path}',
+                        kind='write')
+    first = next(n for n, h in handles.items() if h is t)
     if write.create and 0 in write.global_shape:
       await _write_empty_array_marker(write, context)
     if write.nbytes <= INLINE_CHECKSUM_BYTES:  # A thread hop costs more than hashing a few KiB.
@@ -106,10 +159,9 @@ async def write_array(write: ArrayWrite, *, context: ts.Context) -> list[metadat
       crc_task.set_result(chunk_records(write))
     else:
       crc_task = asyncio.get_running_loop().run_in_executor(None, chunk_records, write)
-    results = await asyncio.gather(*(
-        t[p.box.to_slices()].write(p.data, can_reference_source_data_indefinitely=True)
-        for p in write.pieces if p.data.size
-    ), return_exceptions=True)  # all settle before we raise: no callback outlives the loop
+    del t
+    results = await asyncio.gather(*(piece(p) for p in write.pieces if p.data.size),
+                                   return_exceptions=True)  # all settle before we raise
     records = await crc_task
     for r in results:
       if isinstance(r, BaseException):

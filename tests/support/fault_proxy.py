@@ -13,6 +13,13 @@ instead injects one fault:
   Not in the default mix.
 - ``"delay"``: forwards the request, then holds the response for ``delay_s`` seconds.
 
+Separately, ``hold(match, count=1)`` makes the next ``count`` requests for which
+``match(method, target)`` is true hang: the proxy reads the whole request (answering
+``Expect: 100-continue`` itself, so the client sends its body) and then answers nothing, never
+forwarding it, until ``release()`` or ``stop()`` resets those connections. That is a request the
+server accepted and never answered: the client sees no error, only silence. ``held()`` lists
+the (method, target) of the requests held so far.
+
 ``stats()`` returns counts of requests and of faults by kind, so tests can assert on them.
 ``proxy_errors`` counts connections that ended abnormally, keyed ``phase:method:status:error``.
 A few ``relay_response:GET:200:BrokenPipeError`` are normal even at rate 0: a client (gcsfs
@@ -179,6 +186,10 @@ class FaultProxy:
     self._by_method: Counter[str] = Counter()
     self._errors: Counter[str] = Counter()
     self._conns: set[socket.socket] = set()
+    self._hold_match: Callable[[str, str], bool] | None = None
+    self._hold_left = 0
+    self._held: list[tuple[str, str]] = []
+    self._release = threading.Event()
     self._server: _Server | None = None
     self._thread: threading.Thread | None = None
 
@@ -194,6 +205,32 @@ class FaultProxy:
         if bad or not kinds:
           raise ValueError(f'kinds must be a non-empty subset of {ALL_KINDS}')
         self._kinds = kinds
+
+  def hold(self, match: Callable[[str, str], bool], count: int = 1) -> None:
+    """Hold the next ``count`` requests matching ``match(method, target)`` open, unanswered."""
+    with self._lock:
+      self._hold_match, self._hold_left = match, count
+      self._release.clear()
+
+  def held(self) -> list[tuple[str, str]]:
+    with self._lock:
+      return list(self._held)
+
+  def release(self) -> None:
+    """Reset the connections of every held request (their clients see a connection error)."""
+    with self._lock:
+      self._hold_match, self._hold_left = None, 0
+    self._release.set()
+
+  def _take_hold(self, method: str, target: str) -> bool:
+    with self._lock:
+      if self._hold_left <= 0 or self._hold_match is None:
+        return False
+      if not self._hold_match(method, target):
+        return False
+      self._hold_left -= 1
+      self._held.append((method, target))
+      return True
 
   def stats(self) -> dict:
     with self._lock:
@@ -233,6 +270,7 @@ class FaultProxy:
   def stop(self) -> None:
     if self._server is None:
       return
+    self._release.set()
     self._server.shutdown()
     self._server.server_close()
     with self._lock:
@@ -295,6 +333,13 @@ class FaultProxy:
         expect_continue = _has_token(headers, b'expect', b'100-continue')
         client_close = _has_token(headers, b'connection', b'close') or version == 'HTTP/1.0'
         kind = self._choose(method, target)
+        if self._take_hold(method, target):
+          if expect_continue:
+            client.sendall(b'HTTP/1.1 100 Continue\r\n\r\n')
+          _relay_body(cf, lambda b: None, headers, until_eof=False)
+          self._release.wait()
+          _rst_close(client)
+          return
 
         if kind == 'reset':
           _rst_close(client)

@@ -1,0 +1,108 @@
+"""A failed step of an async save releases the threads waiting for it (issue 21, item 8).
+
+SUPPORTED: orbax-checkpoint ``>=0.12.4,<0.13`` (written against 0.12.8).
+
+Orbax runs each commit future of an async save in a ``_SignalingThread`` (non-daemon) that waits
+for signals from other futures before it starts: the writers wait for
+``step_directory_creation``, sent by the thread that creates the step directory. When that
+thread *fails* (a read-only or full directory, a permission error), Orbax records the error and
+never sends the signal, so every waiting thread sits in ``blocking_key_value_get`` for the
+coordination timeout (300 s). The save's error is reported at once, but the interpreter cannot
+exit until those non-daemon threads give up: a job whose save failed hangs ~300 s at exit.
+
+Patch, installed by ``install()`` and restored exactly by ``uninstall()`` (both idempotent):
+
+- ``_SignalingThread.run``: after Orbax's own ``run``, a thread that failed (not cancelled)
+  still sends its signals, with the value ``FAILED`` instead of Orbax's success value, so
+  the threads waiting for it (in this process or, through the coordination service, in the
+  others) wake up at once.
+- ``_SignalingThread._wait_for_signals``: after Orbax's own wait, a thread whose signal came
+  with ``FAILED`` raises instead of running its work (nothing is written into a directory that
+  was never created); Orbax logs that error and the thread ends.
+
+Who calls it: ``orbax_pathways.install()`` (``_registration.py``), on every process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import threading
+from typing import Any, Callable
+
+from orbax.checkpoint._src.futures import future as _future
+from orbax.checkpoint._src.futures import signaling_client as _signaling_client
+
+SUPPORTED = '>=0.12.4,<0.13'
+FAILED = 'orbax_pathways:failed'
+
+_lock = threading.Lock()
+_originals: dict[str, Callable[..., Any]] = {}
+
+
+class SignalFailedError(RuntimeError):
+  """A step this commit future waited for failed; its own work was not started."""
+
+
+def _key(signal: Any, operation_id: str) -> str:
+  return _future.AwaitableSignalsContract.get_unique_awaitable_singal_key(signal, operation_id)
+
+
+def _wrap_run(original):
+  @functools.wraps(original)
+  def run(self):
+    original(self)
+    error = getattr(self, '_exception', None)
+    if error is None or isinstance(error, concurrent.futures.CancelledError):
+      return
+    signals = list(getattr(self, '_send_signals', None) or ())
+    if not signals:
+      return
+    try:
+      client = _signaling_client.get_signaling_client()
+      for signal in signals:
+        client.key_value_set(_key(signal, self._operation_id), FAILED, allow_overwrite=True)
+    except Exception:  # pylint: disable=broad-except  (best effort: the save already failed)
+      pass
+  return run
+
+
+def _wrap_wait(original):
+  @functools.wraps(original)
+  def _wait_for_signals(self):
+    original(self)
+    signals = list(getattr(self, '_receive_signals', None) or ())
+    if not signals:
+      return
+    client = _signaling_client.get_signaling_client()
+    for signal in signals:
+      if client.key_value_try_get(_key(signal, self._operation_id)) == FAILED:
+        raise SignalFailedError(
+            f'{self.name}: not started, because the step it waited for '
+            f'({signal.value}, operation {self._operation_id}) failed; that failure is the '
+            "save's error.")
+  return _wait_for_signals
+
+
+def install() -> None:
+  """Installs both wrappers (once)."""
+  with _lock:
+    if _originals:
+      return
+    cls = _future._SignalingThread  # pylint: disable=protected-access
+    for name, wrap in (('run', _wrap_run), ('_wait_for_signals', _wrap_wait)):
+      if name not in cls.__dict__:
+        _originals.clear()
+        return  # another Orbax: leave it as it is (the hang at exit stays stock behaviour)
+      _originals[name] = cls.__dict__[name]
+    for name, wrap in (('run', _wrap_run), ('_wait_for_signals', _wrap_wait)):
+      setattr(cls, name, wrap(_originals[name]))
+
+
+def uninstall() -> None:
+  """Puts Orbax's own methods back (idempotent)."""
+  with _lock:
+    cls = _future._SignalingThread  # pylint: disable=protected-access
+    for name, original in _originals.items():
+      setattr(cls, name, original)
+    _originals.clear()

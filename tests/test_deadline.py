@@ -1,0 +1,83 @@
+"""The storage deadline policy (orbax_pathways/storage/deadline.py): pure, no I/O, time passed in.
+
+What a user relies on: a request is never given up sooner than the floor nor waited for longer
+than the cap, and a request issued behind many queued bytes, or on slow storage, gets more time
+than one on an idle, fast one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import orbax_pathways
+from orbax_pathways.storage import deadline
+
+MiB = 1 << 20
+
+
+def test_without_observations_small_requests_get_the_floor_and_huge_ones_the_cap():
+  p = deadline.Policy(floor_s=10, cap_s=120)
+  assert p.deadline_s(0, now=0.0) == 10
+  assert p.deadline_s(64 * 1024, now=0.0) == 10
+  assert p.deadline_s(10 << 30, now=0.0) == 120
+
+
+def test_deadline_follows_observed_throughput():
+  fast, slow = deadline.Policy(floor_s=1, cap_s=1000), deadline.Policy(floor_s=1, cap_s=1000)
+  for policy, seconds in ((fast, 0.1), (slow, 10.0)):  # 64 MiB answered in 0.1 s vs 10 s
+    t = 0.0
+    for _ in range(4):
+      ticket = policy.begin(16 * MiB, t)
+      t += seconds / 4
+      policy.end(ticket, t, ok=True)
+  assert fast.throughput(now=100) == pytest.approx(640 * MiB)
+  assert slow.throughput(now=100) == pytest.approx(6.4 * MiB)
+  n = 256 * MiB
+  assert slow.deadline_s(n, now=100) > 10 * fast.deadline_s(n, now=100)
+  assert slow.deadline_s(n, now=100) == pytest.approx(4 * (2.0 + 40.0))  # default latency
+
+
+def test_latency_is_the_p90_of_small_requests():
+  p = deadline.Policy(floor_s=0.01, cap_s=1000)
+  t = 0.0
+  for i in range(100):
+    ticket = p.begin(1024, t)
+    t += 0.05 if i < 90 else 3.0  # ten slow answers in a hundred
+    p.end(ticket, t, ok=True)
+  assert p.latency_s() == 3.0
+  assert p.deadline_s(0, now=t) == pytest.approx(4 * 3.0)
+
+
+def test_a_request_queued_behind_others_gets_their_transfer_time_too():
+  p = deadline.Policy(floor_s=1, cap_s=10_000)
+  alone = p.deadline_s(16 * MiB, now=0.0)
+  tickets = [p.begin(64 * MiB, 0.0) for _ in range(16)]  # 1 GiB in flight
+  behind = p.begin(16 * MiB, 0.0)
+  assert behind.deadline_s > alone + 4 * (1 << 30) / deadline.DEFAULT_THROUGHPUT * 0.99
+  for t in tickets + [behind]:
+    p.end(t, 1.0, ok=False)
+  assert p.deadline_s(16 * MiB, now=1.0) == alone  # given up: nothing queued, nothing learned
+
+
+def test_floor_and_cap_come_from_options_and_environment(monkeypatch):
+  with pytest.raises(ValueError, match='request_deadline_floor_s'):
+    orbax_pathways.Options(request_deadline_floor_s=30, request_deadline_cap_s=20)
+  with pytest.raises(ValueError, match='ORBAX_PATHWAYS_REQUEST_DEADLINE_CAP_S'):
+    orbax_pathways.Options.from_env({'ORBAX_PATHWAYS_REQUEST_DEADLINE_CAP_S': 'soon'})
+  opts = orbax_pathways.Options.from_env({'ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S': '2.5',
+                                          'ORBAX_PATHWAYS_REQUEST_DEADLINE_CAP_S': '30'})
+  assert (opts.request_deadline_floor_s, opts.request_deadline_cap_s) == (2.5, 30)
+  orbax_pathways.install(opts)
+  try:
+    assert (deadline.POLICY.floor_s, deadline.POLICY.cap_s) == (2.5, 30)
+  finally:
+    orbax_pathways.install(orbax_pathways.Options.from_env())
+  assert (deadline.POLICY.floor_s, deadline.POLICY.cap_s) == (10, 120)
+
+
+def test_tensorstore_stall_timeout_is_twice_the_floor_unless_set():
+  from orbax_pathways.storage import hedge  # pylint: disable=g-import-not-at-top
+  env = {'ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S': '4'}
+  assert hedge.set_stall_timeout(env) == '8'
+  assert hedge.set_stall_timeout({hedge.STALL_ENV: '300'}) == '300'
+  assert hedge.set_stall_timeout({}) == '20'

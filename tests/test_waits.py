@@ -1,0 +1,46 @@
+"""Waits on other processes name who did not answer (orbax_pathways/waits.py, issue 21 item 1).
+
+Real ``jax.distributed`` processes (tests/support/mp_harness.py): the agreement helper the
+preemption and resume agreements use, with one process that never publishes its key.
+"""
+
+from __future__ import annotations
+
+from support.mp_harness import run_processes
+
+WORKER = r'''
+import time
+from support import mp_worker
+mp_worker.init()
+import jax
+from orbax_pathways import waits
+from orbax_pathways._compat import orbax_manager as om
+client = om.distributed_client()
+me, n = jax.process_index(), jax.process_count()
+if me != 2:  # process 2 is "stuck": it never publishes
+  client.key_value_set(f'test/agree/{me}', str(me * 10))
+if me == 0:
+  t = time.monotonic()
+  try:
+    waits.gather(client, 'test/agree', n, 3.0, what='test agreement')
+    mp_worker.emit({'raised': None})
+  except waits.PeerTimeoutError as e:
+    mp_worker.emit({'raised': str(e), 'missing': list(e.missing), 't': time.monotonic() - t})
+  client.key_value_set('test/done', '1')
+else:
+  client.blocking_key_value_get('test/done', 120_000)
+if me == 1:  # all present: values in process order
+  client.key_value_set('test/all/0', 'a'); client.key_value_set('test/all/1', 'b')
+  mp_worker.emit({'values': waits.gather(client, 'test/all', 2, 30.0, what='x')})
+'''
+
+
+def test_gather_names_the_process_that_did_not_answer(tmp_path):
+  results = run_processes(WORKER, num_processes=3, devices_per_process=1, timeout=240,
+                          shared_dir=str(tmp_path))
+  first = results[0].results[0]
+  assert first['raised'] is not None, first
+  assert first['missing'] == [2], first
+  assert 'process(es) 2 of 3 did not answer within 3s' in first['raised'], first
+  assert 'test agreement' in first['raised'], first
+  assert results[1].results[0] == {'values': ['a', 'b']}
