@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from typing import Any, Mapping
 
@@ -146,7 +147,7 @@ async def read_array(read: ArrayRead, *, context: ts.Context, verify: bool,
       t0 = time.perf_counter()
       try:
         part = await hedge.run(
-            lambda n, box=box: read_region(box, n), nbytes=box.size * t.dtype.numpy_dtype.itemsize,
+            functools.partial(read_region, box), nbytes=box.size * t.dtype.numpy_dtype.itemsize,
             kind='read', what=f'array {read.name!r} region {list(box.start)}..'
                               f'{list(box.stop)} of {read.path}')
       except Exception as e:
