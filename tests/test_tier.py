@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
 
 import jax
 import numpy as np
@@ -53,6 +54,7 @@ def _save(root, steps, seed=0):
     for s in steps:
       m.save(s, args=ocp.args.StandardSave(state))
     m.wait_until_finished()
+  tier_store.flush()  # the tier copy lands in the background, after the commit
   return state, host
 
 
@@ -90,6 +92,32 @@ def test_same_topology_restore_reads_nothing_from_storage(tmp_path):
   # The save id the tier entry carries is the one storage's committed index records.
   item = meta_io.read_item(str(root / '1' / 'default'))
   assert {w.writer: w.save_id for w in item.writers} == {'p0': e.save_id}
+
+
+def test_the_tier_copy_is_off_the_commit_path(tmp_path, monkeypatch):
+  """A step commits when storage has it: a tier copy held back (a slow node-local disk) does
+  not hold the commit; it lands later, is marked committed then, and serves the restore."""
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier)
+  gate, real = threading.Event(), tier_store.write_entry
+
+  def held_back(*args, **kwargs):  # the real copy, once the test lets it go
+    gate.wait(120)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(tier_store, 'write_entry', held_back)
+  state, host = _state()
+  with ocp.CheckpointManager(root) as m:
+    m.save(1, args=ocp.args.StandardSave(state))
+    m.wait_until_finished()
+    assert m.all_steps() == [1] and not _entries(tier, root)  # committed, copy still queued
+    gate.set()
+    assert tier_store.flush(120)
+    (e,) = _entries(tier, root)
+    assert e.committed and e.manifest is not None  # its step had committed: marked on landing
+    out = m.restore(1, args=ocp.args.StandardRestore(state))
+  _assert_exact(out, host)
+  assert stats.last_restore().bytes_by_source.get('storage') == 0
 
 
 def test_keeps_local_keep_steps_and_drops_older_after_commit(tmp_path):
@@ -222,6 +250,7 @@ def test_full_or_read_only_tmpfs_skips_with_one_warning(tmp_path, caplog, kind):
       m.save(1, args=ocp.args.StandardSave(state))
       m.save(2, args=ocp.args.StandardSave(state))
       m.wait_until_finished()
+      tier_store.flush()
       out = m.restore(2, args=ocp.args.StandardRestore(state))
     np.testing.assert_array_equal(np.asarray(out['big']), big)
     warnings = [r for r in caplog.records if 'node-local tier skipped' in r.getMessage()]
@@ -310,6 +339,7 @@ def test_scalars_and_zero_size_arrays_restore_from_the_tier(tmp_path):
   with ocp.CheckpointManager(root) as m:
     m.save(1, args=ocp.args.StandardSave(state))
     m.wait_until_finished()
+    tier_store.flush()
     out = m.restore(1, args=ocp.args.StandardRestore(state))
   _assert_exact(out, host)
   assert stats.last_restore().bytes_by_source.get('storage') == 0
@@ -323,6 +353,7 @@ def test_v1_save_and_load_use_the_tier(tmp_path):
   state, host = _state()
   for name in ('a', 'b', 'c'):
     ocp.v1.save(tmp_path / name, state)
+  tier_store.flush()
   assert sorted(e.step_name for e in _entries(tier, tmp_path)) == ['b', 'c']
   out = ocp.v1.load(tmp_path / 'c', jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state))

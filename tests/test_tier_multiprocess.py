@@ -30,6 +30,7 @@ import jax, numpy as np
 import orbax.checkpoint as ocp
 import orbax_pathways
 from orbax_pathways import stats
+from orbax_pathways.tier import store as tier_store
 from jax.experimental import multihost_utils
 
 P = jax.sharding.PartitionSpec
@@ -51,6 +52,9 @@ with ocp.CheckpointManager(root) as m:
     for step in (1, 2):
       m.save(step, args=ocp.args.StandardSave(state))
     m.wait_until_finished()
+    # The tier copy runs in the background, off the commit path: this test is about a kill
+    # after the copy landed (a kill before it only costs that copy: storage serves it).
+    tier_store.flush()
     multihost_utils.sync_global_devices('saved')
     mp_worker.emit({'saved': True})
     os.kill(os.getpid(), signal.SIGKILL)

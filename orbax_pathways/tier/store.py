@@ -7,6 +7,12 @@ Who calls what, on which host:
   buffers: no extra device-to-host copy, never inside ``save()``'s blocking part. It never
   fails the save: a tier that would not fit, or whose directory is read-only or full, is skipped
   with one warning per process and directory.
+- ``submit(fn, *args)`` (the local transport's ``share.write_share``) queues that copy on the
+  tier's one background thread and returns at once: the copy is not on the commit path (a step
+  commits when storage has it; the tier is a cache). The next save's background writes first
+  wait for copies still queued (``flush``), so at most one save's buffers wait for the tier.
+  Interpreter exit waits for queued copies (the preemption save's copy lands before the process
+  ends); ``flush(timeout)`` waits for them on demand.
 - ``on_commit(root, step)`` runs on every process from the CheckpointManager's ``after_commit``
   hook (``_registration``): marks the entries this process wrote for ``step`` committed, drops
   other saves of that step and steps older than the newest ``local_keep`` committed ones. A
@@ -21,6 +27,8 @@ No jax: pieces arrive as numpy (or host-resident arrays that ``np.asarray`` read
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -97,7 +105,37 @@ def _warn(cfg: TierConfig, reason: str, detail: str) -> None:
 
 # Entries this process wrote and has not seen committed: (root, step name) -> [(dir, config)].
 _pending: dict[tuple[str, str], list[tuple[str, TierConfig]]] = {}
+# Steps seen committed (root, step), newest last: a copy that lands after its step's commit is
+# marked at once (the copy runs in the background, so the commit can come first).
+_committed: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+_COMMITTED_REMEMBERED = 64
 _lock = threading.Lock()
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_queued: list[concurrent.futures.Future] = []
+
+
+def submit(fn: Any, *args: Any) -> None:
+  """Runs ``fn(*args)`` on the tier's background thread (one, FIFO: a colocated save's device
+  groups land in order) and returns at once. ``fn`` must not raise (``share.write_tier`` logs).
+  ThreadPoolExecutor's threads are joined at interpreter exit, so queued copies finish first."""
+  global _executor
+  with _lock:
+    if _executor is None:
+      _executor = concurrent.futures.ThreadPoolExecutor(
+          max_workers=1, thread_name_prefix='orbax_pathways_tier')
+    _queued[:] = [f for f in _queued if not f.done()]
+    _queued.append(_executor.submit(fn, *args))
+
+
+def flush(timeout: float | None = None) -> bool:
+  """Waits for the tier copies queued so far (all of them, or until ``timeout`` seconds);
+  True when none is left. Called before a save's background writes (bounds what waits for the
+  tier to one save's buffers) and by tests and tools that read the tier right after a save."""
+  with _lock:
+    queued = list(_queued)
+  done, not_done = concurrent.futures.wait(queued, timeout=timeout)
+  del done
+  return not not_done
 
 
 def _chunks(leaf_shape: Sequence[int], chunk_shape: Sequence[int], stored: np.dtype,
@@ -168,8 +206,13 @@ def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
     shutil.rmtree(path, ignore_errors=True)
     _warn(cfg, type(e).__name__, f'writing {path} failed: {e}')
     return None
+  parsed = format_lib.parse_step_name(step_name)
   with _lock:
-    _pending.setdefault((root, step_name), []).append((path, cfg))
+    committed = parsed is not None and (layout.normalize_root(root), parsed[0]) in _committed
+    if not committed:
+      _pending.setdefault((root, step_name), []).append((path, cfg))
+  if committed:  # its step committed while this copy was being written
+    _mark_committed(path, cfg, root)
   prune(cfg, root)
   return path
 
@@ -271,29 +314,38 @@ def _remove(path: str) -> None:
 
 def on_commit(root: Any, step: int) -> None:
   """After ``step`` of ``root`` committed (every process, the manager's after_commit hook):
-  marks this process's entries of it committed, then drops what they replace."""
+  marks this process's entries of it committed, then drops what they replace. A copy still
+  being written is marked when it lands (``write_entry``)."""
   root = layout.normalize_root(root)
   with _lock:
+    _committed[(root, step)] = None
+    while len(_committed) > _COMMITTED_REMEMBERED:
+      _committed.popitem(last=False)
     mine = [(name, v) for (r, name), v in _pending.items()
             if r == root and (format_lib.parse_step_name(name) or (None,))[0] == step]
     for name, _ in mine:
       _pending.pop((root, name), None)
   for _, written in mine:
     for path, cfg in written:
-      if not os.path.exists(os.path.join(path, layout.MANIFEST)):
-        continue
-      try:
-        open(os.path.join(path, layout.COMMITTED), 'wb').close()
-      except OSError as e:
-        _warn(cfg, 'commit', f'marking {path} committed failed: {e}')
-        continue
-      here = os.path.basename(path)
-      writer = (layout.parse_entry_name(here) or (here, ''))[0]
-      for sibling in _listdir(os.path.dirname(path)):  # other saves of this step by this writer
-        other = layout.parse_entry_name(sibling)
-        if sibling != here and other is not None and other[0] == writer:
-          _remove(os.path.join(os.path.dirname(path), sibling))
-      prune(cfg, root)
+      _mark_committed(path, cfg, root)
+
+
+def _mark_committed(path: str, cfg: TierConfig, root: str) -> None:
+  """Marks one complete entry committed, drops this writer's other saves of the step, prunes."""
+  if not os.path.exists(os.path.join(path, layout.MANIFEST)):
+    return
+  try:
+    open(os.path.join(path, layout.COMMITTED), 'wb').close()
+  except OSError as e:
+    _warn(cfg, 'commit', f'marking {path} committed failed: {e}')
+    return
+  here = os.path.basename(path)
+  writer = (layout.parse_entry_name(here) or (here, ''))[0]
+  for sibling in _listdir(os.path.dirname(path)):  # other saves of this step by this writer
+    other = layout.parse_entry_name(sibling)
+    if sibling != here and other is not None and other[0] == writer:
+      _remove(os.path.join(os.path.dirname(path), sibling))
+  prune(cfg, root)
 
 
 def _mtime(path: str) -> float:

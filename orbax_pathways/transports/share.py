@@ -116,8 +116,12 @@ async def write_share(writer: str, transport: str, item: values.Item,
                       save_id: str = '') -> values.WriterOutcome:
   """Writes this host's pieces and then its record (the record last: it lists what landed).
   The primary host merges every host's record into the item's index at commit
-  (``storage/index.py``). With a ``tier``, then copies the same host buffers into this node's
-  tier under ``save_id`` (never failing the save)."""
+  (``storage/index.py``). With a ``tier``, then queues a copy of the same host buffers into this
+  node's tier under ``save_id`` on the tier's background thread (``tier_store.submit``): the
+  copy is not on the commit path and never fails the save. Copies still queued from the
+  previous save are waited for first, so at most one save's buffers wait for the tier."""
+  if tier is not None:
+    await asyncio.to_thread(tier_store.flush)
   outcome, chunks = await write_pieces(writer, item, leaves, plans, pieces, creates=creates,
                                        process_id=process_id,
                                        max_inflight_bytes=max_inflight_bytes, context=context)
@@ -125,7 +129,7 @@ async def write_share(writer: str, transport: str, item: values.Item,
                          outcome=outcome, save_id=save_id)
   await asyncio.to_thread(meta_io.write_record, item.directory, record)
   if tier is not None and save_id:
-    await asyncio.to_thread(write_tier, tier, item, writer, save_id, leaves, plans, pieces, chunks)
+    tier_store.submit(write_tier, tier, item, writer, save_id, leaves, plans, pieces, chunks)
   return outcome
 
 
