@@ -305,7 +305,25 @@ class WorkerReadTask:
   verify: bool
   per_device_hosts: bool
   tier: Any = None  # tier.store.TierConfig: read the worker node's tier first
-  save_ids: Mapping[str, str] = dataclasses.field(default_factory=dict)  # committed, per writer
+  # The committed save id: a colocated save gives every worker one id, so one string travels
+  # (a per-writer map would grow with the fleet); '' when the index records several (no tier).
+  save_id: str = ''
+
+
+class _EveryWriter(Mapping[str, str]):
+  """The committed save ids of a colocated save, writer -> id: the same id for every writer."""
+
+  def __init__(self, save_id: str):
+    self._id = save_id
+
+  def __getitem__(self, writer: str) -> str:
+    return self._id
+
+  def __iter__(self):
+    return iter(())
+
+  def __len__(self) -> int:
+    return 0
 
 
 def _needed_chunks(target: values.ReadTarget, box: Box) -> list[metadata.ChunkRecord]:
@@ -385,7 +403,8 @@ def make_worker_restore(task: WorkerReadTask) -> Callable[[jax.Array], tuple[jax
           targets.append(dataclasses.replace(t, chunks=chunks))
           boxes.append([box])
       chain = (await asyncio.to_thread(tier_chain.for_restore, task.tier, task.item.directory,
-                                       task.save_ids) if task.tier is not None else None)
+                                       _EveryWriter(task.save_id))
+               if task.tier is not None and task.save_id else None)
       buffers, stats = await share.read_share(targets, boxes, item=task.item, verify=task.verify,
                                               chain=chain)
       if chain is not None:
@@ -504,7 +523,8 @@ class ColocatedTransport:
     out: list[Any] = [None] * len(targets)
     outcomes: dict[str, list[int]] = {}
     committed = meta_io.cached_index(item.directory) if cfg.tier is not None else None
-    save_ids = {w.writer: w.save_id for w in committed.writers} if committed is not None else {}
+    ids = {w.save_id for w in committed.writers if w.save_id} if committed is not None else set()
+    save_id = next(iter(ids)) if len(ids) == 1 else ''
     for idx in _groups([t.sharding for t in targets]):
       full = [dataclasses.replace(targets[i], sharding=to_cpu_sharding(targets[i].sharding, cpus))
               for i in idx]
@@ -515,8 +535,8 @@ class ColocatedTransport:
       cpu_targets = tuple(dataclasses.replace(t, chunks={}) for t in full)
       fn = _colocated().colocated_python(
           make_worker_restore(WorkerReadTask(item, cpu_targets, cfg.verify, simulated,
-                                             tier=cfg.tier if save_ids else None,
-                                             save_ids=save_ids))).specialize(
+                                             tier=cfg.tier if save_id else None,
+                                             save_id=save_id))).specialize(
               out_specs_fn=lambda p, ct=cpu_targets, gd=group_devices: tuple(
                   jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=t.sharding) for t in ct)
               + (_rows_spec(gd, 3, np.int64),))
