@@ -87,6 +87,9 @@ def train(args) -> None:
     w = state['params']['params']['Dense_0']['kernel']
     print(f'[{args.slices} slices] resumed step {step} from {args.dir} in {time.perf_counter() - t0:.2f} s; '
           f'kernel sharded as {w.sharding.spec} over mesh {dict(w.sharding.mesh.shape)}', flush=True)
+    by_source = orbax_pathways.stats.last_restore().bytes_by_source
+    print(f'[{args.slices} slices] bytes read by source (node-local tier first, then storage): '
+          + ', '.join(f'{k} {v}' for k, v in sorted(by_source.items())), flush=True)
     start = step + 1
 
   batch_sharding = NamedSharding(mesh, P('data'))
