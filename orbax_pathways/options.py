@@ -135,6 +135,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            unset='use /dev/shm when it is a tmpfs'),
     EnvVar('ORBAX_PATHWAYS_LOCAL_KEEP', 'int', 1, 'committed steps the node-local tier keeps',
            minimum=1),
+    EnvVar('ORBAX_PATHWAYS_PEER_TIMEOUT_S', 'float', 20.0,
+           "longest wait on another host's node-local tier before its chunks come from storage",
+           minimum=0.001, unit='seconds'),
     EnvVar('ORBAX_PATHWAYS_SLOW', 'bool', False, 'test suite only: run slow tests'),
 )}
 
@@ -259,6 +262,11 @@ class Options:
     (``docs/format.md``, "The node-local tier").
   local_keep: committed steps the tier keeps per checkpoint directory (``ORBAX_PATHWAYS_LOCAL_KEEP``,
     1); a step's copy is dropped once a newer step's copy is complete and that step committed.
+  peer_timeout_s: under multi-controller JAX a restore takes a chunk this node's tier lacks
+    from another host's tier (over a TCP connection to that process) before storage; this is
+    the longest wait on that host, per request (``ORBAX_PATHWAYS_PEER_TIMEOUT_S``, 20 s). Past
+    it, that host's chunks come from storage (one log line naming it); the restore never fails
+    for it.
   request_deadline_floor_s, request_deadline_cap_s: every storage request we issue (array
     reads and writes, our records and index) gets a deadline from what this process observed
     (p90 latency of small requests plus the request's bytes, and those queued ahead of it, at the
@@ -284,6 +292,7 @@ class Options:
   num_slices: int | None = None
   local_dir: str | None = None
   local_keep: int = 1
+  peer_timeout_s: float = 20.0
   request_deadline_floor_s: float = 10.0
   request_deadline_cap_s: float = 120.0
 
@@ -350,6 +359,7 @@ class Options:
         storage_retries=get('ORBAX_PATHWAYS_STORAGE_RETRIES'),
         local_dir=get('ORBAX_PATHWAYS_LOCAL_DIR'),
         local_keep=get('ORBAX_PATHWAYS_LOCAL_KEEP'),
+        peer_timeout_s=get('ORBAX_PATHWAYS_PEER_TIMEOUT_S'),
         request_deadline_floor_s=get('ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S'),
         request_deadline_cap_s=get('ORBAX_PATHWAYS_REQUEST_DEADLINE_CAP_S'),
     )

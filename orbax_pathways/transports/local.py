@@ -17,12 +17,14 @@ import jax
 import numpy as np
 
 from orbax_pathways import layout
+from orbax_pathways._compat import orbax_manager as _om
 from orbax_pathways import values
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
 from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.transports import base
 from orbax_pathways.tier import chain as tier_chain
+from orbax_pathways.tier import peer as tier_peer
 from orbax_pathways.transports import share
 
 NAME = 'local'
@@ -152,6 +154,15 @@ def assemble(targets: Sequence[values.ReadTarget], boxes: Sequence[dict[Any, Box
   return out
 
 
+def peer_exchange(timeout_s: float) -> tier_peer.Exchange | None:
+  """The other processes of this multi-controller job, through jax's key-value store (None in
+  a single process): a restore takes what this node's tier lacks from theirs."""
+  client = _om.distributed_client() if jax.process_count() > 1 else None
+  if client is None:
+    return None
+  return tier_peer.Exchange(client, jax.process_index(), jax.process_count(), timeout_s)
+
+
 class LocalTransport:
   """This process writes and reads its own devices' shards (see the module docstring)."""
 
@@ -215,7 +226,8 @@ class LocalTransport:
     out: list[Any] = [None] * len(targets)
     bytes_read = chunks_verified = storage_bytes = 0
     storage_s = 0.0
-    chain = (await asyncio.to_thread(tier_chain.for_restore, cfg.tier, item.directory)
+    chain = (await asyncio.to_thread(tier_chain.for_restore, cfg.tier, item.directory,
+                                     peers=peer_exchange(cfg.peer_timeout_s))
              if cfg.tier is not None else None)
     # Orbax's restore byte limit (restore_concurrent_gb): at most that many bytes of host
     # buffers between storage and the devices at once (one array above it goes alone).
