@@ -168,10 +168,13 @@ class SourceChain:
     if not self.sources or not read.chunks:
       return [region]
     held = [self._held_by(read, i) for i in range(len(self.sources))]
-    plan = plan_sources.assign(region, read.chunk_shape, read.plan.global_shape, held)
+    loop = asyncio.get_running_loop()
+    # In a thread: the first question to the peer source finds out what peers hold (key-value
+    # reads and one request per peer, each with a deadline), which must not block the loop.
+    plan = await loop.run_in_executor(None, plan_sources.assign, region, read.chunk_shape,
+                                      read.plan.global_shape, held)
     if not plan.chunks:
       return [region]
-    loop = asyncio.get_running_loop()
 
     def copy_all() -> list[Box]:
       failed = []

@@ -380,6 +380,7 @@ class PeerSource:
     self.save_ids, self.local_writers = dict(save_ids), local_writers
     self.problems = problems  # the chain's: one log line per restore says what fell back
     self._arrays: dict[str, list[_Holding]] | None = None
+    self._joined: dict[tuple[str, tuple[int, ...], tuple[int, ...]], _Holding | None] = {}
     self._lock = threading.Lock()
 
   def _discover(self) -> dict[str, list[_Holding]]:
@@ -418,18 +419,24 @@ class PeerSource:
     return arrays
 
   def holding(self, read: Any) -> _Holding | None:
+    """What peers hold of ``read``'s array in its stored layout (every writer's chunks joined;
+    found out once per restore, joined once per array)."""
+    if read.chunk_shape is None:
+      return None
+    key = (read.name, tuple(read.chunk_shape), tuple(read.plan.global_shape))
     with self._lock:
       if self._arrays is None:
         self._arrays = self._discover()
-    matching = [h for h in self._arrays.get(read.name, ())
-                if read.chunk_shape is not None and h.chunk_shape == tuple(read.chunk_shape)
-                and h.shape == tuple(read.plan.global_shape)]
-    if len(matching) <= 1:
-      return matching[0] if matching else None
-    joined = _Holding(matching[0].dtype, matching[0].shape, matching[0].chunk_shape)
-    for h in matching:
-      joined.files.update(h.files)
-    return joined
+      if key not in self._joined:
+        matching = [h for h in self._arrays.get(read.name, ())
+                    if h.chunk_shape == key[1] and h.shape == key[2]]
+        joined = None
+        if matching:
+          joined = _Holding(matching[0].dtype, key[2], key[1])
+          for h in matching:
+            joined.files.update(h.files)
+        self._joined[key] = joined
+      return self._joined[key]
 
   def held(self, read: Any) -> Container[tuple[int, ...]]:
     return _Lazy(self, read)
