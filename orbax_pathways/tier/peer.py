@@ -333,7 +333,7 @@ class _Peer:
         self._drop()  # the rest of the answer is not read: the connection cannot be reused
         raise PeerError(f'{self} has {n} bytes for {what}; the committed record says '
                         f'{into.nbytes}')
-      view = memoryview(into.reshape(-1).view(np.uint8))
+      view = into.reshape(-1).view(np.uint8).data  # a memoryview of the buffer itself
       for start in range(0, n, _STREAM):
         _recv_exact(sock, min(_STREAM, n - start), view[start:start + _STREAM], deadline)
       return into
