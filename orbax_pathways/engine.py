@@ -277,7 +277,7 @@ class Engine:
                  ready: Callable[[], Awaitable[None]]) -> PendingSave:
     t0 = time.perf_counter()
     check_global(arrays, [leaf.name for leaf in leaves])
-    config = dataclasses.replace(config, tier=self.tier())
+    config = dataclasses.replace(config, tier=self.tier(), tier_scope=self.options.local_scope)
     transport = registry.create(self.transport_name(), save=config)
     reasons = transport.unsupported(leaves, item)
     if reasons and transport.fallback is not None:

@@ -11,6 +11,7 @@ step 2 onto two processes (nodes 0 and 1): node 2 is lost. The failure matrix:
 - a flipped byte in a peer's chunk: that chunk from storage;
 - a node lost during a save (its tier holds step 1, storage's newest is 2): never used;
 - a tier directory that cannot be written (save): the save goes on, its chunks from storage;
+- ``local_scope='held'``: replicated state comes wholly from each survivor's own tier;
 - a peer that accepts and never answers, one that refuses connections (its process gone) and
   one that dies in the middle of sending a chunk: that peer's chunks from storage within the
   deadline, one log line naming it.
@@ -51,6 +52,9 @@ mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n // 2, 2), ('x', 'y'))
 shard = {'w': jax.sharding.NamedSharding(mesh, P('x', 'y')),
          'b': jax.sharding.NamedSharding(mesh, P('x')),
          'r': jax.sharding.NamedSharding(mesh, P())}
+if os.environ.get('ORBAX_PATHWAYS_LOCAL_SCOPE') == 'held':  # replicated across slices
+  host['m'] = np.arange(96 * 64, dtype=np.float32).reshape(96, 64) - 3.0
+  shard['m'] = jax.sharding.NamedSharding(mesh, P(None, 'y'))
 
 if fault == 'stall':  # accepts connections, never answers
   peer._Handler.answer = lambda self, sock, req: time.sleep(3600)
@@ -123,10 +127,10 @@ def _nodes(saved, tmp_path):
   return root, out
 
 
-def _restore(root, tiers, faults=('none', 'none'), timeout_s=5):
+def _restore(root, tiers, faults=('none', 'none'), timeout_s=5, env=None):
   res = run_processes(WORKER, 2, 2, args=['restore', str(root)], timeout=400,
                       per_process_args=[[f] for f in faults],
-                      env={'ORBAX_PATHWAYS_PEER_TIMEOUT_S': str(timeout_s)},
+                      env={'ORBAX_PATHWAYS_PEER_TIMEOUT_S': str(timeout_s), **(env or {})},
                       per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
   out = []
   for r in res:
@@ -193,3 +197,20 @@ def test_a_tier_that_cannot_be_written_costs_only_its_chunks(tmp_path):
   (p0, _), (p1, _) = _restore(root, tiers[:2])
   assert p0 == {'local': OWN + R, 'storage': OWN}, p0
   assert p1 == {'peer': R, 'storage': 2 * OWN}, p1
+
+
+def test_held_scope_keeps_replicas_so_replicated_state_survives_a_lost_node(tmp_path):
+  """``Options.local_scope='held'``: each node also keeps the whole chunks of replicas other
+  hosts write. 'm' (replicated across the 3 slices, its writing split over them) then comes
+  wholly from each survivor's own tier; with 'written' the lost node's part of it would be read
+  from storage by both survivors."""
+  root = tmp_path / 'ckpt'
+  tiers = [tmp_path / f'node{i}' for i in range(3)]
+  held = {'ORBAX_PATHWAYS_LOCAL_SCOPE': 'held'}
+  res = run_processes(WORKER, 3, 2, args=['save', str(root), 'none'], timeout=400, env=held,
+                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+  assert [r.results for r in res] == [[{'saved': True}]] * 3
+  m = 96 * 64 * 4
+  (p0, _), (p1, _) = _restore(root, tiers[:2], env=held)
+  assert p0 == {'local': OWN + R + m, 'peer': OWN, 'storage': 0}, p0
+  assert p1 == {'local': OWN + R + m, 'storage': OWN}, p1

@@ -46,6 +46,7 @@ class SaveConfig:
   ocdbt_process_id: int | str | None  # Orbax's ocdbt.process_<id> suffix for this process
   context: Any = None  # Orbax's tensorstore context for this item (local transport only)
   tier: Any = None  # tier.store.TierConfig: this node's tier (None: off); set by the engine
+  tier_scope: str = 'written'  # Options.local_scope: 'written' or 'held' (every chunk it holds)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -243,9 +243,9 @@ class FaultProxy:
 
     def relay(b: bytes) -> None:
       throttle.wait(len(b))
-      send(b)
-      with self._lock:
+      with self._lock:  # counted before sending: a client that has the bytes sees them counted
         self._body_bytes[way] += len(b)
+      send(b)
     return relay
 
   def hold(self, match: Callable[[str, str], bool], count: int = 1) -> None:
