@@ -277,7 +277,7 @@ class Engine:
                  ready: Callable[[], Awaitable[None]]) -> PendingSave:
     t0 = time.perf_counter()
     check_global(arrays, [leaf.name for leaf in leaves])
-    config = dataclasses.replace(config, tier=self.tier())
+    config = dataclasses.replace(config, tier=self.tier(), tier_scope=self.options.local_scope)
     transport = registry.create(self.transport_name(), save=config)
     reasons = transport.unsupported(leaves, item)
     if reasons and transport.fallback is not None:
@@ -337,7 +337,8 @@ class Engine:
       targets = [await self._target(leaf, item, records.get(leaf.name), context,
                                     require_record=written_by_us and config.verify)
                  for leaf in leaves]
-    config = dataclasses.replace(config, tier=self.tier())
+    config = dataclasses.replace(config, tier=self.tier(),
+                                 peer_timeout_s=self.options.peer_timeout_s)
     transport = registry.create(self.transport_name(), read=config)
     telemetry = compat.io_metrics_start('read')
     out, outcomes = await transport.read(targets, item)

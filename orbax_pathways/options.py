@@ -23,6 +23,7 @@ RUNTIMES = ('single', 'multi_controller', 'pathways')  # runtime.Runtime values
 SNAPSHOTS = ('auto', 'pinned', 'host')
 DIVISIBILITIES = ('replicate', 'strict')
 COMPRESSIONS = ('auto', 'zstd', 'none')
+LOCAL_SCOPES = ('written', 'held')
 
 _TRUE = ('1', 'true', 'yes', 'y', 'on', 't')
 _FALSE = ('0', 'false', 'no', 'n', 'off', 'f')
@@ -135,6 +136,12 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            unset='use /dev/shm when it is a tmpfs'),
     EnvVar('ORBAX_PATHWAYS_LOCAL_KEEP', 'int', 1, 'committed steps the node-local tier keeps',
            minimum=1),
+    EnvVar('ORBAX_PATHWAYS_LOCAL_SCOPE', 'choice', 'written',
+           "what the node-local tier keeps: the chunks this host wrote, or every chunk its "
+           'devices hold', LOCAL_SCOPES),
+    EnvVar('ORBAX_PATHWAYS_PEER_TIMEOUT_S', 'float', 20.0,
+           "longest wait on another host's node-local tier before its chunks come from storage",
+           minimum=0.001, unit='seconds'),
     EnvVar('ORBAX_PATHWAYS_SLOW', 'bool', False, 'test suite only: run slow tests'),
 )}
 
@@ -253,12 +260,23 @@ class Options:
     step reads before storage. None (default): ``/dev/shm/orbax-pathways-<uid>`` when /dev/shm
     is a tmpfs with room for this host's share (64 MiB left over), else no tier; ``'off'``: no
     tier. A tier that would not fit, or a read-only or full directory, is skipped with one
-    warning; it never fails or slows a save. A host keeps only the chunks it wrote (no extra
-    device-to-host copy, so ``save()`` blocking is unchanged); replicas it holds but another
-    host wrote are not kept. Not part of the checkpoint: storage stays the truth
+    warning; it never fails or slows a save. What a host keeps: ``local_scope``. Not part of
+    the checkpoint: storage stays the truth
     (``docs/format.md``, "The node-local tier").
   local_keep: committed steps the tier keeps per checkpoint directory (``ORBAX_PATHWAYS_LOCAL_KEEP``,
     1); a step's copy is dropped once a newer step's copy is complete and that step committed.
+  local_scope: what the tier keeps (``ORBAX_PATHWAYS_LOCAL_SCOPE``). ``'written'`` (default): the
+    chunks this host wrote, from the buffers the storage write used: no extra device-to-host
+    bytes, ``save()`` blocking unchanged; a replica another host wrote is not kept, so a lost
+    host's share of replicated state is read from storage. ``'held'``: also every whole chunk
+    this host's devices hold that another host writes (replicated state then survives the loss
+    of any host), at the cost of copying those replicas to the host inside ``save()`` and
+    keeping them in node memory.
+  peer_timeout_s: under multi-controller JAX a restore takes a chunk this node's tier lacks
+    from another host's tier (over a TCP connection to that process) before storage; this is
+    the longest wait on that host, per request (``ORBAX_PATHWAYS_PEER_TIMEOUT_S``, 20 s). Past
+    it, that host's chunks come from storage (one log line naming it); the restore never fails
+    for it.
   request_deadline_floor_s, request_deadline_cap_s: every storage request we issue (array
     reads and writes, our records and index) gets a deadline from what this process observed
     (p90 latency of small requests plus the request's bytes, and those queued ahead of it, at the
@@ -284,6 +302,8 @@ class Options:
   num_slices: int | None = None
   local_dir: str | None = None
   local_keep: int = 1
+  local_scope: str = 'written'
+  peer_timeout_s: float = 20.0
   request_deadline_floor_s: float = 10.0
   request_deadline_cap_s: float = 120.0
 
@@ -307,7 +327,7 @@ class Options:
 
   def __post_init__(self):
     for name, allowed in (('divisibility', DIVISIBILITIES), ('compression', COMPRESSIONS),
-                          ('snapshot', SNAPSHOTS)):
+                          ('snapshot', SNAPSHOTS), ('local_scope', LOCAL_SCOPES)):
       if getattr(self, name) not in allowed:
         quoted = [repr(a) for a in allowed]
         raise ValueError(f'{name}={getattr(self, name)!r}: use {", ".join(quoted[:-1])} or '
@@ -321,6 +341,10 @@ class Options:
     _check_int('storage_retries', self.storage_retries, 0, optional=True)
     _check_int('num_slices', self.num_slices, 1, optional=True)
     _check_int('local_keep', self.local_keep, 1)
+    if not isinstance(self.peer_timeout_s, (int, float)) or isinstance(self.peer_timeout_s, bool) \
+        or not self.peer_timeout_s > 0:
+      raise ValueError(f'Options.peer_timeout_s={self.peer_timeout_s!r}: use a number of seconds '
+                       '> 0.')
     if self.local_dir is not None and not isinstance(self.local_dir, str):
       raise ValueError(f'Options.local_dir={self.local_dir!r}: use a directory path (str), '
                        '"off", or None for the /dev/shm default.')
@@ -350,6 +374,8 @@ class Options:
         storage_retries=get('ORBAX_PATHWAYS_STORAGE_RETRIES'),
         local_dir=get('ORBAX_PATHWAYS_LOCAL_DIR'),
         local_keep=get('ORBAX_PATHWAYS_LOCAL_KEEP'),
+        local_scope=get('ORBAX_PATHWAYS_LOCAL_SCOPE'),
+        peer_timeout_s=get('ORBAX_PATHWAYS_PEER_TIMEOUT_S'),
         request_deadline_floor_s=get('ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S'),
         request_deadline_cap_s=get('ORBAX_PATHWAYS_REQUEST_DEADLINE_CAP_S'),
     )

@@ -85,7 +85,7 @@ class RestoreStats:
   chunks_verified: int = 0
   step: int | None = None
   step_dir: str = ''
-  # Per source ('local': this node's tier, 'peer': reserved, 'storage'), over every reading
+  # Per source ('local': this node's tier, 'peer': other hosts' tiers, 'storage'), over every reading
   # host of this process: bytes delivered, and seconds spent reading them (summed over
   # concurrent reads, so they may add up to more than ``read_s``).
   bytes_by_source: dict[str, int] = dataclasses.field(default_factory=dict)

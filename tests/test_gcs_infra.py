@@ -163,3 +163,29 @@ def test_fault_proxy_streams_and_counts(fake_gcs):
     s = proxy.stats()
     assert s['faults'] == {'503': 1, 'reset': 1}, s
     assert s['requests'] == 6 and s['forwarded'] == 4, s
+
+
+def test_fault_proxy_caps_bandwidth_and_counts_body_bytes(fake_gcs):
+  """``bandwidth`` caps relayed body bytes per second over all connections (the tier benchmark
+  makes storage slower than memory with it): 2 MiB each way at 8 MiB/s take at least 0.5 s
+  (a lower bound only: a loaded machine may be slower, never faster)."""
+  import http.client
+
+  bucket = fake_gcs.new_bucket('bw')
+  body = os.urandom(2 << 20)
+  with FaultProxy(fake_gcs.url, rate=0.0, bandwidth=8 << 20) as proxy:
+    host, port = proxy.url[len('http://'):].split(':')
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    t0 = time.monotonic()
+    conn.request('POST', f'/upload/storage/v1/b/{bucket}/o?uploadType=media&name=big',
+                 body=body, headers={'Content-Type': 'application/octet-stream'})
+    r = conn.getresponse(); r.read()
+    assert r.status == 200
+    conn.request('GET', f'/storage/v1/b/{bucket}/o/big?alt=media')
+    r = conn.getresponse()
+    assert r.status == 200 and r.read() == body
+    elapsed = time.monotonic() - t0
+    conn.close()
+    s = proxy.stats()
+    assert s['request_bytes'] == len(body) and s['response_bytes'] >= len(body), s
+    assert elapsed >= (s['request_bytes'] + s['response_bytes']) / (8 << 20) * 0.95, elapsed

@@ -4,7 +4,7 @@ unchanged ``ocp.CheckpointManager``.
 
 1. Two processes save steps 1 and 2, then every process SIGKILLs itself right after the commit.
 2. Restarted on the same topology, they restore the latest step from their tiers: 0 bytes from
-   storage for what each node wrote (all but a replicated array another node wrote), bit-exact (one node's "committed" markers removed first: a kill between the commit
+   storage (a replicated array another node wrote comes from that node's tier), bit-exact (one node's "committed" markers removed first: a kill between the commit
    and the marker must not matter, storage's save ids decide).
 3. One process with half the devices restores it from the first node's tier: what that tier
    holds comes from it, the rest (the lost node's chunks) from storage.
@@ -95,10 +95,10 @@ def test_sigkill_after_commit_then_restore_from_tiers(tmp_path):
     (res,) = r.results
     assert res['exact'] and res['step'] == 2
     # Sharded arrays come wholly from each node's own tier. A tier keeps only the chunks its
-    # host wrote (no extra device-to-host copy): the replicated 'r' (written by p0) is read from
-    # storage by p1 (phase 2: from p0's tier).
-    assert res['bytes_by_source']['storage'] == (0 if i == 0 else replicated), res
-    assert res['bytes_by_source']['local'] == per_node[i], res
+    # host wrote (no extra device-to-host copy): the replicated 'r' (written by p0) comes to p1
+    # from p0's tier over the peer channel; nothing from storage.
+    assert res['bytes_by_source'] == {'local': per_node[i], 'storage': 0,
+                                      **({'peer': replicated} if i else {})}, res
 
   fewer = run_processes(WORKER, 1, 4, args=['restore', str(root)], timeout=240,
                         env={'ORBAX_PATHWAYS_LOCAL_DIR': str(tiers[0])})

@@ -1,7 +1,7 @@
 """Which source serves each chunk of a restore region: pure planning, no I/O, no jax.
 
 A restore reads chunk-aligned regions (``plan/restore.py``). With a source chain (this host's
-node-local tier first; phase 2 adds peers' tiers; storage always last), each chunk of a region
+node-local tier first, then other hosts' tiers; storage always last), each chunk of a region
 comes from the first source that holds it, and the chunks no source holds from storage. Called on
 the reading host by ``tier/chain.py`` once per region; the I/O that follows it is the chain's.
 

@@ -6,8 +6,10 @@ Modules, each one job:
 - ``layout``: where an entry lives and what its manifest says (pure: names and msgpack).
 - ``store``: writes an entry in the background part of a save, marks it committed after the
   step commits and drops older ones, lists entries (the CLI), resolves ``Options.local_dir``.
-- ``chain``: the per-chunk source chain of a restore (this node's tier -> [peers, phase 2] ->
+- ``chain``: the per-chunk source chain of a restore (this node's tier -> other hosts' tiers ->
   storage), verified against the committed step's checksums from storage.
+- ``peer``: other hosts' tiers: a TCP server per process serving its node's tier, the key-value
+  exchange of who holds what, and the chain's peer source (deadlines, bytes in flight capped).
 
 The tier is not part of the checkpoint format (``docs/format.md``): storage stays the truth, a
 tier entry is used only when its save id is the one storage's index records for its writer.

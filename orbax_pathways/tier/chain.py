@@ -1,8 +1,10 @@
-"""The source chain of a restore: each needed chunk from this node's tier, else [a peer's tier:
-phase 2], else storage; every chunk checked against the committed step's checksums.
+"""The source chain of a restore: each needed chunk from this node's tier, else a surviving
+peer's tier (``tier/peer.py``), else storage; every chunk checked against the committed step's
+checksums.
 
 Who calls what, on which host: the local transport's ``read`` (every process) builds the chain
-once per restore with ``for_restore`` and hands it to ``share.read_share``; the storage reader
+once per restore with ``for_restore`` (with an ``Exchange`` under multi-controller JAX: this
+process then also serves its node's tier to the others and publishes what it holds) and hands it to ``share.read_share``; the storage reader
 (``storage/reader.read_array``) calls ``fill`` once per chunk-aligned region, which plans with
 ``plan/sources.assign`` (pure) and copies the chunks a source holds into the region's buffer;
 the reader reads the rest from storage and verifies it as before. ``report`` logs, once per
@@ -33,6 +35,7 @@ from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import meta_io
 from orbax_pathways.tier import layout
+from orbax_pathways.tier import peer as tier_peer
 from orbax_pathways.tier import store
 
 Box = boxes_lib.Box
@@ -147,7 +150,7 @@ class SourceChain:
       return False
     try:
       data = src.read_chunk(read, chunk)
-    except SourceError as e:
+    except (SourceError, tier_peer.PeerError) as e:
       self.problems.append(f'{src.name}: {e}')
       return False
     found = checksum.of_array(data)
@@ -165,10 +168,13 @@ class SourceChain:
     if not self.sources or not read.chunks:
       return [region]
     held = [self._held_by(read, i) for i in range(len(self.sources))]
-    plan = plan_sources.assign(region, read.chunk_shape, read.plan.global_shape, held)
+    loop = asyncio.get_running_loop()
+    # In a thread: the first question to the peer source finds out what peers hold (key-value
+    # reads and one request per peer, each with a deadline), which must not block the loop.
+    plan = await loop.run_in_executor(None, plan_sources.assign, region, read.chunk_shape,
+                                      read.plan.global_shape, held)
     if not plan.chunks:
       return [region]
-    loop = asyncio.get_running_loop()
 
     def copy_all() -> list[Box]:
       failed = []
@@ -190,22 +196,26 @@ class SourceChain:
   def report(self) -> None:
     """One log line for this restore if any source fell back."""
     if self.problems:
-      log.warning('orbax_pathways: node-local copy of %s: %d chunk(s) not usable, read from '
-                  'storage instead (first: %s)', self.where, len(self.problems), self.problems[0])
+      log.warning('orbax_pathways: node-local copy of %s: %d chunk(s) or peer(s) not usable, '
+                  'read from storage instead (first: %s)', self.where, len(self.problems),
+                  self.problems[0])
 
 
 def for_restore(cfg: store.TierConfig | None, item_dir: str,
-                save_ids: Mapping[str, str] | None = None) -> SourceChain | None:
+                save_ids: Mapping[str, str] | None = None,
+                peers: tier_peer.Exchange | None = None) -> SourceChain | None:
   """The chain for restoring ``item_dir`` on this host: this node's tier entries of the item
   whose save id storage's index records for their writer (the index this restore's front door
-  just read, from ``meta_io``'s cache). None (storage only) when the tier is off or holds
-  nothing for it; one log line when it holds only unusable copies. A colocated worker, which
-  has no index, gets the committed ``save_ids`` (writer -> save id) from the controller."""
-  if cfg is None or not os.path.isdir(cfg.local_dir):
+  just read, from ``meta_io``'s cache), then, with ``peers`` (every process of a
+  multi-controller restore passes one), the other processes' tiers. None (storage only) when
+  the tier is off or nothing could serve; one log line when this node holds only unusable
+  copies. A colocated worker, which has no index, gets the committed ``save_ids`` (writer ->
+  save id) from the controller."""
+  if cfg is None:
     return None
   root, step_name, item = layout.split_item_dir(item_dir)
-  found = store.entries(cfg.local_dir, root, step_name, item)
-  if not found:
+  found = store.entries(cfg.local_dir, root, step_name, item) if os.path.isdir(cfg.local_dir) else []
+  if not found and peers is None:
     return None
   # The front door read the index moments ago in this restore: no second request for it. An
   # item without an index (schema 1, a save that never reached Orbax's finalize) records no
@@ -225,6 +235,17 @@ def for_restore(cfg: store.TierConfig | None, item_dir: str,
   if skipped:
     log.info('orbax_pathways: node-local copy of %s not used: %s; reading storage for it',
              item_dir, '; '.join(skipped[:3]) + (f' (+{len(skipped) - 3} more)' if len(skipped) > 3 else ''))
-  if not usable:
-    return None
-  return SourceChain([LocalSource(usable)], item_dir)
+  chain = SourceChain([LocalSource(usable)] if usable else [], item_dir)
+  if peers is not None and save_ids:
+    try:
+      address = tier_peer.serve(cfg.local_dir)
+      prefix = peers.publish(item_dir, address, [(e.writer, e.save_id) for e in usable])
+    except Exception as e:  # pylint: disable=broad-except  (no peers: storage, as before)
+      log.warning('orbax_pathways: node-local tiers of other hosts not used for %s: this '
+                  'process could not serve or publish its own (%s: %s)', item_dir,
+                  type(e).__name__, e)
+    else:
+      chain.sources.append(tier_peer.PeerSource(
+          peers, prefix, tier_peer.item_parts(item_dir), save_ids,
+          {e.writer for e in usable}, chain.problems))
+  return chain if chain.sources else None

@@ -46,6 +46,7 @@ class SaveConfig:
   ocdbt_process_id: int | str | None  # Orbax's ocdbt.process_<id> suffix for this process
   context: Any = None  # Orbax's tensorstore context for this item (local transport only)
   tier: Any = None  # tier.store.TierConfig: this node's tier (None: off); set by the engine
+  tier_scope: str = 'written'  # Options.local_scope: 'written' or 'held' (every chunk it holds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,7 @@ class ReadConfig:
   context: Any = None  # Orbax's tensorstore context (local transport only)
   max_inflight_bytes: int | None = None  # host bytes read before going to devices (None: all)
   tier: Any = None  # tier.store.TierConfig: read this node's tier first (None: storage only)
+  peer_timeout_s: float = 20.0  # each wait on another host's tier (Options.peer_timeout_s)
 
 
 @dataclasses.dataclass

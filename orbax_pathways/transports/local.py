@@ -17,12 +17,14 @@ import jax
 import numpy as np
 
 from orbax_pathways import layout
+from orbax_pathways._compat import orbax_manager as _om
 from orbax_pathways import values
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
 from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.transports import base
 from orbax_pathways.tier import chain as tier_chain
+from orbax_pathways.tier import peer as tier_peer
 from orbax_pathways.transports import share
 
 NAME = 'local'
@@ -119,6 +121,60 @@ def snapshot(arrays: Sequence[jax.Array], plans: Sequence[save_plan.ArrayWritePl
   return out
 
 
+def held_pieces(arrays: Sequence[jax.Array], plans: Sequence[save_plan.ArrayWritePlan],
+                host: str) -> list[tuple[writer_lib.Piece, ...]]:
+  """For ``Options.local_scope='held'`` (inside ``save()``, every process): one piece per whole
+  chunk that this host's devices hold together and another host writes (each chunk once),
+  copied to the host, for the node-local tier only. The shards concerned are copied whole (all
+  copies in flight at once); a chunk inside one shard is a view of its copy, one spanning
+  several of this host's shards (a small array written whole) is assembled from them."""
+  pending = []
+  for arr, plan in zip(arrays, plans):
+    wanted: list[tuple[Box, list[tuple[Box, Any]]]] = []
+    if tuple(arr.shape) == tuple(plan.global_shape):
+      taken = {c.start for c in share.host_chunks(plan, host)}
+      data = {s.device: s.data for s in arr.addressable_shards}
+      by_box: dict[Box, Any] = {}
+      for device, box in layout.device_boxes(arr.sharding, arr.shape,
+                                             addressable_only=True).items():
+        by_box.setdefault(box, data[device])  # boxes of one sharding are equal or disjoint
+      for box in by_box:
+        for cell in boxes_lib.chunk_grid(box, plan.chunk_shape):
+          c = boxes_lib.clip(cell, plan.global_shape)
+          if c.start in taken or c.size == 0:
+            continue
+          overlaps = [(b, d, b.intersect(c)) for b, d in by_box.items()]
+          parts = [(b, d) for b, d, x in overlaps if x is not None and x.size]
+          if sum(x.size for _, _, x in overlaps if x is not None) != c.size:
+            continue  # partly on another host: its writer's copy is the only one
+          taken.add(c.start)
+          wanted.append((c, parts))
+    pending.append(wanted)
+  copies: dict[int, np.ndarray] = {}
+  for wanted in pending:
+    for _, parts in wanted:
+      for _, d in parts:
+        if id(d) not in copies:
+          d.copy_to_host_async()
+          copies[id(d)] = d
+  out = []
+  for wanted in pending:
+    pieces = []
+    for c, parts in wanted:
+      if len(parts) == 1:
+        b, d = parts[0]
+        pieces.append(writer_lib.Piece(c, np.asarray(d)[c.relative_to(b)]))
+        continue
+      buf = np.empty(c.shape, np.asarray(parts[0][1]).dtype)
+      for b, d in parts:
+        x = b.intersect(c)
+        assert x is not None
+        buf[x.relative_to(c)] = np.asarray(d)[x.relative_to(b)]
+      pieces.append(writer_lib.Piece(c, buf))
+    out.append(tuple(pieces))
+  return out
+
+
 def _whole_put(target: values.ReadTarget, boxes: dict[Any, Box]) -> bool:
   return (len(boxes) > 1 and target.sharding.is_fully_addressable
           and math.prod(target.shape) * np.dtype(target.dtype).itemsize <= WHOLE_PUT_BYTES)
@@ -152,6 +208,15 @@ def assemble(targets: Sequence[values.ReadTarget], boxes: Sequence[dict[Any, Box
   return out
 
 
+def peer_exchange(timeout_s: float) -> tier_peer.Exchange | None:
+  """The other processes of this multi-controller job, through jax's key-value store (None in
+  a single process): a restore takes what this node's tier lacks from theirs."""
+  client = _om.distributed_client() if jax.process_count() > 1 else None
+  if client is None:
+    return None
+  return tier_peer.Exchange(client, jax.process_index(), jax.process_count(), timeout_s)
+
+
 class LocalTransport:
   """This process writes and reads its own devices' shards (see the module docstring)."""
 
@@ -176,25 +241,29 @@ class LocalTransport:
     pinned = use_pinned(arrays, cfg.snapshot_mode)
     with trace('snapshot'):
       pieces = snapshot(arrays, plans, host, pinned=pinned)
+      held = (held_pieces(arrays, plans, host)
+              if cfg.tier is not None and cfg.tier_scope == 'held' else None)
     d2h = sum(p.data.nbytes for ps in pieces for p in ps)
+    d2h += sum(p.data.nbytes for ps in held or () for p in ps)
     return base.Snapshot(
         layouts=[values.LeafLayout.of(leaf, plan) for leaf, plan in zip(leaves, plans)],
         snapshot_mode='pinned' if pinned else 'host', d2h_bytes={host: d2h},
         # Process 0 of a multi-controller run moves only its own share; a single controller
         # (which is what Pathways with this transport would be) moves every byte.
         controller_tensor_bytes=d2h if jax.process_index() == 0 else 0,
-        state=(item, tuple(leaves), plans, pieces, host))
+        state=(item, tuple(leaves), plans, pieces, host, held))
 
   async def write(self, snap: base.Snapshot) -> list[values.WriterOutcome]:
     cfg = self._save
     assert cfg is not None, 'a transport that saves is created with save=SaveConfig(...)'
-    item, leaves, plans, pieces, host = snap.state
+    item, leaves, plans, pieces, host, held = snap.state
     with trace('write'):
       outcome = await share.write_share(
           host, NAME, item, leaves, plans, pieces, creates=[cfg.is_primary] * len(leaves),
           process_id=cfg.ocdbt_process_id, with_sharding=cfg.is_primary,
           max_inflight_bytes=cfg.max_inflight_bytes, context=cfg.context, tier=cfg.tier,
-          save_id=share.new_save_id())
+          save_id=share.new_save_id(),
+          tier_pieces=None if held is None else [tuple(p) + h for p, h in zip(pieces, held)])
     return [outcome]
 
   async def read(self, targets: Sequence[values.ReadTarget],
@@ -215,7 +284,8 @@ class LocalTransport:
     out: list[Any] = [None] * len(targets)
     bytes_read = chunks_verified = storage_bytes = 0
     storage_s = 0.0
-    chain = (await asyncio.to_thread(tier_chain.for_restore, cfg.tier, item.directory)
+    chain = (await asyncio.to_thread(tier_chain.for_restore, cfg.tier, item.directory,
+                                     peers=peer_exchange(cfg.peer_timeout_s))
              if cfg.tier is not None else None)
     # Orbax's restore byte limit (restore_concurrent_gb): at most that many bytes of host
     # buffers between storage and the devices at once (one array above it goes alone).

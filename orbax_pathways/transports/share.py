@@ -113,7 +113,11 @@ async def write_share(writer: str, transport: str, item: values.Item,
                       pieces: Sequence[Sequence[writer_lib.Piece]], *, creates: Sequence[bool],
                       process_id: int | str | None, with_sharding: bool, max_inflight_bytes: int,
                       context: Any = None, tier: tier_store.TierConfig | None = None,
-                      save_id: str = '') -> values.WriterOutcome:
+                      save_id: str = '',
+                      # Options.local_scope='held': the tier gets these (``pieces`` and whole
+                      # chunks of replicas other hosts write) instead of ``pieces``.
+                      tier_pieces: Sequence[Sequence[writer_lib.Piece]] | None = None,
+                      ) -> values.WriterOutcome:
   """Writes this host's pieces and then its record (the record last: it lists what landed).
   The primary host merges every host's record into the item's index at commit
   (``storage/index.py``). With a ``tier``, then queues a copy of the same host buffers into this
@@ -129,7 +133,8 @@ async def write_share(writer: str, transport: str, item: values.Item,
                          outcome=outcome, save_id=save_id)
   await asyncio.to_thread(meta_io.write_record, item.directory, record)
   if tier is not None and save_id:
-    tier_store.submit(write_tier, tier, item, writer, save_id, leaves, plans, pieces, chunks)
+    tier_store.submit(write_tier, tier, item, writer, save_id, leaves, plans,
+                      pieces if tier_pieces is None else tier_pieces, chunks)
   return outcome
 
 

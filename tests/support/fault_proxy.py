@@ -20,7 +20,12 @@ forwarding it, until ``release()`` or ``stop()`` resets those connections. That 
 server accepted and never answered: the client sees no error, only silence. ``held()`` lists
 the (method, target) of the requests held so far.
 
-``stats()`` returns counts of requests and of faults by kind, so tests can assert on them.
+``bandwidth`` (bytes per second, None: unlimited) caps the bytes of request and response
+bodies the proxy relays, all connections together (one token bucket), so storage is slower
+than memory as in production (``benchmarks/tier.py``); ``set_bandwidth`` changes it.
+
+``stats()`` returns counts of requests and of faults by kind, so tests can assert on them, and
+the body bytes relayed each way (``response_bytes``, ``request_bytes``).
 ``proxy_errors`` counts connections that ended abnormally, keyed ``phase:method:status:error``.
 A few ``relay_response:GET:200:BrokenPipeError`` are normal even at rate 0: a client (gcsfs
 or tensorstore) closed its connection without reading a whole response body.
@@ -145,6 +150,26 @@ def _rst_close(sock: socket.socket) -> None:
     pass
 
 
+class _Throttle:
+  """An aggregate byte-rate cap: each caller reserves the next ``n / rate`` seconds of the
+  link and sleeps until its bytes would have passed."""
+
+  def __init__(self, rate: float | None):
+    self.rate = rate
+    self._next = time.monotonic()
+    self._lock = threading.Lock()
+
+  def wait(self, n: int) -> None:
+    if not self.rate:
+      return
+    with self._lock:
+      now = time.monotonic()
+      self._next = max(now, self._next) + n / self.rate
+      delay = self._next - now
+    if delay > 0:
+      time.sleep(delay)
+
+
 class _Server(socketserver.ThreadingTCPServer):
   daemon_threads = True
   allow_reuse_address = True
@@ -167,6 +192,7 @@ class FaultProxy:
       kinds: Iterable[str] = DEFAULT_KINDS,
       delay_s: float = 0.3,
       match: Callable[[str, str], bool] | None = None,
+      bandwidth: float | None = None,
   ):
     assert upstream_url.startswith('http://'), upstream_url
     hostport = upstream_url[len('http://'):].rstrip('/')
@@ -192,6 +218,8 @@ class FaultProxy:
     self._release = threading.Event()
     self._server: _Server | None = None
     self._thread: threading.Thread | None = None
+    self._throttle = _Throttle(bandwidth)
+    self._body_bytes: Counter[str] = Counter()
 
   # -- configuration -----------------------------------------------------------------
   def set_rate(self, rate: float, kinds: Iterable[str] | None = None) -> None:
@@ -205,6 +233,20 @@ class FaultProxy:
         if bad or not kinds:
           raise ValueError(f'kinds must be a non-empty subset of {ALL_KINDS}')
         self._kinds = kinds
+
+  def set_bandwidth(self, bandwidth: float | None) -> None:
+    """Caps relayed body bytes per second, all connections together (None: no cap)."""
+    self._throttle = _Throttle(bandwidth)
+
+  def _relayer(self, send: Callable[[bytes], None], way: str) -> Callable[[bytes], None]:
+    throttle = self._throttle
+
+    def relay(b: bytes) -> None:
+      throttle.wait(len(b))
+      with self._lock:  # counted before sending: a client that has the bytes sees them counted
+        self._body_bytes[way] += len(b)
+      send(b)
+    return relay
 
   def hold(self, match: Callable[[str, str], bool], count: int = 1) -> None:
     """Hold the next ``count`` requests matching ``match(method, target)`` open, unanswered."""
@@ -241,6 +283,8 @@ class FaultProxy:
           'faults_total': sum(self._faults.values()),
           'by_method': dict(self._by_method),
           'proxy_errors': dict(self._errors),
+          'response_bytes': self._body_bytes['response'],
+          'request_bytes': self._body_bytes['request'],
       }
 
   def reset_stats(self) -> None:
@@ -248,6 +292,7 @@ class FaultProxy:
       self._requests = self._forwarded = 0
       self._faults.clear()
       self._by_method.clear()
+      self._body_bytes.clear()
       self._errors.clear()
 
   @property
@@ -375,7 +420,7 @@ class FaultProxy:
             if attempt:
               raise
         phase = 'relay_request_body'
-        _relay_body(cf, up.sendall, headers, until_eof=False)
+        _relay_body(cf, self._relayer(up.sendall, 'request'), headers, until_eof=False)
         phase = 'read_response'
         with self._lock:
           self._forwarded += 1
@@ -407,7 +452,7 @@ class FaultProxy:
         phase = 'relay_response'
         client.sendall(_encode_head(rstart, rheaders))
         if method != 'HEAD' and status not in _NO_BODY_STATUS:
-          _relay_body(uf, client.sendall, rheaders, until_eof=True)
+          _relay_body(uf, self._relayer(client.sendall, 'response'), rheaders, until_eof=True)
         if upstream_close or not framed:
           uf.close()
           up.close()

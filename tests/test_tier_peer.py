@@ -1,0 +1,216 @@
+"""Survivor-first restore (issue 20, phase 2): a chunk this node's tier lacks comes from another
+process's tier over the peer channel (``tier/peer.py``) before storage.
+
+Real ``jax.distributed`` processes, one tier directory per simulated node, an unchanged
+``ocp.CheckpointManager``. Three processes (nodes 0, 1, 2; two devices each) save steps 1 and 2
+once (``local_keep`` 2); each test copies the tiers, damages them as its case says, and restores
+step 2 onto two processes (nodes 0 and 1): node 2 is lost. The failure matrix:
+
+- a node lost, restore onto fewer processes: the lost node's chunks from storage, the rest
+  from the survivors (each process's own from its tier, the other survivor's over the channel);
+- a flipped byte in a peer's chunk: that chunk from storage;
+- a node lost during a save (its tier holds step 1, storage's newest is 2): never used;
+- a tier directory that cannot be written (save): the save goes on, its chunks from storage;
+- ``local_scope='held'``: replicated state comes wholly from each survivor's own tier;
+- a peer that accepts and never answers, one that refuses connections (its process gone) and
+  one that dies in the middle of sending a chunk: that peer's chunks from storage within the
+  deadline, one log line naming it.
+
+Every case checks bit-exact values and the bytes by source; nothing may hang (generous harness
+timeouts, no timing assertions).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from support.mp_harness import run_processes
+from orbax_pathways.tier import store as tier_store
+
+pytestmark = pytest.mark.multiprocess
+
+WORKER = r'''
+import os, sys, time
+from support import mp_worker
+mp_worker.init()
+import jax, numpy as np
+import orbax.checkpoint as ocp
+import orbax_pathways
+from orbax_pathways import stats
+from orbax_pathways.tier import peer
+from jax.experimental import multihost_utils
+
+P = jax.sharding.PartitionSpec
+mode, root, fault = sys.argv[1], sys.argv[2], sys.argv[3]
+host = {'w': np.arange(96 * 64, dtype=np.float32).reshape(96, 64) * 0.5,
+        'b': np.arange(96, dtype=np.int32), 'r': np.arange(40, dtype=np.float32) + 0.25}
+n = jax.device_count()
+mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n // 2, 2), ('x', 'y'))
+shard = {'w': jax.sharding.NamedSharding(mesh, P('x', 'y')),
+         'b': jax.sharding.NamedSharding(mesh, P('x')),
+         'r': jax.sharding.NamedSharding(mesh, P())}
+if os.environ.get('ORBAX_PATHWAYS_LOCAL_SCOPE') == 'held':  # replicated across slices
+  host['m'] = np.arange(96 * 64, dtype=np.float32).reshape(96, 64) - 3.0
+  shard['m'] = jax.sharding.NamedSharding(mesh, P(None, 'y'))
+
+if fault == 'stall':  # accepts connections, never answers
+  peer._Handler.answer = lambda self, sock, req: time.sleep(3600)
+elif fault == 'refuse':  # publishes, then its server is gone: connections are refused
+  publish = peer.Exchange.publish
+  def publish_then_stop(self, *a, **k):
+    prefix = publish(self, *a, **k)
+    peer.stop_serving()
+    return prefix
+  peer.Exchange.publish = publish_then_stop
+elif fault == 'die_mid_chunk':  # lists, then closes the connection half-way through a chunk
+  answer = peer._Handler.answer
+  def half(self, sock, req):
+    if req.get('op') != 'get':
+      return answer(self, sock, req)
+    path = os.path.join(self.server.local_dir, *req['item'], req['entry'], req['file'])
+    data = open(path, 'rb').read()
+    sock.sendall(peer._HEADER.pack(0, len(data)) + data[:len(data) // 2])
+    raise OSError('simulated death mid-chunk')
+  peer._Handler.answer = half
+
+def make(k):
+  return jax.make_array_from_callback(host[k].shape, shard[k], lambda i: host[k][i])
+
+with ocp.CheckpointManager(root) as m:
+  if mode == 'save':
+    state = {k: make(k) for k in host}
+    for step in (1, 2):
+      m.save(step, args=ocp.args.StandardSave(state))
+    m.wait_until_finished()
+    mp_worker.emit({'saved': True})
+  else:
+    target = {k: jax.ShapeDtypeStruct(host[k].shape, host[k].dtype, sharding=shard[k])
+              for k in host}
+    out = m.restore(2, args=ocp.args.StandardRestore(target))
+    for k in host:
+      for s in out[k].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(s.data), host[k][s.index])
+    st = stats.last_restore()
+    mp_worker.emit({'step': st.step, 'bytes_by_source': st.bytes_by_source, 'exact': True,
+                    'peer_s': st.seconds_by_source.get('peer', 0.0)})
+  multihost_utils.sync_global_devices('done')
+'''
+
+# Save: 3 processes, mesh (3, 2): process i writes rows 32i..32i+32 of 'w' (one 32x64 chunk,
+# 8 KiB) and 'b'[32i:32i+32] (128 B); process 0 writes the replicated 'r' (160 B). Restore onto
+# 2 processes, mesh (2, 2): process 0 needs rows 0..48 (the chunks at rows 0 and 32), process 1
+# rows 48..96 (chunks at rows 32 and 64).
+W_CHUNK, B_CHUNK, R = 32 * 64 * 4, 32 * 4, 40 * 4
+OWN = W_CHUNK + B_CHUNK  # what each node wrote of 'w' and 'b'
+
+
+@pytest.fixture(scope='module')
+def saved(tmp_path_factory):
+  base = tmp_path_factory.mktemp('peer')
+  root, tiers = base / 'ckpt', [base / f'node{i}' for i in range(3)]
+  res = run_processes(WORKER, 3, 2, args=['save', str(root), 'none'], timeout=400,
+                      env={'ORBAX_PATHWAYS_LOCAL_KEEP': '2'},
+                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+  assert [r.results for r in res] == [[{'saved': True}]] * 3
+  return root, tiers
+
+
+def _nodes(saved, tmp_path):
+  """Copies of nodes 0 and 1 (node 2 is lost)."""
+  root, tiers = saved
+  out = [tmp_path / f'node{i}' for i in range(2)]
+  for src, dst in zip(tiers, out):
+    shutil.copytree(src, dst)
+  return root, out
+
+
+def _restore(root, tiers, faults=('none', 'none'), timeout_s=5, env=None):
+  res = run_processes(WORKER, 2, 2, args=['restore', str(root)], timeout=400,
+                      per_process_args=[[f] for f in faults],
+                      env={'ORBAX_PATHWAYS_PEER_TIMEOUT_S': str(timeout_s), **(env or {})},
+                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+  out = []
+  for r in res:
+    (one,) = r.results
+    assert one['exact'] and one['step'] == 2, one
+    out.append((one['bytes_by_source'], r.stderr_tail))
+  return out
+
+
+def _entry(tier, step, writer):
+  (e,) = [e for e in tier_store.entries(str(tier)) if e.step == step and e.writer == writer]
+  return e
+
+
+def test_lost_node_restore_onto_fewer_processes_reads_survivors_first(saved, tmp_path):
+  root, tiers = _nodes(saved, tmp_path)
+  (p0, _), (p1, _) = _restore(root, tiers)
+  # Process 0: its own chunks (and 'r') from its tier, node 1's chunks at row 32 from node 1.
+  assert p0 == {'local': OWN + R, 'peer': OWN, 'storage': 0}, p0
+  # Process 1: its own from its tier, 'r' from node 0, only the lost node's chunks from storage.
+  assert p1 == {'local': OWN, 'peer': R, 'storage': OWN}, p1
+
+
+def test_flipped_byte_in_a_peers_chunk_is_read_from_storage(saved, tmp_path):
+  root, tiers = _nodes(saved, tmp_path)
+  e = _entry(tiers[1], 2, 'p1')
+  (w,) = [a for a in e.manifest.arrays if a.name == 'w']
+  path = os.path.join(e.path, w.files[0])
+  data = bytearray(open(path, 'rb').read())
+  data[7] ^= 0x10
+  open(path, 'wb').write(bytes(data))
+  (p0, err0), (p1, _) = _restore(root, tiers)
+  assert p0 == {'local': OWN + R, 'peer': B_CHUNK, 'storage': W_CHUNK}, (p0, err0[-3000:])
+  assert "is damaged" in err0 and "peer" in err0, err0[-4000:]
+  assert p1 == {'local': B_CHUNK, 'peer': R, 'storage': OWN + W_CHUNK}, p1  # its own copy too
+
+
+def test_node_lost_during_a_save_holds_an_older_step_never_used(saved, tmp_path):
+  root, tiers = _nodes(saved, tmp_path)
+  shutil.rmtree(_entry(tiers[1], 2, 'p1').path)  # node 1 died before step 2 reached its tier
+  (p0, _), (p1, _) = _restore(root, tiers)
+  assert p0 == {'local': OWN + R, 'storage': OWN}, p0
+  assert p1 == {'peer': R, 'storage': 2 * OWN}, p1
+
+
+@pytest.mark.parametrize('fault', ['stall', 'refuse', 'die_mid_chunk'])
+def test_a_peer_failing_during_the_restore_falls_back_to_storage(saved, tmp_path, fault):
+  root, tiers = _nodes(saved, tmp_path)
+  (p0, err0), (p1, _) = _restore(root, tiers, faults=('none', fault), timeout_s=3)
+  assert p0 == {'local': OWN + R, 'storage': OWN}, p0
+  assert 'peer process 1' in err0, err0[-3000:]
+  assert p1 == {'local': OWN, 'peer': R, 'storage': OWN}, p1
+
+
+def test_a_tier_that_cannot_be_written_costs_only_its_chunks(tmp_path):
+  root = tmp_path / 'ckpt'
+  blocker = tmp_path / 'a_file'
+  blocker.write_text('not a directory')
+  tiers = [tmp_path / 'node0', blocker / 'node1', tmp_path / 'node2']
+  res = run_processes(WORKER, 3, 2, args=['save', str(root), 'none'], timeout=400,
+                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+  assert [r.results for r in res] == [[{'saved': True}]] * 3
+  assert 'node-local tier skipped' in res[1].stderr_tail
+  (p0, _), (p1, _) = _restore(root, tiers[:2])
+  assert p0 == {'local': OWN + R, 'storage': OWN}, p0
+  assert p1 == {'peer': R, 'storage': 2 * OWN}, p1
+
+
+def test_held_scope_keeps_replicas_so_replicated_state_survives_a_lost_node(tmp_path):
+  """``Options.local_scope='held'``: each node also keeps the whole chunks of replicas other
+  hosts write. 'm' (replicated across the 3 slices, its writing split over them) then comes
+  wholly from each survivor's own tier; with 'written' the lost node's part of it would be read
+  from storage by both survivors."""
+  root = tmp_path / 'ckpt'
+  tiers = [tmp_path / f'node{i}' for i in range(3)]
+  held = {'ORBAX_PATHWAYS_LOCAL_SCOPE': 'held'}
+  res = run_processes(WORKER, 3, 2, args=['save', str(root), 'none'], timeout=400, env=held,
+                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+  assert [r.results for r in res] == [[{'saved': True}]] * 3
+  m = 96 * 64 * 4
+  (p0, _), (p1, _) = _restore(root, tiers[:2], env=held)
+  assert p0 == {'local': OWN + R + m, 'peer': OWN, 'storage': 0}, p0
+  assert p1 == {'local': OWN + R + m, 'storage': OWN}, p1
