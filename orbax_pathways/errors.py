@@ -95,14 +95,18 @@ def keeping_type(cls: type[OrbaxPathwaysError], cause: BaseException,
       combined = cls
     _KEEPING[key] = combined
   try:
-    return combined(message)
+    made = combined(message)
   except Exception:  # pylint: disable=broad-except  # a cause type with a custom constructor
     return cls(message)
+  if isinstance(cause, OrbaxPathwaysError):  # its fields (``missing``, ``workers``) too
+    made.__dict__.update({k: v for k, v in vars(cause).items() if not k.startswith('__')})
+  return made
 
 
-class WorkerTimeoutError(OrbaxPathwaysError, TimeoutError):
+class WorkerTimeoutError(OrbaxPathwaysError, RuntimeError):
   """A colocated call to worker hosts did not answer within its deadline. ``workers``: the
-  writer keys (``w<cpu device id>``) of the devices whose answer did not come."""
+  writer keys (``w<cpu device id>``) of the devices whose answer did not come. (Not a
+  ``TimeoutError``: Orbax replaces any ``TimeoutError`` of a commit future with its own.)"""
 
   def __init__(self, message: str, workers: Sequence[str] = ()):
     super().__init__(message)
