@@ -137,12 +137,14 @@ def _commit_callback(callback: Callable[[], None], rnd: Any) -> Callable[[], Non
 
 def _wrap_sync_fn(sync_fn: Callable[[str, int], None]) -> Callable[[str, int], None]:
   def sync(key: str, timeout_ms: int) -> None:
-    rnd = getattr(_local, 'round', None)
-    last = rnd is not None and _COMMIT_COMPLETE in key
-    if last and not rnd.is_primary and rnd.commits_alone:
+    rnd: Any = getattr(_local, 'round', None)
+    if rnd is None or _COMMIT_COMPLETE not in key:
+      sync_fn(key, timeout_ms)
+      return
+    if not rnd.is_primary and rnd.commits_alone:
       rnd.await_commit()
     sync_fn(key, timeout_ms)
-    if last and rnd.is_primary:
+    if rnd.is_primary:
       rnd.cleanup()
   return sync
 
