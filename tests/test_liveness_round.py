@@ -87,3 +87,23 @@ def test_round_names_who_is_missing_failed_or_stopped():
   assert 'process 0' in out['failed_commit']['text'], out['failed_commit']
   assert out['left'] == [], out['left']
   assert out['lost'] == [0, 2], out['lost']
+
+
+def test_uninstall_puts_orbax_back_exactly():
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src.checkpointers import async_checkpointer as ac  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src.multihost import multihost  # pylint: disable=g-import-not-at-top
+  from orbax_pathways._compat import orbax_liveness  # pylint: disable=g-import-not-at-top
+  owners = {'__init__': ac.AsyncCheckpointer, 'start_async_commit': ac._AsyncManager,  # pylint: disable=protected-access
+            'sync_global_processes': multihost, 'get_barrier_sync_fn': multihost}
+  originals = orbax_liveness.originals()
+  assert set(originals) == set(owners)
+  assert all(vars(o)[name] is not originals[name] for name, o in owners.items())
+  orbax_pathways.uninstall()
+  try:
+    assert all(vars(o)[name] is originals[name] for name, o in owners.items())
+    assert not orbax_liveness.installed()
+  finally:
+    orbax_pathways.install()
+  orbax_pathways.install()  # idempotent: Orbax's own functions wrapped once
+  assert orbax_liveness.originals() == originals

@@ -271,3 +271,9 @@ def exit_without_waiting_for_lost() -> None:
         setattr(state, name, None)
   except Exception:  # pylint: disable=broad-except  (another jax: its own shutdown then)
     pass
+
+
+def originals() -> dict[str, Callable[..., Any]]:
+  """Orbax's own functions (by attribute name) while the patches are installed; empty otherwise
+  (tests check they are put back as they were)."""
+  return dict(_originals)
