@@ -11,7 +11,9 @@ process until jax's heartbeat timeout aborts everyone with no Python error):
    (``<key>/verdict``: ``ok``, or who is missing or failed). Every other process waits for the
    verdict only (twice its own deadline); if none comes it claims "the primary is missing" as
    the verdict. The verdict is set at most once (``allow_overwrite=False``), so every live
-   process follows the same one: all go on to Orbax's barrier, or all raise.
+   process follows the same one: all go on to Orbax's barrier, or all raise. A process whose
+   own writes failed publishes its error and raises it (a failed primary also sets the verdict,
+   so the others raise at once, naming it).
 2. On the primary, ``commit_started`` / ``commit_done(error)`` around Orbax's commit callback
    (the OCDBT merge, our index, the rename): a daemon thread bumps ``<key>/alive`` every quarter
    of ``peer_timeout_s`` while it runs, and the outcome goes to ``<key>/commit``. The others,
@@ -146,8 +148,15 @@ class SaveRound:
     except Exception:  # pylint: disable=broad-except
       if error is None:
         raise
-    if error is not None:
-      return  # the caller raises its own error; the others read ours
+    if error is not None:  # the caller raises its own error; the others read ours
+      if self.is_primary:  # and follow it at once, instead of waiting for a verdict
+        try:
+          _set_once(self.client, f'{self.key}/verdict', json.dumps(
+              {'missing': [], 'failed': {str(self.me): _failure(error)[len(FAILED):]},
+               'by': self.me}))
+        except Exception:  # pylint: disable=broad-except
+          pass
+      return
     deadline = self.timeout_s + max(own_s, 0.0)
     if self.is_primary:
       verdict = _set_once(self.client, f'{self.key}/verdict', self._gather(deadline))

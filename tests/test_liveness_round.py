@@ -51,6 +51,10 @@ for p in (1, 2):
 out['healthy'] = caught(lambda: rnd('d', 0).writes_done(None, 0.0))
 out['healthy_other'] = caught(lambda: rnd('d', 1).writes_done(None, 0.0))
 
+# 4b. the primary's own writes failed: the others report its error at once
+rnd('h', 0).writes_done(OSError('no space left'), 0.0)
+out['primary_failed'] = caught(lambda: rnd('h', 1).writes_done(None, 0.0))
+
 # 5. the commit: a primary that shows progress for 3 windows, then commits, is waited for ...
 primary = rnd('e', 0)
 def commit():
@@ -80,6 +84,9 @@ def test_round_names_who_is_missing_failed_or_stopped():
   np_ = out['no_primary']
   assert np_['type'] == 'PeerLostError' and np_['missing'] == [0], np_
   assert out['healthy'] is None and out['healthy_other'] is None, out
+  pf = out['primary_failed']
+  assert pf['type'] == 'SaveError' and 'process 0 failed its writes: OSError: no space left' in \
+      pf['text'], pf
   assert out['slow_commit'] is None, out['slow_commit']
   dc = out['dead_commit']
   assert dc['missing'] == [0] and 'show progress in its commit' in dc['text'], dc
