@@ -54,6 +54,10 @@ try:
 except Exception as e:  # pylint: disable=broad-except
   w.emit({'raised': f'{type(e).__name__}: {e}', 'save_error': isinstance(e, errors.SaveError),
           'missing': list(getattr(e, 'missing', ())), 'waited_s': time.monotonic() - t})
+try:
+  mngr.close()  # what leaving a `with CheckpointManager(...)` block does: must not wait either
+except Exception as e:  # pylint: disable=broad-except
+  w.log('close raised', type(e).__name__)
 w.emit({'steps': sorted(int(s) for s in os.listdir(directory) if s.isdigit())})
 w.log('main done')
 '''
