@@ -23,6 +23,7 @@ import warnings
 import numpy as np
 
 from orbax_pathways import layout
+from orbax_pathways import liveness
 from orbax_pathways.frontends import orbax_v0 as handler_lib
 from orbax_pathways import options as options_lib
 from orbax_pathways import preemption
@@ -30,6 +31,7 @@ from orbax_pathways import retention
 from orbax_pathways import stats as stats_lib
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways._compat import orbax_finalize
+from orbax_pathways._compat import orbax_liveness
 from orbax_pathways._compat import orbax_manager
 from orbax_pathways._compat import orbax_signals
 from orbax_pathways._compat import orbax_v1 as compat_v1
@@ -102,6 +104,13 @@ def _install_manager_side() -> None:
   # the _pathways index, written before commit; v1 partial saves' parts joined at finalize
   orbax_finalize.install(index_lib.merge_item, index_lib.merge_pending)
   orbax_signals.install()  # a failed step directory releases its waiters (no hang at exit)
+  # a process that dies mid-save is named by the others, who raise and exit (liveness.py)
+  orbax_liveness.install(_save_round, liveness.lost_error)
+
+
+def _save_round(**kwargs) -> liveness.SaveRound:
+  """One async save's liveness round on this process (``_compat/orbax_liveness``)."""
+  return liveness.SaveRound(orbax_manager.distributed_client(), **kwargs)
 
 
 def _after_commit(mngr, step: int, commit_s: float) -> None:
@@ -225,6 +234,7 @@ def uninstall() -> None:
     compat_v1.uninstall()
     orbax_finalize.uninstall()
     orbax_signals.uninstall()
+    orbax_liveness.uninstall()
     if _previous is not None:
       compat.register_array_handler(_previous)
     if _previous_numpy is not None:

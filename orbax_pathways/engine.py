@@ -40,6 +40,7 @@ from orbax_pathways import checksum
 from orbax_pathways import errors
 from orbax_pathways import format as format_lib
 from orbax_pathways import layout
+from orbax_pathways import liveness
 from orbax_pathways import metadata
 from orbax_pathways import options as options_lib
 from orbax_pathways import runtime
@@ -262,6 +263,7 @@ class Engine:
     self.options = options
     # Storage request deadlines are per process (storage/deadline.py): these options set them.
     deadline_lib.configure(options.request_deadline_floor_s, options.request_deadline_cap_s)
+    liveness.configure(options.peer_timeout_s)  # waits on other processes (liveness.py)
 
   def transport_name(self) -> str:
     return runtime.choose_transport(requested=self.options.transport).value

@@ -8,6 +8,9 @@ and ``assertRaisesRegex(..., 'is not compatible with')`` written against stock O
 
 from __future__ import annotations
 
+import copy
+from typing import Sequence
+
 
 class OrbaxPathwaysError(Exception):
   """Base class of every error this package raises on purpose."""
@@ -16,6 +19,19 @@ class OrbaxPathwaysError(Exception):
 class SaveError(OrbaxPathwaysError, RuntimeError, ValueError):
   """A background write failed; the step is not committed and earlier steps are untouched.
   (Also a ``ValueError``: what tensorstore raises for the same failures under stock Orbax.)"""
+
+
+class PeerLostError(SaveError):
+  """Other processes of a multi-process save did not report their writes (or the primary host
+  its commit) within the liveness deadline: they died, hang, or are far slower. ``missing``:
+  their process indices; ``hosts``: process index -> host name, where known. The step is not
+  committed."""
+
+  def __init__(self, message: str, missing: Sequence[int] = (),
+               hosts: dict[int, str] | None = None):
+    super().__init__(message)
+    self.missing = tuple(missing)
+    self.hosts = dict(hosts or {})
 
 
 class RestoreError(OrbaxPathwaysError, ValueError):
@@ -61,7 +77,14 @@ def keeping_type(cls: type[OrbaxPathwaysError], cause: BaseException,
   original error (``except OSError``) still catches ours. Raise it ``from cause``. Falls back to
   plain ``cls`` when the two types cannot be combined or the cause needs other arguments."""
   base = type(cause)
-  if isinstance(cause, cls) or not isinstance(cause, Exception):
+  if isinstance(cause, cls):  # already ours: keep its type and attributes, say the new message
+    try:
+      again = copy.copy(cause)
+      again.args = (message,)
+      return again
+    except Exception:  # pylint: disable=broad-except
+      return cls(message)
+  if not isinstance(cause, Exception):
     return cls(message)
   key = (cls, base)
   combined = _KEEPING.get(key)
@@ -72,9 +95,22 @@ def keeping_type(cls: type[OrbaxPathwaysError], cause: BaseException,
       combined = cls
     _KEEPING[key] = combined
   try:
-    return combined(message)
+    made = combined(message)
   except Exception:  # pylint: disable=broad-except  # a cause type with a custom constructor
     return cls(message)
+  if isinstance(cause, OrbaxPathwaysError):  # its fields (``missing``, ``workers``) too
+    made.__dict__.update({k: v for k, v in vars(cause).items() if not k.startswith('__')})
+  return made
+
+
+class WorkerTimeoutError(OrbaxPathwaysError, RuntimeError):
+  """A colocated call to worker hosts did not answer within its deadline. ``workers``: the
+  writer keys (``w<cpu device id>``) of the devices whose answer did not come. (Not a
+  ``TimeoutError``: Orbax replaces any ``TimeoutError`` of a commit future with its own.)"""
+
+  def __init__(self, message: str, workers: Sequence[str] = ()):
+    super().__init__(message)
+    self.workers = tuple(workers)
 
 
 class WriterLeaseError(OrbaxPathwaysError, RuntimeError):

@@ -120,10 +120,13 @@ class _Store:
     r = self._kv.read(LEASE_FILE).result()
     return r.state == 'value', bytes(r.value), bytes(r.stamp.generation)
 
-  def write_if(self, data: bytes | None, generation: bytes) -> bytes | None:
+  def write_if(self, data: bytes | None, generation: bytes,
+               timeout_s: float | None = None) -> bytes | None:
     """Writes (None: deletes) only if the object's generation is still ``generation``
-    (``_ABSENT``: only if there is none). The new generation, or None if the condition failed."""
-    g = bytes(self._kv.write(LEASE_FILE, data, if_equal=generation).result().generation)
+    (``_ABSENT``: only if there is none). The new generation, or None if the condition failed.
+    ``timeout_s``: raise ``TimeoutError`` past it (the request may still complete)."""
+    g = bytes(self._kv.write(LEASE_FILE, data, if_equal=generation).result(
+        timeout=timeout_s).generation)
     return g or None
 
 
@@ -283,25 +286,35 @@ class Lease:
 
   # -- giving it back
 
-  def release(self) -> None:
-    """Stops renewing and deletes the lease if it is still ours (conditional delete)."""
+  def release(self, timeout_s: float | None = None) -> None:
+    """Stops renewing and deletes the lease if it is still ours (conditional delete).
+    ``timeout_s`` (at exit): give up after that long (a storage request that does not answer, a
+    renewal stuck in one) with a warning; the lease then goes stale after its timeout."""
     self._stop.set()
     thread = self._thread
     if thread is not None and thread is not threading.current_thread():
-      thread.join(timeout=10)
-    with self._io_lock:
+      thread.join(timeout=10 if timeout_s is None else min(10.0, timeout_s))
+    if not self._io_lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
+      logging.warning('orbax_pathways: the writer lease %s is not released: its renewal is stuck '
+                      'in storage; the next job takes it over once it is stale (%g s).',
+                      self.path, self.timeout_s)
+      return
+    try:
       if self._lost is not None or self._generation is None:
         return
       generation, self._generation = self._generation, None
       try:
-        if self._store.write_if(None, generation) is None:
+        if self._store.write_if(None, generation, timeout_s=timeout_s) is None:
           logging.warning('orbax_pathways: the writer lease %s changed under this job; left it '
                           'in place.', self.path)
         else:
           logging.info('orbax_pathways: released the writer lease %s.', self.path)
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:  # pylint: disable=broad-except  (TimeoutError at exit, storage errors)
         logging.warning('orbax_pathways: releasing the writer lease %s failed (%s: %s); the next '
-                        'job takes it over once it is stale.', self.path, type(e).__name__, e)
+                        'job takes it over once it is stale (%g s).', self.path,
+                        type(e).__name__, e, self.timeout_s)
+    finally:
+      self._io_lock.release()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,13 +412,18 @@ def held_leases() -> dict[str, plan.Owner]:
     return {d: lease.me for d, lease in _leases.items()}
 
 
-def release_all() -> None:
-  """Releases every lease this process holds (at interpreter exit)."""
+EXIT_RELEASE_S = 10.0  # at exit, how long releasing one lease may wait for storage
+
+
+def release_all(timeout_s: float | None = EXIT_RELEASE_S) -> None:
+  """Releases every lease this process holds (at interpreter exit: each waits at most
+  ``timeout_s`` for storage, so a storage request that never answers cannot keep the process
+  alive; the lease then goes stale)."""
   with _lock:
     leases = list(_leases.values())
     _leases.clear()
   for lease in leases:
-    lease.release()
+    lease.release(timeout_s)
 
 
 def _after_fork_in_child() -> None:
@@ -436,7 +454,7 @@ def install(*, timeout: float | None = None) -> None:
 def uninstall() -> None:
   """No lease for later saves; the leases held now are released."""
   global _installed, _timeout_override
-  release_all()
+  release_all(None)
   with _lock:
     _om.set_hook('lease_save', None)
     _om.set_hook('after_close', None)

@@ -128,6 +128,10 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar('ORBAX_PATHWAYS_REQUEST_DEADLINE_CAP_S', 'float', 120.0,
            'longest deadline of one storage request before a second one is issued',
            minimum=0.001, unit='seconds'),
+    EnvVar('ORBAX_PATHWAYS_PEER_TIMEOUT_S', 'float', 60.0,
+           'seconds a save waits for another process, or a colocated call for a worker, beyond '
+           'what this process observed of the work itself, before naming who did not answer',
+           minimum=0.001, unit='seconds'),
     EnvVar('ORBAX_PATHWAYS_NUM_SLICES', 'int', None,
            'split devices into equal slices when they carry no slice_index', minimum=1,
            unset='take slices from the devices (slice_index, else one per process)'),
@@ -286,6 +290,16 @@ class Options:
     still verified); a write is written again (object writes are idempotent); after 3 requests
     past their deadlines the save or restore fails naming the object (``storage/hedge.py``).
     The deadlines are per process: the last handler built sets them.
+  peer_timeout_s: how long a wait on other processes or workers may last beyond the work this
+    process saw (``ORBAX_PATHWAYS_PEER_TIMEOUT_S``, 60 s). A multi-process save: once this
+    process's writes finished, the others must report theirs within this plus the time this
+    process's own writes took; the primary host's commit must keep showing progress at least
+    this often. A colocated call: each worker must answer within this plus the call's bytes at a
+    conservative rate. Past it, the save (``PeerLostError``, a ``SaveError``) or restore
+    (``WorkerTimeoutError``) fails naming the processes or workers that did not answer; the step
+    is not committed. Keep it below ``jax.distributed``'s heartbeat timeout (100 s by default),
+    which otherwise aborts every process with no Python error. Per process: the last handler
+    built sets it.
   """
 
   max_chunk_bytes: int = 16 * MiB
@@ -306,6 +320,7 @@ class Options:
   peer_timeout_s: float = 20.0
   request_deadline_floor_s: float = 10.0
   request_deadline_cap_s: float = 120.0
+  peer_timeout_s: float = 60.0
 
   def compress(self, dtype, requested: bool) -> bool:
     """Whether to zstd-compress an array of ``dtype`` when the checkpoint handler asks
@@ -354,6 +369,9 @@ class Options:
         or not 0 < floor <= cap):
       raise ValueError(f'Options.request_deadline_floor_s={floor!r}, request_deadline_cap_s='
                        f'{cap!r}: need numbers with 0 < floor <= cap (seconds).')
+    peer = self.peer_timeout_s
+    if isinstance(peer, bool) or not isinstance(peer, (int, float)) or not peer > 0:
+      raise ValueError(f'Options.peer_timeout_s={peer!r}: need a number of seconds > 0.')
 
   @classmethod
   def from_env(cls, environ: Mapping[str, str] | None = None) -> 'Options':
@@ -378,4 +396,5 @@ class Options:
         peer_timeout_s=get('ORBAX_PATHWAYS_PEER_TIMEOUT_S'),
         request_deadline_floor_s=get('ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S'),
         request_deadline_cap_s=get('ORBAX_PATHWAYS_REQUEST_DEADLINE_CAP_S'),
+        peer_timeout_s=get('ORBAX_PATHWAYS_PEER_TIMEOUT_S'),
     )

@@ -33,21 +33,24 @@ def _try_get(client: Any, key: str) -> str | None:
 
 
 def gather(client: Any, prefix: str, num_processes: int, timeout_s: float, *,
-           what: str) -> list[str]:
+           what: str, processes: Sequence[int] | None = None) -> list[str]:
   """The values every process published under ``<prefix>/<i>``, in process order, waiting at
-  most ``timeout_s`` in all. Raises ``PeerTimeoutError`` naming the processes still missing."""
+  most ``timeout_s`` in all. ``processes``: the indices to wait for (default
+  ``range(num_processes)``; ``num_processes`` is then only what the error says).
+  Raises ``PeerTimeoutError`` naming the processes still missing."""
+  ids = list(range(num_processes)) if processes is None else list(processes)
   deadline = time.monotonic() + timeout_s
   values: dict[int, str] = {}
-  for p in range(num_processes):
+  for i, p in enumerate(ids):
     remaining = deadline - time.monotonic()
     try:
       values[p] = client.blocking_key_value_get(f'{prefix}/{p}', max(1, int(remaining * 1000)))
     except Exception as e:  # pylint: disable=broad-except  (DEADLINE_EXCEEDED, or a dead service)
-      for q in range(p, num_processes):
+      for q in ids[i:]:
         v = _try_get(client, f'{prefix}/{q}')
         if v is not None:
           values[q] = v
-      missing = [q for q in range(num_processes) if q not in values]
+      missing = [q for q in ids if q not in values]
       if not missing:  # all there after all (the error raced the last key)
         break
       shown = ', '.join(map(str, missing[:16])) + (' ...' if len(missing) > 16 else '')
@@ -56,4 +59,4 @@ def gather(client: Any, prefix: str, num_processes: int, timeout_s: float, *,
           f'{timeout_s:g}s (key prefix {prefix}; {type(e).__name__}: {e}). Those processes are '
           'gone, stuck, or not running the same code path: check their logs; every process must '
           'call CheckpointManager.should_save/save at every step.', missing) from e
-  return [values[p] for p in range(num_processes)]
+  return [values[p] for p in ids]

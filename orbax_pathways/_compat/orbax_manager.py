@@ -335,11 +335,14 @@ def _wrap_finalize(original):
 
 def _commit_error(mngr, step: int, e: BaseException) -> Exception:
   from orbax_pathways import errors  # pylint: disable=g-import-not-at-top
+  if isinstance(e, errors.PeerLostError) and isinstance(e.__context__, errors.PeerLostError):
+    e = e.__context__  # the liveness round's error, not the barrier Orbax then tried in a finally
   where = 'in storage' if _is_storage_error(e) else 'in the background'
   err = errors.keeping_type(
       errors.SaveError, e,
       f'Step {step} ({manager_step_path(mngr, step)}) was not committed: its background commit '
-      f'failed {where}: {type(e).__module__}.{type(e).__name__}: {e}. Orbax reports this from '
+      f'failed {where}: {type(e).__module__}.{type(e).__name__}: {str(e).rstrip(".")}. Orbax '
+      'reports this from '
       f'the next save() or wait_until_finished(); earlier steps are untouched, and step {step} '
       'is not listed.')
   setattr(err, _STEP_ATTR, step)

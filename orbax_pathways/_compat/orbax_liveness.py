@@ -1,0 +1,279 @@
+"""Orbax's background commit of a multi-process async save, with a liveness round before its
+barriers (issue 21, item 1). The round itself is ``orbax_pathways/liveness.py``.
+
+SUPPORTED: orbax-checkpoint ``>=0.12.4,<0.13`` (written against 0.12.8), like the other patches.
+
+Stock: ``_AsyncManager`` runs ``_background_wait_for_commit_futures`` in its ``async_save``
+thread: wait for this process's commit futures, barrier ``async_write_complete`` (every
+process), the primary host's commit callback, barrier ``async_commit_complete``. A process that
+died never reaches the first barrier; the others wait in it until jax's heartbeat timeout aborts
+them (SIGABRT, no Python error; measured ~105 s with jax's default 100 s).
+
+Patches, installed by ``install(make_round)`` and restored exactly by ``uninstall()`` (both
+idempotent):
+
+- ``AsyncCheckpointer.__init__``: after Orbax's, tags its ``_AsyncManager`` with the processes
+  its barriers span (``MultiprocessingOptions.active_processes``; all when None). A checkpointer
+  built with its own ``AsyncOptions.barrier_sync_fn`` is left stock (its barrier is not jax's).
+- ``_AsyncManager.start_async_commit(directory, commit_futures, on_commit_callback)`` (the
+  controller's thread, at the end of ``save()``): for a tagged manager spanning several
+  processes, with a hook set, hands Orbax one future in place of the commit futures: it waits
+  for them all, then runs ``round.writes_done`` (publish, wait for the verdict; raises naming
+  who is missing or failed) before Orbax's ``async_write_complete`` barrier; on the primary the
+  commit callback reports its progress and outcome (``commit_started`` / ``commit_done``); the
+  manager's barrier function (``_sync_fn``, wrapped once per manager) makes the other processes
+  ``await_commit`` before ``async_commit_complete``, and the primary ``cleanup`` after it.
+  The round's key (under ``liveness.PREFIX``) is unique per save: Orbax's operation id (the same on every process, as
+  Orbax's own signals use it), the barrier prefix and the step directory's name.
+
+- ``multihost.sync_global_processes`` and ``multihost.get_barrier_sync_fn`` (the barriers of
+  Orbax's CheckpointManager and checkpointers: the manager's finalize thread, ``close()``, the
+  next ``save()``): once this process found peers lost, they raise that ``PeerLostError`` at once
+  instead of waiting for the lost peers until jax's heartbeat timeout aborts the process.
+
+``exit_without_waiting_for_lost()`` is registered with ``atexit`` by ``install`` (after jax's own
+exit handler, so it runs first): when this process found peers lost, jax's
+``distributed.shutdown`` would wait for them in its shutdown barrier (300 s, or the heartbeat
+abort); their client and service are then dropped without that barrier (kept referenced, never
+destroyed: their destructor would wait the same way). The process exits at once, with its own
+exit status.
+
+Who calls it: ``orbax_pathways._registration`` (``install()``), on every process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import dataclasses
+import functools
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+from orbax.checkpoint._src.checkpointers import async_checkpointer as _ac
+from orbax.checkpoint._src.futures import future as _future
+from orbax.checkpoint._src.futures import synchronization as _sync
+from orbax.checkpoint._src.multihost import multihost as _multihost
+
+SUPPORTED = '>=0.12.4,<0.13'
+
+_SCOPE = '_orbax_pathways_liveness_scope'
+_SYNC_WRAPPED = '_orbax_pathways_liveness_sync'
+_COMMIT_COMPLETE = 'async_commit_complete'
+
+_lock = threading.Lock()
+_originals: dict[str, Callable[..., Any]] = {}
+_make_round: Callable[..., Any] | None = None
+_lost_error: Callable[[str], BaseException | None] | None = None
+_local = threading.local()  # .round: the round of the async_save thread running it
+_kept: list[Any] = []  # jax's distributed client/service, dropped at exit without shutdown
+_atexit_registered = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scope:
+  processes: tuple[int, ...] | None  # None: every process
+  prefix: str
+
+
+def _wrap_init(original):
+  @functools.wraps(original)
+  def __init__(self, *args, **kwargs):
+    original(self, *args, **kwargs)
+    async_options = kwargs.get('async_options')
+    if async_options is not None and getattr(async_options, 'barrier_sync_fn', None) is not None:
+      return  # the user's own barrier: not ours to drive
+    manager = self.__dict__.get('_async_manager')
+    if manager is None:
+      return
+    active = getattr(self, '_active_processes', None)
+    manager.__dict__[_SCOPE] = _Scope(
+        tuple(sorted(active)) if active else None,
+        str(getattr(self, '_barrier_sync_key_prefix', '') or ''))
+  return __init__
+
+
+class _LivenessFuture:
+  """Orbax's commit futures of one save, then the liveness round (in the async_save thread)."""
+
+  def __init__(self, futures: Sequence[Any], rnd: Any, started: float):
+    self._futures = list(futures)
+    self._round = rnd
+    self._started = started
+
+  def result(self, timeout: float | None = None) -> None:
+    _local.round = self._round
+    error: BaseException | None = None
+    try:
+      _future.ChainedFuture(self._futures, cb=lambda: None).result(timeout=timeout)
+    except BaseException as e:  # pylint: disable=broad-except  (published, then raised)
+      error = e
+    self._round.writes_done(error, time.monotonic() - self._started)
+    if error is not None:
+      raise error
+
+  def cancel(self) -> None:
+    for f in self._futures:
+      f.cancel()
+
+
+def _commit_callback(callback: Callable[[], None], rnd: Any) -> Callable[[], None]:
+  def on_commit() -> None:
+    rnd.commit_started()
+    try:
+      callback()
+    except BaseException as e:
+      try:
+        rnd.commit_done(e)
+      except Exception:  # pylint: disable=broad-except  (the commit's own error is what counts)
+        pass
+      raise
+    rnd.commit_done(None)
+  return on_commit
+
+
+def _wrap_sync_fn(sync_fn: Callable[[str, int], None]) -> Callable[[str, int], None]:
+  def sync(key: str, timeout_ms: int) -> None:
+    rnd: Any = getattr(_local, 'round', None)
+    if rnd is None or _COMMIT_COMPLETE not in key:
+      sync_fn(key, timeout_ms)
+      return
+    if not rnd.is_primary and rnd.commits_alone:
+      rnd.await_commit()
+    sync_fn(key, timeout_ms)
+    if rnd.is_primary:
+      rnd.cleanup()
+  return sync
+
+
+def _wrap_start(original):
+  @functools.wraps(original)
+  def start_async_commit(self, directory, commit_futures, on_commit_callback):
+    make = _make_round
+    scope = self.__dict__.get(_SCOPE)
+    if make is None or scope is None:
+      return original(self, directory, commit_futures, on_commit_callback)
+    count = jax.process_count()
+    processes = scope.processes if scope.processes is not None else tuple(range(count))
+    if len(processes) <= 1:
+      return original(self, directory, commit_futures, on_commit_callback)
+    primary_host = getattr(self, '_primary_host', 0)
+    every_process_commits = primary_host is None
+    primary = processes[0] if every_process_commits else primary_host
+    key = '/'.join((scope.prefix or '-', _sync.OperationIdGenerator.get_current_operation_id(),
+                    getattr(directory, 'name', str(directory))))
+    rnd = make(key=key, me=jax.process_index(), processes=processes, primary=primary,
+               what=str(directory), num_processes=count,
+               commits_alone=not every_process_commits)
+    if not self.__dict__.get(_SYNC_WRAPPED):
+      self._sync_fn = _wrap_sync_fn(self._sync_fn)  # pylint: disable=protected-access
+      self.__dict__[_SYNC_WRAPPED] = True
+    callback = on_commit_callback
+    if rnd.is_primary and not every_process_commits:
+      callback = _commit_callback(on_commit_callback, rnd)
+    return original(self, directory, [_LivenessFuture(commit_futures, rnd, time.monotonic())],
+                    callback)
+  return start_async_commit
+
+
+def _fail_fast(name: str) -> None:
+  """Raises at once, instead of entering a barrier, once this process found peers lost."""
+  lost_error = _lost_error
+  error = lost_error(name) if lost_error is not None else None
+  if error is not None:
+    raise error
+
+
+def _wrap_sync_global_processes(original):
+  @functools.wraps(original)
+  def sync_global_processes(name, *args, **kwargs):
+    _fail_fast(name)
+    return original(name, *args, **kwargs)
+  return sync_global_processes
+
+
+def _wrap_get_barrier_sync_fn(original):
+  @functools.wraps(original)
+  def get_barrier_sync_fn(*args, **kwargs):
+    fn = original(*args, **kwargs)
+
+    def barrier(*, key: str, timeout_ms: int) -> None:
+      _fail_fast(key)
+      return fn(key=key, timeout_ms=timeout_ms)
+    return barrier
+  return get_barrier_sync_fn
+
+
+def _targets():
+  return ((_ac.AsyncCheckpointer, '__init__', _wrap_init),
+          (_ac._AsyncManager, 'start_async_commit', _wrap_start),  # pylint: disable=protected-access
+          (_multihost, 'sync_global_processes', _wrap_sync_global_processes),
+          (_multihost, 'get_barrier_sync_fn', _wrap_get_barrier_sync_fn))
+
+
+def install(make_round: Callable[..., Any],
+            lost_error: Callable[[str], BaseException | None]) -> None:
+  """Sets the round factory (``liveness.SaveRound``-like, keyword arguments ``key, me,
+  processes, primary, what, num_processes, commits_alone``) and ``lost_error(barrier)`` (the
+  error to raise instead of entering an Orbax barrier once peers were found lost; None while
+  none was), installs the patches (once) and the exit handler (once per process)."""
+  global _make_round, _lost_error, _atexit_registered
+  with _lock:
+    _make_round, _lost_error = make_round, lost_error
+    if not _atexit_registered:
+      atexit.register(exit_without_waiting_for_lost)
+      _atexit_registered = True
+    if _originals:
+      return
+    targets = _targets()
+    if any(attr not in owner.__dict__ for owner, attr, _ in targets):
+      return  # another Orbax: stock behaviour (Orbax's barriers, jax's heartbeat)
+    for owner, attr, wrap in targets:
+      _originals[attr] = owner.__dict__[attr]
+      setattr(owner, attr, wrap(_originals[attr]))
+
+
+def uninstall() -> None:
+  """Puts Orbax's own functions back and clears the factory (idempotent)."""
+  global _make_round, _lost_error
+  with _lock:
+    for owner, attr, _ in _targets():
+      if attr in _originals:
+        setattr(owner, attr, _originals[attr])
+    _originals.clear()
+    _make_round, _lost_error = None, None
+
+
+def installed() -> bool:
+  return bool(_originals)
+
+
+def exit_without_waiting_for_lost() -> None:
+  """At exit, when this process found peers lost: jax's distributed client and service are
+  dropped without their shutdown barrier (which would wait for the lost peers)."""
+  lost_error = _lost_error
+  if lost_error is None or lost_error('exit') is None:
+    return
+  try:
+    from jax._src import distributed  # pylint: disable=g-import-not-at-top
+    state = distributed.global_state
+    for name in ('preemption_sync_manager', 'client', 'service'):
+      obj = getattr(state, name, None)
+      if obj is not None:
+        _kept.append(obj)
+        # One reference never released: at interpreter teardown the module's globals are freed,
+        # and a freed service cancels its calls (the client then aborts the process), a freed
+        # client shuts down (the same barrier).
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+        setattr(state, name, None)
+  except Exception:  # pylint: disable=broad-except  (another jax: its own shutdown then)
+    pass
+
+
+def originals() -> dict[str, Callable[..., Any]]:
+  """Orbax's own functions (by attribute name) while the patches are installed; empty otherwise
+  (tests check they are put back as they were)."""
+  return dict(_originals)
