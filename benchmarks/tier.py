@@ -130,7 +130,7 @@ def one_kind(kind, args, bucket, proxy, run_processes) -> dict:
   root = f'gs://{bucket}/{kind}'
   base = _tier_base()
   tiers = [os.path.join(base, f'node{i}') for i in range(4)]
-  env = {'ORBAX_PATHWAYS_PEER_TIMEOUT_S': '30', 'TF_CPP_MIN_LOG_LEVEL': '2',
+  env = {'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': '30', 'TF_CPP_MIN_LOG_LEVEL': '2',
          'ORBAX_PATHWAYS_LOCAL_SCOPE': args.scope}
   try:
     proxy.reset_stats()

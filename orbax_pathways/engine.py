@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import time
 import warnings
 from typing import Any, Awaitable, Callable, Sequence
@@ -269,8 +270,14 @@ class Engine:
     return runtime.choose_transport(requested=self.options.transport).value
 
   def tier(self) -> tier_store.TierConfig | None:
-    """This node's tier as the options set it (None: off)."""
-    return tier_store.resolve(self.options.local_dir, self.options.local_keep)
+    """This node's tier as the options set it (None: off). ``Options.local_dir=None`` takes
+    ``ORBAX_PATHWAYS_LOCAL_DIR`` as the node has it set, then the /dev/shm default: where a
+    node keeps its RAM disk (or that it has none) is the node's setting, so it holds for
+    ``Options(...)`` built in code too."""
+    local_dir = self.options.local_dir
+    if local_dir is None:
+      local_dir = os.environ.get(tier_store.ENV) or None
+    return tier_store.resolve(local_dir, self.options.local_keep)
 
   # ---- save ------------------------------------------------------------------------------------
 
@@ -340,7 +347,7 @@ class Engine:
                                     require_record=written_by_us and config.verify)
                  for leaf in leaves]
     config = dataclasses.replace(config, tier=self.tier(),
-                                 peer_timeout_s=self.options.peer_timeout_s)
+                                 tier_peer_timeout_s=self.options.tier_peer_timeout_s)
     transport = registry.create(self.transport_name(), read=config)
     telemetry = compat.io_metrics_start('read')
     out, outcomes = await transport.read(targets, item)

@@ -143,9 +143,12 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar('ORBAX_PATHWAYS_LOCAL_SCOPE', 'choice', 'written',
            "what the node-local tier keeps: the chunks this host wrote, or every chunk its "
            'devices hold', LOCAL_SCOPES),
-    EnvVar('ORBAX_PATHWAYS_PEER_TIMEOUT_S', 'float', 20.0,
+    EnvVar('ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S', 'float', 20.0,
            "longest wait on another host's node-local tier before its chunks come from storage",
            minimum=0.001, unit='seconds'),
+    EnvVar('ORBAX_PATHWAYS_PEER_ADDRESS', 'str', None,
+           "the address other hosts reach this host's node-local tier server at",
+           unset="this host name's address"),
     EnvVar('ORBAX_PATHWAYS_SLOW', 'bool', False, 'test suite only: run slow tests'),
 )}
 
@@ -261,7 +264,9 @@ class Options:
   local_dir: the node-local tier (``ORBAX_PATHWAYS_LOCAL_DIR``): a directory on node-local
     memory (tmpfs) where every save also leaves, in its background part, a copy of the chunks
     this host wrote (same bytes, same crc32c as on storage), which a restore of that committed
-    step reads before storage. None (default): ``/dev/shm/orbax-pathways-<uid>`` when /dev/shm
+    step reads before storage. None (default): ``ORBAX_PATHWAYS_LOCAL_DIR`` where the node sets
+    it (also for ``Options(...)`` built in code: the RAM disk is the node's), else
+    ``/dev/shm/orbax-pathways-<uid>`` when /dev/shm
     is a tmpfs with room for this host's share (64 MiB left over), else no tier; ``'off'``: no
     tier. A tier that would not fit, or a read-only or full directory, is skipped with one
     warning; it never fails or slows a save. What a host keeps: ``local_scope``. Not part of
@@ -276,9 +281,10 @@ class Options:
     this host's devices hold that another host writes (replicated state then survives the loss
     of any host), at the cost of copying those replicas to the host inside ``save()`` and
     keeping them in node memory.
-  peer_timeout_s: under multi-controller JAX a restore takes a chunk this node's tier lacks
+  tier_peer_timeout_s: under multi-controller JAX a restore takes a chunk this node's tier lacks
     from another host's tier (over a TCP connection to that process) before storage; this is
-    the longest wait on that host, per request (``ORBAX_PATHWAYS_PEER_TIMEOUT_S``, 20 s). Past
+    the longest wait on that host, per request (``ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S``, 20 s;
+    shorter than ``peer_timeout_s``: storage still has every chunk, so a slow peer costs little). Past
     it, that host's chunks come from storage (one log line naming it); the restore never fails
     for it.
   request_deadline_floor_s, request_deadline_cap_s: every storage request we issue (array
@@ -317,7 +323,7 @@ class Options:
   local_dir: str | None = None
   local_keep: int = 1
   local_scope: str = 'written'
-  peer_timeout_s: float = 20.0
+  tier_peer_timeout_s: float = 20.0
   request_deadline_floor_s: float = 10.0
   request_deadline_cap_s: float = 120.0
   peer_timeout_s: float = 60.0
@@ -356,10 +362,9 @@ class Options:
     _check_int('storage_retries', self.storage_retries, 0, optional=True)
     _check_int('num_slices', self.num_slices, 1, optional=True)
     _check_int('local_keep', self.local_keep, 1)
-    if not isinstance(self.peer_timeout_s, (int, float)) or isinstance(self.peer_timeout_s, bool) \
-        or not self.peer_timeout_s > 0:
-      raise ValueError(f'Options.peer_timeout_s={self.peer_timeout_s!r}: use a number of seconds '
-                       '> 0.')
+    tier_peer = self.tier_peer_timeout_s
+    if isinstance(tier_peer, bool) or not isinstance(tier_peer, (int, float)) or not tier_peer > 0:
+      raise ValueError(f'Options.tier_peer_timeout_s={tier_peer!r}: use a number of seconds > 0.')
     if self.local_dir is not None and not isinstance(self.local_dir, str):
       raise ValueError(f'Options.local_dir={self.local_dir!r}: use a directory path (str), '
                        '"off", or None for the /dev/shm default.')
@@ -393,7 +398,7 @@ class Options:
         local_dir=get('ORBAX_PATHWAYS_LOCAL_DIR'),
         local_keep=get('ORBAX_PATHWAYS_LOCAL_KEEP'),
         local_scope=get('ORBAX_PATHWAYS_LOCAL_SCOPE'),
-        peer_timeout_s=get('ORBAX_PATHWAYS_PEER_TIMEOUT_S'),
+        tier_peer_timeout_s=get('ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S'),
         request_deadline_floor_s=get('ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S'),
         request_deadline_cap_s=get('ORBAX_PATHWAYS_REQUEST_DEADLINE_CAP_S'),
         peer_timeout_s=get('ORBAX_PATHWAYS_PEER_TIMEOUT_S'),

@@ -130,7 +130,7 @@ def _nodes(saved, tmp_path):
 def _restore(root, tiers, faults=('none', 'none'), timeout_s=5, env=None):
   res = run_processes(WORKER, 2, 2, args=['restore', str(root)], timeout=400,
                       per_process_args=[[f] for f in faults],
-                      env={'ORBAX_PATHWAYS_PEER_TIMEOUT_S': str(timeout_s), **(env or {})},
+                      env={'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': str(timeout_s), **(env or {})},
                       per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
   out = []
   for r in res:

@@ -27,7 +27,7 @@ from orbax_pathways.tier import store
 
 def default_dir() -> str | None:
   """``ORBAX_PATHWAYS_LOCAL_DIR`` if set (None if 'off'), else the /dev/shm default."""
-  cfg = store.resolve(os.environ.get('ORBAX_PATHWAYS_LOCAL_DIR') or None)
+  cfg = store.resolve(os.environ.get(store.ENV) or None)
   return cfg.local_dir if cfg is not None else None
 
 

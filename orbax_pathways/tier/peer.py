@@ -11,7 +11,7 @@ costs its chunks a trip to storage, never the restore.
 Who calls what, on which host (multi-controller JAX, every process):
 
 - ``transports/local.read`` makes an ``Exchange`` per restore (jax's key-value client, this
-  process's index, the process count, ``Options.peer_timeout_s``) and hands it to
+  process's index, the process count, ``Options.tier_peer_timeout_s``) and hands it to
   ``tier/chain.for_restore``, which calls ``serve`` (starts this process's server once: it
   serves only this node's tier directory, only complete manifests, only chunk files named in
   them) and ``Exchange.publish`` (one key: this server's address and the (writer, save id) of
@@ -344,7 +344,7 @@ class _Peer:
       kind = 'no answer within the deadline' if isinstance(e, socket.timeout) else 'failed'
       self.failed = f'{kind}: {type(e).__name__}: {e}'
       raise PeerError(f'{self}: {what}: {kind} ({self.timeout_s:g} s per request, '
-                      f'ORBAX_PATHWAYS_PEER_TIMEOUT_S): {type(e).__name__}: {e}') from e
+                      f'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S): {type(e).__name__}: {e}') from e
 
 
 class _Holding:

@@ -47,6 +47,7 @@ from orbax_pathways.tier import layout
 
 log = logging.getLogger('orbax_pathways')
 OFF = 'off'
+ENV = 'ORBAX_PATHWAYS_LOCAL_DIR'  # also the default of Options.local_dir=None (engine.tier)
 # Room left on the tier's filesystem after an entry: a node-local tmpfs is also the node's RAM.
 MARGIN_BYTES = 64 << 20
 

@@ -55,7 +55,7 @@ class ReadConfig:
   context: Any = None  # Orbax's tensorstore context (local transport only)
   max_inflight_bytes: int | None = None  # host bytes read before going to devices (None: all)
   tier: Any = None  # tier.store.TierConfig: read this node's tier first (None: storage only)
-  peer_timeout_s: float = 20.0  # each wait on another host's tier (Options.peer_timeout_s)
+  tier_peer_timeout_s: float = 20.0  # each wait on another host's tier (Options.tier_peer_timeout_s)
 
 
 @dataclasses.dataclass

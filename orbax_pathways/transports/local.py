@@ -285,7 +285,7 @@ class LocalTransport:
     bytes_read = chunks_verified = storage_bytes = 0
     storage_s = 0.0
     chain = (await asyncio.to_thread(tier_chain.for_restore, cfg.tier, item.directory,
-                                     peers=peer_exchange(cfg.peer_timeout_s))
+                                     peers=peer_exchange(cfg.tier_peer_timeout_s))
              if cfg.tier is not None else None)
     # Orbax's restore byte limit (restore_concurrent_gb): at most that many bytes of host
     # buffers between storage and the devices at once (one array above it goes alone).
