@@ -361,3 +361,41 @@ def test_v1_save_and_load_use_the_tier(tmp_path):
   st = stats.last_restore()
   assert st.bytes_by_source.get('storage') == 0
   assert st.bytes_by_source.get('local') == sum(v.nbytes for v in host.values())
+
+
+def test_colocated_workers_of_a_lost_slice_come_from_storage_onto_fewer_devices(tmp_path):
+  """The colocated transport with one slice's workers lost (their tier entries gone): a
+  restore onto fewer devices takes every chunk the surviving workers hold from the tier and
+  exactly the lost workers' chunks from storage, bit-exact."""
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier, transport='colocated')
+  state, host = _state()
+  with ocp.CheckpointManager(root) as m:
+    m.save(1, args=ocp.args.StandardSave(state))
+    m.wait_until_finished()
+  tier_store.flush()
+  lost_rows = 192  # mesh row x=3 holds rows 192..255 of 'w': that slice's workers are lost
+  lost = [e for e in _entries(tier, root)
+          if any(a.name == 'w' and any(o[0] == lost_rows for o in a.origins)
+                 for a in e.manifest.arrays)]
+  assert lost
+  lost_w = sum(n for e in lost for a in e.manifest.arrays if a.name == 'w' for n in a.nbytes)
+  lost_paths = {e.path for e in lost}
+  lost_b = not any(a.name == 'b' for e in _entries(tier, root) if e.path not in lost_paths
+                   for a in e.manifest.arrays)  # no surviving worker holds a copy of 'b'
+  for e in lost:
+    shutil.rmtree(e.path)
+  half = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ('x', 'y'))
+  target = {
+      'w': jax.ShapeDtypeStruct((256, 64), np.float32,
+                                sharding=jax.sharding.NamedSharding(half, P('x', 'y'))),
+      'b': jax.ShapeDtypeStruct((32,), np.int32, sharding=jax.sharding.NamedSharding(half, P())),
+  }
+  with ocp.CheckpointManager(root) as m:
+    out = m.restore(1, args=ocp.args.StandardRestore(target))
+  _assert_exact(out, host)
+  st = stats.last_restore()
+  # Each lost chunk of 'w' is needed by exactly one of the 4 new devices; 'b' (replicated, 128
+  # bytes) by all 4, from storage only if no surviving worker holds it.
+  assert st.bytes_by_source.get('storage') == lost_w + (4 * host['b'].nbytes if lost_b else 0), st
+  assert st.bytes_by_source.get('local', 0) > 0, st

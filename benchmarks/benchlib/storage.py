@@ -43,6 +43,7 @@ class Storage:
     return f'{self.root}/{tag}-{uuid.uuid4().hex[:8]}'
 
   def remove(self, path: str) -> None:
+    _drop_tier(path)
     if self.bucket is None:
       shutil.rmtree(path, ignore_errors=True)
       return
@@ -50,6 +51,19 @@ class Storage:
     prefix = path[len(f'gs://{self.bucket}/'):].rstrip('/') + '/'
     kv = ts.KvStore.open({'driver': 'gcs', 'bucket': self.bucket}).result()
     kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord('/') + 1))).result()
+
+
+def _drop_tier(path: str) -> None:
+  """Removes this node's tier copies of ``path`` (a finished rep's directory is never restored
+  again; left there, every rep would keep a copy of the state in /dev/shm, i.e. in RAM)."""
+  try:
+    from orbax_pathways.tier import layout, store  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return
+  local_dir = store.resolve(os.environ.get(store.ENV) or None)
+  if local_dir is not None:
+    store.flush()  # a copy still being written would land after the removal
+    shutil.rmtree(os.path.join(local_dir.local_dir, layout.root_key(path)), ignore_errors=True)
 
 
 def open_storage(stack: contextlib.ExitStack, mode: str, local_dir: str | None, gcs_mod,
