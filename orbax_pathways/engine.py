@@ -348,11 +348,6 @@ class Engine:
                  for leaf in leaves]
     config = dataclasses.replace(config, tier=self.tier(),
                                  tier_peer_timeout_s=self.options.tier_peer_timeout_s)
-    if config.tier is not None:
-      # This process's own tier copies still being written (a restore right after a save):
-      # wait for them, node-local memory writes, rather than read storage while they compete
-      # for the same cores; the restore then finds them complete.
-      await asyncio.to_thread(tier_store.flush)
     transport = registry.create(self.transport_name(), read=config)
     telemetry = compat.io_metrics_start('read')
     out, outcomes = await transport.read(targets, item)

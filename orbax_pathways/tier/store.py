@@ -115,6 +115,19 @@ _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _queued: list[concurrent.futures.Future] = []
 
 
+TIER_THREAD_NICE = 10  # the copy yields the cores to training, restores and storage writes
+
+
+def _lower_priority() -> None:
+  """On the tier's thread: a lower CPU priority for this thread only (Linux: a thread's nice
+  value is its own), so a copy into node memory never competes on equal terms with the work
+  that needs the cores now. Best effort: elsewhere it runs at normal priority."""
+  try:
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TIER_THREAD_NICE)
+  except (AttributeError, OSError):
+    pass
+
+
 def submit(fn: Any, *args: Any) -> None:
   """Runs ``fn(*args)`` on the tier's background thread (one, FIFO: a colocated save's device
   groups land in order) and returns at once. ``fn`` must not raise (``share.write_tier`` logs).
@@ -123,7 +136,7 @@ def submit(fn: Any, *args: Any) -> None:
   with _lock:
     if _executor is None:
       _executor = concurrent.futures.ThreadPoolExecutor(
-          max_workers=1, thread_name_prefix='orbax_pathways_tier')
+          max_workers=1, thread_name_prefix='orbax_pathways_tier', initializer=_lower_priority)
     _queued[:] = [f for f in _queued if not f.done()]
     _queued.append(_executor.submit(fn, *args))
 
