@@ -278,8 +278,9 @@ class Lease:
 
   def check(self) -> None:
     """At each save on the lease-writing process: raises ``WriterLeaseError`` if the lease was
-    taken over; renews it first when a renewal is due (the renewer may have stalled)."""
-    if self._lost is None and time.monotonic() - self._renewed_mono > self.timeout_s / 3:
+    taken over; renews it first only when the background renewer (every third of the timeout)
+    is overdue by another third: a healthy renewer keeps storage requests out of ``save()``."""
+    if self._lost is None and time.monotonic() - self._renewed_mono > 2 * self.timeout_s / 3:
       self.renew()
     if self._lost is not None:
       raise errors.WriterLeaseError(self._lost)
