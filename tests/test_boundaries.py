@@ -39,6 +39,25 @@ def test_only_compat_reaches_private_orbax_and_jax():
   assert {k: v for k, v in offenders.items() if v} == {}
 
 
+def test_one_compat_module_imports_private_modules():
+  """Inside _compat/ too, only _compat/src.py imports ``_src`` modules; the rest ask it by path
+  (``src.orbax('path.deleter')``), so a moved Orbax or JAX module has one place to change."""
+  private = ('orbax.checkpoint._src', 'orbax.checkpoint.experimental.v1._src', 'jax._src')
+  offenders = {_rel(p): sorted(m for m in _imports(p) if m.startswith(private))
+               for p in _modules() if _rel(p).startswith('_compat/') and _rel(p) != '_compat/src.py'}
+  assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_compat_src_finds_modules_and_attributes_and_names_what_moved():
+  from orbax_pathways._compat import src  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint._src.path.deleter as deleter  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src.asyncio_utils import run_sync  # pylint: disable=g-import-not-at-top
+  assert src.orbax('path.deleter') is deleter
+  assert src.orbax('asyncio_utils.run_sync') is run_sync
+  with pytest.raises(ModuleNotFoundError, match=r'orbax\.checkpoint\._src\.path\.no_such'):
+    src.orbax('path.no_such')
+
+
 def _private_reads(path: pathlib.Path) -> list[str]:
   """``x._name`` reads on anything but ``self``/``cls`` and the stdlib's ``os``/``sys``."""
   out = []

@@ -7,6 +7,8 @@ every one against the installed Orbax. Called on any host, from the handler and 
 
 from __future__ import annotations
 
+from orbax_pathways._compat import src
+
 import copy
 import dataclasses
 from typing import Any, Mapping, Sequence
@@ -17,15 +19,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import future as _future
 from orbax.checkpoint import type_handlers as _th
-from orbax.checkpoint._src.metadata import array_metadata as _array_metadata
-from orbax.checkpoint._src.metadata import array_metadata_store as _ams
-from orbax.checkpoint._src.metadata import sharding as _sharding_md
-from orbax.checkpoint._src.multihost import multihost as _multihost
-from orbax.checkpoint._src.serialization import jax_array_handlers as _jah
-from orbax.checkpoint._src.serialization import ocdbt_utils as _ocdbt_utils
-from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
-from orbax.checkpoint._src.serialization import type_handler_registry as _thr
-from orbax.checkpoint._src.asyncio_utils import run_sync  # noqa: F401  (re-exported)
+_array_metadata = src.orbax('metadata.array_metadata')
+_ams = src.orbax('metadata.array_metadata_store')
+_sharding_md = src.orbax('metadata.sharding')
+_multihost = src.orbax('multihost.multihost')
+_jah = src.orbax('serialization.jax_array_handlers')
+_ocdbt_utils = src.orbax('serialization.ocdbt_utils')
+_ts_utils = src.orbax('serialization.tensorstore_utils')
+_thr = src.orbax('serialization.type_handler_registry')
+run_sync = src.orbax('asyncio_utils.run_sync')  # re-exported
 
 from orbax_pathways import format as format_lib
 
@@ -85,7 +87,7 @@ def handler_settings(handler: Any) -> HandlerSettings:
 def limiter_bytes(limiter: Any) -> int | None:
   """The byte budget of one of Orbax's byte limiters (``save_concurrent_gb``,
   ``restore_concurrent_gb``), or None when it is unlimited or absent."""
-  from orbax.checkpoint._src.serialization import limits  # pylint: disable=g-import-not-at-top
+  limits = src.orbax('serialization.limits')
   if isinstance(limiter, limits.LimitInFlightBytes):
     return int(limiter.max_bytes)
   return None
@@ -125,7 +127,7 @@ def numpy_handler_ocdbt_process_id(handler: Any) -> str | None:
 def check_numpy_save_inputs(values: Sequence[Any], infos: Sequence[Any],
                             args: Sequence[Any]) -> None:
   """Orbax's ``NumpyHandler.serialize`` argument checks (lengths; zero-size arrays refused)."""
-  from orbax.checkpoint._src.serialization import types as _types  # pylint: disable=g-import-not-at-top
+  _types = src.orbax('serialization.types')
   _types.check_input_arguments(values, infos, args)
   _jah.check_array_values(values, infos)
 
@@ -151,7 +153,7 @@ def numpy_handler_metadata_key(handler: Any) -> str | None:
 def is_plain_array_handler(handler: Any) -> bool:
   """Orbax's own ``ArrayHandler`` or its Pathways persistence handler, which ours replaces; not
   a ``SingleReplicaArrayHandler`` (load-and-broadcast) or a user's subclass."""
-  from orbax.checkpoint._src.serialization import cloud_pathways_array_handler as _cp  # pylint: disable=g-import-not-at-top
+  _cp = src.orbax('serialization.cloud_pathways_array_handler')
   return type(handler) in (_jah.ArrayHandler, _cp.CloudPathwaysArrayHandler)
 
 
@@ -368,7 +370,7 @@ def has_prng_key_dtype(arg: Any) -> bool:
 
 async def shardings_from_args_or_file(infos: Sequence[Any], args: Sequence[Any]) -> list[Any]:
   """Orbax's own rule: mesh+mesh_axes, else ``sharding``, else the ``_sharding`` file."""
-  from orbax.checkpoint._src.path import async_path  # pylint: disable=g-import-not-at-top
+  async_path = src.orbax('path.async_path')
   exists = await async_path.exists(infos[0].parent_dir / SHARDING_FILE_NAME)
   return list(await _jah._deserialize_shardings(infos, args, exists))  # pylint: disable=protected-access
 
@@ -377,7 +379,7 @@ async def shardings_from_args_or_file(infos: Sequence[Any], args: Sequence[Any])
 
 def persistence_dtype_supported(dtype: Any) -> bool:
   """Whether the persistence plugin can store ``dtype`` (Orbax's own dtype table)."""
-  from orbax.checkpoint._src.serialization import cloud_pathways_helper  # pylint: disable=g-import-not-at-top
+  cloud_pathways_helper = src.orbax('serialization.cloud_pathways_helper')
   try:
     cloud_pathways_helper.dtype_to_xla_primitive_type_str(np.dtype(dtype))
     return True
@@ -388,7 +390,7 @@ def persistence_dtype_supported(dtype: Any) -> bool:
 def persistence_bulk_write_request(location: str, names: Sequence[str], arrays: Sequence[Any],
                                    timeout: Any) -> str:
   """The JSON request Orbax's CloudPathwaysArrayHandler sends for one group of arrays."""
-  from orbax.checkpoint._src.serialization import cloud_pathways_helper  # pylint: disable=g-import-not-at-top
+  cloud_pathways_helper = src.orbax('serialization.cloud_pathways_helper')
   return cloud_pathways_helper.get_bulk_write_request(location, names, arrays, timeout)
 
 
@@ -396,7 +398,7 @@ def persistence_write_arrays(location: str, names: Sequence[str], arrays: Sequen
                              timeout: Any) -> Any:
   """Compiles and runs the plugin program on the Pathways workers; returns a future. Only works
   on the IFRT proxy backend (Pathways)."""
-  from orbax.checkpoint._src.serialization import cloud_pathways_helper  # pylint: disable=g-import-not-at-top
+  cloud_pathways_helper = src.orbax('serialization.cloud_pathways_helper')
   return cloud_pathways_helper.write_arrays(location, names, arrays, timeout)
 
 
@@ -425,7 +427,7 @@ def io_metrics_start(direction: str) -> tuple[float, Any]:
   try:
     kind = _telemetry_kind()
     if kind == 'raw':
-      from orbax.checkpoint._src.serialization import types as _types  # pylint: disable=g-import-not-at-top
+      _types = src.orbax('serialization.types')
       start = _ts_utils.get_tensorstore_raw_bytes(_types.IoDirection(direction))
     elif kind == 'ts_metrics':
       import tensorstore as ts  # pylint: disable=g-import-not-at-top
@@ -446,7 +448,7 @@ def io_metrics_end(direction: str, start: tuple[float, Any], logical_bytes: int,
   if kind == 'none':
     return
   try:
-    from orbax.checkpoint._src.serialization import types as _types  # pylint: disable=g-import-not-at-top
+    _types = src.orbax('serialization.types')
     keyword = 'initial_raw_bytes' if kind == 'raw' else 'initial_ts_metrics'
     _jah._log_io_metrics(_types.IoDirection(direction), logical_bytes, start[0],  # pylint: disable=protected-access
                          epath.Path(directory), **{keyword: start[1]})

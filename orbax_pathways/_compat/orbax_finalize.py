@@ -40,17 +40,19 @@ merged ``_pathways`` index).
 
 from __future__ import annotations
 
+from orbax_pathways._compat import src
+
 import asyncio
 import contextvars
 import functools
 import threading
 from typing import Any, Callable
 
-from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as _base
-from orbax.checkpoint._src.path import async_path as _async_path
-from orbax.checkpoint._src.path.snapshot import snapshot as _snapshot
+_base = src.orbax('handlers.base_pytree_checkpoint_handler')
+_async_path = src.orbax('path.async_path')
+_snapshot = src.orbax('path.snapshot.snapshot')
 try:  # v1 partial saves are newer than the oldest supported orbax-checkpoint
-  from orbax.checkpoint.experimental.v1._src.partial import saving as _partial
+  _partial = src.orbax_v1('partial.saving')
 except ImportError:  # pragma: no cover
   _partial = None
 

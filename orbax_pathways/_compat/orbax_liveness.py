@@ -43,6 +43,8 @@ Who calls it: ``orbax_pathways._registration`` (``install()``), on every process
 
 from __future__ import annotations
 
+from orbax_pathways._compat import src
+
 import atexit
 import ctypes
 import dataclasses
@@ -53,10 +55,10 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from orbax.checkpoint._src.checkpointers import async_checkpointer as _ac
-from orbax.checkpoint._src.futures import future as _future
-from orbax.checkpoint._src.futures import synchronization as _sync
-from orbax.checkpoint._src.multihost import multihost as _multihost
+_ac = src.orbax('checkpointers.async_checkpointer')
+_future = src.orbax('futures.future')
+_sync = src.orbax('futures.synchronization')
+_multihost = src.orbax('multihost.multihost')
 
 SUPPORTED = '>=0.12.4,<0.13'
 
@@ -258,7 +260,7 @@ def exit_without_waiting_for_lost() -> None:
   if lost_error is None or lost_error('exit') is None:
     return
   try:
-    from jax._src import distributed  # pylint: disable=g-import-not-at-top
+    distributed = src.jax('distributed')
     state = distributed.global_state
     for name in ('preemption_sync_manager', 'client', 'service'):
       obj = getattr(state, name, None)

@@ -45,6 +45,8 @@ original, so leaving the patches in place with no hooks behaves exactly like sto
 
 from __future__ import annotations
 
+from orbax_pathways._compat import src
+
 import dataclasses
 import functools
 import json
@@ -58,12 +60,12 @@ from etils import epath
 import jax
 
 import orbax.checkpoint as ocp
-from orbax.checkpoint._src.checkpointers import checkpointer as _checkpointer
-from orbax.checkpoint._src.multihost import multihost as _multihost
-from orbax.checkpoint._src.path import deleter as _deleter
-from orbax.checkpoint._src.path import gcs_utils as _gcs_utils
-from orbax.checkpoint._src.path import step as _step_lib
-from orbax.checkpoint._src.path import temporary_paths as _temporary_paths
+_checkpointer = src.orbax('checkpointers.checkpointer')
+_multihost = src.orbax('multihost.multihost')
+_deleter = src.orbax('path.deleter')
+_gcs_utils = src.orbax('path.gcs_utils')
+_step_lib = src.orbax('path.step')
+_temporary_paths = src.orbax('path.temporary_paths')
 
 from orbax_pathways import format as format_lib
 
@@ -151,8 +153,11 @@ def _path_remover(deleter) -> Callable[[epath.Path], None]:
   return remove
 
 
+_StepMetadata: Any = _step_lib.Metadata
+
+
 @dataclasses.dataclass(frozen=True)
-class _PinnedStepMetadata(_step_lib.Metadata):
+class _PinnedStepMetadata(_StepMetadata):
   """Orbax's step metadata with the commit time read once (see ``_wrap_build_metadata``)."""
 
   pinned_commit_timestamp: Any = None
@@ -519,7 +524,7 @@ def read_commit_timestamp_nsecs(step_path: epath.Path) -> int | None:
 def temporary_step_paths(directory: epath.PathLike) -> list[epath.Path]:
   """Orbax's uncommitted steps in ``directory``: ``*.orbax-checkpoint-tmp`` locally, step
   directories without ``commit_success.txt`` on gs:// (Orbax's own rule)."""
-  from orbax.checkpoint._src import asyncio_utils  # pylint: disable=g-import-not-at-top
+  asyncio_utils = src.orbax('asyncio_utils')
   paths = asyncio_utils.run_sync(_temporary_paths.all_temporary_paths(directory))
   return sorted(epath.Path(p.get()) for p in paths)
 
@@ -545,13 +550,13 @@ def process_index() -> int:
 
 def distributed_client():
   """JAX's coordination-service client (None outside ``jax.distributed``)."""
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  distributed = src.jax('distributed')
   return distributed.global_state.client
 
 
 def jax_preemption_service_active() -> bool:
   """True if JAX's preemption sync manager runs (jax.distributed with the service enabled)."""
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  distributed = src.jax('distributed')
   return (distributed.global_state.client is not None
           and distributed.global_state.preemption_sync_manager is not None)
 
@@ -559,7 +564,7 @@ def jax_preemption_service_active() -> bool:
 def distributed_process_count() -> int:
   """``num_processes`` of ``jax.distributed`` (1 outside it), read without starting a backend
   (``jax.process_count()`` would)."""
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  distributed = src.jax('distributed')
   if distributed.global_state.client is None:
     return 1
   return int(getattr(distributed.global_state, 'num_processes', 1) or 1)
@@ -572,7 +577,7 @@ def _blind_policy_types() -> tuple[type, ...]:
   """Orbax's policies that never read ``context.reached_preemption`` (exact types: a subclass may
   override ``should_save`` and read it)."""
   from orbax.checkpoint import checkpoint_manager as _cm  # pylint: disable=g-import-not-at-top
-  from orbax.checkpoint._src.checkpoint_managers import save_decision_policy as _sdp  # pylint: disable=g-import-not-at-top
+  _sdp = src.orbax('checkpoint_managers.save_decision_policy')
   names = ('FixedIntervalPolicy', 'SpecificStepsPolicy', 'InitialSavePolicy',
            'ContinuousCheckpointingPolicy')
   found = [getattr(_sdp, n) for n in names if hasattr(_sdp, n)]
@@ -581,7 +586,7 @@ def _blind_policy_types() -> tuple[type, ...]:
 
 
 def _saves_on_preemption(policy: Any, blind: tuple[type, ...]) -> bool:
-  from orbax.checkpoint._src.checkpoint_managers import save_decision_policy as _sdp  # pylint: disable=g-import-not-at-top
+  _sdp = src.orbax('checkpoint_managers.save_decision_policy')
   if isinstance(policy, _sdp.PreemptionCheckpointingPolicy):
     return True
   if type(policy) is _sdp.AnySavePolicy:  # pylint: disable=unidiomatic-typecheck

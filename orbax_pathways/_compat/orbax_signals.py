@@ -25,13 +25,15 @@ Who calls it: ``orbax_pathways.install()`` (``_registration.py``), on every proc
 
 from __future__ import annotations
 
+from orbax_pathways._compat import src
+
 import concurrent.futures
 import functools
 import threading
 from typing import Any, Callable
 
-from orbax.checkpoint._src.futures import future as _future
-from orbax.checkpoint._src.futures import signaling_client as _signaling_client
+_future = src.orbax('futures.future')
+_signaling_client = src.orbax('futures.signaling_client')
 
 SUPPORTED = '>=0.12.4,<0.13'
 FAILED = 'orbax_pathways:failed'

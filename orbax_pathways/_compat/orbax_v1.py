@@ -14,10 +14,12 @@ Supported: the orbax-checkpoint range in ``orbax.SUPPORTED_ORBAX``. One reversib
 
 from __future__ import annotations
 
+from orbax_pathways._compat import src
+
 import threading
 from typing import Any, Callable
 
-from orbax.checkpoint.experimental.v1._src.serialization import array_leaf_handler as _alh
+_alh = src.orbax_v1('serialization.array_leaf_handler')
 
 _lock = threading.Lock()
 _original: Callable[[Any], Any] | None = None
