@@ -14,7 +14,6 @@ must name the workers of one call, not the other's.
 from __future__ import annotations
 
 import re
-import threading
 import time
 from urllib.parse import unquote
 
@@ -28,6 +27,7 @@ from orbax_pathways.transports import colocated
 
 from support.arrays import abstract, mesh, put, random_state
 from support.ckpt import options
+from support.procs import run_limited
 
 pytestmark = pytest.mark.gcs
 
@@ -46,20 +46,6 @@ def _state():
   return state, ({f'w{c.id}' for c in colocated.cpu_map(devices[:4]).values()},
                  {f'w{c.id}' for c in colocated.cpu_map(devices[4:8]).values()})
 
-
-def _run_limited(fn, limit_s):
-  res: dict = {}
-
-  def target():
-    try:
-      res['value'] = fn()
-    except BaseException as e:  # pylint: disable=broad-except  (checked by the test)
-      res['error'] = e
-
-  th = threading.Thread(target=target, daemon=True, name='colocated-deadline-test')
-  th.start()
-  th.join(limit_s)
-  return th, res
 
 
 def _data(method_wanted: str, step: int):
@@ -97,7 +83,7 @@ def test_save_whose_worker_call_never_answers_names_the_workers(faulty_gcs):
       mngr.save(1, args=ocp.args.StandardSave(state))
       mngr.wait_until_finished()
 
-    th, res = _run_limited(save, LIMIT_S)
+    th, res = run_limited(save, LIMIT_S)
     held = faulty_gcs.proxy.held()
     faulty_gcs.proxy.release()
     assert not th.is_alive(), f'save(1) still waits for the held upload {held}'
@@ -128,7 +114,7 @@ def test_restore_whose_worker_call_never_answers_names_the_workers(faulty_gcs):
         return mngr.restore(0, args=ocp.args.StandardRestore(abstract(state)))
 
     t = time.monotonic()
-    th, res = _run_limited(restore, LIMIT_S)
+    th, res = run_limited(restore, LIMIT_S)
     held = faulty_gcs.proxy.held()
     faulty_gcs.proxy.release()
     assert not th.is_alive(), f'the restore still waits for the held read {held}'

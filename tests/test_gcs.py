@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import re
-import threading
 import time
 import warnings
 
@@ -30,7 +29,7 @@ from orbax_pathways import preemption
 from support.arrays import abstract, assert_bit_identical, mesh, put, random_state
 from support.ckpt import save_with_options
 from support.mp_harness import run_processes
-from support.procs import run_python
+from support.procs import run_limited, run_python
 
 pytestmark = pytest.mark.gcs
 
@@ -55,24 +54,6 @@ def _record_requests(monkeypatch, proxy) -> list[tuple[str, str]]:
 def _steps_objects(objects, step) -> list[str]:
   return [o for o in objects if o.startswith(f'ckpt/{step}/')]
 
-
-def _run_limited(fn, limit_s: float):
-  """Runs ``fn`` in a daemon thread; returns (thread, result dict) after at most ``limit_s``."""
-  res: dict = {}
-
-  def target():
-    t = time.monotonic()
-    try:
-      res['value'] = fn()
-    except BaseException as e:  # pylint: disable=broad-except  (reported by the caller)
-      res['error'] = e
-    finally:
-      res['elapsed'] = time.monotonic() - t
-
-  th = threading.Thread(target=target, daemon=True, name='gcs-test-limited')
-  th.start()
-  th.join(limit_s)
-  return th, res
 
 
 def _classify(method: str, target: str) -> str:
@@ -365,7 +346,7 @@ def test_storage_outage_all_503_fails_and_keeps_previous_step(faulty_gcs):
     faulty_gcs.proxy.reset_stats()
     faulty_gcs.proxy.set_rate(1.0, kinds=('503',))
     where: dict = {}
-    th, res = _run_limited(lambda: _save_then_wait(mngr, 2, state, where), 55)
+    th, res = run_limited(lambda: _save_then_wait(mngr, 2, state, where), 55)
     stats = faulty_gcs.proxy.stats()
     if th.is_alive():
       faulty_gcs.proxy.set_rate(0.0)
@@ -405,7 +386,7 @@ def test_storage_retries_bound_a_tensorstore_outage(faulty_gcs):
     faulty_gcs.proxy.match = lambda method, target: 'uploadType=media' in target
     faulty_gcs.proxy.set_rate(1.0, kinds=('503',))
     where: dict = {}
-    th, res = _run_limited(lambda: _save_then_wait(mngr, 2, state, where), limit)
+    th, res = run_limited(lambda: _save_then_wait(mngr, 2, state, where), limit)
     hung = th.is_alive()
     faulty_gcs.proxy.set_rate(0.0)
     th.join(45)

@@ -9,7 +9,6 @@ process is killed, and a held upload stalls the save until curl's low-speed time
 
 from __future__ import annotations
 
-import threading
 import time
 from urllib.parse import unquote
 
@@ -21,30 +20,13 @@ from orbax_pathways.storage import hedge
 
 from support.arrays import abstract, assert_bit_identical, mesh, random_state
 from support.ckpt import options
+from support.procs import run_limited
 
 pytestmark = pytest.mark.gcs
 
 # A save or restore with one hung request finishes within its normal time plus this (the goal).
 SLACK_S = 30.0
 
-
-def _run_limited(fn, limit_s: float):
-  """Runs ``fn`` in a daemon thread; returns (thread, result dict) after at most ``limit_s``."""
-  res: dict = {}
-
-  def target():
-    t = time.monotonic()
-    try:
-      res['value'] = fn()
-    except BaseException as e:  # pylint: disable=broad-except  (reported by the caller)
-      res['error'] = e
-    finally:
-      res['elapsed'] = time.monotonic() - t
-
-  th = threading.Thread(target=target, daemon=True, name='gcs-deadline-test')
-  th.start()
-  th.join(limit_s)
-  return th, res
 
 
 def _array_data_upload(step: int):
@@ -89,7 +71,7 @@ def test_save_with_one_hung_upload_finishes_with_exact_values(faulty_gcs):
   before = hedge.counts().get('write_hedged', 0)
   faulty_gcs.proxy.hold(_array_data_upload(1))
   limit = normal + SLACK_S
-  th, res = _run_limited(lambda: _save(path, 1, state), limit)
+  th, res = run_limited(lambda: _save(path, 1, state), limit)
   held = faulty_gcs.proxy.held()
   faulty_gcs.proxy.release()
   if th.is_alive():
@@ -115,7 +97,7 @@ def test_restore_with_one_hung_read_finishes_with_exact_values(faulty_gcs):
   verified_before = orbax_pathways.stats.last_restore().chunks_verified
   faulty_gcs.proxy.hold(_array_data_read(1))
   limit = normal + SLACK_S
-  th, res = _run_limited(lambda: _restore(path, 1, state), limit)
+  th, res = run_limited(lambda: _restore(path, 1, state), limit)
   held = faulty_gcs.proxy.held()
   faulty_gcs.proxy.release()
   if th.is_alive():
@@ -141,7 +123,7 @@ def test_restore_with_the_index_read_hung_finishes(faulty_gcs):
   before = hedge.counts().get('read_hedged', 0)
   faulty_gcs.proxy.hold(
       lambda method, target: method == 'GET' and '_pathways/index.msgpack' in unquote(target))
-  th, res = _run_limited(lambda: _restore(path, 1, state), SLACK_S + 10)
+  th, res = run_limited(lambda: _restore(path, 1, state), SLACK_S + 10)
   held = faulty_gcs.proxy.held()
   faulty_gcs.proxy.release()
   th.join(120)
@@ -162,7 +144,7 @@ def test_restore_whose_every_request_hangs_fails_naming_the_array(faulty_gcs):
   _save(path, 1, state)
   with options(request_deadline_floor_s=1.0, request_deadline_cap_s=1.0):
     faulty_gcs.proxy.hold(_array_data_read(1), count=1000)
-    th, res = _run_limited(lambda: _restore(path, 1, state), SLACK_S + 10)
+    th, res = run_limited(lambda: _restore(path, 1, state), SLACK_S + 10)
     faulty_gcs.proxy.release()
     th.join(120)
   assert not th.is_alive()

@@ -124,6 +124,14 @@ def _error(what: str, kind: str, waited: float, attempts: int) -> StorageDeadlin
       'large are normally this slow')
 
 
+def _say_hedged(kind: str, what: str, waited_s: float, n: int) -> None:
+  """Counts and logs that request ``n + 1`` of ``what`` is being issued (both runners)."""
+  if n == 1:
+    _count(f'{kind}_hedged')
+  logger.warning('orbax_pathways: %s %s: no answer after %.1fs; issuing request %d of at most %d '
+                 '(the first complete answer wins).', kind, what, waited_s, n + 1, MAX_ATTEMPTS)
+
+
 async def run(attempt: Callable[[int], Awaitable[Any]], *, nbytes: int, what: str, kind: str,
               policy: deadline_lib.Policy | None = None) -> Any:
   """The first answer of ``attempt(0)``, ``attempt(1)``, ...: each later attempt is issued when
@@ -172,11 +180,7 @@ async def run(attempt: Callable[[int], Awaitable[Any]], *, nbytes: int, what: st
       if n >= MAX_ATTEMPTS:
         await settle({p for p in tasks if not p.done()})
         raise _error(what, kind, time.monotonic() - t0, n)
-      if n == 1:
-        _count(f'{kind}_hedged')
-      logger.warning('orbax_pathways: %s %s: no answer after %.1fs; issuing request %d of at '
-                     'most %d (the first complete answer wins).', kind, what,
-                     time.monotonic() - t0, n + 1, MAX_ATTEMPTS)
+      _say_hedged(kind, what, time.monotonic() - t0, n)
       wait_s = issue(n)
       n += 1
   except BaseException:
@@ -245,11 +249,7 @@ def run_sync(attempt: Callable[[int], ts.Future], *, nbytes: int, what: str, kin
         continue
       if n >= MAX_ATTEMPTS:
         raise _error(what, kind, time.monotonic() - t0, n)
-      if n == 1:
-        _count(f'{kind}_hedged')
-      logger.warning('orbax_pathways: %s %s: no answer after %.1fs; issuing request %d of at '
-                     'most %d (the first complete answer wins).', kind, what,
-                     time.monotonic() - t0, n + 1, MAX_ATTEMPTS)
+      _say_hedged(kind, what, time.monotonic() - t0, n)
       wait_until = time.monotonic() + issue(n)
       n += 1
   finally:

@@ -35,7 +35,6 @@ import dataclasses
 import functools
 import math
 import struct
-import threading
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import jax
@@ -44,19 +43,20 @@ import numpy as np
 
 from orbax_pathways import errors
 from orbax_pathways import layout
-from orbax_pathways import liveness
 from orbax_pathways import metadata
 from orbax_pathways import values
 from orbax_pathways import version
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
-from orbax_pathways.storage import deadline as deadline_lib
 from orbax_pathways.storage import meta_io
 from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.transports import base
+from orbax_pathways.transports import colocated_calls
 from orbax_pathways.tier import chain as tier_chain
 from orbax_pathways.transports import share
+
+worker_key = colocated_calls.worker_key  # 'w<cpu device id>': a worker host's name
 
 NAME = 'colocated'
 Box = boxes_lib.Box
@@ -83,10 +83,6 @@ def cpu_map(devices: Sequence[Any]) -> dict[int, Any]:
   devices = list(devices)
   cpus = _colocated().colocated_cpu_devices(devices)
   return {d.id: c for d, c in zip(devices, cpus)}
-
-
-def worker_key(cpu_device) -> str:
-  return f'w{cpu_device.id}'
 
 
 def to_cpu_sharding(sharding: jax.sharding.Sharding, cpus: dict[int, Any]) -> jax.sharding.Sharding:
@@ -142,85 +138,6 @@ def _groups(shardings: Sequence[jax.sharding.Sharding]) -> list[list[int]]:
     devices: set[Any] = sh.device_set  # of jax.Device: jaxlib ships no types for it
     groups.setdefault(tuple(sorted(d.id for d in devices)), []).append(i)
   return list(groups.values())
-
-
-def _call_and_fetch(fn: Callable[..., Any], xs: Sequence[jax.Array],
-                    outputs: list | None = None) -> tuple[np.ndarray, ...]:
-  """Runs one colocated call to completion (blocking: on a thread) and fetches its results;
-  ``outputs`` receives the call's (maybe not yet ready) results as soon as it returns them."""
-  out = fn(*xs)
-  if outputs is not None:
-    outputs.extend(out)
-  return tuple(np.asarray(r) for r in jax.block_until_ready(out))
-
-
-def call_deadline_s(max_host_bytes: int) -> float:
-  """How long the controller waits for one colocated call whose busiest worker host moves
-  ``max_host_bytes``: the peer timeout (``Options.peer_timeout_s``) plus those bytes at a
-  conservative storage rate (``storage/deadline.DEFAULT_THROUGHPUT``). Each storage request
-  inside the call has its own, shorter deadline (``storage/hedge.py``); this one catches a
-  worker that does not answer at all."""
-  return liveness.peer_timeout_s() + max(max_host_bytes, 0) / deadline_lib.DEFAULT_THROUGHPUT
-
-
-def _describe(cpu_devices: Sequence[Any]) -> str:
-  keys = [worker_key(d) for d in cpu_devices]
-  shown = ', '.join(keys[:16]) + (f' ... ({len(keys)} in all)' if len(keys) > 16 else '')
-  hosts = sorted({str(getattr(d, 'process_index', '?')) for d in cpu_devices})
-  return f'{shown} (CPU devices {[d.id for d in cpu_devices][:16]}; process(es) {", ".join(hosts[:8])})'
-
-
-async def call_with_deadline(call: Callable[[list], Any], cpu_devices: Sequence[Any],
-                             deadline_s: float, what: str) -> Any:
-  """``call(outputs)`` on a daemon thread, waited for at most ``deadline_s``; past it,
-  ``WorkerTimeoutError`` names the workers that did not answer: those whose outputs are not
-  ready when the call returned them (asynchronous dispatch), else every worker of the call.
-  The thread is a daemon: a call that never answers does not keep the process alive at exit.
-  Called on the controller (Orbax's commit thread for a save, the restoring thread)."""
-  loop = asyncio.get_running_loop()
-  done: asyncio.Future = loop.create_future()
-  outputs: list = []
-
-  def settle(value: Any, error: BaseException | None) -> None:
-    if done.done():
-      return
-    if error is not None:
-      done.set_exception(error)
-    else:
-      done.set_result(value)
-
-  def run() -> None:
-    try:
-      value, error = call(outputs), None
-    except BaseException as e:  # pylint: disable=broad-except  (handed to the waiter)
-      value, error = None, e
-    try:
-      loop.call_soon_threadsafe(settle, value, error)
-    except RuntimeError:  # the loop is gone: the waiter gave up long ago
-      pass
-
-  threading.Thread(target=run, name='orbax_pathways-colocated-call', daemon=True).start()
-  try:
-    return await asyncio.wait_for(asyncio.shield(done), deadline_s)
-  except asyncio.TimeoutError:
-    pending = []
-    for out in list(outputs):
-      for shard in getattr(out, 'addressable_shards', ()):
-        try:
-          if not shard.data.is_ready():
-            pending.append(shard.device)
-        except Exception:  # pylint: disable=broad-except
-          pending.append(shard.device)
-    silent = sorted(set(pending), key=lambda d: d.id) or list(cpu_devices)
-    how = ('their results were not ready' if pending else
-           'the call did not return; any of them may be the one')
-    raise errors.WorkerTimeoutError(
-        f'{what}: worker(s) {_describe(silent)} did not answer within {deadline_s:.0f}s '
-        f'({how}). Check those workers\' logs and hosts (a dead or stuck worker, or a storage '
-        'request that never ends). The deadline is ORBAX_PATHWAYS_PEER_TIMEOUT_S='
-        f'{liveness.peer_timeout_s():g}s (Options.peer_timeout_s) plus the call\'s bytes at '
-        f'{deadline_lib.DEFAULT_THROUGHPUT / 2**20:.0f} MiB/s per worker host.',
-        [worker_key(d) for d in silent]) from None
 
 
 async def _bounded(coros: Sequence[Awaitable[Any]], limit: int) -> list[Any]:
@@ -354,13 +271,6 @@ def _max_device_bytes(targets: Sequence[values.ReadTarget]) -> int:
     for d, box in layout.device_boxes(t.sharding, t.shape, addressable_only=False).items():
       out[d.id] += box.size * itemsize
   return max(out.values(), default=0)
-
-
-def _call_ready(fn: Callable[..., Any], payload: jax.Array, outputs: list) -> tuple:
-  """A restore call, its (maybe not yet ready) results in ``outputs``, then waited for."""
-  out = fn(payload)
-  outputs.extend(out)
-  return jax.block_until_ready(out)
 
 
 def _chunks_per_host(plans: Sequence[save_plan.ArrayWritePlan]) -> collections.Counter:
@@ -591,9 +501,9 @@ class ColocatedTransport:
     with trace('write'):
       for fn, idx, group_arrays in calls:  # sequential: groups share each worker's OCDBT database
         devices = _sorted_devices(x.sharding for x in group_arrays)
-        counts, crcs = await call_with_deadline(
-            functools.partial(_call_and_fetch, fn, group_arrays), devices,
-            call_deadline_s(_max_host_bytes([plans[i] for i in idx],
+        counts, crcs = await colocated_calls.call_with_deadline(
+            functools.partial(colocated_calls.call_and_fetch, fn, group_arrays), devices,
+            colocated_calls.call_deadline_s(_max_host_bytes([plans[i] for i in idx],
                                             [leaves[i] for i in idx])),
             f'Colocated save to {item.directory}')
         rows = {}
@@ -652,9 +562,9 @@ class ColocatedTransport:
               + (_rows_spec(gd, 3, np.int64),))
       with trace('read'):
         payload = jax.device_put(rows, _row_sharding(group_devices))
-        *arrays, counts = await call_with_deadline(
-            functools.partial(_call_ready, fn, payload), group_devices,
-            call_deadline_s(_max_device_bytes(full)), f'Colocated restore from {item.directory}')
+        *arrays, counts = await colocated_calls.call_with_deadline(
+            functools.partial(colocated_calls.call_ready, fn, payload), group_devices,
+            colocated_calls.call_deadline_s(_max_device_bytes(full)), f'Colocated restore from {item.directory}')
       with trace('device_put'):
         for i, arr in zip(idx, arrays):
           out[i] = jax.device_put(arr, targets[i].sharding)

@@ -16,6 +16,8 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from typing import Mapping
 
 from support import REPO, TESTS
@@ -103,3 +105,24 @@ class Background:
     if self._proc.poll() is None:
       self._proc.kill()
       self._proc.wait()
+
+
+def run_limited(fn, limit_s: float):
+  """Runs ``fn`` in a daemon thread (a call that may hang); returns ``(thread, result)`` after at
+  most ``limit_s``: ``thread.is_alive()`` means it hung; ``result`` holds ``value`` or ``error``
+  and ``elapsed`` once it ended."""
+  res: dict = {}
+
+  def target():
+    t = time.monotonic()
+    try:
+      res['value'] = fn()
+    except BaseException as e:  # pylint: disable=broad-except  (reported by the caller)
+      res['error'] = e
+    finally:
+      res['elapsed'] = time.monotonic() - t
+
+  th = threading.Thread(target=target, daemon=True, name='run-limited')
+  th.start()
+  th.join(limit_s)
+  return th, res
