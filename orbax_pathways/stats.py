@@ -85,15 +85,16 @@ class RestoreStats:
   chunks_verified: int = 0
   step: int | None = None
   step_dir: str = ''
-  # Per source ('local': this node's tier, 'peer': other hosts' tiers, 'storage'), over every reading
-  # host of this process: bytes delivered, and seconds spent reading them (summed over
+  # Per source ('local': this node's tier, 'peer': other hosts' tiers, 'relay': read from storage
+  # by another process that needed the same lost chunk, and passed on; 'storage'), over every
+  # reading host of this process: bytes delivered, and seconds spent reading them (summed over
   # concurrent reads, so they may add up to more than ``read_s``).
   bytes_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
   seconds_by_source: dict[str, float] = dataclasses.field(default_factory=dict)
 
   def sources_text(self) -> str:
     """'local 12.0 MiB in 0.01 s, storage 0.0 MiB in 0.00 s' for the restore's log line."""
-    order = ('local', 'peer', 'storage')
+    order = ('local', 'peer', 'relay', 'storage')
     names = sorted(self.bytes_by_source, key=lambda n: (order.index(n) if n in order else 9, n))
     return ', '.join(f'{n} {self.bytes_by_source[n] / 2**20:.1f} MiB in '
                      f'{self.seconds_by_source.get(n, 0.0):.2f} s' for n in names) or 'storage'

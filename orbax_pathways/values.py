@@ -142,7 +142,7 @@ class ReadOutcome:
   bytes_read: int
   chunks_verified: int
   bytes_needed: int = 0
-  # Per source of the chain ('local', 'peer', 'storage'): bytes, and seconds summed over
+  # Per source of the chain ('local', 'peer', 'relay', 'storage'): bytes, and seconds summed over
   # concurrent reads. Empty where the transport reads storage only without counting.
   bytes_by_source: Mapping[str, int] = dataclasses.field(default_factory=dict)
   seconds_by_source: Mapping[str, float] = dataclasses.field(default_factory=dict)

@@ -12,6 +12,9 @@ step 2 onto two processes (nodes 0 and 1): node 2 is lost. The failure matrix:
 - a node lost during a save (its tier holds step 1, storage's newest is 2): never used;
 - a tier directory that cannot be written (save): the save goes on, its chunks from storage;
 - ``local_scope='held'``: replicated state comes wholly from each survivor's own tier;
+- replicated state with the default scope: the lost node's part of it is read from storage
+  once, by one survivor, and passed to the other (``tier/relay.py``); a relay that fails
+  costs the asker its own storage read;
 - a peer that accepts and never answers, one that refuses connections (its process gone) and
   one that dies in the middle of sending a chunk: that peer's chunks from storage within the
   deadline, one log line naming it.
@@ -52,8 +55,11 @@ mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n // 2, 2), ('x', 'y'))
 shard = {'w': jax.sharding.NamedSharding(mesh, P('x', 'y')),
          'b': jax.sharding.NamedSharding(mesh, P('x')),
          'r': jax.sharding.NamedSharding(mesh, P())}
-if os.environ.get('ORBAX_PATHWAYS_LOCAL_SCOPE') == 'held':  # replicated across slices
-  host['m'] = np.arange(96 * 64, dtype=np.float32).reshape(96, 64) - 3.0
+if os.environ.get('ORBAX_PATHWAYS_LOCAL_SCOPE') == 'held' or os.environ.get('WITH_M'):
+  # replicated across slices
+  # Large enough (with WITH_M) that its writing is split over the 3 slices (pieces >= 1 MiB).
+  rows, cols = (768, 2048) if os.environ.get('WITH_M') else (96, 64)
+  host['m'] = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) - 3.0
   shard['m'] = jax.sharding.NamedSharding(mesh, P(None, 'y'))
 
 if fault == 'stall':  # accepts connections, never answers
@@ -65,6 +71,11 @@ elif fault == 'refuse':  # publishes, then its server is gone: connections are r
     peer.stop_serving()
     return prefix
   peer.Exchange.publish = publish_then_stop
+elif fault == 'no_relay':  # answers every relay request with an error
+  from orbax_pathways.tier import relay
+  def refuse(req):
+    raise relay.RelayError('simulated: this process cannot read storage for its group')
+  peer.register_op('relay', refuse)
 elif fault == 'die_mid_chunk':  # lists, then closes the connection half-way through a chunk
   answer = peer._Handler.answer
   def half(self, sock, req):
@@ -172,8 +183,18 @@ def test_node_lost_during_a_save_holds_an_older_step_never_used(saved, tmp_path)
   root, tiers = _nodes(saved, tmp_path)
   shutil.rmtree(_entry(tiers[1], 2, 'p1').path)  # node 1 died before step 2 reached its tier
   (p0, _), (p1, _) = _restore(root, tiers)
-  assert p0 == {'local': OWN + R, 'storage': OWN}, p0
-  assert p1 == {'peer': R, 'storage': 2 * OWN}, p1
+  _lost_own_and_node2(p0, p1)
+
+
+def _lost_own_and_node2(p0, p1):
+  """Node 1's chunks (rows 32..64) are in no tier: both processes need them, and one storage
+  read of each serves both (``tier/relay.py``: which of the two reads which is a hash pick);
+  process 1 alone needs node 2's (rows 64..96) and reads them itself."""
+  assert p0['local'] == OWN + R and 'peer' not in p0, p0
+  assert p0.get('storage', 0) + p0.get('relay', 0) == OWN, p0
+  assert p1['peer'] == R and 'local' not in p1, p1
+  assert p1.get('storage', 0) + p1.get('relay', 0) == 2 * OWN, p1
+  assert p0.get('storage', 0) + p1.get('storage', 0) == 2 * OWN, (p0, p1)  # not 3 * OWN
 
 
 @pytest.mark.parametrize('fault', ['stall', 'refuse', 'die_mid_chunk'])
@@ -195,8 +216,7 @@ def test_a_tier_that_cannot_be_written_costs_only_its_chunks(tmp_path):
   assert [r.results for r in res] == [[{'saved': True}]] * 3
   assert 'node-local tier skipped' in res[1].stderr_tail
   (p0, _), (p1, _) = _restore(root, tiers[:2])
-  assert p0 == {'local': OWN + R, 'storage': OWN}, p0
-  assert p1 == {'peer': R, 'storage': 2 * OWN}, p1
+  _lost_own_and_node2(p0, p1)
 
 
 def test_held_scope_keeps_replicas_so_replicated_state_survives_a_lost_node(tmp_path):
@@ -214,3 +234,46 @@ def test_held_scope_keeps_replicas_so_replicated_state_survives_a_lost_node(tmp_
   (p0, _), (p1, _) = _restore(root, tiers[:2], env=held)
   assert p0 == {'local': OWN + R + m, 'peer': OWN, 'storage': 0}, p0
   assert p1 == {'local': OWN + R + m, 'storage': OWN}, p1
+
+
+def _save_replicated(tmp_path):
+  root = tmp_path / 'ckpt'
+  tiers = [tmp_path / f'node{i}' for i in range(3)]
+  res = run_processes(WORKER, 3, 2, args=['save', str(root), 'none'], timeout=400,
+                      env={'WITH_M': '1'},
+                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+  assert [r.results for r in res] == [[{'saved': True}]] * 3
+  return root, tiers
+
+
+M = 768 * 2048 * 4  # 'm' with WITH_M: replicated across slices; each node wrote a third of it
+
+
+def test_replicated_state_lost_part_is_read_from_storage_once_for_all_survivors(tmp_path):
+  """Default scope ('written'): node 2's third of 'm' is in no survivor's tier, and both
+  survivors need it. Each of its chunks is read from storage by one of them (the same pick on
+  both) and passed to the other: storage bytes for it = what the lost node held, not twice."""
+  root, tiers = _save_replicated(tmp_path)
+  (p0, err0), (p1, err1) = _restore(root, tiers[:2], env={'WITH_M': '1'})
+  lost_m = M // 3
+  # Everything but the lost third of 'm' as before (sharded arrays: their owner reads them).
+  assert p0['local'] == OWN + R + M // 3 and p0['peer'] == OWN + M // 3, p0
+  assert p1['local'] == OWN + M // 3 and p1['peer'] == R + M // 3, p1
+  # The lost third of 'm': once from storage in all, the rest of it relayed.
+  m_storage = p0.get('storage', 0) + p1.get('storage', 0) - OWN  # p1 reads node 2's 'w'/'b'
+  assert m_storage == lost_m, (p0, p1)
+  assert p0.get('relay', 0) + p1.get('relay', 0) == lost_m, (p0, p1)
+  assert 'not usable' not in err0 + err1, (err0[-3000:], err1[-3000:])
+
+
+def test_a_relay_whose_fetcher_fails_falls_back_to_the_askers_own_storage_read(tmp_path):
+  """Process 1 answers every relay request with an error: process 0 reads the chunks
+  process 1 was to fetch from storage itself (one log line), values bit-exact."""
+  root, tiers = _save_replicated(tmp_path)
+  (p0, err0), (p1, _) = _restore(root, tiers[:2], faults=('none', 'no_relay'),
+                                 env={'WITH_M': '1'})
+  lost_m = M // 3
+  assert p0.get('relay', 0) == 0, p0
+  assert p0['storage'] == lost_m, p0  # all of the lost third, itself
+  assert 'relay' in err0 and 'not usable' in err0, err0[-3000:]
+  assert p1.get('storage', 0) + p1.get('relay', 0) == OWN + lost_m, p1

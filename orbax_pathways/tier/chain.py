@@ -1,17 +1,21 @@
 """The source chain of a restore: each needed chunk from this node's tier, else a surviving
-peer's tier (``tier/peer.py``), else storage; every chunk checked against the committed step's
+peer's tier (``tier/peer.py``), else, when other processes need it too, one storage read shared
+with them (``tier/relay.py``), else storage; every chunk checked against the committed step's
 checksums.
 
 Who calls what, on which host: the local transport's ``read`` (every process) builds the chain
 once per restore with ``for_restore`` (with an ``Exchange`` under multi-controller JAX: this
-process then also serves its node's tier to the others and publishes what it holds) and hands it to ``share.read_share``; the storage reader
+process then also serves its node's tier to the others and publishes what it holds) and
+hands it to ``share.read_share``; the storage reader
 (``storage/reader.read_array``) calls ``fill`` once per chunk-aligned region, which plans with
 ``plan/sources.assign`` (pure) and copies the chunks a source holds into the region's buffer;
 the reader reads the rest from storage and verifies it as before. ``report`` logs, once per
 restore, what was not usable.
 
 A source is anything with ``name``, ``held(read)`` (origins of the chunks it holds of one array)
-and ``read_chunk(read, chunk)`` (the chunk's bytes, or raises ``SourceError``). A chunk a
+and ``read_chunk(read, chunk, dtype)`` (the chunk's bytes in the stored ``dtype``, or raises
+``SourceError``); ``counted_as(read, chunk)``, where a source has it, names the source the
+chunk's bytes are counted under (a relay chunk this process read from storage: ``storage``). A chunk a
 source returns is used only if its crc32c and size equal the committed step's record (read from
 storage's index, never from the source); otherwise it falls back to the next source, and
 finally storage. Never chunks of two saves mixed: a tier entry joins the chain only when its
@@ -36,11 +40,14 @@ from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import meta_io
 from orbax_pathways.tier import layout
 from orbax_pathways.tier import peer as tier_peer
+from orbax_pathways.tier import relay as tier_relay
 from orbax_pathways.tier import store
 
 Box = boxes_lib.Box
 log = logging.getLogger('orbax_pathways')
-SOURCES = ('local', 'peer', 'storage')  # the names stats report, in chain order
+# The names stats report, in chain order. 'relay': read from storage by another process that
+# needed the chunk too, and passed on (``tier/relay.py``).
+SOURCES = ('local', 'peer', 'relay', 'storage')
 
 
 class SourceError(Exception):
@@ -53,7 +60,7 @@ class Source(Protocol):
   def held(self, read: Any) -> Container[tuple[int, ...]]:
     ...
 
-  def read_chunk(self, read: Any, chunk: Box) -> np.ndarray:
+  def read_chunk(self, read: Any, chunk: Box, dtype: np.dtype) -> np.ndarray:
     ...
 
 
@@ -90,7 +97,8 @@ class LocalSource:
       out.update(h.files)
     return out
 
-  def read_chunk(self, read: Any, chunk: Box) -> np.ndarray:
+  def read_chunk(self, read: Any, chunk: Box, dtype: np.dtype) -> np.ndarray:
+    del dtype  # the manifest's
     for h in self._matching(read):
       name = h.files.get(chunk.start)
       if name is None:
@@ -141,7 +149,8 @@ class SourceChain:
     self.seconds[source] = self.seconds.get(source, 0.0) + seconds
 
   def _take(self, read: Any, i: int, chunk: Box, out: np.ndarray) -> bool:
-    """Copies the chunk from source ``i`` into ``out`` if it matches the committed record."""
+    """Copies the chunk from source ``i`` into ``out`` (a view of the region buffer, in the
+    stored dtype) if it matches the committed record."""
     record = read.chunks.get(chunk.start) if read.chunks else None
     src = self.sources[i]
     if record is None:
@@ -149,7 +158,7 @@ class SourceChain:
                            'committed checksum to check it against')
       return False
     try:
-      data = src.read_chunk(read, chunk)
+      data = src.read_chunk(read, chunk, out.dtype)
     except (SourceError, tier_peer.PeerError) as e:
       self.problems.append(f'{src.name}: {e}')
       return False
@@ -184,8 +193,9 @@ class SourceChain:
         view = data[chunk.relative_to(region)] if data.ndim else data[...]
         ok = self._take(read, i, chunk, view)
         if ok:
-          self.add(self.sources[i].name, chunk.size * data.dtype.itemsize,
-                   time.perf_counter() - t0)
+          src = self.sources[i]
+          name = src.counted_as(read, chunk) if hasattr(src, 'counted_as') else src.name
+          self.add(name, chunk.size * data.dtype.itemsize, time.perf_counter() - t0)
         else:
           failed.append(chunk)
       return failed
@@ -203,14 +213,18 @@ class SourceChain:
 
 def for_restore(cfg: store.TierConfig | None, item_dir: str,
                 save_ids: Mapping[str, str] | None = None,
-                peers: tier_peer.Exchange | None = None) -> SourceChain | None:
+                peers: tier_peer.Exchange | None = None,
+                relay_targets: Mapping[str, tier_relay.Target] | None = None
+                ) -> SourceChain | None:
   """The chain for restoring ``item_dir`` on this host: this node's tier entries of the item
   whose save id storage's index records for their writer (the index this restore's front door
   just read, from ``meta_io``'s cache), then, with ``peers`` (every process of a
   multi-controller restore passes one), the other processes' tiers. None (storage only) when
   the tier is off or nothing could serve; one log line when this node holds only unusable
   copies. A colocated worker, which has no index, gets the committed ``save_ids`` (writer ->
-  save id) from the controller."""
+  save id) from the controller. With ``peers`` and ``relay_targets`` (the restore's arrays), a
+  chunk no tier holds that other processes need too is read from storage once for them all
+  (``tier/relay.py``)."""
   if cfg is None:
     return None
   root, step_name, item = layout.split_item_dir(item_dir)
@@ -237,15 +251,22 @@ def for_restore(cfg: store.TierConfig | None, item_dir: str,
              item_dir, '; '.join(skipped[:3]) + (f' (+{len(skipped) - 3} more)' if len(skipped) > 3 else ''))
   chain = SourceChain([LocalSource(usable)] if usable else [], item_dir)
   if peers is not None and save_ids:
+    prefix = peers.prefix(item_dir)
+    peer_source = tier_peer.PeerSource(peers, prefix, tier_peer.item_parts(item_dir), save_ids,
+                                       {e.writer for e in usable}, chain.problems)
+    relay = (tier_relay.RelaySource(peer_source, relay_targets, peers.timeout_s)
+             if relay_targets else None)
     try:
       address = tier_peer.serve(cfg.local_dir)
-      prefix = peers.publish(item_dir, address, [(e.writer, e.save_id) for e in usable])
+      if relay is not None:  # before publishing: whoever sees our key may ask for a relay
+        tier_relay.register(relay)
+      peers.publish(prefix, address, [(e.writer, e.save_id) for e in usable])
     except Exception as e:  # pylint: disable=broad-except  (no peers: storage, as before)
       log.warning('orbax_pathways: node-local tiers of other hosts not used for %s: this '
                   'process could not serve or publish its own (%s: %s)', item_dir,
                   type(e).__name__, e)
     else:
-      chain.sources.append(tier_peer.PeerSource(
-          peers, prefix, tier_peer.item_parts(item_dir), save_ids,
-          {e.writer for e in usable}, chain.problems))
+      chain.sources.append(peer_source)
+      if relay is not None:
+        chain.sources.append(relay)
   return chain if chain.sources else None

@@ -48,7 +48,7 @@ import socketserver
 import struct
 import threading
 import time
-from typing import Any, Container, Iterable, Mapping
+from typing import Any, Callable, Container, Iterable, Mapping
 
 import msgpack
 import numpy as np
@@ -99,6 +99,15 @@ def _recv_exact(sock: socket.socket, n: int, into: memoryview | None = None,
   return buf
 
 
+_ops: dict[str, Callable[[Mapping[str, Any]], np.ndarray]] = {}
+
+
+def register_op(name: str, fn: Callable[[Mapping[str, Any]], np.ndarray]) -> None:
+  """Adds a request kind the server answers with ``fn(request)``'s bytes (``tier/relay.py``:
+  ``relay``, a chunk read from storage for several processes)."""
+  _ops[name] = fn
+
+
 class _Handler(socketserver.BaseRequestHandler):
   """One connection: requests answered in order until the reader closes it."""
 
@@ -118,26 +127,39 @@ class _Handler(socketserver.BaseRequestHandler):
         return
 
   def answer(self, sock: socket.socket, req: Mapping[str, Any]) -> None:
+    """Prepares the answer (an error answers with its text), then sends it: a failure while
+    sending closes the connection, never a second header in the middle of a payload."""
     try:
-      item_dir = os.path.join(self.server.local_dir, *(_safe(p) for p in req['item']))
-      if req.get('op') == 'list':
-        payload = msgpack.packb(_listing(item_dir), use_bin_type=True)
-        sock.sendall(_HEADER.pack(0, len(payload)) + payload)
-        return
-      if req.get('op') != 'get' or not _FILE.match(str(req.get('file'))):
-        raise ValueError(f'unknown request {req!r}')
-      entry = os.path.join(item_dir, _safe(req['entry']))
-      if not os.path.exists(os.path.join(entry, layout.MANIFEST)):
-        raise FileNotFoundError(f'{entry}: no complete entry')
-      f = open(os.path.join(entry, req['file']), 'rb')  # pylint: disable=consider-using-with
-    except (OSError, ValueError, KeyError, TypeError) as e:
+      found = self.prepare(req)
+    except Exception as e:  # pylint: disable=broad-except  (answered as an error, never raised)
       text = f'{type(e).__name__}: {e}'.encode()
       sock.sendall(_HEADER.pack(1, len(text)) + text)
       return
-    with f:
-      size = os.fstat(f.fileno()).st_size
-      sock.sendall(_HEADER.pack(0, size))
-      sock.sendfile(f)  # streamed: the file is never read whole into memory here
+    if isinstance(found, bytes):
+      sock.sendall(_HEADER.pack(0, len(found)) + found)
+    elif isinstance(found, np.ndarray):
+      sock.sendall(_HEADER.pack(0, found.nbytes))
+      sock.sendall(found.reshape(-1).view(np.uint8).data)
+    else:
+      with found:
+        sock.sendall(_HEADER.pack(0, os.fstat(found.fileno()).st_size))
+        sock.sendfile(found)  # streamed: the file is never read whole into memory here
+
+  def prepare(self, req: Mapping[str, Any]) -> Any:
+    """A ``list``'s payload (bytes), a registered op's array (``register_op``: answered from
+    memory), or a ``get``'s open chunk file (only files a complete entry's manifest names)."""
+    op = req.get('op')
+    if op in _ops:
+      return np.ascontiguousarray(_ops[op](req))
+    item_dir = os.path.join(self.server.local_dir, *(_safe(p) for p in req['item']))
+    if op == 'list':
+      return msgpack.packb(_listing(item_dir), use_bin_type=True)
+    if op != 'get' or not _FILE.match(str(req.get('file'))):
+      raise ValueError(f'unknown request {req!r}')
+    entry = os.path.join(item_dir, _safe(req['entry']))
+    if not os.path.exists(os.path.join(entry, layout.MANIFEST)):
+      raise FileNotFoundError(f'{entry}: no complete entry')
+    return open(os.path.join(entry, req['file']), 'rb')  # pylint: disable=consider-using-with
 
 
 def _listing(item_dir: str) -> dict[str, Any]:
@@ -209,6 +231,10 @@ _seq: dict[str, int] = {}
 _seq_lock = threading.Lock()
 
 
+def _base(item_dir: str) -> str:
+  return f'orbax_pathways/tier_peers/{hashlib.sha256(item_dir.encode()).hexdigest()[:16]}'
+
+
 class Exchange:
   """One restore's view of the other processes, through jax's key-value store. Made by the
   local transport (every process, every restore); ``publish`` once per item."""
@@ -219,22 +245,25 @@ class Exchange:
     self.count = process_count
     self.timeout_s = timeout_s
 
-  def publish(self, item_dir: str, address: str, held: Iterable[tuple[str, str]]) -> str:
-    """Publishes this process's server and the (writer, save id) of the entries its node holds
-    of ``item_dir``; returns the key prefix of this restore of the item. Every process numbers
-    its restores of one item alike (multi-controller JAX restores the same items everywhere)."""
-    base = f'orbax_pathways/tier_peers/{hashlib.sha256(item_dir.encode()).hexdigest()[:16]}'
+  def prefix(self, item_dir: str) -> str:
+    """The key prefix of this restore of ``item_dir`` (one per call). Every process numbers its
+    restores of one item alike (multi-controller JAX restores the same items everywhere)."""
+    base = _base(item_dir)
     with _seq_lock:
       seq = _seq[base] = _seq.get(base, 0) + 1
-    prefix = f'{base}/{seq}'
+    return f'{base}/{seq}'
+
+  def publish(self, prefix: str, address: str, held: Iterable[tuple[str, str]]) -> None:
+    """Publishes, under ``prefix``, this process's server and the (writer, save id) of the
+    entries its node holds of the item."""
     value = json.dumps({'addr': address, 'entries': sorted(set(map(tuple, held)))})
     self.client.key_value_set(f'{prefix}/{self.me}', value)
-    if seq > 2:  # every process is past the restore before last: nobody reads its keys now
+    base, _, seq = prefix.rpartition('/')
+    if int(seq) > 2:  # every process is past the restore before last: nobody reads its keys now
       try:
-        self.client.key_value_delete(f'{base}/{seq - 2}/{self.me}')
+        self.client.key_value_delete(f'{base}/{int(seq) - 2}/{self.me}')
       except Exception:  # pylint: disable=broad-except
         pass
-    return prefix
 
   def gather(self, prefix: str) -> tuple[dict[int, dict[str, Any]], list[int]]:
     """The other processes' published values (one deadline for all), and the processes whose
@@ -279,7 +308,7 @@ class _Budget:
       self._cv.notify_all()
 
 
-_budget = _Budget(MAX_INFLIGHT_BYTES)
+budget = _Budget(MAX_INFLIGHT_BYTES)
 
 
 class _Peer:
@@ -380,11 +409,14 @@ class PeerSource:
     self.save_ids, self.local_writers = dict(save_ids), local_writers
     self.problems = problems  # the chain's: one log line per restore says what fell back
     self._arrays: dict[str, list[_Holding]] | None = None
+    self._found: dict[int, dict[str, Any]] = {}
+    self._peers: dict[int, _Peer] = {}
     self._joined: dict[tuple[str, tuple[int, ...], tuple[int, ...]], _Holding | None] = {}
     self._lock = threading.Lock()
 
   def _discover(self) -> dict[str, list[_Holding]]:
     found, missing = self.exchange.gather(self.prefix)
+    self._found = found
     if missing:
       self.problems.append(
           f'peer process(es) {", ".join(map(str, missing[:16]))} did not say what they hold '
@@ -392,7 +424,7 @@ class PeerSource:
     wanted: dict[int, _Peer] = {}
     for p, v in sorted(found.items()):
       if any(self.save_ids.get(w) == s and w not in self.local_writers for w, s in v['entries']):
-        wanted[p] = _Peer(p, v['addr'], self.exchange.timeout_s)
+        wanted[p] = self._peers[p] = _Peer(p, v['addr'], self.exchange.timeout_s)
     arrays: dict[str, list[_Holding]] = {}
     claimed: set[str] = set()  # a writer's entry is taken from the first peer that lists it
 
@@ -418,6 +450,28 @@ class PeerSource:
           arrays.setdefault(name, []).append(h)
     return arrays
 
+  def _discovered(self) -> None:
+    with self._lock:
+      if self._arrays is None:
+        self._arrays = self._discover()
+
+  def live(self) -> frozenset[int]:
+    """This process and the others that published in time and have not failed a request in
+    this restore (the relay's view of who can share a storage read)."""
+    self._discovered()
+    with self._lock:
+      return frozenset([self.exchange.me] + [
+          p for p in self._found if p not in self._peers or not self._peers[p].failed])
+
+  def peer(self, process: int) -> _Peer | None:
+    """The server of another process that published in time (one per process and restore)."""
+    self._discovered()
+    with self._lock:
+      if process not in self._peers and process in self._found:
+        self._peers[process] = _Peer(process, self._found[process]['addr'],
+                                     self.exchange.timeout_s)
+      return self._peers.get(process)
+
   def holding(self, read: Any) -> _Holding | None:
     """What peers hold of ``read``'s array in its stored layout (every writer's chunks joined;
     found out once per restore, joined once per array)."""
@@ -441,9 +495,10 @@ class PeerSource:
   def held(self, read: Any) -> Container[tuple[int, ...]]:
     return _Lazy(self, read)
 
-  def read_chunk(self, read: Any, chunk: Box) -> np.ndarray:
+  def read_chunk(self, read: Any, chunk: Box, dtype: np.dtype) -> np.ndarray:
     """The chunk's bytes from the peer that holds it; ``PeerError`` (naming the peer) if it
-    cannot deliver them in time."""
+    cannot deliver them in time. (``dtype``, the stored one, is the peer's manifest's.)"""
+    del dtype
     import ml_dtypes  # pylint: disable=g-import-not-at-top,unused-import  (registers bfloat16 & co.)
     h = self.holding(read)
     where = h.files.get(chunk.start) if h is not None else None
@@ -451,12 +506,12 @@ class PeerSource:
       raise PeerError(f'no peer holds chunk {list(chunk.start)} of {read.name!r}')
     peer, entry, file = where
     out = np.empty(chunk.shape, np.dtype(h.dtype))
-    _budget.take(out.nbytes)
+    budget.take(out.nbytes)
     try:
       peer.request({'op': 'get', 'item': list(self.item_parts), 'entry': entry, 'file': file},
                    f'chunk {list(chunk.start)} of {read.name!r}', into=out)
     finally:
-      _budget.give(out.nbytes)
+      budget.give(out.nbytes)
     return out
 
 

@@ -10,6 +10,7 @@ on them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -21,10 +22,12 @@ from orbax_pathways._compat import orbax_manager as _om
 from orbax_pathways import values
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
+from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.transports import base
 from orbax_pathways.tier import chain as tier_chain
 from orbax_pathways.tier import peer as tier_peer
+from orbax_pathways.tier import relay as tier_relay
 from orbax_pathways.transports import share
 
 NAME = 'local'
@@ -208,6 +211,24 @@ def assemble(targets: Sequence[values.ReadTarget], boxes: Sequence[dict[Any, Box
   return out
 
 
+@functools.lru_cache(maxsize=256)
+def _owners(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> plan_sources.Owners:
+  """The distinct boxes of ``sharding`` with the processes holding each (every device: the
+  same answer on every process; one entry for a replicated array, whatever the fleet)."""
+  return plan_sources.owners(
+      (box, d.process_index)
+      for d, box in layout.device_boxes(sharding, shape, addressable_only=False).items())
+
+
+def relay_targets(targets: Sequence[values.ReadTarget], context: Any
+                  ) -> dict[str, tier_relay.Target]:
+  """The restore's arrays as the relay reads them for a group of processes (``tier/relay.py``):
+  who needs which box is worked out only for arrays with a lost chunk, once per sharding."""
+  return {t.name: tier_relay.Target(
+      name=t.name, tspec=t.tspec, context=context, chunks=t.chunks,
+      owners=functools.partial(_owners, t.sharding, tuple(t.shape))) for t in targets}
+
+
 def peer_exchange(timeout_s: float) -> tier_peer.Exchange | None:
   """The other processes of this multi-controller job, through jax's key-value store (None in
   a single process): a restore takes what this node's tier lacks from theirs."""
@@ -284,9 +305,13 @@ class LocalTransport:
     out: list[Any] = [None] * len(targets)
     bytes_read = chunks_verified = storage_bytes = 0
     storage_s = 0.0
-    chain = (await asyncio.to_thread(tier_chain.for_restore, cfg.tier, item.directory,
-                                     peers=peer_exchange(cfg.tier_peer_timeout_s))
-             if cfg.tier is not None else None)
+    chain = None
+    if cfg.tier is not None:
+      peers = peer_exchange(cfg.tier_peer_timeout_s)
+      chain = await asyncio.to_thread(
+          tier_chain.for_restore, cfg.tier, item.directory, peers=peers,
+          relay_targets=relay_targets(targets, share.context_for(item, cfg.context))
+          if peers is not None else None)
     # Orbax's restore byte limit (restore_concurrent_gb): at most that many bytes of host
     # buffers between storage and the devices at once (one array above it goes alone).
     for idx in share.batches(sizes, cfg.max_inflight_bytes):
@@ -305,7 +330,9 @@ class LocalTransport:
     if chain is not None:
       chain.report()
       chunks_verified += chain.verified
-      by_source.update(chain.bytes)
-      seconds.update(chain.seconds)
+      for source, n in chain.bytes.items():  # a relay chunk this process read counts as storage
+        by_source[source] = by_source.get(source, 0) + n
+      for source, s in chain.seconds.items():
+        seconds[source] = seconds.get(source, 0.0) + s
     return out, [values.ReadOutcome(host, bytes_read, chunks_verified, sum(sizes),
                                     bytes_by_source=by_source, seconds_by_source=seconds)]
