@@ -1,6 +1,6 @@
 """Node-level clean-up of the node-local tier (``orbax_pathways/tier/gc.py``): a save drops other
 checkpoint directories' entries that are idle past the max age or incomplete, and the oldest
-entries while the tier is over its size cap.
+entries while the tier is over its size cap; ``orbax-pathways tier --gc`` does it by hand.
 
 Real files in a tmp directory: entries written by the store's own ``write_entry`` (and marked
 committed by ``on_commit``) or by a real save through a CheckpointManager; ages set with
@@ -10,6 +10,7 @@ committed by ``on_commit``) or by a real save through a CheckpointManager; ages 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ from orbax_pathways import engine
 from orbax_pathways import options as options_lib
 from orbax_pathways import stats
 from orbax_pathways import values
+from orbax_pathways.cli import main as cli
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
 from orbax_pathways.storage import writer as writer_lib
@@ -225,6 +227,48 @@ def test_a_failing_clean_up_never_fails_the_save_and_warns_once(tmp_path, monkey
   warnings = [r for r in caplog.records if 'cleaning up other checkpoint' in r.getMessage()]
   assert len(warnings) == 1 and 'PermissionError' in warnings[0].getMessage()
   assert _tree(tier) == {str(tmp_path / 'old'): ['1'], str(cur): ['2']}
+
+
+# ---- by hand -------------------------------------------------------------------------------------
+
+
+def test_cli_gc_dry_run_lists_without_removing_then_removes(tmp_path, capsys):
+  tier, old, young = tmp_path / 'tier', tmp_path / 'old', tmp_path / 'young'
+  _age(_write(tier, old, 1), 25 * HOUR)
+  _age(_write(tier, old, 2), 25 * HOUR)
+  _write(tier, young, 1)
+  before = _tree(tier)
+  assert before == {str(old): ['2'], str(young): ['1']}  # prune kept old's newest step
+
+  assert cli.main(['tier', str(tier), '--gc', '--dry-run', '--json']) == 0
+  obj = json.loads(capsys.readouterr().out)
+  assert obj['dry_run'] and obj['max_age_s'] == 24 * HOUR and obj['entries'] == 2
+  assert [(x['root'], x['step'], x['reason'], x['bytes']) for x in obj['removed']] == [
+      (str(old), 2, 'age', 64 * KiB)]
+  assert obj['bytes_before'] - obj['bytes_after'] == 64 * KiB
+  assert _tree(tier) == before  # nothing removed
+
+  assert cli.main(['tier', str(tier), '--gc']) == 0
+  text = capsys.readouterr().out
+  assert f'removed  {old}  step 2' in text and 'idle longer than the max age' in text
+  assert _tree(tier) == {str(young): ['1']}
+  # A max age of 0 still keeps what was touched in the last 5 minutes; a cap of 0 too.
+  assert cli.main(['tier', str(tier), '--gc', '--max-age-s', '0', '--max-bytes', '0',
+                   '--json']) == 0
+  assert json.loads(capsys.readouterr().out)['removed'] == []
+  assert _tree(tier) == {str(young): ['1']}
+
+
+def test_cli_gc_flags_need_gc_and_a_bad_variable_is_named(tmp_path, capsys, monkeypatch):
+  tier = tmp_path / 'tier'
+  _write(tier, tmp_path / 'a', 1)
+  assert cli.main(['tier', str(tier), '--dry-run']) == 2
+  assert '--dry-run, --max-age-s and --max-bytes go with --gc' in capsys.readouterr().err
+  monkeypatch.setenv('ORBAX_PATHWAYS_LOCAL_MAX_AGE_S', '1d')
+  assert cli.main(['tier', str(tier), '--gc', '--json']) == 2
+  captured = capsys.readouterr()
+  assert "ORBAX_PATHWAYS_LOCAL_MAX_AGE_S='1d' is not a number >= 0" in captured.err
+  assert json.loads(captured.out)['exit_code'] == 2
 
 
 # ---- settings ------------------------------------------------------------------------------------
