@@ -154,12 +154,18 @@ def gc(local_dir: str, max_age_s: float | None, max_bytes: int | None,
 
 
 def _mib(n: int | None) -> str:
-  return 'none' if n is None else f'{n / 2**20:.1f} MiB'
+  if n is None:
+    return 'none'
+  return f'{n / 2**30:.1f} GiB' if n >= 2**30 else f'{n / 2**20:.1f} MiB'
+
+
+def _entries(n: int) -> str:
+  return f'{n} entr{"y" if n == 1 else "ies"}'
 
 
 def gc_text(obj: dict[str, Any]) -> str:
   age = obj['max_age_s']
-  lines = [f'node-local tier {obj["local_dir"]}: {obj["entries"]} entries, '
+  lines = [f'node-local tier {obj["local_dir"]}: {_entries(obj["entries"])}, '
            f'{_mib(obj["bytes_before"])}; max age '
            f'{"none" if age is None else f"{age / 3600:g} h"}, cap {_mib(obj["max_bytes"])}']
   verb = 'would remove' if obj['dry_run'] else 'removed'
@@ -168,7 +174,7 @@ def gc_text(obj: dict[str, Any]) -> str:
                  f'{_mib(x["bytes"])}  idle {x["idle_s"] / 3600:.1f} h  '
                  f'({gc_lib.REASONS[x["reason"]]})')
   n = len(obj['removed'])
-  lines.append(f'  {verb} {n} entr{"y" if n == 1 else "ies"} '
+  lines.append(f'  {verb} {_entries(n)} '
                f'({_mib(obj["bytes_before"] - obj["bytes_after"])}); '
                f'{_mib(obj["bytes_after"])} {"would be " if obj["dry_run"] else ""}left')
   return '\n'.join(lines)
