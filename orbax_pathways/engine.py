@@ -277,7 +277,8 @@ class Engine:
     local_dir = self.options.local_dir
     if local_dir is None:
       local_dir = os.environ.get(tier_store.ENV) or None
-    return tier_store.resolve(local_dir, self.options.local_keep)
+    o = self.options
+    return tier_store.resolve(local_dir, o.local_keep, o.local_max_age_s, o.local_max_bytes)
 
   # ---- save ------------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ SNAPSHOTS = ('auto', 'pinned', 'host')
 DIVISIBILITIES = ('replicate', 'strict')
 COMPRESSIONS = ('auto', 'zstd', 'none')
 LOCAL_SCOPES = ('written', 'held')
+LOCAL_MAX_AGE_S = 24 * 3600.0  # Options.local_max_age_s
 
 _TRUE = ('1', 'true', 'yes', 'y', 'on', 't')
 _FALSE = ('0', 'false', 'no', 'n', 'off', 'f')
@@ -140,6 +141,12 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            unset='use /dev/shm when it is a tmpfs'),
     EnvVar('ORBAX_PATHWAYS_LOCAL_KEEP', 'int', 1, 'committed steps the node-local tier keeps',
            minimum=1),
+    EnvVar('ORBAX_PATHWAYS_LOCAL_MAX_AGE_S', 'float', LOCAL_MAX_AGE_S,
+           "node-local tier entries of other checkpoint directories idle this long are dropped",
+           minimum=0, unit='seconds; inf: never by age'),
+    EnvVar('ORBAX_PATHWAYS_LOCAL_MAX_BYTES', 'int', None,
+           "the node-local tier's size above which entries are dropped, oldest first",
+           minimum=0, unit='bytes', unset="cap it at half the size of the tier's filesystem"),
     EnvVar('ORBAX_PATHWAYS_LOCAL_SCOPE', 'choice', 'written',
            "what the node-local tier keeps: the chunks this host wrote, or every chunk its "
            'devices hold', LOCAL_SCOPES),
@@ -274,6 +281,14 @@ class Options:
     (``docs/format.md``, "The node-local tier").
   local_keep: committed steps the tier keeps per checkpoint directory (``ORBAX_PATHWAYS_LOCAL_KEEP``,
     1); a step's copy is dropped once a newer step's copy is complete and that step committed.
+  local_max_age_s, local_max_bytes: node-level clean-up of the tier (``tier/gc.py``). At the
+    first tier copy of each save, entries of *other* checkpoint directories in the same tier
+    directory are dropped once nothing wrote, committed or restored from them for
+    ``local_max_age_s`` (``ORBAX_PATHWAYS_LOCAL_MAX_AGE_S``, 24 h; ``inf``: never by age); then,
+    while the tier holds more than ``local_max_bytes`` (``ORBAX_PATHWAYS_LOCAL_MAX_BYTES``; None:
+    half the size of its filesystem), the oldest entries, other directories' first, then this
+    directory's steps older than its newest committed one. An entry touched in the last 5
+    minutes (``tier.gc.IDLE_S``: a save or restore may be using it) is never dropped.
   local_scope: what the tier keeps (``ORBAX_PATHWAYS_LOCAL_SCOPE``). ``'written'`` (default): the
     chunks this host wrote, from the buffers the storage write used: no extra device-to-host
     bytes, ``save()`` blocking unchanged; a replica another host wrote is not kept, so a lost
@@ -323,6 +338,8 @@ class Options:
   local_dir: str | None = None
   local_keep: int = 1
   local_scope: str = 'written'
+  local_max_age_s: float = LOCAL_MAX_AGE_S
+  local_max_bytes: int | None = None
   tier_peer_timeout_s: float = 20.0
   request_deadline_floor_s: float = 10.0
   request_deadline_cap_s: float = 120.0
@@ -362,6 +379,11 @@ class Options:
     _check_int('storage_retries', self.storage_retries, 0, optional=True)
     _check_int('num_slices', self.num_slices, 1, optional=True)
     _check_int('local_keep', self.local_keep, 1)
+    _check_int('local_max_bytes', self.local_max_bytes, 0, optional=True)
+    age = self.local_max_age_s
+    if isinstance(age, bool) or not isinstance(age, (int, float)) or not age >= 0:
+      raise ValueError(f'Options.local_max_age_s={age!r}: use a number of seconds >= 0 '
+                       '(float("inf"): never drop by age).')
     tier_peer = self.tier_peer_timeout_s
     if isinstance(tier_peer, bool) or not isinstance(tier_peer, (int, float)) or not tier_peer > 0:
       raise ValueError(f'Options.tier_peer_timeout_s={tier_peer!r}: use a number of seconds > 0.')
@@ -398,6 +420,8 @@ class Options:
         local_dir=get('ORBAX_PATHWAYS_LOCAL_DIR'),
         local_keep=get('ORBAX_PATHWAYS_LOCAL_KEEP'),
         local_scope=get('ORBAX_PATHWAYS_LOCAL_SCOPE'),
+        local_max_age_s=get('ORBAX_PATHWAYS_LOCAL_MAX_AGE_S'),
+        local_max_bytes=get('ORBAX_PATHWAYS_LOCAL_MAX_BYTES'),
         tier_peer_timeout_s=get('ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S'),
         request_deadline_floor_s=get('ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S'),
         request_deadline_cap_s=get('ORBAX_PATHWAYS_REQUEST_DEADLINE_CAP_S'),

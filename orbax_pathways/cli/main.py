@@ -19,6 +19,9 @@ Commands (every one takes ``--json``; tables otherwise):
   tier [LOCAL_DIR]           the steps this node's tier holds (default: ORBAX_PATHWAYS_LOCAL_DIR,
                              else /dev/shm), each checked against the committed step on storage:
                              ok, stale, damaged or incomplete (exit 1 unless all ok).
+  tier [LOCAL_DIR] --gc [--dry-run] [--max-age-s S] [--max-bytes N]
+                             drops stale entries (tier/gc.py): idle longer than the max age,
+                             incomplete, then the oldest while over the size cap; lists them.
 
 Exit codes: 0 ok; 1 verify found problems / diff found differences; 2 user error (bad path,
 missing step, no credentials: one line on stderr, no traceback; with --json also
@@ -41,6 +44,9 @@ JSON output (top-level keys; ``bytes`` are integers, times ISO-8601 UTC):
            basis}]}]}]}
   tier    {local_dir, ok, entries: [{root, step, step_name, item, writer, save_id,
            committed_marker, chunks, bytes, status, problems, path}]}
+  tier --gc {local_dir, dry_run, max_age_s (null: none), max_bytes (null: none), entries,
+           bytes_before, bytes_after, removed: [{root, step, step_name, item, writer, save_id,
+           complete, bytes, idle_s, reason (age | incomplete | cap), path}]}
 """
 
 from __future__ import annotations
@@ -137,9 +143,20 @@ def _parser() -> argparse.ArgumentParser:
                  help='read both and compare values (default: by recorded crc32c where present)')
   s = cmd('du', cmd_du, 'bytes per step and per top-level key')
   s.add_argument('path', help='checkpoint directory, or one step DIR/STEP')
-  s = cmd('tier', cmd_tier, 'list and verify the steps this node\'s local tier holds')
+  s = cmd('tier', cmd_tier, 'list and verify the steps this node\'s local tier holds; with '
+          '--gc, drop stale entries instead')
   s.add_argument('local_dir', nargs='?', default=None,
                  help='the tier directory (default: ORBAX_PATHWAYS_LOCAL_DIR, else /dev/shm)')
+  s.add_argument('--gc', action='store_true',
+                 help='drop entries idle longer than --max-age-s, incomplete ones, then the '
+                      'oldest while over --max-bytes; entries touched in the last 5 minutes '
+                      'are kept')
+  s.add_argument('--dry-run', action='store_true', help='with --gc: list, remove nothing')
+  s.add_argument('--max-age-s', type=float, default=None,
+                 help='with --gc (default: ORBAX_PATHWAYS_LOCAL_MAX_AGE_S, else 86400)')
+  s.add_argument('--max-bytes', type=int, default=None,
+                 help='with --gc (default: ORBAX_PATHWAYS_LOCAL_MAX_BYTES, else half the size '
+                      'of the tier\'s filesystem)')
   return p
 
 
@@ -191,6 +208,12 @@ def cmd_tier(args, out: TextIO) -> int:
                          'and /dev/shm is not a tmpfs; pass the tier directory')
   if not os.path.isdir(local_dir):
     raise paths.CliError(f'{local_dir}: no such tier directory')
+  if args.gc:
+    obj = tier_lib.gc(local_dir, args.max_age_s, args.max_bytes, dry_run=args.dry_run)
+    _emit(out, args, obj, tier_lib.gc_text(obj))
+    return 0
+  if args.dry_run or args.max_age_s is not None or args.max_bytes is not None:
+    raise paths.CliError('--dry-run, --max-age-s and --max-bytes go with --gc')
   obj = tier_lib.report(local_dir)
   _emit(out, args, obj, tier_lib.text(obj))
   return 0 if obj['ok'] else 1

@@ -8,10 +8,16 @@ records another save (or none) of that step; ``damaged`` when a chunk differs or
 ``incomplete`` when its manifest is missing (a save or copy cut short). A restore uses only
 ``ok`` entries (the others fall back to storage); storage's checksums are the reference, never
 the tier's own.
+
+``orbax-pathways tier --gc`` runs the node-level clean-up by hand (``tier/gc.py``, the rule a
+save applies to other checkpoint directories' entries, here to every directory's): entries idle
+past the max age, incomplete ones, then the oldest while over the size cap; never one touched
+in the last 5 minutes. ``--dry-run`` lists and removes nothing.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -19,8 +25,11 @@ import numpy as np
 
 from orbax_pathways import checksum
 from orbax_pathways import metadata
+from orbax_pathways import options
 from orbax_pathways.storage import meta_io
+from orbax_pathways.cli import paths
 from orbax_pathways.tier import chain
+from orbax_pathways.tier import gc as gc_lib
 from orbax_pathways.tier import layout
 from orbax_pathways.tier import store
 
@@ -105,3 +114,67 @@ def text(obj: dict[str, Any]) -> str:
       lines.append(f'    (+{len(x["problems"]) - 5} more)')
   return '\n'.join(lines)
 
+
+
+def _env(name: str) -> Any:
+  try:
+    return options.env_value(name)
+  except ValueError as e:
+    raise paths.CliError(str(e)) from None
+
+
+def gc(local_dir: str, max_age_s: float | None, max_bytes: int | None,
+       dry_run: bool = False) -> dict[str, Any]:
+  """Runs (``dry_run``: plans) the clean-up of the tier at ``local_dir``; None limits come
+  from ``ORBAX_PATHWAYS_LOCAL_MAX_AGE_S`` / ``..._MAX_BYTES``, else their defaults."""
+  if max_age_s is None:
+    max_age_s = _env('ORBAX_PATHWAYS_LOCAL_MAX_AGE_S')
+  if max_bytes is None:
+    max_bytes = _env('ORBAX_PATHWAYS_LOCAL_MAX_BYTES')
+  if max_age_s is None or math.isnan(max_age_s) or max_age_s < 0:
+    raise paths.CliError(f'--max-age-s {max_age_s}: use a number of seconds >= 0 (inf: none)')
+  if max_bytes is not None and max_bytes < 0:
+    raise paths.CliError(f'--max-bytes {max_bytes}: use a number of bytes >= 0')
+  r = gc_lib.collect(local_dir, max_age_s=max_age_s, max_bytes=max_bytes, dry_run=dry_run)
+  roots: dict[str, str | None] = {}
+  removed = []
+  for d in sorted(r.dropped, key=lambda d: (d.seen.mtime, d.seen.path)):
+    e = r.entries[d.seen.path]
+    if e.root_key not in roots:
+      roots[e.root_key] = store.root_of(local_dir, e.root_key)
+    removed.append({
+        'root': roots[e.root_key] or (e.manifest.root if e.manifest else None), 'step': e.step,
+        'step_name': e.step_name, 'item': e.item, 'writer': e.writer, 'save_id': e.save_id,
+        'complete': d.seen.complete, 'bytes': d.seen.nbytes,
+        'idle_s': round(r.now - d.seen.mtime, 3), 'reason': d.reason, 'path': e.path})
+  return {'local_dir': local_dir, 'dry_run': dry_run,
+          'max_age_s': r.max_age_s if math.isfinite(r.max_age_s) else None,
+          'max_bytes': r.max_bytes, 'entries': len(r.seen), 'bytes_before': r.bytes_before,
+          'bytes_after': r.bytes_after, 'removed': removed}
+
+
+def _mib(n: int | None) -> str:
+  if n is None:
+    return 'none'
+  return f'{n / 2**30:.1f} GiB' if n >= 2**30 else f'{n / 2**20:.1f} MiB'
+
+
+def _entries(n: int) -> str:
+  return f'{n} entr{"y" if n == 1 else "ies"}'
+
+
+def gc_text(obj: dict[str, Any]) -> str:
+  age = obj['max_age_s']
+  lines = [f'node-local tier {obj["local_dir"]}: {_entries(obj["entries"])}, '
+           f'{_mib(obj["bytes_before"])}; max age '
+           f'{"none" if age is None else f"{age / 3600:g} h"}, cap {_mib(obj["max_bytes"])}']
+  verb = 'would remove' if obj['dry_run'] else 'removed'
+  for x in obj['removed']:
+    lines.append(f'  {verb}  {x["root"]}  step {x["step_name"]}  {x["item"]}  {x["writer"]}  '
+                 f'{_mib(x["bytes"])}  idle {x["idle_s"] / 3600:.1f} h  '
+                 f'({gc_lib.REASONS[x["reason"]]})')
+  n = len(obj['removed'])
+  lines.append(f'  {verb} {_entries(n)} '
+               f'({_mib(obj["bytes_before"] - obj["bytes_after"])}); '
+               f'{_mib(obj["bytes_after"])} {"would be " if obj["dry_run"] else ""}left')
+  return '\n'.join(lines)

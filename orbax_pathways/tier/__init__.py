@@ -6,6 +6,9 @@ Modules, each one job:
 - ``layout``: where an entry lives and what its manifest says (pure: names and msgpack).
 - ``store``: writes an entry in the background part of a save, marks it committed after the
   step commits and drops older ones, lists entries (the CLI), resolves ``Options.local_dir``.
+- ``gc``: node-level clean-up once per save (and ``orbax-pathways tier --gc``): other
+  checkpoint directories' entries idle past ``Options.local_max_age_s`` or incomplete, and the
+  oldest entries while the tier is over ``Options.local_max_bytes`` (planning pure, then I/O).
 - ``chain``: the per-chunk source chain of a restore (this node's tier -> other hosts' tiers ->
   storage), verified against the committed step's checksums from storage.
 - ``peer``: other hosts' tiers: a TCP server per process serving its node's tier, the key-value

@@ -245,6 +245,7 @@ def for_restore(cfg: store.TierConfig | None, item_dir: str,
       skipped.append(f'{e.path} (stale: save {e.save_id}, the committed step records '
                      f'{save_ids.get(e.writer) or "no save id"} for writer {e.writer})')
     else:
+      store.touch(e.path)  # in use: node-level clean-up (tier/gc.py) leaves it alone
       usable.append(e)
   if skipped:
     log.info('orbax_pathways: node-local copy of %s not used: %s; reading storage for it',

@@ -20,7 +20,11 @@ Who calls what, on which host:
   unmarked; a restore still uses an unmarked entry whose save id the committed index records,
   and each new write drops all but the newest ``local_keep + 1`` unmarked steps.
 - ``resolve`` turns ``Options.local_dir`` into a directory (or None: off); ``entries`` lists a
-  node's tier (the restore's source chain, ``orbax-pathways tier``).
+  node's tier (the restore's source chain, ``orbax-pathways tier``); ``touch`` marks an entry a
+  restore reads as in use.
+- ``prune`` sees only the checkpoint directory being saved; entries of other directories (old
+  jobs, a test loop's fresh directories) are dropped by ``tier/gc.py`` (age, size cap), which
+  the tier's background thread runs once per save after ``write_entry``.
 
 No jax: pieces arrive as numpy (or host-resident arrays that ``np.asarray`` reads in place).
 """
@@ -41,6 +45,7 @@ import numpy as np
 
 from orbax_pathways import _said
 from orbax_pathways import format as format_lib
+from orbax_pathways import options
 from orbax_pathways import version
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.tier import layout
@@ -50,16 +55,21 @@ OFF = 'off'
 ENV = 'ORBAX_PATHWAYS_LOCAL_DIR'  # also the default of Options.local_dir=None (engine.tier)
 # Room left on the tier's filesystem after an entry: a node-local tmpfs is also the node's RAM.
 MARGIN_BYTES = 64 << 20
+MAX_AGE_S = options.LOCAL_MAX_AGE_S  # Options.local_max_age_s's default (24 h)
 
 
 @dataclasses.dataclass(frozen=True)
 class TierConfig:
-  """A resolved tier: its directory, how many committed steps it keeps, and whether the user
-  chose the directory (``explicit``) or it is the /dev/shm default."""
+  """A resolved tier: its directory, how many committed steps it keeps, whether the user chose
+  the directory (``explicit``) or it is the /dev/shm default, and the node-level clean-up of
+  other checkpoint directories' entries (``tier/gc.py``): their longest idle time, and the
+  tier's size cap (None: half its filesystem)."""
 
   local_dir: str
   keep: int = 1
   explicit: bool = True
+  max_age_s: float = MAX_AGE_S
+  max_bytes: int | None = None
 
 
 def _is_tmpfs(path: str) -> bool:
@@ -85,15 +95,17 @@ def default_dir() -> str | None:
 
 
 @functools.lru_cache(maxsize=64)
-def resolve(local_dir: str | None, keep: int = 1) -> TierConfig | None:
+def resolve(local_dir: str | None, keep: int = 1, max_age_s: float = MAX_AGE_S,
+            max_bytes: int | None = None) -> TierConfig | None:
   """``Options.local_dir`` as a ``TierConfig``: None picks the /dev/shm default (None when
   /dev/shm is not a tmpfs), ``'off'`` turns the tier off."""
   if local_dir is not None and local_dir.strip().lower() == OFF:
     return None
   if local_dir is None or not local_dir.strip():
     d = default_dir()
-    return TierConfig(d, keep, explicit=False) if d else None
-  return TierConfig(os.path.abspath(os.path.expanduser(local_dir.strip())), keep, explicit=True)
+    return TierConfig(d, keep, False, max_age_s, max_bytes) if d else None
+  return TierConfig(os.path.abspath(os.path.expanduser(local_dir.strip())), keep, True,
+                    max_age_s, max_bytes)
 
 
 def _warn(cfg: TierConfig, reason: str, detail: str) -> None:
@@ -315,7 +327,17 @@ def root_of(local_dir: str, key: str) -> str | None:
     return None
 
 
-def _remove(path: str) -> None:
+def touch(path: str) -> None:
+  """Marks an entry used now (its directory's mtime): a restore reading it, so node-level
+  clean-up (``tier/gc.py``) counts it as busy. Best effort."""
+  try:
+    os.utime(path)
+  except OSError:
+    pass
+
+
+def remove(path: str) -> None:
+  """Deletes one entry, then its item and step directories once empty."""
   shutil.rmtree(path, ignore_errors=True)
   parent = os.path.dirname(path)
   for _ in range(2):  # the item, then the step directory, once empty
@@ -358,13 +380,15 @@ def _mark_committed(path: str, cfg: TierConfig, root: str) -> None:
   for sibling in _listdir(os.path.dirname(path)):  # other saves of this step by this writer
     other = layout.parse_entry_name(sibling)
     if sibling != here and other is not None and other[0] == writer:
-      _remove(os.path.join(os.path.dirname(path), sibling))
+      remove(os.path.join(os.path.dirname(path), sibling))
   prune(cfg, root)
 
 
 def _mtime(path: str) -> float:
+  """When an entry was written: its manifest's mtime (a restore's ``touch`` moves the
+  directory's, not this; 0 for an incomplete entry)."""
   try:
-    return os.stat(path).st_mtime
+    return os.stat(os.path.join(path, layout.MANIFEST)).st_mtime
   except OSError:
     return 0.0
 
@@ -380,4 +404,4 @@ def prune(cfg: TierConfig, root: str) -> None:
   for e in found:
     if (e.step is not None and e.step not in kept) or (
         e.step is None and e.step_name not in named[:cfg.keep + 1]):
-      _remove(e.path)
+      remove(e.path)

@@ -27,6 +27,7 @@ from orbax_pathways.plan import save as save_plan
 from orbax_pathways.storage import meta_io
 from orbax_pathways.storage import reader as reader_lib
 from orbax_pathways.storage import writer as writer_lib
+from orbax_pathways.tier import gc as tier_gc
 from orbax_pathways.tier import store as tier_store
 
 Box = boxes_lib.Box
@@ -142,11 +143,15 @@ def write_tier(tier: tier_store.TierConfig, item: values.Item, writer: str, save
                leaves: Sequence[values.SaveLeaf], plans: Sequence[save_plan.ArrayWritePlan],
                pieces: Sequence[Sequence[writer_lib.Piece]],
                chunks: dict[str, list[metadata.ChunkRecord]]) -> None:
-  """This host's share into its node-local tier (background, after the storage write); a
-  failure is logged, never raised: the tier must not cost a save."""
+  """This host's share into its node-local tier (background, after the storage write), then
+  the node-level clean-up of other checkpoint directories' entries (``tier/gc.after_write``,
+  once per save); a failure is logged, never raised: the tier must not cost a save."""
   try:
     crcs = {name: {c.origin: c.crc32c for c in cs} for name, cs in chunks.items()}
-    tier_store.write_entry(tier, item.directory, writer, save_id, leaves, plans, pieces, crcs)
+    path = tier_store.write_entry(tier, item.directory, writer, save_id, leaves, plans, pieces,
+                                  crcs)
+    if path is not None:  # once per save: other checkpoint directories' stale entries go
+      tier_gc.after_write(tier, path)
   except Exception as e:  # pylint: disable=broad-except
     log.warning('orbax_pathways: node-local tier copy of %s skipped: %s: %s', item.directory,
                 type(e).__name__, e)

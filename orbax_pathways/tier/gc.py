@@ -1,0 +1,242 @@
+"""Node-level clean-up of the tier: entries of checkpoint directories that no save is using.
+
+``store.prune`` keeps a checkpoint directory's newest steps and drops its older ones; it never
+looks at other directories. A node that runs many jobs, or one job restarted into fresh
+directories (a test loop, a sweep), would keep each old directory's last copy in node memory
+(a tmpfs is RAM) until a save no longer fits. This module drops such entries.
+
+Who calls what, on which host: ``after_write`` runs on each writer host once per save, right
+after that save's first tier copy landed (``transports/share.write_tier``, on the tier's
+background thread: never inside ``save()``, never on the commit path); ``collect`` is also
+what ``orbax-pathways tier --gc`` runs by hand. Both list the tier directory once (one
+manifest read per entry, a directory listing per incomplete one) and decide with ``plan``
+(pure), then delete.
+
+What is dropped, when (``plan``):
+
+- Never an entry touched in the last ``IDLE_S`` seconds (5 minutes): another process of the
+  node may be writing or reading it. An entry's time is its directory's mtime, which moves when
+  a chunk or its manifest is written, when it is marked committed, and when a restore reads it
+  (``store.touch``); for an incomplete entry also its newest file's. A copy in progress writes
+  files continuously, and a restore touches what it reads, so 5 minutes idle means unused.
+- ``age``: an entry of another checkpoint directory idle for ``max_age_s``
+  (``Options.local_max_age_s``, 24 h: a job that comes back to this node within a day, after a
+  preemption or maintenance, still finds its copy).
+- ``incomplete``: an idle entry of another directory without a manifest (a save or copy cut
+  short, or a damaged manifest): no restore uses it.
+- ``cap``: while the tier's entries hold more than ``max_bytes`` bytes
+  (``Options.local_max_bytes``; default half the size of the tier's filesystem: /dev/shm is
+  half the RAM by default, so a quarter of it, leaving room for the next copy and the other
+  users of /dev/shm), idle entries, oldest first: other directories' entries first, then the
+  saving directory's steps older than its newest committed one. Never the entry just written,
+  nor the saving directory's newest committed step or the steps after it (saves in flight).
+
+The saving directory's own steps are otherwise ``store.prune``'s (``local_keep``). A by-hand
+run has no saving directory. A failure is logged once per process and tier directory, never
+raised into a save. No jax here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import Container, Sequence
+
+from orbax_pathways import _said
+from orbax_pathways.tier import layout
+from orbax_pathways.tier import store
+
+log = logging.getLogger('orbax_pathways')
+IDLE_S = 300.0
+AGE, INCOMPLETE, CAP = 'age', 'incomplete', 'cap'
+REASONS = {AGE: 'idle longer than the max age',
+           INCOMPLETE: 'incomplete (a save or copy cut short) and idle',
+           CAP: 'the tier is over its size cap: oldest first'}
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+  """One entry as ``plan`` sees it: where, whose (root key), which step (None: a directory
+  named by no step number), marked committed, complete (has a manifest), bytes, last touched."""
+
+  path: str
+  root_key: str
+  step: int | None
+  committed: bool
+  complete: bool
+  nbytes: int
+  mtime: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Drop:
+  seen: Seen
+  reason: str  # AGE, INCOMPLETE or CAP
+
+
+def plan(seen: Sequence[Seen], now: float, max_age_s: float, max_bytes: int | None,
+         current: str | None = None, keep: Container[str] = (),
+         idle_s: float = IDLE_S) -> list[Drop]:
+  """Which entries to drop (module docstring): ``current`` is the root key of the directory
+  being saved (None: a by-hand run), ``keep`` the paths never to drop (the entry just
+  written). Pure."""
+  idle = {e.path: now - e.mtime >= idle_s and e.path not in keep for e in seen}
+  drops: dict[str, Drop] = {}
+  for e in seen:
+    if not idle[e.path] or e.root_key == current:
+      continue
+    if now - e.mtime > max_age_s:
+      drops[e.path] = Drop(e, AGE)
+    elif not e.complete:
+      drops[e.path] = Drop(e, INCOMPLETE)
+  total = sum(e.nbytes for e in seen if e.path not in drops)
+  if max_bytes is None or total <= max_bytes:
+    return list(drops.values())
+  newest = max((e.step for e in seen if e.root_key == current and e.step is not None
+                and e.committed and e.complete), default=None)
+
+  def may_go(e: Seen) -> bool:
+    if e.path in drops or not idle[e.path]:
+      return False
+    return e.root_key != current or (newest is not None and e.step is not None and e.step < newest)
+
+  for e in sorted(filter(may_go, seen), key=lambda e: (e.root_key == current, e.mtime, e.path)):
+    if total <= max_bytes:
+      break
+    drops[e.path] = Drop(e, CAP)
+    total -= e.nbytes
+  return list(drops.values())
+
+
+def _incomplete_stat(path: str) -> tuple[float, int] | None:
+  """(newest mtime of the directory and its files, their bytes), None if it is gone."""
+  try:
+    mtime, nbytes = os.stat(path).st_mtime, 0
+    with os.scandir(path) as it:
+      for f in it:
+        try:
+          st = f.stat(follow_symlinks=False)
+        except OSError:
+          continue
+        mtime, nbytes = max(mtime, st.st_mtime), nbytes + st.st_size
+  except OSError:
+    return None
+  return mtime, nbytes
+
+
+def scan(local_dir: str) -> tuple[list[Seen], dict[str, store.Entry]]:
+  """Every entry of the tier at ``local_dir`` as ``plan`` sees it, and the entries by path."""
+  seen, by_path = [], {}
+  for e in store.entries(local_dir):
+    if e.manifest is not None:
+      try:
+        got: tuple[float, int] | None = (os.stat(e.path).st_mtime, e.manifest.nbytes)
+      except OSError:
+        got = None
+    else:
+      got = _incomplete_stat(e.path)
+    if got is None:  # removed since the listing (another process's clean-up)
+      continue
+    seen.append(Seen(e.path, e.root_key, e.step, e.committed, e.manifest is not None, got[1],
+                     got[0]))
+    by_path[e.path] = e
+  return seen, by_path
+
+
+def default_cap(local_dir: str) -> int | None:
+  """Half the size of the filesystem the tier is on (None if it cannot be read)."""
+  try:
+    st = os.statvfs(local_dir)
+  except OSError:
+    return None
+  return st.f_blocks * st.f_frsize // 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """One clean-up: the limits it applied, what it saw, what it dropped (or, ``dry_run``,
+  would drop), with each entry's ``store.Entry``."""
+
+  local_dir: str
+  max_age_s: float
+  max_bytes: int | None
+  now: float
+  dry_run: bool
+  seen: tuple[Seen, ...]
+  dropped: tuple[Drop, ...]
+  entries: dict[str, store.Entry]
+
+  @property
+  def bytes_before(self) -> int:
+    return sum(e.nbytes for e in self.seen)
+
+  @property
+  def bytes_after(self) -> int:
+    return self.bytes_before - sum(d.seen.nbytes for d in self.dropped)
+
+
+def _remove_empty_root(local_dir: str, key: str) -> None:
+  """A root key directory left with only its ``root.txt``: removed. A save of that directory
+  that starts meanwhile writes ``root.txt`` again, or fails its copy (one warning)."""
+  kdir = os.path.join(local_dir, key)
+  try:
+    if os.listdir(kdir) == [layout.ROOT_FILE]:
+      os.unlink(os.path.join(kdir, layout.ROOT_FILE))
+      os.rmdir(kdir)
+  except OSError:
+    pass
+
+
+def collect(local_dir: str, *, max_age_s: float, max_bytes: int | None = None,
+            current: str | None = None, keep: Container[str] = (), dry_run: bool = False,
+            now: float | None = None) -> Result:
+  """Lists the tier at ``local_dir``, drops what ``plan`` says (``max_bytes`` None: half its
+  filesystem; ``current``: root key of the directory being saved; ``keep``: paths never
+  dropped); with ``dry_run`` only says what it would drop."""
+  seen, by_path = scan(local_dir)
+  cap = max_bytes if max_bytes is not None else default_cap(local_dir)
+  now = time.time() if now is None else now
+  drops = plan(seen, now, max_age_s, cap, current, keep)
+  if not dry_run:
+    for d in drops:
+      store.remove(d.seen.path)
+    for key in sorted({d.seen.root_key for d in drops} - {current}):
+      _remove_empty_root(local_dir, key)
+  return Result(local_dir, max_age_s, cap, now, dry_run, tuple(seen), tuple(drops), by_path)
+
+
+_last: dict[str, tuple[str, str]] = {}  # tier directory -> (root key, step) last cleaned for
+_lock = threading.Lock()
+
+
+def after_write(cfg: store.TierConfig, path: str) -> Result | None:
+  """After this process wrote entry ``path`` (the tier's background thread): cleans the tier
+  up once per save (the first copy of each root and step; later items or device groups of
+  the same save skip). Logs what it dropped; never raises (one warning per process)."""
+  parts = os.path.relpath(path, cfg.local_dir).split(os.sep)
+  if len(parts) != 4:
+    return None
+  key, step_name = parts[0], parts[1]
+  with _lock:
+    if _last.get(cfg.local_dir) == (key, step_name):
+      return None
+    _last[cfg.local_dir] = (key, step_name)
+  try:
+    result = collect(cfg.local_dir, max_age_s=cfg.max_age_s, max_bytes=cfg.max_bytes,
+                     current=key, keep=(path,))
+  except Exception as e:  # pylint: disable=broad-except  # a cache's clean-up: never the save's
+    _said.once(logging.WARNING, ('tier-gc', cfg.local_dir),
+               'orbax_pathways: node-local tier %s: cleaning up other checkpoint directories\' '
+               'entries failed (%s: %s); they stay until a later save or `orbax-pathways tier '
+               '--gc` removes them.', cfg.local_dir, type(e).__name__, e)
+    return None
+  if result.dropped:
+    counts = {r: sum(d.reason == r for d in result.dropped) for r in REASONS}
+    log.info('orbax_pathways: node-local tier %s: dropped %d entries (%.1f MiB; %s); %.1f MiB '
+             'left', cfg.local_dir, len(result.dropped),
+             sum(d.seen.nbytes for d in result.dropped) / 2**20,
+             ', '.join(f'{n} {r}' for r, n in counts.items() if n), result.bytes_after / 2**20)
+  return result
