@@ -240,7 +240,10 @@ def _save_replicated(tmp_path):
   root = tmp_path / 'ckpt'
   tiers = [tmp_path / f'node{i}' for i in range(3)]
   res = run_processes(WORKER, 3, 2, args=['save', str(root), 'none'], timeout=400,
-                      env={'WITH_M': '1'},
+                      # 64 KiB chunks: the lost third of 'm' is 32 chunks, so each survivor
+                      # is the fetcher of some of them (a hash pick) and asks the other for
+                      # the rest.
+                      env={'WITH_M': '1', 'ORBAX_PATHWAYS_MAX_CHUNK_BYTES': str(64 << 10)},
                       per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
   assert [r.results for r in res] == [[{'saved': True}]] * 3
   return root, tiers
@@ -263,6 +266,7 @@ def test_replicated_state_lost_part_is_read_from_storage_once_for_all_survivors(
   m_storage = p0.get('storage', 0) + p1.get('storage', 0) - OWN  # p1 reads node 2's 'w'/'b'
   assert m_storage == lost_m, (p0, p1)
   assert p0.get('relay', 0) + p1.get('relay', 0) == lost_m, (p0, p1)
+  assert p0.get('relay', 0) and p1.get('relay', 0), (p0, p1)  # each fetched some for the other
   assert 'not usable' not in err0 + err1, (err0[-3000:], err1[-3000:])
 
 
