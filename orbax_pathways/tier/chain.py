@@ -212,7 +212,7 @@ class SourceChain:
 
 
 def for_restore(cfg: store.TierConfig | None, item_dir: str,
-                save_ids: Mapping[str, str] | None = None,
+                save_ids: Mapping[str, str] | str | None = None,
                 peers: tier_peer.Exchange | None = None,
                 relay_targets: Mapping[str, tier_relay.Target] | None = None
                 ) -> SourceChain | None:
@@ -221,8 +221,8 @@ def for_restore(cfg: store.TierConfig | None, item_dir: str,
   just read, from ``meta_io``'s cache), then, with ``peers`` (every process of a
   multi-controller restore passes one), the other processes' tiers. None (storage only) when
   the tier is off or nothing could serve; one log line when this node holds only unusable
-  copies. A colocated worker, which has no index, gets the committed ``save_ids`` (writer ->
-  save id) from the controller. With ``peers`` and ``relay_targets`` (the restore's arrays), a
+  copies. A colocated worker, which has no index, passes the committed save id the controller
+  sent it as ``save_ids`` (a str: a colocated save gives every writer the same id). With ``peers`` and ``relay_targets`` (the restore's arrays), a
   chunk no tier holds that other processes need too is read from storage once for them all
   (``tier/relay.py``)."""
   if cfg is None:
@@ -237,13 +237,19 @@ def for_restore(cfg: store.TierConfig | None, item_dir: str,
   if save_ids is None:
     committed = meta_io.cached_index(item_dir)
     save_ids = {w.writer: w.save_id for w in committed.writers} if committed is not None else {}
+  every = save_ids if isinstance(save_ids, str) else None
+  ids: Mapping[str, str] = {} if isinstance(save_ids, str) else save_ids
+
+  def committed_id(writer: str) -> str:
+    return every if every is not None else ids.get(writer, '')
+
   usable, skipped = [], []
   for e in found:
     if e.manifest is None:
       skipped.append(f'{e.path} ({e.error})')
-    elif not save_ids.get(e.writer) or save_ids[e.writer] != e.save_id:
+    elif not committed_id(e.writer) or committed_id(e.writer) != e.save_id:
       skipped.append(f'{e.path} (stale: save {e.save_id}, the committed step records '
-                     f'{save_ids.get(e.writer) or "no save id"} for writer {e.writer})')
+                     f'{committed_id(e.writer) or "no save id"} for writer {e.writer})')
     else:
       store.touch(e.path)  # in use: node-level clean-up (tier/gc.py) leaves it alone
       usable.append(e)
@@ -251,9 +257,9 @@ def for_restore(cfg: store.TierConfig | None, item_dir: str,
     log.info('orbax_pathways: node-local copy of %s not used: %s; reading storage for it',
              item_dir, '; '.join(skipped[:3]) + (f' (+{len(skipped) - 3} more)' if len(skipped) > 3 else ''))
   chain = SourceChain([LocalSource(usable)] if usable else [], item_dir)
-  if peers is not None and save_ids:
+  if peers is not None and ids:
     prefix = peers.prefix(item_dir)
-    peer_source = tier_peer.PeerSource(peers, prefix, tier_peer.item_parts(item_dir), save_ids,
+    peer_source = tier_peer.PeerSource(peers, prefix, tier_peer.item_parts(item_dir), ids,
                                        {e.writer for e in usable}, chain.problems)
     relay = (tier_relay.RelaySource(peer_source, relay_targets, peers.timeout_s)
              if relay_targets else None)

@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import math
 import struct
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import jax
 import msgpack
@@ -326,22 +326,6 @@ class WorkerReadTask:
   save_id: str = ''
 
 
-class _EveryWriter(Mapping[str, str]):
-  """The committed save ids of a colocated save, writer -> id: the same id for every writer."""
-
-  def __init__(self, save_id: str):
-    self._id = save_id
-
-  def __getitem__(self, writer: str) -> str:
-    return self._id
-
-  def __iter__(self):
-    return iter(())
-
-  def __len__(self) -> int:
-    return 0
-
-
 def _needed_chunks(target: values.ReadTarget, box: Box) -> list[metadata.ChunkRecord]:
   """The recorded chunks a device holding ``box`` of ``target`` reads (all that intersect it)."""
   if not target.chunks or target.chunk_shape is None or box.size == 0:
@@ -419,7 +403,7 @@ def make_worker_restore(task: WorkerReadTask) -> Callable[[jax.Array], tuple[jax
           targets.append(dataclasses.replace(t, chunks=chunks))
           boxes.append([box])
       chain = (await asyncio.to_thread(tier_chain.for_restore, task.tier, task.item.directory,
-                                       _EveryWriter(task.save_id))
+                                       task.save_id)
                if task.tier is not None and task.save_id else None)
       buffers, stats = await share.read_share(targets, boxes, item=task.item, verify=task.verify,
                                               chain=chain)
