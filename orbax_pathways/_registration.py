@@ -29,6 +29,7 @@ from orbax_pathways import options as options_lib
 from orbax_pathways import preemption
 from orbax_pathways import retention
 from orbax_pathways import stats as stats_lib
+from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways._compat import orbax_finalize
 from orbax_pathways._compat import orbax_liveness
@@ -110,7 +111,7 @@ def _install_manager_side() -> None:
 
 def _save_round(**kwargs) -> liveness.SaveRound:
   """One async save's liveness round on this process (``_compat/orbax_liveness``)."""
-  return liveness.SaveRound(orbax_manager.distributed_client(), **kwargs)
+  return liveness.SaveRound(jax_distributed.distributed_client(), **kwargs)
 
 
 def _after_commit(mngr, step: int, commit_s: float) -> None:

@@ -53,6 +53,7 @@ from orbax_pathways import errors
 from orbax_pathways import options as options_lib
 from orbax_pathways import retention
 from orbax_pathways import version
+from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager as _om
 from orbax_pathways.plan import lease as plan
 from orbax_pathways.storage import meta_io
@@ -324,14 +325,14 @@ class Lease:
 
 def _lease_writer_process(mngr) -> bool:
   primary = _om.manager_primary_host(mngr)
-  return _om.process_index() == (0 if primary is None else primary)
+  return jax_distributed.process_index() == (0 if primary is None else primary)
 
 
 def _hold(directory: str, mngr) -> None:
   with _lock:
     lease = _leases.get(directory)
     if lease is None:
-      lease = Lease(directory, timeout=timeout_s(), processes=_om.process_count())
+      lease = Lease(directory, timeout=timeout_s(), processes=jax_distributed.process_count())
       lease.acquire()
       _leases[directory] = lease
     lease.holders.add(id(mngr))
@@ -360,7 +361,7 @@ def before_save(mngr, step: int) -> None:
           f'the writer lease {directory}/{LEASE_FILE} could not be checked: '
           f'{type(e).__name__}: {e}. Retry the save once storage answers again.')
       error.__cause__ = e
-  if _om.process_count() > 1 and _om.distributed_client() is not None:
+  if jax_distributed.process_count() > 1 and jax_distributed.distributed_client() is not None:
     outcome = _agree(directory, seq, None if error is None else str(error), writer)
     if outcome is not None and error is None:
       error = errors.WriterLeaseError(outcome)
@@ -370,7 +371,7 @@ def before_save(mngr, step: int) -> None:
 
 def _agree(directory: str, seq: int, outcome: str | None, writer: bool) -> str | None:
   """The lease-writing process's answer (None: go ahead), shared with the job's processes."""
-  client = _om.distributed_client()
+  client = jax_distributed.distributed_client()
   base = f'orbax_pathways/lease/{hashlib.sha1(directory.encode()).hexdigest()[:16]}'
   key = f'{base}/{seq}'
   if writer:

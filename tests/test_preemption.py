@@ -15,6 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from orbax_pathways._compat import orbax_policies
 from orbax_pathways import preemption
 from orbax_pathways import retention
 from support import REPO, damage
@@ -118,7 +119,6 @@ def test_sigterm_ignored_or_no_sigterm_env_left_alone(tmp_path, installed, monke
 
 def test_which_save_decision_policies_make_sigterm_a_notice(tmp_path):
   """SIGTERM becomes a notice only for a manager whose policy can save for it (issue 21.6)."""
-  from orbax_pathways._compat import orbax_manager  # pylint: disable=g-import-not-at-top
   p = ocp.v1.training.save_decision_policies
 
   class Custom:  # a policy Orbax does not define may read context.reached_preemption
@@ -138,12 +138,12 @@ def test_which_save_decision_policies_make_sigterm_a_notice(tmp_path):
   for name, (policy, expected) in cases.items():
     mngr = ocp.CheckpointManager(tmp_path / name, options=ocp.CheckpointManagerOptions(
         save_decision_policy=policy))
-    assert orbax_manager.manager_saves_on_preemption(mngr) is expected, name
+    assert orbax_policies.manager_saves_on_preemption(mngr) is expected, name
     mngr.close()
   # should_save_fn: Orbax adds PreemptionCheckpointingPolicy to it.
   mngr = ocp.CheckpointManager(tmp_path / 'fn', options=ocp.CheckpointManagerOptions(
       should_save_fn=lambda step, last: step % 7 == 0))
-  assert orbax_manager.manager_saves_on_preemption(mngr)
+  assert orbax_policies.manager_saves_on_preemption(mngr)
   mngr.close()
 
 

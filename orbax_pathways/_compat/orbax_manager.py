@@ -15,7 +15,7 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
   step.
 - ``CheckpointManager.__init__``: runs hooks after the stock constructor (leftover cleanup; the
   SIGTERM notice handler, installed lazily by the first manager of a main process whose save
-  decision policy saves for preemption: ``manager_saves_on_preemption``).
+  decision policy saves for preemption: ``orbax_policies.manager_saves_on_preemption``).
 - ``CheckpointManager.delete`` (public): marks the user's explicit deletes, which raise on
   failure, unlike garbage collection, which logs.
 - ``CheckpointManager.reached_preemption(self, step)``: feeds both ``should_save`` (through the
@@ -41,6 +41,10 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
 
 The wrappers dispatch to hooks set with ``set_hook(name, fn)``; with no hook set they call the
 original, so leaving the patches in place with no hooks behaves exactly like stock Orbax.
+
+Next door: ``jax_distributed.py`` (process count and index, jax's key-value client, whether its
+preemption service runs) and ``orbax_policies.py`` (whether a manager's save decision policy can
+save for preemption).
 """
 
 from __future__ import annotations
@@ -396,7 +400,7 @@ def _wrap_checkpointer_restore(original):
     try:
       return original(self, directory, *args, **kwargs)
     except Exception:  # pylint: disable=broad-except
-      if any_hook_set() and process_count() > 1:
+      if any_hook_set() and jax.process_count() > 1:
         try:
           _multihost.sync_global_processes(
               _multihost.unique_barrier_key('Checkpointer:restore',
@@ -533,85 +537,6 @@ def forget_step(mngr: ocp.CheckpointManager, step: int) -> None:
   """Drops ``step`` from ``mngr``'s cached listing (nothing on storage changes): ``should_save``
   and ``save`` then treat it as absent, and saving that step again replaces it."""
   mngr._checkpoints.delete_if(lambda info: info.step == step)  # pylint: disable=protected-access
-
-
-# --- JAX multi-controller plumbing used by preemption agreement. ---
-
-
-def process_count() -> int:
-  import jax  # pylint: disable=g-import-not-at-top
-  return jax.process_count()
-
-
-def process_index() -> int:
-  import jax  # pylint: disable=g-import-not-at-top
-  return jax.process_index()
-
-
-def distributed_client():
-  """JAX's coordination-service client (None outside ``jax.distributed``)."""
-  distributed = src.jax('distributed')
-  return distributed.global_state.client
-
-
-def jax_preemption_service_active() -> bool:
-  """True if JAX's preemption sync manager runs (jax.distributed with the service enabled)."""
-  distributed = src.jax('distributed')
-  return (distributed.global_state.client is not None
-          and distributed.global_state.preemption_sync_manager is not None)
-
-
-def distributed_process_count() -> int:
-  """``num_processes`` of ``jax.distributed`` (1 outside it), read without starting a backend
-  (``jax.process_count()`` would)."""
-  distributed = src.jax('distributed')
-  if distributed.global_state.client is None:
-    return 1
-  return int(getattr(distributed.global_state, 'num_processes', 1) or 1)
-
-
-# --- Which save decision policies can save for preemption (the SIGTERM notice needs one). ---
-
-
-def _blind_policy_types() -> tuple[type, ...]:
-  """Orbax's policies that never read ``context.reached_preemption`` (exact types: a subclass may
-  override ``should_save`` and read it)."""
-  from orbax.checkpoint import checkpoint_manager as _cm  # pylint: disable=g-import-not-at-top
-  _sdp = src.orbax('checkpoint_managers.save_decision_policy')
-  names = ('FixedIntervalPolicy', 'SpecificStepsPolicy', 'InitialSavePolicy',
-           'ContinuousCheckpointingPolicy')
-  found = [getattr(_sdp, n) for n in names if hasattr(_sdp, n)]
-  should_save_fn = getattr(_cm, '_ShouldSaveFnPolicy', None)  # options.should_save_fn
-  return tuple(found + ([should_save_fn] if should_save_fn is not None else []))
-
-
-def _saves_on_preemption(policy: Any, blind: tuple[type, ...]) -> bool:
-  _sdp = src.orbax('checkpoint_managers.save_decision_policy')
-  if isinstance(policy, _sdp.PreemptionCheckpointingPolicy):
-    return True
-  if type(policy) is _sdp.AnySavePolicy:  # pylint: disable=unidiomatic-typecheck
-    return any(_saves_on_preemption(p, blind) for p in policy.policies)
-  return type(policy) not in blind  # a policy we do not know may read reached_preemption
-
-
-def manager_saves_on_preemption(mngr: Any) -> bool:
-  """Whether ``mngr.should_save`` can answer True because ``reached_preemption`` did: its save
-  decision policy holds ``PreemptionCheckpointingPolicy`` (the default, also inside
-  ``AnySavePolicy``) or a policy Orbax does not define. False for ``FixedIntervalPolicy`` and the
-  other interval policies alone (v1 ``training.Checkpointer(save_decision_policy=...)``)."""
-  policy = getattr(mngr, '_save_decision_policy', None)  # pylint: disable=protected-access
-  if policy is None:
-    return True
-  try:
-    return _saves_on_preemption(policy, _blind_policy_types())
-  except Exception:  # pylint: disable=broad-except
-    return True  # an Orbax we do not know: keep the notice (the grace period still ends it)
-
-
-def manager_policy_name(mngr: Any) -> str:
-  """The manager's save decision policy as its repr says it (for log lines)."""
-  policy = getattr(mngr, '_save_decision_policy', None)  # pylint: disable=protected-access
-  return repr(policy)[:300]
 
 
 def is_proxy_pathways_backend() -> bool:

@@ -23,7 +23,7 @@ from absl import logging
 
 from orbax_pathways import waits
 from orbax_pathways.preemption import notice
-from orbax_pathways._compat import orbax_manager as _om
+from orbax_pathways._compat import jax_distributed
 
 _agreement_interval = 10
 _agreement_timeout_s = 300.0
@@ -54,10 +54,10 @@ def reset() -> None:
 
 def what_next() -> str:
   """How the notice becomes a save in this process: the end of the notice's log line."""
-  if _om.distributed_process_count() <= 1:
+  if jax_distributed.distributed_process_count() <= 1:
     return ('CheckpointManager.should_save and reached_preemption answer True from the next step '
             'on, for one preemption checkpoint')
-  if _om.jax_preemption_service_active():
+  if jax_distributed.jax_preemption_service_active():
     return ("this process does not decide: JAX's preemption sync point does (send SIGTERM to a "
             'process instead)')
   return (f'all processes agree on the next multiple of {_agreement_interval} steps and save '
@@ -91,10 +91,10 @@ def _kv_agreement(step: int) -> bool:
     return _remember(step, step >= _agreed_step)
   if step % _agreement_interval != 0:
     return False
-  client = _om.distributed_client()
+  client = jax_distributed.distributed_client()
   if client is None:
     return _remember(step, notice.pending())
-  n, me = _om.process_count(), _om.process_index()
+  n, me = jax_distributed.process_count(), jax_distributed.process_index()
   prefix = f'orbax_pathways/preemption/{notice.generation()}/{step}'
   key = f'{prefix}/{me}'
   client.key_value_set(key, '1' if notice.pending() else '0', allow_overwrite=True)
@@ -140,10 +140,10 @@ def _single_controller(step: int, stock: Callable[[], bool]) -> bool:
 def reached_preemption(step: int, stock: Callable[[], bool] | None = None) -> bool:
   """Our answer for ``CheckpointManager.reached_preemption(step)``; ``stock`` is Orbax's."""
   stock = stock or (lambda: False)
-  if _om.process_count() <= 1:
+  if jax_distributed.process_count() <= 1:
     with notice.lock:
       return _single_controller(step, stock)
-  if _om.jax_preemption_service_active():
+  if jax_distributed.jax_preemption_service_active():
     return bool(stock())
   with notice.lock:
     return _kv_agreement(step)

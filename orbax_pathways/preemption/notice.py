@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 from absl import logging
 
-from orbax_pathways._compat import orbax_manager as _om
+from orbax_pathways._compat import jax_distributed
+from orbax_pathways._compat import orbax_policies
 
 GRACE_ENV = 'ORBAX_PATHWAYS_SIGTERM_GRACE_S'
 FORCE_AFTER_S = 5.0  # after the grace: how long the main thread gets to run the default action
@@ -260,7 +261,7 @@ def kernel_sigterm_disposition() -> int | None:
 
 def _native_owner() -> str | None:
   """Who other than Python handles SIGTERM in this process, or None."""
-  if _om.jax_preemption_service_active():
+  if jax_distributed.jax_preemption_service_active():
     return "JAX's preemption service (jax.distributed)"
   current = signal.getsignal(signal.SIGTERM)
   if current is None:
@@ -344,12 +345,12 @@ def manager_constructed(mngr) -> None:
   global _manager_seen
   if not _handle_sigterm or _handler_installed or _default_action_ran or not in_main_process():
     return
-  if not _om.manager_saves_on_preemption(mngr):
+  if not orbax_policies.manager_saves_on_preemption(mngr):
     _say_once('policy', logging.INFO,
               'orbax_pathways: SIGTERM keeps its default action: the save decision policy of the '
               'CheckpointManager for %s (%s) never saves for preemption. Add '
               'PreemptionCheckpointingPolicy() (in an AnySavePolicy) to save on a preemption '
-              'notice.', mngr.directory, _om.manager_policy_name(mngr))
+              'notice.', mngr.directory, orbax_policies.manager_policy_name(mngr))
     return
   _manager_seen = True
   if threading.current_thread() is not threading.main_thread():

@@ -15,6 +15,7 @@ from absl import logging
 from orbax_pathways import errors
 from orbax_pathways import retention
 from orbax_pathways import waits
+from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager as _om
 from orbax_pathways.preemption import decision
 
@@ -33,14 +34,14 @@ def latest_complete_step(mngr, exclude=()) -> int | None:
 def _all_processes_ok(ok: bool, step: int) -> bool:
   """Whether every process of a multi-controller job restored ``step`` (one KV round)."""
   global _resume_round
-  client = _om.distributed_client()
-  if client is None or _om.process_count() <= 1:
+  client = jax_distributed.distributed_client()
+  if client is None or jax_distributed.process_count() <= 1:
     return ok
   _resume_round += 1
   prefix = f'orbax_pathways/resume/{_resume_round}/{step}'
-  client.key_value_set(f'{prefix}/{_om.process_index()}', '1' if ok else '0',
+  client.key_value_set(f'{prefix}/{jax_distributed.process_index()}', '1' if ok else '0',
                        allow_overwrite=True)
-  flags = waits.gather(client, prefix, _om.process_count(), decision.agreement_timeout_s(),
+  flags = waits.gather(client, prefix, jax_distributed.process_count(), decision.agreement_timeout_s(),
                        what=f'orbax_pathways: resume agreement on step {step}')
   return all(f == '1' for f in flags)
 

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from orbax_pathways import layout
-from orbax_pathways._compat import orbax_manager as _om
+from orbax_pathways._compat import jax_distributed
 from orbax_pathways import values
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
@@ -232,7 +232,7 @@ def relay_targets(targets: Sequence[values.ReadTarget], context: Any
 def peer_exchange(timeout_s: float) -> tier_peer.Exchange | None:
   """The other processes of this multi-controller job, through jax's key-value store (None in
   a single process): a restore takes what this node's tier lacks from theirs."""
-  client = _om.distributed_client() if jax.process_count() > 1 else None
+  client = jax_distributed.distributed_client() if jax.process_count() > 1 else None
   if client is None:
     return None
   return tier_peer.Exchange(client, jax.process_index(), jax.process_count(), timeout_s)
