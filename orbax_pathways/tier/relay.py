@@ -61,7 +61,7 @@ log = logging.getLogger('orbax_pathways')
 GROUP = 8  # processes served by one storage read of a chunk (one fetcher sends GROUP - 1 copies)
 MAX_CACHE_BYTES = 256 << 20  # chunks read for others, kept until taken, per process
 TTL_S = 60.0  # a chunk not asked for this long is dropped
-MAX_RESTORES = 8  # restores whose arrays a server still reads for its peers
+MAX_RESTORES = 4  # restored items whose arrays a server still reads for its peers (this one, the last)
 
 
 class RelayError(Exception):
