@@ -123,3 +123,20 @@ def test_ci_constraints_sit_at_the_declared_bounds():
         lower = [s.version for s in spec if s.operator == '>=']
         if pkg in pins and lower:
           assert Version(pins[pkg]) == Version(lower[0]), (pkg, pins[pkg], lower[0])
+
+
+def test_numpy_handler_settings_carry_over():
+  """The settings ours takes from the Orbax handler it stands in for."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  settings = dict(metadata_key='.zarray2', ocdbt_process_id='pwcontroller')
+  if 'deepcopy_host_arrays' in inspect.signature(compat.NumpyHandler).parameters:
+    settings['deepcopy_host_arrays'] = False  # v1 takes it from the Context's MemoryOptions
+  h = compat.NumpyHandler(**settings)
+  assert compat.numpy_handler_constructor_kwargs(h) == settings
+  s = compat.ScalarHandler(ocdbt_process_id='pwcontroller')
+  assert compat.numpy_handler_constructor_kwargs(s) == dict(
+      metadata_key=None, ocdbt_process_id='pwcontroller')
+  from orbax_pathways.frontends import orbax_v0  # pylint: disable=g-import-not-at-top
+  ours = orbax_v0.ProxyNumpyHandler(**compat.numpy_handler_constructor_kwargs(h))
+  assert compat.numpy_handler_deepcopies(ours) == settings.get('deepcopy_host_arrays', True)
+  assert compat.numpy_handler_ocdbt_process_id(ours) == 'pwcontroller'
