@@ -166,7 +166,7 @@ def install(options: options_lib.Options | None = None) -> handler_lib.ProxyArra
     _ours = handler_lib.ProxyArrayHandler(options=options, **_settings_of(current))
     compat.register_array_handler(_ours)
     _install_numpy(options)
-    compat_v1.install(_v1_handler)
+    compat_v1.install(_v1_handler, _v1_host_handler)
     _warned.clear()
     log.info('orbax_pathways: installed %s for jax.Array in Orbax %s (replacing %s); '
              'uninstall() restores it.', type(_ours).__name__, compat.ORBAX_VERSION,
@@ -219,6 +219,12 @@ def _v1_handler(context, stock):
   """Orbax v1's array handler for ``context``: ours while installed (``frontends/orbax_v1.py``)."""
   ours = _ours
   return orbax_v1.handler_for(context, stock, ours.options) if ours is not None else stock
+
+
+def _v1_host_handler(kind, stock):
+  """Orbax v1's np.ndarray / scalar handler: ours while installed (``frontends/orbax_v1.py``)."""
+  ours = _ours
+  return orbax_v1.host_handler_for(kind, stock, ours.options) if ours is not None else stock
 
 
 def uninstall() -> None:

@@ -123,3 +123,48 @@ def test_ci_constraints_sit_at_the_declared_bounds():
         lower = [s.version for s in spec if s.operator == '>=']
         if pkg in pins and lower:
           assert Version(pins[pkg]) == Version(lower[0]), (pkg, pins[pkg], lower[0])
+
+
+def test_v1_leaf_handler_factories_are_hooked_and_given_back_exactly():
+  """v1 builds the v0 handler of each leaf kind through a module-level factory
+  (``_compat/orbax_v1.py``); the installed Orbax has all three, ``install`` wraps them and
+  ``uninstall`` puts back the very same functions."""
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  from orbax_pathways._compat import orbax_v1 as compat_v1  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint.experimental.v1._src.serialization import (  # pylint: disable=g-import-not-at-top
+      array_leaf_handler, numpy_leaf_handler, scalar_leaf_handler)
+  seams = [(array_leaf_handler, '_create_v0_array_handler'),
+           (numpy_leaf_handler, '_create_v0_numpy_handler'),
+           (scalar_leaf_handler, '_create_v0_scalar_handler')]
+  assert compat_v1.HOST_SEAMS == ('numpy', 'scalar')
+  assert compat_v1.hooked_host_kinds() == ('numpy', 'scalar')
+  orbax_pathways.uninstall()
+  try:
+    originals = [getattr(m, n) for m, n in seams]
+    assert not compat_v1.installed() and compat_v1.hooked_host_kinds() == ()
+    orbax_pathways.install()
+    assert all(getattr(m, n) is not o for (m, n), o in zip(seams, originals))
+    assert type(numpy_leaf_handler.NumpyLeafHandler()._handler_impl).__name__ == 'ProxyNumpyHandler'  # pylint: disable=protected-access
+    assert type(scalar_leaf_handler.ScalarLeafHandler()._handler_impl).__name__ == 'ProxyScalarHandler'  # pylint: disable=protected-access
+    orbax_pathways.uninstall()
+    assert [getattr(m, n) for m, n in seams] == originals
+    assert type(numpy_leaf_handler.NumpyLeafHandler()._handler_impl) is compat.NumpyHandler  # pylint: disable=protected-access
+  finally:
+    orbax_pathways.install()
+
+
+def test_numpy_handler_settings_carry_over():
+  """The settings ours takes from the Orbax handler it stands in for."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  settings = dict(metadata_key='.zarray2', ocdbt_process_id='pwcontroller')
+  if 'deepcopy_host_arrays' in inspect.signature(compat.NumpyHandler).parameters:
+    settings['deepcopy_host_arrays'] = False  # v1 takes it from the Context's MemoryOptions
+  h = compat.NumpyHandler(**settings)
+  assert compat.numpy_handler_constructor_kwargs(h) == settings
+  s = compat.ScalarHandler(ocdbt_process_id='pwcontroller')
+  assert compat.numpy_handler_constructor_kwargs(s) == dict(
+      metadata_key=None, ocdbt_process_id='pwcontroller')
+  from orbax_pathways.frontends import orbax_v0  # pylint: disable=g-import-not-at-top
+  ours = orbax_v0.ProxyNumpyHandler(**compat.numpy_handler_constructor_kwargs(h))
+  assert compat.numpy_handler_deepcopies(ours) == settings.get('deepcopy_host_arrays', True)
+  assert compat.numpy_handler_ocdbt_process_id(ours) == 'pwcontroller'

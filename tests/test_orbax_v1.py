@@ -1,9 +1,12 @@
 """Unchanged Orbax v1 code (``ocp.v1.save`` / ``load``, ``ocp.v1.training.Checkpointer``, a
 ``Context`` with ``PathwaysOptions``) goes through the same engine as v0: our records and
-checksums on disk, elastic restore without a target, stats and log lines, the CLI, and stock
-Orbax v1 reading ours (and us reading stock's)."""
+checksums on disk (for ``np.ndarray`` and scalar leaves too), elastic restore without a target,
+stats and log lines, the CLI, and stock Orbax v1 reading ours (and us reading stock's)."""
 
+import contextlib
+import io
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -14,7 +17,11 @@ import pytest
 
 import orbax_pathways
 from orbax_pathways import elastic
+from orbax_pathways import metadata as pw_metadata
 from orbax_pathways import preemption
+from orbax_pathways._compat import orbax_v1 as compat_v1
+from orbax_pathways.cli import main as cli_main
+from orbax_pathways.storage import index as index_lib
 from orbax_pathways.storage import meta_io
 
 from support import REPO, damage
@@ -26,6 +33,52 @@ v1 = ocp.v1
 
 def _arrays_only(state):
   return {k: v for k, v in state.items() if k != 'step'}
+
+
+def _host_state(seed: int = 0) -> dict:
+  """A training state as MaxText keeps one: a jax.Array, numpy leaves (data loader, RNG state)
+  and scalars (a Python int and float, a numpy float64, which v1 saves as a float)."""
+  rng = np.random.default_rng(seed)
+  return {
+      'w': put(rng.standard_normal((64, 32), dtype=np.float32), mesh(), 'data', 'model'),
+      'loader': rng.standard_normal((128, 16), dtype=np.float32),
+      'rng': np.arange(4, dtype=np.uint32) + 1000,
+      'step': 7,
+      'lr': 0.25,
+      'ema': np.float64(0.5),
+  }
+
+
+_HOST_LEAVES = ('loader', 'rng', 'step', 'lr', 'ema')
+
+
+def _assert_host_state_equal(out, state):
+  np.testing.assert_array_equal(np.asarray(out['w']), np.asarray(state['w']))
+  for name in ('loader', 'rng'):
+    assert type(out[name]) is np.ndarray and out[name].dtype == state[name].dtype, name
+    np.testing.assert_array_equal(out[name], state[name])
+  assert (out['step'], out['lr'], out['ema']) == (7, 0.25, 0.5)
+  assert type(out['step']) is int and type(out['lr']) is float
+
+
+def _verify(path) -> tuple[int, str]:
+  """``orbax-pathways verify`` in this process (the CLI's ``main``): (exit code, stdout)."""
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+    code = cli_main.main(['verify', str(path)])
+  return code, out.getvalue()
+
+
+def _uncompressed():
+  """A v1 Context that stores arrays uncompressed, so that a flipped byte still decodes."""
+  from orbax.checkpoint.experimental.v1._src.context import options as v1_options  # pylint: disable=g-import-not-at-top
+  return v1.Context(array_options=v1_options.ArrayOptions(
+      saving=v1_options.ArrayOptions.Saving(use_compression=False)))
+
+
+def _data_files(item: pathlib.Path) -> list[pathlib.Path]:
+  return sorted((p for p in item.rglob('*') if p.is_file() and '_pathways' not in p.parts),
+                key=lambda p: -p.stat().st_size)
 
 
 def test_save_and_load_go_through_our_engine(tmp_path):
@@ -67,6 +120,96 @@ def test_flipped_byte_is_caught_through_v1(tmp_path):
     v1.load(tmp_path / 'a')
 
 
+def test_numpy_and_scalar_leaves_are_recorded_and_verified(tmp_path):
+  """Orbax v1 writes numpy and scalar leaves through its own leaf handlers; they get the
+  crc32c records they get under v0 (beside Orbax's unchanged files), loads verify them, and the
+  CLI finds every value checksummed."""
+  assert compat_v1.hooked_host_kinds() == ('numpy', 'scalar')
+  state = _host_state()
+  v1.save(tmp_path / 'a', state)
+  item = tmp_path / 'a' / 'state'
+  arrays = meta_io.read_item(item).arrays()
+  assert set(arrays) == {'w', *_HOST_LEAVES}
+  for name in _HOST_LEAVES:
+    assert arrays[name].chunks and all(c.crc32c is not None for c in arrays[name].chunks), name
+  writers = sorted(p.name for p in (item / pw_metadata.DIRNAME).iterdir())
+  assert any(w.startswith('numpy.') for w in writers), writers
+  assert any(w.startswith('scalar.') for w in writers), writers
+  _assert_host_state_equal(v1.load(tmp_path / 'a'), state)
+  code, out = _verify(tmp_path / 'a')
+  assert code == 0 and out.splitlines()[-1].startswith('OK: 6 arrays'), out
+
+
+def test_flipped_byte_in_a_numpy_leaf_is_caught_through_v1(tmp_path):
+  state = _host_state()
+  with _uncompressed():
+    v1.save(tmp_path / 'a', state)
+  item = tmp_path / 'a' / 'state'
+  damage.flip_bit_in(_data_files(item), state['loader'].tobytes()[:64], what='loader bytes')
+  with pytest.raises(orbax_pathways.ChecksumMismatchError,
+                     match=r"Checksum mismatch in array 'loader', chunk at \[0, 0\] .*a/state/"
+                           r"loader: recorded crc32c"):
+    v1.load(tmp_path / 'a')
+  code, out = _verify(tmp_path / 'a')
+  assert code == 1 and 'loader' in out and 'FAILED' in out, out
+
+
+def test_a_lost_numpy_record_is_an_error_through_v1(tmp_path):
+  """Host leaves recorded (scalar records there) but the numpy leaves' record gone: an error
+  naming the leaf, as under v0, not an unchecked read."""
+  v1.save(tmp_path / 'a', _host_state())
+  item = tmp_path / 'a' / 'state'
+  for f in (item / pw_metadata.DIRNAME).glob('*.msgpack'):
+    if f.name.startswith(('numpy.', 'index.')):
+      f.unlink()
+  index_lib.merge_item(item)
+  meta_io.clear_cache()
+  with pytest.raises(orbax_pathways.errors.MissingChecksumError, match=r"Array '(loader|rng)'"):
+    v1.load(tmp_path / 'a')
+  code, _ = _verify(tmp_path / 'a')
+  assert code == 1
+
+
+def test_host_leaves_saved_by_orbaxs_v1_handlers_load_unchecked(tmp_path):
+  """A v1 checkpoint whose numpy and scalar leaves have no records (saved by an orbax-pathways
+  that left them to Orbax's v1 handlers, or with this Orbax's seams missing): loads as before,
+  the jax.Array still verified; the CLI says UNCHECKED (exit 3)."""
+  state = _host_state()
+  v1.save(tmp_path / 'a', state)
+  item = tmp_path / 'a' / 'state'
+  for f in (item / pw_metadata.DIRNAME).glob('*.msgpack'):
+    if f.name.startswith(('numpy.', 'scalar.', 'index.')):
+      f.unlink()
+  index_lib.merge_item(item)  # the index of the arrays' records only
+  meta_io.clear_cache()
+  assert set(meta_io.read_item(item).arrays()) == {'w'}
+  _assert_host_state_equal(v1.load(tmp_path / 'a'), state)
+  assert orbax_pathways.stats.last_restore().chunks_verified > 0
+  code, out = _verify(tmp_path / 'a')
+  assert code == 3 and 'UNCHECKED' in out and "loader: np.ndarray leaf saved by Orbax's" in out
+
+
+def test_without_the_v1_host_seams_host_leaves_stay_orbaxs(tmp_path, monkeypatch):
+  """An Orbax without v1's numpy/scalar handler factories (``HOST_SEAMS`` empty): install works,
+  v1 saves those leaves with Orbax's own handlers (no records, as before), loads and verifies
+  (exit 3), with no error. Our np.ndarray handler in v0's registry does not reach v1."""
+  from orbax_pathways._compat import orbax as compat  # pylint: disable=g-import-not-at-top
+  orbax_pathways.uninstall()
+  try:
+    with monkeypatch.context() as patched:
+      patched.setattr(compat_v1, 'HOST_SEAMS', ())
+      orbax_pathways.install()
+      assert compat_v1.hooked_host_kinds() == ()
+      assert type(compat.registered_handler(np.ndarray)).__name__ == 'ProxyNumpyHandler'
+      state = _host_state()
+      v1.save(tmp_path / 'a', state)
+      assert set(meta_io.read_item(tmp_path / 'a' / 'state').arrays()) == {'w'}
+      _assert_host_state_equal(v1.load(tmp_path / 'a'), state)
+      assert _verify(tmp_path / 'a')[0] == 3
+  finally:
+    orbax_pathways.uninstall()  # the fixture installs again, with the seams
+
+
 @pytest.mark.parametrize('m', [2, 1])
 def test_no_target_load_onto_fewer_slices(tmp_path, m):
   state = {'w': put(np.arange(24 * 8, dtype=np.float32).reshape(24, 8), mesh(), 'data', 'model'),
@@ -82,7 +225,7 @@ def test_no_target_load_onto_fewer_slices(tmp_path, m):
 
 
 def test_training_checkpointer_saves_on_preemption_and_the_cli_reads_it(tmp_path):
-  state = _arrays_only(random_state(mesh()))
+  state = random_state(mesh())  # with its Python int 'step': checksummed too, so verify says OK
   policies = v1.training.save_decision_policies
   policy = policies.AnySavePolicy([policies.FixedIntervalPolicy(10),
                                    policies.PreemptionCheckpointingPolicy()])
@@ -109,6 +252,26 @@ def test_training_checkpointer_saves_on_preemption_and_the_cli_reads_it(tmp_path
   assert json.loads(proc.stdout)['ok'] is True
 
 
+def test_training_checkpointer_records_and_verifies_numpy_and_scalar_leaves(tmp_path):
+  state = _host_state()
+  ckpt = v1.training.Checkpointer(tmp_path / 'run', context=_uncompressed())
+  ckpt.save(1, state)
+  ckpt.wait()
+  item = next(p for p in (tmp_path / 'run' / '1').iterdir() if (p / pw_metadata.DIRNAME).is_dir())
+  assert set(meta_io.read_item(item).arrays()) == {'w', *_HOST_LEAVES}
+  _assert_host_state_equal(ckpt.load(1), state)
+  assert _verify(tmp_path / 'run' / '1')[0] == 0
+  ckpt.close()
+  damage.flip_bit_in(_data_files(item), state['loader'].tobytes()[:64], what='loader bytes')
+  with pytest.raises(Exception) as caught:  # Orbax 0.12.8 wraps it in its NoEntryError
+    v1.training.Checkpointer(tmp_path / 'run').load(1)
+  chain = [caught.value]
+  while chain[-1].__cause__ is not None:
+    chain.append(chain[-1].__cause__)
+  mismatch = [e for e in chain if isinstance(e, orbax_pathways.ChecksumMismatchError)]
+  assert mismatch and "array 'loader'" in str(mismatch[0]), chain
+
+
 def test_pathways_options_choose_the_transport(tmp_path, monkeypatch):
   """Under Pathways (simulated: colocated Python runs in-process on CPU), the v1 Context's
   ``checkpointing_impl`` picks our transport; unset keeps our default."""
@@ -126,17 +289,29 @@ def test_pathways_options_choose_the_transport(tmp_path, monkeypatch):
 
 
 def test_stock_v1_reads_ours_and_we_read_stock_v1(tmp_path):
-  state = _arrays_only(random_state(mesh()))
+  """Our records are additive: stock Orbax v1 loads our jax.Array, numpy and scalar leaves; a
+  stock v1 checkpoint loads through us unchecked, as before (the CLI: UNCHECKED, exit 3)."""
+  state = _host_state()
   v1.save(tmp_path / 'ours', state)
   run_python(f"""
-      import numpy as np, orbax.checkpoint as ocp, sys
+      import json, numpy as np, orbax.checkpoint as ocp, sys
       out = ocp.v1.load({str(tmp_path / 'ours')!r})
       assert 'orbax_pathways' not in sys.modules
-      np.save({str(tmp_path / 'w.npy')!r}, np.asarray(out['params']['w']))
-      ocp.v1.save({str(tmp_path / 'stock')!r}, {{'x': np.arange(10.0)}})
+      np.savez({str(tmp_path / 'ours.npz')!r}, w=np.asarray(out['w']), loader=out['loader'],
+               rng=out['rng'])
+      print(json.dumps({{k: out[k] for k in ('step', 'lr', 'ema')}}), file=open(
+          {str(tmp_path / 'scalars.json')!r}, 'w'))
+      ocp.v1.save({str(tmp_path / 'stock')!r},
+                  {{'x': np.arange(10.0), 'step': 3, 'lr': 0.5}})
   """, env={'ORBAX_PATHWAYS_DISABLE': '1'})
-  np.testing.assert_array_equal(np.load(tmp_path / 'w.npy'), np.asarray(state['params']['w']))
-  assert v1.load(tmp_path / 'stock')['x'].tolist() == list(np.arange(10.0))
+  saved = np.load(tmp_path / 'ours.npz')
+  for name in ('w', 'loader', 'rng'):
+    np.testing.assert_array_equal(saved[name], np.asarray(state[name]))
+  assert json.loads((tmp_path / 'scalars.json').read_text()) == {'step': 7, 'lr': 0.25, 'ema': 0.5}
+  out = v1.load(tmp_path / 'stock')
+  assert out['x'].tolist() == list(np.arange(10.0)) and (out['step'], out['lr']) == (3, 0.5)
+  code, text = _verify(tmp_path / 'stock')
+  assert code == 3 and 'UNCHECKED' in text and 'written by stock Orbax' in text
 
 
 def test_load_and_broadcast_is_left_to_orbax_and_said_once(tmp_path, caplog, monkeypatch):

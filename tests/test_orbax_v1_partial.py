@@ -91,6 +91,30 @@ def test_partial_saves_finalize_load_bit_exact_and_verify(tmp_path):
   _verify_cli(path)
 
 
+def test_partial_saves_of_numpy_and_scalar_leaves_join_their_records(tmp_path):
+  """Each part's numpy and scalar leaves get a record of their own (named by the leaves, so two
+  parts never collide); finalize joins them and the finalized checkpoint verifies."""
+  m = mesh()
+  parts = [{'a': put(np.arange(64, dtype=np.float32).reshape(8, 8), m, 'data'),
+            'loader': np.arange(12, dtype=np.int64), 'step': 3},
+           {'rng': np.arange(4, dtype=np.uint32), 'lr': 0.5},
+           {'ema': np.linspace(0, 1, 8, dtype=np.float32), 'count': 9}]
+  path = tmp_path / 'ckpt'
+  for p in parts:
+    v1.partial.save(path, p)
+  v1.partial.finalize(path)
+  item = path / 'state'
+  meta_io.clear_cache()
+  assert sorted(meta_io.read_index(item).arrays()) == sorted(_merged(parts))
+  writers = [w for w in os.listdir(item / '_pathways') if w.startswith(('numpy.', 'scalar.'))]
+  assert len(writers) == 6, writers  # a numpy and a scalar record per part
+  loaded = v1.load(path)
+  for name, value in _merged(parts).items():
+    np.testing.assert_array_equal(np.asarray(loaded[name]), np.asarray(value))
+  assert type(loaded['step']) is int and type(loaded['lr']) is float
+  _verify_cli(path)
+
+
 def test_partial_save_async_then_finalize(tmp_path):
   """Each ``save_async`` waited for before the next (stock Orbax 0.12.x breaks on two in
   flight at once, with or without orbax-pathways: both use the same temporary directory)."""

@@ -108,10 +108,14 @@ def handler_constructor_kwargs(handler: Any) -> dict[str, Any]:
 
 
 def numpy_handler_constructor_kwargs(handler: Any) -> dict[str, Any]:
-  """The keyword arguments that build a ``NumpyHandler`` like ``handler`` (same settings)."""
+  """The keyword arguments that build a ``NumpyHandler`` like ``handler`` (same settings); for a
+  ``ScalarHandler`` (scalars are never copied; it takes no ``deepcopy_host_arrays``) its own."""
   # pylint: disable=protected-access
-  return dict(metadata_key=handler._metadata_key,
-              ocdbt_process_id=handler._override_ocdbt_process_id)
+  kwargs: dict[str, Any] = dict(metadata_key=handler._metadata_key,
+                                ocdbt_process_id=handler._override_ocdbt_process_id)
+  if not isinstance(handler, ScalarHandler) and hasattr(handler, '_deepcopy_host_arrays'):
+    kwargs['deepcopy_host_arrays'] = bool(handler._deepcopy_host_arrays)
+  return kwargs
 
 
 def numpy_handler_deepcopies(handler: Any) -> bool:

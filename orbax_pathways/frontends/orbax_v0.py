@@ -330,14 +330,24 @@ class ProxyNumpyHandler(compat.NumpyHandler):
   ``MissingChecksumError`` (unless verification is off), except a numpy or scalar leaf of an
   item whose host leaves were never recorded (saved by Orbax v1's own handlers, or by an older
   orbax-pathways), which is read unchecked as stock reads it.
+
+  ``saved_type_in_infos=False`` is for callers whose restore ``ParamInfo`` does not carry the
+  leaf's saved type (Orbax v1's leaf handlers): a leaf without a record in an item whose host
+  leaves were never recorded is then read unchecked (it may be a numpy leaf Orbax's handler
+  saved), where with the saved type known a ``jax.Array`` leaf's lost record raises.
   """
 
   WRITER_KIND = 'numpy'
 
-  def __init__(self, *, options: options_lib.Options | None = None, **kwargs):
+  def __init__(self, *, options: options_lib.Options | None = None,
+               saved_type_in_infos: bool = True, **kwargs):
     super().__init__(**kwargs)
+    self._init_proxy(options, saved_type_in_infos)
+
+  def _init_proxy(self, options: options_lib.Options | None, saved_type_in_infos: bool) -> None:
     self.options = options or options_lib.Options.from_env()
     self.engine = engine_lib.Engine(self.options)
+    self.saved_type_in_infos = saved_type_in_infos
 
   def _host_item(self, info: Any) -> values.Item:
     return values.Item(
@@ -380,8 +390,12 @@ class ProxyNumpyHandler(compat.NumpyHandler):
     def must_have_record(info: Any) -> bool:
       """In an item we wrote: a leaf saved as jax.Array, or any leaf once host leaves were
       recorded (not by Orbax v1's own numpy and scalar handlers, nor by older versions)."""
+      if not written_by_us or host_recorded:
+        return written_by_us
       saved_as = getattr(info, 'value_typestr', None)
-      return written_by_us and (host_recorded or saved_as in (None, compat.JAX_ARRAY_TYPESTR))
+      if saved_as is None and not self.saved_type_in_infos:
+        return False  # unknown (Orbax v1): maybe a host leaf saved by Orbax's own handler
+      return saved_as in (None, compat.JAX_ARRAY_TYPESTR)
 
     ours = [i for i, info in enumerate(infos)
             if info.name in records or (verify and must_have_record(info))]
@@ -414,8 +428,8 @@ class ProxyScalarHandler(compat.ScalarHandler, ProxyNumpyHandler):
 
   WRITER_KIND = 'scalar'
 
-  def __init__(self, *, options: options_lib.Options | None = None, **kwargs):
+  def __init__(self, *, options: options_lib.Options | None = None,
+               saved_type_in_infos: bool = True, **kwargs):
     # Orbax's ScalarHandler.__init__ reaches ProxyNumpyHandler.__init__ through the MRO.
     compat.ScalarHandler.__init__(self, **kwargs)
-    self.options = options or options_lib.Options.from_env()
-    self.engine = engine_lib.Engine(self.options)
+    self._init_proxy(options, saved_type_in_infos)

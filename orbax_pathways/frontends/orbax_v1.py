@@ -9,6 +9,11 @@ Orbax built from that Context and returns a ``ProxyArrayHandler`` with the same 
 v1 saves and loads go through the same engine as v0 (``frontends/orbax_v0.py``): same format,
 checksums, elastic restore, stats and log lines.
 
+v1's ``np.ndarray`` and scalar leaves (``NumpyLeafHandler``, ``ScalarLeafHandler``) are served
+the same way: each builds a v0 ``NumpyHandler`` / ``ScalarHandler`` and delegates to it, and
+``host_handler_for`` returns ours (``ProxyNumpyHandler`` / ``ProxyScalarHandler``) with the same
+settings, so numpy and scalar leaves get the records and verified loads they get under v0.
+
 The Context maps onto our options as follows (README "Orbax options"):
 - ``PathwaysOptions.checkpointing_impl`` (under Pathways): COLOCATED_PYTHON -> the colocated
   transport, PERSISTENCE -> persistence, NO_DISPATCHER -> local (I/O on the controller), unset ->
@@ -53,3 +58,21 @@ def handler_for(context: Any, stock: Any, base: options_lib.Options) -> Any:
     return stock
   return orbax_v0.ProxyArrayHandler(options=options_for(context, base),
                                     **compat.handler_constructor_kwargs(stock))
+
+
+# kind of host leaf -> (Orbax's handler class v1 builds, ours)
+_HOST_HANDLERS = {'numpy': (compat.NumpyHandler, orbax_v0.ProxyNumpyHandler),
+                  'scalar': (compat.ScalarHandler, orbax_v0.ProxyScalarHandler)}
+
+
+def host_handler_for(kind: str, stock: Any, base: options_lib.Options) -> Any:
+  """The v0 handler v1 uses for ``np.ndarray`` (``kind`` 'numpy') or scalar ('scalar') leaves:
+  ours, built like ``stock`` (``deepcopy_host_arrays`` from the Context, the Pathways
+  controller's ``ocdbt_process_id``), unless ``stock`` is not Orbax's own class (left as it is,
+  as ``install()`` leaves a user's registered handler)."""
+  orbax_cls, ours = _HOST_HANDLERS[kind]
+  if type(stock) is not orbax_cls:  # pylint: disable=unidiomatic-typecheck  (not subclasses)
+    return stock
+  # v1's loads do not tell the handler a leaf's saved type (see ProxyNumpyHandler).
+  return ours(options=base, saved_type_in_infos=False,
+              **compat.numpy_handler_constructor_kwargs(stock))
