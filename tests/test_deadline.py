@@ -81,3 +81,38 @@ def test_tensorstore_stall_timeout_is_twice_the_floor_unless_set():
   assert hedge.set_stall_timeout(env) == '8'
   assert hedge.set_stall_timeout({hedge.STALL_ENV: '300'}) == '300'
   assert hedge.set_stall_timeout({}) == '20'
+
+
+def test_a_hedged_read_whose_event_loop_closes_under_it_leaves_no_unraisable_error():
+  """Orbax ends a restore whose other read failed by closing its event loop while our hedged
+  reads are still in flight: the suspended ``hedge.run`` coroutine is then closed, not
+  cancelled. It used to try to cancel its requests through the closed loop ('Event loop is
+  closed', printed as an ignored exception at garbage collection)."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  import gc  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import logging  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.storage import hedge  # pylint: disable=g-import-not-at-top
+
+  async def never_answers(n):
+    del n
+    await asyncio.sleep(3600)
+
+  async def read():
+    return await hedge.run(never_answers, nbytes=0, what='array x', kind='read')
+
+  unraisable = []
+  previous, sys.unraisablehook = sys.unraisablehook, lambda u: unraisable.append(u.exc_value)
+  asyncio_log = logging.getLogger('asyncio')
+  level, asyncio_log.level = asyncio_log.level, logging.CRITICAL  # 'Task was destroyed' lines
+  try:
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(read())
+    loop.run_until_complete(asyncio.sleep(0.05))
+    loop.close()
+    del task
+    gc.collect()
+  finally:
+    sys.unraisablehook = previous
+    asyncio_log.setLevel(level)
+  assert not unraisable, unraisable

@@ -183,6 +183,17 @@ async def run(attempt: Callable[[int], Awaitable[Any]], *, nbytes: int, what: st
       _say_hedged(kind, what, time.monotonic() - t0, n)
       wait_s = issue(n)
       n += 1
+  except GeneratorExit:
+    # This coroutine is being closed, not cancelled: its event loop ended under it (Orbax ends a
+    # restore whose other read failed while this one was in flight). Nothing may be awaited
+    # now, and cancelling schedules callbacks, which a closed loop refuses.
+    for p in tasks:
+      if not p.done():
+        try:
+          p.cancel()
+        except RuntimeError:  # 'Event loop is closed'
+          pass
+    raise
   except BaseException:
     await settle({p for p in tasks if not p.done()})
     raise
