@@ -107,6 +107,27 @@ def test_racing_takers_cannot_both_win(tmp_path):
   assert not (tmp_path / lease.LEASE_FILE).exists()
 
 
+def test_release_at_exit_waits_no_longer_than_the_lease_timeout(tmp_path, monkeypatch):
+  """``release_all`` (registered with atexit) bounds each delete by ``EXIT_RELEASE_S`` and by
+  the lease's own timeout, past which the lease is stale anyway (``test_lease_exit.py`` runs it
+  at a real exit with a delete that never answers)."""
+  d = lease.directory_key(tmp_path)
+  one = lease.Lease(d, timeout=2.0, processes=1)
+  one.acquire()
+  waits = []
+  write_if = one._store.write_if  # pylint: disable=protected-access
+
+  def recording(data, generation, timeout_s=None):
+    waits.append(timeout_s)
+    return write_if(data, generation, timeout_s)
+
+  monkeypatch.setattr(one._store, 'write_if', recording)  # pylint: disable=protected-access
+  monkeypatch.setitem(lease._leases, d, one)  # pylint: disable=protected-access
+  lease.release_all()
+  assert waits == [2.0] and lease.EXIT_RELEASE_S > 2.0, waits
+  assert not (tmp_path / lease.LEASE_FILE).exists()
+
+
 def test_managers_of_one_process_share_the_lease(tmp_path):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
