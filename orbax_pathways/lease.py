@@ -419,13 +419,15 @@ EXIT_RELEASE_S = 10.0  # at exit, how long releasing one lease may wait for stor
 
 def release_all(timeout_s: float | None = EXIT_RELEASE_S) -> None:
   """Releases every lease this process holds (at interpreter exit: each waits at most
-  ``timeout_s`` for storage, so a storage request that never answers cannot keep the process
-  alive; the lease then goes stale)."""
+  ``timeout_s`` for storage, and no longer than its own lease timeout, so a storage request that
+  never answers cannot keep the process alive; the lease then goes stale, and a lease not
+  renewed for its timeout is taken over whether or not the delete ever answers). ``None``: no
+  limit."""
   with _lock:
     leases = list(_leases.values())
     _leases.clear()
   for lease in leases:
-    lease.release(timeout_s)
+    lease.release(None if timeout_s is None else min(timeout_s, lease.timeout_s))
 
 
 def _after_fork_in_child() -> None:

@@ -107,6 +107,27 @@ def test_racing_takers_cannot_both_win(tmp_path):
   assert not (tmp_path / lease.LEASE_FILE).exists()
 
 
+def test_release_at_exit_waits_no_longer_than_the_lease_timeout(tmp_path, monkeypatch):
+  """``release_all`` (registered with atexit) bounds each delete by ``EXIT_RELEASE_S`` and by
+  the lease's own timeout, past which the lease is stale anyway (``test_lease_exit.py`` runs it
+  at a real exit with a delete that never answers)."""
+  d = lease.directory_key(tmp_path)
+  one = lease.Lease(d, timeout=2.0, processes=1)
+  one.acquire()
+  waits = []
+  write_if = one._store.write_if  # pylint: disable=protected-access
+
+  def recording(data, generation, timeout_s=None):
+    waits.append(timeout_s)
+    return write_if(data, generation, timeout_s)
+
+  monkeypatch.setattr(one._store, 'write_if', recording)  # pylint: disable=protected-access
+  monkeypatch.setitem(lease._leases, d, one)  # pylint: disable=protected-access
+  lease.release_all()
+  assert waits == [2.0] and lease.EXIT_RELEASE_S > 2.0, waits
+  assert not (tmp_path / lease.LEASE_FILE).exists()
+
+
 def test_managers_of_one_process_share_the_lease(tmp_path):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
@@ -143,14 +164,27 @@ def test_lease_off(tmp_path, monkeypatch):
 
 
 class Job:
-  """A worker process whose stdout (JSON lines) goes to a file."""
+  """A worker process whose stdout (JSON lines) goes to a file.
 
-  def __init__(self, tmp_path, name, *args, env=None):
+  ``paused``: the process starts now but waits, its imports done, until ``go()`` (the worker's
+  ``--after``): a test starts its next job while the current one runs, so that the next
+  interpreter's start-up (seconds of imports) overlaps it; the job's work starts at ``go()``,
+  where the test would otherwise have started it."""
+
+  def __init__(self, tmp_path, name, *args, env=None, paused=False):
     self.out = tmp_path / f'{name}.out'
     self.err = tmp_path / f'{name}.err'
+    self._go = tmp_path / f'{name}.go'
+    argv = [sys.executable, WORKER, *map(str, args)]
+    if paused:
+      argv += ['--after', str(self._go)]
     with open(self.out, 'wb') as out, open(self.err, 'wb') as err:
-      self.proc = subprocess.Popen([sys.executable, WORKER, *map(str, args)], stdout=out,
-                                   stderr=err, env=child_env(env, devices=None), cwd=REPO)
+      self.proc = subprocess.Popen(argv, stdout=out, stderr=err,
+                                   env=child_env(env, devices=None), cwd=REPO)
+
+  def go(self):
+    self._go.touch()
+    return self
 
   def lines(self):
     return [json.loads(l) for l in self.out.read_text().splitlines() if l.startswith('{')]
@@ -182,11 +216,16 @@ class Job:
       self.proc.wait()
 
 
-def _run(tmp_path, name, *args, env=None):
-  job = Job(tmp_path, name, *args, env=env)
+def _finish(job):
+  """Lets a job (paused or not) run to its end: its JSON lines and stderr."""
   try:
-    return job.finish(), job.stderr()
+    return job.go().finish(), job.stderr()
   finally:
+    job.kill()
+
+
+def _kill_all(jobs):
+  for job in jobs:
     job.kill()
 
 
@@ -210,6 +249,12 @@ def ckpt_dir(request, tmp_path):
 
 def test_second_writer_refused_then_takes_over_once_the_first_is_killed(ckpt_dir, tmp_path):
   first = Job(tmp_path, 'first', 'save', ckpt_dir, 'A', '0,1', '--hold', tmp_path / 'never')
+  # Every later job starts now, paused; each runs where the test lets it go.
+  second = Job(tmp_path, 'second', 'save', ckpt_dir, 'B', '2', paused=True)
+  readers = [Job(tmp_path, 'reader' + ''.join(flags), 'read', ckpt_dir, *flags, paused=True)
+             for flags in ([], ['--stock'])]
+  restarted = Job(tmp_path, 'restarted', 'save', ckpt_dir, 'B', '2', paused=True)
+  final = Job(tmp_path, 'final', 'read', ckpt_dir, paused=True)
   try:
     pid_a = first.wait_for('ready')['ready']
     assert all(s['ok'] for s in _saves(first.lines()).values()), first.tail()
@@ -217,7 +262,7 @@ def test_second_writer_refused_then_takes_over_once_the_first_is_killed(ckpt_dir
     assert held['pid'] == pid_a and held['processes'] == 1
 
     # A second job saving into the same directory is refused, naming both, and writes nothing.
-    lines, _ = _run(tmp_path, 'second', 'save', ckpt_dir, 'B', '2')
+    lines, _ = _finish(second)
     refused = _saves(lines)[2]
     pid_b = next(l['ready'] for l in lines if 'ready' in l)
     assert not refused['ok'] and refused['type'] == 'WriterLeaseError', refused
@@ -229,24 +274,24 @@ def test_second_writer_refused_then_takes_over_once_the_first_is_killed(ckpt_dir
     assert 'Stop the other job' in text and 'ORBAX_PATHWAYS_LEASE_TIMEOUT_S' in text
 
     # Evaluators (ours and stock Orbax) list and restore while the lease is held, and leave it.
-    for flags in ([], ['--stock']):
-      lines, _ = _run(tmp_path, 'reader' + ''.join(flags), 'read', ckpt_dir, *flags)
+    for reader, flags in zip(readers, ([], ['--stock'])):
+      lines, _ = _finish(reader)
       assert lines[-1]['steps'] == [0, 1] and lines[-1]['values'] == {'0': 'A0', '1': 'A1'}
       assert lines[-1]['pathways'] == (not flags)
     assert _lease_json(ckpt_dir)['token'] == held['token']
 
     # kill -9 the first job: the restarted second one takes its lease over, with one warning.
     first.kill()
-    lines, err = _run(tmp_path, 'restarted', 'save', ckpt_dir, 'B', '2')
+    lines, err = _finish(restarted)
     assert _saves(lines)[2]['ok'], err[-3000:]
     warnings = [l for l in err.splitlines() if 'took over the writer lease' in l]
     assert len(warnings) == 1, err[-3000:]
     assert f'process {pid_a} on this host, is gone' in warnings[0], warnings
+    assert _lease_json(ckpt_dir) is None  # released on close()
+    lines, _ = _finish(final)
+    assert lines[-1]['values'] == {'0': 'A0', '1': 'A1', '2': 'B2'}
   finally:
-    first.kill()
-  assert _lease_json(ckpt_dir) is None  # released on close()
-  lines, _ = _run(tmp_path, 'final', 'read', ckpt_dir)
-  assert lines[-1]['values'] == {'0': 'A0', '1': 'A1', '2': 'B2'}
+    _kill_all([first, second, *readers, restarted, final])
 
 
 @pytest.mark.gcs
@@ -255,11 +300,19 @@ def test_restarted_jobs_each_save_a_new_step_on_gcs(gcs_bucket, tmp_path):
   predecessor's lease released). Before gcsfs's listing cache was dropped ahead of Orbax's
   finalize, about half of these commits failed ('Checkpoint directory does not exist')."""
   ckpt_dir = gcs_bucket.path('ckpt')
-  for step in range(6):
-    lines, err = _run(tmp_path, f'job{step}', 'save', ckpt_dir, 'A', str(step))
-    assert _saves(lines)[step]['ok'], (_saves(lines)[step], err[-2000:])
-  lines, _ = _run(tmp_path, 'final', 'read', ckpt_dir)
-  assert lines[-1]['values'] == {str(s): f'A{s}' for s in range(6)}
+  specs = [(f'job{step}', 'save', ckpt_dir, 'A', str(step)) for step in range(6)]
+  specs.append(('final', 'read', ckpt_dir))
+  jobs = [Job(tmp_path, *specs[0], paused=True)]
+  try:
+    for step in range(6):
+      # The next job starts up, paused, while this one runs; it goes once this one has exited.
+      jobs.append(Job(tmp_path, *specs[step + 1], paused=True))
+      lines, err = _finish(jobs[step])
+      assert _saves(lines)[step]['ok'], (_saves(lines)[step], err[-2000:])
+    lines, _ = _finish(jobs[-1])
+    assert lines[-1]['values'] == {str(s): f'A{s}' for s in range(6)}
+  finally:
+    _kill_all(jobs)
 
 
 def test_a_stalled_writer_loses_its_lease_and_is_refused_at_its_next_save(tmp_path):
@@ -270,13 +323,14 @@ def test_a_stalled_writer_loses_its_lease_and_is_refused_at_its_next_save(tmp_pa
   env = {lease.TIMEOUT_ENV: 3}
   first = Job(tmp_path, 'first', 'save', ckpt_dir, 'A', '0', '--hold', tmp_path / 'go-a',
               '--then', '3', env=env)
-  second = None
+  second = Job(tmp_path, 'second', 'save', ckpt_dir, 'B', '1,2', '--hold', tmp_path / 'go-b',
+               env=env, paused=True)
+  final = Job(tmp_path, 'final', 'read', ckpt_dir, paused=True)
   try:
     pid_a = first.wait_for('ready')['ready']
     os.kill(pid_a, signal.SIGSTOP)
     time.sleep(3.5)
-    second = Job(tmp_path, 'second', 'save', ckpt_dir, 'B', '1,2', '--hold', tmp_path / 'go-b',
-                 env=env)
+    second.go()
     pid_b = second.wait_for('ready')['ready']
     assert all(s['ok'] for s in _saves(second.lines()).values()), second.tail()
     warnings = [l for l in second.stderr().splitlines() if 'took over the writer lease' in l]
@@ -290,17 +344,15 @@ def test_a_stalled_writer_loses_its_lease_and_is_refused_at_its_next_save(tmp_pa
     assert f'(pid {pid_b};' in lost['error'], lost['error']
     (tmp_path / 'go-b').touch()
     second.finish()
+    lines, _ = _finish(final)
+    assert lines[-1]['values'] == {'0': 'A0', '1': 'B1', '2': 'B2'}
+    assert _lease_json(ckpt_dir) is None
   finally:
-    for job in (first, second):
-      if job is not None:
-        try:
-          os.kill(job.proc.pid, signal.SIGCONT)
-        except ProcessLookupError:
-          pass
-        job.kill()
-  lines, _ = _run(tmp_path, 'final', 'read', ckpt_dir)
-  assert lines[-1]['values'] == {'0': 'A0', '1': 'B1', '2': 'B2'}
-  assert _lease_json(ckpt_dir) is None
+    try:
+      os.kill(first.proc.pid, signal.SIGCONT)
+    except ProcessLookupError:
+      pass
+    _kill_all([first, second, final])
 
 
 def test_a_multi_controller_job_is_one_owner(tmp_path):
@@ -309,26 +361,29 @@ def test_a_multi_controller_job_is_one_owner(tmp_path):
   of a second two-process job is refused at the same save (none is left waiting in a barrier)."""
   from support.mp_harness import run_processes  # pylint: disable=g-import-not-at-top
   ckpt_dir = str(tmp_path / 'ckpt')
-  results = run_processes(WORKER, 2, 1, args=['mp', ckpt_dir, 'A', '0,1'], timeout=TIMEOUT)
-  for r in results:
-    assert [o['ok'] for o in r.result['outcomes']] == [True, True], r.result
-  tokens = [r.result['held'] for r in results]
-  assert list(tokens[0]) == [ckpt_dir] and tokens[1] == {}, tokens  # process 0 only
-  assert _lease_json(ckpt_dir) is None
-
-  holder = Job(tmp_path, 'holder', 'save', ckpt_dir, 'C', '2', '--hold', tmp_path / 'never')
+  holder = Job(tmp_path, 'holder', 'save', ckpt_dir, 'C', '2', '--hold', tmp_path / 'never',
+               paused=True)
+  final = Job(tmp_path, 'final', 'read', ckpt_dir, paused=True)
   try:
-    holder.wait_for('ready')
+    results = run_processes(WORKER, 2, 1, args=['mp', ckpt_dir, 'A', '0,1'], timeout=TIMEOUT)
+    for r in results:
+      assert [o['ok'] for o in r.result['outcomes']] == [True, True], r.result
+    tokens = [r.result['held'] for r in results]
+    assert list(tokens[0]) == [ckpt_dir] and tokens[1] == {}, tokens  # process 0 only
+    assert _lease_json(ckpt_dir) is None
+
+    holder.go().wait_for('ready')
     results = run_processes(WORKER, 2, 1, args=['mp', ckpt_dir, 'A', '3'], timeout=TIMEOUT)
     for r in results:
       (outcome,) = r.result['outcomes']
       assert not outcome['ok'] and outcome['type'] == 'WriterLeaseError', outcome
       assert f'(pid {holder.proc.pid};' in outcome['error'], outcome['error']
       assert f'(pid {results[0].result["pid"]}, 2 processes)' in outcome['error']
-  finally:
     holder.kill()
-  lines, _ = _run(tmp_path, 'final', 'read', ckpt_dir)
-  assert lines[-1]['values'] == {'0': 'A0', '1': 'A1', '2': 'C2'}
+    lines, _ = _finish(final)
+    assert lines[-1]['values'] == {'0': 'A0', '1': 'A1', '2': 'C2'}
+  finally:
+    _kill_all([holder, final])
 
 
 def test_values_helper():

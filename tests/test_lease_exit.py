@@ -5,8 +5,9 @@ exit").
 Real Orbax CheckpointManager in a fresh interpreter, fake-gcs-server behind the project's fault
 proxy, which holds every request deleting the lease object open (storage that accepts and never
 answers). Before: the exit waited for the delete, through tensorstore's stall timeout and its
-retries (all held), many minutes. Now: at most ``lease.EXIT_RELEASE_S`` per lease, a warning
-naming the lease, exit status 0. No duration is asserted beyond a generous hang limit.
+retries (all held), many minutes. Now: at most ``lease.EXIT_RELEASE_S`` per lease, and no longer
+than the lease timeout (3 s here, so that the test waits 3 s rather than 10), a warning naming
+the lease, exit status 0. No duration is asserted beyond a generous hang limit.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ import pytest
 from support import REPO
 from support.procs import child_env
 
+from orbax_pathways import lease
+
 pytestmark = pytest.mark.gcs
 
 HANG_S = 150  # far above EXIT_RELEASE_S plus the save; the bug waited through every retry
+LEASE_TIMEOUT_S = 3  # the child's lease timeout, which bounds its wait for the held delete
 
 
 def test_exit_with_a_lease_delete_that_never_answers(faulty_gcs):
@@ -41,7 +45,8 @@ def test_exit_with_a_lease_delete_that_never_answers(faulty_gcs):
       sys.stdin.readline()
       print('MAIN DONE', flush=True)  # no close(): the lease is released at exit
   """)
-  proc = subprocess.Popen([sys.executable, '-c', code], env=child_env(), cwd=REPO,
+  proc = subprocess.Popen([sys.executable, '-c', code],
+                          env=child_env({lease.TIMEOUT_ENV: LEASE_TIMEOUT_S}), cwd=REPO,
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True)
   try:

@@ -8,6 +8,7 @@ asserts a duration.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import socket
@@ -61,23 +62,29 @@ _WHERE = '''
 '''
 
 
+def _run_together(*runs: tuple[list, dict]) -> list[subprocess.CompletedProcess]:
+  """Runs independent programs ((argv, env) each) at the same time: their results, in order."""
+  with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+    return list(pool.map(lambda run: subprocess.run(run[0], capture_output=True, text=True,
+                                                    env=run[1], timeout=HANG, cwd=REPO), runs))
+
+
 def test_import_and_cli_leave_sigterm_alone_manager_in_main_thread_takes_it(tmp_path):
-  r = subprocess.run([PY, _script(tmp_path, 'where.py', _WHERE), str(tmp_path)],
-                     capture_output=True, text=True, env=_env(), timeout=HANG, cwd=REPO)
-  assert r.returncode == 0, r.stderr[-3000:]
-  assert last_json(r.stdout) == {'after_import': 'default',
-                                  'after_manager_off_main_thread': 'default',
-                                  'after_manager': '_sigterm_handler'}
-  r = subprocess.run([PY, _script(tmp_path, 'where.py', _WHERE), str(tmp_path)],
-                     capture_output=True, text=True, timeout=HANG, cwd=REPO,
-                     env=_env(ORBAX_PATHWAYS_NO_SIGTERM='yes'))
-  assert r.returncode == 0, r.stderr[-3000:]
-  assert last_json(r.stdout)['after_manager'] == 'default'
-  # The CLI module imports the package but never makes SIGTERM a notice.
-  r = subprocess.run([PY, '-c', 'import signal, orbax_pathways.cli.main as m; '
-                      'print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)'],
-                     capture_output=True, text=True, env=_env(), timeout=HANG, cwd=REPO)
-  assert r.stdout.strip() == 'True', r.stderr[-3000:]
+  where = [PY, _script(tmp_path, 'where.py', _WHERE)]
+  # Three independent programs (each its own directory), run at the same time.
+  default, opted_out, cli = _run_together(
+      (where + [str(tmp_path / 'default')], _env()),
+      (where + [str(tmp_path / 'opted_out')], _env(ORBAX_PATHWAYS_NO_SIGTERM='yes')),
+      # The CLI module imports the package but never makes SIGTERM a notice.
+      ([PY, '-c', 'import signal, orbax_pathways.cli.main as m; '
+        'print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)'], _env()))
+  assert default.returncode == 0, default.stderr[-3000:]
+  assert last_json(default.stdout) == {'after_import': 'default',
+                                        'after_manager_off_main_thread': 'default',
+                                        'after_manager': '_sigterm_handler'}
+  assert opted_out.returncode == 0, opted_out.stderr[-3000:]
+  assert last_json(opted_out.stdout)['after_manager'] == 'default'
+  assert cli.stdout.strip() == 'True', cli.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------

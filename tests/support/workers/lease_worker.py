@@ -1,7 +1,7 @@
 """A job saving into (or reading from) a checkpoint directory, for ``tests/test_lease.py``.
 
-    python lease_worker.py save DIR TAG STEPS [--hold STOPFILE] [--then STEPS]
-    python lease_worker.py read DIR [--stock]
+    python lease_worker.py save DIR TAG STEPS [--hold STOPFILE] [--then STEPS] [--after GOFILE]
+    python lease_worker.py read DIR [--stock] [--after GOFILE]
     python lease_worker.py mp DIR TAG STEPS          (a jax.distributed worker, mp_harness)
 
 ``save``: an ordinary CheckpointManager saves ``STEPS`` (comma-separated) with ``values(TAG,
@@ -9,8 +9,10 @@ step)``; each save prints one JSON line (``{"step", "ok", "error"}``) and ``{"re
 follows once they are committed. With ``--hold`` it then keeps its manager open (the lease is
 renewed in the background) until STOPFILE exists, saves ``--then`` steps, and closes. ``read``:
 an evaluator: constructs an ordinary manager, restores its latest step and prints the steps it
-lists and the values; ``--stock`` never imports orbax_pathways. Top half numpy-only: the test
-imports ``values``.
+lists and the values; ``--stock`` never imports orbax_pathways. ``--after``: once its imports
+are done, the job waits until GOFILE exists before it constructs a manager (the test starts a job
+while the previous one still runs, so that the interpreter start-up overlaps it; what the job
+does with the directory starts at GOFILE). Top half numpy-only: the test imports ``values``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,22 @@ def _steps(text: str) -> list[int]:
   return [int(s) for s in text.split(',') if s]
 
 
+GO_WAIT_S = 600  # a job whose GOFILE never comes (its test failed early) gives up
+
+
+def _wait_for_go(argv) -> None:
+  """``--after GOFILE``: returns once GOFILE exists; exits 1 if the test process is gone or
+  after GO_WAIT_S."""
+  if '--after' not in argv:
+    return
+  go = argv[argv.index('--after') + 1]
+  parent, give_up = os.getppid(), time.monotonic() + GO_WAIT_S
+  while not os.path.exists(go):
+    if os.getppid() != parent or time.monotonic() > give_up:
+      sys.exit(1)
+    time.sleep(0.02)
+
+
 def _save_all(mngr, ocp, tag, steps):
   for step in steps:
     try:
@@ -62,6 +80,7 @@ def save(argv) -> None:
   directory, tag, steps = argv[0], argv[1], _steps(argv[2])
   hold = argv[argv.index('--hold') + 1] if '--hold' in argv else None
   then = _steps(argv[argv.index('--then') + 1]) if '--then' in argv else []
+  _wait_for_go(argv)
   mngr = ocp.CheckpointManager(directory)
   _save_all(mngr, ocp, tag, steps)
   _say({'ready': os.getpid()})
@@ -77,6 +96,7 @@ def read(argv) -> None:
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   if '--stock' not in argv:
     import orbax_pathways  # pylint: disable=g-import-not-at-top,unused-import
+  _wait_for_go(argv)
   mngr = ocp.CheckpointManager(argv[0])
   steps = list(mngr.all_steps())
   got = {}
