@@ -51,7 +51,9 @@ from orbax_pathways import version
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways.storage import meta_io
 from orbax_pathways.storage import deadline as deadline_lib
+from orbax_pathways.storage import hedge
 from orbax_pathways.storage import reader as reader_lib
+from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.tier import store as tier_store
 from orbax_pathways.transports import base as transports
 from orbax_pathways.transports import registry
@@ -175,9 +177,18 @@ async def write_host_array(a: HostArray, *, context: Any) -> metadata.ArrayRecor
   """Writes one host leaf with Orbax's spec, then returns its record: the crc32c of each chunk
   of the grid tensorstore created, in the stored dtype (a cast by ``SaveArgs.dtype`` is read
   back, so the checksums are of what tensorstore stored)."""
-  try:
-    t = await ts.open(ts.Spec(a.tspec), create=True, open=True, context=context)
+  async def attempt(n: int) -> ts.TensorStore:
+    # Past its deadline the leaf is written again through a fresh context (on OCDBT into a
+    # retry database of its own, as array pieces are: storage/writer.retry_spec).
+    ctx = hedge.fresh_context(context, n) if n else context
+    spec = ts.Spec(writer_lib.retry_spec(dict(a.tspec), n) if n else dict(a.tspec))
+    t = await ts.open(spec, create=True, open=True, context=ctx)
     await t.write(a.value, can_reference_source_data_indefinitely=True)
+    return t
+
+  try:
+    t = await hedge.run(attempt, nbytes=int(np.asarray(a.value).nbytes), kind='write',
+                        what=f'host leaf {a.name!r}')
     grid = t.chunk_layout.read_chunk.shape  # tensorstore types each dimension Optional
     chunk_shape = tuple(int(c) if c is not None else int(d)
                         for c, d in zip(grid or a.value.shape, a.value.shape))

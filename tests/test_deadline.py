@@ -116,3 +116,24 @@ def test_a_hedged_read_whose_event_loop_closes_under_it_leaves_no_unraisable_err
     sys.unraisablehook = previous
     asyncio_log.setLevel(level)
   assert not unraisable, unraisable
+
+
+def test_a_retried_write_on_local_ocdbt_gets_a_complete_database_of_its_own():
+  """Orbax's local-filesystem OCDBT spec names the manifest's location apart from the data
+  files. A retried write (storage/writer.retry_spec) must move both: with only the data moved,
+  the retry committed its manifest into the original database, whose own writer commits there
+  too (two drivers racing for one manifest), and left its own database without one."""
+  from orbax_pathways.storage import writer  # pylint: disable=g-import-not-at-top
+  db = '/ckpt/1.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp/ocdbt.process_3/'
+  spec = {'driver': 'zarr', 'kvstore': {
+      'driver': 'ocdbt', 'path': 'x',
+      'base': {'driver': 'file', 'path': db, 'file_io_locking': {'mode': 'non_atomic'}},
+      'manifest': {'driver': 'file', 'path': db}}}
+  retry = writer.retry_spec(spec, 2)['kvstore']
+  want = db.replace('ocdbt.process_3/', 'ocdbt.process_3retry2/')
+  assert retry['base']['path'] == want and retry['manifest']['path'] == want
+  assert spec['kvstore']['manifest']['path'] == db  # the caller's spec is untouched
+  gcs = {'driver': 'zarr', 'kvstore': {'driver': 'ocdbt', 'path': 'x',
+                                       'base': 'gs://b/ckpt/1/default/ocdbt.process_0'}}
+  assert writer.retry_spec(gcs, 1)['kvstore']['base'] == 'gs://b/ckpt/1/default/ocdbt.process_0retry1'
+  assert 'manifest' not in writer.retry_spec(gcs, 1)['kvstore']

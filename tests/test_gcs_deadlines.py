@@ -30,9 +30,8 @@ SLACK_S = 30.0
 # with the floor at this (Options, per test) instead of the default 10 s, a held read is hedged
 # after ~2 s against fake-gcs-server: the same policy and hedging code, a shorter wait. A normal
 # read that passes it on a loaded machine is hedged too, which no assertion minds (the hold
-# catches exactly one request). The save test keeps the default: its time is bound by
-# tensorstore's stall timeout (2 x the floor of the environment, read once per process), which
-# ends the held upload that Orbax's own write of the numpy leaf 'step' waits behind.
+# catches exactly one request). The save test uses it too: the numpy leaf 'step', which waits
+# behind the held upload in the same OCDBT database, is hedged like the array pieces.
 READ_FLOOR_S = 2.0
 
 
@@ -79,9 +78,10 @@ def test_save_with_one_hung_upload_finishes_with_exact_values(faulty_gcs):
   before = hedge.counts().get('write_hedged', 0)
   faulty_gcs.proxy.hold(_array_data_upload(1))
   limit = normal + SLACK_S
-  th, res = run_limited(lambda: _save(path, 1, state), limit)
-  held = faulty_gcs.proxy.held()
-  faulty_gcs.proxy.release()
+  with options(request_deadline_floor_s=READ_FLOOR_S):
+    th, res = run_limited(lambda: _save(path, 1, state), limit)
+    held = faulty_gcs.proxy.held()
+    faulty_gcs.proxy.release()
   if th.is_alive():
     th.join(120)
     pytest.fail(f'save(1) with one hung upload did not finish within normal {normal:.1f}s + '
@@ -91,7 +91,14 @@ def test_save_with_one_hung_upload_finishes_with_exact_values(faulty_gcs):
   assert 'error' not in res, res['error']
   assert len(held) == 1, held
   assert hedge.counts().get('write_hedged', 0) > before
-  assert 'ckpt/1/commit_success.txt' in faulty_gcs.objects()
+  objects = faulty_gcs.objects()
+  assert 'ckpt/1/commit_success.txt' in objects
+  # The retried pieces went to a database of their own, with its own manifest (the original's
+  # manifest keeps one writer); Orbax's finalize merged it.
+  databases = {o.split('/')[3] for o in objects if o.startswith('ckpt/1/default/ocdbt.process_')}
+  assert any('retry' in d for d in databases), sorted(databases)
+  for d in databases:
+    assert f'ckpt/1/default/{d}/manifest.ocdbt' in objects, (d, sorted(objects))
   assert_bit_identical(_restore(path, 1, state), state)
 
 

@@ -106,11 +106,15 @@ def retry_spec(tspec: dict, attempt: int) -> dict:
   kv = inner.get('kvstore')
   if not isinstance(kv, dict) or kv.get('driver') != 'ocdbt':
     return out
-  base = kv.get('base')
-  if isinstance(base, dict) and isinstance(base.get('path'), str):
-    base['path'] = _PROCESS_DB.sub(rf'\1retry{attempt}\2', base['path'])
-  elif isinstance(base, str):
-    kv['base'] = _PROCESS_DB.sub(rf'\1retry{attempt}\2', base)
+  # The database's data files ('base') and its manifest ('manifest', where Orbax names it
+  # separately) both move: a retry database is complete on its own, and the original's manifest
+  # keeps one writer.
+  for key in ('base', 'manifest'):
+    where = kv.get(key)
+    if isinstance(where, dict) and isinstance(where.get('path'), str):
+      where['path'] = _PROCESS_DB.sub(rf'\1retry{attempt}\2', where['path'])
+    elif isinstance(where, str):
+      kv[key] = _PROCESS_DB.sub(rf'\1retry{attempt}\2', where)
   return out
 
 
