@@ -42,8 +42,8 @@ mngr = ocp.CheckpointManager(directory)
 mngr.save(1, args=ocp.args.StandardSave(state))
 mngr.wait_until_finished()
 if me == 0:  # a healthy save leaves no liveness key behind (the primary deletes its round's)
-  from orbax_pathways._compat import orbax_manager as om
-  w.emit({'keys_left': om.distributed_client().key_value_dir_get('orbax_pathways/liveness/saves/')})
+  from orbax_pathways._compat import jax_distributed
+  w.emit({'keys_left': jax_distributed.distributed_client().key_value_dir_get('orbax_pathways/liveness/saves/')})
 mngr.save(2, args=ocp.args.StandardSave(state))
 if me == n - 1:
   os._exit(0)  # dies with its background writes of step 2 in flight

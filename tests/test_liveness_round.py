@@ -16,8 +16,8 @@ import json, threading, time
 import jax
 jax.distributed.initialize(coordinator_address='127.0.0.1:%d', num_processes=1, process_id=0)
 from orbax_pathways import errors, liveness
-from orbax_pathways._compat import orbax_manager as om
-client = om.distributed_client()
+from orbax_pathways._compat import jax_distributed
+client = jax_distributed.distributed_client()
 out = {}
 
 def rnd(key, me, primary=0, n=3):

@@ -14,8 +14,8 @@ from support import mp_worker
 mp_worker.init()
 import jax
 from orbax_pathways import waits
-from orbax_pathways._compat import orbax_manager as om
-client = om.distributed_client()
+from orbax_pathways._compat import jax_distributed
+client = jax_distributed.distributed_client()
 me, n = jax.process_index(), jax.process_count()
 if me != 2:  # process 2 is "stuck": it never publishes
   client.key_value_set(f'test/agree/{me}', str(me * 10))
