@@ -151,3 +151,15 @@ def test_a_server_answers_only_restores_this_process_registered():
   with pytest.raises(relay.RelayError, match="no restore 'orbax_pathways/tier_peers/x/1'"):
     relay.answer({'op': 'relay', 'prefix': 'orbax_pathways/tier_peers/x/1', 'array': 'a',
                   'origin': [0], 'shape': [4]})
+
+
+def test_a_server_reads_only_one_whole_recorded_chunk_per_request():
+  """A request names a restore, an array and one chunk (origin and shape); a box that is not
+  exactly one recorded chunk of the stored grid is refused before anything is read."""
+  target = relay.Target(name='a', tspec={}, context=None, chunks={(0, 0): object(), (4, 0): object()},
+                        owners=lambda: (), shape=(6, 3), chunk_shape=(4, 3))
+  assert target.chunk_at((4, 0), (2, 3)) == Box((4, 0), (6, 3))  # the clipped last chunk
+  with pytest.raises(relay.RelayError, match=r'has shape \[4, 3\], not \[6, 3\]'):
+    target.chunk_at((0, 0), (6, 3))  # two chunks' worth
+  with pytest.raises(relay.RelayError, match=r'no recorded chunk at \[2, 0\]'):
+    target.chunk_at((2, 0), (2, 3))  # off the grid

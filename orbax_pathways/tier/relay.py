@@ -24,9 +24,10 @@ Who calls what, on which host (multi-controller JAX, every process, one restore)
   that cannot answer in time costs the asker its own storage read (the chain falls back), never
   the restore.
 
-Which arrays a server reads: only those its own process registered for a restore (the request
-names the restore's key prefix, an array and a chunk origin; never a path or a spec), so the
-channel cannot be used to read anything else from storage.
+Which arrays a server reads: only those its own process registered for a restore, one whole
+recorded chunk per request (the request names the restore's key prefix, an array and a chunk's
+origin and shape; never a path or a spec), so the channel cannot be used to read anything else
+from storage.
 
 Memory: a chunk read for others stays in ``CACHE`` until every process of its group that needs
 it took it, at most ``TTL_S`` after its last use, and at most ``MAX_CACHE_BYTES`` in all (the
@@ -79,6 +80,20 @@ class Target:
   context: Any
   chunks: Mapping[tuple[int, ...], Any]  # origin -> committed record (crc32c, nbytes)
   owners: Callable[[], plan_sources.Owners]
+  shape: tuple[int, ...] = ()  # stored shape and chunk shape: a request names one whole chunk
+  chunk_shape: tuple[int, ...] | None = None
+
+  def chunk_at(self, origin: tuple[int, ...], shape: tuple[int, ...]) -> Box:
+    """The chunk a request names; ``RelayError`` unless it is exactly one recorded chunk of the
+    stored grid (a server never reads more than one chunk per request)."""
+    if self.chunk_shape is None or origin not in self.chunks:
+      raise RelayError(f'array {self.name!r} has no recorded chunk at {list(origin)}')
+    chunk = boxes_lib.clip(Box(origin, tuple(o + c for o, c in zip(origin, self.chunk_shape))),
+                           self.shape)
+    if chunk.shape != shape:
+      raise RelayError(f'array {self.name!r}: the chunk at {list(origin)} has shape '
+                       f'{list(chunk.shape)}, not {list(shape)}')
+    return chunk
 
 
 # ---- the cache: one storage read per chunk, however many ask ------------------------------------
@@ -207,9 +222,13 @@ def answer(req: Mapping[str, Any]) -> np.ndarray:
     source = _sources.get(str(req.get('prefix')))
   if source is None:
     raise RelayError(f'no restore {req.get("prefix")!r} registered on this process')
-  origin = tuple(int(x) for x in req['origin'])
-  shape = tuple(int(x) for x in req['shape'])
-  return source.fetch(str(req['array']), Box(origin, tuple(a + b for a, b in zip(origin, shape))))
+  name = str(req['array'])
+  target = source.targets.get(name)
+  if target is None:
+    raise RelayError(f'array {name!r} is not part of restore {source.prefix}')
+  chunk = target.chunk_at(tuple(int(x) for x in req['origin']),
+                          tuple(int(x) for x in req['shape']))
+  return source.fetch(name, chunk)
 
 
 tier_peer.register_op('relay', answer)

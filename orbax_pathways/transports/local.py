@@ -226,7 +226,10 @@ def relay_targets(targets: Sequence[values.ReadTarget], context: Any
   who needs which box is worked out only for arrays with a lost chunk, once per sharding."""
   return {t.name: tier_relay.Target(
       name=t.name, tspec=t.tspec, context=context, chunks=t.chunks,
-      owners=functools.partial(_owners, t.sharding, tuple(t.shape))) for t in targets}
+      owners=functools.partial(_owners, t.sharding, tuple(t.shape)),
+      shape=t.shape_on_storage,
+      chunk_shape=tuple(t.chunk_shape) if t.chunk_shape is not None else None)
+      for t in targets}
 
 
 def peer_exchange(timeout_s: float) -> tier_peer.Exchange | None:
