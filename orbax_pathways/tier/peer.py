@@ -32,7 +32,8 @@ process (one chunk larger than that goes alone); the chain copies each into the 
 as soon as it checked out, and the server streams files (``sendfile``) without reading them whole. Keys of the restore before last are deleted by their publisher.
 
 No jax here: the key-value client arrives as an object with ``key_value_set``,
-``blocking_key_value_get``, ``key_value_try_get`` and ``key_value_delete``.
+``blocking_key_value_get``, ``key_value_try_get``, ``key_value_delete`` and, where it has one,
+``key_value_dir_get`` (every key already published, in one request).
 """
 
 from __future__ import annotations
@@ -267,12 +268,22 @@ class Exchange:
 
   def gather(self, prefix: str) -> tuple[dict[int, dict[str, Any]], list[int]]:
     """The other processes' published values (one deadline for all), and the processes whose
-    key did not appear in time."""
+    key did not appear in time. One request for every key already there (a directory read of
+    the prefix), then one blocking read per process still missing."""
     deadline = time.monotonic() + self.timeout_s
     found: dict[int, dict[str, Any]] = {}
+    dir_get = getattr(self.client, 'key_value_dir_get', None)
+    if dir_get is not None:
+      try:
+        for key, raw in dir_get(f'{prefix}/'):
+          p = key.rstrip('/').rpartition('/')[2]
+          if p.isdigit() and int(p) != self.me and int(p) < self.count:
+            found[int(p)] = json.loads(raw)
+      except Exception:  # pylint: disable=broad-except  (then one key at a time, as below)
+        found = {}
     missing = []
     for p in range(self.count):
-      if p == self.me:
+      if p == self.me or p in found:
         continue
       left = deadline - time.monotonic()
       try:
