@@ -60,6 +60,25 @@ except Exception as e:  # pylint: disable=broad-except
   w.log('close raised', type(e).__name__)
 w.emit({'steps': sorted(int(s) for s in os.listdir(directory) if s.isdigit())})
 w.log('main done')
+# Process 0 hosts jax's coordination service: it leaves only after the other survivors have
+# exited (no barrier is possible with a dead process), or jax's error poll in a survivor still
+# shutting down sees the service gone and ends that process with an error (seen in CI).
+shared = os.path.dirname(directory)
+if me != 0:
+  open(os.path.join(shared, f'pid.{me}'), 'w').write(str(os.getpid()))
+else:
+  deadline = time.monotonic() + 120
+  for p in range(1, n - 1):
+    path = os.path.join(shared, f'pid.{p}')
+    while not os.path.exists(path) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    try:
+      pid = int(open(path).read())
+      while time.monotonic() < deadline:
+        os.kill(pid, 0)  # raises once the process is gone
+        time.sleep(0.05)
+    except (OSError, ValueError):
+      pass
 '''
 
 
