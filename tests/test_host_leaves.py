@@ -21,20 +21,11 @@ from orbax_pathways.storage import index as index_lib
 from orbax_pathways.storage import meta_io
 from support import ckpt
 from support import damage
-from support.arrays import mesh, put
+from support.arrays import host_leaf_state
 
 
 def _state(seed: int = 0) -> dict:
-  """A state after ``jax.device_get`` of part of it: numpy leaves (loader / RNG state), scalars
-  and one jax.Array."""
-  rng = np.random.default_rng(seed)
-  return {
-      'w': put(rng.standard_normal((64, 32), dtype=np.float32), mesh(), 'data', 'model'),
-      'loader': rng.standard_normal((128, 16), dtype=np.float32),
-      'rng': np.arange(4, dtype=np.uint32) + 1000,
-      'step': 7,
-      'lr': 0.25,
-  }
+  return host_leaf_state(seed)
 
 
 def _handler(use_ocdbt: bool = True, use_zarr3: bool = False):

@@ -25,7 +25,7 @@ from orbax_pathways.storage import index as index_lib
 from orbax_pathways.storage import meta_io
 
 from support import REPO, damage
-from support.arrays import assert_trees_equal, mesh, put, random_state
+from support.arrays import assert_trees_equal, host_leaf_state, mesh, put, random_state
 from support.procs import run_python
 
 v1 = ocp.v1
@@ -36,17 +36,7 @@ def _arrays_only(state):
 
 
 def _host_state(seed: int = 0) -> dict:
-  """A training state as MaxText keeps one: a jax.Array, numpy leaves (data loader, RNG state)
-  and scalars (a Python int and float, a numpy float64, which v1 saves as a float)."""
-  rng = np.random.default_rng(seed)
-  return {
-      'w': put(rng.standard_normal((64, 32), dtype=np.float32), mesh(), 'data', 'model'),
-      'loader': rng.standard_normal((128, 16), dtype=np.float32),
-      'rng': np.arange(4, dtype=np.uint32) + 1000,
-      'step': 7,
-      'lr': 0.25,
-      'ema': np.float64(0.5),
-  }
+  return host_leaf_state(seed, with_numpy_scalar=True)
 
 
 _HOST_LEAVES = ('loader', 'rng', 'step', 'lr', 'ema')

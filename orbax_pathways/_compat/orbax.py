@@ -1,4 +1,5 @@
-"""Every use of Orbax *serialization* internals (``orbax.checkpoint._src``) goes through here.
+"""Every use of Orbax *serialization* internals (Orbax's private ``_src`` package, reached
+through ``src.py``) goes through here.
 
 Supported: orbax-checkpoint >=0.12.4,<0.13 (see pyproject.toml). Each function is a small named
 translation so that a moved symbol breaks in one place, and ``tests/test_compat.py`` exercises

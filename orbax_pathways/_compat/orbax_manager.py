@@ -1,8 +1,9 @@
 """Every touch of Orbax's private CheckpointManager internals, in one place.
 
 SUPPORTED = '>=0.12.4,<0.13' (written against 0.12.8). Nothing else in ``orbax_pathways.retention``
-or ``orbax_pathways.preemption`` imports ``orbax.checkpoint._src`` or patches Orbax; if an Orbax
-upgrade breaks something, this file (and its tests) is where to look.
+or ``orbax_pathways.preemption`` reaches Orbax's private ``_src`` modules (this file does, only
+through ``src.py``) or patches Orbax; if an Orbax upgrade breaks something, this file (and its
+tests) is where to look.
 
 Patches, each installed by ``install_manager_hooks()`` and restored exactly (the very same
 function objects) by ``uninstall_manager_hooks()``; both are idempotent:

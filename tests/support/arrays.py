@@ -40,6 +40,23 @@ def random_state(m: Mesh, seed: int = 0) -> dict:
   }
 
 
+def host_leaf_state(seed: int = 0, *, with_numpy_scalar: bool = False) -> dict:
+  """A training state as MaxText keeps one after ``jax.device_get`` of part of it: one
+  jax.Array, numpy leaves (data loader, RNG state) and scalars (a Python int and float; with
+  ``with_numpy_scalar``, a numpy float64, which Orbax v1 saves as a float)."""
+  rng = np.random.default_rng(seed)
+  state = {
+      'w': put(rng.standard_normal((64, 32), dtype=np.float32), mesh(), 'data', 'model'),
+      'loader': rng.standard_normal((128, 16), dtype=np.float32),
+      'rng': np.arange(4, dtype=np.uint32) + 1000,
+      'step': 7,
+      'lr': 0.25,
+  }
+  if with_numpy_scalar:
+    state['ema'] = np.float64(0.5)
+  return state
+
+
 def abstract(tree):
   """Restore target of ``tree``: each jax.Array as a ShapeDtypeStruct with its sharding, every
   other leaf as it is."""
