@@ -131,6 +131,27 @@ def test_convert_is_what_the_cast_driver_stores(tmp_path, src):
     assert (mine.dtype, mine.tobytes()) == (stored.dtype, stored.tobytes()), target
 
 
+@pytest.mark.parametrize('kind', ['jax.Array', 'numpy', 'scalar'])
+def test_a_cast_tensorstore_cannot_do_fails_at_save_and_is_never_committed(tmp_path, kind):
+  """tensorstore has no ``uint4``: the cast raises from ``save()`` naming the leaf and both
+  dtypes (stock fails it later, in the background commit), step 0 is never committed, and the
+  manager saves the next step."""
+  value = {'jax.Array': lambda: put(np.arange(16, dtype=np.float32), mesh(), 'data'),
+           'numpy': lambda: np.arange(16, dtype=np.float32), 'scalar': lambda: 3.0}[kind]()
+  leaf = 'host leaf' if kind != 'jax.Array' else 'array'
+  with ocp.CheckpointManager(tmp_path, item_handlers=_v0_handler(True)) as mngr:
+    with pytest.raises(ValueError, match=rf"Cannot cast {leaf} 'x' from float(32|64) to uint4: "
+                                         r'tensorstore.*has no such conversion.*'
+                                         r'Save it without this dtype \(SaveArgs.dtype'):
+      mngr.save(0, args=ocp.args.PyTreeSave(
+          {'x': value}, save_args={'x': ocp.SaveArgs(dtype=np.dtype('uint4'))}))
+    mngr.save(1, args=ocp.args.PyTreeSave({'x': value}))
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [1]
+  assert '0' not in {p.name for p in tmp_path.iterdir()}  # (Orbax's temporary one may stay)
+  _verify(tmp_path / '1')
+
+
 # ---- Orbax v0: SaveArgs(dtype=...) -----------------------------------------------------------------
 
 def _v0_handler(use_ocdbt: bool):

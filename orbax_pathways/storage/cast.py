@@ -19,7 +19,9 @@ Who calls it, on which host: ``storage/writer.chunk_records`` (the checksums of 
 piece, on the host that writes it), ``engine.write_host_array`` (numpy and scalar leaves, on
 process 0: it writes the converted values and checksums those same bytes),
 ``tier/store._chunks`` (a tier copy holds the stored bytes) and ``storage/reader`` (a restore's
-target dtype, after the stored bytes were verified: never before).
+target dtype, after the stored bytes were verified: never before); ``check`` by the front doors
+(``frontends/orbax_v0``, every process, inside ``save()``), so that a cast tensorstore cannot do
+fails before anything is written.
 """
 
 from __future__ import annotations
@@ -52,6 +54,14 @@ def convert(data: Any, dtype: Any, *, what: str = 'array', fix: str = SAVE_FIX) 
         f'converts the stored values, has no such conversion ({type(e).__name__}: {e}). '
         f'{fix}.') from e
   return np.asarray(out)
+
+
+def check(src: Any, dtype: Any, *, what: str) -> None:
+  """Raises ``convert``'s error now if tensorstore cannot convert ``src`` values to ``dtype``
+  (a dtype it does not know, such as ``uint4``): called by the front doors at ``save()``, so
+  such a cast writes nothing (stock Orbax fails the same cast in its background commit, with
+  tensorstore's own message)."""
+  convert(np.zeros((), np.dtype(src)), dtype, what=what)
 
 
 def cast_spec_dtypes(tspec: dict) -> tuple[np.dtype, np.dtype] | None:
