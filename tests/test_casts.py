@@ -114,10 +114,15 @@ def _assert_records_are_the_stored_dtypes(item: pathlib.Path) -> None:
 
 @pytest.mark.parametrize('src', [F32_EDGES, BF16_EDGES, F64_EDGES.reshape(-1),
                                  np.array([2**63 - 1, -2**63, 2**53 + 1, 70000, -1, 256], np.int64),
+                                 np.array([2**31 - 1, -2**31, 2**24 + 1, -1, 256], np.int32),
+                                 np.array([32767, -32768, 2049, -1], np.int16),
+                                 np.array([127, -128, -1], np.int8),
+                                 np.array([255, 0, 128], np.uint8),
                                  np.array([True, False])], ids=lambda a: a.dtype.name)
 def test_convert_is_what_the_cast_driver_stores(tmp_path, src):
   """``storage/cast.convert`` gives the bytes tensorstore's ``cast`` driver (Orbax's cast
-  write) stores, for every target dtype Orbax can save."""
+  write) stores, for every target dtype Orbax can save, also where it takes numpy's astype
+  (``numpy_is_exact``: integer widening, bfloat16 -> float32)."""
   for target in ('int8', 'int16', 'int32', 'int64', 'uint8', 'uint16', 'uint32', 'uint64',
                  'float16', 'bfloat16', 'float32', 'float64', 'bool', 'float8_e4m3fn', 'int4'):
     base = {'driver': 'zarr', 'kvstore': {'driver': 'file', 'path': str(tmp_path / target)},
