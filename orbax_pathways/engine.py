@@ -49,6 +49,7 @@ from orbax_pathways import stats as stats_lib
 from orbax_pathways import values
 from orbax_pathways import version
 from orbax_pathways._compat import orbax as compat
+from orbax_pathways.storage import cast as cast_lib
 from orbax_pathways.storage import meta_io
 from orbax_pathways.storage import deadline as deadline_lib
 from orbax_pathways.storage import hedge
@@ -175,33 +176,44 @@ def host_chunk_records(value: np.ndarray,
 
 async def write_host_array(a: HostArray, *, context: Any) -> metadata.ArrayRecord:
   """Writes one host leaf with Orbax's spec, then returns its record: the crc32c of each chunk
-  of the grid tensorstore created, in the stored dtype (a cast by ``SaveArgs.dtype`` is read
-  back, so the checksums are of what tensorstore stored)."""
+  of the grid tensorstore created, of the bytes as stored.
+
+  A cast in Orbax's spec (its ``cast`` driver: v0 ``SaveArgs.dtype``, v1
+  ``StorageOptions(dtype=...)`` or ``scoped_storage_options_creator``) is done here, with
+  tensorstore's own conversion (``storage/cast.py``), and the converted values are written
+  through the spec's base (the same zarr array, metadata and bytes as stock's cast write): the
+  bytes checksummed are the bytes handed to storage."""
+  value, tspec = np.asarray(a.value), dict(a.tspec)
+  casts = cast_lib.cast_spec_dtypes(tspec)
+
   async def attempt(n: int) -> ts.TensorStore:
     # Past its deadline the leaf is written again through a fresh context (on OCDBT into a
     # retry database of its own, as array pieces are: storage/writer.retry_spec).
     ctx = hedge.fresh_context(context, n) if n else context
-    spec = ts.Spec(writer_lib.retry_spec(dict(a.tspec), n) if n else dict(a.tspec))
+    spec = ts.Spec(writer_lib.retry_spec(tspec, n) if n else tspec)
     t = await ts.open(spec, create=True, open=True, context=ctx)
-    await t.write(a.value, can_reference_source_data_indefinitely=True)
+    await t.write(value, can_reference_source_data_indefinitely=True)
     return t
 
   try:
-    t = await hedge.run(attempt, nbytes=int(np.asarray(a.value).nbytes), kind='write',
+    if casts is not None:
+      tspec = dict(tspec['base'])
+      value = await asyncio.to_thread(cast_lib.convert, value, casts[1],
+                                      what=f'host leaf {a.name!r}')
+    t = await hedge.run(attempt, nbytes=int(value.nbytes), kind='write',
                         what=f'host leaf {a.name!r}')
     grid = t.chunk_layout.read_chunk.shape  # tensorstore types each dimension Optional
     chunk_shape = tuple(int(c) if c is not None else int(d)
-                        for c, d in zip(grid or a.value.shape, a.value.shape))
+                        for c, d in zip(grid or value.shape, value.shape))
     stored = t.dtype.numpy_dtype
-    data = a.value if np.dtype(a.value.dtype) == stored else await t.read()
   except Exception as e:
     raise errors.keeping_type(
         errors.SaveError, e,
         f'Writing array {a.name!r} failed: {type(e).__name__}: {e}. Earlier checkpoints are '
         'untouched; this step will not be committed. Check the storage path, credentials and '
         'free space, then save again.') from e
-  chunks = await asyncio.to_thread(host_chunk_records, np.asarray(data), chunk_shape)
-  return metadata.ArrayRecord(name=a.name, dtype=stored.name, shape=tuple(a.value.shape),
+  chunks = await asyncio.to_thread(host_chunk_records, value, chunk_shape)
+  return metadata.ArrayRecord(name=a.name, dtype=stored.name, shape=tuple(value.shape),
                               chunk_shape=chunk_shape, chunks=tuple(chunks))
 
 
@@ -334,7 +346,7 @@ class Engine:
       if isinstance(r, BaseException):
         raise r
     done = [r for r in records if not isinstance(r, BaseException)]
-    written = sum(int(a.value.nbytes) for a in arrays)
+    written = sum(c.nbytes for r in done for c in r.chunks)  # in the stored dtypes
     record = metadata.WriterRecord(
         writer=writer, transport='local', arrays=tuple(done), library_version=version.VERSION,
         stats={'written_bytes': written, 'chunks': sum(len(r.chunks) for r in done)})

@@ -36,6 +36,7 @@ from orbax_pathways import _said
 from orbax_pathways import options as options_lib
 from orbax_pathways import values
 from orbax_pathways._compat import orbax as compat
+from orbax_pathways.storage import cast as cast_lib
 from orbax_pathways.storage import meta_io
 from orbax_pathways.storage import reader as reader_lib
 from orbax_pathways.transports import base as transports
@@ -50,6 +51,8 @@ def _leaf(value: jax.Array, info: Any, arg: Any, options: options_lib.Options,
     ext = {compat.random_key_impl_field(): str(jax.random.key_impl(value))}
     value = jax.random.key_data(value)
   stored = np.dtype(arg.dtype) if arg.dtype is not None else np.dtype(value.dtype)
+  if stored != value.dtype:  # a cast tensorstore cannot do fails here, before anything is written
+    cast_lib.check(value.dtype, stored, what=f'array {info.name!r}')
   chunk_cap = getattr(arg, 'chunk_byte_size', None)
   shard_axes = getattr(arg, 'shard_axes', None)
   return value, values.SaveLeaf(
@@ -361,6 +364,9 @@ class ProxyNumpyHandler(compat.NumpyHandler):
                       args: Sequence[Any] | None = None) -> list[Any]:
     args = list(args or [compat.SaveArgs()] * len(values_))
     compat.check_numpy_save_inputs(values_, infos, args)
+    for value, info, arg in zip(values_, infos, args):
+      if getattr(arg, 'dtype', None) is not None:  # as for arrays (_leaf): before any write
+        cast_lib.check(np.asarray(value).dtype, arg.dtype, what=f'host leaf {info.name!r}')
     if compat.numpy_handler_deepcopies(self):
       values_ = [copy.deepcopy(v) for v in values_]
     return [compat.CommitFuture(self._write(list(values_), infos, args), name='np_type_handler')]

@@ -20,6 +20,7 @@ from orbax_pathways import errors
 from orbax_pathways import metadata
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import restore as restore_plan
+from orbax_pathways.storage import cast as cast_lib
 from orbax_pathways.storage import hedge
 
 Box = boxes_lib.Box
@@ -169,7 +170,9 @@ async def read_array(read: ArrayRead, *, context: ts.Context, verify: bool,
     assert data is not None
     stats.bytes_read += data.nbytes
     if read.target_dtype is not None and data.dtype != read.target_dtype:
-      data = data.astype(read.target_dtype)
+      # After verification; converted as stock's cast read spec converts (storage/cast.py).
+      data = cast_lib.convert(data, read.target_dtype, what=f'array {read.name!r}',
+                              fix=cast_lib.RESTORE_FIX)
     out = []
     for box in region.device_boxes:
       out.append((box, data if box == region.box else data[box.relative_to(region.box)]))

@@ -21,6 +21,7 @@ from orbax_pathways import errors
 from orbax_pathways import format as format_lib
 from orbax_pathways import metadata
 from orbax_pathways.plan import boxes as boxes_lib
+from orbax_pathways.storage import cast as cast_lib
 from orbax_pathways.storage import hedge
 
 Box = boxes_lib.Box
@@ -75,12 +76,11 @@ class ArrayWrite:
 
 
 def chunk_records(write: ArrayWrite) -> list[metadata.ChunkRecord]:
-  """crc32c of every chunk of every piece, in the stored dtype."""
+  """crc32c of every chunk of every piece, in the stored dtype (a cast converted as
+  tensorstore's ``cast`` driver converts it on its way to storage: ``storage/cast.py``)."""
   out = []
   for piece in write.pieces:
-    data = piece.data
-    if data.dtype != write.stored_dtype:
-      data = data.astype(write.stored_dtype)
+    data = cast_lib.convert(piece.data, write.stored_dtype, what=f'array {write.name!r}')
     for chunk in boxes_lib.chunk_grid(piece.box, write.chunk_shape):
       chunk = boxes_lib.clip(chunk, write.global_shape)
       region = chunk.intersect(piece.box)

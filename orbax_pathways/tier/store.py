@@ -48,6 +48,7 @@ from orbax_pathways import format as format_lib
 from orbax_pathways import options
 from orbax_pathways import version
 from orbax_pathways.plan import boxes as boxes_lib
+from orbax_pathways.storage import cast as cast_lib
 from orbax_pathways.tier import layout
 
 log = logging.getLogger('orbax_pathways')
@@ -169,9 +170,7 @@ def _chunks(leaf_shape: Sequence[int], chunk_shape: Sequence[int], stored: np.dt
   """(origin, bytes in the stored dtype) of every chunk of ``pieces``, in the writer's
   checksum order (``storage/writer.chunk_records``)."""
   for piece in pieces:
-    data = np.asarray(piece.data)
-    if data.dtype != stored:
-      data = data.astype(stored)
+    data = cast_lib.convert(piece.data, stored, what='a tier chunk')  # as storage holds it
     for cell in boxes_lib.chunk_grid(piece.box, chunk_shape):
       region = boxes_lib.clip(cell, leaf_shape).intersect(piece.box)
       if region is None or region.size == 0:
