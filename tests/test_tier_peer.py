@@ -44,6 +44,7 @@ import orbax.checkpoint as ocp
 import orbax_pathways
 from orbax_pathways import stats
 from orbax_pathways.tier import peer
+from orbax_pathways.tier import wire
 from jax.experimental import multihost_utils
 
 P = jax.sharding.PartitionSpec
@@ -83,9 +84,14 @@ elif fault == 'die_mid_chunk':  # lists, then closes the connection half-way thr
       return answer(self, sock, req)
     path = os.path.join(self.server.local_dir, *req['item'], req['entry'], req['file'])
     data = open(path, 'rb').read()
-    sock.sendall(peer._HEADER.pack(0, len(data)) + data[:len(data) // 2])
+    sock.sendall(wire.ANSWER.pack(0, len(data)) + data[:len(data) // 2])
     raise OSError('simulated death mid-chunk')
   peer._Handler.answer = half
+elif fault == 'tib':  # claims a 1 TiB answer to every request (the list first), sends nothing
+  def tib(self, sock, req):
+    sock.sendall(wire.ANSWER.pack(0, 1 << 40))
+    time.sleep(3600)
+  peer._Handler.answer = tib
 
 def make(k):
   return jax.make_array_from_callback(host[k].shape, shard[k], lambda i: host[k][i])
@@ -197,8 +203,10 @@ def _lost_own_and_node2(p0, p1):
   assert p0.get('storage', 0) + p1.get('storage', 0) == 2 * OWN, (p0, p1)  # not 3 * OWN
 
 
-@pytest.mark.parametrize('fault', ['stall', 'refuse', 'die_mid_chunk'])
+@pytest.mark.parametrize('fault', ['stall', 'refuse', 'die_mid_chunk', 'tib'])
 def test_a_peer_failing_during_the_restore_falls_back_to_storage(saved, tmp_path, fault):
+  """'tib': a peer whose answer claims 1 TiB (issue 26 item 3) costs a PeerError and its
+  chunks from storage, never a MemoryError that fails the restore."""
   root, tiers = _nodes(saved, tmp_path)
   (p0, err0), (p1, _) = _restore(root, tiers, faults=('none', fault), timeout_s=3)
   assert p0 == {'local': OWN + R, 'storage': OWN}, p0
