@@ -92,6 +92,16 @@ elif fault == 'tib':  # claims a 1 TiB answer to every request (the list first),
     sock.sendall(wire.ANSWER.pack(0, 1 << 40))
     time.sleep(3600)
   peer._Handler.answer = tib
+elif fault == 'dtype':  # its list says int32 for the float32 'w' (the bytes are unchanged)
+  import msgpack
+  listing = peer._Server.listing
+  def lying(self, parts):
+    out = msgpack.unpackb(listing(self, parts), raw=False)
+    for e in out.values():
+      if 'w' in e['arrays']:
+        e['arrays']['w']['dtype'] = 'int32'
+    return msgpack.packb(out, use_bin_type=True)
+  peer._Server.listing = lying
 
 def make(k):
   return jax.make_array_from_callback(host[k].shape, shard[k], lambda i: host[k][i])
@@ -183,6 +193,16 @@ def test_flipped_byte_in_a_peers_chunk_is_read_from_storage(saved, tmp_path):
   assert p0 == {'local': OWN + R, 'peer': B_CHUNK, 'storage': W_CHUNK}, (p0, err0[-3000:])
   assert "is damaged" in err0 and "peer" in err0, err0[-4000:]
   assert p1 == {'local': B_CHUNK, 'peer': R, 'storage': OWN + W_CHUNK}, p1  # its own copy too
+
+
+def test_a_peers_copy_of_another_dtype_is_not_used(saved, tmp_path):
+  """Process 1's list says int32 for the float32 'w' (same bytes, so the crc32c would match):
+  process 0 takes that chunk from storage, never the bytes converted as int32 values."""
+  root, tiers = _nodes(saved, tmp_path)
+  (p0, err0), (p1, _) = _restore(root, tiers, faults=('none', 'dtype'))
+  assert p0 == {'local': OWN + R, 'peer': B_CHUNK, 'storage': W_CHUNK}, (p0, err0[-3000:])
+  assert 'as int32; the committed record says float32' in err0, err0[-3000:]
+  assert p1 == {'local': OWN, 'peer': R, 'storage': OWN}, p1
 
 
 def test_node_lost_during_a_save_holds_an_older_step_never_used(saved, tmp_path):
