@@ -157,3 +157,11 @@ def saves_for_step(step: int, directory: str | None = None) -> list[SaveStats]:
 def restores_for_step(step: int, directory: str | None = None) -> list[RestoreStats]:
   with _lock:
     return [s for s in _restores if _matches(s, step, directory)]
+
+
+def peer_server() -> dict[str, int]:
+  """Connections this process's node-local tier servers (``tier/peer.py``) closed unread, by
+  reason: 'unauthenticated' (no or a wrong proof of the job's secret, or a request with a wrong
+  MAC: something outside the job reaches the port), 'oversized', 'idle', 'busy'."""
+  from orbax_pathways.tier import peer  # pylint: disable=g-import-not-at-top  (no cycle at import)
+  return peer.server_counts()

@@ -44,6 +44,7 @@ import orbax.checkpoint as ocp
 import orbax_pathways
 from orbax_pathways import stats
 from orbax_pathways.tier import peer
+from orbax_pathways.tier import wire
 from jax.experimental import multihost_utils
 
 P = jax.sharding.PartitionSpec
@@ -83,9 +84,24 @@ elif fault == 'die_mid_chunk':  # lists, then closes the connection half-way thr
       return answer(self, sock, req)
     path = os.path.join(self.server.local_dir, *req['item'], req['entry'], req['file'])
     data = open(path, 'rb').read()
-    sock.sendall(peer._HEADER.pack(0, len(data)) + data[:len(data) // 2])
+    sock.sendall(wire.ANSWER.pack(0, len(data)) + data[:len(data) // 2])
     raise OSError('simulated death mid-chunk')
   peer._Handler.answer = half
+elif fault == 'tib':  # claims a 1 TiB answer to every request (the list first), sends nothing
+  def tib(self, sock, req):
+    sock.sendall(wire.ANSWER.pack(0, 1 << 40))
+    time.sleep(3600)
+  peer._Handler.answer = tib
+elif fault == 'dtype':  # its list says int32 for the float32 'w' (the bytes are unchanged)
+  import msgpack
+  listing = peer._Server.listing
+  def lying(self, parts):
+    out = msgpack.unpackb(listing(self, parts), raw=False)
+    for e in out.values():
+      if 'w' in e['arrays']:
+        e['arrays']['w']['dtype'] = 'int32'
+    return msgpack.packb(out, use_bin_type=True)
+  peer._Server.listing = lying
 
 def make(k):
   return jax.make_array_from_callback(host[k].shape, shard[k], lambda i: host[k][i])
@@ -179,6 +195,16 @@ def test_flipped_byte_in_a_peers_chunk_is_read_from_storage(saved, tmp_path):
   assert p1 == {'local': B_CHUNK, 'peer': R, 'storage': OWN + W_CHUNK}, p1  # its own copy too
 
 
+def test_a_peers_copy_of_another_dtype_is_not_used(saved, tmp_path):
+  """Process 1's list says int32 for the float32 'w' (same bytes, so the crc32c would match):
+  process 0 takes that chunk from storage, never the bytes converted as int32 values."""
+  root, tiers = _nodes(saved, tmp_path)
+  (p0, err0), (p1, _) = _restore(root, tiers, faults=('none', 'dtype'))
+  assert p0 == {'local': OWN + R, 'peer': B_CHUNK, 'storage': W_CHUNK}, (p0, err0[-3000:])
+  assert 'as int32; the committed record says float32' in err0, err0[-3000:]
+  assert p1 == {'local': OWN, 'peer': R, 'storage': OWN}, p1
+
+
 def test_node_lost_during_a_save_holds_an_older_step_never_used(saved, tmp_path):
   root, tiers = _nodes(saved, tmp_path)
   shutil.rmtree(_entry(tiers[1], 2, 'p1').path)  # node 1 died before step 2 reached its tier
@@ -197,8 +223,10 @@ def _lost_own_and_node2(p0, p1):
   assert p0.get('storage', 0) + p1.get('storage', 0) == 2 * OWN, (p0, p1)  # not 3 * OWN
 
 
-@pytest.mark.parametrize('fault', ['stall', 'refuse', 'die_mid_chunk'])
+@pytest.mark.parametrize('fault', ['stall', 'refuse', 'die_mid_chunk', 'tib'])
 def test_a_peer_failing_during_the_restore_falls_back_to_storage(saved, tmp_path, fault):
+  """'tib': a peer whose answer claims 1 TiB (issue 26 item 3) costs a PeerError and its
+  chunks from storage, never a MemoryError that fails the restore."""
   root, tiers = _nodes(saved, tmp_path)
   (p0, err0), (p1, _) = _restore(root, tiers, faults=('none', fault), timeout_s=3)
   assert p0 == {'local': OWN + R, 'storage': OWN}, p0

@@ -27,7 +27,8 @@ Who calls what, on which host (multi-controller JAX, every process, one restore)
 Which arrays a server reads: only those its own process registered for a restore, one whole
 recorded chunk per request (the request names the restore's key prefix, an array and a chunk's
 origin and shape; never a path or a spec), so the channel cannot be used to read anything else
-from storage.
+from storage; and only for a connection that proved the job's secret (``tier/wire.py``), so a
+process outside the job cannot make a server read storage with the job's credentials.
 
 Memory: a chunk read for others stays in ``CACHE`` until every process of its group that needs
 it took it, at most ``TTL_S`` after its last use, and at most ``MAX_CACHE_BYTES`` in all (the

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import math
 from typing import Any, Awaitable, Callable, Sequence
 
 import jax
 import numpy as np
 
+from orbax_pathways import _said
 from orbax_pathways import layout
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways import values
@@ -234,11 +236,23 @@ def relay_targets(targets: Sequence[values.ReadTarget], context: Any
 
 def peer_exchange(timeout_s: float) -> tier_peer.Exchange | None:
   """The other processes of this multi-controller job, through jax's key-value store (None in
-  a single process): a restore takes what this node's tier lacks from theirs."""
+  a single process): a restore takes what this node's tier lacks from theirs. Reads the job's
+  peer secret first (once per process: ``tier_peer.job_secret``), which this process's server
+  demands of every connection and its client proves; without it (the key-value store did not
+  answer) the peer channel stays off for this restore, one warning per process, and storage
+  serves what this node's tier lacks."""
   client = jax_distributed.distributed_client() if jax.process_count() > 1 else None
   if client is None:
     return None
-  return tier_peer.Exchange(client, jax.process_index(), jax.process_count(), timeout_s)
+  exchange = tier_peer.Exchange(client, jax.process_index(), jax.process_count(), timeout_s)
+  try:
+    exchange.secret()
+  except tier_peer.PeerError as e:
+    _said.once(logging.WARNING, ('tier-peer-secret', str(e)),
+               'orbax_pathways: node-local tiers of other hosts not used: %s. Chunks this '
+               "node's tier lacks are read from storage.", e)
+    return None
+  return exchange
 
 
 class LocalTransport:
@@ -317,18 +331,24 @@ class LocalTransport:
           if peers is not None else None)
     # Orbax's restore byte limit (restore_concurrent_gb): at most that many bytes of host
     # buffers between storage and the devices at once (one array above it goes alone).
-    for idx in share.batches(sizes, cfg.max_inflight_bytes):
-      with trace('read'):
-        buffers, rstats = await share.read_share(
-            [targets[i] for i in idx], [needed[i] for i in idx], item=item, verify=cfg.verify,
-            context=cfg.context, chain=chain)
-      with trace('device_put'):
-        for i, arr in zip(idx, assemble([targets[i] for i in idx], [boxes[i] for i in idx], buffers)):
-          out[i] = arr
-      bytes_read += rstats.bytes_read
-      chunks_verified += rstats.chunks_verified
-      storage_bytes += rstats.storage_bytes
-      storage_s += rstats.storage_s
+    try:
+      for idx in share.batches(sizes, cfg.max_inflight_bytes):
+        with trace('read'):
+          buffers, rstats = await share.read_share(
+              [targets[i] for i in idx], [needed[i] for i in idx], item=item, verify=cfg.verify,
+              context=cfg.context, chain=chain)
+        with trace('device_put'):
+          for i, arr in zip(idx, assemble([targets[i] for i in idx], [boxes[i] for i in idx], buffers)):
+            out[i] = arr
+        bytes_read += rstats.bytes_read
+        chunks_verified += rstats.chunks_verified
+        storage_bytes += rstats.storage_bytes
+        storage_s += rstats.storage_s
+    finally:
+      for src in chain.sources if chain is not None else ():
+        close = getattr(src, 'close', None)  # the peer source: its connections to peers
+        if close is not None:
+          close()
     by_source, seconds = {'storage': storage_bytes}, {'storage': storage_s}
     if chain is not None:
       chain.report()
