@@ -280,16 +280,25 @@ class Engine:
   def transport_name(self) -> str:
     return runtime.choose_transport(requested=self.options.transport).value
 
-  def tier(self) -> tier_store.TierConfig | None:
-    """This node's tier as the options set it (None: off). ``Options.local_dir=None`` takes
-    ``ORBAX_PATHWAYS_LOCAL_DIR`` as the node has it set, then the /dev/shm default: where a
-    node keeps its RAM disk (or that it has none) is the node's setting, so it holds for
-    ``Options(...)`` built in code too."""
-    local_dir = self.options.local_dir
+  def tier(self, directory: Any = None) -> tier_store.TierConfig | None:
+    """This node's tier for a save or restore of the item ``directory`` (None: off), on the
+    process that calls ``save``/``restore``. ``Options.local_dir=None`` takes
+    ``ORBAX_PATHWAYS_LOCAL_DIR`` as the node has it set (where a node keeps its RAM disk is the
+    node's setting, so it holds for ``Options(...)`` built in code too), then the /dev/shm
+    default. Under the local transport this process is the host that owns
+    the directory: one that is there must pass the private-root check (``tier_store.usable``:
+    else one warning, tier off on this process, its peer server included); one that cannot be
+    made is warned about and its copies skipped, while restores still read other hosts' tiers.
+    Worker hosts check their own (``tier_store.write_entry`` / ``entries``)."""
+    o = self.options
+    local_dir = o.local_dir
     if local_dir is None:
       local_dir = os.environ.get(tier_store.ENV) or None
-    o = self.options
-    return tier_store.resolve(local_dir, o.local_keep, o.local_max_age_s, o.local_max_bytes)
+    cfg = tier_store.resolve(local_dir, o.local_keep, o.local_max_age_s, o.local_max_bytes)
+    if cfg is None:
+      return None
+    local = self.transport_name() == 'local'
+    return tier_store.usable(cfg, missing_ok=True) if local else cfg
 
   # ---- save ------------------------------------------------------------------------------------
 
@@ -298,7 +307,8 @@ class Engine:
                  ready: Callable[[], Awaitable[None]]) -> PendingSave:
     t0 = time.perf_counter()
     check_global(arrays, [leaf.name for leaf in leaves])
-    config = dataclasses.replace(config, tier=self.tier(), tier_scope=self.options.local_scope)
+    config = dataclasses.replace(config, tier=self.tier(item.directory),
+                                 tier_scope=self.options.local_scope)
     transport = registry.create(self.transport_name(), save=config)
     reasons = transport.unsupported(leaves, item)
     if reasons and transport.fallback is not None:
@@ -358,7 +368,7 @@ class Engine:
       targets = [await self._target(leaf, item, records.get(leaf.name), context,
                                     require_record=written_by_us and config.verify)
                  for leaf in leaves]
-    config = dataclasses.replace(config, tier=self.tier(),
+    config = dataclasses.replace(config, tier=self.tier(item.directory),
                                  tier_peer_timeout_s=self.options.tier_peer_timeout_s)
     transport = registry.create(self.transport_name(), read=config)
     telemetry = compat.io_metrics_start('read')

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import threading
 
@@ -230,7 +231,10 @@ def test_unwritable_tier_directory_skips_with_one_warning(tmp_path, caplog):
 
 def _mount_tmpfs(path, *options):
   path.mkdir()
-  r = subprocess.run(['mount', '-t', 'tmpfs', '-o', ','.join(('size=1m',) + options), 'tmpfs',
+  # mode=0700: a private tier directory (tmpfs's own default, 1777, is refused as writable by
+  # other users before its room or its read-only state would matter)
+  r = subprocess.run(['mount', '-t', 'tmpfs', '-o', ','.join(('size=1m', 'mode=0700') + options),
+                      'tmpfs',
                       str(path)], capture_output=True, check=False)
   if r.returncode:
     pytest.skip(f'cannot mount a tmpfs here (needs root): {r.stderr.decode().strip()}')
@@ -253,9 +257,15 @@ def test_full_or_read_only_tmpfs_skips_with_one_warning(tmp_path, caplog, kind):
       tier_store.flush()
       out = m.restore(2, args=ocp.args.StandardRestore(state))
     np.testing.assert_array_equal(np.asarray(out['big']), big)
-    warnings = [r for r in caplog.records if 'node-local tier skipped' in r.getMessage()]
-    assert len(warnings) == 1, [r.getMessage() for r in warnings]
-    assert os.listdir(tier) == [] or kind == 'full' and not _entries(tier)
+    warnings = [r.getMessage() for r in caplog.records
+                if 'node-local tier skipped' in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    if kind == 'full':  # the numbers, and the margin (none: the directory was set explicitly)
+      assert f"share of {root}/1" in warnings[0] and 'bytes are free' in warnings[0]
+      assert 'an explicit directory leaves no safety margin' in warnings[0]
+    else:
+      assert 'Read-only file system' in warnings[0]
+    assert os.listdir(tier) == []  # a skipped copy leaves no folders behind
   finally:
     subprocess.run(['umount', str(tier)], check=False)
 
@@ -399,3 +409,79 @@ def test_colocated_workers_of_a_lost_slice_come_from_storage_onto_fewer_devices(
   # bytes) by all 4, from storage only if no surviving worker holds it.
   assert st.bytes_by_source.get('storage') == lost_w + (4 * host['b'].nbytes if lost_b else 0), st
   assert st.bytes_by_source.get('local', 0) > 0, st
+
+
+def _modes(tree):
+  """{path relative to ``tree``: (kind, mode)} of everything under it (lstat)."""
+  out = {}
+  for d, dirs, files in os.walk(tree):
+    for n in dirs + files:
+      st = os.lstat(os.path.join(d, n))
+      out[os.path.relpath(os.path.join(d, n), tree)] = (
+          'dir' if stat.S_ISDIR(st.st_mode) else 'file' if stat.S_ISREG(st.st_mode) else 'other',
+          stat.S_IMODE(st.st_mode))
+  return out
+
+
+def test_a_saved_tier_is_private_to_its_user(tmp_path):
+  """Tier directories are 0700 and files 0600 after a real save (nobody else on the node can
+  read the checkpoint's values), the tier directory itself included."""
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier, local_keep=2)
+  _save(root, [1, 2])
+  assert stat.S_IMODE(os.lstat(tier).st_mode) == 0o700
+  found = _modes(tier)
+  assert {k for k, _ in found.values()} == {'dir', 'file'} and len(found) > 8
+  assert {m for k, m in found.values() if k == 'dir'} == {0o700}, found
+  assert {m for k, m in found.values() if k == 'file'} == {0o600}, found
+
+
+def test_an_existing_tier_readable_by_others_is_made_private(tmp_path):
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  tier.mkdir()
+  os.chmod(tier, 0o755)
+  _install(tier)
+  _save(root, [1])
+  assert stat.S_IMODE(os.lstat(tier).st_mode) == 0o700
+  assert len(_entries(tier, root)) == 1
+
+
+@pytest.mark.parametrize('mode', [0o777, 0o775])
+def test_a_tier_others_can_write_into_is_not_used(tmp_path, caplog, mode):
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  tier.mkdir()
+  os.chmod(tier, mode)
+  _install(tier)
+  caplog.set_level(logging.INFO, logger='orbax_pathways')
+  state, host = _save(root, [1, 2])
+  out, st = _restore(root, 2, state)
+  _assert_exact(out, host)
+  assert st.bytes_by_source == {'storage': sum(v.nbytes for v in host.values())}
+  assert os.listdir(tier) == [] and stat.S_IMODE(os.lstat(tier).st_mode) == mode
+  warnings = [r.getMessage() for r in caplog.records if 'node-local tier skipped' in r.getMessage()]
+  assert len(warnings) == 1 and 'other users can write into it' in warnings[0], warnings
+
+
+# ---- what the tier must not hide (issue 26, item 4) -------------------------------------
+
+
+def test_cli_tier_says_damaged_when_a_manifest_records_another_dtype(tmp_path, capsys):
+  """Only the dtype edited in a tier manifest (float32 -> int32, same bytes, so every crc32c
+  still matches): ``orbax-pathways tier`` compares the layout with storage's committed records
+  and reports the entry damaged, naming both dtypes."""
+  from orbax_pathways.tier import fsafe  # pylint: disable=g-import-not-at-top
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier)
+  _save(root, [1])
+  assert cli.main(['tier', str(tier)]) == 0
+  capsys.readouterr()
+  (e,) = _entries(tier, root)
+  m = e.manifest
+  edited = tier_layout.Manifest(**{**m.__dict__, 'arrays': tuple(
+      tier_layout.TierArray(**{**a.__dict__, 'dtype': 'int32'}) if a.name == 'w' else a
+      for a in m.arrays)})
+  fsafe.write_file(os.path.join(e.path, tier_layout.MANIFEST), tier_layout.encode(edited))
+  assert cli.main(['tier', str(tier), '--json']) == 1
+  (x,) = json.loads(capsys.readouterr().out)['entries']
+  assert x['status'] == 'damaged'
+  assert x['problems'] == ["array 'w': dtype int32, committed float32"]
