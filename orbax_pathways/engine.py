@@ -54,6 +54,7 @@ from orbax_pathways.storage import deadline as deadline_lib
 from orbax_pathways.storage import hedge
 from orbax_pathways.storage import reader as reader_lib
 from orbax_pathways.storage import writer as writer_lib
+from orbax_pathways.tier import layout as tier_layout
 from orbax_pathways.tier import store as tier_store
 from orbax_pathways.transports import base as transports
 from orbax_pathways.transports import registry
@@ -285,7 +286,9 @@ class Engine:
     process that calls ``save``/``restore``. ``Options.local_dir=None`` takes
     ``ORBAX_PATHWAYS_LOCAL_DIR`` as the node has it set (where a node keeps its RAM disk is the
     node's setting, so it holds for ``Options(...)`` built in code too), then the /dev/shm
-    default. Under the local transport this process is the host that owns
+    default, kept only where it saves a storage read (``tier_store.default_applies``: remote
+    storage, several processes, Pathways workers; said once in the log otherwise). An explicit
+    directory is always used. Under the local transport this process is the host that owns
     the directory: one that is there must pass the private-root check (``tier_store.usable``:
     else one warning, tier off on this process, its peer server included); one that cannot be
     made is warned about and its copies skipped, while restores still read other hosts' tiers.
@@ -298,6 +301,18 @@ class Engine:
     if cfg is None:
       return None
     local = self.transport_name() == 'local'
+    if not cfg.explicit:
+      root = tier_layout.split_item_dir(directory)[0] if directory is not None else None
+      remote = root is not None and tier_store.storage_is_remote(root)
+      if not tier_store.default_applies(remote, jax.process_count(), not local):
+        _said.once(logging.INFO, ('tier-default-off',),
+                   'orbax_pathways: no node-local tier for %s: the checkpoint directory is on '
+                   'this machine\'s disk and one process saves and restores it, so the page '
+                   'cache already serves a restart (the /dev/shm default is kept for gs:// or '
+                   'network storage, jobs of several processes and Pathways workers). Set '
+                   'ORBAX_PATHWAYS_LOCAL_DIR (Options.local_dir) to a tmpfs directory to keep '
+                   'a copy in node memory anyway.', root)
+        return None
     return tier_store.usable(cfg, missing_ok=True) if local else cfg
 
   # ---- save ------------------------------------------------------------------------------------
@@ -395,6 +410,11 @@ class Engine:
              'chunks verified, from %s', len(out), sum(st.bytes_read.values()) / 2**20,
              st.transport, ', '.join(sorted(st.bytes_read)), st.sources_text(), st.read_s,
              st.chunks_verified, item.directory)
+    unread = sum(st.bytes_by_source.get(k, 0) for k in ('local', 'peer'))
+    if unread:  # the tier is a cache of storage: damage on storage is not seen through it
+      log.info('orbax_pathways: %.1f MiB of this restore came from node-local tiers, so their '
+               'copies on storage were not read and not checked: `orbax-pathways verify %s` '
+               'checks storage.', unread / 2**20, _step_dir(item.directory))
     return out
 
   async def read_to_host(self, names: Sequence[str], dtypes: Sequence[Any], item: values.Item, *,

@@ -23,6 +23,7 @@ import pytest
 
 import orbax_pathways
 from orbax_pathways.cli import main as cli
+from orbax_pathways import engine
 from orbax_pathways import stats
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import sources as plan_sources
@@ -462,7 +463,96 @@ def test_a_tier_others_can_write_into_is_not_used(tmp_path, caplog, mode):
   assert len(warnings) == 1 and 'other users can write into it' in warnings[0], warnings
 
 
-# ---- what the tier must not hide (issue 26, item 4) -------------------------------------
+# ---- the default (issue 26, item 15) ------------------------------------------------------------
+
+
+def test_the_default_tier_is_kept_only_where_it_saves_a_storage_read(tmp_path):
+  assert not tier_store.default_applies(False, 1, False)  # local disk, one process
+  assert tier_store.default_applies(True, 1, False)  # gs:// or network storage
+  assert tier_store.default_applies(False, 2, False)  # a job of several processes
+  assert tier_store.default_applies(False, 1, True)  # Pathways workers
+  assert tier_store.storage_is_remote('gs://bucket/run')
+  assert not tier_store.storage_is_remote('file:///tmp/run')
+  assert not tier_store.storage_is_remote(str(tmp_path / 'ckpt'))
+
+
+def test_no_default_tier_for_a_local_directory_of_one_process(tmp_path, monkeypatch, caplog):
+  """Options.local_dir unset, ORBAX_PATHWAYS_LOCAL_DIR unset: a one-process save into a local
+  directory gets no tier (said once); an explicit directory or 'off' mean what they say."""
+  monkeypatch.delenv(tier_store.ENV, raising=False)
+  caplog.set_level(logging.INFO, logger='orbax_pathways')
+  item = str(tmp_path / 'ckpt' / '1' / 'default')
+  assert engine.Engine(orbax_pathways.Options()).tier(item) is None
+  assert engine.Engine(orbax_pathways.Options()).tier(item) is None
+  said = [r.getMessage() for r in caplog.records if 'no node-local tier for' in r.getMessage()]
+  assert len(said) == 1 and 'ORBAX_PATHWAYS_LOCAL_DIR' in said[0]
+  explicit = engine.Engine(orbax_pathways.Options(local_dir=str(tmp_path / 't'))).tier(item)
+  assert explicit is not None and explicit.local_dir == str(tmp_path / 't')
+  assert engine.Engine(orbax_pathways.Options(local_dir='off')).tier(item) is None
+  monkeypatch.setenv(tier_store.ENV, str(tmp_path / 'node'))
+  assert engine.Engine(orbax_pathways.Options()).tier(item).local_dir == str(tmp_path / 'node')
+
+
+DEFAULT = r'''
+import json, os, stat, sys
+p = json.loads(sys.argv[1])
+os.environ.pop('ORBAX_PATHWAYS_LOCAL_DIR', None)  # the default: before the import reads it
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import orbax_pathways
+from orbax_pathways import stats
+from orbax_pathways.tier import store
+
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
+w = np.arange(8 * 4096, dtype=np.float32).reshape(8, 4096)
+state = {'w': jax.device_put(w, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x')))}
+
+
+def save_restore(path):
+  with ocp.CheckpointManager(path) as m:
+    m.save(1, args=ocp.args.StandardSave(state))
+    m.wait_until_finished()
+    store.flush()
+    out = m.restore(1, args=ocp.args.StandardRestore(state))
+  return bool(np.array_equal(np.asarray(out['w']), w)), stats.last_restore().bytes_by_source
+
+
+def tree(top):
+  out = {}
+  for d, dirs, files in os.walk(top):
+    for n in dirs + files:
+      st = os.lstat(os.path.join(d, n))
+      out[os.path.relpath(os.path.join(d, n), top)] = [stat.S_ISDIR(st.st_mode),
+                                                        stat.S_IMODE(st.st_mode)]
+  return out
+
+
+local = save_restore(p['local'])
+after_local = sorted(os.listdir('/dev/shm'))
+remote = save_restore(p['gs'])
+print('RESULT ' + json.dumps({'local': local, 'after_local': after_local, 'remote': remote,
+                              'shm': sorted(os.listdir('/dev/shm')), 'tree': tree('/dev/shm')}))
+'''
+
+
+def test_the_default_tier_on_a_real_node(tmp_path, gcs_bucket):
+  """With nothing set, in a private /dev/shm: a one-process save into a local directory leaves
+  nothing in /dev/shm; a save to gs:// keeps this host's share in
+  /dev/shm/orbax-pathways-<uid> (0700 directories, 0600 files) and the restore reads it."""
+  from support import private_shm  # pylint: disable=g-import-not-at-top
+  r = private_shm.run(DEFAULT, {'local': str(tmp_path / 'ckpt'), 'gs': gcs_bucket.path('ckpt')})
+  total = 8 * 4096 * 4
+  assert r['local'] == [True, {'storage': total}] and r['after_local'] == []
+  assert r['remote'][0] and r['remote'][1].get('local') == total, r['remote']
+  name = f'orbax-pathways-{os.geteuid()}'
+  assert r['shm'] == [name]
+  dirs = {m for k, (d, m) in r['tree'].items() if d}
+  files = {m for k, (d, m) in r['tree'].items() if not d}
+  assert dirs == {0o700} and files == {0o600}, r['tree']
+
+
+# ---- what the tier must not hide (issue 26, items 4 and 12) -------------------------------------
 
 
 def test_cli_tier_says_damaged_when_a_manifest_records_another_dtype(tmp_path, capsys):
@@ -485,3 +575,29 @@ def test_cli_tier_says_damaged_when_a_manifest_records_another_dtype(tmp_path, c
   (x,) = json.loads(capsys.readouterr().out)['entries']
   assert x['status'] == 'damaged'
   assert x['problems'] == ["array 'w': dtype int32, committed float32"]
+
+
+def test_a_restore_the_tier_serves_says_storage_was_not_read_and_verify_checks_it(
+    tmp_path, caplog, capsys):
+  """A flipped byte in a storage chunk while the tier holds an intact copy: the restore is
+  served from the tier (exact values) and says, once, that storage was not read and that
+  ``orbax-pathways verify`` checks it; ``verify`` finds the damage."""
+  from support import damage  # pylint: disable=g-import-not-at-top
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier)
+  state, host = _save(root, [1])
+  needle = np.ascontiguousarray(host['w'][:8, :8]).tobytes()[:32]
+  files = sorted((root / '1').rglob('*'), key=lambda p: -p.stat().st_size if p.is_file() else 0)
+  damage.flip_bit_in(files, needle, what='chunk bytes', offset=5)
+  caplog.set_level(logging.INFO, logger='orbax_pathways')
+  out, st = _restore(root, 1, state)
+  _assert_exact(out, host)
+  assert st.bytes_by_source.get('storage') == 0
+  said = [r.getMessage() for r in caplog.records if 'were not read and not checked' in
+          r.getMessage()]
+  assert len(said) == 1, said
+  assert f'`orbax-pathways verify {root}/1` checks storage' in said[0]
+  assert cli.main(['verify', str(root / '1')]) == 1
+  assert 'crc' in capsys.readouterr().out.lower()
+  assert cli.main(['verify', '--help']) == 0
+  assert 'verify reads storage, never a node-local tier' in capsys.readouterr().out

@@ -10,7 +10,9 @@ Commands (every one takes ``--json``; tables otherwise):
                              per item the tree: key, dtype, shape, bytes, chunk, sharding; totals;
                              the transport that wrote it ("stock orbax" without our metadata).
   verify DIR/STEP | DIR --step N
-                             reads every chunk; crc32c against our metadata, else decode-only.
+                             reads every chunk from storage (never a node-local tier: a
+                             restore the tier serves does not check storage; this does);
+                             crc32c against our metadata, else decode-only.
   diff DIR/A DIR/B [--values]
                              added / removed / changed leaves (shape, dtype, sharding); values by
                              recorded crc32c, or read with --values; says what was compared.
@@ -74,7 +76,11 @@ VERIFY_EXIT_CODES = """exit status:
   1  a problem: damaged bytes, a missing checksum record, unreadable metadata
   2  user error (bad path, missing step)
   3  no damage found, but some values carry no checksum and were only decoded
-     (stock Orbax items, persistence-transport arrays, string leaves): not verified"""
+     (stock Orbax items, persistence-transport arrays, string leaves): not verified
+
+verify reads storage, never a node-local tier. A restore that the tier serves
+(bytes from 'local' or 'peer' in its log line) does not read those chunks' copies
+on storage, so it cannot see damage there: run verify to check storage."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
