@@ -402,3 +402,26 @@ def test_symlinks_inside_the_tier_are_never_followed(tmp_path, caplog):
   gc.collect(str(tier), max_age_s=0, max_bytes=0)
   assert (private / '1' / 'default' / 'p0.x' / 'notes.txt').read_text() == 'keep me'
   assert sorted(os.listdir(private)) == ['1']
+
+
+@pytest.mark.parametrize('files,problem', [
+    (('../../../../secret',), "'../../../../secret' is not a chunk file name"),
+    (('/etc/passwd',), "'/etc/passwd' is not a chunk file name"),
+    (('0.0.bin', '0.0.bin'), 'a chunk file is named twice'),
+])
+def test_a_manifest_naming_other_files_is_damaged(tmp_path, files, problem):
+  """A manifest may name only the chunk files of its own entry: one naming a path out of it
+  (or a file twice) makes the entry damaged, so no reader ever opens that path."""
+  from orbax_pathways.tier import layout  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.tier import store  # pylint: disable=g-import-not-at-top
+  tier = tmp_path / 'tier'
+  assert fsafe.private_root(str(tier)) == ''
+  entry = fsafe.private_dirs(str(tier), 'ckpt-0123456789abcdef', '1', 'default', 'p0.abc')
+  n = len(files)
+  m = layout.Manifest(root=str(tmp_path / 'ckpt'), step_name='1', item='default', writer='p0',
+                      save_id='abc', arrays=(layout.TierArray(
+                          'w', 'uint8', (4 * n,), (4,), tuple((4 * i,) for i in range(n)),
+                          (0,) * n, (4,) * n, files),))
+  fsafe.write_file(os.path.join(entry, layout.MANIFEST), layout.encode(m))
+  (e,) = store.entries(str(tier))
+  assert e.manifest is None and problem in e.error, e.error

@@ -89,20 +89,23 @@ def manifest_problem(m: Manifest) -> str:
   differ in length, or a file name that is not one ``chunk_file`` makes (a path such as
   ``../x`` or ``/etc/passwd`` must never be opened), or a file named twice. Pure; the files
   themselves are checked by ``store.read_entry``."""
-  seen: set[str] = set()
+  total = 0
+  names: set[str] = set()
   for a in m.arrays:
     n = len(a.origins)
     if not len(a.files) == len(a.crc32c) == len(a.nbytes) == n:
       return (f'array {a.name!r}: {n} origins, {len(a.files)} files, {len(a.nbytes)} sizes, '
               f'{len(a.crc32c)} checksums')
-    for name, size in zip(a.files, a.nbytes):
-      if not isinstance(name, str) or not CHUNK_FILE_RE.match(name):
-        return f'array {a.name!r}: {name!r} is not a chunk file name'
-      if name in seen:
-        return f'array {a.name!r}: chunk file {name} is named twice'
-      if not isinstance(size, int) or size < 0:
-        return f'array {a.name!r}: chunk file {name} has size {size!r}'
-      seen.add(name)
+    names.update(a.files)
+    total += n
+    bad = next((x for x in a.files if not isinstance(x, str) or not CHUNK_FILE_RE.match(x)), None)
+    if bad is not None:
+      return f'array {a.name!r}: {bad!r} is not a chunk file name'
+    size = next((x for x in a.nbytes if not isinstance(x, int) or x < 0), None)
+    if size is not None:
+      return f'array {a.name!r}: a chunk has size {size!r}'
+  if len(names) != total:
+    return 'a chunk file is named twice'
   return ''
 
 
