@@ -55,6 +55,7 @@ from orbax_pathways.storage import deadline as deadline_lib
 from orbax_pathways.storage import hedge
 from orbax_pathways.storage import reader as reader_lib
 from orbax_pathways.storage import writer as writer_lib
+from orbax_pathways.tier import layout as tier_layout
 from orbax_pathways.tier import store as tier_store
 from orbax_pathways.transports import base as transports
 from orbax_pathways.transports import registry
@@ -292,16 +293,39 @@ class Engine:
   def transport_name(self) -> str:
     return runtime.choose_transport(requested=self.options.transport).value
 
-  def tier(self) -> tier_store.TierConfig | None:
-    """This node's tier as the options set it (None: off). ``Options.local_dir=None`` takes
-    ``ORBAX_PATHWAYS_LOCAL_DIR`` as the node has it set, then the /dev/shm default: where a
-    node keeps its RAM disk (or that it has none) is the node's setting, so it holds for
-    ``Options(...)`` built in code too."""
-    local_dir = self.options.local_dir
+  def tier(self, directory: Any = None) -> tier_store.TierConfig | None:
+    """This node's tier for a save or restore of the item ``directory`` (None: off), on the
+    process that calls ``save``/``restore``. ``Options.local_dir=None`` takes
+    ``ORBAX_PATHWAYS_LOCAL_DIR`` as the node has it set (where a node keeps its RAM disk is the
+    node's setting, so it holds for ``Options(...)`` built in code too), then the /dev/shm
+    default, kept only where it saves a storage read (``tier_store.default_applies``: remote
+    storage, several processes, Pathways workers; said once in the log otherwise). An explicit
+    directory is always used. Under the local transport this process is the host that owns
+    the directory: one that is there must pass the private-root check (``tier_store.usable``:
+    else one warning, tier off on this process, its peer server included); one that cannot be
+    made is warned about and its copies skipped, while restores still read other hosts' tiers.
+    Worker hosts check their own (``tier_store.write_entry`` / ``entries``)."""
+    o = self.options
+    local_dir = o.local_dir
     if local_dir is None:
       local_dir = os.environ.get(tier_store.ENV) or None
-    o = self.options
-    return tier_store.resolve(local_dir, o.local_keep, o.local_max_age_s, o.local_max_bytes)
+    cfg = tier_store.resolve(local_dir, o.local_keep, o.local_max_age_s, o.local_max_bytes)
+    if cfg is None:
+      return None
+    local = self.transport_name() == 'local'
+    if not cfg.explicit:
+      root = tier_layout.split_item_dir(directory)[0] if directory is not None else None
+      remote = root is not None and tier_store.storage_is_remote(root)
+      if not tier_store.default_applies(remote, jax.process_count(), not local):
+        _said.once(logging.INFO, ('tier-default-off',),
+                   'orbax_pathways: no node-local tier for %s: the checkpoint directory is on '
+                   'this machine\'s disk and one process saves and restores it, so the page '
+                   'cache already serves a restart (the /dev/shm default is kept for gs:// or '
+                   'network storage, jobs of several processes and Pathways workers). Set '
+                   'ORBAX_PATHWAYS_LOCAL_DIR (Options.local_dir) to a tmpfs directory to keep '
+                   'a copy in node memory anyway.', root)
+        return None
+    return tier_store.usable(cfg, missing_ok=True) if local else cfg
 
   # ---- save ------------------------------------------------------------------------------------
 
@@ -310,7 +334,8 @@ class Engine:
                  ready: Callable[[], Awaitable[None]]) -> PendingSave:
     t0 = time.perf_counter()
     check_global(arrays, [leaf.name for leaf in leaves])
-    config = dataclasses.replace(config, tier=self.tier(), tier_scope=self.options.local_scope)
+    config = dataclasses.replace(config, tier=self.tier(item.directory),
+                                 tier_scope=self.options.local_scope)
     transport = registry.create(self.transport_name(), save=config)
     reasons = transport.unsupported(leaves, item)
     if reasons and transport.fallback is not None:
@@ -370,7 +395,7 @@ class Engine:
       targets = [await self._target(leaf, item, records.get(leaf.name), context,
                                     require_record=written_by_us and config.verify)
                  for leaf in leaves]
-    config = dataclasses.replace(config, tier=self.tier(),
+    config = dataclasses.replace(config, tier=self.tier(item.directory),
                                  tier_peer_timeout_s=self.options.tier_peer_timeout_s)
     transport = registry.create(self.transport_name(), read=config)
     telemetry = compat.io_metrics_start('read')
@@ -397,6 +422,11 @@ class Engine:
              'chunks verified, from %s', len(out), sum(st.bytes_read.values()) / 2**20,
              st.transport, ', '.join(sorted(st.bytes_read)), st.sources_text(), st.read_s,
              st.chunks_verified, item.directory)
+    unread = sum(st.bytes_by_source.get(k, 0) for k in ('local', 'peer'))
+    if unread:  # the tier is a cache of storage: damage on storage is not seen through it
+      log.info('orbax_pathways: %.1f MiB of this restore came from node-local tiers, so their '
+               'copies on storage were not read and not checked: `orbax-pathways verify %s` '
+               'checks storage.', unread / 2**20, _step_dir(item.directory))
     return out
 
   async def read_to_host(self, names: Sequence[str], dtypes: Sequence[Any], item: values.Item, *,

@@ -138,7 +138,8 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            unset='take slices from the devices (slice_index, else one per process)'),
     EnvVar('ORBAX_PATHWAYS_LOCAL_DIR', 'str', None,
            'node-local tier directory (tmpfs), or "off"',
-           unset='use /dev/shm when it is a tmpfs'),
+           unset='/dev/shm (a tmpfs) for gs:// or network storage, several processes or '
+                 'Pathways workers; none for one process on local disk'),
     EnvVar('ORBAX_PATHWAYS_LOCAL_KEEP', 'int', 1, 'committed steps the node-local tier keeps',
            minimum=1),
     EnvVar('ORBAX_PATHWAYS_LOCAL_MAX_AGE_S', 'float', LOCAL_MAX_AGE_S,
@@ -271,18 +272,28 @@ class Options:
   local_dir: the node-local tier (``ORBAX_PATHWAYS_LOCAL_DIR``): a directory on node-local
     memory (tmpfs) where every save also leaves, in its background part, a copy of the chunks
     this host wrote (same bytes, same crc32c as on storage), which a restore of that committed
-    step reads before storage. None (default): ``ORBAX_PATHWAYS_LOCAL_DIR`` where the node sets
-    it (also for ``Options(...)`` built in code: the RAM disk is the node's), else
-    ``/dev/shm/orbax-pathways-<uid>`` when /dev/shm
-    is a tmpfs with room for this host's share (64 MiB left over), else no tier; ``'off'``: no
-    tier. A tier that would not fit, or a read-only or full directory, is skipped with one
-    warning; it never fails or slows a save. What a host keeps: ``local_scope``. Not part of
-    the checkpoint: storage stays the truth
-    (``docs/format.md``, "The node-local tier").
+    step reads before storage. A directory set here (or in the variable) is always used. None
+    (default): ``ORBAX_PATHWAYS_LOCAL_DIR`` where the node sets it (also for ``Options(...)``
+    built in code: the RAM disk is the node's), else ``/dev/shm/orbax-pathways-<uid>`` when
+    /dev/shm is a tmpfs, only where a copy saves a storage read on a restart: a checkpoint
+    directory on gs:// (or a network filesystem), a job of several processes, or Pathways
+    workers (colocated transport). A one-process job saving to this machine's own disk gets no
+    tier by default: the page cache already serves its restart, and a copy would hold node
+    memory for a day (``tier.store.default_applies``). The default leaves 64 MiB free on its
+    filesystem. ``'off'``: no tier. The directory must be this user's and not writable by
+    other users (created ``0700``, files ``0600``, no symlink followed); another user's is
+    refused with one warning. A tier that would not fit (after dropping this checkpoint
+    directory's older steps), or a read-only or full directory, is skipped with one warning; it
+    never fails or slows a save. What a host keeps: ``local_scope``. Not part of the
+    checkpoint: storage stays the truth, and ``orbax-pathways verify`` checks it (a restore the
+    tier serves does not read storage's copy) (``docs/format.md``, "The node-local tier").
   local_keep: committed steps the tier keeps per checkpoint directory (``ORBAX_PATHWAYS_LOCAL_KEEP``,
     1); a step's copy is dropped once a newer step's copy is complete and that step committed.
   local_max_age_s, local_max_bytes: node-level clean-up of the tier (``tier/gc.py``). At the
-    first tier copy of each save, entries of *other* checkpoint directories in the same tier
+    first tier copy of each save, entries whose step is gone from a local checkpoint directory
+    (or the directory itself) are dropped (``mngr.delete`` and retention drop theirs at once;
+    ``orbax-pathways tier --gc`` also lists gs:// directories and drops stale entries), and
+    entries of *other* checkpoint directories in the same tier
     directory are dropped once nothing wrote, committed or restored from them for
     ``local_max_age_s`` (``ORBAX_PATHWAYS_LOCAL_MAX_AGE_S``, 24 h; ``inf``: never by age); then,
     while the tier holds more than ``local_max_bytes`` (``ORBAX_PATHWAYS_LOCAL_MAX_BYTES``; None:

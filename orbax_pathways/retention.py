@@ -73,6 +73,7 @@ from absl import logging
 from etils import epath
 
 from orbax_pathways._compat import orbax_manager as _om
+from orbax_pathways.tier import store as tier_store
 
 DELETING_MARKER = '.orbax-pathways-deleting-'
 ABANDONED_AFTER_S = 3600.0
@@ -342,6 +343,7 @@ def _delete_step_hook(step: int, delete_target: epath.Path, remove_tree_fn) -> N
   committed step. ``mngr.delete(step)`` raises, naming the step."""
   try:
     safe_delete_step(delete_target, remove_tree_fn)
+    tier_store.forget_step(delete_target)  # and its node-local tier copy (never raises)
   except Exception as e:  # pylint: disable=broad-except
     if getattr(_explicit, 'active', False):
       raise OSError(f'orbax_pathways: deleting step {step} ({delete_target}) failed: '

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import threading
 
@@ -22,6 +23,7 @@ import pytest
 
 import orbax_pathways
 from orbax_pathways.cli import main as cli
+from orbax_pathways import engine
 from orbax_pathways import stats
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import sources as plan_sources
@@ -230,7 +232,10 @@ def test_unwritable_tier_directory_skips_with_one_warning(tmp_path, caplog):
 
 def _mount_tmpfs(path, *options):
   path.mkdir()
-  r = subprocess.run(['mount', '-t', 'tmpfs', '-o', ','.join(('size=1m',) + options), 'tmpfs',
+  # mode=0700: a private tier directory (tmpfs's own default, 1777, is refused as writable by
+  # other users before its room or its read-only state would matter)
+  r = subprocess.run(['mount', '-t', 'tmpfs', '-o', ','.join(('size=1m', 'mode=0700') + options),
+                      'tmpfs',
                       str(path)], capture_output=True, check=False)
   if r.returncode:
     pytest.skip(f'cannot mount a tmpfs here (needs root): {r.stderr.decode().strip()}')
@@ -253,9 +258,15 @@ def test_full_or_read_only_tmpfs_skips_with_one_warning(tmp_path, caplog, kind):
       tier_store.flush()
       out = m.restore(2, args=ocp.args.StandardRestore(state))
     np.testing.assert_array_equal(np.asarray(out['big']), big)
-    warnings = [r for r in caplog.records if 'node-local tier skipped' in r.getMessage()]
-    assert len(warnings) == 1, [r.getMessage() for r in warnings]
-    assert os.listdir(tier) == [] or kind == 'full' and not _entries(tier)
+    warnings = [r.getMessage() for r in caplog.records
+                if 'node-local tier skipped' in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    if kind == 'full':  # the numbers, and the margin (none: the directory was set explicitly)
+      assert f"share of {root}/1" in warnings[0] and 'bytes are free' in warnings[0]
+      assert 'an explicit directory leaves no safety margin' in warnings[0]
+    else:
+      assert 'Read-only file system' in warnings[0]
+    assert os.listdir(tier) == []  # a skipped copy leaves no folders behind
   finally:
     subprocess.run(['umount', str(tier)], check=False)
 
@@ -399,3 +410,194 @@ def test_colocated_workers_of_a_lost_slice_come_from_storage_onto_fewer_devices(
   # bytes) by all 4, from storage only if no surviving worker holds it.
   assert st.bytes_by_source.get('storage') == lost_w + (4 * host['b'].nbytes if lost_b else 0), st
   assert st.bytes_by_source.get('local', 0) > 0, st
+
+
+def _modes(tree):
+  """{path relative to ``tree``: (kind, mode)} of everything under it (lstat)."""
+  out = {}
+  for d, dirs, files in os.walk(tree):
+    for n in dirs + files:
+      st = os.lstat(os.path.join(d, n))
+      out[os.path.relpath(os.path.join(d, n), tree)] = (
+          'dir' if stat.S_ISDIR(st.st_mode) else 'file' if stat.S_ISREG(st.st_mode) else 'other',
+          stat.S_IMODE(st.st_mode))
+  return out
+
+
+def test_a_saved_tier_is_private_to_its_user(tmp_path):
+  """Tier directories are 0700 and files 0600 after a real save (nobody else on the node can
+  read the checkpoint's values), the tier directory itself included."""
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier, local_keep=2)
+  _save(root, [1, 2])
+  assert stat.S_IMODE(os.lstat(tier).st_mode) == 0o700
+  found = _modes(tier)
+  assert {k for k, _ in found.values()} == {'dir', 'file'} and len(found) > 8
+  assert {m for k, m in found.values() if k == 'dir'} == {0o700}, found
+  assert {m for k, m in found.values() if k == 'file'} == {0o600}, found
+
+
+def test_an_existing_tier_readable_by_others_is_made_private(tmp_path):
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  tier.mkdir()
+  os.chmod(tier, 0o755)
+  _install(tier)
+  _save(root, [1])
+  assert stat.S_IMODE(os.lstat(tier).st_mode) == 0o700
+  assert len(_entries(tier, root)) == 1
+
+
+@pytest.mark.parametrize('mode', [0o777, 0o775])
+def test_a_tier_others_can_write_into_is_not_used(tmp_path, caplog, mode):
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  tier.mkdir()
+  os.chmod(tier, mode)
+  _install(tier)
+  caplog.set_level(logging.INFO, logger='orbax_pathways')
+  state, host = _save(root, [1, 2])
+  out, st = _restore(root, 2, state)
+  _assert_exact(out, host)
+  assert st.bytes_by_source == {'storage': sum(v.nbytes for v in host.values())}
+  assert os.listdir(tier) == [] and stat.S_IMODE(os.lstat(tier).st_mode) == mode
+  warnings = [r.getMessage() for r in caplog.records if 'node-local tier skipped' in r.getMessage()]
+  assert len(warnings) == 1 and 'other users can write into it' in warnings[0], warnings
+
+
+# ---- the default (issue 26, item 15) ------------------------------------------------------------
+
+
+def test_the_default_tier_is_kept_only_where_it_saves_a_storage_read(tmp_path):
+  assert not tier_store.default_applies(False, 1, False)  # local disk, one process
+  assert tier_store.default_applies(True, 1, False)  # gs:// or network storage
+  assert tier_store.default_applies(False, 2, False)  # a job of several processes
+  assert tier_store.default_applies(False, 1, True)  # Pathways workers
+  assert tier_store.storage_is_remote('gs://bucket/run')
+  assert not tier_store.storage_is_remote('file:///tmp/run')
+  assert not tier_store.storage_is_remote(str(tmp_path / 'ckpt'))
+
+
+def test_no_default_tier_for_a_local_directory_of_one_process(tmp_path, monkeypatch, caplog):
+  """Options.local_dir unset, ORBAX_PATHWAYS_LOCAL_DIR unset: a one-process save into a local
+  directory gets no tier (said once); an explicit directory or 'off' mean what they say."""
+  monkeypatch.delenv(tier_store.ENV, raising=False)
+  caplog.set_level(logging.INFO, logger='orbax_pathways')
+  item = str(tmp_path / 'ckpt' / '1' / 'default')
+  assert engine.Engine(orbax_pathways.Options()).tier(item) is None
+  assert engine.Engine(orbax_pathways.Options()).tier(item) is None
+  said = [r.getMessage() for r in caplog.records if 'no node-local tier for' in r.getMessage()]
+  assert len(said) == 1 and 'ORBAX_PATHWAYS_LOCAL_DIR' in said[0]
+  explicit = engine.Engine(orbax_pathways.Options(local_dir=str(tmp_path / 't'))).tier(item)
+  assert explicit is not None and explicit.local_dir == str(tmp_path / 't')
+  assert engine.Engine(orbax_pathways.Options(local_dir='off')).tier(item) is None
+  monkeypatch.setenv(tier_store.ENV, str(tmp_path / 'node'))
+  assert engine.Engine(orbax_pathways.Options()).tier(item).local_dir == str(tmp_path / 'node')
+
+
+DEFAULT = r'''
+import json, os, stat, sys
+p = json.loads(sys.argv[1])
+os.environ.pop('ORBAX_PATHWAYS_LOCAL_DIR', None)  # the default: before the import reads it
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import orbax_pathways
+from orbax_pathways import stats
+from orbax_pathways.tier import store
+
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
+w = np.arange(8 * 4096, dtype=np.float32).reshape(8, 4096)
+state = {'w': jax.device_put(w, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x')))}
+
+
+def save_restore(path):
+  with ocp.CheckpointManager(path) as m:
+    m.save(1, args=ocp.args.StandardSave(state))
+    m.wait_until_finished()
+    store.flush()
+    out = m.restore(1, args=ocp.args.StandardRestore(state))
+  return bool(np.array_equal(np.asarray(out['w']), w)), stats.last_restore().bytes_by_source
+
+
+def tree(top):
+  out = {}
+  for d, dirs, files in os.walk(top):
+    for n in dirs + files:
+      st = os.lstat(os.path.join(d, n))
+      out[os.path.relpath(os.path.join(d, n), top)] = [stat.S_ISDIR(st.st_mode),
+                                                        stat.S_IMODE(st.st_mode)]
+  return out
+
+
+local = save_restore(p['local'])
+after_local = sorted(os.listdir('/dev/shm'))
+remote = save_restore(p['gs'])
+print('RESULT ' + json.dumps({'local': local, 'after_local': after_local, 'remote': remote,
+                              'shm': sorted(os.listdir('/dev/shm')), 'tree': tree('/dev/shm')}))
+'''
+
+
+def test_the_default_tier_on_a_real_node(tmp_path, gcs_bucket):
+  """With nothing set, in a private /dev/shm: a one-process save into a local directory leaves
+  nothing in /dev/shm; a save to gs:// keeps this host's share in
+  /dev/shm/orbax-pathways-<uid> (0700 directories, 0600 files) and the restore reads it."""
+  from support import private_shm  # pylint: disable=g-import-not-at-top
+  r = private_shm.run(DEFAULT, {'local': str(tmp_path / 'ckpt'), 'gs': gcs_bucket.path('ckpt')})
+  total = 8 * 4096 * 4
+  assert r['local'] == [True, {'storage': total}] and r['after_local'] == []
+  assert r['remote'][0] and r['remote'][1].get('local') == total, r['remote']
+  name = f'orbax-pathways-{os.geteuid()}'
+  assert r['shm'] == [name]
+  dirs = {m for k, (d, m) in r['tree'].items() if d}
+  files = {m for k, (d, m) in r['tree'].items() if not d}
+  assert dirs == {0o700} and files == {0o600}, r['tree']
+
+
+# ---- what the tier must not hide (issue 26, items 4 and 12) -------------------------------------
+
+
+def test_cli_tier_says_damaged_when_a_manifest_records_another_dtype(tmp_path, capsys):
+  """Only the dtype edited in a tier manifest (float32 -> int32, same bytes, so every crc32c
+  still matches): ``orbax-pathways tier`` compares the layout with storage's committed records
+  and reports the entry damaged, naming both dtypes."""
+  from orbax_pathways.tier import fsafe  # pylint: disable=g-import-not-at-top
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier)
+  _save(root, [1])
+  assert cli.main(['tier', str(tier)]) == 0
+  capsys.readouterr()
+  (e,) = _entries(tier, root)
+  m = e.manifest
+  edited = tier_layout.Manifest(**{**m.__dict__, 'arrays': tuple(
+      tier_layout.TierArray(**{**a.__dict__, 'dtype': 'int32'}) if a.name == 'w' else a
+      for a in m.arrays)})
+  fsafe.write_file(os.path.join(e.path, tier_layout.MANIFEST), tier_layout.encode(edited))
+  assert cli.main(['tier', str(tier), '--json']) == 1
+  (x,) = json.loads(capsys.readouterr().out)['entries']
+  assert x['status'] == 'damaged'
+  assert x['problems'] == ["array 'w': dtype int32, committed float32"]
+
+
+def test_a_restore_the_tier_serves_says_storage_was_not_read_and_verify_checks_it(
+    tmp_path, caplog, capsys):
+  """A flipped byte in a storage chunk while the tier holds an intact copy: the restore is
+  served from the tier (exact values) and says, once, that storage was not read and that
+  ``orbax-pathways verify`` checks it; ``verify`` finds the damage."""
+  from support import damage  # pylint: disable=g-import-not-at-top
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _install(tier)
+  state, host = _save(root, [1])
+  needle = np.ascontiguousarray(host['w'][:8, :8]).tobytes()[:32]
+  files = sorted((root / '1').rglob('*'), key=lambda p: -p.stat().st_size if p.is_file() else 0)
+  damage.flip_bit_in(files, needle, what='chunk bytes', offset=5)
+  caplog.set_level(logging.INFO, logger='orbax_pathways')
+  out, st = _restore(root, 1, state)
+  _assert_exact(out, host)
+  assert st.bytes_by_source.get('storage') == 0
+  said = [r.getMessage() for r in caplog.records if 'were not read and not checked' in
+          r.getMessage()]
+  assert len(said) == 1, said
+  assert f'`orbax-pathways verify {root}/1` checks storage' in said[0]
+  assert cli.main(['verify', str(root / '1')]) == 1
+  assert 'crc' in capsys.readouterr().out.lower()
+  assert cli.main(['verify', '--help']) == 0
+  assert 'verify reads storage, never a node-local tier' in capsys.readouterr().out

@@ -150,3 +150,278 @@ def test_read_small_bounds_the_size(tmp_path):
   assert fsafe.read_small(p, 100) == b'x' * 100
   with pytest.raises(fsafe.UnsafeError, match='more than the 99'):
     fsafe.read_small(p, 99)
+
+
+def test_root_problem_inspects_without_changing(tmp_path):
+  root = str(tmp_path / 'tier')
+  assert 'cannot inspect' in fsafe.root_problem(root) and not os.path.exists(root)
+  os.mkdir(root, 0o755)
+  os.chmod(root, 0o755)
+  assert fsafe.root_problem(root) == '' and _mode(root) == 0o755  # readable: read, left alone
+  os.chmod(root, 0o777)
+  assert 'other users can write into it' in fsafe.root_problem(root)
+  assert _mode(root) == 0o777
+
+
+# ---- another local user (a private mount namespace, a second uid) -------------------------------
+
+ATTACKER_UID = 4343
+
+# Runs as root in a private mount namespace with its own /dev/shm (support/private_shm). The
+# attacker (a forked child that became ATTACKER_UID, before anything else is imported) makes the
+# victim's default tier directory first, world-writable, with a symlink into the victim's
+# private folder and a planted entry whose chunk is a symlink to the victim's 0600 file. The
+# victim (root here) then saves and restores with that directory as its tier.
+ATTACK = r'''
+import json, os, sys, time, traceback
+p = json.loads(sys.argv[1])
+tier, private, secret = p['tier'], p['private'], p['secret']
+os.makedirs(os.path.dirname(secret), mode=0o700)
+with open(secret, 'wb') as f:
+  f.write(b'victim secret ' * 300)
+os.chmod(secret, 0o600)
+hour_ago = time.time() - 3600  # the victim's files, untouched for an hour (idle for clean-up)
+for d, dirs, files in os.walk(private, topdown=False):
+  for n in dirs + files:
+    os.utime(os.path.join(d, n), (hour_ago, hour_ago))
+os.utime(private, (hour_ago, hour_ago))
+pid = os.fork()
+if pid == 0:  # the attacker
+  try:
+    os.setgroups([])
+    os.setgid(p['uid'])
+    os.setuid(p['uid'])
+    os.mkdir(tier)
+    os.chmod(tier, 0o777)
+    os.symlink(private, os.path.join(tier, p['link_key']))
+    entry = os.path.join(tier, p['key'], '1', 'default', 'p0.' + p['save_id'])
+    os.makedirs(entry)
+    for d in (os.path.join(tier, p['key']), os.path.join(tier, p['key'], '1'),
+              os.path.join(tier, p['key'], '1', 'default'), entry):
+      os.chmod(d, 0o777)
+    with open(os.path.join(entry, 'manifest.msgpack'), 'wb') as f:
+      f.write(bytes.fromhex(p['manifest']))
+    os.symlink(secret, os.path.join(entry, '0.0.bin'))
+    os._exit(0)
+  except BaseException:
+    traceback.print_exc()
+    os._exit(1)
+assert os.waitpid(pid, 0)[1] == 0, 'the attacker could not set up'
+planted = sorted(os.path.relpath(os.path.join(d, n), tier)
+                 for d, dirs, files in os.walk(tier) for n in dirs + files)
+
+import logging
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import orbax_pathways
+from orbax_pathways import engine, stats
+from orbax_pathways.cli import main as cli
+from orbax_pathways.tier import store
+
+records = []
+handler = logging.Handler()
+handler.emit = records.append
+logging.getLogger('orbax_pathways').addHandler(handler)
+logging.getLogger('orbax_pathways').setLevel(logging.INFO)
+
+# The default tier (gs:// storage: the default applies) resolves to the attacker's directory:
+# refused, nothing created.
+os.environ.pop('ORBAX_PATHWAYS_LOCAL_DIR', None)
+default = engine.Engine(orbax_pathways.Options()).tier(p['gs_item'])
+
+# A real save and restore with that directory as the node's tier.
+os.environ['ORBAX_PATHWAYS_LOCAL_DIR'] = tier
+orbax_pathways.install(orbax_pathways.Options.from_env())
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
+w = np.arange(8 * 1024, dtype=np.float32).reshape(8, 1024)
+state = {'w': jax.device_put(w, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x')))}
+with ocp.CheckpointManager(p['ckpt']) as m:
+  m.save(1, args=ocp.args.StandardSave(state))
+  m.save(2, args=ocp.args.StandardSave(state))
+  m.wait_until_finished()
+  store.flush()
+  out = m.restore(2, args=ocp.args.StandardRestore(state))
+exact = bool(np.array_equal(np.asarray(out['w']), w))
+sources = stats.last_restore().bytes_by_source
+listed = store.entries(tier)
+cli_code = cli.main(['tier', tier])
+after = sorted(os.path.relpath(os.path.join(d, n), tier)
+               for d, dirs, files in os.walk(tier) for n in dirs + files)
+victim_files = sorted(os.path.relpath(os.path.join(d, n), private)
+                      for d, dirs, files in os.walk(private) for n in dirs + files)
+with open(secret, 'rb') as f:
+  secret_ok = f.read() == b'victim secret ' * 300
+warnings = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+print('RESULT ' + json.dumps({
+    'default': default is not None, 'exact': exact, 'sources': sources, 'listed': len(listed),
+    'cli': cli_code, 'planted': planted, 'after': after, 'victim_files': victim_files,
+    'secret_ok': secret_ok, 'warnings': warnings}))
+'''
+
+
+def test_another_users_tier_directory_is_refused_and_nothing_of_the_victim_is_touched(tmp_path):
+  """The red team's takeover (issue 26, item 1): another uid pre-creates the default-named tier
+  directory (777) with a symlink into the victim's private folder and a planted entry whose
+  chunk links to the victim's 0600 file. The victim's saves warn once and go on without the
+  tier; its restore reads storage; nothing in the victim's folder is deleted or created;
+  ``orbax-pathways tier`` refuses the directory."""
+  from support import private_shm  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.tier import layout  # pylint: disable=g-import-not-at-top
+  private_shm.skip_unless_possible()
+  ckpt = str(tmp_path / 'ckpt')
+  private = tmp_path / 'home' / 'private'
+  (private / 'docs' / '2024' / 'notes').mkdir(parents=True, mode=0o700)
+  (private / 'docs' / '2024' / 'notes' / 'todo.txt').write_text('keep me')
+  secret = str(private / 'keys' / 'id_secret')
+  save_id = '0123456789abcdef'
+  manifest = layout.encode(layout.Manifest(
+      root=ckpt, step_name='1', item='default', writer='p0', save_id=save_id,
+      arrays=(layout.TierArray('w', 'float32', (8, 1024), (1, 1024), ((0, 0),), (0,),
+                               (4096,), ('0.0.bin',)),)))
+  tier = f'/dev/shm/orbax-pathways-{os.geteuid()}'
+  r = private_shm.run(ATTACK, {
+      'tier': tier, 'private': str(private), 'secret': secret, 'uid': ATTACKER_UID,
+      'ckpt': ckpt, 'key': layout.root_key(ckpt), 'save_id': save_id, 'manifest': manifest.hex(),
+      'link_key': 'home_private-0123456789abcdef', 'gs_item': 'gs://bucket/run/1/default'})
+  assert r['default'] is False  # the default tier for gs:// storage: refused
+  assert r['exact'] and r['sources'] == {'storage': 8 * 1024 * 4}
+  assert r['listed'] == 0 and r['cli'] == 2
+  assert r['after'] == r['planted'], 'the victim wrote into or removed from the attacker\'s tier'
+  assert r['secret_ok'] and r['victim_files'] == [
+      'docs', 'docs/2024', 'docs/2024/notes', 'docs/2024/notes/todo.txt', 'keys',
+      'keys/id_secret']
+  skipped = [w for w in r['warnings'] if 'node-local tier skipped' in w]
+  assert len(skipped) == 1, r['warnings']  # one warning for the default's and the saves' checks
+  assert tier in skipped[0] and 'not owned by this user' in skipped[0]
+  assert f'uid {ATTACKER_UID}' in skipped[0]
+  not_read = [w for w in r['warnings'] if f'node-local tier {tier} not read' in w]
+  assert len(not_read) == 1, r['warnings']  # the listing a restore would make
+  assert len(r['warnings']) == 2, r['warnings']
+
+
+def test_a_chunk_that_is_a_symlink_fifo_or_device_is_never_read(tmp_path, caplog):
+  """In a tier this user owns, chunk files replaced by a symlink to a private 0600 file of the
+  chunk's size, a FIFO and a symlink to /dev/zero: the restore neither reads nor blocks on
+  them (the entry is refused like a damaged copy, storage serves, values exact), and
+  ``orbax-pathways tier`` reports the entry damaged without blocking either."""
+  import json  # pylint: disable=g-import-not-at-top
+  import logging  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  from orbax_pathways import stats  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.cli import main as cli  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.tier import store  # pylint: disable=g-import-not-at-top
+
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier), coalesce_bytes=0))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('x', 'y'))
+  w = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)
+  state = {'w': jax.device_put(w, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+      'x', 'y')))}
+  with ocp.CheckpointManager(root) as m:
+    m.save(1, args=ocp.args.StandardSave(state))
+    m.wait_until_finished()
+  store.flush()
+  (e,) = store.entries(str(tier), str(root))
+  a = e.manifest.arrays[0]
+  assert len(a.files) >= 3, a
+  secret = tmp_path / 'secret'
+  secret.write_bytes(b's' * a.nbytes[0])  # what the manifest records for the chunk it replaces
+  os.chmod(secret, 0o600)
+  chunk = [os.path.join(e.path, f) for f in a.files]
+  for p in chunk[:3]:
+    os.remove(p)
+  os.symlink(secret, chunk[0])
+  os.mkfifo(chunk[1])
+  os.symlink('/dev/zero', chunk[2])
+  caplog.set_level(logging.INFO, logger='orbax_pathways')
+
+  done = {}
+
+  def restore():
+    with ocp.CheckpointManager(root) as m:
+      done['out'] = m.restore(1, args=ocp.args.StandardRestore(state))
+    done['cli'] = cli.main(['tier', str(tier), '--json'])
+
+  t = threading.Thread(target=restore, daemon=True)
+  t.start()
+  t.join(120)
+  if t.is_alive():  # a reader blocked on the FIFO: let it go, then fail
+    fd = os.open(chunk[1], os.O_WRONLY | os.O_NONBLOCK)
+    os.close(fd)
+    t.join(30)
+    pytest.fail('the restore or `orbax-pathways tier` blocked on a FIFO in place of a chunk')
+  np.testing.assert_array_equal(np.asarray(done['out']['w']), w)
+  assert stats.last_restore().bytes_by_source.get('local', 0) == 0
+  lines = [r.getMessage() for r in caplog.records if 'node-local copy' in r.getMessage()]
+  assert len(lines) == 1 and 'not a regular file' in lines[0], lines
+  assert done['cli'] == 1
+  assert secret.read_bytes() == b's' * a.nbytes[0]
+
+
+def test_symlinks_inside_the_tier_are_never_followed(tmp_path, caplog):
+  """Inside this user's own tier: a root key that is a symlink to a private folder, and another
+  entry-looking symlink. The store writes no copy through the link (one warning), lists
+  nothing through either, and the clean-up never removes anything they point to."""
+  import logging  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  import uuid  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from orbax_pathways import values  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.plan import boxes  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.plan import save as save_plan  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.storage import writer as writer_lib  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.tier import gc  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.tier import layout  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.tier import store  # pylint: disable=g-import-not-at-top
+
+  tier, ckpt, private = tmp_path / 'tier', tmp_path / 'ckpt', tmp_path / 'private'
+  (private / '1' / 'default' / 'p0.x').mkdir(parents=True)
+  (private / '1' / 'default' / 'p0.x' / 'notes.txt').write_text('keep me')
+  hour_ago = time.time() - 3600
+  for d, dirs, files in os.walk(private):
+    for n in dirs + files:
+      os.utime(os.path.join(d, n), (hour_ago, hour_ago))
+  assert fsafe.private_root(str(tier)) == ''
+  os.symlink(private, tier / layout.root_key(str(ckpt)))  # this directory's own root key
+  os.symlink(private, tier / 'other-0123456789abcdef')
+  (ckpt / '1').mkdir(parents=True)
+  cfg = store.resolve(str(tier))
+  leaf = values.SaveLeaf('w', (16,), np.dtype(np.uint8), np.dtype(np.uint8), False, 1 << 20)
+  plan = save_plan.ArrayWritePlan((16,), (16,), ())
+  piece = writer_lib.Piece(boxes.Box((0,), (16,)), np.arange(16, dtype=np.uint8))
+  caplog.set_level(logging.INFO, logger='orbax_pathways')
+  assert store.write_entry(cfg, f'{ckpt}/1/default', 'p0', uuid.uuid4().hex[:16], [leaf],
+                           [plan], [[piece]], {}) is None
+  warnings = [r.getMessage() for r in caplog.records if 'node-local tier skipped' in r.getMessage()]
+  assert len(warnings) == 1 and 'a symlink' in warnings[0], warnings
+  assert store.entries(str(tier)) == []
+  gc.collect(str(tier), max_age_s=0, max_bytes=0)
+  assert (private / '1' / 'default' / 'p0.x' / 'notes.txt').read_text() == 'keep me'
+  assert sorted(os.listdir(private)) == ['1']
+
+
+@pytest.mark.parametrize('files,problem', [
+    (('../../../../secret',), "'../../../../secret' is not a chunk file name"),
+    (('/etc/passwd',), "'/etc/passwd' is not a chunk file name"),
+    (('0.0.bin', '0.0.bin'), 'a chunk file is named twice'),
+])
+def test_a_manifest_naming_other_files_is_damaged(tmp_path, files, problem):
+  """A manifest may name only the chunk files of its own entry: one naming a path out of it
+  (or a file twice) makes the entry damaged, so no reader ever opens that path."""
+  from orbax_pathways.tier import layout  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.tier import store  # pylint: disable=g-import-not-at-top
+  tier = tmp_path / 'tier'
+  assert fsafe.private_root(str(tier)) == ''
+  entry = fsafe.private_dirs(str(tier), 'ckpt-0123456789abcdef', '1', 'default', 'p0.abc')
+  n = len(files)
+  m = layout.Manifest(root=str(tmp_path / 'ckpt'), step_name='1', item='default', writer='p0',
+                      save_id='abc', arrays=(layout.TierArray(
+                          'w', 'uint8', (4 * n,), (4,), tuple((4 * i,) for i in range(n)),
+                          (0,) * n, (4,) * n, files),))
+  fsafe.write_file(os.path.join(entry, layout.MANIFEST), layout.encode(m))
+  (e,) = store.entries(str(tier))
+  assert e.manifest is None and problem in e.error, e.error

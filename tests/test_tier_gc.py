@@ -13,9 +13,12 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
+import subprocess
 import time
 import uuid
 
+from etils import epath
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -40,7 +43,9 @@ KiB = 1 << 10
 
 
 def _write(tier, root, step, nbytes=64 * KiB, commit=True, keep=1):
-  """One real entry of ``root``'s ``step`` (one array of ``nbytes``), through the store."""
+  """One real entry of ``root``'s ``step`` (one array of ``nbytes``), through the store; the
+  step's directory exists on storage (an entry of a step that does not is gone: see below)."""
+  os.makedirs(os.path.join(root, str(step)), exist_ok=True)
   cfg = tier_store.resolve(str(tier), keep)
   leaf = values.SaveLeaf('w', (nbytes,), np.dtype(np.uint8), np.dtype(np.uint8), False, 1 << 20)
   plan = save_plan.ArrayWritePlan((nbytes,), (nbytes,), ())
@@ -218,7 +223,7 @@ def test_a_failing_clean_up_never_fails_the_save_and_warns_once(tmp_path, monkey
   tier, cur = tmp_path / 'tier', tmp_path / 'cur'
   _age(_write(tier, tmp_path / 'old', 1), 25 * HOUR)
 
-  def unreadable(local_dir):
+  def unreadable(local_dir, judge=None):
     raise PermissionError(13, 'Permission denied', local_dir)
 
   monkeypatch.setattr(tier_gc, 'scan', unreadable)
@@ -303,3 +308,149 @@ def test_variables_and_options_reach_the_tier(monkeypatch, tmp_path):
   ]:
     with pytest.raises(ValueError, match=message):
       orbax_pathways.Options(**kwargs)
+
+
+# ---- a tier with room for one copy (issue 26, item 10) -------------------------------------------
+
+
+def _mount_tmpfs(path, size):
+  path.mkdir()
+  r = subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size},mode=0700', 'tmpfs', str(path)],
+                     capture_output=True, check=False)
+  if r.returncode:
+    pytest.skip(f'cannot mount a tmpfs here (needs root): {r.stderr.decode().strip()}')
+
+
+def test_a_tier_with_room_for_one_copy_keeps_the_newest_step(tmp_path, caplog):
+  """16 MiB of tmpfs, 10 MiB of state, max_to_keep=1: each save replaces the older copy, so the
+  tier holds the newest committed step (not the first one forever), and the restore of it
+  reads nothing from storage. No warning: every copy fitted once the older one went."""
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _mount_tmpfs(tier, '16m')
+  try:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
+    w = np.arange(10 * 2**18, dtype=np.float32).reshape(8, -1)  # 10 MiB
+    state = {'w': jax.device_put(w, jax.sharding.NamedSharding(mesh, P('x')))}
+    orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier)))
+    caplog.set_level(logging.INFO, logger='orbax_pathways')
+    opts = ocp.CheckpointManagerOptions(max_to_keep=1)
+    with ocp.CheckpointManager(root, options=opts) as m:
+      for s in (1, 2, 3):
+        m.save(s, args=ocp.args.StandardSave(state))
+        m.wait_until_finished()
+        assert tier_store.flush(120)
+      assert m.all_steps() == [3]
+      assert [(e.step, e.committed) for e in tier_store.entries(str(tier))] == [(3, True)]
+      out = m.restore(3, args=ocp.args.StandardRestore(state))
+    np.testing.assert_array_equal(np.asarray(out['w']), w)
+    assert stats.last_restore().bytes_by_source == {'local': w.nbytes, 'storage': 0}
+    assert not [r for r in caplog.records if 'node-local tier skipped' in r.getMessage()]
+  finally:
+    subprocess.run(['umount', str(tier)], check=False)
+
+
+def test_no_room_names_the_safety_margin_and_leaves_nothing(tmp_path, caplog):
+  """The /dev/shm default leaves 64 MiB free on its filesystem (node memory): a copy that does
+  not fit with that margin is skipped with one warning naming the bytes, the free space and
+  the margin, and creates nothing."""
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  _mount_tmpfs(tier, '16m')
+  try:
+    caplog.set_level(logging.INFO, logger='orbax_pathways')
+    cfg = tier_store.TierConfig(str(tier), explicit=False)  # what the default resolves to
+    leaf = values.SaveLeaf('w', (1 << 20,), np.dtype(np.uint8), np.dtype(np.uint8), False, 1 << 20)
+    plan = save_plan.ArrayWritePlan((1 << 20,), (1 << 20,), ())
+    piece = writer_lib.Piece(boxes_lib.Box((0,), (1 << 20,)), np.zeros(1 << 20, np.uint8))
+    for step in (1, 2):
+      assert tier_store.write_entry(cfg, f'{root}/{step}/default', 'p0', uuid.uuid4().hex[:16],
+                                    [leaf], [plan], [[piece]], {}) is None
+    warnings = [r.getMessage() for r in caplog.records
+                if 'node-local tier skipped' in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert f'share of {root}/1/default is {1 << 20} bytes' in warnings[0]
+    assert 'safety margin of 67108864 bytes (64 MiB)' in warnings[0]
+    assert os.listdir(tier) == []
+  finally:
+    subprocess.run(['umount', str(tier)], check=False)
+
+
+# ---- what was never cleaned (issue 26, item 11) --------------------------------------------------
+
+
+def test_delete_drops_the_tier_copy_of_the_step(tmp_path):
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  state, w = _save(root, [1, 2], local_dir=str(tier), local_keep=2)
+  assert sorted(e.step for e in tier_store.entries(str(tier), str(root))) == [1, 2]
+  with ocp.CheckpointManager(root) as m:
+    m.delete(2)
+    assert m.all_steps() == [1]
+  assert [e.step for e in tier_store.entries(str(tier), str(root))] == [1]
+
+
+def test_retention_drops_the_tier_copy_of_the_steps_it_deletes(tmp_path):
+  """local_keep=2 but max_to_keep=1: the step retention deletes from storage goes from the
+  tier too (no copy of a step storage no longer has)."""
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('x', 'y'))
+  w = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)
+  state = {'w': jax.device_put(w, jax.sharding.NamedSharding(mesh, P('x', 'y')))}
+  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier), local_keep=2))
+  with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(max_to_keep=1)) as m:
+    for s in (1, 2, 3):
+      m.save(s, args=ocp.args.StandardSave(state))
+      m.wait_until_finished()
+      assert tier_store.flush(120)
+    assert m.all_steps() == [3]
+  assert [e.step for e in tier_store.entries(str(tier), str(root))] == [3]
+
+
+def test_a_save_drops_entries_whose_checkpoint_directory_is_gone(tmp_path):
+  """Entries of a local checkpoint directory that was removed (a test run's, a notebook's),
+  idle but younger than the max age: the next save (of another directory) drops them, and
+  those of a directory still there stay."""
+  tier = tmp_path / 'tier'
+  gone, there, cur = tmp_path / 'gone', tmp_path / 'there', tmp_path / 'cur'
+  _save(gone, [1, 2], local_dir=str(tier))
+  _save(there, [1], local_dir=str(tier))
+  for e in tier_store.entries(str(tier)):
+    _age(e.path, 10 * 60)
+  shutil.rmtree(gone)
+  _save(cur, [1], local_dir=str(tier))
+  assert _tree(tier) == {str(there): ['1'], str(cur): ['1']}
+
+
+def test_cli_gc_drops_gone_and_stale_entries(tmp_path, capsys):
+  """``orbax-pathways tier --gc``: an entry of a step deleted from storage behind the tier's
+  back (``rm -r``), and one of a step saved again since (storage records another save id),
+  both idle: removed, with their reasons; the entry storage still records stays."""
+  tier = tmp_path / 'tier'
+  a, b = tmp_path / 'a', tmp_path / 'b'
+  _save(a, [1, 2], local_dir=str(tier), local_keep=2)
+  _save(b, [1], local_dir=str(tier))
+  shutil.rmtree(a / '1')
+  shutil.rmtree(b / '1')
+  _save(b, [1], local_dir='off')  # saved again, tier off: storage records another save id
+  for e in tier_store.entries(str(tier)):
+    _age(e.path, 10 * 60)
+  assert cli.main(['tier', str(tier), '--gc', '--json']) == 0
+  obj = json.loads(capsys.readouterr().out)
+  assert sorted((x['root'], x['step'], x['reason']) for x in obj['removed']) == [
+      (str(a), 1, 'gone'), (str(b), 1, 'stale')]
+  assert _tree(tier) == {str(a): ['2']}
+  assert cli.main(['tier', str(tier), '--json']) == 0  # what is left is ok
+
+
+def test_cli_gc_drops_entries_of_steps_gone_from_gs(tmp_path, gcs_bucket, capsys):
+  """A gs:// checkpoint directory: a save never lists storage for other directories' entries;
+  by hand, one listing of the directory finds the step gone and its entry goes."""
+  tier = tmp_path / 'tier'
+  path = gcs_bucket.path('ckpt')
+  _save(path, [1, 2], local_dir=str(tier), local_keep=2)
+  assert sorted(e.step for e in tier_store.entries(str(tier), path)) == [1, 2]
+  epath.Path(path, '1').rmtree()
+  for e in tier_store.entries(str(tier)):
+    _age(e.path, 10 * 60)
+  assert cli.main(['tier', str(tier), '--gc', '--json']) == 0
+  obj = json.loads(capsys.readouterr().out)
+  assert [(x['root'], x['step'], x['reason']) for x in obj['removed']] == [(path, 1, 'gone')]
+  assert [e.step for e in tier_store.entries(str(tier), path)] == [2]

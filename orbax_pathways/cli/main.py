@@ -10,7 +10,9 @@ Commands (every one takes ``--json``; tables otherwise):
                              per item the tree: key, dtype, shape, bytes, chunk, sharding; totals;
                              the transport that wrote it ("stock orbax" without our metadata).
   verify DIR/STEP | DIR --step N
-                             reads every chunk; crc32c against our metadata, else decode-only.
+                             reads every chunk from storage (never a node-local tier: a
+                             restore the tier serves does not check storage; this does);
+                             crc32c against our metadata, else decode-only.
   diff DIR/A DIR/B [--values]
                              added / removed / changed leaves (shape, dtype, sharding); values by
                              recorded crc32c, or read with --values; says what was compared.
@@ -20,8 +22,10 @@ Commands (every one takes ``--json``; tables otherwise):
                              else /dev/shm), each checked against the committed step on storage:
                              ok, stale, damaged or incomplete (exit 1 unless all ok).
   tier [LOCAL_DIR] --gc [--dry-run] [--max-age-s S] [--max-bytes N]
-                             drops stale entries (tier/gc.py): idle longer than the max age,
-                             incomplete, then the oldest while over the size cap; lists them.
+                             drops entries (tier/gc.py): gone from storage or stale, idle
+                             longer than the max age, incomplete, then the oldest while over
+                             the size cap; lists them. Refuses (exit 2) a tier directory that
+                             is not this user's or that other users can write into.
 
 Exit codes: 0 ok; 1 verify found problems / diff found differences; 2 user error (bad path,
 missing step, no credentials: one line on stderr, no traceback; with --json also
@@ -46,7 +50,7 @@ JSON output (top-level keys; ``bytes`` are integers, times ISO-8601 UTC):
            committed_marker, chunks, bytes, status, problems, path}]}
   tier --gc {local_dir, dry_run, max_age_s (null: none), max_bytes (null: none), entries,
            bytes_before, bytes_after, removed: [{root, step, step_name, item, writer, save_id,
-           complete, bytes, idle_s, reason (age | incomplete | cap), path}]}
+           complete, bytes, idle_s, reason (gone | stale | age | incomplete | cap), path}]}
 """
 
 from __future__ import annotations
@@ -72,7 +76,11 @@ VERIFY_EXIT_CODES = """exit status:
   1  a problem: damaged bytes, a missing checksum record, unreadable metadata
   2  user error (bad path, missing step)
   3  no damage found, but some values carry no checksum and were only decoded
-     (stock Orbax items, persistence-transport arrays, string leaves): not verified"""
+     (stock Orbax items, persistence-transport arrays, string leaves): not verified
+
+verify reads storage, never a node-local tier. A restore that the tier serves
+(bytes from 'local' or 'peer' in its log line) does not read those chunks' copies
+on storage, so it cannot see damage there: run verify to check storage."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -148,9 +156,9 @@ def _parser() -> argparse.ArgumentParser:
   s.add_argument('local_dir', nargs='?', default=None,
                  help='the tier directory (default: ORBAX_PATHWAYS_LOCAL_DIR, else /dev/shm)')
   s.add_argument('--gc', action='store_true',
-                 help='drop entries idle longer than --max-age-s, incomplete ones, then the '
-                      'oldest while over --max-bytes; entries touched in the last 5 minutes '
-                      'are kept')
+                 help='drop entries whose step is gone from storage or stale, entries idle '
+                      'longer than --max-age-s, incomplete ones, then the oldest while over '
+                      '--max-bytes; entries touched in the last 5 minutes are kept')
   s.add_argument('--dry-run', action='store_true', help='with --gc: list, remove nothing')
   s.add_argument('--max-age-s', type=float, default=None,
                  help='with --gc (default: ORBAX_PATHWAYS_LOCAL_MAX_AGE_S, else 86400)')

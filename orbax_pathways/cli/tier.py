@@ -1,25 +1,30 @@
 """``orbax-pathways tier [LOCAL_DIR]``: which steps a node's tier holds, each verified against
 the committed step's records on storage.
 
-Runs on the node whose tier it lists (``main.cmd_tier``). Each entry (one writer's chunks of one
-item of one step, ``tier/layout.py``) is ``ok`` when storage's index records its save id for its
-writer and every chunk's crc32c and size equal the committed ones; ``stale`` when storage
-records another save (or none) of that step; ``damaged`` when a chunk differs or is missing;
-``incomplete`` when its manifest is missing (a save or copy cut short). A restore uses only
-``ok`` entries (the others fall back to storage); storage's checksums are the reference, never
-the tier's own.
+Runs on the node whose tier it lists (``main.cmd_tier``), as the user who owns it: a tier
+directory that is not this user's, or that others can write into, is refused (exit 2) before
+anything in it is read. Each entry (one writer's chunks of one item of one step,
+``tier/layout.py``) is ``ok`` when storage's index records its save id for its writer, each of
+its arrays has the committed dtype, shape and chunk shape, and every chunk is a regular file of
+the committed size whose crc32c is the committed one; ``stale`` when storage records another
+save (or none) of that step; ``damaged`` when a chunk or an array's layout differs, a chunk is
+missing or not a regular file (a symlink, a FIFO: refused without reading it); ``incomplete``
+when its manifest is missing (a save or copy cut short). A restore uses only ``ok`` entries
+(the others fall back to storage); storage's records are the reference, never the tier's own.
 
 ``orbax-pathways tier --gc`` runs the node-level clean-up by hand (``tier/gc.py``, the rule a
-save applies to other checkpoint directories' entries, here to every directory's): entries idle
-past the max age, incomplete ones, then the oldest while over the size cap; never one touched
-in the last 5 minutes. ``--dry-run`` lists and removes nothing.
+save applies to other checkpoint directories' entries, here to every directory's): entries
+whose step is gone from storage or stale (one listing per checkpoint directory, gs:// too, and
+one index read per step), entries idle past the max age, incomplete ones, then the oldest while
+over the size cap; never one touched in the last 5 minutes. ``--dry-run`` lists and removes
+nothing.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -29,6 +34,7 @@ from orbax_pathways import options
 from orbax_pathways.storage import meta_io
 from orbax_pathways.cli import paths
 from orbax_pathways.tier import chain
+from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import gc as gc_lib
 from orbax_pathways.tier import layout
 from orbax_pathways.tier import store
@@ -40,9 +46,53 @@ def default_dir() -> str | None:
   return cfg.local_dir if cfg is not None else None
 
 
+def check_dir(local_dir: str) -> None:
+  """Refuses (``CliError``, exit 2) a tier directory this user must not read: missing, not a
+  real directory of this uid, or writable by other users (``fsafe.root_problem``)."""
+  if not fsafe.exists(local_dir):
+    raise paths.CliError(f'{local_dir}: no such tier directory')
+  why = fsafe.root_problem(local_dir)
+  if why:
+    raise paths.CliError(f'{why}. Nothing in it was read.')
+
+
+def _read_exact(path: str, nbytes: int) -> np.ndarray:
+  """The bytes of the chunk file at ``path``, which must be a regular file of exactly
+  ``nbytes`` (``fsafe.open_regular``: a symlink, FIFO or device is refused, never read)."""
+  parts, got = [], 0
+  with fsafe.open_regular(path, nbytes) as f:
+    while got < nbytes:
+      part = f.read(nbytes - got)
+      if not part:
+        raise OSError(f'{path}: ended after {got} of {nbytes} bytes')
+      parts.append(part)
+      got += len(part)
+  return np.frombuffer(b''.join(parts), np.uint8)
+
+
+def _layout_problems(a: layout.TierArray, rec: metadata.ArrayRecord) -> list[str]:
+  """How an entry's array differs from the committed record's dtype, shape and chunk shape."""
+  out = []
+  try:
+    ours: Any = chain.layout_dtype(a.dtype)
+  except Exception:  # pylint: disable=broad-except  # a damaged manifest names anything
+    ours = a.dtype
+  try:
+    theirs: Any = chain.layout_dtype(rec.dtype)
+  except Exception:  # pylint: disable=broad-except
+    theirs = rec.dtype
+  if str(ours) != str(theirs):
+    out.append(f'dtype {a.dtype}, committed {rec.dtype}')
+  if tuple(rec.shape) != tuple(a.shape):
+    out.append(f'shape {list(a.shape)}, committed {list(rec.shape)}')
+  if tuple(rec.chunk_shape) != tuple(a.chunk_shape):
+    out.append(f'chunk shape {list(a.chunk_shape)}, committed {list(rec.chunk_shape)}')
+  return out
+
+
 def _check(e: store.Entry, root: str | None) -> tuple[str, list[str]]:
   if e.manifest is None:
-    return 'incomplete', [e.error]
+    return ('incomplete' if e.error.startswith('incomplete') else 'damaged'), [e.error]
   item_dir = layout.item_dir_of(root or e.manifest.root, e.step_name, e.item)
   try:
     committed = meta_io.read_item(item_dir)
@@ -58,30 +108,41 @@ def _check(e: store.Entry, root: str | None) -> tuple[str, list[str]]:
   problems = []
   for a in e.manifest.arrays:
     rec = arrays.get(a.name)
-    if rec is None or tuple(rec.chunk_shape) != a.chunk_shape or tuple(rec.shape) != a.shape:
-      problems.append(f'array {a.name!r}: not in the committed step with this layout')
+    if rec is None:
+      problems.append(f'array {a.name!r}: not in the committed step')
+      continue
+    differs = _layout_problems(a, rec)
+    if differs:  # same bytes read as another dtype or layout are other values: never used
+      problems.append(f'array {a.name!r}: {"; ".join(differs)}')
       continue
     index = metadata.chunk_index([rec])
-    dtype = chain.layout_dtype(a.dtype)
     for origin, name, n in zip(a.origins, a.files, a.nbytes):
       want = index.get(tuple(origin))
       path = os.path.join(e.path, name)
+      if want is None:
+        problems.append(f'array {a.name!r} chunk {list(origin)}: no such chunk in the '
+                        f'committed step ({path})')
+        continue
+      if n != want.nbytes:
+        problems.append(f'array {a.name!r} chunk {list(origin)}: the manifest records {n} '
+                        f'bytes, the committed step {want.nbytes} ({path})')
+        continue
       try:
-        data = np.fromfile(path, dtype=np.uint8)
-      except OSError as ex:
+        data = _read_exact(path, want.nbytes)
+      except OSError as ex:  # fsafe.UnsafeError too: what was found instead of a chunk
         problems.append(f'array {a.name!r} chunk {list(origin)}: {ex}')
         continue
-      crc = checksum.of_array(data.view(dtype)) if data.nbytes % dtype.itemsize == 0 else None
-      if want is None or crc != want.crc32c or data.nbytes != want.nbytes:
+      crc = checksum.of_array(data)
+      if crc != want.crc32c:
         problems.append(
-            f'array {a.name!r} chunk {list(origin)} damaged ({path}: crc32c '
-            f'{crc if crc is None else hex(crc)}, {data.nbytes} bytes; committed '
-            f'{hex(want.crc32c) if want else None}, {want.nbytes if want else None} bytes)')
+            f'array {a.name!r} chunk {list(origin)} damaged ({path}: crc32c {crc:#010x}, '
+            f'{data.nbytes} bytes; committed {want.crc32c:#010x}, {want.nbytes} bytes)')
   return ('damaged' if problems else 'ok'), problems
 
 
 def report(local_dir: str) -> dict[str, Any]:
   """Every entry of the tier at ``local_dir``, with its status (see the module docstring)."""
+  check_dir(local_dir)
   out = []
   roots: dict[str, str | None] = {}
   for e in store.entries(local_dir):
@@ -135,7 +196,9 @@ def gc(local_dir: str, max_age_s: float | None, max_bytes: int | None,
     raise paths.CliError(f'--max-age-s {max_age_s}: use a number of seconds >= 0 (inf: none)')
   if max_bytes is not None and max_bytes < 0:
     raise paths.CliError(f'--max-bytes {max_bytes}: use a number of bytes >= 0')
-  r = gc_lib.collect(local_dir, max_age_s=max_age_s, max_bytes=max_bytes, dry_run=dry_run)
+  check_dir(local_dir)
+  r = gc_lib.collect(local_dir, max_age_s=max_age_s, max_bytes=max_bytes, dry_run=dry_run,
+                     judge=judge_storage)
   roots: dict[str, str | None] = {}
   removed = []
   for d in sorted(r.dropped, key=lambda d: (d.seen.mtime, d.seen.path)):
@@ -151,6 +214,57 @@ def gc(local_dir: str, max_age_s: float | None, max_bytes: int | None,
           'max_age_s': r.max_age_s if math.isfinite(r.max_age_s) else None,
           'max_bytes': r.max_bytes, 'entries': len(r.seen), 'bytes_before': r.bytes_before,
           'bytes_after': r.bytes_after, 'removed': removed}
+
+
+def _listing(root: str) -> set[str] | None:
+  """The names in checkpoint directory ``root`` (local or remote: one listing; empty: it is
+  gone), None when it cannot be listed (no credentials, storage down: not known)."""
+  try:
+    path = paths.to_path(root)
+    if not paths.exists(path):
+      return set()
+    return {p.name for p in paths.listdir(path)}
+  except Exception:  # pylint: disable=broad-except  # not known: its entries stay
+    return None
+
+
+def judge_storage(found: Sequence[store.Entry], local_dir: str) -> dict[str, str]:
+  """``gc.GONE`` / ``gc.STALE`` by storage, for ``--gc``: each entry's checkpoint directory is
+  listed once (gs:// too): an entry whose step is in it under no name, committed or
+  temporary, is ``GONE``; for one whose step is there under its final name, the committed
+  index (read once per item): ``STALE`` when it records another save id (or none) for the
+  entry's writer. A step being written, an unreadable listing or index: not judged (the entry
+  stays, and goes by age)."""
+  out: dict[str, str] = {}
+  roots: dict[str, str | None] = {}
+  listed: dict[str, set[str] | None] = {}
+  indexes: dict[str, dict[str, str] | None] = {}
+  for e in found:
+    root = gc_lib.entry_root(local_dir, e, roots)
+    if root is None:
+      continue
+    if root not in listed:
+      listed[root] = _listing(root)
+    names = listed[root]
+    if names is None:
+      continue
+    if e.step_name not in gc_lib.step_names(names):
+      out[e.path] = gc_lib.GONE
+      continue
+    if e.step_name not in names or e.manifest is None:
+      continue  # in flight (only its temporary name is listed), or incomplete: not judged
+    item_dir = layout.item_dir_of(root, e.step_name, e.item)
+    if item_dir not in indexes:
+      try:
+        committed = meta_io.read_item(item_dir)
+        indexes[item_dir] = ({w.writer: w.save_id for w in committed.writers}
+                             if committed is not None else None)
+      except Exception:  # pylint: disable=broad-except  # damaged or unreadable: not judged
+        indexes[item_dir] = None
+    ids = indexes[item_dir]
+    if ids is not None and ids.get(e.writer) != e.save_id:
+      out[e.path] = gc_lib.STALE
+  return out
 
 
 def _mib(n: int | None) -> str:

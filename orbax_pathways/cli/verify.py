@@ -17,6 +17,12 @@ Metadata is checked in both modes: ``_CHECKPOINT_METADATA``, commit marker, ``_M
 damaged ``_pathways/index.msgpack`` is a ``metadata`` problem; the chunks are then checked
 against the writer records beside it (what a restore falls back to).
 
+What it reads: storage only, never a node-local tier (``orbax-pathways tier`` checks those
+copies). A restore that the tier serves takes those chunks from node memory, checked against
+the committed crc32c, and does not read their copies on storage: damage there stays unseen
+until this command (or a restore from storage) reads them. The restore says so in its log
+(``engine.Engine.restore``, once per restore).
+
 Verdict (``Report.verdict``, the exit status of ``orbax-pathways verify``):
   ok         every value was checked against a recorded crc32c and matched (exit 0);
   unchecked  nothing is damaged as far as decoding can tell, but some values carry no checksum

@@ -8,6 +8,8 @@ job's other processes. So every access here follows four rules:
   that exists is used only if it is a real directory (not a symlink) owned by this uid and not
   group- or world-writable (one that is only readable by others is tightened to ``0700``).
   Anything else is refused with the reason, and the caller turns the tier off (one warning).
+  ``root_problem`` applies the same rule to an existing directory without changing it (before
+  a restore or ``orbax-pathways tier`` reads it).
   Once the root passes, nobody but this uid (and root) can create, rename or remove anything
   under it.
 - **Nothing under it is followed.** Directories are created one component at a time with mode
@@ -61,6 +63,11 @@ def _describe(st: os.stat_result) -> str:
   return f'{kind} owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}'
 
 
+def describe(st: os.stat_result) -> str:
+  """'a symlink owned by uid 1001 with mode 0777': what an ``lstat`` found, for messages."""
+  return _describe(st)
+
+
 def private_root(path: str) -> str:
   """Makes sure ``path`` is a private tier directory of this uid; returns ``''`` when it is,
   else why it cannot be used (the tier must then stay off). Creates it (and missing parents,
@@ -78,6 +85,31 @@ def private_root(path: str) -> str:
     st = os.lstat(path)
   except OSError as e:
     return f'cannot inspect {path}: {e}'
+  why = _not_private(path, st)
+  if why:
+    return why
+  if stat.S_IMODE(st.st_mode) & 0o077:
+    try:
+      os.chmod(path, DIR_MODE, follow_symlinks=False)
+    except (OSError, NotImplementedError) as e:
+      return f'{path} is readable by other users and cannot be made private: {e}'
+  return ''
+
+
+def root_problem(path: str) -> str:
+  """Why the existing ``path`` must not be read as a tier directory of this uid (``''``: it
+  may), without creating or changing anything: the check of a restore, a listing or
+  ``orbax-pathways tier``. Same rule as ``private_root`` (a real directory of this uid that
+  other users cannot write into); one only readable by others is accepted here (reading it
+  cannot be subverted; the next save makes it ``0700``). Missing: says so."""
+  try:
+    st = os.lstat(path)
+  except OSError as e:
+    return f'cannot inspect {path}: {e}'
+  return _not_private(path, st)
+
+
+def _not_private(path: str, st: os.stat_result) -> str:
   uid = os.geteuid()
   if not stat.S_ISDIR(st.st_mode):
     return (f'{path} is {_describe(st)}, not a directory of this user (uid {uid}); another user '
@@ -90,11 +122,6 @@ def private_root(path: str) -> str:
   if stat.S_IMODE(st.st_mode) & 0o022:
     return (f'{path} is {_describe(st)}: other users can write into it. chmod 700 it (or remove '
             'it), or set ORBAX_PATHWAYS_LOCAL_DIR to a directory of your own')
-  if stat.S_IMODE(st.st_mode) & 0o077:
-    try:
-      os.chmod(path, DIR_MODE, follow_symlinks=False)
-    except (OSError, NotImplementedError) as e:
-      return f'{path} is readable by other users and cannot be made private: {e}'
   return ''
 
 

@@ -24,6 +24,13 @@ What is dropped, when (``plan``):
   preemption or maintenance, still finds its copy).
 - ``incomplete``: an idle entry of another directory without a manifest (a save or copy cut
   short, or a damaged manifest): no restore uses it.
+- ``gone`` / ``stale``: an idle entry, of any directory (the saving one too), whose step is no
+  longer on storage (its checkpoint directory was removed, or ``delete()`` / retention removed
+  the step from a process that does not hold the tier), or whose step storage now records
+  another save of (``stale``). What a save checks (``gone_locally``): local checkpoint
+  directories only, one directory listing each, no storage request; a gs:// directory's
+  entries are judged by ``orbax-pathways tier --gc`` (one listing per directory, one index read
+  per step), or go by age.
 - ``cap``: while the tier's entries hold more than ``max_bytes`` bytes
   (``Options.local_max_bytes``; default half the size of the tier's filesystem: /dev/shm is
   half the RAM by default, so a quarter of it, leaving room for the next copy and the other
@@ -41,26 +48,35 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import stat
 import threading
 import time
-from typing import Container, Sequence
+from typing import Callable, Container, Iterable, Mapping, Sequence
 
 from orbax_pathways import _said
+from orbax_pathways import format as format_lib
+from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import layout
 from orbax_pathways.tier import store
 
 log = logging.getLogger('orbax_pathways')
 IDLE_S = 300.0
-AGE, INCOMPLETE, CAP = 'age', 'incomplete', 'cap'
-REASONS = {AGE: 'idle longer than the max age',
+AGE, INCOMPLETE, CAP, GONE, STALE = 'age', 'incomplete', 'cap', 'gone', 'stale'
+REASONS = {GONE: 'its step or checkpoint directory is gone from storage',
+           STALE: 'storage holds another save of its step',
+           AGE: 'idle longer than the max age',
            INCOMPLETE: 'incomplete (a save or copy cut short) and idle',
            CAP: 'the tier is over its size cap: oldest first'}
+# What a judge of entries against storage returns: entry path -> GONE or STALE (the others:
+# present, or not known).
+Judge = Callable[[Sequence[store.Entry], str], Mapping[str, str]]
 
 
 @dataclasses.dataclass(frozen=True)
 class Seen:
   """One entry as ``plan`` sees it: where, whose (root key), which step (None: a directory
-  named by no step number), marked committed, complete (has a manifest), bytes, last touched."""
+  named by no step number), marked committed, complete (has a manifest), bytes, last touched,
+  and what storage says of its step (``GONE``, ``STALE``; '': there, or not known)."""
 
   path: str
   root_key: str
@@ -69,6 +85,7 @@ class Seen:
   complete: bool
   nbytes: int
   mtime: float
+  storage: str = ''
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +103,12 @@ def plan(seen: Sequence[Seen], now: float, max_age_s: float, max_bytes: int | No
   idle = {e.path: now - e.mtime >= idle_s and e.path not in keep for e in seen}
   drops: dict[str, Drop] = {}
   for e in seen:
-    if not idle[e.path] or e.root_key == current:
+    if not idle[e.path]:
+      continue
+    if e.storage in (GONE, STALE):  # no restore can use it, whichever directory it is of
+      drops[e.path] = Drop(e, e.storage)
+      continue
+    if e.root_key == current:
       continue
     if now - e.mtime > max_age_s:
       drops[e.path] = Drop(e, AGE)
@@ -112,28 +134,25 @@ def plan(seen: Sequence[Seen], now: float, max_age_s: float, max_bytes: int | No
 
 
 def _incomplete_stat(path: str) -> tuple[float, int] | None:
-  """(newest mtime of the directory and its files, their bytes), None if it is gone."""
+  """(newest mtime of the directory and its files, their bytes), None if it is gone. Never
+  follows a symlink (a link counts as its own size)."""
   try:
-    mtime, nbytes = os.stat(path).st_mtime, 0
-    with os.scandir(path) as it:
-      for f in it:
-        try:
-          st = f.stat(follow_symlinks=False)
-        except OSError:
-          continue
-        mtime, nbytes = max(mtime, st.st_mtime), nbytes + st.st_size
+    mtime, nbytes = os.lstat(path).st_mtime, 0
+    for _, st in fsafe.walk_files(path):
+      mtime, nbytes = max(mtime, st.st_mtime), nbytes + st.st_size
   except OSError:
     return None
   return mtime, nbytes
 
 
-def scan(local_dir: str) -> tuple[list[Seen], dict[str, store.Entry]]:
-  """Every entry of the tier at ``local_dir`` as ``plan`` sees it, and the entries by path."""
+def scan(local_dir: str, judge: Judge | None = None) -> tuple[list[Seen], dict[str, store.Entry]]:
+  """Every entry of the tier at ``local_dir`` as ``plan`` sees it, and the entries by path;
+  ``judge`` says which are gone from storage or stale (``gone_locally`` at a save)."""
   seen, by_path = [], {}
   for e in store.entries(local_dir):
     if e.manifest is not None:
       try:
-        got: tuple[float, int] | None = (os.stat(e.path).st_mtime, e.manifest.nbytes)
+        got: tuple[float, int] | None = (os.lstat(e.path).st_mtime, e.manifest.nbytes)
       except OSError:
         got = None
     else:
@@ -143,7 +162,64 @@ def scan(local_dir: str) -> tuple[list[Seen], dict[str, store.Entry]]:
     seen.append(Seen(e.path, e.root_key, e.step, e.committed, e.manifest is not None, got[1],
                      got[0]))
     by_path[e.path] = e
+  if judge is not None and by_path:
+    verdicts = judge(list(by_path.values()), local_dir)
+    seen = [dataclasses.replace(s, storage=verdicts.get(s.path, '')) for s in seen]
   return seen, by_path
+
+
+def entry_root(local_dir: str, e: store.Entry, roots: dict[str, str | None]) -> str | None:
+  """The checkpoint directory of entry ``e`` (its root key's ``root.txt``, else its manifest's
+  root), only if it is the one the root key names (else None: not known). ``roots`` caches
+  ``root.txt`` per key."""
+  if e.root_key not in roots:
+    roots[e.root_key] = store.root_of(local_dir, e.root_key)
+  root = roots[e.root_key] or (e.manifest.root if e.manifest else None)
+  if root is None or layout.root_key(root) != e.root_key:
+    return None
+  return layout.normalize_root(root)
+
+
+def step_names(listed: Iterable[str]) -> set[str]:
+  """The step directory names a checkpoint directory's listing holds, committed or being
+  written (Orbax's temporary names count as their final name: a save in flight is there)."""
+  return {format_lib.final_name(n) for n in listed}
+
+
+def _local_steps(root: str) -> set[str] | None:
+  """Step names in the local checkpoint directory ``root`` (empty: it is gone), None when it
+  cannot be listed (not known)."""
+  try:
+    st = os.stat(root)
+  except FileNotFoundError:
+    return set()
+  except OSError:
+    return None
+  if not stat.S_ISDIR(st.st_mode):
+    return set()
+  try:
+    return step_names(os.listdir(root))
+  except OSError:
+    return None
+
+
+def gone_locally(found: Sequence[store.Entry], local_dir: str) -> dict[str, str]:
+  """``GONE`` for each entry whose checkpoint directory is a local path that no longer holds
+  its step, or no longer exists (one listing per checkpoint directory, no storage request);
+  entries of gs:// (or other remote) directories are not judged here."""
+  roots: dict[str, str | None] = {}
+  listed: dict[str, set[str] | None] = {}
+  out = {}
+  for e in found:
+    root = entry_root(local_dir, e, roots)
+    if root is None or '://' in root:
+      continue
+    if root not in listed:
+      listed[root] = _local_steps(root)
+    names = listed[root]
+    if names is not None and e.step_name not in names:
+      out[e.path] = GONE
+  return out
 
 
 def default_cap(local_dir: str) -> int | None:
@@ -183,7 +259,7 @@ def _remove_empty_root(local_dir: str, key: str) -> None:
   that starts meanwhile writes ``root.txt`` again, or fails its copy (one warning)."""
   kdir = os.path.join(local_dir, key)
   try:
-    if os.listdir(kdir) == [layout.ROOT_FILE]:
+    if fsafe.is_dir(kdir) and fsafe.names(kdir) == [layout.ROOT_FILE]:
       os.unlink(os.path.join(kdir, layout.ROOT_FILE))
       os.rmdir(kdir)
   except OSError:
@@ -192,11 +268,12 @@ def _remove_empty_root(local_dir: str, key: str) -> None:
 
 def collect(local_dir: str, *, max_age_s: float, max_bytes: int | None = None,
             current: str | None = None, keep: Container[str] = (), dry_run: bool = False,
-            now: float | None = None) -> Result:
+            now: float | None = None, judge: Judge | None = gone_locally) -> Result:
   """Lists the tier at ``local_dir``, drops what ``plan`` says (``max_bytes`` None: half its
   filesystem; ``current``: root key of the directory being saved; ``keep``: paths never
-  dropped); with ``dry_run`` only says what it would drop."""
-  seen, by_path = scan(local_dir)
+  dropped; ``judge``: which entries storage no longer has, ``gone_locally`` by default); with
+  ``dry_run`` only says what it would drop."""
+  seen, by_path = scan(local_dir, judge)
   cap = max_bytes if max_bytes is not None else default_cap(local_dir)
   now = time.time() if now is None else now
   drops = plan(seen, now, max_age_s, cap, current, keep)

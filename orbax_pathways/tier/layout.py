@@ -81,6 +81,34 @@ def chunk_file(array_index: int, chunk_index: int) -> str:
   return f'{array_index}.{chunk_index}.bin'
 
 
+CHUNK_FILE_RE = re.compile(r'^[0-9]+\.[0-9]+\.bin$')  # chunk_file's names, nothing else
+
+
+def manifest_problem(m: Manifest) -> str:
+  """What makes a decoded manifest unusable ('' when nothing): an array whose per-chunk lists
+  differ in length, or a file name that is not one ``chunk_file`` makes (a path such as
+  ``../x`` or ``/etc/passwd`` must never be opened), or a file named twice. Pure; the files
+  themselves are checked by ``store.read_entry``."""
+  total = 0
+  names: set[str] = set()
+  for a in m.arrays:
+    n = len(a.origins)
+    if not len(a.files) == len(a.crc32c) == len(a.nbytes) == n:
+      return (f'array {a.name!r}: {n} origins, {len(a.files)} files, {len(a.nbytes)} sizes, '
+              f'{len(a.crc32c)} checksums')
+    names.update(a.files)
+    total += n
+    bad = next((x for x in a.files if not isinstance(x, str) or not CHUNK_FILE_RE.match(x)), None)
+    if bad is not None:
+      return f'array {a.name!r}: {bad!r} is not a chunk file name'
+    size = next((x for x in a.nbytes if not isinstance(x, int) or x < 0), None)
+    if size is not None:
+      return f'array {a.name!r}: a chunk has size {size!r}'
+  if len(names) != total:
+    return 'a chunk file is named twice'
+  return ''
+
+
 @dataclasses.dataclass(frozen=True)
 class TierArray:
   """One array of an entry: its stored layout and the chunks this writer wrote (file names

@@ -19,12 +19,25 @@ Who calls what, on which host:
   front door without that hook (``ocp.v1.save``, a bare ``Checkpointer``) leaves entries
   unmarked; a restore still uses an unmarked entry whose save id the committed index records,
   and each new write drops all but the newest ``local_keep + 1`` unmarked steps.
-- ``resolve`` turns ``Options.local_dir`` into a directory (or None: off); ``entries`` lists a
-  node's tier (the restore's source chain, ``orbax-pathways tier``); ``touch`` marks an entry a
-  restore reads as in use.
+- ``resolve`` turns ``Options.local_dir`` into a directory (or None: off); ``default_applies``
+  says whether the /dev/shm default is worth it for a save or restore (``engine.tier``);
+  ``usable`` checks, before the first write, that the directory is this uid's and private
+  (``tier/fsafe.private_root``; once per process and directory, again if it was made anew),
+  else turns the tier off with one warning; ``entries`` lists a node's tier (the restore's
+  source chain, ``orbax-pathways tier``), never one that fails that check, never through a
+  symlink, and refuses an entry whose manifest names a file that is not a regular file;
+  ``touch`` marks an entry a restore reads as in use.
 - ``prune`` sees only the checkpoint directory being saved; entries of other directories (old
-  jobs, a test loop's fresh directories) are dropped by ``tier/gc.py`` (age, size cap), which
-  the tier's background thread runs once per save after ``write_entry``.
+  jobs, a test loop's fresh directories) are dropped by ``tier/gc.py`` (age, size cap, gone
+  from storage), which the tier's background thread runs once per save after ``write_entry``.
+  A copy that does not fit first drops this directory's older steps (``_make_room``), so a
+  tier with room for one copy keeps the newest step instead of the first.
+- ``forget_step(step_dir)`` runs where Orbax deletes a step (``retention``'s deletion hook:
+  ``mngr.delete`` and ``max_to_keep``, on the process that deletes) and drops the tier copies
+  of that step in the tier directories this process uses.
+
+Every file system access goes through ``tier/fsafe.py``: directories ``0700``, files
+``0600``, no symlink followed, only regular files read.
 
 No jax: pieces arrive as numpy (or host-resident arrays that ``np.asarray`` reads in place).
 """
@@ -38,6 +51,7 @@ import functools
 import logging
 import os
 import shutil
+import stat
 import threading
 from typing import Any, Iterator, Sequence
 
@@ -49,6 +63,7 @@ from orbax_pathways import options
 from orbax_pathways import version
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.storage import cast as cast_lib
+from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import layout
 
 log = logging.getLogger('orbax_pathways')
@@ -73,19 +88,27 @@ class TierConfig:
   max_bytes: int | None = None
 
 
-def _is_tmpfs(path: str) -> bool:
+def _fs_type(path: str) -> str:
+  """The type of the filesystem ``path`` is on (its longest mount point in /proc/mounts; ''
+  when unknown). ``path`` need not exist yet."""
   try:
     with open('/proc/mounts', encoding='utf-8') as f:
       mounts = [line.split() for line in f]
   except OSError:
-    return False
+    return ''
   best, fstype = '', ''
   real = os.path.realpath(path)
   for parts in mounts:
-    if len(parts) >= 3 and (real == parts[1] or real.startswith(parts[1].rstrip('/') + '/')):
-      if len(parts[1]) >= len(best):
-        best, fstype = parts[1], parts[2]
-  return fstype == 'tmpfs'
+    if len(parts) < 3:
+      continue
+    point = parts[1].replace('\\040', ' ')
+    if (real == point or real.startswith(point.rstrip('/') + '/')) and len(point) >= len(best):
+      best, fstype = point, parts[2]
+  return fstype
+
+
+def _is_tmpfs(path: str) -> bool:
+  return _fs_type(path) == 'tmpfs'
 
 
 def default_dir() -> str | None:
@@ -93,6 +116,35 @@ def default_dir() -> str | None:
   if not os.path.isdir(layout.DEFAULT_SHM) or not _is_tmpfs(layout.DEFAULT_SHM):
     return None
   return os.path.join(layout.DEFAULT_SHM, f'orbax-pathways-{os.getuid()}')
+
+
+# Filesystems whose reads cross the network: a checkpoint directory there is storage a restart
+# pays for, as gs:// is (a local path on them is no page-cache read).
+NETWORK_FS = ('nfs', 'nfs4', 'cifs', 'smb3', 'smbfs', 'ceph', 'glusterfs', 'lustre', 'gpfs',
+              'beegfs', 'afs', 'fuse.gcsfuse', 'fuse.s3fs', 'fuse.sshfs', 'fuse.rclone',
+              'fuse.juicefs', 'fuse.ceph-fuse', 'fuse.glusterfs')
+
+
+@functools.lru_cache(maxsize=64)
+def storage_is_remote(root: str) -> bool:
+  """Whether a checkpoint directory is storage a restart pays for: a URL (``gs://``, any
+  scheme but ``file://``) or a local path on a network filesystem (``NETWORK_FS``)."""
+  if '://' in root:
+    return not root.startswith('file://')
+  return _fs_type(root) in NETWORK_FS
+
+
+def default_applies(remote_storage: bool, processes: int, workers: bool) -> bool:
+  """Whether the /dev/shm default tier (``Options.local_dir`` unset) is kept for a save or
+  restore (pure; ``engine.tier`` asks): only where it saves a storage read on a restart. A
+  checkpoint directory on this machine's own disk, written by one process, is read back from
+  the page cache (or a local disk at its own speed): a copy in node memory buys nothing there
+  and costs RAM for a day (a notebook's, a test run's throwaway checkpoints). It does buy a
+  read for ``remote_storage`` (gs://, NFS), for jobs of several processes (a restarted process
+  reads its share from its own node's memory and the survivors' tiers, not from storage: the
+  job's directory is shared storage), and for Pathways workers (``workers``: the colocated
+  transport's worker hosts). An explicit ``local_dir`` is always used."""
+  return remote_storage or processes > 1 or workers
 
 
 @functools.lru_cache(maxsize=64)
@@ -109,12 +161,84 @@ def resolve(local_dir: str | None, keep: int = 1, max_age_s: float = MAX_AGE_S,
                     max_age_s, max_bytes)
 
 
-def _warn(cfg: TierConfig, reason: str, detail: str) -> None:
+_ADVICE = ('Free space there, point ORBAX_PATHWAYS_LOCAL_DIR (Options.local_dir) elsewhere, or '
+           'set it to "off" to silence this.')
+
+
+def _warn(cfg: TierConfig, reason: str, detail: str, advice: str = _ADVICE) -> None:
   _said.once(logging.WARNING, ('tier', cfg.local_dir, reason),
              'orbax_pathways: node-local tier skipped (%s): %s. Saves go on to storage as '
-             'before; restores read storage. Free space there, point ORBAX_PATHWAYS_LOCAL_DIR '
-             '(Options.local_dir) elsewhere, or set it to "off" to silence this.',
-             cfg.local_dir, detail)
+             'before; restores read storage. %s', cfg.local_dir, detail, advice)
+
+
+# Tier directories that passed the private-root check in this process: path -> the lstat
+# fields that passed (device, inode, owner, mode). One lstat per use then; a directory removed
+# and made again (by anyone), chown'ed or chmod'ed is checked again.
+_roots: dict[str, tuple[int, int, int, int]] = {}
+_used: set[str] = set()  # tier directories this process saved into or read (forget_step)
+
+
+def _root_key_of(st: os.stat_result) -> tuple[int, int, int, int]:
+  return st.st_dev, st.st_ino, st.st_uid, st.st_mode
+
+
+def root_problem(local_dir: str, *, create: bool) -> str:
+  """Why ``local_dir`` must not be used as this uid's tier ('' when it may): ``create`` makes
+  it ``0700`` if missing (``fsafe.private_root``, before a write), else it is only inspected
+  (``fsafe.root_problem``, before a read). Cheap: once per process and directory."""
+  try:
+    st: os.stat_result | None = os.lstat(local_dir)
+  except OSError:
+    st = None
+  if st is not None and _roots.get(local_dir) == _root_key_of(st):
+    return ''
+  why = fsafe.private_root(local_dir) if create else fsafe.root_problem(local_dir)
+  if not why:
+    try:
+      st = os.lstat(local_dir)
+    except OSError as e:
+      return f'cannot inspect {local_dir}: {e}'
+    with _lock:
+      _roots[local_dir] = _root_key_of(st)
+      _used.add(local_dir)
+  return why
+
+
+_UNSAFE_ADVICE = ('Nothing in it was read, written or removed. Remove it if you did not make it, '
+                  'or point ORBAX_PATHWAYS_LOCAL_DIR (Options.local_dir) at a directory of your '
+                  'own, or set it to "off".')
+
+
+def usable(cfg: TierConfig | None, *, missing_ok: bool = False) -> TierConfig | None:
+  """``cfg`` when its directory is (or is now made) a private tier directory of this uid, else
+  None with one warning per process naming what is wrong (another user's directory, one others
+  can write into, a symlink, one that cannot be created). Called before the first write of each
+  save (``write_entry`` on a writer host) and by ``engine.tier`` on the saving or restoring
+  process, with ``missing_ok``: a directory that cannot be made (nothing is there, so nobody
+  else's either) still gives ``cfg`` (its copies are skipped, warned; a restore still reads the
+  other hosts' tiers), one that is there but is not a private one of this uid gives None (the
+  tier is off on this process: nothing in it is read, served or written)."""
+  if cfg is None:
+    return None
+  why = root_problem(cfg.local_dir, create=True)
+  if why:
+    _warn(cfg, 'unsafe:' + why, why, _UNSAFE_ADVICE)
+    return cfg if missing_ok and not fsafe.exists(cfg.local_dir) else None
+  return cfg
+
+
+def _readable(local_dir: str) -> bool:
+  """Whether a listing may read ``local_dir``: it exists and passes ``fsafe.root_problem``
+  (one warning per process otherwise: a planted tier is never read)."""
+  if not fsafe.exists(local_dir):
+    return False
+  why = root_problem(local_dir, create=False)
+  if why:
+    _said.once(logging.WARNING, ('tier-read', local_dir, why),
+               'orbax_pathways: node-local tier %s not read: %s. Restores read storage. %s',
+               local_dir, why, _UNSAFE_ADVICE)
+    return False
+  return True
 
 
 # Entries this process wrote and has not seen committed: (root, step name) -> [(dir, config)].
@@ -185,22 +309,28 @@ def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
   entry directory, or None when skipped (one warning per process and reason). ``leaves`` are
   ``values.SaveLeaf``s, ``plans`` their write plans, ``pieces`` this host's ``writer.Piece``s,
   ``crcs`` the checksums the storage write computed (name -> origin -> crc32c). A second call
-  for the same writer and save (the next device group of a colocated save) adds its arrays."""
+  for the same writer and save (the next device group of a colocated save) adds its arrays.
+  The directory must pass the private-root check first (``usable``); nothing is created when
+  the copy does not fit."""
+  if usable(cfg) is None:
+    return None
   root, step_name, item_name = layout.split_item_dir(item_dir)
-  path = layout.entry_dir(cfg.local_dir, root, step_name, item_name, writer, save_id)
+  key = layout.root_key(root)
+  name = layout.entry_name(writer, save_id)
+  path = os.path.join(cfg.local_dir, key, step_name, item_name, name)
   total = sum(int(np.asarray(p.data).nbytes) for ps in pieces for p in ps)
+  made = False  # only a directory this call made (checked component by component) is removed
   try:
-    os.makedirs(path, exist_ok=True)
-    free = shutil.disk_usage(path).free
-    if free < total + (0 if cfg.explicit else MARGIN_BYTES):
-      shutil.rmtree(path, ignore_errors=True)
-      _warn(cfg, 'full', f'this host\'s share of {item_dir} is {total} bytes, '
-                         f'{free} bytes are free')
+    if not _make_room(cfg, root, step_name, total, item_dir):
       return None
-    root_file = os.path.join(cfg.local_dir, layout.root_key(root), layout.ROOT_FILE)
-    if not os.path.exists(root_file):
-      with open(root_file, 'w', encoding='utf-8') as f:
-        f.write(root + '\n')
+    fsafe.private_dirs(cfg.local_dir, key, step_name, item_name, name)
+    made = True
+    root_file = os.path.join(cfg.local_dir, key, layout.ROOT_FILE)
+    if not fsafe.exists(root_file):
+      try:
+        fsafe.write_file(root_file, (root + '\n').encode(), exclusive=True)
+      except FileExistsError:
+        pass  # another process of this node wrote it meanwhile
     # A colocated save writes one device group per call: later groups add to the entry.
     arrays = list(_existing(path, save_id))
     first = len(arrays)
@@ -208,14 +338,14 @@ def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
       stored = np.dtype(leaf.stored_dtype)
       origins, sums, sizes, files = [], [], [], []
       for c, (origin, chunk) in enumerate(_chunks(leaf.shape, plan.chunk_shape, stored, ps)):
-        name = layout.chunk_file(a, c)
-        with open(os.path.join(path, name), 'wb') as f:
-          f.write(np.ascontiguousarray(chunk).tobytes() if chunk.ndim == 0 else
-                  np.ascontiguousarray(chunk).reshape(-1).view(np.uint8).data)
+        fname = layout.chunk_file(a, c)
+        flat = np.ascontiguousarray(chunk)
+        fsafe.write_file(os.path.join(path, fname),
+                         flat.tobytes() if flat.ndim == 0 else flat.reshape(-1).view(np.uint8).data)
         origins.append(tuple(origin))
         sums.append(int(crcs.get(leaf.name, {}).get(tuple(origin), 0)))
         sizes.append(int(chunk.nbytes))
-        files.append(name)
+        files.append(fname)
       arrays.append(layout.TierArray(
           name=leaf.name, dtype=stored.name, shape=tuple(leaf.shape),
           chunk_shape=tuple(plan.chunk_shape), origins=tuple(origins), crc32c=tuple(sums),
@@ -224,11 +354,11 @@ def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
                                save_id=save_id, arrays=tuple(arrays),
                                library_version=version.VERSION)
     tmp = os.path.join(path, layout.MANIFEST + '.tmp')
-    with open(tmp, 'wb') as f:
-      f.write(layout.encode(manifest))
-    os.replace(tmp, os.path.join(path, layout.MANIFEST))
-  except OSError as e:
-    shutil.rmtree(path, ignore_errors=True)
+    fsafe.write_file(tmp, layout.encode(manifest))
+    fsafe.replace(tmp, os.path.join(path, layout.MANIFEST))
+  except OSError as e:  # fsafe.UnsafeError too: a symlink or another user's directory inside
+    if made:
+      remove(path)
     _warn(cfg, type(e).__name__, f'writing {path} failed: {e}')
     return None
   parsed = format_lib.parse_step_name(step_name)
@@ -242,10 +372,53 @@ def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
   return path
 
 
+def _free_bytes(local_dir: str) -> int:
+  return shutil.disk_usage(local_dir).free
+
+
+def _older(found: Sequence[Entry], step_name: str) -> list[Entry]:
+  """The entries of one checkpoint directory that a copy of ``step_name`` replaces: its older
+  steps (by number; directories named by no step number: every other one)."""
+  parsed = format_lib.parse_step_name(step_name)
+  if parsed is None:
+    return [e for e in found if e.step_name != step_name]
+  return [e for e in found if e.step is not None and e.step < parsed[0]]
+
+
+def _make_room(cfg: TierConfig, root: str, step_name: str, total: int, item_dir: str) -> bool:
+  """Whether a copy of ``total`` bytes fits (leaving ``MARGIN_BYTES`` free on the default
+  tier's filesystem, node memory). When it does not, this directory's older steps are dropped
+  first: a newer copy replaces them anyway, and a tier with room for one copy then keeps the
+  newest step rather than its first forever. Still no room: one warning naming the bytes, the
+  free space and the margin; nothing is created."""
+  margin = 0 if cfg.explicit else MARGIN_BYTES
+  free = _free_bytes(cfg.local_dir)
+  dropped = 0
+  if free < total + margin:
+    for e in _older(entries(cfg.local_dir, root), step_name):
+      remove(e.path)
+      dropped += 1
+    if dropped:
+      free = _free_bytes(cfg.local_dir)
+  if free >= total + margin:
+    if dropped:
+      log.info('orbax_pathways: node-local tier %s: dropped %d older entr%s of %s to make room '
+               'for step %s', cfg.local_dir, dropped, 'y' if dropped == 1 else 'ies', root,
+               step_name)
+    return True
+  kept = (f'the default tier leaves a safety margin of {margin} bytes '
+          f'({margin / 2**20:.0f} MiB) free on its filesystem, which is node memory' if margin
+          else 'an explicit directory leaves no safety margin')
+  after = ('after dropping this directory\'s older steps' if dropped
+           else 'and this directory has no older step to drop')
+  _warn(cfg, 'full', f'this host\'s share of {item_dir} is {total} bytes; {free} bytes are free '
+                     f'{after}; {kept}')
+  return False
+
+
 def _existing(path: str, save_id: str) -> tuple[layout.TierArray, ...]:
   try:
-    with open(os.path.join(path, layout.MANIFEST), 'rb') as f:
-      m = layout.decode(f.read())
+    m = layout.decode(fsafe.read_small(os.path.join(path, layout.MANIFEST)))
   except (OSError, ValueError):
     return ()
   return m.arrays if m.save_id == save_id else ()
@@ -272,72 +445,102 @@ class Entry:
     return m[0] if m else None
 
 
-def _listdir(path: str) -> list[str]:
-  try:
-    return sorted(os.listdir(path))
-  except OSError:
-    return []
-
-
 def read_entry(path: str) -> Entry:
+  """One entry as found (its directory is a real one, listed without following links). Its
+  manifest is refused (``error``: damaged) when it is not a regular file, cannot be decoded,
+  names a file that is no chunk file of the entry, or names a file that is there but is not a
+  regular file (a symlink, a FIFO, a device: what another user planted or a bug made; a
+  missing one only costs its chunk a storage read)."""
   parts = path.rstrip('/').split('/')
   key, step_name, item = parts[-4], parts[-3], parts[-2]
   writer, save_id = layout.parse_entry_name(parts[-1]) or (parts[-1], '')
-  committed = os.path.exists(os.path.join(path, layout.COMMITTED))
+  committed = _is_regular(os.path.join(path, layout.COMMITTED))
   try:
-    with open(os.path.join(path, layout.MANIFEST), 'rb') as f:
-      manifest = layout.decode(f.read())
+    manifest = layout.decode(fsafe.read_small(os.path.join(path, layout.MANIFEST)))
   except FileNotFoundError:
     return Entry(path, key, step_name, item, writer, save_id, committed,
                  error='incomplete: no manifest (a save or a copy was cut short)')
   except (OSError, ValueError) as e:
     return Entry(path, key, step_name, item, writer, save_id, committed,
                  error=f'damaged manifest: {e}')
+  why = layout.manifest_problem(manifest) or _files_problem(path, manifest)
+  if why:
+    return Entry(path, key, step_name, item, writer, save_id, committed,
+                 error=f'damaged manifest: {why}')
   return Entry(path, key, step_name, item, writer, save_id, committed, manifest)
+
+
+def _is_regular(path: str) -> bool:
+  try:
+    return stat.S_ISREG(os.lstat(path).st_mode)
+  except OSError:
+    return False
+
+
+def _files_problem(path: str, m: layout.Manifest) -> str:
+  """The first file ``m`` names that is there but is not a regular file ('' if none): one
+  listing of the entry (the file types come with it, no stat per chunk; nothing followed)."""
+  try:
+    with os.scandir(path) as it:
+      odd = {e.name for e in it if not e.is_file(follow_symlinks=False)}
+  except OSError as e:
+    return f'{path}: {e}'
+  if not odd:
+    return ''
+  for a in m.arrays:
+    for name in a.files:
+      if name in odd:
+        p = os.path.join(path, name)
+        try:
+          found = fsafe.describe(os.lstat(p))
+        except OSError as e:
+          found = f'unreadable ({e})'
+        return f'{p} is {found}, not a regular file; the tier never follows or reads one'
+  return ''
 
 
 def entries(local_dir: str, root: str | None = None, step_name: str | None = None,
             item: str | None = None) -> list[Entry]:
-  """Every entry under ``local_dir``, narrowed to one checkpoint directory / step / item."""
+  """Every entry under ``local_dir``, narrowed to one checkpoint directory / step / item.
+  Nothing when the directory fails the private-root check (one warning): a tier another user
+  made is never read. Only real directories are descended into."""
+  if not _readable(local_dir):
+    return []
   out = []
-  keys = [layout.root_key(root)] if root is not None else _listdir(local_dir)
+  keys = [layout.root_key(root)] if root is not None else fsafe.subdirs(local_dir)
   for key in keys:
     kdir = os.path.join(local_dir, key)
-    if not os.path.isdir(kdir):
-      continue
-    for s in ([step_name] if step_name is not None else _listdir(kdir)):
+    for s in ([step_name] if step_name is not None else fsafe.subdirs(kdir)):
       sdir = os.path.join(kdir, s)
-      if not os.path.isdir(sdir):
-        continue
-      for i in ([item] if item is not None else _listdir(sdir)):
+      for i in ([item] if item is not None else fsafe.subdirs(sdir)):
         idir = os.path.join(sdir, i)
-        for e in _listdir(idir):
-          if os.path.isdir(os.path.join(idir, e)):
-            out.append(read_entry(os.path.join(idir, e)))
+        for e in fsafe.subdirs(idir):
+          out.append(read_entry(os.path.join(idir, e)))
   return out
 
 
 def root_of(local_dir: str, key: str) -> str | None:
   """The checkpoint directory a root key stands for (from its ``root.txt``)."""
   try:
-    with open(os.path.join(local_dir, key, layout.ROOT_FILE), encoding='utf-8') as f:
-      return f.read().strip() or None
+    text = fsafe.read_small(os.path.join(local_dir, key, layout.ROOT_FILE), 1 << 16)
   except OSError:
     return None
+  return text.decode('utf-8', 'replace').strip() or None
 
 
 def touch(path: str) -> None:
   """Marks an entry used now (its directory's mtime): a restore reading it, so node-level
   clean-up (``tier/gc.py``) counts it as busy. Best effort."""
   try:
-    os.utime(path)
-  except OSError:
+    os.utime(path, follow_symlinks=False)
+  except (OSError, NotImplementedError):
     pass
 
 
 def remove(path: str) -> None:
-  """Deletes one entry, then its item and step directories once empty."""
-  shutil.rmtree(path, ignore_errors=True)
+  """Deletes one entry (never following a symlink in it), then its item and step directories
+  once empty."""
+  fsafe.remove_tree(path)
   parent = os.path.dirname(path)
   for _ in range(2):  # the item, then the step directory, once empty
     try:
@@ -367,16 +570,16 @@ def on_commit(root: Any, step: int) -> None:
 
 def _mark_committed(path: str, cfg: TierConfig, root: str) -> None:
   """Marks one complete entry committed, drops this writer's other saves of the step, prunes."""
-  if not os.path.exists(os.path.join(path, layout.MANIFEST)):
+  if not _is_regular(os.path.join(path, layout.MANIFEST)):
     return
   try:
-    open(os.path.join(path, layout.COMMITTED), 'wb').close()
+    fsafe.write_file(os.path.join(path, layout.COMMITTED))
   except OSError as e:
     _warn(cfg, 'commit', f'marking {path} committed failed: {e}')
     return
   here = os.path.basename(path)
   writer = (layout.parse_entry_name(here) or (here, ''))[0]
-  for sibling in _listdir(os.path.dirname(path)):  # other saves of this step by this writer
+  for sibling in fsafe.subdirs(os.path.dirname(path)):  # other saves of this step by this writer
     other = layout.parse_entry_name(sibling)
     if sibling != here and other is not None and other[0] == writer:
       remove(os.path.join(os.path.dirname(path), sibling))
@@ -387,7 +590,7 @@ def _mtime(path: str) -> float:
   """When an entry was written: its manifest's mtime (a restore's ``touch`` moves the
   directory's, not this; 0 for an incomplete entry)."""
   try:
-    return os.stat(os.path.join(path, layout.MANIFEST)).st_mtime
+    return os.lstat(os.path.join(path, layout.MANIFEST)).st_mtime
   except OSError:
     return 0.0
 
@@ -404,3 +607,35 @@ def prune(cfg: TierConfig, root: str) -> None:
     if (e.step is not None and e.step not in kept) or (
         e.step is None and e.step_name not in named[:cfg.keep + 1]):
       remove(e.path)
+
+
+def forget_step(step_dir: Any) -> None:
+  """Orbax deleted the step directory ``step_dir`` (``mngr.delete``, ``max_to_keep``: the
+  deletion hook in ``retention``, on the process that deletes, the primary host): drops every
+  tier copy of that step in the tier directories this process saved into or read, and in the
+  node's own (``ORBAX_PATHWAYS_LOCAL_DIR``, else the /dev/shm default) if it exists. Other
+  processes' nodes drop theirs when a newer step commits (``prune``) or, for a local checkpoint
+  directory, at the next save's clean-up (``tier/gc.py``: the step is gone). Never raises."""
+  try:
+    text = os.fspath(step_dir).rstrip('/')
+    parent, _, name = text.rpartition('/')
+    root, step_name = layout.normalize_root(parent or '.'), format_lib.final_name(name)
+    with _lock:
+      dirs = set(_used)
+      _pending.pop((root, step_name), None)
+    node = resolve(os.environ.get(ENV) or None)
+    if node is not None and fsafe.is_dir(node.local_dir):
+      dirs.add(node.local_dir)
+    removed = 0
+    for local_dir in sorted(dirs):
+      for e in entries(local_dir, root, step_name):
+        remove(e.path)
+        removed += 1
+    if removed:
+      log.info('orbax_pathways: node-local tier: dropped %d entr%s of deleted step %s of %s',
+               removed, 'y' if removed == 1 else 'ies', step_name, root)
+  except Exception as e:  # pylint: disable=broad-except  # a cache: never fail a deletion
+    _said.once(logging.WARNING, ('tier-forget', type(e).__name__),
+               'orbax_pathways: dropping the node-local tier copy of deleted %s failed (%s: %s); '
+               'the next clean-up (or `orbax-pathways tier --gc`) removes it.', step_dir,
+               type(e).__name__, e)
