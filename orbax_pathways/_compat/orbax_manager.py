@@ -31,7 +31,9 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
   directory. ``CheckpointManager.close`` (public) calls ``after_close`` once it returned or
   raised: the lease is released.
 - ``CheckpointManager.reload`` / ``restore`` (public): drop gcsfs's listing cache first; a restore
-  that fails because the step was deleted meanwhile (another process's retention) says so.
+  of a step the manager listed when it began, which fails because the step was deleted meanwhile
+  (another process's retention), says so (``StepDeletedError``); any other failure (a step never
+  saved, deleted earlier, an empty directory) is Orbax's own error, untouched.
 - ``Checkpointer._restore(self, directory, ...)``: a process whose read fails (a damaged chunk it
   alone reads) still joins the ``Checkpointer:restore`` barrier that ends ``restore()`` before
   raising, so the processes that read fine get their result instead of waiting in the barrier
@@ -365,6 +367,10 @@ def _wrap_restore(original):
     invalidate_gcs_listings()
     item_mode: Any = getattr(self, '_default_item', None)  # pylint: disable=protected-access
     undecided = item_mode is not None and item_mode.get() is None
+    # Only a step this manager listed when the restore began can have been "deleted while it
+    # was being restored"; any other (never saved, deleted earlier by mngr.delete, an empty
+    # directory) gets Orbax's own error, untouched.
+    listed = step is not None and step in _listed_steps(self)
     try:
       return original(self, step, *args, **kwargs)
     except Exception as e:  # pylint: disable=broad-except
@@ -374,7 +380,7 @@ def _wrap_restore(original):
         # retention) makes it answer "several", and every later restore of this manager then
         # fails ("Must provide args of type Composite"). Let the next restore decide again.
         item_mode.set(None)
-      if step is None or _hooks['step_complete'] is None or not _step_vanished(self, step):
+      if not listed or _hooks['step_complete'] is None or not _step_vanished(self, step):
         raise
       from orbax_pathways import errors  # pylint: disable=g-import-not-at-top
       raise errors.keeping_type(
@@ -384,6 +390,14 @@ def _wrap_restore(original):
           f'no longer listed: {type(e).__name__}: {str(e)[:500]}. Restore a step that is still '
           'listed (mngr.reload(); mngr.latest_step()).') from e
   return restore
+
+
+def _listed_steps(mngr) -> set[int]:
+  """The steps the manager lists now, from its cached listing (no storage request)."""
+  try:
+    return set(mngr.all_steps())
+  except Exception:  # pylint: disable=broad-except  (a subclass that cannot list: none listed)
+    return set()
 
 
 def _step_vanished(mngr, step: int) -> bool:
