@@ -75,6 +75,26 @@ def test_owner_round_trip_and_unreadable():
   assert plan.Owner.decode(b'[]') is None
 
 
+def test_participants_of_orbaxs_emergency_managers():
+  """Orbax's emergency manager on 4 processes: the persistent manager on slice 0 (primary host
+  0), a local one per process on slice 1 (primary_host=None). Rounds name what every member
+  passes Orbax, never the directory (per process for the local one), and the two differ."""
+  from orbax_pathways.plan import participants as pl  # pylint: disable=g-import-not-at-top
+  persistent = pl.Participants.of({1, 0}, 0, 'persistent')
+  local = pl.Participants.of({3, 2}, None, 'local-1')
+  assert persistent.members(4) == (0, 1) and local.members(4) == (2, 3)
+  assert persistent.leader(4) == 0 and local.leader(4) == 2
+  assert persistent.writes(0) and not persistent.writes(1)
+  assert local.writes(2) and local.writes(3) and local.every_process_writes
+  assert not local.includes(0, 4) and local.includes(3, 4)
+  assert persistent.name('lease') != local.name('lease')
+  assert local.name('lease') == pl.Participants.of([2, 3], None, 'local-1').name('lease')
+  everyone = pl.Participants.of(None, 0, None)
+  assert everyone.members(3) == (0, 1, 2) and everyone.size(3) == 3
+  assert everyone.describe(3) == 'all 3 processes'
+  assert "processes 2, 3 (barrier prefix 'local-1')" == local.describe(4)
+
+
 # ---------------------------------------------------------------------------------------------
 # In one process.
 

@@ -167,7 +167,9 @@ def _wrap_start(original):
     primary = processes[0] if every_process_commits else primary_host
     key = '/'.join((scope.prefix or '-', _sync.OperationIdGenerator.get_current_operation_id(),
                     getattr(directory, 'name', str(directory))))
-    rnd = make(key=key, me=jax.process_index(), processes=processes, primary=primary,
+    # Orbax's process numbering (active_processes, primary_host use it): jax.distributed's
+    # process id under experimental_orbax_use_distributed_process_id.
+    rnd = make(key=key, me=_multihost.process_index(), processes=processes, primary=primary,
                what=str(directory), num_processes=count,
                commits_alone=not every_process_commits)
     if not self.__dict__.get(_SYNC_WRAPPED):

@@ -20,7 +20,9 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
 - ``CheckpointManager.delete`` (public): marks the user's explicit deletes, which raise on
   failure, unlike garbage collection, which logs.
 - ``CheckpointManager.reached_preemption(self, step)``: feeds both ``should_save`` (through the
-  ``PreemptionCheckpointingPolicy`` in the default policy) and ``save``'s own preemption logging.
+  ``PreemptionCheckpointingPolicy`` in the default policy) and ``save``'s own preemption logging;
+  the hook gets the manager's participants (``manager_participants``), so an agreement runs
+  among the processes that call this manager only.
 - ``CheckpointManager.save`` (public): the re-registration check before, storage errors named
   after (an error of an earlier step's background commit, which Orbax raises from this save's
   ``wait_until_finished``, keeps the name of *that* step), the start time of each step for the
@@ -75,6 +77,7 @@ _step_lib = src.orbax('path.step')
 _temporary_paths = src.orbax('path.temporary_paths')
 
 from orbax_pathways import format as format_lib
+from orbax_pathways.plan import participants as participants_lib
 
 SUPPORTED = '>=0.12.4,<0.13'
 
@@ -264,7 +267,7 @@ def _wrap_reached_preemption(original):
     hook = _hooks['reached_preemption']
     if hook is None:
       return original(self, step)
-    return hook(step, lambda: original(self, step))
+    return hook(step, lambda: original(self, step), manager_participants(self))
   return reached_preemption
 
 
@@ -512,6 +515,30 @@ def manager_read_only(mngr: ocp.CheckpointManager) -> bool:
 
 def manager_primary_host(mngr: ocp.CheckpointManager) -> int | None:
   return mngr._multiprocessing_options.primary_host  # pylint: disable=protected-access
+
+
+_PARTICIPANTS = '_orbax_pathways_participants'
+
+
+def manager_participants(mngr: ocp.CheckpointManager) -> participants_lib.Participants:
+  """The processes that call ``mngr`` (its ``MultiprocessingOptions``: ``active_processes``,
+  ``primary_host``, ``barrier_sync_key_prefix``), built once per manager. A manager without
+  Orbax's options (a stand-in) counts as every process, primary host 0."""
+  found = mngr.__dict__.get(_PARTICIPANTS)
+  if found is None:
+    options = getattr(mngr, '_multiprocessing_options', None)  # pylint: disable=protected-access
+    found = participants_lib.Participants.of(
+        getattr(options, 'active_processes', None), getattr(options, 'primary_host', 0),
+        getattr(options, 'barrier_sync_key_prefix', None))
+    mngr.__dict__[_PARTICIPANTS] = found
+  return found
+
+
+def process_index() -> int:
+  """This process's index as Orbax numbers processes in ``active_processes`` and
+  ``primary_host`` (jax.distributed's process id under
+  ``experimental_orbax_use_distributed_process_id``, else ``jax.process_index()``)."""
+  return _multihost.process_index()
 
 
 def is_primary_host(primary_host: int | None) -> bool:
