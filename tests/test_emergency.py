@@ -106,10 +106,13 @@ def _run_workers(mode, processes, devices, tmp_path, env=None):
 def test_emergency_manager_built_as_maxtext_saves_lists_and_restores(tmp_path, processes,
                                                                      devices, service):
   """Local every step, persistent every 2: steps 0..3 leave 0 and 2 in persistent and 3 (the
-  local manager keeps one) in each local directory of the second slice. Step 3 restores from
-  local, step 2 from persistent, and after this node's local copies are gone a fresh manager
-  restores the newest step from persistent. JAX's preemption service on (MaxText's default) on
-  2 x 4; off on 4 x 2, where our own preemption agreement runs in each slice's manager."""
+  local manager keeps one) in each local directory of the second slice; a data iterator's
+  state goes with them into the non-replicated directory (a manager of every process, whose
+  processes ran different numbers of saves before: the local slice saves every step). Step 3
+  restores from local, step 2 from persistent (with the iterator's state), and after this
+  node's local copies are gone a fresh manager restores the newest step from persistent. JAX's
+  preemption service on (MaxText's default) on 2 x 4; off on 4 x 2, where our own preemption
+  agreement runs in each slice's manager."""
   results = _run_workers('emergency', processes, devices, tmp_path,
                          env={'JAX_ENABLE_PREEMPTION_SERVICE': service})
   per_slice = processes // 2
@@ -120,13 +123,16 @@ def test_emergency_manager_built_as_maxtext_saves_lists_and_restores(tmp_path, p
     assert out['in_primary_slice'] == primary_slice
     assert out['saved'] == [True] * 4 and out['steps'] == [0, 2, 3] and out['latest'] == 3, out
     assert out['restored_3'] and out['restored_2'], out  # equal values, every shard
+    assert out['restored_2_with_dataset'] and out['dataset_2'] == {'process': 0, 'step': 2}, out
     assert out['fresh_latest'] == 2 and out['fresh_restored'], out
-    # The writer lease of each directory was held while saving (the persistent one by the
-    # primary slice's first process; each local one by its own process), released at close.
-    want = ['persistent'] if me == 0 else [] if primary_slice else [f'local/{me}']
+    # The writer lease of each directory was held while saving (the persistent and the
+    # non-replicated ones by process 0; each local one by its own process), released at close.
+    want = (['non_replicated', 'persistent'] if me == 0 else [] if primary_slice else
+            [f'local/{me}'])
     assert out['held'] == want and out['held_after_close'] == [], out
     assert out['local_steps'] == ([] if primary_slice else [3]), out
-  assert sorted(os.listdir(tmp_path / 'persistent')) == ['0', '2']  # no lease left behind
+  for name in ('persistent', 'non_replicated'):  # no lease left behind
+    assert sorted(os.listdir(tmp_path / name)) == ['0', '2'], name
 
 
 @pytest.mark.multiprocess

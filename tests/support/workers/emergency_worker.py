@@ -5,8 +5,9 @@ orbax_pathways imported. ``argv[1]`` is the mode:
 ``create_orbax_emergency_checkpoint_manager`` builds it (``experimental_orbax_use_distributed_
 process_id``, a local directory per process, one persistent directory, a mesh of 2 slices over
 the ``data`` axis, ``LocalCheckpointOptions(save_interval_steps=1)``,
-``PersistentCheckpointOptions(save_interval_steps=2)``). Saves steps 0..3 (values differ per
-step), lists them, restores step 3 (only in the local directories) and step 2 (only in the
+``PersistentCheckpointOptions(save_interval_steps=2)``), with a data iterator's state saved
+through its ``persistent_non_replicated_directory`` manager (every process; primary host 0).
+Saves steps 0..3 (values differ per step), lists them, restores step 3 (only in the local directories) and step 2 (only in the
 persistent one), then empties this process's local directory and restores the newest step with a
 fresh manager (from persistent). Emits what each step restored equal to, the listings, and which
 writer leases were held while saving.
@@ -87,6 +88,7 @@ def emergency() -> None:
   local.mkdir(parents=True, exist_ok=True)
   persistent = epath.Path(SHARED) / 'persistent'
   persistent.mkdir(parents=True, exist_ok=True)
+  non_replicated = epath.Path(SHARED) / 'non_replicated'  # the data iterator's, every process
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, make_state(0, mesh))
   options = em.CheckpointManagerOptions(
       local=em.LocalCheckpointOptions(save_interval_steps=1),
@@ -94,11 +96,13 @@ def emergency() -> None:
 
   def manager():
     return em.CheckpointManager(local, persistent, global_mesh=mesh, abstract_state=abstract,
-                                options=options)
+                                options=options,
+                                persistent_non_replicated_directory=non_replicated)
 
   mngr = manager()
-  saved = [bool(mngr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(
-      make_state(step, mesh))))) for step in range(4)]
+  saved = [bool(mngr.save(step, args=ocp.args.Composite(
+      state=ocp.args.PyTreeSave(make_state(step, mesh)),
+      dataset=ocp.args.JsonSave({'process': ME, 'step': step})))) for step in range(4)]
   mngr.wait_until_finished()
   held = sorted(os.path.relpath(d, SHARED) for d in lease.held_leases())
   out = {'saved': saved, 'steps': sorted(mngr.all_steps()), 'latest': mngr.latest_step(),
@@ -106,6 +110,9 @@ def emergency() -> None:
          'local_steps': sorted(int(p.name) for p in local.iterdir() if p.name.isdigit()),
          'restored_3': equals(mngr.restore(3)['state'], 3),  # local only
          'restored_2': equals(mngr.restore(2)['state'], 2)}  # persistent only
+  with_data = mngr.restore(2, args=ocp.args.Composite(dataset=ocp.args.JsonRestore()))
+  out['dataset_2'] = with_data['dataset']
+  out['restored_2_with_dataset'] = equals(with_data['state'], 2)
   mngr.close()
   out['held_after_close'] = sorted(lease.held_leases())
   for p in list(local.iterdir()):  # this node's local copies are lost: persistent must serve
