@@ -273,8 +273,20 @@ class Lease:
       if held is not None and held.token == self.me.token:
         self._generation = generation  # our write went through after all
         return
-      who = (held.describe() if held is not None else
-             'nobody (it was deleted)' if not present else 'an unreadable lease')
+      if not present:
+        # Deleted while held: by hand (the documented way to hand the directory to another job
+        # at once), or with the directory itself (a wiped node-local directory). Either way
+        # another job may take it now, so this job stops saving here.
+        self._lost = (
+            f'orbax_pathways: refusing to save into {self.directory}: this job '
+            f'({self.me.describe()}) no longer holds its writer lease {self.path}: the lease was '
+            'deleted while this job held it (by hand, or with the directory), which lets '
+            'another job take the directory. To resume saving here, close this '
+            'CheckpointManager and construct a new one (it takes the lease again unless another '
+            'job holds it by then).')
+        logging.warning('%s', self._lost)
+        return
+      who = held.describe() if held is not None else 'an unreadable lease'
       self._lost = (
           f'orbax_pathways: refusing to save into {self.directory}: this job '
           f'({self.me.describe()}) no longer holds its writer lease {self.path}: it is now held '
@@ -314,8 +326,12 @@ class Lease:
       generation, self._generation = self._generation, None
       try:
         if self._store.write_if(None, generation, timeout_s=timeout_s) is None:
-          logging.warning('orbax_pathways: the writer lease %s changed under this job; left it '
-                          'in place.', self.path)
+          if not self._store.read()[0]:
+            logging.info('orbax_pathways: the writer lease %s was already deleted (by hand, or '
+                         'with its directory).', self.path)
+          else:
+            logging.warning('orbax_pathways: the writer lease %s changed under this job; left '
+                            'it in place.', self.path)
         else:
           logging.info('orbax_pathways: released the writer lease %s.', self.path)
       except Exception as e:  # pylint: disable=broad-except  (TimeoutError at exit, storage errors)

@@ -169,6 +169,29 @@ def test_managers_of_one_process_share_the_lease(tmp_path):
   assert not path.exists()
 
 
+def test_a_lease_deleted_while_held_stops_saving_there_and_says_so(tmp_path):
+  """Deleted by hand (or with a wiped directory, as Orbax's emergency tests empty a local
+  directory) while a manager holds it: the next save refuses, saying it was deleted, not that
+  another job took it over; closing the manager and building a new one takes it again."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  mngr = ocp.CheckpointManager(tmp_path)
+  mngr.save(0, args=ocp.args.StandardSave({'a': np.arange(4)}))
+  mngr.wait_until_finished()
+  (tmp_path / lease.LEASE_FILE).unlink()
+  lease._leases[lease.directory_key(tmp_path)].renew()  # pylint: disable=protected-access  # its renewer, now
+  with pytest.raises(errors.WriterLeaseError) as info:
+    mngr.save(1, args=ocp.args.StandardSave({'a': np.arange(4) + 1}))
+  text = str(info.value)
+  assert 'the lease was deleted while this job held it' in text, text
+  assert 'took it over' not in text, text
+  mngr.close()
+  with ocp.CheckpointManager(tmp_path) as again:
+    again.save(1, args=ocp.args.StandardSave({'a': np.arange(4) + 1}))
+    again.wait_until_finished()
+    assert again.all_steps() == [0, 1]
+
+
 def test_lease_off(tmp_path, monkeypatch):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
