@@ -11,13 +11,20 @@ gone is taken over with one warning.
 Who calls what, on which host:
 
 - ``before_save`` (the ``lease_save`` manager hook, at the start of every
-  ``CheckpointManager.save`` on every process): the job's lease-writing process (the manager's
-  primary host, process 0 when it has none) takes the lease at the job's first save into the
+  ``CheckpointManager.save`` on every process that calls the manager): the manager's
+  lease-writing process (its primary host) takes the lease at the job's first save into the
   directory, and at each later save checks that it still holds it (renewing it when due). Under
-  multi-controller JAX the others take the writer's answer through the coordination service's
-  key-value store, so the whole job raises together (no process left waiting in Orbax's
-  barriers) and the job is one owner. Only saving takes the lease: a manager that only lists and
-  restores (an evaluator, ``preemption.resume``) never reads or writes it.
+  multi-controller JAX the other processes *that call this manager* (its ``active_processes``,
+  ``plan/participants.py``; never a process that does not, such as the other slices of Orbax's
+  emergency manager) take the writer's answer through the coordination service's key-value
+  store, so they all raise together (no process left waiting in Orbax's barriers) and the job
+  is one owner. A manager with ``primary_host=None`` (every process saves a directory of its
+  own: Orbax's local per-process managers) has every process take the lease of its own
+  directory; the first of its processes gathers their answers and publishes one verdict. The
+  round's keys are named by the manager's processes, primary host and barrier prefix, never by
+  its directory (which then differs per process), so the managers of one job never read each
+  other's answers. Only saving takes the lease: a manager that only lists and restores (an
+  evaluator, ``preemption.resume``) never reads or writes it.
 - A background thread of the lease-writing process renews the lease every ``timeout / 3``
   seconds while it is held (so also while an async commit runs, and between saves).
 - ``after_close`` (the ``after_close`` manager hook): the last manager of this process on that
@@ -39,7 +46,6 @@ orbax_pathways``) installs the hooks.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import os
 import socket
 import threading
@@ -53,6 +59,7 @@ from orbax_pathways import errors
 from orbax_pathways import options as options_lib
 from orbax_pathways import retention
 from orbax_pathways import version
+from orbax_pathways import waits
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager as _om
 from orbax_pathways.plan import lease as plan
@@ -69,7 +76,7 @@ _AGREE_KEEP = 16  # key-value entries of past saves kept per directory (multi-co
 
 _lock = threading.RLock()
 _leases: dict[str, Lease] = {}  # directory -> the lease this process holds there
-_seq: dict[str, int] = {}  # directory -> saves started (every process counts the same)
+_seq: dict[str, int] = {}  # a manager's round name -> its saves started (every member counts alike)
 _installed = False
 _timeout_override: float | None = None
 _ctx: ts.Context | None = None
@@ -266,8 +273,20 @@ class Lease:
       if held is not None and held.token == self.me.token:
         self._generation = generation  # our write went through after all
         return
-      who = (held.describe() if held is not None else
-             'nobody (it was deleted)' if not present else 'an unreadable lease')
+      if not present:
+        # Deleted while held: by hand (the documented way to hand the directory to another job
+        # at once), or with the directory itself (a wiped node-local directory). Either way
+        # another job may take it now, so this job stops saving here.
+        self._lost = (
+            f'orbax_pathways: refusing to save into {self.directory}: this job '
+            f'({self.me.describe()}) no longer holds its writer lease {self.path}: the lease was '
+            'deleted while this job held it (by hand, or with the directory), which lets '
+            'another job take the directory. To resume saving here, close this '
+            'CheckpointManager and construct a new one (it takes the lease again unless another '
+            'job holds it by then).')
+        logging.warning('%s', self._lost)
+        return
+      who = held.describe() if held is not None else 'an unreadable lease'
       self._lost = (
           f'orbax_pathways: refusing to save into {self.directory}: this job '
           f'({self.me.describe()}) no longer holds its writer lease {self.path}: it is now held '
@@ -307,8 +326,12 @@ class Lease:
       generation, self._generation = self._generation, None
       try:
         if self._store.write_if(None, generation, timeout_s=timeout_s) is None:
-          logging.warning('orbax_pathways: the writer lease %s changed under this job; left it '
-                          'in place.', self.path)
+          if not self._store.read()[0]:
+            logging.info('orbax_pathways: the writer lease %s was already deleted (by hand, or '
+                         'with its directory).', self.path)
+          else:
+            logging.warning('orbax_pathways: the writer lease %s changed under this job; left '
+                            'it in place.', self.path)
         else:
           logging.info('orbax_pathways: released the writer lease %s.', self.path)
       except Exception as e:  # pylint: disable=broad-except  (TimeoutError at exit, storage errors)
@@ -321,11 +344,6 @@ class Lease:
 
 # ---------------------------------------------------------------------------------------------
 # The CheckpointManager hooks.
-
-
-def _lease_writer_process(mngr) -> bool:
-  primary = _om.manager_primary_host(mngr)
-  return jax_distributed.process_index() == (0 if primary is None else primary)
 
 
 def _hold(directory: str, mngr) -> None:
@@ -341,19 +359,24 @@ def _hold(directory: str, mngr) -> None:
 
 def before_save(mngr, step: int) -> None:
   """``lease_save`` hook: see the module docstring. Raises ``WriterLeaseError`` on every process
-  of the job when the lease is held by another live job or was taken over from this one."""
+  that calls ``mngr`` when the lease is held by another live job or was taken over from this
+  one; never waits for a process that does not call ``mngr``."""
   if not options_lib.env_value(ENABLE_ENV):
     return
   directory = directory_key(mngr.directory)
-  with _lock:
-    seq = _seq[directory] = _seq.get(directory, 0) + 1
-  writer = _lease_writer_process(mngr)
+  part = _om.manager_participants(mngr)
+  me, count = _om.process_index(), jax_distributed.process_count()
   error: Exception | None = None
-  if writer:
+  if part.writes(me):
     try:
       _hold(directory, mngr)
     except errors.WriterLeaseError as e:
       error = e
+      if part.every_process_writes:
+        error = errors.WriterLeaseError(
+            f'{e} (This manager has primary_host=None: every process saves into a directory of '
+            'its own and holds its lease; two processes of one job given the same directory '
+            'refuse each other.)')
     except Exception as e:  # pylint: disable=broad-except  # storage errors: shared below
       error = errors.keeping_type(
           errors.SaveError, e,
@@ -361,36 +384,71 @@ def before_save(mngr, step: int) -> None:
           f'the writer lease {directory}/{LEASE_FILE} could not be checked: '
           f'{type(e).__name__}: {e}. Retry the save once storage answers again.')
       error.__cause__ = e
-  if jax_distributed.process_count() > 1 and jax_distributed.distributed_client() is not None:
-    outcome = _agree(directory, seq, None if error is None else str(error), writer)
+  client = jax_distributed.distributed_client()
+  if count > 1 and client is not None and part.includes(me, count) and part.size(count) > 1:
+    name = part.name('lease')
+    with _lock:
+      seq = _seq[name] = _seq.get(name, 0) + 1
+    outcome = _agree(client, f'orbax_pathways/{name}', seq, part, me, count,
+                     None if error is None else str(error))
     if outcome is not None and error is None:
       error = errors.WriterLeaseError(outcome)
   if error is not None:
     raise error
 
 
-def _agree(directory: str, seq: int, outcome: str | None, writer: bool) -> str | None:
-  """The lease-writing process's answer (None: go ahead), shared with the job's processes."""
-  client = jax_distributed.distributed_client()
-  base = f'orbax_pathways/lease/{hashlib.sha1(directory.encode()).hexdigest()[:16]}'
+def _agree(client, base: str, seq: int, part, me: int, count: int,
+           outcome: str | None) -> str | None:
+  """The round that makes every process calling the manager (``part``) raise together:
+  ``None`` (go ahead) or the refusal that stands.
+
+  One writer (``primary_host`` set): it sets ``<base>/<seq>`` to its answer; the others wait for
+  that one key. Every process a writer (``primary_host=None``, a directory per process): each
+  but the leader (the first member) sets ``<base>/<seq>/<me>``; the leader gathers them (one
+  deadline) and sets ``<base>/<seq>/verdict``, which the others wait for. The leader deletes
+  the round of ``_AGREE_KEEP`` saves ago (every member is past it)."""
+  leader = part.leader(count)
   key = f'{base}/{seq}'
-  if writer:
+  wait_s = 3 * timeout_s() + 300  # a writer may watch another host's lease for `timeout`
+  if part.every_process_writes and me != leader:
+    client.key_value_set(f'{key}/{me}', 'ok' if outcome is None else 'refused:' + outcome,
+                         allow_overwrite=True)
+    key = f'{key}/verdict'
+  if me != leader:
+    try:
+      value = client.blocking_key_value_get(key, int(wait_s * 1000))
+    except Exception as e:  # pylint: disable=broad-except
+      return (f'orbax_pathways: process {leader}, which answers for the writer lease of this '
+              f'manager ({part.describe(count)}), did not say within {wait_s:.0f} s whether the '
+              f'save may go ahead ({type(e).__name__}: {e}). Every process that calls a '
+              'CheckpointManager must call its save at every step.')
+    if outcome is not None:
+      return outcome  # this process's own refusal (the verdict then names it, or another)
+    return None if value == 'ok' else value.split(':', 1)[1]
+  if part.every_process_writes and outcome is None:  # a refusing leader answers at once
+    others = [p for p in part.members(count) if p != me]
+    try:
+      answers = dict(zip(others, waits.gather(
+          client, key, count, wait_s, what='orbax_pathways: the writer lease round',
+          processes=others)))
+      refused = [(p, v.split(':', 1)[1]) for p, v in answers.items() if v != 'ok']
+      if refused:
+        p, text = refused[0]
+        outcome = f'process {p}: {text}'
+    except waits.PeerTimeoutError as e:
+      outcome = str(e)
+  if part.every_process_writes:
+    client.key_value_set(f'{key}/verdict', 'ok' if outcome is None else 'refused:' + outcome,
+                         allow_overwrite=True)
+  else:
     client.key_value_set(key, 'ok' if outcome is None else 'refused:' + outcome,
                          allow_overwrite=True)
-    if seq > _AGREE_KEEP:
-      try:
-        client.key_value_delete(f'{base}/{seq - _AGREE_KEEP}')
-      except Exception:  # pylint: disable=broad-except
-        pass
-    return outcome
-  wait_s = 3 * timeout_s() + 300  # the writer may watch another host's lease for `timeout`
-  try:
-    value = client.blocking_key_value_get(key, int(wait_s * 1000))
-  except Exception as e:  # pylint: disable=broad-except
-    return (f'orbax_pathways: the lease-writing process of this job did not say within '
-            f'{wait_s:.0f} s whether it holds the writer lease of {directory} ({type(e).__name__}: '
-            f'{e}). Every process must call CheckpointManager.save at every step.')
-  return None if value == 'ok' else value.split(':', 1)[1]
+  if seq > _AGREE_KEEP:
+    try:
+      client.key_value_delete(f'{base}/{seq - _AGREE_KEEP}')
+    except Exception:  # pylint: disable=broad-except
+      pass
+  return outcome
 
 
 def after_close(mngr) -> None:

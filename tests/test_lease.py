@@ -75,6 +75,26 @@ def test_owner_round_trip_and_unreadable():
   assert plan.Owner.decode(b'[]') is None
 
 
+def test_participants_of_orbaxs_emergency_managers():
+  """Orbax's emergency manager on 4 processes: the persistent manager on slice 0 (primary host
+  0), a local one per process on slice 1 (primary_host=None). Rounds name what every member
+  passes Orbax, never the directory (per process for the local one), and the two differ."""
+  from orbax_pathways.plan import participants as pl  # pylint: disable=g-import-not-at-top
+  persistent = pl.Participants.of({1, 0}, 0, 'persistent')
+  local = pl.Participants.of({3, 2}, None, 'local-1')
+  assert persistent.members(4) == (0, 1) and local.members(4) == (2, 3)
+  assert persistent.leader(4) == 0 and local.leader(4) == 2
+  assert persistent.writes(0) and not persistent.writes(1)
+  assert local.writes(2) and local.writes(3) and local.every_process_writes
+  assert not local.includes(0, 4) and local.includes(3, 4)
+  assert persistent.name('lease') != local.name('lease')
+  assert local.name('lease') == pl.Participants.of([2, 3], None, 'local-1').name('lease')
+  everyone = pl.Participants.of(None, 0, None)
+  assert everyone.members(3) == (0, 1, 2) and everyone.size(3) == 3
+  assert everyone.describe(3) == 'all 3 processes'
+  assert "processes 2, 3 (barrier prefix 'local-1')" == local.describe(4)
+
+
 # ---------------------------------------------------------------------------------------------
 # In one process.
 
@@ -147,6 +167,29 @@ def test_managers_of_one_process_share_the_lease(tmp_path):
   assert reader.all_steps() == [0, 1]
   reader.close()
   assert not path.exists()
+
+
+def test_a_lease_deleted_while_held_stops_saving_there_and_says_so(tmp_path):
+  """Deleted by hand (or with a wiped directory, as Orbax's emergency tests empty a local
+  directory) while a manager holds it: the next save refuses, saying it was deleted, not that
+  another job took it over; closing the manager and building a new one takes it again."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  mngr = ocp.CheckpointManager(tmp_path)
+  mngr.save(0, args=ocp.args.StandardSave({'a': np.arange(4)}))
+  mngr.wait_until_finished()
+  (tmp_path / lease.LEASE_FILE).unlink()
+  lease._leases[lease.directory_key(tmp_path)].renew()  # pylint: disable=protected-access  # its renewer, now
+  with pytest.raises(errors.WriterLeaseError) as info:
+    mngr.save(1, args=ocp.args.StandardSave({'a': np.arange(4) + 1}))
+  text = str(info.value)
+  assert 'the lease was deleted while this job held it' in text, text
+  assert 'took it over' not in text, text
+  mngr.close()
+  with ocp.CheckpointManager(tmp_path) as again:
+    again.save(1, args=ocp.args.StandardSave({'a': np.arange(4) + 1}))
+    again.wait_until_finished()
+    assert again.all_steps() == [0, 1]
 
 
 def test_lease_off(tmp_path, monkeypatch):

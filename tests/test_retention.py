@@ -466,3 +466,70 @@ def test_reader_listing_while_a_step_is_deleted(tmp_path, ours):
     om.set_hook('step_complete', retention.is_step_complete)
   assert vanished == ['1']
   assert reader.all_steps() == [0, 2]
+
+
+# ----------------------------------------------------------------------------------------------
+# A failed restore's explanation (issue 26, item 14): "deleted while it was being restored" only
+# for a step the manager listed when the restore began; otherwise Orbax's own error.
+
+
+def _restore_error(mngr, step, with_args=True) -> BaseException:
+  with pytest.raises(Exception) as info:
+    if with_args:
+      mngr.restore(step, args=ocp.args.StandardRestore(_abstract()))
+    else:
+      mngr.restore(step)
+  return info.value
+
+
+def _never_saved(d):
+  mngr = _save_steps(d, [0, 1])
+  return mngr, 5
+
+
+def _deleted_earlier(d):
+  mngr = _save_steps(d, [0, 1, 2])
+  mngr.delete(1)
+  return mngr, 1
+
+
+def _empty(d):
+  return ocp.CheckpointManager(d), 5
+
+
+@pytest.mark.parametrize('with_args', [True, False])
+@pytest.mark.parametrize('case', [_never_saved, _deleted_earlier, _empty])
+def test_restoring_a_step_that_is_not_listed_raises_orbaxs_own_error(tmp_path, case, with_args):
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  orbax_pathways.uninstall()
+  try:
+    mngr, step = case(tmp_path / 'stock')
+    stock = _restore_error(mngr, step, with_args)
+    mngr.close()
+  finally:
+    orbax_pathways.install(orbax_pathways.Options.from_env())
+  mngr, step = case(tmp_path / 'ours')
+  ours = _restore_error(mngr, step, with_args)
+  mngr.close()
+  assert type(ours) is type(stock), (ours, stock)
+  assert (str(ours).replace(str(tmp_path / 'ours'), '<dir>') ==
+          str(stock).replace(str(tmp_path / 'stock'), '<dir>'))
+  assert 'deleted while' not in str(ours)
+
+
+def test_a_listed_step_deleted_during_its_restore_is_named_as_such(tmp_path, monkeypatch):
+  """Another process's retention deletes the step after the restore began (injected inside the
+  real handler's restore, with the real deletion)."""
+  mngr = _save_steps(tmp_path, [0, 1])
+  original = ocp.StandardCheckpointHandler.restore
+
+  def deleted_first(self, directory, *args, **kwargs):
+    retention.safe_delete_step(epath.Path(directory).parent)  # <dir>/1/default -> <dir>/1
+    return original(self, directory, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.StandardCheckpointHandler, 'restore', deleted_first)
+  error = _restore_error(mngr, 1)
+  assert isinstance(error, FileNotFoundError), repr(error)
+  assert f'Step 1 ({tmp_path}/1) was deleted while it was being restored' in str(error), error
+  monkeypatch.undo()
+  assert _restores_exactly(mngr, 0)

@@ -23,8 +23,13 @@ idempotent):
   commit callback reports its progress and outcome (``commit_started`` / ``commit_done``); the
   manager's barrier function (``_sync_fn``, wrapped once per manager) makes the other processes
   ``await_commit`` before ``async_commit_complete``, and the primary ``cleanup`` after it.
-  The round's key (under ``liveness.PREFIX``) is unique per save: Orbax's operation id (the same on every process, as
-  Orbax's own signals use it), the barrier prefix and the step directory's name.
+  The round's key (under ``liveness.PREFIX``) is unique per save and the same on every process
+  of the checkpointer: the name of its participants (``plan/participants.py``: the barrier
+  prefix, ``active_processes``, ``primary_host``), the number of async saves this process
+  started under that name, and the step directory's name. Not Orbax's operation id: that counter
+  is per process, and the slices of Orbax's emergency manager run different numbers of saves
+  (a local one every step, a persistent one every few), so it differs between the processes
+  of a manager that spans them (its ``non_replicated`` manager).
 
 - ``multihost.sync_global_processes`` and ``multihost.get_barrier_sync_fn`` (the barriers of
   Orbax's CheckpointManager and checkpointers: the manager's finalize thread, ``close()``, the
@@ -55,14 +60,16 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from orbax_pathways.plan import participants as participants_lib
+
 _ac = src.orbax('checkpointers.async_checkpointer')
 _future = src.orbax('futures.future')
-_sync = src.orbax('futures.synchronization')
 _multihost = src.orbax('multihost.multihost')
 
 SUPPORTED = '>=0.12.4,<0.13'
 
 _SCOPE = '_orbax_pathways_liveness_scope'
+_PARTICIPANTS = '_orbax_pathways_liveness_participants'
 _SYNC_WRAPPED = '_orbax_pathways_liveness_sync'
 _COMMIT_COMPLETE = 'async_commit_complete'
 
@@ -72,6 +79,7 @@ _make_round: Callable[..., Any] | None = None
 _lost_error: Callable[[str], BaseException | None] | None = None
 _local = threading.local()  # .round: the round of the async_save thread running it
 _kept: list[Any] = []  # jax's distributed client/service, dropped at exit without shutdown
+_seq: dict[str, int] = {}  # a round name (Participants.name) -> async saves started under it
 _atexit_registered = False
 
 
@@ -165,9 +173,17 @@ def _wrap_start(original):
     primary_host = getattr(self, '_primary_host', 0)
     every_process_commits = primary_host is None
     primary = processes[0] if every_process_commits else primary_host
-    key = '/'.join((scope.prefix or '-', _sync.OperationIdGenerator.get_current_operation_id(),
-                    getattr(directory, 'name', str(directory))))
-    rnd = make(key=key, me=jax.process_index(), processes=processes, primary=primary,
+    part = self.__dict__.get(_PARTICIPANTS)
+    if part is None:
+      part = self.__dict__[_PARTICIPANTS] = participants_lib.Participants.of(
+          scope.processes, primary_host, scope.prefix)
+    name = part.name('save')
+    with _lock:
+      seq = _seq[name] = _seq.get(name, 0) + 1
+    key = f'{name}/{seq}/{getattr(directory, "name", "-")}'
+    # Orbax's process numbering (active_processes, primary_host use it): jax.distributed's
+    # process id under experimental_orbax_use_distributed_process_id.
+    rnd = make(key=key, me=_multihost.process_index(), processes=processes, primary=primary,
                what=str(directory), num_processes=count,
                commits_alone=not every_process_commits)
     if not self.__dict__.get(_SYNC_WRAPPED):

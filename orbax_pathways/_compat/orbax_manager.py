@@ -20,7 +20,9 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
 - ``CheckpointManager.delete`` (public): marks the user's explicit deletes, which raise on
   failure, unlike garbage collection, which logs.
 - ``CheckpointManager.reached_preemption(self, step)``: feeds both ``should_save`` (through the
-  ``PreemptionCheckpointingPolicy`` in the default policy) and ``save``'s own preemption logging.
+  ``PreemptionCheckpointingPolicy`` in the default policy) and ``save``'s own preemption logging;
+  the hook gets the manager's participants (``manager_participants``), so an agreement runs
+  among the processes that call this manager only.
 - ``CheckpointManager.save`` (public): the re-registration check before, storage errors named
   after (an error of an earlier step's background commit, which Orbax raises from this save's
   ``wait_until_finished``, keeps the name of *that* step), the start time of each step for the
@@ -31,7 +33,9 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
   directory. ``CheckpointManager.close`` (public) calls ``after_close`` once it returned or
   raised: the lease is released.
 - ``CheckpointManager.reload`` / ``restore`` (public): drop gcsfs's listing cache first; a restore
-  that fails because the step was deleted meanwhile (another process's retention) says so.
+  of a step the manager listed when it began, which fails because the step was deleted meanwhile
+  (another process's retention), says so (``StepDeletedError``); any other failure (a step never
+  saved, deleted earlier, an empty directory) is Orbax's own error, untouched.
 - ``Checkpointer._restore(self, directory, ...)``: a process whose read fails (a damaged chunk it
   alone reads) still joins the ``Checkpointer:restore`` barrier that ends ``restore()`` before
   raising, so the processes that read fine get their result instead of waiting in the barrier
@@ -73,6 +77,7 @@ _step_lib = src.orbax('path.step')
 _temporary_paths = src.orbax('path.temporary_paths')
 
 from orbax_pathways import format as format_lib
+from orbax_pathways.plan import participants as participants_lib
 
 SUPPORTED = '>=0.12.4,<0.13'
 
@@ -262,7 +267,7 @@ def _wrap_reached_preemption(original):
     hook = _hooks['reached_preemption']
     if hook is None:
       return original(self, step)
-    return hook(step, lambda: original(self, step))
+    return hook(step, lambda: original(self, step), manager_participants(self))
   return reached_preemption
 
 
@@ -365,6 +370,10 @@ def _wrap_restore(original):
     invalidate_gcs_listings()
     item_mode: Any = getattr(self, '_default_item', None)  # pylint: disable=protected-access
     undecided = item_mode is not None and item_mode.get() is None
+    # Only a step this manager listed when the restore began can have been "deleted while it
+    # was being restored"; any other (never saved, deleted earlier by mngr.delete, an empty
+    # directory) gets Orbax's own error, untouched.
+    listed = step is not None and step in _listed_steps(self)
     try:
       return original(self, step, *args, **kwargs)
     except Exception as e:  # pylint: disable=broad-except
@@ -374,7 +383,7 @@ def _wrap_restore(original):
         # retention) makes it answer "several", and every later restore of this manager then
         # fails ("Must provide args of type Composite"). Let the next restore decide again.
         item_mode.set(None)
-      if step is None or _hooks['step_complete'] is None or not _step_vanished(self, step):
+      if not listed or _hooks['step_complete'] is None or not _step_vanished(self, step):
         raise
       from orbax_pathways import errors  # pylint: disable=g-import-not-at-top
       raise errors.keeping_type(
@@ -384,6 +393,14 @@ def _wrap_restore(original):
           f'no longer listed: {type(e).__name__}: {str(e)[:500]}. Restore a step that is still '
           'listed (mngr.reload(); mngr.latest_step()).') from e
   return restore
+
+
+def _listed_steps(mngr) -> set[int]:
+  """The steps the manager lists now, from its cached listing (no storage request)."""
+  try:
+    return set(mngr.all_steps())
+  except Exception:  # pylint: disable=broad-except  (a subclass that cannot list: none listed)
+    return set()
 
 
 def _step_vanished(mngr, step: int) -> bool:
@@ -498,6 +515,30 @@ def manager_read_only(mngr: ocp.CheckpointManager) -> bool:
 
 def manager_primary_host(mngr: ocp.CheckpointManager) -> int | None:
   return mngr._multiprocessing_options.primary_host  # pylint: disable=protected-access
+
+
+_PARTICIPANTS = '_orbax_pathways_participants'
+
+
+def manager_participants(mngr: ocp.CheckpointManager) -> participants_lib.Participants:
+  """The processes that call ``mngr`` (its ``MultiprocessingOptions``: ``active_processes``,
+  ``primary_host``, ``barrier_sync_key_prefix``), built once per manager. A manager without
+  Orbax's options (a stand-in) counts as every process, primary host 0."""
+  found = mngr.__dict__.get(_PARTICIPANTS)
+  if found is None:
+    options = getattr(mngr, '_multiprocessing_options', None)  # pylint: disable=protected-access
+    found = participants_lib.Participants.of(
+        getattr(options, 'active_processes', None), getattr(options, 'primary_host', 0),
+        getattr(options, 'barrier_sync_key_prefix', None))
+    mngr.__dict__[_PARTICIPANTS] = found
+  return found
+
+
+def process_index() -> int:
+  """This process's index as Orbax numbers processes in ``active_processes`` and
+  ``primary_host`` (jax.distributed's process id under
+  ``experimental_orbax_use_distributed_process_id``, else ``jax.process_index()``)."""
+  return _multihost.process_index()
 
 
 def is_primary_host(primary_host: int | None) -> bool:

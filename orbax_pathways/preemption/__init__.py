@@ -55,9 +55,10 @@ notice the loop does not stop for costs one extra save, not one per step. Furthe
 - Multi-controller with the service off (``jax_enable_preemption_service=False``): our agreement
   through the coordination service's key-value store. Every ``agreement_interval`` steps (default
   10; every process calls ``should_save`` each step, so they all reach the same check step), each
-  process publishes whether it holds an unconsumed notice and reads everyone's (one small set + N
-  gets to the coordinator, no device collective); if any does, all processes answer True from that
-  step until the preemption save. Cost: one KV round per ``agreement_interval`` steps; reaction
+  process that calls the manager (its ``active_processes``; all by default) publishes whether it
+  holds an unconsumed notice and reads the others' (one small set + N gets to the coordinator, no
+  device collective); if any does, they all answer True from that step until the preemption
+  save. A per-slice manager (Orbax's emergency manager) agrees within its slice only. Cost: one KV round per ``agreement_interval`` steps; reaction
   delay up to ``agreement_interval`` steps.
 
 **Exit.** The preemption save is asynchronous. The loop must call ``mngr.wait_until_finished()``

@@ -10,8 +10,12 @@ called by the user's loop. The notice itself lives in ``notice``.
 - Multi-controller with JAX's preemption service on: the stock answer (JAX's sync point, which
   hears SIGTERM through JAX's native notifier; ``notice`` leaves SIGTERM to it).
 - Multi-controller with the service off: every ``agreement_interval`` steps, one round through the
-  coordination service's key-value store; if any process holds a pending notice, every process
-  answers True from that step until its preemption save started.
+  coordination service's key-value store among the processes that call the manager (its
+  ``active_processes``: ``plan/participants.py``; every process for the public
+  ``reached_preemption(step)`` without a manager); if any of them holds a pending notice, they
+  all answer True from that step until its preemption save started. Each set of participants
+  has its own round and its own latched answers, so a per-slice manager (Orbax's emergency
+  manager) never waits for the other slices.
 """
 
 from __future__ import annotations
@@ -22,14 +26,18 @@ from typing import Callable
 from absl import logging
 
 from orbax_pathways import waits
+from orbax_pathways.plan import participants as participants_lib
 from orbax_pathways.preemption import notice
 from orbax_pathways._compat import jax_distributed
+from orbax_pathways._compat import orbax_manager as _om
 
 _agreement_interval = 10
 _agreement_timeout_s = 300.0
-_agreed_step: int | None = None
-_decided: dict[int, bool] = {}
-_last_published_key: str | None = None
+_EVERY_PROCESS = participants_lib.Participants(None, 0)
+# Per round name (one per set of participants, ``Participants.name``; '' for one controller):
+_agreed_step: dict[str, int] = {}  # the step from which its participants answer True
+_decided: dict[str, dict[int, bool]] = {}  # its latched answers, by step
+_last_published_key: dict[str, str] = {}
 
 
 def configure(*, agreement_interval: int, agreement_timeout_s: float) -> None:
@@ -45,11 +53,10 @@ def agreement_timeout_s() -> float:
 
 def reset() -> None:
   """Forgets the latched answers and any agreement (``preemption.clear_notice``)."""
-  global _agreed_step, _last_published_key
   with notice.lock:
-    _agreed_step = None
+    _agreed_step.clear()
     _decided.clear()
-    _last_published_key = None
+    _last_published_key.clear()
 
 
 def what_next() -> str:
@@ -65,11 +72,10 @@ def what_next() -> str:
 
 
 def _consume(step: int) -> None:
-  global _agreed_step
   with notice.lock:
     if not notice.mark_consumed():
       return
-    _agreed_step = None
+    _agreed_step.clear()
   logging.warning('orbax_pathways: preemption checkpoint of step %d started; later steps follow '
                   'the normal save interval and retention.', step)
 
@@ -78,48 +84,51 @@ def after_save(mngr, step: int, saved: bool) -> None:
   """``after_save`` hook (the loop's thread, every process): the notice is consumed once the save
   of a step answered as a preemption step started."""
   del mngr
-  if saved and _decided.get(step):
+  if saved and any(d.get(step) for d in _decided.values()):
     _consume(step)
 
 
-def _kv_agreement(step: int) -> bool:
-  """Multi-controller agreement on a preemption step through the coordination KV store."""
-  global _agreed_step, _last_published_key
-  if step in _decided:
-    return _decided[step]
-  if _agreed_step is not None:
-    return _remember(step, step >= _agreed_step)
+def _kv_agreement(step: int, part: participants_lib.Participants) -> bool:
+  """Agreement on a preemption step among ``part`` through the coordination KV store."""
+  name = part.name('preemption')
+  decided = _decided.setdefault(name, {})
+  if step in decided:
+    return decided[step]
+  if name in _agreed_step:
+    return _remember(decided, step, step >= _agreed_step[name])
   if step % _agreement_interval != 0:
     return False
   client = jax_distributed.distributed_client()
-  if client is None:
-    return _remember(step, notice.pending())
-  n, me = jax_distributed.process_count(), jax_distributed.process_index()
-  prefix = f'orbax_pathways/preemption/{notice.generation()}/{step}'
+  n, me = jax_distributed.process_count(), _om.process_index()
+  if client is None or not part.includes(me, n) or part.size(n) <= 1:
+    return _remember(decided, step, notice.pending())
+  prefix = f'orbax_pathways/{name}/{notice.generation()}/{step}'
   key = f'{prefix}/{me}'
   client.key_value_set(key, '1' if notice.pending() else '0', allow_overwrite=True)
   flags = waits.gather(client, prefix, n, _agreement_timeout_s,
-                       what=f'orbax_pathways: preemption agreement at step {step}')
-  if _last_published_key is not None:
+                       what=(f'orbax_pathways: preemption agreement at step {step} among '
+                             f'{part.describe(n)}'), processes=part.members(n))
+  last = _last_published_key.get(name)
+  if last is not None:
     try:
-      client.key_value_delete(_last_published_key)
+      client.key_value_delete(last)
     except Exception:  # pylint: disable=broad-except
       pass
-  _last_published_key = key
-  decided = _remember(step, any(f == '1' for f in flags))
-  if decided:
-    _agreed_step = step
+  _last_published_key[name] = key
+  answer = _remember(decided, step, any(f == '1' for f in flags))
+  if answer:
+    _agreed_step[name] = step
     if not notice.noticed():  # another process got the notice: this one saves once, too
       notice.notify_preemption('another process of this job')
-    logging.warning('orbax_pathways: all %d processes agree to save for preemption at step %d.',
-                    n, step)
-  return decided
+    logging.warning('orbax_pathways: %s agree to save for preemption at step %d.',
+                    part.describe(n), step)
+  return answer
 
 
-def _remember(step: int, answer: bool) -> bool:
-  _decided[step] = answer
-  while len(_decided) > 16:
-    del _decided[min(_decided)]
+def _remember(decided: dict[int, bool], step: int, answer: bool) -> bool:
+  decided[step] = answer
+  while len(decided) > 16:
+    del decided[min(decided)]
   return answer
 
 
@@ -130,15 +139,18 @@ def _single_controller(step: int, stock: Callable[[], bool]) -> bool:
   between the two must not make the second say True for a step that was not saved. The notice
   then counts from the next step on, until a save of a True step started (``after_save``).
   """
-  if step in _decided:
-    return _decided[step]
+  decided = _decided.setdefault('', {})
+  if step in decided:
+    return decided[step]
   if notice.pending():
-    return _remember(step, True)
-  return _remember(step, bool(stock()))
+    return _remember(decided, step, True)
+  return _remember(decided, step, bool(stock()))
 
 
-def reached_preemption(step: int, stock: Callable[[], bool] | None = None) -> bool:
-  """Our answer for ``CheckpointManager.reached_preemption(step)``; ``stock`` is Orbax's."""
+def reached_preemption(step: int, stock: Callable[[], bool] | None = None,
+                       participants: participants_lib.Participants | None = None) -> bool:
+  """Our answer for ``CheckpointManager.reached_preemption(step)``; ``stock`` is Orbax's;
+  ``participants``: the processes that call the manager (None: every process of the job)."""
   stock = stock or (lambda: False)
   if jax_distributed.process_count() <= 1:
     with notice.lock:
@@ -146,7 +158,7 @@ def reached_preemption(step: int, stock: Callable[[], bool] | None = None) -> bo
   if jax_distributed.jax_preemption_service_active():
     return bool(stock())
   with notice.lock:
-    return _kv_agreement(step)
+    return _kv_agreement(step, participants or _EVERY_PROCESS)
 
 
 def exit_after_commit(mngr, exit_code: int = 0) -> None:

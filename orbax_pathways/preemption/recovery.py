@@ -1,8 +1,9 @@
 """Resume: restore the newest complete step that restores, falling back past damaged ones.
 
 Called by the user's program on every controller process at start (``preemption.resume``), before
-training. All processes of a multi-controller job agree on each step's outcome (one round through
-the coordination service's key-value store per step tried), so they resume from the same step.
+training. All processes that call the manager (its ``active_processes``; every process by
+default) agree on each step's outcome (one round through the coordination service's key-value
+store per step tried), so they resume from the same step.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager as _om
 from orbax_pathways.preemption import decision
 
-_resume_round = 0
+_resume_rounds: dict[str, int] = {}  # rounds so far per set of participants (their name)
 
 
 def latest_complete_step(mngr, exclude=()) -> int | None:
@@ -31,18 +32,21 @@ def latest_complete_step(mngr, exclude=()) -> int | None:
   return None
 
 
-def _all_processes_ok(ok: bool, step: int) -> bool:
-  """Whether every process of a multi-controller job restored ``step`` (one KV round)."""
-  global _resume_round
+def _all_processes_ok(mngr, ok: bool, step: int) -> bool:
+  """Whether every process that calls ``mngr`` (its ``active_processes``) restored ``step``
+  (one KV round among them)."""
   client = jax_distributed.distributed_client()
-  if client is None or jax_distributed.process_count() <= 1:
+  part = _om.manager_participants(mngr)
+  n, me = jax_distributed.process_count(), _om.process_index()
+  if client is None or n <= 1 or part.size(n) <= 1 or not part.includes(me, n):
     return ok
-  _resume_round += 1
-  prefix = f'orbax_pathways/resume/{_resume_round}/{step}'
-  client.key_value_set(f'{prefix}/{jax_distributed.process_index()}', '1' if ok else '0',
-                       allow_overwrite=True)
-  flags = waits.gather(client, prefix, jax_distributed.process_count(), decision.agreement_timeout_s(),
-                       what=f'orbax_pathways: resume agreement on step {step}')
+  name = part.name('resume')
+  rnd = _resume_rounds[name] = _resume_rounds.get(name, 0) + 1
+  prefix = f'orbax_pathways/{name}/{rnd}/{step}'
+  client.key_value_set(f'{prefix}/{me}', '1' if ok else '0', allow_overwrite=True)
+  flags = waits.gather(client, prefix, n, decision.agreement_timeout_s(),
+                       what=(f'orbax_pathways: resume agreement on step {step} among '
+                             f'{part.describe(n)}'), processes=part.members(n))
   return all(f == '1' for f in flags)
 
 
@@ -105,7 +109,7 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
       state = mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
     except Exception as e:  # pylint: disable=broad-except
       error = e
-    if _all_processes_ok(error is None, step):
+    if _all_processes_ok(mngr, error is None, step):
       for s, p, err in damaged:
         message = _damaged_warning(s, p, err, step)
         logging.error(message)
