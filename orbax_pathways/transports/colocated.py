@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import math
 import struct
+import threading
 from typing import Any, Awaitable, Callable, Sequence
 
 import jax
@@ -375,6 +376,39 @@ def payload_rows(targets: Sequence[values.ReadTarget], devices: Sequence[Any]) -
   return out
 
 
+class _SharedSource:
+  """One source of a worker's node-local tier, shared by every reader of one worker call.
+
+  ``tier/chain.for_restore`` runs once per call (one listing of the node's tier, one manifest
+  read per entry), not once per reader: in the CPU simulation every simulated host is a reader
+  on the same node, so once per reader meant every entry's manifest read and touched once per
+  host (256 hosts: 65,536 of each; the restore's growth in issue 26 item 7). What the source
+  holds of an array (``held``: the origins of every entry's chunks of it) is likewise worked
+  out once per call and array. Each reader keeps its own ``SourceChain`` over these, so its
+  counters stay its own. Everything else is the wrapped source's (``counted_as`` where it has
+  one). Only local sources reach a colocated worker (no peers): their ``held`` depends on the
+  array (path, name) and its chunk grid only."""
+
+  def __init__(self, source: Any):
+    self._source = source
+    self.name = source.name
+    self._held: dict[tuple, Any] = {}
+    self._lock = threading.Lock()  # readers plan on the loop, copies run in executor threads
+
+  def held(self, read: Any):
+    key = (read.path, read.name, tuple(read.chunk_shape or ()), tuple(read.plan.global_shape))
+    with self._lock:
+      if key not in self._held:
+        self._held[key] = self._source.held(read)
+      return self._held[key]
+
+  def read_chunk(self, read: Any, chunk: Box, dtype: np.dtype) -> np.ndarray:
+    return self._source.read_chunk(read, chunk, dtype)
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._source, name)
+
+
 def make_worker_restore(task: WorkerReadTask) -> Callable[[jax.Array], tuple[jax.Array, ...]]:
   """The restore function shipped to workers: reads only their devices' boxes and returns the
   arrays plus its read counters."""
@@ -388,7 +422,7 @@ def make_worker_restore(task: WorkerReadTask) -> Callable[[jax.Array], tuple[jax
     # Readers: each local device in the simulation, else this worker as one host.
     readers = [[d] for d in local] if task.per_device_hosts else [local]
 
-    async def read(devs) -> tuple[list[dict[Box, np.ndarray]], Any, Any]:
+    async def read(devs, sources) -> tuple[list[dict[Box, np.ndarray]], Any, Any]:
       # Each distinct box is read on its own, with the checksums of the devices that need it:
       # a region merged across boxes could hold chunks no local device needs (and whose
       # checksums this worker was not sent).
@@ -402,20 +436,26 @@ def make_worker_restore(task: WorkerReadTask) -> Callable[[jax.Array], tuple[jax
           entries.append(i)
           targets.append(dataclasses.replace(t, chunks=chunks))
           boxes.append([box])
-      chain = (await asyncio.to_thread(tier_chain.for_restore, task.tier, task.item.directory,
-                                       task.save_id)
-               if task.tier is not None and task.save_id else None)
+      chain = tier_chain.SourceChain(sources, task.item.directory) if sources else None
       buffers, stats = await share.read_share(targets, boxes, item=task.item, verify=task.verify,
                                               chain=chain)
-      if chain is not None:
-        chain.report()
       per_target: list[dict[Box, np.ndarray]] = [{} for _ in task.targets]
       for i, bufs in zip(entries, buffers):
         per_target[i].update(bufs)
       return per_target, stats, chain
 
     async def run():
-      return await _bounded([read(devs) for devs in readers], MAX_CONCURRENT_HOSTS)
+      # This node's tier, once per call (see _SharedSource).
+      node = (await asyncio.to_thread(tier_chain.for_restore, task.tier, task.item.directory,
+                                      task.save_id)
+              if task.tier is not None and task.save_id else None)
+      sources = [_SharedSource(s) for s in node.sources] if node is not None else []
+      done = await _bounded([read(devs, sources) for devs in readers], MAX_CONCURRENT_HOSTS)
+      if node is not None:  # one log line per call for what the readers could not use
+        node.problems.extend(p for _, _, chain in done if chain is not None
+                             for p in chain.problems)
+        node.report()
+      return done
 
     done = compat.run_sync(run())
     out = []
