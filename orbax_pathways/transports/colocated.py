@@ -180,6 +180,7 @@ class WorkerSaveTask:
   crc_width: int
   tier: Any = None  # tier.store.TierConfig: each worker host copies its chunks to its node's tier
   save_id: str = ''  # this save's id (every worker's; the controller's index records it)
+  call_id: str = ''  # the call's progress, where the controller waits in this process
 
 
 def _creates(host: str, plan: save_plan.ArrayWritePlan, local_hosts: Sequence[str]) -> bool:
@@ -220,16 +221,22 @@ def make_worker_save(task: WorkerSaveTask) -> Callable[..., tuple[jax.Array, jax
     devices = _sorted_devices(a.sharding for a in cpu_arrays)
     plans = [plan_for(a.sharding, leaf, task.plan) for a, leaf in zip(cpu_arrays, task.leaves)]
     local_hosts = sorted({worker_key(s.device) for a in cpu_arrays for s in a.addressable_shards})
+    watch = colocated_calls.progress(task.call_id)  # None on a remote worker
 
     async def one(host: str):
+      if watch is not None:
+        watch.start(host)
       pieces = _host_pieces(host, cpu_arrays, plans)
       outcome, chunks = await share.write_pieces(
           host, task.item, task.leaves, plans, pieces,
           creates=[_creates(host, p, local_hosts) for p in plans], process_id=host,
-          max_inflight_bytes=task.max_inflight_bytes)
+          max_inflight_bytes=task.max_inflight_bytes,
+          on_progress=None if watch is None else functools.partial(watch.beat, host))
       if task.tier is not None and task.save_id:  # this worker's node, from the same buffers
         await asyncio.to_thread(share.write_tier, task.tier, task.item, host, task.save_id,
                                 task.leaves, plans, pieces, chunks)
+      if watch is not None:
+        watch.finish(host)
       return int(host[1:]), outcome, _crc_row(host, plans, task.leaves, chunks)
 
     async def run():
@@ -325,6 +332,7 @@ class WorkerReadTask:
   # The committed save id: a colocated save gives every worker one id, so one string travels
   # (a per-writer map would grow with the fleet); '' when the index records several (no tier).
   save_id: str = ''
+  call_id: str = ''  # the call's progress, where the controller waits in this process
 
 
 def _needed_chunks(target: values.ReadTarget, box: Box) -> list[metadata.ChunkRecord]:
@@ -421,8 +429,12 @@ def make_worker_restore(task: WorkerReadTask) -> Callable[[jax.Array], tuple[jax
     local = sorted(payload.sharding.addressable_devices, key=lambda d: d.id)
     # Readers: each local device in the simulation, else this worker as one host.
     readers = [[d] for d in local] if task.per_device_hosts else [local]
+    watch = colocated_calls.progress(task.call_id)  # None on a remote worker
 
     async def read(devs, sources) -> tuple[list[dict[Box, np.ndarray]], Any, Any]:
+      host = worker_key(devs[0])
+      if watch is not None:
+        watch.start(host)
       # Each distinct box is read on its own, with the checksums of the devices that need it:
       # a region merged across boxes could hold chunks no local device needs (and whose
       # checksums this worker was not sent).
@@ -437,11 +449,14 @@ def make_worker_restore(task: WorkerReadTask) -> Callable[[jax.Array], tuple[jax
           targets.append(dataclasses.replace(t, chunks=chunks))
           boxes.append([box])
       chain = tier_chain.SourceChain(sources, task.item.directory) if sources else None
-      buffers, stats = await share.read_share(targets, boxes, item=task.item, verify=task.verify,
-                                              chain=chain)
+      buffers, stats = await share.read_share(
+          targets, boxes, item=task.item, verify=task.verify, chain=chain,
+          on_progress=None if watch is None else functools.partial(watch.beat, host))
       per_target: list[dict[Box, np.ndarray]] = [{} for _ in task.targets]
       for i, bufs in zip(entries, buffers):
         per_target[i].update(bufs)
+      if watch is not None:
+        watch.finish(host)
       return per_target, stats, chain
 
     async def run():
@@ -508,12 +523,13 @@ class ColocatedTransport:
       width = max(_chunks_per_host([plans[i] for i in idx]).values(), default=0) or 1
       task = WorkerSaveTask(
           g, item, tuple(dataclasses.replace(leaves[i], sharding=None) for i in idx),
-          cfg.plan, cfg.max_inflight_bytes, width, tier=cfg.tier, save_id=save_id)
+          cfg.plan, cfg.max_inflight_bytes, width, tier=cfg.tier, save_id=save_id,
+          call_id=colocated_calls.new_call_id())
       fn = _colocated().colocated_python(make_worker_save(task)).specialize(
           out_specs_fn=lambda *xs, w=width: (
               _rows_spec(_sorted_devices(x.sharding for x in xs), 2, np.int64),
               _rows_spec(_sorted_devices(x.sharding for x in xs), w, np.uint32)))
-      calls.append((fn, idx, [cpu_arrays[i] for i in idx]))
+      calls.append((fn, idx, [cpu_arrays[i] for i in idx], task.call_id))
     return base.Snapshot(
         layouts=[values.LeafLayout.of(leaf, plan) for leaf, plan in zip(leaves, plans)],
         controller_tensor_bytes=0, state=(item, tuple(leaves), plans, calls, save_id))
@@ -523,13 +539,14 @@ class ColocatedTransport:
     outcomes: dict[str, list[int]] = {}
     records: list[metadata.ArrayRecord] = []
     with trace('write'):
-      for fn, idx, group_arrays in calls:  # sequential: groups share each worker's OCDBT database
+      # Sequential: the groups share each worker's OCDBT database.
+      for fn, idx, group_arrays, call_id in calls:
         devices = _sorted_devices(x.sharding for x in group_arrays)
         counts, crcs = await colocated_calls.call_with_deadline(
             functools.partial(colocated_calls.call_and_fetch, fn, group_arrays), devices,
             colocated_calls.call_deadline_s(_max_host_bytes([plans[i] for i in idx],
                                             [leaves[i] for i in idx])),
-            f'Colocated save to {item.directory}')
+            f'Colocated save to {item.directory}', call_id)
         rows = {}
         for d, (nbytes, chunks), row in zip(devices, counts.tolist(), crcs):
           if nbytes or chunks:
@@ -577,10 +594,11 @@ class ColocatedTransport:
         rows = payload_rows(full, group_devices)
       payload_row_bytes.append(int(rows.shape[1]))
       cpu_targets = tuple(dataclasses.replace(t, chunks={}) for t in full)
+      call_id = colocated_calls.new_call_id()
       fn = _colocated().colocated_python(
           make_worker_restore(WorkerReadTask(item, cpu_targets, cfg.verify, simulated,
                                              tier=cfg.tier if save_id else None,
-                                             save_id=save_id))).specialize(
+                                             save_id=save_id, call_id=call_id))).specialize(
               out_specs_fn=lambda p, ct=cpu_targets, gd=group_devices: tuple(
                   jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=t.sharding) for t in ct)
               + (_rows_spec(gd, 3, np.int64),))
@@ -588,7 +606,8 @@ class ColocatedTransport:
         payload = jax.device_put(rows, _row_sharding(group_devices))
         *arrays, counts = await colocated_calls.call_with_deadline(
             functools.partial(colocated_calls.call_ready, fn, payload), group_devices,
-            colocated_calls.call_deadline_s(_max_device_bytes(full)), f'Colocated restore from {item.directory}')
+            colocated_calls.call_deadline_s(_max_device_bytes(full)),
+            f'Colocated restore from {item.directory}', call_id)
       with trace('device_put'):
         for i, arr in zip(idx, arrays):
           out[i] = jax.device_put(arr, targets[i].sharding)
