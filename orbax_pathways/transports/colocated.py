@@ -413,7 +413,9 @@ class _SharedSource:
   def read_chunk(self, read: Any, chunk: Box, dtype: np.dtype) -> np.ndarray:
     return self._source.read_chunk(read, chunk, dtype)
 
-  def __getattr__(self, name: str) -> Any:
+  def __getattr__(self, name: str) -> Any:  # only what this class does not define
+    if name.startswith('_'):
+      raise AttributeError(name)
     return getattr(self._source, name)
 
 
