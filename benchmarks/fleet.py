@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Simulated fleets: stock Orbax, ours (local transport) and ours (colocated transport) at
-64 / 256 / 1024 CPU devices in one process, on local disk or through fake-gcs-server.
+"""Simulated fleets: stock Orbax, ours (local transport) and ours (colocated transport, with the
+node-local tier and without) at 32 / 64 / 128 / 256 (or 1024) CPU devices in one process, on
+local disk or through fake-gcs-server.
 
-    .venv/bin/python benchmarks/fleet.py                       # 64,256 devices, local disk
+    .venv/bin/python benchmarks/fleet.py                       # 32,64,128,256 devices, local disk
     .venv/bin/python benchmarks/fleet.py --devices 64,256,1024 --json-out /tmp/fleet.json
     .venv/bin/python benchmarks/fleet.py --storage gcs --devices 64,256   # requests counted
+    .venv/bin/python benchmarks/fleet.py --impls colocated,colocated_notier  # the colocated record
 
 Each device count runs in its own interpreter (``--_child``), started with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N``: jax reads it only at import. The child
@@ -13,7 +15,8 @@ runs stock, ours-local and ours-colocated one after another on the same state (2
 
 - first ``save()`` blocking and save -> committed; the same for a second save (step 1);
 - restore of step 1 with a target, and without one, each in a fresh ``CheckpointManager``
-  (in a fresh interpreter on gcs, so no client cache helps);
+  (in a fresh interpreter on gcs, so no client cache helps); on local disk also the restore with
+  a target in a fresh interpreter (``restore_fresh_s``: what a restarted job does);
 - files (objects) in step 1, and the ``_pathways/`` files one restore opens (local disk: an
   audit hook on ``open``; gcs: the proxy's requests naming ``_pathways/``);
 - gcs: requests of the second save (save() to committed) and of the restore with a target,
@@ -21,7 +24,17 @@ runs stock, ours-local and ours-colocated one after another on the same state (2
 - colocated: the bytes of the function each worker call ships, as colocated Python pickles it
   (``jax.experimental.colocated_python.serialization``), beyond the output specs it ships
   anyway, and the bytes of the per-device payload arrays (largest row);
-- planning time of the 20 save plans with an empty plan cache (the first save's share).
+- planning time of the 20 save plans with an empty plan cache (the first save's share);
+- colocated: the worker calls themselves (``colocated_calls.call_with_deadline``, timed around):
+  seconds of the second save's calls and of the fresh restore's, and those per simulated host
+  (a call's cost per worker: flat when nothing per worker grows with the fleet), and the tier
+  manifests the fresh restore opened (one per entry when the node's tier is listed once per
+  call).
+
+``colocated`` runs with the node-local tier on, in a fresh tmpfs directory per device count
+(``/dev/shm``; removed after), ``colocated_notier`` with it off (``local_dir='off'``); ``local``
+uses the same tier directory. After the per-count tables, one table across the device counts:
+the record of how the colocated cost grows (the state's bytes are the same at every count).
 
 The colocated transport treats each CPU device as its own worker host (``w<id>``); on the CPU
 backend colocated Python runs in this process, with the simulated hosts of one call run
@@ -43,14 +56,15 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 TESTS = os.path.join(REPO, 'tests')
-IMPLS = ('stock', 'local', 'colocated')
+IMPLS = ('stock', 'local', 'colocated', 'colocated_notier')
 N_ARRAYS = 20
 SPECS = (('data', 'model'), (('data', 'model'),), ('data', None), ('model', 'data'))
 
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument('--devices', default='64,256', help='comma-separated device counts (multiples of 16)')
+  p.add_argument('--devices', default='32,64,128,256',
+                 help='comma-separated device counts (multiples of 16)')
   p.add_argument('--impls', default=','.join(IMPLS), help=f'subset of {",".join(IMPLS)}')
   p.add_argument('--mib', type=float, default=40.0, help='MiB of the whole state (20 arrays)')
   p.add_argument('--storage', choices=('local', 'gcs'), default='local')
@@ -61,6 +75,24 @@ def parse_args(argv=None):
   p.add_argument('--_restore', dest='restore', default=None, help=argparse.SUPPRESS)
   p.add_argument('--_root', dest='root', default=None, help=argparse.SUPPRESS)
   return p.parse_args(argv)
+
+
+def _options(impl: str):
+  """The orbax_pathways options of an implementation (not 'stock'): the environment's
+  (``ORBAX_PATHWAYS_*``, e.g. ``ORBAX_PATHWAYS_PEER_TIMEOUT_S``), with its transport."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  import orbax_pathways  # pylint: disable=import-outside-toplevel
+  env = orbax_pathways.Options.from_env()
+  if impl == 'colocated_notier':
+    return dataclasses.replace(env, transport='colocated', local_dir='off')
+  return dataclasses.replace(env, transport=impl)
+
+
+def _tier_dir() -> str | None:
+  """A fresh tier directory on tmpfs for one device count (None: no /dev/shm here)."""
+  if not os.path.isdir('/dev/shm'):
+    return None
+  return tempfile.mkdtemp(prefix='fleet-tier-', dir='/dev/shm')
 
 
 # ---- parent ------------------------------------------------------------------------------------
@@ -85,9 +117,16 @@ def main(argv=None) -> int:
     root = args.dir or tempfile.mkdtemp(prefix=f'fleet-{n}-', dir='/tmp')
     cmd = [sys.executable, os.path.abspath(__file__), '--_child', str(n), '--impls', args.impls,
            '--mib', str(args.mib), '--storage', args.storage, '--_root', root]
+    env = child_env(n)
+    tier = _tier_dir()
+    env['ORBAX_PATHWAYS_LOCAL_DIR'] = tier or 'off'
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=child_env(n), cwd=REPO, capture_output=True, text=True,
-                          timeout=args.timeout)
+    try:
+      proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
+                            timeout=args.timeout)
+    finally:
+      if tier:
+        subprocess.run(['rm', '-rf', tier], check=False)
     if proc.returncode != 0:
       print(proc.stdout[-4000:], proc.stderr[-8000:], file=sys.stderr)
       return proc.returncode
@@ -98,6 +137,7 @@ def main(argv=None) -> int:
     if not args.dir:
       subprocess.run(['rm', '-rf', root], check=False)
   print_tables(results, args.storage)
+  print_scaling(results, args.storage)
   if args.json_out:
     with open(args.json_out, 'w') as f:
       json.dump({'storage': args.storage, 'mib': args.mib, 'results': results}, f, indent=1)
@@ -111,6 +151,7 @@ ROWS = (
     ('save2_commit_s', 'second save, start -> committed', 's'),
     ('restore_s', 'restore (fresh manager, with target)', 's'),
     ('restore_notarget_s', 'restore (fresh manager, no target)', 's'),
+    ('restore_fresh_s', 'restore in a fresh process (with target)', 's'),
     ('plan_s', 'save planning, 20 arrays, cold cache', 's'),
     ('files', 'files in one step', 'n'),
     ('pathways_files_written', '`_pathways` files in one step', 'n'),
@@ -129,6 +170,14 @@ ROWS = (
     ('save_worker_fn_bytes', 'colocated save: function bytes per worker call', 'n'),
     ('restore_worker_fn_bytes', 'colocated restore: function bytes per worker call', 'n'),
     ('restore_payload_row_bytes', 'colocated restore: payload row bytes per device (max)', 'n'),
+    ('save_calls', 'colocated second save: worker calls', 'n'),
+    ('save_call_s', '  their seconds (sum)', 's'),
+    ('save_call_per_host_ms', '  per simulated host', 'ms'),
+    ('restore_calls', 'colocated fresh restore: worker calls', 'n'),
+    ('restore_call_s', '  their seconds (sum)', 's'),
+    ('restore_call_per_host_ms', '  per simulated host', 'ms'),
+    ('restore_tier_manifests', '  tier manifests opened', 'n'),
+    ('restore_tier_entries', '  tier entries on the node', 'n'),
 )
 
 
@@ -137,6 +186,8 @@ def _fmt(v, unit):
     return '-'
   if unit == 's':
     return f'{v:.2f} s' if v >= 0.1 else f'{v * 1e3:.0f} ms'
+  if unit == 'ms':
+    return f'{v:.2f} ms'
   return f'{int(v):,}'
 
 
@@ -167,14 +218,92 @@ def print_tables(results: list, storage: str) -> None:
       print(f'| {label} | ' + ' | '.join(cells) + ' |')
 
 
+SCALING = ('save2_commit_s', 'save_call_s', 'save_call_per_host_ms', 'restore_fresh_s',
+           'restore_s', 'restore_call_s', 'restore_call_per_host_ms', 'restore_tier_manifests',
+           'restore_tier_entries', 'restore_worker_fn_bytes', 'restore_payload_row_bytes')
+
+
+def print_scaling(results: list, storage: str) -> None:
+  """The colocated rows across device counts (one column per count): the record of what grows
+  with the fleet at a fixed state size."""
+  labels = {k: (label.strip(), unit) for k, label, unit in ROWS}
+  for impl in ('colocated', 'colocated_notier'):
+    rows = {r['devices']: r for r in results if r['impl'] == impl}
+    if len(rows) < 2:
+      continue
+    ns = sorted(rows)
+    print(f'\n### {impl} across device counts, {storage} ({rows[ns[0]]["mib"]:.0f} MiB state)\n')
+    print('| metric | ' + ' | '.join(f'{n} devices' for n in ns) + ' |')
+    print('|---|' + '---:|' * len(ns))
+    for key in SCALING:
+      if key not in labels or all(rows[n].get(key) is None for n in ns):
+        continue
+      label, unit = labels[key]
+      if key.startswith('save_call'):
+        label = 'second save: ' + label
+      elif key.startswith('restore_call') or key.startswith('restore_tier'):
+        label = 'fresh restore: ' + label
+      print(f'| {label} | ' + ' | '.join(_fmt(rows[n].get(key), unit) for n in ns) + ' |')
+
+
 # ---- child: one device count -------------------------------------------------------------------
 
 _opened: list[str] = []
+_tier_manifests: list[str] = []
 
 
 def _audit(event, args):
-  if event == 'open' and args and isinstance(args[0], str) and '/_pathways/' in args[0]:
-    _opened.append(args[0])
+  if event == 'open' and args and isinstance(args[0], str):
+    if '/_pathways/' in args[0]:
+      _opened.append(args[0])
+    tier = os.environ.get('ORBAX_PATHWAYS_LOCAL_DIR', '')
+    if tier.startswith('/') and args[0].startswith(tier) and args[0].endswith('manifest.msgpack'):
+      _tier_manifests.append(args[0])
+
+
+class _Calls:
+  """Times every colocated worker call (``colocated_calls.call_with_deadline``, wrapped): its
+  seconds and how many simulated hosts (CPU devices) it spans."""
+
+  def __init__(self):
+    self.calls: list[tuple[float, int]] = []
+    self._undo = None
+
+  def install(self):
+    from orbax_pathways.transports import colocated_calls  # pylint: disable=import-outside-toplevel
+    orig = colocated_calls.call_with_deadline
+
+    async def timed(call, cpu_devices, *a, **kw):
+      t0 = time.perf_counter()
+      try:
+        return await orig(call, cpu_devices, *a, **kw)
+      finally:
+        self.calls.append((time.perf_counter() - t0, len(cpu_devices)))
+
+    colocated_calls.call_with_deadline = timed
+    self._undo = (colocated_calls, orig)
+    return self
+
+  def uninstall(self):
+    if self._undo is not None:
+      mod, orig = self._undo
+      mod.call_with_deadline = orig
+      self._undo = None
+
+  def report(self, prefix: str) -> dict:
+    if not self.calls:
+      return {}
+    seconds = sum(c[0] for c in self.calls)
+    hosts = max(c[1] for c in self.calls)
+    return {f'{prefix}_calls': len(self.calls), f'{prefix}_call_s': seconds,
+            f'{prefix}_call_per_host_ms': 1e3 * seconds / hosts}
+
+
+def _tier_entries() -> int | None:
+  tier = os.environ.get('ORBAX_PATHWAYS_LOCAL_DIR', '')
+  if not tier.startswith('/'):
+    return None
+  return sum(1 for _, _, files in os.walk(tier) for f in files if f == 'manifest.msgpack')
 
 
 def _state(n: int, mib: float):
@@ -331,7 +460,7 @@ def child_main(args) -> int:
       if impl == 'stock':
         orbax_pathways.uninstall()
       else:
-        orbax_pathways.install(orbax_pathways.Options(transport=impl))
+        orbax_pathways.install(_options(impl))
         layout.plan_writes.cache_clear()
         t0 = time.perf_counter()
         for a in state.values():
@@ -339,11 +468,14 @@ def child_main(args) -> int:
                              replica_parallel=True, coalesce_bytes=1 << 20)
         r['plan_s'] = time.perf_counter() - t0
       payloads = _Payloads()
-      if impl == 'colocated':
+      calls = _Calls()
+      if impl.startswith('colocated'):
         payloads.install()
       d = f'{root}/{impl}'
       with ocp.CheckpointManager(d) as mngr:
         for step, tag in ((0, 'save1'), (1, 'save2')):
+          if step == 1 and impl.startswith('colocated'):
+            calls.install()
           seen_save = []
           if proxy is not None:
             proxy.reset_stats()
@@ -359,6 +491,8 @@ def child_main(args) -> int:
             if step == 1:
               r['save_requests'] = proxy.stats()['requests']
               r.update({f'save_{k}': v for k, v in _by_kind(seen_save).items()})
+        calls.uninstall()
+        r.update(calls.report('save'))
       r['files'], r['pathways_files_written'] = _count_files(f'{d}/1')
       if proxy is None:
         for key, target in (('restore', _abstract(state)), ('notarget', None)):
@@ -375,6 +509,11 @@ def child_main(args) -> int:
           for k, v in values.items():
             if not np.array_equal(np.asarray(out[k]), v):
               raise AssertionError(f'{impl}: {k} differs after restore')
+        del out
+        res = _fresh_restore(d, impl, args.mib, 'target', dict(os.environ))
+        r['restore_fresh_s'] = res['restore_s']
+        r.update({k: v for k, v in res.items() if k.startswith('restore_')
+                  and k != 'restore_s'})
       else:
         for key, target in (('restore', True), ('notarget', False)):
           _opened.clear()
@@ -382,23 +521,21 @@ def child_main(args) -> int:
           seen = []
           orig = proxy._choose  # pylint: disable=protected-access
           proxy._choose = lambda m, t, _o=orig: (seen.append((m, t)), _o(m, t))[1]  # pylint: disable=protected-access
-          cmd = [sys.executable, os.path.abspath(__file__), '--_restore', d, '--impls', impl,
-                 '--mib', str(args.mib), '--_root', 'target' if target else 'none']
-          t0 = time.perf_counter()
-          proc = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True)
+          res = _fresh_restore(d, impl, args.mib, 'target' if target else 'none',
+                               dict(os.environ))
           proxy._choose = orig  # pylint: disable=protected-access
-          if proc.returncode != 0:
-            raise RuntimeError(proc.stderr[-4000:])
-          res = json.loads(proc.stdout.strip().splitlines()[-1])
           suffix = '' if target else '_notarget'
           r['restore_s' if target else 'restore_notarget_s'] = res['restore_s']
+          if target:
+            r.update({k: v for k, v in res.items() if k.startswith('restore_')
+                      and k != 'restore_s'})
           r['restore_requests' + suffix] = len(seen)
           r['restore_pathways_requests' + suffix] = sum(
               1 for _, t in seen if '_pathways' in t.replace('%2F', '/'))
           if target:
             r.update({f'restore_{k}': v for k, v in _by_kind(seen).items()})
           r['pathways_reads_' + key] = r['restore_pathways_requests' + suffix]
-      if impl == 'colocated':
+      if impl.startswith('colocated'):
         r['save_worker_fn_bytes'] = max(payloads.save, default=None)
         r['restore_worker_fn_bytes'] = max(payloads.restore, default=None)
         r['restore_payload_row_bytes'] = max(payloads.rows, default=None)
@@ -412,8 +549,19 @@ def child_main(args) -> int:
   return 0
 
 
+def _fresh_restore(d: str, impl: str, mib: float, target: str, env: dict) -> dict:
+  """Restores step 1 of ``d`` in a fresh interpreter (``restore_main``); returns its report."""
+  cmd = [sys.executable, os.path.abspath(__file__), '--_restore', d, '--impls', impl,
+         '--mib', str(mib), '--_root', target]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+  if proc.returncode != 0:
+    raise RuntimeError(proc.stderr[-4000:])
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def restore_main(args) -> int:
-  """One restore in a fresh interpreter (gcs): the parent's proxy counts its requests."""
+  """One restore in a fresh interpreter (a restarted job; on gcs the parent's proxy counts its
+  requests); reports its seconds and, colocated, its worker calls and tier manifests opened."""
   import logging
   logging.getLogger('absl').setLevel(logging.ERROR)
   import warnings
@@ -429,7 +577,9 @@ def restore_main(args) -> int:
   if impl == 'stock':
     orbax_pathways.uninstall()
   else:
-    orbax_pathways.install(orbax_pathways.Options(transport=impl))
+    orbax_pathways.install(_options(impl))
+  calls = _Calls().install() if impl.startswith('colocated') else None
+  sys.addaudithook(_audit)
   n = jax.device_count()
   state, values = _state(n, args.mib)
   target = _abstract(state) if args.root == 'target' else None
@@ -442,7 +592,13 @@ def restore_main(args) -> int:
   for k, v in values.items():
     if not np.array_equal(np.asarray(out[k]), v):
       raise AssertionError(f'{impl}: {k} differs after restore')
-  print(json.dumps({'restore_s': dt}))
+  report = {'restore_s': dt}
+  if calls is not None:
+    report.update(calls.report('restore'))
+    if impl == 'colocated':
+      report.update(restore_tier_manifests=len(_tier_manifests),
+                    restore_tier_entries=_tier_entries())
+  print(json.dumps(report))
   return 0
 
 

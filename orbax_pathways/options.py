@@ -326,9 +326,11 @@ class Options:
     process saw (``ORBAX_PATHWAYS_PEER_TIMEOUT_S``, 60 s). A multi-process save: once this
     process's writes finished, the others must report theirs within this plus the time this
     process's own writes took; the primary host's commit must keep showing progress at least
-    this often. A colocated call: each worker must answer within this plus the call's bytes at a
-    conservative rate. Past it, the save (``PeerLostError``, a ``SaveError``) or restore
-    (``WorkerTimeoutError``) fails naming the processes or workers that did not answer; the step
+    this often. A colocated call: it may go this long plus its busiest worker host's bytes at a
+    conservative rate without a sign of progress (a worker starting, finishing an array or its
+    share; a result becoming ready), however long it runs in all. Past it, the save
+    (``PeerLostError``, a ``SaveError``) or restore (``WorkerTimeoutError``) fails naming the
+    processes or workers that went silent; the step
     is not committed. Keep it below ``jax.distributed``'s heartbeat timeout (100 s by default),
     which otherwise aborts every process with no Python error. Per process: the last handler
     built sets it.

@@ -1,7 +1,9 @@
-"""Waits on other processes name who did not answer (orbax_pathways/waits.py, issue 21 item 1).
+"""Waits on other processes name who did not answer (orbax_pathways/waits.py, issue 21 item 1),
+and their deadline measures silence, not total time (issue 26 item 7).
 
 Real ``jax.distributed`` processes (tests/support/mp_harness.py): the agreement helper the
-preemption and resume agreements use, with one process that never publishes its key.
+preemption and resume agreements use, with one process that never publishes its key, and keys
+that keep arriving, one every ``STEP_S``, for longer than the deadline in all.
 """
 
 from __future__ import annotations
@@ -32,6 +34,22 @@ else:
 if me == 1:  # all present: values in process order
   client.key_value_set('test/all/0', 'a'); client.key_value_set('test/all/1', 'b')
   mp_worker.emit({'values': waits.gather(client, 'test/all', 2, 30.0, what='x')})
+# Slow but progressing: process 1 publishes the keys of 3 processes, the last one first (the
+# one gather waits on first comes last), one every 1.5 s after process 0 starts waiting with a
+# 2.5 s deadline: 4.5 s in all, never 2.5 s without a new key.
+if me == 0:
+  client.key_value_set('test/go', '1')
+  t = time.monotonic()
+  try:
+    got = waits.gather(client, 'test/slow', 3, 2.5, what='slow agreement')
+    mp_worker.emit({'slow': got, 't': time.monotonic() - t})
+  except waits.PeerTimeoutError as e:
+    mp_worker.emit({'slow': str(e), 't': time.monotonic() - t})
+elif me == 1:
+  client.blocking_key_value_get('test/go', 120_000)
+  for p in (2, 1, 0):
+    time.sleep(1.5)
+    client.key_value_set(f'test/slow/{p}', f's{p}')
 '''
 
 
@@ -44,3 +62,6 @@ def test_gather_names_the_process_that_did_not_answer(tmp_path):
   assert 'process(es) 2 of 3 did not answer within 3s' in first['raised'], first
   assert 'test agreement' in first['raised'], first
   assert results[1].results[0] == {'values': ['a', 'b']}
+  slow = results[0].results[1]
+  assert slow['slow'] == ['s0', 's1', 's2'], slow  # not a PeerTimeoutError after 2.5 s
+  assert slow['t'] > 2.5, slow  # the premise: the keys took longer than the deadline in all

@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import math
 import struct
+import threading
 from typing import Any, Awaitable, Callable, Sequence
 
 import jax
@@ -179,6 +180,7 @@ class WorkerSaveTask:
   crc_width: int
   tier: Any = None  # tier.store.TierConfig: each worker host copies its chunks to its node's tier
   save_id: str = ''  # this save's id (every worker's; the controller's index records it)
+  call_id: str = ''  # the call's progress, where the controller waits in this process
 
 
 def _creates(host: str, plan: save_plan.ArrayWritePlan, local_hosts: Sequence[str]) -> bool:
@@ -219,16 +221,22 @@ def make_worker_save(task: WorkerSaveTask) -> Callable[..., tuple[jax.Array, jax
     devices = _sorted_devices(a.sharding for a in cpu_arrays)
     plans = [plan_for(a.sharding, leaf, task.plan) for a, leaf in zip(cpu_arrays, task.leaves)]
     local_hosts = sorted({worker_key(s.device) for a in cpu_arrays for s in a.addressable_shards})
+    watch = colocated_calls.progress(task.call_id)  # None on a remote worker
 
     async def one(host: str):
+      if watch is not None:
+        watch.start(host)
       pieces = _host_pieces(host, cpu_arrays, plans)
       outcome, chunks = await share.write_pieces(
           host, task.item, task.leaves, plans, pieces,
           creates=[_creates(host, p, local_hosts) for p in plans], process_id=host,
-          max_inflight_bytes=task.max_inflight_bytes)
+          max_inflight_bytes=task.max_inflight_bytes,
+          on_progress=None if watch is None else functools.partial(watch.beat, host))
       if task.tier is not None and task.save_id:  # this worker's node, from the same buffers
         await asyncio.to_thread(share.write_tier, task.tier, task.item, host, task.save_id,
                                 task.leaves, plans, pieces, chunks)
+      if watch is not None:
+        watch.finish(host)
       return int(host[1:]), outcome, _crc_row(host, plans, task.leaves, chunks)
 
     async def run():
@@ -324,6 +332,7 @@ class WorkerReadTask:
   # The committed save id: a colocated save gives every worker one id, so one string travels
   # (a per-writer map would grow with the fleet); '' when the index records several (no tier).
   save_id: str = ''
+  call_id: str = ''  # the call's progress, where the controller waits in this process
 
 
 def _needed_chunks(target: values.ReadTarget, box: Box) -> list[metadata.ChunkRecord]:
@@ -375,6 +384,41 @@ def payload_rows(targets: Sequence[values.ReadTarget], devices: Sequence[Any]) -
   return out
 
 
+class _SharedSource:
+  """One source of a worker's node-local tier, shared by every reader of one worker call.
+
+  ``tier/chain.for_restore`` runs once per call (one listing of the node's tier, one manifest
+  read per entry), not once per reader: in the CPU simulation every simulated host is a reader
+  on the same node, so once per reader meant every entry's manifest read and touched once per
+  host (256 hosts: 65,536 of each; the restore's growth in issue 26 item 7). What the source
+  holds of an array (``held``: the origins of every entry's chunks of it) is likewise worked
+  out once per call and array. Each reader keeps its own ``SourceChain`` over these, so its
+  counters stay its own. Everything else is the wrapped source's (``counted_as`` where it has
+  one). Only local sources reach a colocated worker (no peers): their ``held`` depends on the
+  array (path, name) and its chunk grid only."""
+
+  def __init__(self, source: Any):
+    self._source = source
+    self.name = source.name
+    self._held: dict[tuple, Any] = {}
+    self._lock = threading.Lock()  # readers plan on the loop, copies run in executor threads
+
+  def held(self, read: Any):
+    key = (read.path, read.name, tuple(read.chunk_shape or ()), tuple(read.plan.global_shape))
+    with self._lock:
+      if key not in self._held:
+        self._held[key] = self._source.held(read)
+      return self._held[key]
+
+  def read_chunk(self, read: Any, chunk: Box, dtype: np.dtype) -> np.ndarray:
+    return self._source.read_chunk(read, chunk, dtype)
+
+  def __getattr__(self, name: str) -> Any:  # only what this class does not define
+    if name.startswith('_'):
+      raise AttributeError(name)
+    return getattr(self._source, name)
+
+
 def make_worker_restore(task: WorkerReadTask) -> Callable[[jax.Array], tuple[jax.Array, ...]]:
   """The restore function shipped to workers: reads only their devices' boxes and returns the
   arrays plus its read counters."""
@@ -387,8 +431,12 @@ def make_worker_restore(task: WorkerReadTask) -> Callable[[jax.Array], tuple[jax
     local = sorted(payload.sharding.addressable_devices, key=lambda d: d.id)
     # Readers: each local device in the simulation, else this worker as one host.
     readers = [[d] for d in local] if task.per_device_hosts else [local]
+    watch = colocated_calls.progress(task.call_id)  # None on a remote worker
 
-    async def read(devs) -> tuple[list[dict[Box, np.ndarray]], Any, Any]:
+    async def read(devs, sources) -> tuple[list[dict[Box, np.ndarray]], Any, Any]:
+      host = worker_key(devs[0])
+      if watch is not None:
+        watch.start(host)
       # Each distinct box is read on its own, with the checksums of the devices that need it:
       # a region merged across boxes could hold chunks no local device needs (and whose
       # checksums this worker was not sent).
@@ -402,20 +450,29 @@ def make_worker_restore(task: WorkerReadTask) -> Callable[[jax.Array], tuple[jax
           entries.append(i)
           targets.append(dataclasses.replace(t, chunks=chunks))
           boxes.append([box])
-      chain = (await asyncio.to_thread(tier_chain.for_restore, task.tier, task.item.directory,
-                                       task.save_id)
-               if task.tier is not None and task.save_id else None)
-      buffers, stats = await share.read_share(targets, boxes, item=task.item, verify=task.verify,
-                                              chain=chain)
-      if chain is not None:
-        chain.report()
+      chain = tier_chain.SourceChain(sources, task.item.directory) if sources else None
+      buffers, stats = await share.read_share(
+          targets, boxes, item=task.item, verify=task.verify, chain=chain,
+          on_progress=None if watch is None else functools.partial(watch.beat, host))
       per_target: list[dict[Box, np.ndarray]] = [{} for _ in task.targets]
       for i, bufs in zip(entries, buffers):
         per_target[i].update(bufs)
+      if watch is not None:
+        watch.finish(host)
       return per_target, stats, chain
 
     async def run():
-      return await _bounded([read(devs) for devs in readers], MAX_CONCURRENT_HOSTS)
+      # This node's tier, once per call (see _SharedSource).
+      node = (await asyncio.to_thread(tier_chain.for_restore, task.tier, task.item.directory,
+                                      task.save_id)
+              if task.tier is not None and task.save_id else None)
+      sources = [_SharedSource(s) for s in node.sources] if node is not None else []
+      done = await _bounded([read(devs, sources) for devs in readers], MAX_CONCURRENT_HOSTS)
+      if node is not None:  # one log line per call for what the readers could not use
+        node.problems.extend(p for _, _, chain in done if chain is not None
+                             for p in chain.problems)
+        node.report()
+      return done
 
     done = compat.run_sync(run())
     out = []
@@ -468,12 +525,13 @@ class ColocatedTransport:
       width = max(_chunks_per_host([plans[i] for i in idx]).values(), default=0) or 1
       task = WorkerSaveTask(
           g, item, tuple(dataclasses.replace(leaves[i], sharding=None) for i in idx),
-          cfg.plan, cfg.max_inflight_bytes, width, tier=cfg.tier, save_id=save_id)
+          cfg.plan, cfg.max_inflight_bytes, width, tier=cfg.tier, save_id=save_id,
+          call_id=colocated_calls.new_call_id())
       fn = _colocated().colocated_python(make_worker_save(task)).specialize(
           out_specs_fn=lambda *xs, w=width: (
               _rows_spec(_sorted_devices(x.sharding for x in xs), 2, np.int64),
               _rows_spec(_sorted_devices(x.sharding for x in xs), w, np.uint32)))
-      calls.append((fn, idx, [cpu_arrays[i] for i in idx]))
+      calls.append((fn, idx, [cpu_arrays[i] for i in idx], task.call_id))
     return base.Snapshot(
         layouts=[values.LeafLayout.of(leaf, plan) for leaf, plan in zip(leaves, plans)],
         controller_tensor_bytes=0, state=(item, tuple(leaves), plans, calls, save_id))
@@ -483,13 +541,14 @@ class ColocatedTransport:
     outcomes: dict[str, list[int]] = {}
     records: list[metadata.ArrayRecord] = []
     with trace('write'):
-      for fn, idx, group_arrays in calls:  # sequential: groups share each worker's OCDBT database
+      # Sequential: the groups share each worker's OCDBT database.
+      for fn, idx, group_arrays, call_id in calls:
         devices = _sorted_devices(x.sharding for x in group_arrays)
         counts, crcs = await colocated_calls.call_with_deadline(
             functools.partial(colocated_calls.call_and_fetch, fn, group_arrays), devices,
             colocated_calls.call_deadline_s(_max_host_bytes([plans[i] for i in idx],
                                             [leaves[i] for i in idx])),
-            f'Colocated save to {item.directory}')
+            f'Colocated save to {item.directory}', call_id)
         rows = {}
         for d, (nbytes, chunks), row in zip(devices, counts.tolist(), crcs):
           if nbytes or chunks:
@@ -537,10 +596,11 @@ class ColocatedTransport:
         rows = payload_rows(full, group_devices)
       payload_row_bytes.append(int(rows.shape[1]))
       cpu_targets = tuple(dataclasses.replace(t, chunks={}) for t in full)
+      call_id = colocated_calls.new_call_id()
       fn = _colocated().colocated_python(
           make_worker_restore(WorkerReadTask(item, cpu_targets, cfg.verify, simulated,
                                              tier=cfg.tier if save_id else None,
-                                             save_id=save_id))).specialize(
+                                             save_id=save_id, call_id=call_id))).specialize(
               out_specs_fn=lambda p, ct=cpu_targets, gd=group_devices: tuple(
                   jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=t.sharding) for t in ct)
               + (_rows_spec(gd, 3, np.int64),))
@@ -548,7 +608,8 @@ class ColocatedTransport:
         payload = jax.device_put(rows, _row_sharding(group_devices))
         *arrays, counts = await colocated_calls.call_with_deadline(
             functools.partial(colocated_calls.call_ready, fn, payload), group_devices,
-            colocated_calls.call_deadline_s(_max_device_bytes(full)), f'Colocated restore from {item.directory}')
+            colocated_calls.call_deadline_s(_max_device_bytes(full)),
+            f'Colocated restore from {item.directory}', call_id)
       with trace('device_put'):
         for i, arr in zip(idx, arrays):
           out[i] = jax.device_put(arr, targets[i].sharding)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -99,11 +99,23 @@ async def write_pieces(writer: str, item: values.Item, leaves: Sequence[values.S
                        plans: Sequence[save_plan.ArrayWritePlan],
                        pieces: Sequence[Sequence[writer_lib.Piece]], *, creates: Sequence[bool],
                        process_id: int | str | None, max_inflight_bytes: int, context: Any = None,
+                       on_progress: Callable[[], None] | None = None,
                        ) -> tuple[values.WriterOutcome, dict[str, list[metadata.ChunkRecord]]]:
-  """Writes this host's pieces; returns what it wrote and the checksum of every chunk."""
+  """Writes this host's pieces; returns what it wrote and the checksum of every chunk.
+  ``on_progress`` (a colocated call's progress, ``transports/colocated_calls.py``) is called
+  after each memory-budget batch of arrays landed: the same batches ``writer.write_arrays``
+  forms, written one after another as it writes them."""
   writes = array_writes(item, leaves, plans, pieces, creates=creates, process_id=process_id)
-  chunks = await writer_lib.write_arrays(writes, context=context_for(item, context),
-                                         max_inflight_bytes=max_inflight_bytes)
+  ctx = context_for(item, context)
+  if on_progress is None:
+    chunks = await writer_lib.write_arrays(writes, context=ctx,
+                                           max_inflight_bytes=max_inflight_bytes)
+  else:
+    chunks = {}
+    for batch in batches([w.nbytes for w in writes], max_inflight_bytes):
+      chunks.update(await writer_lib.write_arrays([writes[i] for i in batch], context=ctx,
+                                                  max_inflight_bytes=max_inflight_bytes))
+      on_progress()
   outcome = values.WriterOutcome(writer, sum(w.nbytes for w in writes),
                                  sum(len(c) for c in chunks.values()))
   return outcome, chunks
@@ -228,17 +240,24 @@ def place(target: values.ReadTarget, boxes: Sequence[Box],
 
 async def read_share(targets: Sequence[values.ReadTarget], boxes: Sequence[Sequence[Box]], *,
                      item: values.Item, verify: bool, context: Any = None,
-                     chain: Any = None) -> tuple[list[dict[Box, np.ndarray]], reader_lib.ReadStats]:
+                     chain: Any = None, on_progress: Callable[[], None] | None = None,
+                     ) -> tuple[list[dict[Box, np.ndarray]], reader_lib.ReadStats]:
   """Reads and verifies what this host needs: for each target, host buffers of the target boxes
   in ``boxes`` (each needed chunk read once: from the source ``chain`` (``tier/chain.py``) where
-  it holds the chunk, else from storage)."""
+  it holds the chunk, else from storage). ``on_progress`` (a colocated call's progress,
+  ``transports/colocated_calls.py``) is called as each target's reads complete."""
   stats = reader_lib.ReadStats()
   ctx = context_for(item, context)
   reads = [array_read(t, bx) for t, bx in zip(targets, boxes)]
-  buffers = await asyncio.gather(*(
-      reader_lib.read_array(r, context=ctx, verify=verify, stats=stats, chain=chain)
-      for r in reads),
-      return_exceptions=True)  # all settle before we raise: no callback outlives the loop
+
+  async def one(r: reader_lib.ArrayRead) -> dict[Box, np.ndarray]:
+    out = await reader_lib.read_array(r, context=ctx, verify=verify, stats=stats, chain=chain)
+    if on_progress is not None:
+      on_progress()
+    return out
+
+  # All settle before we raise: no callback outlives the loop.
+  buffers = await asyncio.gather(*(one(r) for r in reads), return_exceptions=True)
   for b in buffers:
     if isinstance(b, BaseException):
       raise b
