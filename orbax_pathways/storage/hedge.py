@@ -135,25 +135,44 @@ def _say_hedged(kind: str, what: str, waited_s: float, n: int) -> None:
 async def run(attempt: Callable[[int], Awaitable[Any]], *, nbytes: int, what: str, kind: str,
               policy: deadline_lib.Policy | None = None) -> Any:
   """The first answer of ``attempt(0)``, ``attempt(1)``, ...: each later attempt is issued when
-  all earlier ones passed their deadline. Cancels the others before returning."""
+  all earlier ones passed their deadline. Cancels the others before returning. However it ends
+  (an answer, an error, cancelled, or closed with its event loop), every attempt's ticket is
+  ended: a request left counted in flight would add its bytes to every later deadline of the
+  process (``storage/deadline.py``)."""
   policy = policy or deadline_lib.POLICY
   t0 = time.monotonic()
-  tasks: dict[asyncio.Task, deadline_lib.Ticket] = {}
+  tasks: dict[asyncio.Future, deadline_lib.Ticket] = {}
+  ended: set[asyncio.Future] = set()
   first_error: BaseException | None = None
+
+  def end(t: asyncio.Future, ok: bool) -> None:
+    if t not in ended:
+      ended.add(t)
+      policy.end(tasks[t], time.monotonic(), ok=ok)
+
+  def end_all() -> None:
+    for t in tasks:
+      end(t, ok=t.done() and not t.cancelled() and t.exception() is None)
 
   def issue(n: int) -> float:
     ticket = policy.begin(nbytes, time.monotonic())
-    tasks[asyncio.ensure_future(attempt(n))] = ticket
+    try:
+      task = asyncio.ensure_future(attempt(n))
+    except BaseException:
+      policy.end(ticket, time.monotonic(), ok=False)
+      raise
+    tasks[task] = ticket
     return ticket.deadline_s
 
-  async def settle(pending) -> None:
-    for t in pending:
-      t.cancel()
-    if pending:
-      await asyncio.gather(*pending, return_exceptions=True)
-    now = time.monotonic()
-    for t in pending:
-      policy.end(tasks[t], now, ok=False)
+  async def settle() -> None:
+    pending = [p for p in tasks if not p.done()]
+    for p in pending:
+      p.cancel()
+    try:
+      if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+    finally:
+      end_all()
 
   try:
     wait_s = issue(0)
@@ -166,27 +185,26 @@ async def run(attempt: Callable[[int], Awaitable[Any]], *, nbytes: int, what: st
       done, _ = await asyncio.wait(pending, timeout=wait_s,
                                    return_when=asyncio.FIRST_COMPLETED)
       for t in done:
-        now = time.monotonic()
         if t.exception() is None:
-          policy.end(tasks[t], now, ok=True)
+          end(t, ok=True)
           if tasks[t] is not next(iter(tasks.values())):
             _count(f'{kind}_won_by_retry')
-          await settle({p for p in tasks if not p.done()})
+          await settle()
           return t.result()
-        policy.end(tasks[t], now, ok=False)
+        end(t, ok=False)
         first_error = first_error or t.exception()
       if done:
         continue  # an attempt failed: keep waiting for the others (or raise if none is left)
       if n >= MAX_ATTEMPTS:
-        await settle({p for p in tasks if not p.done()})
+        await settle()
         raise _error(what, kind, time.monotonic() - t0, n)
       _say_hedged(kind, what, time.monotonic() - t0, n)
       wait_s = issue(n)
       n += 1
   except GeneratorExit:
-    # This coroutine is being closed, not cancelled: its event loop ended under it (Orbax ends a
-    # restore whose other read failed while this one was in flight). Nothing may be awaited
-    # now, and cancelling schedules callbacks, which a closed loop refuses.
+    # This coroutine is being closed, not cancelled: its event loop ended under it (an event
+    # loop closed while this read was in flight). Nothing may be awaited now, and cancelling
+    # schedules callbacks, which a closed loop refuses.
     for p in tasks:
       if not p.done():
         try:
@@ -195,8 +213,10 @@ async def run(attempt: Callable[[int], Awaitable[Any]], *, nbytes: int, what: st
           pass
     raise
   except BaseException:
-    await settle({p for p in tasks if not p.done()})
+    await settle()
     raise
+  finally:
+    end_all()
 
 
 def run_sync(attempt: Callable[[int], ts.Future], *, nbytes: int, what: str, kind: str,
