@@ -36,6 +36,7 @@ from orbax_pathways._compat import orbax_liveness
 from orbax_pathways._compat import orbax_manager
 from orbax_pathways._compat import orbax_signals
 from orbax_pathways._compat import orbax_v1 as compat_v1
+from orbax_pathways._compat import storage_clients
 from orbax_pathways.frontends import orbax_v1
 from orbax_pathways.storage import index as index_lib
 from orbax_pathways.tier import store as tier_store
@@ -242,6 +243,7 @@ def uninstall() -> None:
     orbax_finalize.uninstall()
     orbax_signals.uninstall()
     orbax_liveness.uninstall()
+    storage_clients.uninstall()  # gcsfs / google-cloud-storage deadlines (set by the Engine)
     if _previous is not None:
       compat.register_array_handler(_previous)
     if _previous_numpy is not None:

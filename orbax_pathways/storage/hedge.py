@@ -17,9 +17,12 @@ raised once no other attempt can still answer.
 After ``MAX_ATTEMPTS`` attempts have each passed their deadline, ``StorageDeadlineError`` names
 what was being read or written, how long it waited and what to do.
 
-Requests we do not issue (Orbax's own: its metadata files, non-array leaves, the OCDBT merge)
-share tensorstore's HTTP transport, which by default waits for a stalled transfer for a long
-time (reads: indefinitely). At import this module sets tensorstore's stall timeout,
+Requests we do not issue get a stall deadline instead (``stall_timeout_s``: ``STALL_FACTOR`` times
+the floor). Orbax's own tensorstore requests (its ``_sharding`` file, the OCDBT merge) and the
+writer lease's share tensorstore's HTTP transport, which by default waits for a stalled transfer
+for a long time (reads: indefinitely); Orbax's gcsfs and google-cloud-storage requests get it
+from ``_compat/storage_clients.py`` (docs/architecture.md, "Storage requests and their
+deadlines"). At import this module sets tensorstore's stall timeout,
 ``TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``, to ``STALL_FACTOR`` times the deadline floor
 (``ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S``; 20 s by default) unless it is set: a transfer
 that moves no byte for that long is aborted and retried by tensorstore (gcs_request_retries).
@@ -50,6 +53,14 @@ STALL_ENV = 'TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS'
 STALL_FACTOR = 2.0
 
 
+def stall_timeout_s(floor_s: float) -> int:
+  """How long a transfer we do not hedge ourselves may stay silent (no byte moving) before its
+  client aborts and retries it: ``STALL_FACTOR`` times the deadline floor, whole seconds.
+  Tensorstore's transport (below) and gcsfs / google-cloud-storage (``_compat/storage_clients``)
+  get it."""
+  return max(1, math.ceil(STALL_FACTOR * floor_s))
+
+
 def set_stall_timeout(environ=None) -> str:
   """Sets tensorstore's stall timeout (seconds) unless the user set it; returns its value."""
   environ = os.environ if environ is None else environ
@@ -58,7 +69,7 @@ def set_stall_timeout(environ=None) -> str:
       floor = options_lib.env_value('ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S', environ)
     except ValueError:  # reported by install(), which parses every variable
       floor = deadline_lib.DEFAULT_FLOOR_S
-    environ[STALL_ENV] = str(max(1, math.ceil(STALL_FACTOR * floor)))
+    environ[STALL_ENV] = str(stall_timeout_s(floor))
   return environ[STALL_ENV]
 
 
