@@ -14,9 +14,9 @@ upload), the others are still running when the loop closes: their tasks are dest
 and answer into the closed loop ("Event loop is closed", printed as an ignored exception).
 
 Patch, installed by ``install()`` and restored exactly by ``uninstall()`` (both idempotent):
-``asyncio_utils._run_sync_via_new_loop`` runs the coroutine as Orbax does; if tasks of that loop
-are still pending when it ends (which only a failure leaves), they are cancelled and given up to
-``SETTLE_S`` seconds to end (ours cancel their storage requests and wait for them:
+``asyncio_utils._run_sync_via_new_loop`` runs the coroutine as Orbax does; if it failed and
+tasks of that loop are still pending, they are cancelled and given up to ``SETTLE_S`` seconds to
+end (ours cancel their storage requests and wait for them:
 ``storage/hedge.py``) before the loop closes. Tasks of this one loop only
 (``asyncio.all_tasks(loop)``): other threads' loops are never touched. The result or the error
 is Orbax's, unchanged.
@@ -63,15 +63,19 @@ def _settle(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def _run_sync_via_new_loop(coro):
-  """Orbax's ``_run_sync_via_new_loop``, with the loop's leftover tasks cancelled and ended
-  before it closes."""
+  """Orbax's ``_run_sync_via_new_loop``; when the coroutine failed, the loop's leftover tasks
+  are cancelled and ended before it closes (a call that succeeded closes as Orbax closes it)."""
   loop = asyncio.new_event_loop()
+  failed = True
   try:
     asyncio.set_event_loop(loop)
-    return loop.run_until_complete(coro)
+    result = loop.run_until_complete(coro)
+    failed = False
+    return result
   finally:
     try:
-      _settle(loop)
+      if failed:
+        _settle(loop)
     finally:
       asyncio.set_event_loop(None)
       loop.close()
