@@ -33,9 +33,11 @@ from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways._compat import orbax_finalize
 from orbax_pathways._compat import orbax_liveness
+from orbax_pathways._compat import orbax_loop
 from orbax_pathways._compat import orbax_manager
 from orbax_pathways._compat import orbax_signals
 from orbax_pathways._compat import orbax_v1 as compat_v1
+from orbax_pathways._compat import storage_clients
 from orbax_pathways.frontends import orbax_v1
 from orbax_pathways.storage import index as index_lib
 from orbax_pathways.tier import store as tier_store
@@ -158,6 +160,7 @@ def install(options: options_lib.Options | None = None) -> handler_lib.ProxyArra
   with _lock:
     _check_env()
     _install_manager_side()
+    orbax_loop.install()  # a failed Orbax call leaves no task behind in its closed loop
     current = compat.registered_array_handler()
     if _ours is not None and current is _ours and (options is None or options == _ours.options):
       return _ours
@@ -242,6 +245,8 @@ def uninstall() -> None:
     orbax_finalize.uninstall()
     orbax_signals.uninstall()
     orbax_liveness.uninstall()
+    storage_clients.uninstall()  # gcsfs / google-cloud-storage deadlines (set by the Engine)
+    orbax_loop.uninstall()
     if _previous is not None:
       compat.register_array_handler(_previous)
     if _previous_numpy is not None:

@@ -49,6 +49,7 @@ from orbax_pathways import stats as stats_lib
 from orbax_pathways import values
 from orbax_pathways import version
 from orbax_pathways._compat import orbax as compat
+from orbax_pathways._compat import storage_clients
 from orbax_pathways.storage import cast as cast_lib
 from orbax_pathways.storage import meta_io
 from orbax_pathways.storage import deadline as deadline_lib
@@ -288,6 +289,8 @@ class Engine:
     self.options = options
     # Storage request deadlines are per process (storage/deadline.py): these options set them.
     deadline_lib.configure(options.request_deadline_floor_s, options.request_deadline_cap_s)
+    # ... and those Orbax makes through gcsfs and google-cloud-storage: a stall deadline.
+    storage_clients.configure(hedge.stall_timeout_s(options.request_deadline_floor_s))
     liveness.configure(options.peer_timeout_s)  # waits on other processes (liveness.py)
 
   def transport_name(self) -> str:

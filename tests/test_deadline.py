@@ -118,6 +118,64 @@ def test_a_hedged_read_whose_event_loop_closes_under_it_leaves_no_unraisable_err
   assert not unraisable, unraisable
 
 
+def test_a_hedged_request_cancelled_as_its_answer_came_leaves_nothing_counted_in_flight():
+  """A read cancelled (its restore failed elsewhere) in the instant its attempt answered: the
+  answer was never taken, and the attempt's ticket used to stay counted in flight, so every
+  later request of the process queued behind its bytes: after one failed restore, deadlines
+  grew towards the cap and a hung request was no longer hedged."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.storage import hedge  # pylint: disable=g-import-not-at-top
+
+  policy = deadline.Policy(floor_s=1, cap_s=120)
+
+  async def answers_at_once(n):
+    del n
+    return b'bytes'
+
+  async def main():
+    read = asyncio.ensure_future(hedge.run(answers_at_once, nbytes=8 * MiB, what='array x',
+                                           kind='read', policy=policy))
+    await asyncio.sleep(0)  # the read issues its attempt and waits for it
+    await asyncio.sleep(0)  # the attempt answers; the read is due to wake up
+    read.cancel()
+    with pytest.raises(asyncio.CancelledError):
+      await read
+
+  asyncio.run(main())
+  assert policy.in_flight() == (0, 0)
+  import time  # pylint: disable=g-import-not-at-top
+  now = time.monotonic()  # the next request queues behind nothing
+  assert policy.begin(0, now).deadline_s == deadline.Policy(floor_s=1, cap_s=120).begin(0, now).deadline_s
+
+
+def test_a_hedged_read_closed_with_its_event_loop_leaves_nothing_counted_in_flight():
+  import asyncio  # pylint: disable=g-import-not-at-top
+  import gc  # pylint: disable=g-import-not-at-top
+  import logging  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.storage import hedge  # pylint: disable=g-import-not-at-top
+
+  policy = deadline.Policy(floor_s=1, cap_s=120)
+
+  async def never_answers(n):
+    del n
+    await asyncio.sleep(3600)
+
+  asyncio_log = logging.getLogger('asyncio')
+  level, asyncio_log.level = asyncio_log.level, logging.CRITICAL  # 'Task was destroyed' lines
+  try:
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(hedge.run(never_answers, nbytes=8 * MiB, what='array x', kind='read',
+                                      policy=policy))
+    loop.run_until_complete(asyncio.sleep(0.05))
+    assert policy.in_flight() == (1, 8 * MiB)
+    loop.close()
+    del task
+    gc.collect()
+  finally:
+    asyncio_log.setLevel(level)
+  assert policy.in_flight() == (0, 0)
+
+
 def test_a_retried_write_on_local_ocdbt_gets_a_complete_database_of_its_own():
   """Orbax's local-filesystem OCDBT spec names the manifest's location apart from the data
   files. A retried write (storage/writer.retry_spec) must move both: with only the data moved,

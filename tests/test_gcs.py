@@ -31,7 +31,10 @@ from support.ckpt import save_with_options
 from support.mp_harness import run_processes
 from support.procs import run_limited, run_python
 
-pytestmark = pytest.mark.gcs
+# An exception nobody could raise (a callback into a closed event loop) or a coroutine never
+# awaited fails the test (issue 26, item 13).
+pytestmark = [pytest.mark.gcs, pytest.mark.filterwarnings('error::pytest.PytestUnraisableExceptionWarning'),
+              pytest.mark.filterwarnings('error:coroutine .* was never awaited:RuntimeWarning')]
 
 TMP_SUFFIX = '.orbax-checkpoint-tmp'
 

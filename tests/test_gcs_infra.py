@@ -16,7 +16,10 @@ import pytest
 from support.arrays import abstract, assert_bit_identical, mesh, put
 from support.fault_proxy import FaultProxy
 
-pytestmark = pytest.mark.gcs
+# An exception nobody could raise (a callback into a closed event loop) or a coroutine never
+# awaited fails the test (issue 26, item 13).
+pytestmark = [pytest.mark.gcs, pytest.mark.filterwarnings('error::pytest.PytestUnraisableExceptionWarning'),
+              pytest.mark.filterwarnings('error:coroutine .* was never awaited:RuntimeWarning')]
 
 
 def _state(seed: int = 0) -> dict:

@@ -100,6 +100,11 @@ class Policy:
                 + (queued_bytes + max(nbytes, 0)) / self._throughput_locked(now))
     return min(self.cap_s, max(self.floor_s, FACTOR * expected))
 
+  def in_flight(self) -> tuple[int, int]:
+    """(requests, bytes) begun and not yet ended: what a new request would queue behind."""
+    with self._lock:
+      return self._inflight, self._inflight_bytes
+
   # -- requests ----------------------------------------------------------------------------------
   def begin(self, nbytes: int, now: float) -> Ticket:
     """A request of ``nbytes`` is issued at ``now``: its ticket, with its deadline."""

@@ -17,9 +17,12 @@ raised once no other attempt can still answer.
 After ``MAX_ATTEMPTS`` attempts have each passed their deadline, ``StorageDeadlineError`` names
 what was being read or written, how long it waited and what to do.
 
-Requests we do not issue (Orbax's own: its metadata files, non-array leaves, the OCDBT merge)
-share tensorstore's HTTP transport, which by default waits for a stalled transfer for a long
-time (reads: indefinitely). At import this module sets tensorstore's stall timeout,
+Requests we do not issue get a stall deadline instead (``stall_timeout_s``: ``STALL_FACTOR`` times
+the floor). Orbax's own tensorstore requests (its ``_sharding`` file, the OCDBT merge) and the
+writer lease's share tensorstore's HTTP transport, which by default waits for a stalled transfer
+for a long time (reads: indefinitely); Orbax's gcsfs and google-cloud-storage requests get it
+from ``_compat/storage_clients.py`` (docs/architecture.md, "Storage requests and their
+deadlines"). At import this module sets tensorstore's stall timeout,
 ``TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``, to ``STALL_FACTOR`` times the deadline floor
 (``ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S``; 20 s by default) unless it is set: a transfer
 that moves no byte for that long is aborted and retried by tensorstore (gcs_request_retries).
@@ -50,6 +53,14 @@ STALL_ENV = 'TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS'
 STALL_FACTOR = 2.0
 
 
+def stall_timeout_s(floor_s: float) -> int:
+  """How long a transfer we do not hedge ourselves may stay silent (no byte moving) before its
+  client aborts and retries it: ``STALL_FACTOR`` times the deadline floor, whole seconds.
+  Tensorstore's transport (below) and gcsfs / google-cloud-storage (``_compat/storage_clients``)
+  get it."""
+  return max(1, math.ceil(STALL_FACTOR * floor_s))
+
+
 def set_stall_timeout(environ=None) -> str:
   """Sets tensorstore's stall timeout (seconds) unless the user set it; returns its value."""
   environ = os.environ if environ is None else environ
@@ -58,7 +69,7 @@ def set_stall_timeout(environ=None) -> str:
       floor = options_lib.env_value('ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S', environ)
     except ValueError:  # reported by install(), which parses every variable
       floor = deadline_lib.DEFAULT_FLOOR_S
-    environ[STALL_ENV] = str(max(1, math.ceil(STALL_FACTOR * floor)))
+    environ[STALL_ENV] = str(stall_timeout_s(floor))
   return environ[STALL_ENV]
 
 
@@ -135,25 +146,44 @@ def _say_hedged(kind: str, what: str, waited_s: float, n: int) -> None:
 async def run(attempt: Callable[[int], Awaitable[Any]], *, nbytes: int, what: str, kind: str,
               policy: deadline_lib.Policy | None = None) -> Any:
   """The first answer of ``attempt(0)``, ``attempt(1)``, ...: each later attempt is issued when
-  all earlier ones passed their deadline. Cancels the others before returning."""
+  all earlier ones passed their deadline. Cancels the others before returning. However it ends
+  (an answer, an error, cancelled, or closed with its event loop), every attempt's ticket is
+  ended: a request left counted in flight would add its bytes to every later deadline of the
+  process (``storage/deadline.py``)."""
   policy = policy or deadline_lib.POLICY
   t0 = time.monotonic()
-  tasks: dict[asyncio.Task, deadline_lib.Ticket] = {}
+  tasks: dict[asyncio.Future, deadline_lib.Ticket] = {}
+  ended: set[asyncio.Future] = set()
   first_error: BaseException | None = None
+
+  def end(t: asyncio.Future, ok: bool) -> None:
+    if t not in ended:
+      ended.add(t)
+      policy.end(tasks[t], time.monotonic(), ok=ok)
+
+  def end_all() -> None:
+    for t in tasks:
+      end(t, ok=t.done() and not t.cancelled() and t.exception() is None)
 
   def issue(n: int) -> float:
     ticket = policy.begin(nbytes, time.monotonic())
-    tasks[asyncio.ensure_future(attempt(n))] = ticket
+    try:
+      task = asyncio.ensure_future(attempt(n))
+    except BaseException:
+      policy.end(ticket, time.monotonic(), ok=False)
+      raise
+    tasks[task] = ticket
     return ticket.deadline_s
 
-  async def settle(pending) -> None:
-    for t in pending:
-      t.cancel()
-    if pending:
-      await asyncio.gather(*pending, return_exceptions=True)
-    now = time.monotonic()
-    for t in pending:
-      policy.end(tasks[t], now, ok=False)
+  async def settle() -> None:
+    pending = [p for p in tasks if not p.done()]
+    for p in pending:
+      p.cancel()
+    try:
+      if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+    finally:
+      end_all()
 
   try:
     wait_s = issue(0)
@@ -166,27 +196,26 @@ async def run(attempt: Callable[[int], Awaitable[Any]], *, nbytes: int, what: st
       done, _ = await asyncio.wait(pending, timeout=wait_s,
                                    return_when=asyncio.FIRST_COMPLETED)
       for t in done:
-        now = time.monotonic()
         if t.exception() is None:
-          policy.end(tasks[t], now, ok=True)
+          end(t, ok=True)
           if tasks[t] is not next(iter(tasks.values())):
             _count(f'{kind}_won_by_retry')
-          await settle({p for p in tasks if not p.done()})
+          await settle()
           return t.result()
-        policy.end(tasks[t], now, ok=False)
+        end(t, ok=False)
         first_error = first_error or t.exception()
       if done:
         continue  # an attempt failed: keep waiting for the others (or raise if none is left)
       if n >= MAX_ATTEMPTS:
-        await settle({p for p in tasks if not p.done()})
+        await settle()
         raise _error(what, kind, time.monotonic() - t0, n)
       _say_hedged(kind, what, time.monotonic() - t0, n)
       wait_s = issue(n)
       n += 1
   except GeneratorExit:
-    # This coroutine is being closed, not cancelled: its event loop ended under it (Orbax ends a
-    # restore whose other read failed while this one was in flight). Nothing may be awaited
-    # now, and cancelling schedules callbacks, which a closed loop refuses.
+    # This coroutine is being closed, not cancelled: its event loop ended under it (an event
+    # loop closed while this read was in flight). Nothing may be awaited now, and cancelling
+    # schedules callbacks, which a closed loop refuses.
     for p in tasks:
       if not p.done():
         try:
@@ -195,8 +224,10 @@ async def run(attempt: Callable[[int], Awaitable[Any]], *, nbytes: int, what: st
           pass
     raise
   except BaseException:
-    await settle({p for p in tasks if not p.done()})
+    await settle()
     raise
+  finally:
+    end_all()
 
 
 def run_sync(attempt: Callable[[int], ts.Future], *, nbytes: int, what: str, kind: str,

@@ -18,7 +18,8 @@ Separately, ``hold(match, count=1)`` makes the next ``count`` requests for which
 ``Expect: 100-continue`` itself, so the client sends its body) and then answers nothing, never
 forwarding it, until ``release()`` or ``stop()`` resets those connections. That is a request the
 server accepted and never answered: the client sees no error, only silence. ``held()`` lists
-the (method, target) of the requests held so far.
+the (method, target) of the requests held so far; ``log()`` every request received, with its
+client's User-Agent (which library sent it: gcsfs, google-cloud-storage, tensorstore).
 
 ``bandwidth`` (bytes per second, None: unlimited) caps the bytes of request and response
 bodies the proxy relays, all connections together (one token bucket), so storage is slower
@@ -215,6 +216,7 @@ class FaultProxy:
     self._hold_match: Callable[[str, str], bool] | None = None
     self._hold_left = 0
     self._held: list[tuple[str, str]] = []
+    self._log: list[tuple[str, str, str]] = []
     self._release = threading.Event()
     self._server: _Server | None = None
     self._thread: threading.Thread | None = None
@@ -274,6 +276,11 @@ class FaultProxy:
       self._held.append((method, target))
       return True
 
+  def log(self) -> list[tuple[str, str, str]]:
+    """(method, target, User-Agent) of every request received so far, in arrival order."""
+    with self._lock:
+      return list(self._log)
+
   def stats(self) -> dict:
     with self._lock:
       return {
@@ -294,6 +301,7 @@ class FaultProxy:
       self._by_method.clear()
       self._body_bytes.clear()
       self._errors.clear()
+      self._log.clear()
 
   @property
   def url(self) -> str:
@@ -376,6 +384,9 @@ class FaultProxy:
           self._count_error('bad_request_line')
           return
         expect_continue = _has_token(headers, b'expect', b'100-continue')
+        with self._lock:
+          self._log.append((method, target,
+                            (_get(headers, b'user-agent') or b'').decode('latin-1')))
         client_close = _has_token(headers, b'connection', b'close') or version == 'HTTP/1.0'
         kind = self._choose(method, target)
         if self._take_hold(method, target):
