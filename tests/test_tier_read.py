@@ -301,3 +301,43 @@ def test_runs_of_a_chunk_in_a_region():
   assert chunk_read.run_offsets((6, 4, 10), (1, 2, 0), (2, 2, 10), 1) == [60, 100]
   assert chunk_read.runs((6, 4, 10), (1, 2, 5), (2, 2, 5), 1) == (65, 5, 4)
   assert chunk_read.run_offsets((6, 4, 10), (1, 2, 5), (2, 2, 5), 1) == [65, 75, 105, 115]
+
+
+def test_a_large_region_is_read_in_groups_and_a_bad_chunk_in_one_falls_back(tmp_path, caplog):
+  """A region of more than ``GROUP_BYTES`` (one device holds a 40 MiB array of 4 MiB chunks) is
+  filled by several threads at once; a damaged chunk in the last group still comes from
+  storage, alone."""
+  tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
+  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier), max_chunk_bytes=4 << 20))
+  host = {'big': np.random.default_rng(2).standard_normal((2560, 4096), dtype=np.float32)}
+  dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  state = {k: jax.device_put(v, dev) for k, v in host.items()}
+  with ocp.CheckpointManager(root) as m:
+    m.save(1, args=ocp.args.StandardSave(state))
+    m.wait_until_finished()
+  tier_store.flush()
+  (entry,) = tier_store.entries(str(tier), str(root))
+  (big,) = entry.manifest.arrays
+  assert host['big'].nbytes > tier_chain.GROUP_BYTES and len(big.files) >= 10, big.chunk_shape
+  last = max(range(len(big.origins)), key=lambda c: big.origins[c])
+  with open(os.path.join(entry.path, big.files[last]), 'r+b') as f:
+    f.seek(100)
+    byte = f.read(1)
+    f.seek(100)
+    f.write(bytes([byte[0] ^ 1]))
+  caplog.set_level(logging.INFO, logger='orbax_pathways')
+  out, st = _restore(root, state)
+  _assert_exact(out, host)
+  assert st.bytes_by_source['storage'] == big.nbytes[last]
+  assert st.bytes_by_source['local'] == host['big'].nbytes - big.nbytes[last]
+  lines = _chain_lines(caplog)
+  assert len(lines) == 1 and 'damaged' in lines[0], lines
+
+
+def test_groups_cut_a_region_s_chunks_in_order():
+  box = lambda i: Box((i,), (i + 1,))  # noqa: E731  (one element each)
+  chunks = [(0, box(i)) for i in range(5)]
+  assert tier_chain._groups([], 4, 8) == []
+  assert tier_chain._groups(chunks, 4, 8) == [chunks[0:2], chunks[2:4], chunks[4:5]]
+  assert tier_chain._groups(chunks, 4, 2) == [[c] for c in chunks]  # a chunk above the limit: alone
+  assert tier_chain._groups(chunks, 4, 100) == [chunks]

@@ -222,18 +222,39 @@ class SourceChain:
     place)."""
     if not self.sources or not read.chunks:
       return [region]
-    # One executor hop per region: the plan's first question to the peer source finds out what
-    # peers hold (key-value reads and one request per peer, each with a deadline), and the reads
-    # block; neither may run on the event loop.
-    return await asyncio.get_running_loop().run_in_executor(None, self._fill, read, region, data)
-
-  def _fill(self, read: Any, region: Box, data: np.ndarray) -> list[Box]:
-    held = [self._held_by(read, i) for i in range(len(self.sources))]
-    plan = plan_sources.assign(region, read.chunk_shape, read.plan.global_shape, held)
+    loop = asyncio.get_running_loop()
+    # In executor threads: the plan's first question to the peer source finds out what peers
+    # hold (key-value reads and one request per peer, each with a deadline), and the reads
+    # block; neither may run on the event loop. One hop for a region of up to GROUP_BYTES (the
+    # common case: regions are filled concurrently); a larger one is split into groups of
+    # chunks read concurrently, as tensorstore decodes a large region's chunks in parallel.
+    plan, groups, failed = await loop.run_in_executor(None, self._plan_and_fill, read, region,
+                                                      data)
+    if groups:
+      for more in await asyncio.gather(*(
+          loop.run_in_executor(None, self._fill_chunks, read, region, data, g) for g in groups)):
+        failed += more
     if not plan.chunks:
       return [region]
+    return list(plan.storage) + failed
+
+  def _plan_and_fill(self, read: Any, region: Box, data: np.ndarray
+                     ) -> tuple[plan_sources.RegionSources, list[list[tuple[int, Box]]], list[Box]]:
+    """(the region's plan, groups of its chunks still to fill, chunks that failed): fills them
+    all here when they fit in one group."""
+    held = [self._held_by(read, i) for i in range(len(self.sources))]
+    plan = plan_sources.assign(region, read.chunk_shape, read.plan.global_shape, held)
+    groups = _groups(plan.chunks, data.dtype.itemsize)
+    if len(groups) == 1:
+      return plan, [], self._fill_chunks(read, region, data, groups[0])
+    return plan, groups, []
+
+  def _fill_chunks(self, read: Any, region: Box, data: np.ndarray,
+                   chunks: Sequence[tuple[int, Box]]) -> list[Box]:
+    """Fills ``chunks`` ((source, chunk) pairs of the region's plan); returns those that
+    failed."""
     failed = []
-    for i, chunk in plan.chunks:
+    for i, chunk in chunks:
       t0 = time.perf_counter()
       place = chunk_read.Place(data, region, chunk)
       if self._take(read, i, place):
@@ -242,7 +263,7 @@ class SourceChain:
         self.add(name, place.nbytes, time.perf_counter() - t0)
       else:
         failed.append(chunk)
-    return list(plan.storage) + failed
+    return failed
 
   def report(self) -> None:
     """One log line for this restore if any source fell back."""
@@ -250,6 +271,26 @@ class SourceChain:
       log.warning('orbax_pathways: node-local copy of %s: %d chunk(s) or peer(s) not usable, '
                   'read from storage instead (first: %s)', self.where, len(self.problems),
                   self.problems[0])
+
+
+GROUP_BYTES = 32 << 20  # a region's chunks are filled by one thread up to this many bytes
+
+
+def _groups(chunks: Sequence[tuple[int, Box]], itemsize: int,
+            limit: int = GROUP_BYTES) -> list[list[tuple[int, Box]]]:
+  """``chunks`` in order, cut into consecutive groups of at most ``limit`` bytes (a larger chunk
+  alone); ``[]`` when there are none. Pure."""
+  out: list[list[tuple[int, Box]]] = []
+  total = 0
+  for c in chunks:
+    n = c[1].size * itemsize
+    if out and total + n <= limit:
+      out[-1].append(c)
+      total += n
+    else:
+      out.append([c])
+      total = n
+  return out
 
 
 def for_restore(cfg: store.TierConfig | None, item_dir: str,
