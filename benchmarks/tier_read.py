@@ -11,7 +11,8 @@ One process with 8 CPU devices builds ``bench.py``'s state (``benchlib/workloads
 leaves) and saves it twice into a local directory (its files stay in the page cache: storage as
 fast as this machine's memory allows): with ours, the tier on (a fresh directory under /dev/shm;
 the copy flushed before any restore), and with stock Orbax. Then, per round, in an order that
-rotates from round to round (so drift hits every mode alike), same-mesh restores of step 1
+rotates from round to round (so drift hits every mode alike), after ``--warmup`` untimed
+rounds (the first restore after the saves pays one-time costs), same-mesh restores of step 1
 (``ocp.CheckpointManager.restore`` + ``block_until_ready``, a fresh manager each):
 
 - ``tier_on``: ours, the tier on: every chunk from /dev/shm (checked: 0 bytes from storage);
@@ -23,8 +24,10 @@ rotates from round to round (so drift hits every mode alike), same-mesh restores
 Then ``--fresh-rounds`` rounds of the three restores each in a fresh process (``--_worker``:
 the first restore of a process, as after a restart; the interpreter's and jax's start not
 counted). Every restore is checked (shapes, dtypes, devices, one leaf's values; the first round
-every value against the saved state). Reported: median and best per mode, and the ratios
-tier_on / tier_off, tier_on / memcpy, tier_on / stock and tier_off / stock of the medians.
+every value against the saved state). Reported: median and best wall seconds and median CPU
+seconds (every thread of the process: less moved by other load than wall time) per mode, and
+the ratios tier_on / tier_off, tier_on / memcpy, tier_on / stock and tier_off / stock of the
+medians.
 Timings are wall clock; compare within one run (a shared machine moves them run to run).
 """
 
@@ -56,6 +59,9 @@ def parse_args(argv=None):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument('--size-gb', type=float, default=1.1, help='unique bytes of the state, GiB')
   p.add_argument('--rounds', type=int, default=3, help='in-process rounds of every mode')
+  p.add_argument('--warmup', type=int, default=1,
+                 help='untimed in-process rounds of every mode first (the first restore after '
+                 'the saves pays one-time costs, whichever mode it is)')
   p.add_argument('--fresh-rounds', type=int, default=2,
                  help='rounds of each restore in a fresh process (0: none)')
   p.add_argument('--dir', default=None, help='checkpoint root (default: a fresh dir under /tmp)')
@@ -224,6 +230,12 @@ def main(argv=None) -> int:
     times: dict[str, list[float]] = {m: [] for m in MODES}
     cpus: dict[str, list[float]] = {m: [] for m in MODES}
     sources: dict[str, dict] = {}
+    for _ in range(args.warmup):
+      for mode in MODES:
+        if mode == 'memcpy':
+          _memcpy(leaves)
+        else:
+          _restore(mode, work, target, mesh)
     for rnd in range(args.rounds):
       order = MODES[rnd % len(MODES):] + MODES[:rnd % len(MODES)]
       for mode in order:
@@ -246,7 +258,7 @@ def main(argv=None) -> int:
         fresh_cpu[mode].append(r['cpu_s'])
         print(f'fresh {rnd}: {mode:8s} {r["s"]:.3f} s {r["sources"]}', flush=True)
     out = {'size_gb': args.size_gb, 'unique_bytes': unique, 'devices': jax.device_count(),
-           'rounds': args.rounds, 'fresh_rounds': args.fresh_rounds, 'cpus': os.cpu_count(),
+           'rounds': args.rounds, 'warmup': args.warmup, 'fresh_rounds': args.fresh_rounds, 'cpus': os.cpu_count(),
            'loadavg': os.getloadavg(), 'bytes_by_source': sources,
            'in_process': {m: _stats(v, cpus[m]) for m, v in times.items()},
            'fresh_process': {m: _stats(v, fresh_cpu[m]) for m, v in fresh.items() if v}}

@@ -341,3 +341,19 @@ def test_groups_cut_a_region_s_chunks_in_order():
   assert tier_chain._groups(chunks, 4, 8) == [chunks[0:2], chunks[2:4], chunks[4:5]]
   assert tier_chain._groups(chunks, 4, 2) == [[c] for c in chunks]  # a chunk above the limit: alone
   assert tier_chain._groups(chunks, 4, 100) == [chunks]
+
+
+@pytest.mark.parametrize('shape', [(16, 16), (1024, 2048), ()])
+def test_region_buffers_are_aligned_and_reach_the_devices_without_a_copy(shape):
+  """The reader's region buffers (below and above ``MAPPED_BYTES``: numpy's allocation, then an
+  anonymous mapping of their own): aligned, writable, C-ordered, and aliased by
+  ``jax.device_put`` on the CPU backend (no second pass over the bytes)."""
+  from orbax_pathways.storage import reader  # pylint: disable=g-import-not-at-top
+  a = reader.aligned_empty(shape, np.float32)
+  assert a.shape == shape and a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable
+  assert a.ctypes.data % 64 == 0
+  a[...] = 3
+  x = jax.device_put(a, jax.devices()[0])
+  assert x.unsafe_buffer_pointer() == a.ctypes.data
+  del a
+  assert float(np.asarray(x).sum()) == 3 * int(np.prod(shape))
