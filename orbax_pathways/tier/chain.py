@@ -230,9 +230,13 @@ class SourceChain:
     # chunks read concurrently, as tensorstore decodes a large region's chunks in parallel.
     plan, groups, failed = await loop.run_in_executor(None, self._plan_and_fill, read, region,
                                                       data)
-    if groups:
-      for more in await asyncio.gather(*(
-          loop.run_in_executor(None, self._fill_chunks, read, region, data, g) for g in groups)):
+    if groups:  # every group settles before anything is raised: no thread outlives the loop
+      done = await asyncio.gather(*(
+          loop.run_in_executor(None, self._fill_chunks, read, region, data, g) for g in groups),
+          return_exceptions=True)
+      for more in done:
+        if isinstance(more, BaseException):
+          raise more
         failed += more
     if not plan.chunks:
       return [region]
