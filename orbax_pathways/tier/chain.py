@@ -7,19 +7,22 @@ Who calls what, on which host: the local transport's ``read`` (every process) bu
 once per restore with ``for_restore`` (with an ``Exchange`` under multi-controller JAX: this
 process then also serves its node's tier to the others and publishes what it holds) and
 hands it to ``share.read_share``; the storage reader
-(``storage/reader.read_array``) calls ``fill`` once per chunk-aligned region, which plans with
-``plan/sources.assign`` (pure) and copies the chunks a source holds into the region's buffer;
-the reader reads the rest from storage and verifies it as before. ``report`` logs, once per
-restore, what was not usable.
+(``storage/reader.read_array``) calls ``fill`` once per chunk-aligned region, which, in one
+executor thread per region, plans with ``plan/sources.assign`` (pure) and puts the chunks a
+source holds into the region's buffer (``tier/chunk_read.Place``); the reader reads the rest from
+storage and verifies it as before. ``report`` logs, once per restore, what was not usable.
 
 A source is anything with ``name``, ``held(read)`` (origins of the chunks it holds of one array)
 and ``read_chunk(read, chunk, dtype)`` (the chunk's bytes in the stored ``dtype``, or raises
-``SourceError``); ``counted_as(read, chunk)``, where a source has it, names the source the
-chunk's bytes are counted under (a relay chunk this process read from storage: ``storage``). A chunk a
-source returns is used only if its crc32c and size equal the committed step's record (read from
-storage's index, never from the source); otherwise it falls back to the next source, and
-finally storage. Never chunks of two saves mixed: a tier entry joins the chain only when its
-save id is the one storage's index records for its writer.
+``SourceError``); a source with ``read_into(read, chunk, place)`` (this node's tier) reads
+straight into the region buffer instead; ``counted_as(read, chunk)``, where a source has it,
+names the source the chunk's bytes are counted under (a relay chunk this process read from
+storage: ``storage``). Bytes are never converted: a chunk in another dtype or shape than the
+committed step stores is refused, and a chunk is used only if the crc32c of its bytes, as they
+lie in the region buffer, and its size equal the committed step's record (read from storage's
+index, never from the source); otherwise storage reads it (over what the source put there).
+Never chunks of two saves mixed: a tier entry joins the chain only when its save id is the one
+storage's index records for its writer.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ from typing import Any, Container, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from orbax_pathways import checksum
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import meta_io
+from orbax_pathways.tier import chunk_read
+from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import layout
 from orbax_pathways.tier import peer as tier_peer
 from orbax_pathways.tier import relay as tier_relay
@@ -74,7 +78,13 @@ class _Held:
 
 
 class LocalSource:
-  """This node's tier entries of one committed item (every writer whose save id matches)."""
+  """This node's tier entries of one committed item (every writer whose save id matches).
+
+  A copy is used only where it is the committed step's, bit for bit: its manifest's shape and
+  chunk shape are the committed record's (``held``), its dtype is the one storage stores (the
+  region buffer's, ``read_into``), and each chunk file is a regular file (never a symlink, FIFO
+  or device: ``fsafe.open_regular``, which cannot block) of exactly the committed chunk's
+  ``nbytes``. Its bytes go straight into the region buffer as raw bits (``chunk_read``)."""
 
   name = 'local'
 
@@ -97,22 +107,44 @@ class LocalSource:
       out.update(h.files)
     return out
 
-  def read_chunk(self, read: Any, chunk: Box, dtype: np.dtype) -> np.ndarray:
-    del dtype  # the manifest's
+  def _file(self, read: Any, chunk: Box, dtype: np.dtype) -> str:
+    """The path of the chunk's file, once its entry's dtype is the committed one."""
     for h in self._matching(read):
       name = h.files.get(chunk.start)
       if name is None:
         continue
-      path = os.path.join(h.path, name)
+      if not isinstance(name, str) or os.path.basename(name) != name or name in ('', '.', '..'):
+        raise SourceError(f'{h.path}: its manifest names {name!r} for chunk '
+                          f'{list(chunk.start)} of {read.name!r}, not a file of the entry')
       try:
-        raw = np.fromfile(path, dtype=np.uint8)
-      except OSError as e:
-        raise SourceError(f'{path}: {e}') from e
-      dtype = np.dtype(layout_dtype(h.dtype))
-      if raw.nbytes != chunk.size * dtype.itemsize:
-        raise SourceError(f'{path}: {raw.nbytes} bytes, expected {chunk.size * dtype.itemsize}')
-      return raw.view(dtype).reshape(chunk.shape)
+        found: np.dtype | None = layout_dtype(h.dtype)
+      except TypeError:
+        found = None
+      if found != dtype:
+        raise SourceError(f'{h.path}: array {read.name!r} is {h.dtype} in this copy\'s manifest, '
+                          f'{dtype} in the committed step; the copy is not used')
+      return os.path.join(h.path, name)
     raise SourceError(f'no file for chunk {list(chunk.start)} of {read.name!r}')
+
+  def read_into(self, read: Any, chunk: Box, place: chunk_read.Place) -> None:
+    """Reads the chunk's file into its place in the region buffer (``SourceError`` if the copy
+    is not the committed one's layout, or its file is missing, unsafe or of the wrong size)."""
+    path = self._file(read, chunk, place.dtype)
+    record = read.chunks.get(chunk.start)
+    size = record.nbytes if record is not None else place.nbytes
+    try:
+      with fsafe.open_regular(path, size) as f:
+        place.fill_from_file(f.fileno(), path)
+    except OSError as e:  # fsafe.UnsafeError too: a symlink, a FIFO, another size
+      what = e.strerror or str(e)
+      raise SourceError(what if path in what else f'{path}: {what}') from e
+
+  def read_chunk(self, read: Any, chunk: Box, dtype: np.dtype) -> np.ndarray:
+    """The chunk's bytes as a new array in the stored ``dtype`` (the ``Source`` protocol; the
+    chain itself uses ``read_into``)."""
+    out = np.empty(chunk.shape, dtype)
+    self.read_into(read, chunk, chunk_read.Place(out, chunk, chunk))
+    return out
 
 
 def layout_dtype(name: str) -> np.dtype:
@@ -135,9 +167,10 @@ class SourceChain:
 
   def _held_by(self, read: Any, i: int) -> Container[tuple[int, ...]]:
     key = (read.name, i)
-    if key not in self._held:
-      self._held[key] = self.sources[i].held(read)
-    return self._held[key]
+    with self._lock:
+      if key not in self._held:
+        self._held[key] = self.sources[i].held(read)
+      return self._held[key]
 
   def add(self, source: str, nbytes: int, seconds: float) -> None:
     with self._lock:
@@ -148,60 +181,93 @@ class SourceChain:
     self.bytes[source] = self.bytes.get(source, 0) + nbytes
     self.seconds[source] = self.seconds.get(source, 0.0) + seconds
 
-  def _take(self, read: Any, i: int, chunk: Box, out: np.ndarray) -> bool:
-    """Copies the chunk from source ``i`` into ``out`` (a view of the region buffer, in the
-    stored dtype) if it matches the committed record."""
+  def _take(self, read: Any, i: int, place: chunk_read.Place) -> bool:
+    """Fills ``place`` (a chunk's place in the region buffer, in the stored dtype) from source
+    ``i``, as raw bits; True when the bytes, as they lie there, match the committed record."""
+    chunk = place.chunk
     record = read.chunks.get(chunk.start) if read.chunks else None
     src = self.sources[i]
     if record is None:
       self.problems.append(f'{src.name}: {read.name!r} chunk {list(chunk.start)} has no '
                            'committed checksum to check it against')
       return False
+    if record.nbytes != place.nbytes:
+      self.problems.append(
+          f'{src.name}: {read.name!r} chunk {list(chunk.start)}: the committed record says '
+          f'{record.nbytes} bytes, the chunk holds {place.nbytes} ({chunk.size} x {place.dtype})')
+      return False
     try:
-      data = src.read_chunk(read, chunk, out.dtype)
+      if hasattr(src, 'read_into'):  # straight into the region buffer
+        src.read_into(read, chunk, place)
+      else:
+        place.fill_from_array(src.read_chunk(read, chunk, place.dtype))
     except (SourceError, tier_peer.PeerError) as e:
       self.problems.append(f'{src.name}: {e}')
       return False
-    found = checksum.of_array(data)
-    if data.nbytes != record.nbytes or found != record.crc32c:
+    except ValueError as e:  # fill_from_array: another dtype or shape; nothing converted
+      self.problems.append(f'{src.name}: {read.name!r} chunk {list(chunk.start)}: {e}')
+      return False
+    if place.crc32c != record.crc32c:
+      found = -1 if place.crc32c is None else place.crc32c
       self.problems.append(
           f'{src.name}: {read.name!r} chunk {list(chunk.start)} is damaged (committed crc32c '
-          f'{record.crc32c:#010x}, {record.nbytes} bytes; found {found:#010x}, {data.nbytes})')
+          f'{record.crc32c:#010x}, {record.nbytes} bytes; found {found:#010x})')
       return False
-    out[...] = data
     return True
 
   async def fill(self, read: Any, region: Box, data: np.ndarray) -> list[Box]:
     """Fills the chunks of ``region`` that a source holds (and whose bytes check out) into
-    ``data`` (the region's buffer); returns the boxes still to read from storage."""
+    ``data`` (the region's buffer: C-contiguous, the stored dtype); returns the boxes still to
+    read from storage (a chunk that failed is read again there, over what was put in its
+    place)."""
     if not self.sources or not read.chunks:
       return [region]
-    held = [self._held_by(read, i) for i in range(len(self.sources))]
     loop = asyncio.get_running_loop()
-    # In a thread: the first question to the peer source finds out what peers hold (key-value
-    # reads and one request per peer, each with a deadline), which must not block the loop.
-    plan = await loop.run_in_executor(None, plan_sources.assign, region, read.chunk_shape,
-                                      read.plan.global_shape, held)
+    # In executor threads: the plan's first question to the peer source finds out what peers
+    # hold (key-value reads and one request per peer, each with a deadline), and the reads
+    # block; neither may run on the event loop. One hop for a region of up to GROUP_BYTES (the
+    # common case: regions are filled concurrently); a larger one is split into groups of
+    # chunks read concurrently, as tensorstore decodes a large region's chunks in parallel.
+    plan, groups, failed = await loop.run_in_executor(None, self._plan_and_fill, read, region,
+                                                      data)
+    if groups:  # every group settles before anything is raised: no thread outlives the loop
+      done = await asyncio.gather(*(
+          loop.run_in_executor(None, self._fill_chunks, read, region, data, g) for g in groups),
+          return_exceptions=True)
+      for more in done:
+        if isinstance(more, BaseException):
+          raise more
+        failed += more
     if not plan.chunks:
       return [region]
-
-    def copy_all() -> list[Box]:
-      failed = []
-      for i, chunk in plan.chunks:
-        t0 = time.perf_counter()
-        # ``...`` keeps a 0-d region a view (``data[()]`` would be a scalar copy).
-        view = data[chunk.relative_to(region)] if data.ndim else data[...]
-        ok = self._take(read, i, chunk, view)
-        if ok:
-          src = self.sources[i]
-          name = src.counted_as(read, chunk) if hasattr(src, 'counted_as') else src.name
-          self.add(name, chunk.size * data.dtype.itemsize, time.perf_counter() - t0)
-        else:
-          failed.append(chunk)
-      return failed
-
-    failed = await loop.run_in_executor(None, copy_all)
     return list(plan.storage) + failed
+
+  def _plan_and_fill(self, read: Any, region: Box, data: np.ndarray
+                     ) -> tuple[plan_sources.RegionSources, list[list[tuple[int, Box]]], list[Box]]:
+    """(the region's plan, groups of its chunks still to fill, chunks that failed): fills them
+    all here when they fit in one group."""
+    held = [self._held_by(read, i) for i in range(len(self.sources))]
+    plan = plan_sources.assign(region, read.chunk_shape, read.plan.global_shape, held)
+    groups = _groups(plan.chunks, data.dtype.itemsize)
+    if len(groups) == 1:
+      return plan, [], self._fill_chunks(read, region, data, groups[0])
+    return plan, groups, []
+
+  def _fill_chunks(self, read: Any, region: Box, data: np.ndarray,
+                   chunks: Sequence[tuple[int, Box]]) -> list[Box]:
+    """Fills ``chunks`` ((source, chunk) pairs of the region's plan); returns those that
+    failed."""
+    failed = []
+    for i, chunk in chunks:
+      t0 = time.perf_counter()
+      place = chunk_read.Place(data, region, chunk)
+      if self._take(read, i, place):
+        src = self.sources[i]
+        name = src.counted_as(read, chunk) if hasattr(src, 'counted_as') else src.name
+        self.add(name, place.nbytes, time.perf_counter() - t0)
+      else:
+        failed.append(chunk)
+    return failed
 
   def report(self) -> None:
     """One log line for this restore if any source fell back."""
@@ -209,6 +275,26 @@ class SourceChain:
       log.warning('orbax_pathways: node-local copy of %s: %d chunk(s) or peer(s) not usable, '
                   'read from storage instead (first: %s)', self.where, len(self.problems),
                   self.problems[0])
+
+
+GROUP_BYTES = 32 << 20  # a region's chunks are filled by one thread up to this many bytes
+
+
+def _groups(chunks: Sequence[tuple[int, Box]], itemsize: int,
+            limit: int = GROUP_BYTES) -> list[list[tuple[int, Box]]]:
+  """``chunks`` in order, cut into consecutive groups of at most ``limit`` bytes (a larger chunk
+  alone); ``[]`` when there are none. Pure."""
+  out: list[list[tuple[int, Box]]] = []
+  total = 0
+  for c in chunks:
+    n = c[1].size * itemsize
+    if out and total + n <= limit:
+      out[-1].append(c)
+      total += n
+    else:
+      out.append([c])
+      total = n
+  return out
 
 
 def for_restore(cfg: store.TierConfig | None, item_dir: str,
