@@ -23,6 +23,11 @@ from support import ckpt
 from support import damage
 from support.arrays import host_leaf_state
 
+# An exception nobody could raise (an answer into a closed event loop) or a coroutine never
+# awaited fails the test (issue 26, item 13).
+pytestmark = [pytest.mark.filterwarnings('error::pytest.PytestUnraisableExceptionWarning'),
+              pytest.mark.filterwarnings('error:coroutine .* was never awaited:RuntimeWarning')]
+
 
 def _state(seed: int = 0) -> dict:
   return host_leaf_state(seed)

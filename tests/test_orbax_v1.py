@@ -28,6 +28,11 @@ from support import REPO, damage
 from support.arrays import assert_trees_equal, host_leaf_state, mesh, put, random_state
 from support.procs import run_python
 
+# An exception nobody could raise (an answer into a closed event loop) or a coroutine never
+# awaited fails the test (issue 26, item 13).
+pytestmark = [pytest.mark.filterwarnings('error::pytest.PytestUnraisableExceptionWarning'),
+              pytest.mark.filterwarnings('error:coroutine .* was never awaited:RuntimeWarning')]
+
 v1 = ocp.v1
 
 

@@ -13,11 +13,19 @@ upload), the others are still running when the loop closes: their tasks are dest
 "coroutine ... was never awaited"), and their tensorstore requests go on without anyone waiting
 and answer into the closed loop ("Event loop is closed", printed as an ignored exception).
 
-Patch, installed by ``install()`` and restored exactly by ``uninstall()`` (both idempotent):
+When a loop is already running in the calling thread (Orbax v1 calls ``run_sync`` from inside
+its own coroutines), Orbax runs the coroutine in a fresh uvloop on a thread of its own
+(``_run_event_loop``), stops that loop once the coroutine's future is done and closes it: a
+failed coroutine leaves the same leftover tasks there.
+
+Patches, installed by ``install()`` and restored exactly by ``uninstall()`` (both idempotent):
+``asyncio_utils._run_event_loop`` runs the loop as Orbax does; once stopped, tasks still pending
+on it are cancelled and ended (as below) before it closes.
 ``asyncio_utils._run_sync_via_new_loop`` runs the coroutine as Orbax does; if it failed and
 tasks of that loop are still pending, they are cancelled and given up to ``SETTLE_S`` seconds to
 end (ours cancel their storage requests and wait for them:
-``storage/hedge.py``) before the loop closes. Tasks of this one loop only
+``storage/hedge.py``), and the loop is closed ``LINGER_S`` later (a request Orbax or tensorstore
+started for a cancelled task may still answer into it). Tasks of this one loop only
 (``asyncio.all_tasks(loop)``): other threads' loops are never touched. The result or the error
 is Orbax's, unchanged.
 
@@ -35,22 +43,28 @@ from typing import Any, Callable
 
 SUPPORTED = '>=0.12.4,<0.13'
 SETTLE_S = 30.0  # how long the cancelled tasks of a failed run may take to end
+# A loop whose failed run left tasks behind is closed this much later, not at once: a storage
+# request those tasks had started (tensorstore's, Orbax's own) may still answer into it after
+# they were cancelled, and an answer into a closed loop is an "Event loop is closed" error in a
+# thread nobody can catch it in. Every storage request has a deadline, so none answers later.
+LINGER_S = 120.0
 
 _asyncio_utils = src.orbax('asyncio_utils')
 _lock = threading.Lock()
 _original: Callable[..., Any] | None = None
+_original_loop_runner: Callable[..., Any] | None = None
 log = logging.getLogger('orbax_pathways')
 
 
-def _settle(loop: asyncio.AbstractEventLoop) -> None:
+def _settle(loop: asyncio.AbstractEventLoop) -> bool:
   """Cancels the tasks still pending on ``loop`` (not running) and runs it until they end, at
-  most ``SETTLE_S``."""
+  most ``SETTLE_S``; True when there were any (the loop should then linger: ``_close``)."""
   try:
     pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
   except RuntimeError:  # the task registry changed under us too often: close as Orbax does
-    return
+    return False
   if not pending:
-    return
+    return False
   for t in pending:
     t.cancel()
   done, left = loop.run_until_complete(asyncio.wait(pending, timeout=SETTLE_S))
@@ -60,13 +74,34 @@ def _settle(loop: asyncio.AbstractEventLoop) -> None:
   if left:
     log.warning('orbax_pathways: %d task(s) of a failed Orbax call did not end within %.0f s '
                 'of being cancelled; closing their event loop anyway.', len(left), SETTLE_S)
+  return True
+
+
+def _close(loop: asyncio.AbstractEventLoop, linger: bool) -> None:
+  """Closes ``loop`` now, or, when a failed run left work behind (``linger``), ``LINGER_S``
+  later on a timer thread (the loop is no longer running: a late answer only queues a callback
+  that the close then drops)."""
+  if not linger:
+    loop.close()
+    return
+  timer = threading.Timer(LINGER_S, _close_quietly, args=(loop,))
+  timer.daemon = True
+  timer.name = 'orbax_pathways_loop_linger'
+  timer.start()
+
+
+def _close_quietly(loop: asyncio.AbstractEventLoop) -> None:
+  try:
+    loop.close()
+  except Exception:  # pylint: disable=broad-except  (closing a dead loop: nothing to report)
+    pass
 
 
 def _run_sync_via_new_loop(coro):
   """Orbax's ``_run_sync_via_new_loop``; when the coroutine failed, the loop's leftover tasks
   are cancelled and ended before it closes (a call that succeeded closes as Orbax closes it)."""
   loop = asyncio.new_event_loop()
-  failed = True
+  failed, linger = True, False
   try:
     asyncio.set_event_loop(loop)
     result = loop.run_until_complete(coro)
@@ -75,28 +110,54 @@ def _run_sync_via_new_loop(coro):
   finally:
     try:
       if failed:
-        _settle(loop)
+        linger = _settle(loop)
     finally:
       asyncio.set_event_loop(None)
-      loop.close()
+      _close(loop, linger)
+
+
+def _run_event_loop(loop):
+  """Orbax's ``_run_event_loop`` (a loop of its own on a thread, until stopped); tasks still
+  pending once it stopped (a failed coroutine's others) are cancelled and ended before it
+  closes."""
+  try:
+    loop.run_forever()
+  except BaseException as e:  # pylint: disable=broad-except  (as Orbax: the loop just ends)
+    log.info('orbax_pathways: background event loop ended: %r', e)
+  finally:
+    linger = False
+    try:
+      if not loop.is_closed():
+        linger = _settle(loop)
+    except Exception:  # pylint: disable=broad-except  (close it as Orbax does)
+      pass
+    finally:
+      try:
+        _close(loop, linger)
+      except Exception:  # pylint: disable=broad-except
+        pass
 
 
 def install() -> None:
-  global _original
+  global _original, _original_loop_runner
   with _lock:
-    if _original is not None or not hasattr(_asyncio_utils, '_run_sync_via_new_loop'):
-      return
-    _original = _asyncio_utils._run_sync_via_new_loop  # pylint: disable=protected-access
-    _asyncio_utils._run_sync_via_new_loop = _run_sync_via_new_loop  # pylint: disable=protected-access
+    if _original is None and hasattr(_asyncio_utils, '_run_sync_via_new_loop'):
+      _original = _asyncio_utils._run_sync_via_new_loop  # pylint: disable=protected-access
+      _asyncio_utils._run_sync_via_new_loop = _run_sync_via_new_loop  # pylint: disable=protected-access
+    if _original_loop_runner is None and hasattr(_asyncio_utils, '_run_event_loop'):
+      _original_loop_runner = _asyncio_utils._run_event_loop  # pylint: disable=protected-access
+      _asyncio_utils._run_event_loop = _run_event_loop  # pylint: disable=protected-access
 
 
 def uninstall() -> None:
-  global _original
+  global _original, _original_loop_runner
   with _lock:
-    if _original is None:
-      return
-    _asyncio_utils._run_sync_via_new_loop = _original  # pylint: disable=protected-access
-    _original = None
+    if _original is not None:
+      _asyncio_utils._run_sync_via_new_loop = _original  # pylint: disable=protected-access
+      _original = None
+    if _original_loop_runner is not None:
+      _asyncio_utils._run_event_loop = _original_loop_runner  # pylint: disable=protected-access
+      _original_loop_runner = None
 
 
 def installed() -> bool:
