@@ -20,6 +20,9 @@ rounds (the first restore after the saves pays one-time costs), same-mesh restor
 - ``stock``: stock Orbax restoring its own save of the same state;
 - ``memcpy``: the same unique bytes copied with numpy into freshly allocated buffers (page
   faults included, as a restore's new buffers have them): the floor.
+- ``file_read``: every chunk file of the tier's entries read (``readinto``) into one buffer
+  touched beforehand: the kernel's copy out of tmpfs alone, with no allocation, no page fault
+  and no checksum; the floor of any restore that copies its bytes out of the tier's files.
 
 Then ``--fresh-rounds`` rounds of the three restores each in a fresh process (``--_worker``:
 the first restore of a process, as after a restart; the interpreter's and jax's start not
@@ -50,7 +53,7 @@ if HERE not in sys.path:
 
 from benchlib import GiB, cli  # noqa: E402
 
-MODES = ('tier_on', 'tier_off', 'stock', 'memcpy')
+MODES = ('tier_on', 'tier_off', 'stock', 'memcpy', 'file_read')
 RESTORES = ('tier_on', 'tier_off', 'stock')
 
 
@@ -128,6 +131,31 @@ def _memcpy(host) -> tuple[float, float]:
     np.copyto(dst, src)
   dt, cpu = time.perf_counter() - t0, time.process_time() - c0
   del out
+  gc.collect()
+  return dt, cpu
+
+
+def _file_read(tier_dir: str) -> tuple[float, float]:
+  """Reads every chunk file under ``tier_dir`` into one buffer touched beforehand (not timed)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  files = [os.path.join(d, f) for d, _, fs in os.walk(tier_dir) for f in fs if f.endswith('.bin')]
+  sizes = [os.path.getsize(f) for f in files]
+  buf = np.ones(sum(sizes), np.uint8)  # touched: no page fault inside the timed part
+  view = memoryview(buf)
+  gc.collect()
+  c0, t0 = time.process_time(), time.perf_counter()
+  at = 0
+  for f, n in zip(files, sizes):
+    with open(f, 'rb', buffering=0) as fh:
+      got = 0
+      while got < n:
+        k = fh.readinto(view[at + got:at + n])
+        if not k:
+          raise OSError(f'{f}: ended after {got} of {n} bytes')
+        got += k
+    at += n
+  dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+  del view, buf
   gc.collect()
   return dt, cpu
 
@@ -234,6 +262,8 @@ def main(argv=None) -> int:
       for mode in MODES:
         if mode == 'memcpy':
           _memcpy(leaves)
+        elif mode == 'file_read':
+          _file_read(work['tier'])
         else:
           _restore(mode, work, target, mesh)
     for rnd in range(args.rounds):
@@ -241,6 +271,8 @@ def main(argv=None) -> int:
       for mode in order:
         if mode == 'memcpy':
           dt, cpu = _memcpy(leaves)
+        elif mode == 'file_read':
+          dt, cpu = _file_read(work['tier'])
         else:
           dt, cpu, sources[mode] = _restore(mode, work, target, mesh,
                                             check_all=host if rnd == 0 else None)
@@ -265,6 +297,8 @@ def main(argv=None) -> int:
     med = {m: v['median_s'] for m, v in out['in_process'].items()}
     out['ratios'] = {'tier_on/tier_off': med['tier_on'] / med['tier_off'],
                      'tier_on/memcpy': med['tier_on'] / med['memcpy'],
+                     'file_read/memcpy': med['file_read'] / med['memcpy'],
+                     'tier_on/file_read': med['tier_on'] / med['file_read'],
                      'tier_on/stock': med['tier_on'] / med['stock'],
                      'tier_off/stock': med['tier_off'] / med['stock']}
     cm = {m: v['cpu_median_s'] for m, v in out['in_process'].items()}
