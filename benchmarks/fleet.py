@@ -452,7 +452,7 @@ def child_main(args) -> int:
     import numpy as np
     import orbax.checkpoint as ocp
     import orbax_pathways
-    from orbax_pathways import layout
+    from orbax_pathways.sharding import layout
     state, values = _state(n, args.mib)
     for impl in args.impls.split(','):
       r = {'devices': n, 'impl': impl, 'storage': args.storage,

@@ -12,7 +12,7 @@ Two kinds of rows:
 
 * ``pure``: synthetic placements at 1k-32k devices (no jax devices): a mesh ``(n/8, 8)`` over
   ``('data', 'tp')``, device ids in mesh order, 4 devices per host. The current planner starts
-  from the mesh description (``plan.shards.mesh_grid``, what ``layout.py`` builds from a
+  from the mesh description (``plan.shards.mesh_grid``, what ``sharding/layout.py`` builds from a
   ``NamedSharding``); an older checkout, without that module, gets a ``Placement`` list per
   array, built outside the timed region (its ``layout.placements`` did that work from JAX).
 * ``jax``: real ``NamedSharding``s on 64/256/1024 forced host CPU devices
@@ -164,7 +164,7 @@ def _jax_setup(n: int):
 
 
 def _jax(n: int, budget: float) -> dict:
-  from orbax_pathways import layout  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.sharding import layout  # pylint: disable=g-import-not-at-top
   from orbax_pathways.plan import restore as restore_plan  # pylint: disable=g-import-not-at-top
   arrays = _jax_setup(n)
   out = {'arrays': len(arrays), 'impl': os.path.dirname(layout.__file__)}

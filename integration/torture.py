@@ -12,7 +12,7 @@ Usage::
 
     python integration/torture.py --rounds 20 --dir /tmp/torture [--seed 0] [--stock]
 
-``--stock`` runs without ``orbax_pathways.retention`` (stock Orbax) to show the torn-delete bug.
+``--stock`` runs without ``orbax_pathways.manager.retention`` (stock Orbax) to show the torn-delete bug.
 ``--dir`` may be a gs:// path. Prints one summary line; exits 1 on any failure.
 """
 
@@ -61,7 +61,7 @@ def _sharding():
 
 def _install(stock: bool):
   if not stock:
-    from orbax_pathways import retention  # pylint: disable=g-import-not-at-top
+    from orbax_pathways.manager import retention  # pylint: disable=g-import-not-at-top
     retention.install()
 
 
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
   p.add_argument('--mib', type=float, default=20.0, help='approximate state size')
   p.add_argument('--min-delay', type=float, default=0.3, help='seconds after READY')
   p.add_argument('--max-delay', type=float, default=2.5)
-  p.add_argument('--stock', action='store_true', help='without orbax_pathways.retention')
+  p.add_argument('--stock', action='store_true', help='without orbax_pathways.manager.retention')
   p.add_argument('--fresh', action='store_true', help='remove a local --dir first')
   p.add_argument('--verbose', action='store_true')
   p.add_argument('--fake-gcs', action='store_true',

@@ -25,10 +25,10 @@ __all__ = [
 # Names that need jax and Orbax, imported on first use (at once when installing at import).
 _LAZY = {
     'ProxyArrayHandler': ('orbax_pathways.frontends.orbax_v0', 'ProxyArrayHandler'),
-    'install': ('orbax_pathways._registration', 'install'),
-    'uninstall': ('orbax_pathways._registration', 'uninstall'),
-    'installed': ('orbax_pathways._registration', 'installed'),
-    'check_installed': ('orbax_pathways._registration', 'check_installed'),
+    'install': ('orbax_pathways._install', 'install'),
+    'uninstall': ('orbax_pathways._install', 'uninstall'),
+    'installed': ('orbax_pathways._install', 'installed'),
+    'check_installed': ('orbax_pathways._install', 'check_installed'),
     'stats': ('orbax_pathways.stats', None),
 }
 

@@ -115,4 +115,4 @@ class WorkerTimeoutError(OrbaxPathwaysError, RuntimeError):
 
 class WriterLeaseError(OrbaxPathwaysError, RuntimeError):
   """A save refused because another job saves into the same checkpoint directory: it holds the
-  directory's writer lease (``orbax_pathways.lease``), or took it over from this job."""
+  directory's writer lease (``orbax_pathways.manager.lease``), or took it over from this job."""

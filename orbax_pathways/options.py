@@ -4,7 +4,7 @@ Every variable is parsed here, once, when ``install()`` runs (at ``import orbax_
 global handler), with typed validation: a bad value raises ``ValueError`` naming the variable, the
 value found and the values accepted, instead of failing at the first save or silently picking a
 default. Booleans accept ``1/true/yes/y/on/t`` and ``0/false/no/n/off/f`` (any case) and reject
-anything else. ``ENV_VARS`` is the list; ``runtime.py``, ``preemption/`` and ``layout.py`` read
+anything else. ``ENV_VARS`` is the list; ``engine/runtime.py``, ``preemption/`` and ``sharding/layout.py`` read
 their variables through ``env_value`` / ``num_slices_from_env``.
 """
 

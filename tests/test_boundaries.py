@@ -77,18 +77,18 @@ def test_only_compat_reads_private_attributes():
 
 
 @pytest.mark.parametrize('layer,forbidden', [
-    ('plan/', ('jax', 'tensorstore', 'orbax', 'etils', 'orbax_pathways.storage',
-               'orbax_pathways.transports', 'orbax_pathways.engine')),
-    ('storage/', ('jax', 'orbax', 'orbax_pathways.transports', 'orbax_pathways.engine',
-                  'orbax_pathways.frontends')),
+    ('plan/', ('jax', 'tensorstore', 'orbax', 'etils')),
+    ('format/', ('jax', 'tensorstore', 'orbax', 'etils')),
+    ('coord/', ('jax', 'tensorstore', 'orbax', 'etils')),
+    ('storage/', ('jax', 'orbax')),
+    ('tier/', ('jax', 'orbax')),
     ('cli/', ('jax', 'orbax_pathways.engine', 'orbax_pathways.transports',
-              'orbax_pathways.frontends')),
-    ('transports/', ('orbax_pathways.engine', 'orbax_pathways.frontends',
-                     'orbax_pathways._registration')),
-    ('engine.py', ('orbax_pathways.frontends', 'orbax_pathways._registration')),
-    ('values.py', ('jax', 'orbax', 'orbax_pathways.transports', 'orbax_pathways.engine')),
+              'orbax_pathways.frontends', 'orbax_pathways.sharding', 'orbax_pathways.manager')),
+    ('transports/values.py', ('jax', 'orbax')),
 ])
-def test_layers_do_not_import_upwards(layer, forbidden):
+def test_pure_and_jax_free_layers(layer, forbidden):
+  """What docs/architecture.md promises beyond the layer order: the pure layers import no
+  tensorstore, Orbax or jax; storage, the tier and the CLI no jax (the CLI no engine either)."""
   offenders = {}
   for p in _modules():
     if not _rel(p).startswith(layer):
@@ -99,29 +99,136 @@ def test_layers_do_not_import_upwards(layer, forbidden):
   assert offenders == {}
 
 
+# The layers of docs/architecture.md, bottom first: a module may import modules of its own layer
+# and of the layers below, never above. Every module of the package is in exactly one.
+LAYERS = (
+    ('base', ('errors', 'options', 'version', 'stats', '_util')),
+    ('plan', ('plan',)),
+    ('format', ('format',)),
+    ('coord', ('coord',)),
+    ('storage', ('storage',)),
+    ('tier', ('tier',)),
+    ('compat', ('_compat',)),
+    ('sharding', ('sharding',)),
+    ('transports', ('transports',)),
+    ('engine', ('engine',)),
+    ('frontends', ('frontends',)),
+    ('manager', ('manager', 'preemption')),
+    ('top', ('', '_install', '__main__', 'cli')),
+)
+
+
+def _layer(module: str) -> int:
+  """The layer of a module (``tier.store``: 'tier'; the root package itself: 'top')."""
+  head = module.split('.', 1)[0]
+  for i, (_, heads) in enumerate(LAYERS):
+    if head in heads:
+      return i
+  raise AssertionError(f'orbax_pathways.{module} is in no layer of LAYERS: add it to one')
+
+
+def _package_imports(path: pathlib.Path, names: set[str]) -> set[str]:
+  """The package modules ``path`` imports (``names``: every module, the root package ``''``).
+  ``from orbax_pathways.x import y`` is an import of ``x.y`` when that is a module, else of
+  ``x`` (a name defined there); ``import orbax_pathways.x.y`` of ``x.y``."""
+
+  def module_of(dotted: str) -> str | None:
+    if dotted != 'orbax_pathways' and not dotted.startswith('orbax_pathways.'):
+      return None
+    short = dotted[len('orbax_pathways.'):] if dotted != 'orbax_pathways' else ''
+    while short and short not in names:
+      short = short.rpartition('.')[0]
+    return short
+
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      found = [module_of(a.name) for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      found = []
+      for a in node.names:
+        sub = module_of(f'{node.module}.{a.name}')
+        whole = module_of(node.module)
+        found.append(sub if sub is not None and sub != whole else whole)
+    else:
+      continue
+    out.update(m for m in found if m is not None)
+  return out
+
+
 def _package_graph() -> dict[str, set[str]]:
   """orbax_pathways module -> the orbax_pathways modules it imports (also inside functions and
-  under TYPE_CHECKING)."""
-  names = {_rel(p)[:-3].replace('/', '.').removesuffix('.__init__'): p for p in _modules()}
-  graph: dict[str, set[str]] = {}
-  for name, p in names.items():
-    deps = set()
-    for m in _imports(p):
-      if m.startswith('orbax_pathways.'):
-        short = m[len('orbax_pathways.'):]
-        while short and short not in names:
-          short = short.rpartition('.')[0]
-        if short and short != name:
-          deps.add(short)
-    graph[name] = deps
-  return graph
+  under TYPE_CHECKING; the root package is ``''``)."""
+  paths = {_rel(p)[:-3].replace('/', '.').removesuffix('__init__').rstrip('.'): p
+           for p in _modules()}
+  return {name: _package_imports(p, set(paths)) - {name} for name, p in paths.items()}
 
 
-@pytest.mark.parametrize('a,b', [('format', 'metadata'), ('transports.base', 'transports.local'),
-                                 ('transports.base', 'transports.colocated'),
-                                 ('transports.base', 'transports.persistence')])
-def test_no_import_circle(a, b):
-  """Issue 20's house-keeping: format <-> metadata (through chunk_index) and transports.base
-  <-> the concrete transports (through create) no longer import each other."""
+def test_every_import_goes_down_the_layers():
+  """The whole import graph (every module, every import, also inside functions), not listed
+  pairs: nothing imports a layer above its own."""
   graph = _package_graph()
-  assert not (b in graph[a] and a in graph[b]), (a, sorted(graph[a]), b, sorted(graph[b]))
+  up = {f'{m} ({LAYERS[_layer(m)][0]})': sorted(f'{d} ({LAYERS[_layer(d)][0]})' for d in deps
+                                               if _layer(d) > _layer(m))
+        for m, deps in graph.items()}
+  assert {k: v for k, v in up.items() if v} == {}
+
+
+def test_no_import_circle():
+  """No module reaches itself through its imports (the whole graph: strongly connected
+  components, Tarjan's)."""
+  graph = _package_graph()
+  index: dict[str, int] = {}
+  low: dict[str, int] = {}
+  stack: list[str] = []
+  on_stack: set[str] = set()
+  circles: list[list[str]] = []
+  counter = [0]
+
+  def visit(v: str) -> None:
+    index[v] = low[v] = counter[0]
+    counter[0] += 1
+    stack.append(v)
+    on_stack.add(v)
+    for w in graph.get(v, ()):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        circles.append(sorted(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  assert circles == []
+
+
+def test_no_two_modules_share_a_name():
+  """``sharding/layout.py`` beside ``tier/manifest.py`` made a reader ask which one an import means: every
+  module file name is unique in the package (``__init__.py`` aside)."""
+  seen: dict[str, list[str]] = {}
+  for p in _modules():
+    if p.name != '__init__.py':
+      seen.setdefault(p.name, []).append(_rel(p))
+  assert {k: v for k, v in seen.items() if len(v) > 1} == {}
+
+
+def test_the_root_holds_only_the_public_surface():
+  """The package root: the public surface (install, Options, errors, stats, preemption) and the
+  private module that implements install(); everything else lives in a subpackage."""
+  root = sorted(p.name for p in PACKAGE.iterdir()
+                if p.name != '__pycache__' and (p.suffix == '.py' or p.is_dir()))
+  assert root == sorted(['__init__.py', '__main__.py', '_install.py', 'errors.py', 'options.py',
+                         'stats.py', 'version.py', '_compat', '_util', 'cli', 'coord', 'engine',
+                         'format', 'frontends', 'manager', 'plan', 'preemption', 'sharding',
+                         'storage', 'tier', 'transports'])

@@ -31,7 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from orbax_pathways import metadata as pw_metadata
+from orbax_pathways.format import records as records_lib
 from orbax_pathways.cli import steps as cli_steps
 from orbax_pathways.cli import main as cli_main
 from orbax_pathways.storage import meta_io
@@ -104,13 +104,13 @@ def _save(root: pathlib.Path, steps, handler=None) -> pathlib.Path:
 
 
 def _strip_ours(step_dir: pathlib.Path) -> None:
-  for d in step_dir.glob('*/' + pw_metadata.DIRNAME):
+  for d in step_dir.glob('*/' + records_lib.DIRNAME):
     shutil.rmtree(d)
 
 
-def _sharding_record(s) -> pw_metadata.ShardingRecord:
+def _sharding_record(s) -> records_lib.ShardingRecord:
   mesh = s.mesh
-  return pw_metadata.ShardingRecord(
+  return records_lib.ShardingRecord(
       kind='named', mesh_shape=tuple(mesh.devices.shape), axis_names=tuple(mesh.axis_names),
       device_ids=tuple(int(d.id) for d in mesh.devices.flat),
       device_slices=(0,) * mesh.devices.size, spec=tuple(s.spec), num_slices=1,
@@ -133,13 +133,13 @@ def _with_our_metadata(step_dir: pathlib.Path) -> pathlib.Path:
     for i, origin in enumerate(grid):
       region = np.ascontiguousarray(value[tuple(slice(o, o + c) for o, c in zip(origin, chunk))])
       chunks[i % 2].append(
-          pw_metadata.ChunkRecord(origin, google_crc32c.value(region.tobytes()), region.nbytes))
+          records_lib.ChunkRecord(origin, google_crc32c.value(region.tobytes()), region.nbytes))
     for w in (0, 1):
-      per_writer[w].append(pw_metadata.ArrayRecord(
+      per_writer[w].append(records_lib.ArrayRecord(
           name=name, dtype=str(value.dtype), shape=value.shape, chunk_shape=chunk,
           chunks=tuple(chunks[w]), sharding=_sharding_record(arr.sharding) if w == 0 else None))
   for w in (0, 1):
-    meta_io.write_record(step_dir / 'default', pw_metadata.WriterRecord(
+    meta_io.write_record(step_dir / 'default', records_lib.WriterRecord(
         writer=f'process_{w}', transport='test-fixture', arrays=tuple(per_writer[w]),
         library_version='test'))
   return step_dir
@@ -284,7 +284,7 @@ def test_show_manager_written(built):
   step = built['ocdbt'] / '1'
   _, doc = run_json('show', step)
   (item,) = doc['items']
-  if (step / 'default' / pw_metadata.DIRNAME).exists():
+  if (step / 'default' / records_lib.DIRNAME).exists():
     assert item['pathways_metadata'] and item['transports'] and item['writer'] != 'stock orbax'
   else:
     assert item['writer'] == 'stock orbax'
@@ -399,7 +399,7 @@ def test_verify_a_host_leaf_record_lost_beside_other_host_records_is_a_problem(s
   raises MissingChecksumError, so verify fails it too."""
   step = _copy(saved['host'] / '1', tmp_path / '1')
   assert run_json('verify', step)[0] == 0
-  pw = step / 'default' / pw_metadata.DIRNAME
+  pw = step / 'default' / records_lib.DIRNAME
   (pw / 'index.msgpack').unlink()
   (scalar,) = pw.glob('scalar.*.msgpack')
   scalar.unlink()
@@ -412,7 +412,7 @@ def test_verify_manager_written(built):
   step = built['ocdbt'] / '1'
   code, doc = run_json('verify', step)
   assert code == 0, doc['problems']
-  if (step / 'default' / pw_metadata.DIRNAME).exists():
+  if (step / 'default' / records_lib.DIRNAME).exists():
     assert doc['modes'] == {'default': 'checksum'} and doc['chunks_checksummed'] > 0
 
 
@@ -773,7 +773,7 @@ def saved(tmp_path_factory) -> dict[str, pathlib.Path]:
     mngr.wait_until_finished()
   for step in (base / 'train' / '10', base / 'two_items' / '1', base / 'colocated' / '1',
                base / 'host' / '1'):
-    assert list(step.glob('*/' + pw_metadata.DIRNAME)), f'{step}: the library wrote no records'
+    assert list(step.glob('*/' + records_lib.DIRNAME)), f'{step}: the library wrote no records'
   return {'train': base / 'train', 'two_items': base / 'two_items',
           'colocated': base / 'colocated', 'host': base / 'host'}
 
@@ -781,7 +781,7 @@ def saved(tmp_path_factory) -> dict[str, pathlib.Path]:
 def test_verify_fails_when_pathways_dir_deleted_and_a_sibling_item_has_records(saved, tmp_path):
   step = _copy(saved['two_items'] / '1', tmp_path / '1')
   assert run_json('verify', step)[0] == 0
-  shutil.rmtree(step / 'ema' / pw_metadata.DIRNAME)
+  shutil.rmtree(step / 'ema' / records_lib.DIRNAME)
   code, out, _ = run('verify', step)
   assert code == 1 and 'FAILED: 1 problem' in out
   assert f'missing_record {"ema"}  {step / "ema" / "_pathways"}' in out
@@ -795,7 +795,7 @@ def test_verify_fails_when_pathways_dir_deleted_and_a_sibling_item_has_records(s
 def test_verify_fails_when_colocated_records_deleted(saved, tmp_path):
   step = _copy(saved['colocated'] / '1', tmp_path / '1')
   assert run_json('verify', step)[0] == 0
-  shutil.rmtree(step / 'default' / pw_metadata.DIRNAME)
+  shutil.rmtree(step / 'default' / records_lib.DIRNAME)
   code, doc = run_json('verify', step)
   assert code == 1 and _kinds(doc) == {'missing_record'}
   (bad,) = doc['problems']
@@ -807,7 +807,7 @@ def test_verify_stock_looking_step_without_records_passes(saved, tmp_path):
   """With the local transport and a single item nothing that survives says who wrote the step
   (no marker exists without a format change); verify cannot tell it from stock Orbax: decodes."""
   step = _copy(saved['train'] / '10', tmp_path / '10')
-  shutil.rmtree(step / 'default' / pw_metadata.DIRNAME)
+  shutil.rmtree(step / 'default' / records_lib.DIRNAME)
   code, doc = run_json('verify', step)
   assert code == 3 and doc['modes'] == {'default': 'decode'} and doc['verdict'] == 'unchecked'
   assert doc['problems'] == [] and len(doc['unchecked']) == doc['arrays']
@@ -815,10 +815,10 @@ def test_verify_stock_looking_step_without_records_passes(saved, tmp_path):
 
 def _rewrite_records(item: pathlib.Path, keep) -> None:
   """Rewrites every writer file of ``item`` with ``keep(array_record)`` (None drops it)."""
-  for f in sorted((item / pw_metadata.DIRNAME).glob('*.msgpack')):
-    rec = pw_metadata.decode(f.read_bytes())
+  for f in sorted((item / records_lib.DIRNAME).glob('*.msgpack')):
+    rec = records_lib.decode(f.read_bytes())
     arrays = tuple(a for a in (keep(a) for a in rec.arrays) if a is not None)
-    f.write_bytes(pw_metadata.encode(dataclasses.replace(rec, arrays=arrays)))
+    f.write_bytes(records_lib.encode(dataclasses.replace(rec, arrays=arrays)))
 
 
 def test_verify_names_every_chunk_of_an_array_without_records(built, tmp_path):
@@ -855,9 +855,9 @@ def test_verify_persistence_records_without_checksums_decode(built, tmp_path):
   step = _copy(built['ours'] / '1', tmp_path / '1')
   item = step / 'default'
   _rewrite_records(item, lambda a: dataclasses.replace(a, chunks=()))
-  for f in (item / pw_metadata.DIRNAME).glob('*.msgpack'):
-    rec = pw_metadata.decode(f.read_bytes())
-    f.write_bytes(pw_metadata.encode(dataclasses.replace(rec, transport='persistence')))
+  for f in (item / records_lib.DIRNAME).glob('*.msgpack'):
+    rec = records_lib.decode(f.read_bytes())
+    f.write_bytes(records_lib.encode(dataclasses.replace(rec, transport='persistence')))
   code, doc = run_json('verify', step)
   assert code == 3 and doc['problems'] == [], doc['problems']
   assert doc['modes'] == {'default': 'decode'} and doc['chunks_checksummed'] == 0
@@ -985,7 +985,7 @@ def test_verify_checks_numpy_and_scalar_leaves(saved, tmp_path):
 
 def test_verify_damaged_index_checks_the_records_beside_it(saved, tmp_path):
   step = _copy(saved['host'] / '1', tmp_path / '1')
-  index = step / 'default' / pw_metadata.DIRNAME / pw_metadata.INDEX_FILENAME
+  index = step / 'default' / records_lib.DIRNAME / records_lib.INDEX_FILENAME
   index.write_bytes(b'\x00garbage')
   meta_io.clear_cache()
   code, doc = run_json('verify', step)

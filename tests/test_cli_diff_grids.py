@@ -10,7 +10,7 @@ import io
 import json
 import shutil
 
-from orbax_pathways import metadata as pw_metadata
+from orbax_pathways.format import records as records_lib
 from orbax_pathways.cli import main as cli_main
 
 from support.arrays import mesh, random_state
@@ -38,7 +38,7 @@ def test_diff_without_checksums_says_why(tmp_path):
   save(tmp_path / 'a', state, 1)
   save(tmp_path / 'b', state, 1)
   for step in (tmp_path / 'a' / '1', tmp_path / 'b' / '1'):
-    for d in step.glob('*/' + pw_metadata.DIRNAME):
+    for d in step.glob('*/' + records_lib.DIRNAME):
       shutil.rmtree(d)  # as stock Orbax writes them: no checksums anywhere
   code, out = _diff('diff', tmp_path / 'a' / '1', tmp_path / 'b' / '1')
   assert code == 0, out

@@ -5,7 +5,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from packaging.specifiers import SpecifierSet
 
-from orbax_pathways import values
+from orbax_pathways.transports import values
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways._compat import orbax_manager
 
@@ -127,10 +127,10 @@ def test_ci_constraints_sit_at_the_declared_bounds():
 
 def test_v1_leaf_handler_factories_are_hooked_and_given_back_exactly():
   """v1 builds the v0 handler of each leaf kind through a module-level factory
-  (``_compat/orbax_v1.py``); the installed Orbax has all three, ``install`` wraps them and
+  (``_compat/orbax_v1_seams.py``); the installed Orbax has all three, ``install`` wraps them and
   ``uninstall`` puts back the very same functions."""
   import orbax_pathways  # pylint: disable=g-import-not-at-top
-  from orbax_pathways._compat import orbax_v1 as compat_v1  # pylint: disable=g-import-not-at-top
+  from orbax_pathways._compat import orbax_v1_seams as compat_v1  # pylint: disable=g-import-not-at-top
   from orbax.checkpoint.experimental.v1._src.serialization import (  # pylint: disable=g-import-not-at-top
       array_leaf_handler, numpy_leaf_handler, scalar_leaf_handler)
   seams = [(array_leaf_handler, '_create_v0_array_handler'),

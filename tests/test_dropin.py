@@ -13,7 +13,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import orbax_pathways
-from orbax_pathways import metadata as pw_metadata
+from orbax_pathways.format import item as item_lib
 from orbax_pathways.storage import meta_io
 
 from support import damage
@@ -127,7 +127,7 @@ def test_a_lost_writer_record_is_an_error_not_an_unchecked_chunk(tmp_path):
   w = md.arrays()['w']
   assert len(md.writers) == 8 and len(w.chunks) == 8
   lost = dataclasses.replace(w, chunks=tuple(w.chunks)[:-1])
-  meta_io.write_index(item, pw_metadata.ItemMetadata(md.writers, (lost,), source='index'))
+  meta_io.write_index(item, item_lib.ItemMetadata(md.writers, (lost,), source='index'))
   meta_io.clear_cache()
   assert len(meta_io.read_item(item).arrays()['w'].chunks) == 7
   with ocp.CheckpointManager(tmp_path) as mngr:

@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import orbax_pathways
-from orbax_pathways import elastic
-from orbax_pathways.plan import elastic as plan
+from orbax_pathways.sharding import elastic
+from orbax_pathways.plan import remap as plan
 from orbax_pathways.plan import restore as restore_plan
 from orbax_pathways.plan.boxes import Box
 

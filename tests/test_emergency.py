@@ -24,7 +24,7 @@ from orbax.checkpoint.experimental.emergency import checkpoint_manager as emerge
 import pytest
 
 import orbax_pathways
-from orbax_pathways import lease
+from orbax_pathways.manager import lease
 from support import REPO
 from support.arrays import mesh, put
 from support.mp_harness import run_processes

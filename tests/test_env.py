@@ -13,7 +13,7 @@ import pytest
 
 import orbax_pathways
 from orbax_pathways import options as options_lib
-from orbax_pathways import runtime
+from orbax_pathways.engine import runtime
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

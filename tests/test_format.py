@@ -1,4 +1,4 @@
-"""``orbax_pathways.format`` agrees with Orbax's own constants and with what tensorstore writes.
+"""``orbax_pathways.format.names`` agrees with Orbax's own constants and with what tensorstore writes.
 
 The names are compared with Orbax's private constants (tests may import ``orbax.checkpoint._src``;
 the package may not, outside ``_compat``). Chunk keys and the chunk grid are compared with the keys
@@ -27,8 +27,9 @@ from orbax.checkpoint._src.serialization import tensorstore_utils
 import pytest
 import tensorstore as ts
 
-from orbax_pathways import format as fmt
-from orbax_pathways import metadata
+from orbax_pathways.format import names as fmt
+from orbax_pathways.format import grid as grid_lib
+from orbax_pathways.format import records as records_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,7 +54,7 @@ def test_names_are_orbaxs():
 
 
 def test_our_names_are_the_metadata_modules():
-  assert (fmt.PATHWAYS_DIR, fmt.PATHWAYS_SUFFIX) == (metadata.DIRNAME, metadata.SUFFIX)
+  assert (fmt.PATHWAYS_DIR, fmt.PATHWAYS_SUFFIX) == (records_lib.DIRNAME, records_lib.SUFFIX)
   assert not hasattr(fmt, 'chunk_index')  # one definition, in metadata: no format<->metadata circle
 
 
@@ -165,10 +166,10 @@ def test_kvstore_spec_is_orbaxs_read_rule(directory, ocdbt):
 
 
 def test_chunk_index_merges_writers():
-  a = metadata.ArrayRecord('w', 'float32', (4,), (2,), (metadata.ChunkRecord((0,), 11, 8),))
-  b = metadata.ArrayRecord('w', 'float32', (4,), (2,), (metadata.ChunkRecord((2,), 22, 8),))
-  assert metadata.chunk_index([a, b]) == {(0,): a.chunks[0], (2,): b.chunks[0]}
-  assert metadata.chunk_index([]) == {}
+  a = records_lib.ArrayRecord('w', 'float32', (4,), (2,), (records_lib.ChunkRecord((0,), 11, 8),))
+  b = records_lib.ArrayRecord('w', 'float32', (4,), (2,), (records_lib.ChunkRecord((2,), 22, 8),))
+  assert grid_lib.chunk_index([a, b]) == {(0,): a.chunks[0], (2,): b.chunks[0]}
+  assert grid_lib.chunk_index([]) == {}
 
 
 def _bare_import(module: str) -> subprocess.CompletedProcess:
@@ -188,5 +189,5 @@ def _bare_import(module: str) -> subprocess.CompletedProcess:
 
 
 def test_format_imports_neither_jax_nor_tensorstore():
-  proc = _bare_import('orbax_pathways.format')
+  proc = _bare_import('orbax_pathways.format.names')
   assert proc.returncode == 0, proc.stderr

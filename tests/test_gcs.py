@@ -23,7 +23,7 @@ from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import orbax_pathways
-from orbax_pathways import elastic
+from orbax_pathways.sharding import elastic
 from orbax_pathways import preemption
 
 from support.arrays import abstract, assert_bit_identical, mesh, put, random_state
@@ -166,7 +166,7 @@ def test_step_without_commit_marker_is_not_listed_and_resume_skips_it(gcs_bucket
   # progress (a trainer next to this resuming evaluator): resume() leaves it alone ...
   assert _steps_objects(gcs_bucket.objects(), 2)
   # ... and removes it once nothing in it changed for the lease (an hour by default).
-  from orbax_pathways import retention  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.manager import retention  # pylint: disable=g-import-not-at-top
   retention.install(abandoned_after_s=0.001)  # the autouse fixture puts the default back
   with ocp.CheckpointManager(path) as fresh:
     assert preemption.resume(fresh, dict, abstract_state=abstract(states[1]))[0] == 1

@@ -276,7 +276,7 @@ def test_save_blocks_only_for_snapshot(tmp_path):
   assert ocp.CheckpointManager(tmp_path).all_steps() == [0]
   # 32 MiB cannot be written and committed before save() returns on this machine.
   assert listed_while_writing == ['0.orbax-checkpoint-tmp', 'orbax-pathways-lease.json'], (
-      listed_while_writing)  # the lease: this job saves here (orbax_pathways.lease)
+      listed_while_writing)  # the lease: this job saves here (orbax_pathways.manager.lease)
 
 
 def _compressor(item_dir, name, use_zarr3=False):

@@ -16,7 +16,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_pathways
-from orbax_pathways import metadata as pw_metadata
+from orbax_pathways.format import item as item_lib
+from orbax_pathways.format import records as records_lib
 from orbax_pathways.storage import index as index_lib
 from orbax_pathways.storage import meta_io
 from support import ckpt
@@ -64,7 +65,7 @@ def test_numpy_and_scalar_leaves_are_recorded_and_round_trip(tmp_path, use_ocdbt
   assert set(arrays) == {'w', 'loader', 'rng', 'step', 'lr'}
   for name in ('loader', 'rng', 'step', 'lr'):
     assert len(arrays[name].chunks) >= 1, name
-  writers = sorted(p.name for p in (item / pw_metadata.DIRNAME).iterdir())
+  writers = sorted(p.name for p in (item / records_lib.DIRNAME).iterdir())
   assert any(w.startswith('numpy.') for w in writers) and any(
       w.startswith('scalar.') for w in writers), writers
   out = _restore(tmp_path, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
@@ -99,7 +100,7 @@ def test_stock_orbax_reads_our_numpy_leaves_and_we_read_stock_ones(tmp_path):
   _save(tmp_path / 'ours', state)
   with ckpt.stock_orbax():
     _save(tmp_path / 'stock', state)
-  assert not (tmp_path / 'stock' / '0' / 'default' / pw_metadata.DIRNAME).exists()
+  assert not (tmp_path / 'stock' / '0' / 'default' / records_lib.DIRNAME).exists()
   ckpt.assert_stock_reads_same(tmp_path / 'ours', tmp_path / 'stock')
   out = _restore(tmp_path / 'stock')  # stock-written: read unchecked, as before
   np.testing.assert_array_equal(out['loader'], state['loader'])
@@ -111,12 +112,12 @@ def _drop_record(item: pathlib.Path, name: str) -> None:
   index (and every writer record) without it."""
   md = meta_io.read_item(item)
   kept = tuple(a for n, a in sorted(md.arrays().items()) if n != name)
-  meta_io.write_index(item, pw_metadata.ItemMetadata(md.writers, kept, source='index'))
-  for f in (item / pw_metadata.DIRNAME).glob('*.msgpack'):
-    if f.name == pw_metadata.INDEX_FILENAME:
+  meta_io.write_index(item, item_lib.ItemMetadata(md.writers, kept, source='index'))
+  for f in (item / records_lib.DIRNAME).glob('*.msgpack'):
+    if f.name == records_lib.INDEX_FILENAME:
       continue
-    rec = pw_metadata.decode(f.read_bytes())
-    f.write_bytes(pw_metadata.encode(dataclasses.replace(
+    rec = records_lib.decode(f.read_bytes())
+    f.write_bytes(records_lib.encode(dataclasses.replace(
         rec, arrays=tuple(a for a in rec.arrays if a.name != name))))
   meta_io.clear_cache()
 
@@ -141,7 +142,7 @@ def test_without_pathways_the_step_restores_unchecked_as_stock(tmp_path):
   import shutil  # pylint: disable=g-import-not-at-top
   state = _state()
   item = _save(tmp_path, state)
-  shutil.rmtree(item / pw_metadata.DIRNAME)
+  shutil.rmtree(item / records_lib.DIRNAME)
   meta_io.clear_cache()
   out = _restore(tmp_path)
   np.testing.assert_array_equal(np.asarray(out['w']), np.asarray(state['w']))
@@ -195,7 +196,7 @@ def test_host_leaves_that_were_never_recorded_restore_unchecked(tmp_path):
   the jax.Array leaf is still verified, and still required to have its record."""
   state = _state()
   item = _save(tmp_path, state)
-  for f in (item / pw_metadata.DIRNAME).glob('*.msgpack'):
+  for f in (item / records_lib.DIRNAME).glob('*.msgpack'):
     if f.name.startswith(('numpy.', 'scalar.', 'index.')):
       f.unlink()
   index_lib.merge_item(item)  # the index of the arrays' records only

@@ -16,7 +16,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_pathways
-from orbax_pathways import metadata
+from orbax_pathways.format import grid as grid_lib
+from orbax_pathways.format import item as item_lib
+from orbax_pathways.format import records as records_lib
 from orbax_pathways._compat import orbax_finalize
 from orbax_pathways.storage import index as index_lib
 from orbax_pathways.storage import meta_io
@@ -66,7 +68,7 @@ def test_save_writes_the_index_before_the_commit(tmp_path):
   item = tmp_path / '0' / 'default'
   assert sorted(os.listdir(item / '_pathways')) == ['index.msgpack'] + seen[0][1]
   # The index is the records merged, nothing lost: every chunk, checksum and sharding.
-  records = metadata.merge(meta_io.read_records(item))
+  records = item_lib.merge(meta_io.read_records(item))
   index = meta_io.read_index(item)
   assert index.source == 'index' and records.source == 'records'
   assert index.arrays() == records.arrays()
@@ -123,9 +125,9 @@ def test_a_step_saved_again_under_the_same_number_is_read_anew(tmp_path):
 
 def test_an_index_rewritten_in_place_is_not_served_from_the_cache(tmp_path):
   def item(crc):
-    a = metadata.ArrayRecord(name='w', dtype='float32', shape=(4,), chunk_shape=(4,),
-                             chunks=(metadata.ChunkRecord((0,), crc, 16),))
-    return metadata.ItemMetadata((metadata.WriterRecord('p0', 'local', ()),), (a,), 'index')
+    a = records_lib.ArrayRecord(name='w', dtype='float32', shape=(4,), chunk_shape=(4,),
+                             chunks=(records_lib.ChunkRecord((0,), crc, 16),))
+    return item_lib.ItemMetadata((records_lib.WriterRecord('p0', 'local', ()),), (a,), 'index')
 
   meta_io.write_index(tmp_path, item(1))
   assert meta_io.read_index(tmp_path).arrays()['w'].chunks[0].crc32c == 1
@@ -156,9 +158,9 @@ def test_records_without_index_are_read_concurrently(faulty_gcs):
   item = faulty_gcs.path('old', '0', 'default')
   n = 12
   for i in range(n):
-    meta_io.write_record(item, metadata.WriterRecord(f'p{i}', 'local', (metadata.ArrayRecord(
+    meta_io.write_record(item, records_lib.WriterRecord(f'p{i}', 'local', (records_lib.ArrayRecord(
         name='w', dtype='float32', shape=(n,), chunk_shape=(1,),
-        chunks=(metadata.ChunkRecord((i,), i, 4),)),)))
+        chunks=(records_lib.ChunkRecord((i,), i, 4),)),)))
   arrivals = []
   proxy = faulty_gcs.proxy
   proxy.delay_s = 0.5
@@ -222,7 +224,7 @@ def test_damaged_index_is_rebuilt_from_the_records_with_one_warning(tmp_path, ho
   assert 'is damaged' in said[0].getMessage() and 'writer record' in said[0].getMessage()
   item = meta_io.read_item(tmp_path / '0' / 'default')
   assert item.source == 'records' and 'index.msgpack' in item.damaged_index
-  with pytest.raises(metadata.DamagedIndexError, match='is damaged|not an index'):
+  with pytest.raises(records_lib.DamagedIndexError, match='is damaged|not an index'):
     meta_io.read_index(tmp_path / '0' / 'default')  # the index itself is still reported
 
 
@@ -242,7 +244,7 @@ def test_damaged_index_without_records_is_reported_with_its_path(tmp_path):
   item = tmp_path / '0' / 'default'
   (item / '_pathways' / 'p0.msgpack').unlink()
   _damage_index(item, 'truncated')
-  with pytest.raises(metadata.MetadataError, match=r'orbax-pathways index .*0/default/_pathways/'
+  with pytest.raises(records_lib.MetadataError, match=r'orbax-pathways index .*0/default/_pathways/'
                                                    r'index\.msgpack is damaged.*orbax-pathways verify'):
     _restore(tmp_path, target=abstract(state))
 
@@ -253,7 +255,7 @@ def test_damaged_index_and_damaged_record_name_both(tmp_path):
   item = tmp_path / '0' / 'default'
   (item / '_pathways' / 'p0.msgpack').write_bytes(b'\xc1garbage')
   _damage_index(item, 'empty')
-  with pytest.raises(metadata.MetadataError, match=r'index\.msgpack is damaged.*records beside it '
+  with pytest.raises(records_lib.MetadataError, match=r'index\.msgpack is damaged.*records beside it '
                                                    r'cannot replace it.*p0\.msgpack is damaged'):
     _restore(tmp_path, target=abstract(state))
 
@@ -263,9 +265,9 @@ def test_newer_index_is_not_rebuilt_from_records(tmp_path):
   ckpt.save(tmp_path, {'w': jax.numpy.arange(8.0)})
   index = tmp_path / '0' / 'default' / '_pathways' / 'index.msgpack'
   obj = msgpack.unpackb(index.read_bytes(), raw=False)
-  index.write_bytes(msgpack.packb({**obj, 'schema': metadata.SCHEMA_VERSION + 1}, use_bin_type=True))
+  index.write_bytes(msgpack.packb({**obj, 'schema': records_lib.SCHEMA_VERSION + 1}, use_bin_type=True))
   meta_io.clear_cache()
-  with pytest.raises(metadata.MetadataError, match='Upgrade orbax-pathways'):
+  with pytest.raises(records_lib.MetadataError, match='Upgrade orbax-pathways'):
     _restore(tmp_path, target=abstract({'w': jax.numpy.arange(8.0)}))
 
 
@@ -350,8 +352,8 @@ def test_cli_verify_reads_the_index(tmp_path):
 
 def test_index_round_trips_every_kind_of_array():
   def rec(name, dtype, shape, chunk_shape, chunks):
-    return metadata.ArrayRecord(name, dtype, shape, chunk_shape, tuple(
-        metadata.ChunkRecord(o, crc, n) for o, crc, n in chunks))
+    return records_lib.ArrayRecord(name, dtype, shape, chunk_shape, tuple(
+        records_lib.ChunkRecord(o, crc, n) for o, crc, n in chunks))
 
   isz = {'float32': 4, 'bfloat16': 2, 'int8': 1}
   def cells(shape, chunk_shape, dtype, skip=()):
@@ -373,19 +375,19 @@ def test_index_round_trips_every_kind_of_array():
       rec('off_grid', 'float32', (8,), (4,), [((2,), 5, 16)]),  # not on its grid: list form
   ]
   # Two writers, the chunks of each array split between them.
-  writers = [metadata.WriterRecord(f'p{w}', 'local', tuple(
+  writers = [records_lib.WriterRecord(f'p{w}', 'local', tuple(
       dataclasses.replace(a, chunks=a.chunks[w::2]) for a in arrays), stats={'chunks': w})
       for w in range(2)]
-  merged = metadata.merge(writers)
-  back = metadata.decode_index(metadata.encode_index(merged))
+  merged = item_lib.merge(writers)
+  back = item_lib.decode_index(item_lib.encode_index(merged))
   assert back.arrays() == merged.arrays()
   assert [w.writer for w in back.writers] == ['p0', 'p1'] and back.transports() == {'local'}
-  grid = metadata.chunk_index([back.arrays()['edges']])
-  want = metadata.chunk_index([merged.arrays()['edges']])
+  grid = grid_lib.chunk_index([back.arrays()['edges']])
+  want = grid_lib.chunk_index([merged.arrays()['edges']])
   assert dict(grid) == want and len(grid) == 9
-  assert grid.get((8, 6)) == metadata.ChunkRecord((8, 6), (8 * 131 + 6) ^ 0xdeadbeef, 2 * 1 * 2)
+  assert grid.get((8, 6)) == records_lib.ChunkRecord((8, 6), (8 * 131 + 6) ^ 0xdeadbeef, 2 * 1 * 2)
   assert grid.get((1, 0)) is None and grid.get((12, 0)) is None  # off the grid, out of bounds
-  assert metadata.chunk_index([back.arrays()['partial']]).get((4, 0)) is None
+  assert grid_lib.chunk_index([back.arrays()['partial']]).get((4, 0)) is None
   assert len(back.arrays()['empty'].chunks) == 0
 
 
@@ -396,7 +398,7 @@ def test_cli_knows_checksumless_arrays_from_the_index(tmp_path):
   ckpt.save(tmp_path, random_state(mesh()))
   item = tmp_path / '0' / 'default'
   arrays = meta_io.read_item(item).arrays()
-  plugin = metadata.merge([metadata.WriterRecord(
+  plugin = item_lib.merge([records_lib.WriterRecord(
       writer='controller', transport='persistence',
       arrays=tuple(dataclasses.replace(a, chunks=()) for a in arrays.values()))])
   os.remove(meta_io.index_path(item))

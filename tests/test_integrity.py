@@ -11,8 +11,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_pathways
-from orbax_pathways import checksum
-from orbax_pathways import metadata
+from orbax_pathways.format import checksum
+from orbax_pathways.format import records as records_lib
 from orbax_pathways.storage import meta_io
 
 from support import damage
@@ -108,7 +108,7 @@ def test_damaged_pathways_metadata(tmp_path):
   record = tmp_path / '0' / 'default' / '_pathways' / 'p0.msgpack'
   (record.parent / 'index.msgpack').unlink()  # as written before schema 2: records only
   record.write_bytes(record.read_bytes()[:20])
-  with pytest.raises(metadata.MetadataError, match=r'orbax-pathways metadata file .*p0\.msgpack is '
+  with pytest.raises(records_lib.MetadataError, match=r'orbax-pathways metadata file .*p0\.msgpack is '
                                                    r'damaged.*orbax-pathways verify'):
     _restore(tmp_path, state)
 
@@ -118,9 +118,9 @@ def test_checkpoint_from_a_newer_schema_is_refused(tmp_path):
   record = tmp_path / '0' / 'default' / '_pathways' / 'index.msgpack'
   import msgpack  # pylint: disable=g-import-not-at-top
   obj = msgpack.unpackb(record.read_bytes(), raw=False, strict_map_key=False)
-  obj['schema'] = metadata.SCHEMA_VERSION + 1
+  obj['schema'] = records_lib.SCHEMA_VERSION + 1
   record.write_bytes(msgpack.packb(obj, use_bin_type=True))
-  with pytest.raises(metadata.MetadataError, match=r'has schema 3, this version reads up to 2\. '
+  with pytest.raises(records_lib.MetadataError, match=r'has schema 3, this version reads up to 2\. '
                                                    r'Upgrade orbax-pathways'):
     _restore(tmp_path, state)
 

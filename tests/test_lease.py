@@ -23,8 +23,8 @@ from support.procs import child_env
 from support.workers import lease_worker as lw
 
 from orbax_pathways import errors
-from orbax_pathways import lease
-from orbax_pathways.plan import lease as plan
+from orbax_pathways.manager import lease
+from orbax_pathways.manager import lease_policy as plan
 
 WORKER = os.path.join(REPO, 'tests', 'support', 'workers', 'lease_worker.py')
 TIMEOUT = 300  # generous: several helpers share two cores
@@ -79,7 +79,7 @@ def test_participants_of_orbaxs_emergency_managers():
   """Orbax's emergency manager on 4 processes: the persistent manager on slice 0 (primary host
   0), a local one per process on slice 1 (primary_host=None). Rounds name what every member
   passes Orbax, never the directory (per process for the local one), and the two differ."""
-  from orbax_pathways.plan import participants as pl  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.coord import participants as pl  # pylint: disable=g-import-not-at-top
   persistent = pl.Participants.of({1, 0}, 0, 'persistent')
   local = pl.Participants.of({3, 2}, None, 'local-1')
   assert persistent.members(4) == (0, 1) and local.members(4) == (2, 3)

@@ -22,7 +22,7 @@ import pytest
 from support import REPO
 from support.procs import child_env
 
-from orbax_pathways import lease
+from orbax_pathways.manager import lease
 
 pytestmark = pytest.mark.gcs
 

@@ -15,7 +15,8 @@ CODE = r'''
 import json, threading, time
 import jax
 jax.distributed.initialize(coordinator_address='127.0.0.1:%d', num_processes=1, process_id=0)
-from orbax_pathways import errors, liveness
+from orbax_pathways import errors
+from orbax_pathways.coord import liveness
 from orbax_pathways._compat import jax_distributed
 client = jax_distributed.distributed_client()
 out = {}

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from orbax_pathways import metadata as pw_metadata
+from orbax_pathways.format import records as records_lib
 from support.mp_harness import run_processes
 from support.workers import pathways_worker as wk  # numpy-only top: the workers' values, specs
 
@@ -177,7 +177,7 @@ def _records(ckpt, step, n):
   for i in range(n):
     path = item / '_pathways' / f'p{i}.msgpack'
     assert path.is_file(), sorted(os.listdir(item / '_pathways'))
-    out[i] = pw_metadata.decode(path.read_bytes(), path=str(path))
+    out[i] = records_lib.decode(path.read_bytes(), path=str(path))
   return out
 
 

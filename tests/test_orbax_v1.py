@@ -16,10 +16,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_pathways
-from orbax_pathways import elastic
-from orbax_pathways import metadata as pw_metadata
+from orbax_pathways.sharding import elastic
+from orbax_pathways.format import records as records_lib
 from orbax_pathways import preemption
-from orbax_pathways._compat import orbax_v1 as compat_v1
+from orbax_pathways._compat import orbax_v1_seams as compat_v1
 from orbax_pathways.cli import main as cli_main
 from orbax_pathways.storage import index as index_lib
 from orbax_pathways.storage import meta_io
@@ -127,7 +127,7 @@ def test_numpy_and_scalar_leaves_are_recorded_and_verified(tmp_path):
   assert set(arrays) == {'w', *_HOST_LEAVES}
   for name in _HOST_LEAVES:
     assert arrays[name].chunks and all(c.crc32c is not None for c in arrays[name].chunks), name
-  writers = sorted(p.name for p in (item / pw_metadata.DIRNAME).iterdir())
+  writers = sorted(p.name for p in (item / records_lib.DIRNAME).iterdir())
   assert any(w.startswith('numpy.') for w in writers), writers
   assert any(w.startswith('scalar.') for w in writers), writers
   _assert_host_state_equal(v1.load(tmp_path / 'a'), state)
@@ -154,7 +154,7 @@ def test_a_lost_numpy_record_is_an_error_through_v1(tmp_path):
   naming the leaf, as under v0, not an unchecked read."""
   v1.save(tmp_path / 'a', _host_state())
   item = tmp_path / 'a' / 'state'
-  for f in (item / pw_metadata.DIRNAME).glob('*.msgpack'):
+  for f in (item / records_lib.DIRNAME).glob('*.msgpack'):
     if f.name.startswith(('numpy.', 'index.')):
       f.unlink()
   index_lib.merge_item(item)
@@ -172,7 +172,7 @@ def test_host_leaves_saved_by_orbaxs_v1_handlers_load_unchecked(tmp_path):
   state = _host_state()
   v1.save(tmp_path / 'a', state)
   item = tmp_path / 'a' / 'state'
-  for f in (item / pw_metadata.DIRNAME).glob('*.msgpack'):
+  for f in (item / records_lib.DIRNAME).glob('*.msgpack'):
     if f.name.startswith(('numpy.', 'scalar.', 'index.')):
       f.unlink()
   index_lib.merge_item(item)  # the index of the arrays' records only
@@ -252,7 +252,7 @@ def test_training_checkpointer_records_and_verifies_numpy_and_scalar_leaves(tmp_
   ckpt = v1.training.Checkpointer(tmp_path / 'run', context=_uncompressed())
   ckpt.save(1, state)
   ckpt.wait()
-  item = next(p for p in (tmp_path / 'run' / '1').iterdir() if (p / pw_metadata.DIRNAME).is_dir())
+  item = next(p for p in (tmp_path / 'run' / '1').iterdir() if (p / records_lib.DIRNAME).is_dir())
   assert set(meta_io.read_item(item).arrays()) == {'w', *_HOST_LEAVES}
   _assert_host_state_equal(ckpt.load(1), state)
   assert _verify(tmp_path / 'run' / '1')[0] == 0
@@ -314,8 +314,8 @@ def test_load_and_broadcast_is_left_to_orbax_and_said_once(tmp_path, caplog, mon
   no broadcast restore): the values read back equal, our engine did not serve it, and the log
   says so once per process however many loads."""
   from orbax.checkpoint.experimental.v1._src.context import options as v1_options  # pylint: disable=g-import-not-at-top
-  from orbax_pathways import _said  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(_said, '_said', set())
+  from orbax_pathways._util import said  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(said, '_said', set())
   m = mesh()
   x = put(np.arange(64, dtype=np.float32).reshape(8, 8), m, None, 'model')
   v1.save_pytree(tmp_path / 'ckpt', {'x': x})

@@ -17,7 +17,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_pathways
-from orbax_pathways import metadata
+from orbax_pathways.format import grid as grid_lib
+from orbax_pathways.format import item as item_lib
+from orbax_pathways.format import records as records_lib
 from orbax_pathways._compat import orbax_finalize
 from orbax_pathways.storage import index as index_lib
 from orbax_pathways.storage import meta_io
@@ -63,12 +65,12 @@ def _assert_checksummed(item, names):
   index = meta_io.read_index(item)
   assert index is not None and sorted(index.arrays()) == sorted(names)
   for a in index.arrays().values():
-    grid = metadata.ChunkGrid.of(a.shape, a.chunk_shape, metadata.itemsize(a.dtype), a.chunks)
+    grid = grid_lib.ChunkGrid.of(a.shape, a.chunk_shape, records_lib.itemsize(a.dtype), a.chunks)
     assert grid is not None and grid.present is None, a.name  # every cell has a checksum
   (record,) = meta_io.read_records(item)
   assert record.writer == 'p0' and sorted(a.name for a in record.arrays) == sorted(names)
   assert record.stats['chunks'] == sum(len(a.chunks) for a in index.arrays().values())
-  assert metadata.encode_index(index) == metadata.encode_index(metadata.merge([record]))
+  assert item_lib.encode_index(index) == item_lib.encode_index(item_lib.merge([record]))
 
 
 NAMES = ['a', 'b', 'c', 'opt.mu']
@@ -209,8 +211,8 @@ def test_joining_a_part_twice_changes_nothing(tmp_path):
   """``merge_pending`` is idempotent: a finalize interrupted after a join and before the part's
   ``_pathways`` was removed joins it again without doubling stats or chunks."""
   def record(writer, names, chunks=1):
-    return metadata.WriterRecord(writer, 'local', tuple(
-        metadata.ArrayRecord(n, 'float32', (4,), (4,), (metadata.ChunkRecord((0,), 7, 16),))
+    return records_lib.WriterRecord(writer, 'local', tuple(
+        records_lib.ArrayRecord(n, 'float32', (4,), (4,), (records_lib.ChunkRecord((0,), 7, 16),))
         for n in names), stats={'written_bytes': 16 * len(names), 'chunks': chunks * len(names)})
   item, part1, part2 = tmp_path / 'item', tmp_path / 'p1', tmp_path / 'p2'
   meta_io.write_record(part1, record('p0', ['a']))

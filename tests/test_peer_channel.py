@@ -86,6 +86,7 @@ def tier(saved, tmp_path):
 def server(tier, monkeypatch):
   """This process's server of the copy, with short deadlines, and fresh counters."""
   monkeypatch.setattr(peer, 'COUNTS', peer._Counts())
+  monkeypatch.setattr(stats, '_peer_refused', dict.fromkeys(stats.PEER_REFUSED, 0))
   address = peer.serve(str(tier[0]), SECRET, FAST)
   yield address
   peer.stop_serving()
@@ -327,6 +328,7 @@ def test_a_peer_claiming_a_1_tib_answer_costs_a_peer_error(status, tier):
 
 def test_a_busy_server_costs_a_peer_error_but_not_the_peer(tier, monkeypatch):
   monkeypatch.setattr(peer, 'COUNTS', peer._Counts())
+  monkeypatch.setattr(stats, '_peer_refused', dict.fromkeys(stats.PEER_REFUSED, 0))
   _, parts, _, _ = tier
   address = peer.serve(str(tier[0]), SECRET, wire.Limits(max_connections=1, handshake_s=5))
   try:

@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_pathways
-from orbax_pathways import values
+from orbax_pathways.transports import values
 from orbax_pathways.transports import persistence
 
 from support.arrays import assert_trees_equal, mesh, put

@@ -19,9 +19,9 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from orbax_pathways import layout
+from orbax_pathways.sharding import layout
 from orbax_pathways.plan import boxes as boxes_lib
-from orbax_pathways.plan import elastic as elastic_plan
+from orbax_pathways.plan import remap as elastic_plan
 from orbax_pathways.plan import restore as restore_plan
 from orbax_pathways.plan import save as save_plan
 

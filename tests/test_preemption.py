@@ -17,7 +17,7 @@ import pytest
 
 from orbax_pathways._compat import orbax_policies
 from orbax_pathways import preemption
-from orbax_pathways import retention
+from orbax_pathways.manager import retention
 from support import REPO, damage
 from support.mp_harness import run_processes
 from support.procs import child_env, free_port
@@ -298,7 +298,8 @@ _LOOP = textwrap.dedent('''
     import numpy as np, jax, jax.numpy as jnp
     import orbax.checkpoint as ocp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from orbax_pathways import preemption, retention
+    from orbax_pathways import preemption
+    from orbax_pathways.manager import retention
     retention.install()
     preemption.install()
     directory, mode = sys.argv[1], sys.argv[2]

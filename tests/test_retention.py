@@ -1,4 +1,4 @@
-"""Safe deletion and strict step listing (orbax_pathways.retention), with real CheckpointManagers."""
+"""Safe deletion and strict step listing (orbax_pathways.manager.retention), with real CheckpointManagers."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import orbax.checkpoint as ocp
 import pytest
 from etils import epath
 
-from orbax_pathways import retention
+from orbax_pathways.manager import processes as proc_lib
+from orbax_pathways.manager import retention
 from orbax_pathways._compat import orbax_manager as om
 from support import REPO
 
@@ -255,12 +256,12 @@ def test_leftover_cleanup_removes_only_provably_abandoned_ones(tmp_path, ours):
   """Readers (an evaluator's manager, resume in a second job) must never delete a trainer's
   delete in progress (issue 15, item 2): only leftovers whose owner is provably gone."""
   _save_steps(tmp_path, [9]).close()
-  me = retention.host_id()
+  me = proc_lib.host_id()
   live = subprocess.Popen([PY, '-c', 'import time; time.sleep(600)'])
   dead = subprocess.Popen([PY, '-c', 'pass'])
   dead.wait()
   try:
-    live_start = retention._process_start(live.pid)  # pylint: disable=protected-access
+    live_start = proc_lib.process_start(live.pid)
     names = {
         'live': _owned('1', me, live.pid, live_start, 5),
         'live_unknown_start': _owned('2', me, live.pid, 0, 5),
@@ -381,7 +382,7 @@ _CHILD = textwrap.dedent('''
     import orbax.checkpoint as ocp
     directory, mode = sys.argv[1], sys.argv[2]
     if mode == 'ours':
-      from orbax_pathways import retention
+      from orbax_pathways.manager import retention
       retention.install()
     def state(step):
       return {f'p{i}': jnp.asarray(np.arange(4096, dtype=np.float32) * (i + 1) + step)

@@ -28,7 +28,7 @@ from orbax_pathways import stats
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import meta_io
-from orbax_pathways.tier import layout as tier_layout
+from orbax_pathways.tier import manifest as tier_layout
 from orbax_pathways.tier import store as tier_store
 
 P = jax.sharding.PartitionSpec

@@ -267,7 +267,7 @@ def test_another_users_tier_directory_is_refused_and_nothing_of_the_victim_is_to
   tier; its restore reads storage; nothing in the victim's folder is deleted or created;
   ``orbax-pathways tier`` refuses the directory."""
   from support import private_shm  # pylint: disable=g-import-not-at-top
-  from orbax_pathways.tier import layout  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.tier import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
   private_shm.skip_unless_possible()
   ckpt = str(tmp_path / 'ckpt')
   private = tmp_path / 'home' / 'private'
@@ -275,14 +275,14 @@ def test_another_users_tier_directory_is_refused_and_nothing_of_the_victim_is_to
   (private / 'docs' / '2024' / 'notes' / 'todo.txt').write_text('keep me')
   secret = str(private / 'keys' / 'id_secret')
   save_id = '0123456789abcdef'
-  manifest = layout.encode(layout.Manifest(
+  manifest = manifest_lib.encode(manifest_lib.Manifest(
       root=ckpt, step_name='1', item='default', writer='p0', save_id=save_id,
-      arrays=(layout.TierArray('w', 'float32', (8, 1024), (1, 1024), ((0, 0),), (0,),
+      arrays=(manifest_lib.TierArray('w', 'float32', (8, 1024), (1, 1024), ((0, 0),), (0,),
                                (4096,), ('0.0.bin',)),)))
   tier = f'/dev/shm/orbax-pathways-{os.geteuid()}'
   r = private_shm.run(ATTACK, {
       'tier': tier, 'private': str(private), 'secret': secret, 'uid': ATTACKER_UID,
-      'ckpt': ckpt, 'key': layout.root_key(ckpt), 'save_id': save_id, 'manifest': manifest.hex(),
+      'ckpt': ckpt, 'key': manifest_lib.root_key(ckpt), 'save_id': save_id, 'manifest': manifest.hex(),
       'link_key': 'home_private-0123456789abcdef', 'gs_item': 'gs://bucket/run/1/default'})
   assert r['default'] is False  # the default tier for gs:// storage: refused
   assert r['exact'] and r['sources'] == {'storage': 8 * 1024 * 4}
@@ -370,12 +370,12 @@ def test_symlinks_inside_the_tier_are_never_followed(tmp_path, caplog):
   import time  # pylint: disable=g-import-not-at-top
   import uuid  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from orbax_pathways import values  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.transports import values  # pylint: disable=g-import-not-at-top
   from orbax_pathways.plan import boxes  # pylint: disable=g-import-not-at-top
   from orbax_pathways.plan import save as save_plan  # pylint: disable=g-import-not-at-top
   from orbax_pathways.storage import writer as writer_lib  # pylint: disable=g-import-not-at-top
   from orbax_pathways.tier import gc  # pylint: disable=g-import-not-at-top
-  from orbax_pathways.tier import layout  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.tier import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
   from orbax_pathways.tier import store  # pylint: disable=g-import-not-at-top
 
   tier, ckpt, private = tmp_path / 'tier', tmp_path / 'ckpt', tmp_path / 'private'
@@ -386,7 +386,7 @@ def test_symlinks_inside_the_tier_are_never_followed(tmp_path, caplog):
     for n in dirs + files:
       os.utime(os.path.join(d, n), (hour_ago, hour_ago))
   assert fsafe.private_root(str(tier)) == ''
-  os.symlink(private, tier / layout.root_key(str(ckpt)))  # this directory's own root key
+  os.symlink(private, tier / manifest_lib.root_key(str(ckpt)))  # this directory's own root key
   os.symlink(private, tier / 'other-0123456789abcdef')
   (ckpt / '1').mkdir(parents=True)
   cfg = store.resolve(str(tier))
@@ -412,16 +412,16 @@ def test_symlinks_inside_the_tier_are_never_followed(tmp_path, caplog):
 def test_a_manifest_naming_other_files_is_damaged(tmp_path, files, problem):
   """A manifest may name only the chunk files of its own entry: one naming a path out of it
   (or a file twice) makes the entry damaged, so no reader ever opens that path."""
-  from orbax_pathways.tier import layout  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.tier import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
   from orbax_pathways.tier import store  # pylint: disable=g-import-not-at-top
   tier = tmp_path / 'tier'
   assert fsafe.private_root(str(tier)) == ''
   entry = fsafe.private_dirs(str(tier), 'ckpt-0123456789abcdef', '1', 'default', 'p0.abc')
   n = len(files)
-  m = layout.Manifest(root=str(tmp_path / 'ckpt'), step_name='1', item='default', writer='p0',
-                      save_id='abc', arrays=(layout.TierArray(
+  m = manifest_lib.Manifest(root=str(tmp_path / 'ckpt'), step_name='1', item='default', writer='p0',
+                      save_id='abc', arrays=(manifest_lib.TierArray(
                           'w', 'uint8', (4 * n,), (4,), tuple((4 * i,) for i in range(n)),
                           (0,) * n, (4,) * n, files),))
-  fsafe.write_file(os.path.join(entry, layout.MANIFEST), layout.encode(m))
+  fsafe.write_file(os.path.join(entry, manifest_lib.MANIFEST), manifest_lib.encode(m))
   (e,) = store.entries(str(tier))
   assert e.manifest is None and problem in e.error, e.error

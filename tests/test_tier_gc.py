@@ -28,13 +28,13 @@ import orbax_pathways
 from orbax_pathways import engine
 from orbax_pathways import options as options_lib
 from orbax_pathways import stats
-from orbax_pathways import values
+from orbax_pathways.transports import values
 from orbax_pathways.cli import main as cli
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
 from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.tier import gc as tier_gc
-from orbax_pathways.tier import layout as tier_layout
+from orbax_pathways.tier import manifest as tier_layout
 from orbax_pathways.tier import store as tier_store
 
 P = jax.sharding.PartitionSpec

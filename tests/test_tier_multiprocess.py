@@ -17,7 +17,7 @@ import os
 import pytest
 
 from support.mp_harness import run_processes
-from orbax_pathways.tier import layout as tier_layout
+from orbax_pathways.tier import manifest as tier_layout
 from orbax_pathways.tier import store as tier_store
 
 pytestmark = pytest.mark.multiprocess

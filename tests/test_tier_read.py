@@ -20,11 +20,11 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_pathways
-from orbax_pathways import checksum
+from orbax_pathways.format import checksum
 from orbax_pathways import stats
 from orbax_pathways.tier import chain as tier_chain
 from orbax_pathways.tier import chunk_read
-from orbax_pathways.tier import layout as tier_layout
+from orbax_pathways.tier import manifest as tier_layout
 from orbax_pathways.tier import store as tier_store
 
 P = jax.sharding.PartitionSpec

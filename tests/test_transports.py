@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_pathways
-from orbax_pathways import runtime
+from orbax_pathways.engine import runtime
 from orbax_pathways.storage import meta_io
 
 from support.arrays import assert_trees_equal, mesh, random_state
@@ -36,7 +36,7 @@ def test_detect_runtime_single_process_and_override(monkeypatch):
 _WORKER = """
 from support import mp_worker
 mp_worker.init()
-from orbax_pathways import runtime
+from orbax_pathways.engine import runtime
 mp_worker.emit({'runtime': runtime.detect_runtime().value,
                 'transport': runtime.choose_transport().value})
 """
@@ -135,8 +135,8 @@ def test_colocated_with_cpu_device_ids_unlike_the_accelerators(tmp_path, monkeyp
 
 def test_the_transport_and_its_cost_are_said_once_at_the_first_save(tmp_path, monkeypatch, caplog):
   """Under Pathways the colocated transport costs transparent suspend-resume: said once, loudly."""
-  from orbax_pathways import _said  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(_said, '_said', set())
+  from orbax_pathways._util import said  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(said, '_said', set())
   monkeypatch.setenv('ORBAX_PATHWAYS_RUNTIME', 'pathways')
   state = {'w': random_state(mesh())['params']['w']}
   with caplog.at_level('INFO', logger='orbax_pathways'):

@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_pathways
-from orbax_pathways import _said
+from orbax_pathways._util import said
 
 from support.arrays import mesh, put
 
@@ -128,7 +128,7 @@ def test_replica_separate_folder_is_said_not_honoured_and_the_values_read_back(t
   """``enable_replica_parallel_separate_folder`` (v1 ``ArrayOptions.Saving``, v0 ``ArrayHandler``
   argument) makes stock write fully replicated arrays into ``ocdbt.process_replica_<i>/``. We
   write them with the others (same values after Orbax's merge) and say so once, in the log."""
-  monkeypatch.setattr(_said, '_said', set())  # said once per process: this test's process
+  monkeypatch.setattr(said, '_said', set())  # said once per process: this test's process
   v1 = ocp.v1
   state = {'replicated': put(_value(), mesh()), 'sharded': put(_value(seed=1), mesh(), 'data')}
   saving = v1.options.ArrayOptions.Saving(use_replica_parallel=True,
@@ -138,9 +138,9 @@ def test_replica_separate_folder_is_said_not_honoured_and_the_values_read_back(t
       v1.save(tmp_path / 'a', state)
       v1.save(tmp_path / 'b', state)
     loaded = v1.load(tmp_path / 'a')
-  said = [r.getMessage() for r in caplog.records
+  lines = [r.getMessage() for r in caplog.records
           if 'enable_replica_parallel_separate_folder is not honoured' in r.getMessage()]
-  assert len(said) == 1, said
+  assert len(lines) == 1, lines
   assert orbax_pathways.stats.last_save().arrays == 2
   for k, v in state.items():
     np.testing.assert_array_equal(np.asarray(loaded[k]), np.asarray(v))

@@ -15,7 +15,7 @@ import time
 from support import mp_worker
 mp_worker.init()
 import jax
-from orbax_pathways import waits
+from orbax_pathways.coord import waits
 from orbax_pathways._compat import jax_distributed
 client = jax_distributed.distributed_client()
 me, n = jax.process_index(), jax.process_count()

@@ -57,13 +57,14 @@ def _drop_tier(path: str) -> None:
   """Removes this node's tier copies of ``path`` (a finished rep's directory is never restored
   again; left there, every rep would keep a copy of the state in /dev/shm, i.e. in RAM)."""
   try:
-    from orbax_pathways.tier import layout, store  # pylint: disable=g-import-not-at-top
+    from orbax_pathways.tier import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+    from orbax_pathways.tier import store
   except ImportError:
     return
   local_dir = store.resolve(os.environ.get(store.ENV) or None)
   if local_dir is not None:
     store.flush()  # a copy still being written would land after the removal
-    shutil.rmtree(os.path.join(local_dir.local_dir, layout.root_key(path)), ignore_errors=True)
+    shutil.rmtree(os.path.join(local_dir.local_dir, manifest_lib.root_key(path)), ignore_errors=True)
 
 
 def open_storage(stack: contextlib.ExitStack, mode: str, local_dir: str | None, gcs_mod,

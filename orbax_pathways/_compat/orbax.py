@@ -30,7 +30,7 @@ _ts_utils = src.orbax('serialization.tensorstore_utils')
 _thr = src.orbax('serialization.type_handler_registry')
 run_sync = src.orbax('asyncio_utils.run_sync')  # re-exported
 
-from orbax_pathways import format as format_lib
+from orbax_pathways.format import names as format_lib
 
 SUPPORTED_ORBAX = '>=0.12.4,<0.13'
 ORBAX_VERSION = ocp.__version__
@@ -210,7 +210,7 @@ def build_write_spec(item: Any, name: str, *, global_shape: Sequence[int],
                      stored_dtype: Any, process_id: int | str | None,
                      ext_metadata: Mapping[str, Any] | None, use_compression: bool) -> dict:
   """Orbax's exact tensorstore write spec for array ``name`` of ``item`` (an
-  ``orbax_pathways.values.Item``), with our chunk grid.
+  ``orbax_pathways.transports.values.Item``), with our chunk grid.
 
   We build Orbax's spec (kvstore layout, OCDBT options, zarr/zarr3 codecs) and replace only the
   chunk grid, so stock Orbax reads the result as it reads its own.
@@ -327,7 +327,7 @@ def registered_array_handler() -> Any:
 
 def register_array_handler(handler: Any) -> None:
   """Replaces the jax.Array entry in place, without Orbax's 'overriding jax.Array' warning (ours
-  is intended and logged by _registration). ``ignore_warnings`` is part of Orbax's
+  is intended and logged by _install). ``ignore_warnings`` is part of Orbax's
   ``TypeHandlerRegistry.add`` protocol; no logger level or absl verbosity is touched, so every
   record Orbax logs afterwards reaches the user's handlers as it would without us."""
   import jax  # pylint: disable=g-import-not-at-top

@@ -56,7 +56,7 @@ try:  # v1 partial saves are newer than the oldest supported orbax-checkpoint
 except ImportError:  # pragma: no cover
   _partial = None
 
-from orbax_pathways import format as format_lib
+from orbax_pathways.format import names as format_lib
 
 SUPPORTED = '>=0.12.4,<0.13'
 

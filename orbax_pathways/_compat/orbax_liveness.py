@@ -24,7 +24,7 @@ idempotent):
   manager's barrier function (``_sync_fn``, wrapped once per manager) makes the other processes
   ``await_commit`` before ``async_commit_complete``, and the primary ``cleanup`` after it.
   The round's key (under ``liveness.PREFIX``) is unique per save and the same on every process
-  of the checkpointer: the name of its participants (``plan/participants.py``: the barrier
+  of the checkpointer: the name of its participants (``coord/participants.py``: the barrier
   prefix, ``active_processes``, ``primary_host``), the number of async saves this process
   started under that name, and the step directory's name. Not Orbax's operation id: that counter
   is per process, and the slices of Orbax's emergency manager run different numbers of saves
@@ -43,7 +43,7 @@ abort); their client and service are then dropped without that barrier (kept ref
 destroyed: their destructor would wait the same way). The process exits at once, with its own
 exit status.
 
-Who calls it: ``orbax_pathways._registration`` (``install()``), on every process.
+Who calls it: ``orbax_pathways._install`` (``install()``), on every process.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from orbax_pathways.plan import participants as participants_lib
+from orbax_pathways.coord import participants as participants_lib
 
 _ac = src.orbax('checkpointers.async_checkpointer')
 _future = src.orbax('futures.future')

@@ -29,7 +29,7 @@ started for a cancelled task may still answer into it). Tasks of this one loop o
 (``asyncio.all_tasks(loop)``): other threads' loops are never touched. The result or the error
 is Orbax's, unchanged.
 
-Who calls it: ``orbax_pathways.install()`` (``_registration.py``), on every process.
+Who calls it: ``orbax_pathways.install()`` (``_install.py``), on every process.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Every touch of Orbax's private CheckpointManager internals, in one place.
 
-SUPPORTED = '>=0.12.4,<0.13' (written against 0.12.8). Nothing else in ``orbax_pathways.retention``
+SUPPORTED = '>=0.12.4,<0.13' (written against 0.12.8). Nothing else in ``orbax_pathways.manager.retention``
 or ``orbax_pathways.preemption`` reaches Orbax's private ``_src`` modules (this file does, only
 through ``src.py``) or patches Orbax; if an Orbax upgrade breaks something, this file (and its
 tests) is where to look.
@@ -29,7 +29,7 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
   commit log line, and the ``after_save`` hook (preemption: the notice is consumed once its save
   started).
 - ``CheckpointManager.save`` also calls the ``lease_save`` hook first, on every process: the
-  writer lease (``orbax_pathways.lease``) refuses the save if another job saves into the
+  writer lease (``orbax_pathways.manager.lease``) refuses the save if another job saves into the
   directory. ``CheckpointManager.close`` (public) calls ``after_close`` once it returned or
   raised: the lease is released.
 - ``CheckpointManager.reload`` / ``restore`` (public): drop gcsfs's listing cache first; a restore
@@ -76,12 +76,12 @@ _gcs_utils = src.orbax('path.gcs_utils')
 _step_lib = src.orbax('path.step')
 _temporary_paths = src.orbax('path.temporary_paths')
 
-from orbax_pathways import format as format_lib
-from orbax_pathways.plan import participants as participants_lib
+from orbax_pathways.format import names as format_lib
+from orbax_pathways.coord import participants as participants_lib
 
 SUPPORTED = '>=0.12.4,<0.13'
 
-# One definition of the names (orbax_pathways.format; tests/test_format.py checks them against
+# One definition of the names (orbax_pathways.format.names; tests/test_format.py checks them against
 # Orbax's own constants).
 TMP_DIR_SUFFIX: str = format_lib.TMP_SUFFIX
 COMMIT_SUCCESS_FILE: str = format_lib.COMMIT_SUCCESS_FILE

@@ -20,7 +20,7 @@ Patch, installed by ``install()`` and restored exactly by ``uninstall()`` (both 
   with ``FAILED`` raises instead of running its work (nothing is written into a directory that
   was never created); Orbax logs that error and the thread ends.
 
-Who calls it: ``orbax_pathways.install()`` (``_registration.py``), on every process.
+Who calls it: ``orbax_pathways.install()`` (``_install.py``), on every process.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``orbax-pathways``: inspect and verify Orbax checkpoints, with or without orbax-pathways metadata.
 
 Reads with numpy + tensorstore only; never imports jax or initializes an accelerator. Names, keys,
-grids and spec rules come from ``orbax_pathways.format``, the same module the library uses.
+grids and spec rules come from ``orbax_pathways.format.names``, the same module the library uses.
 
 Modules (each imports only those above it):
   paths    CLI arguments to epath paths; storage failures to one-line user errors; sizes.

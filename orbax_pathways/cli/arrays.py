@@ -1,5 +1,5 @@
 """Tensorstore access for the CLI: open saved arrays with Orbax's own spec rules
-(``orbax_pathways.format``), read chunks, compare values.
+(``orbax_pathways.format.names``), read chunks, compare values.
 
 Called by ``steps.read_step(open_arrays=True)``, ``verify`` and ``diff`` on the machine running
 the CLI. Nothing here imports jax; tensorstore is imported on first use.
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from orbax_pathways import format as fmt
+from orbax_pathways.format import names as fmt
 from orbax_pathways.cli import paths
 from orbax_pathways.cli.model import Item, Leaf
 

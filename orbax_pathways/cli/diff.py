@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from orbax_pathways import format as fmt
+from orbax_pathways.format import names as fmt
 from orbax_pathways.cli import arrays
 from orbax_pathways.cli.model import Item, Leaf, Step
 from orbax_pathways.cli.paths import CliError

@@ -13,8 +13,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from orbax_pathways import format as fmt
-from orbax_pathways import metadata as pw_metadata
+from orbax_pathways.format import names as fmt
+from orbax_pathways.format import grid as grid_lib
+from orbax_pathways.format import item as item_lib
+from orbax_pathways.format import records as records_lib
 
 COMPLETE, PARTIAL, CORRUPT = 'complete', 'partial', 'corrupt'  # Step.state
 CHECKSUM, DECODE = 'checksum', 'decode'  # how verify checks an item
@@ -68,7 +70,7 @@ class Leaf:
   shape: tuple[int, ...] | None = None
   chunk_shape: tuple[int, ...] | None = None
   sharding: Sharding | None = None
-  record: pw_metadata.ArrayRecord | None = None
+  record: records_lib.ArrayRecord | None = None
   error: str | None = None  # Why the zarr metadata could not be read.
 
   @property
@@ -88,9 +90,9 @@ class Leaf:
     return np_dtype(self.dtype).itemsize * math.prod(self.shape)
 
   @property
-  def chunks(self) -> Mapping[tuple[int, ...], pw_metadata.ChunkRecord]:
+  def chunks(self) -> Mapping[tuple[int, ...], records_lib.ChunkRecord]:
     """Origin -> recorded chunk (empty without our metadata)."""
-    return pw_metadata.chunk_index([self.record]) if self.record is not None else {}
+    return grid_lib.chunk_index([self.record]) if self.record is not None else {}
 
   @property
   def chunk_nbytes(self) -> int | None:
@@ -113,7 +115,7 @@ class Item:
   store_fill: bool = True
   tree_error: str | None = None  # _METADATA present but unreadable: leaves unknown.
   leaves: list[Leaf] = dataclasses.field(default_factory=list)
-  pathways: pw_metadata.ItemMetadata | None = None
+  pathways: item_lib.ItemMetadata | None = None
   problems: list[str] = dataclasses.field(default_factory=list)
 
   @property

@@ -1,7 +1,7 @@
 """Reads a checkpoint directory into ``cli.model`` dataclasses: steps, states, items, leaves.
 
 Called by every command on the machine running the CLI. What is read, per step directory (names
-from ``orbax_pathways.format``, which documents the layout):
+from ``orbax_pathways.format.names``, which documents the layout):
   ``_CHECKPOINT_METADATA``     JSON: item handlers, commit timestamp.
   ``commit_success.txt``       commit marker (Orbax >= 0.12.2, and the gs:// commit-file mode).
   ``<item>/_METADATA``         JSON tree: per leaf ``value_type`` / ``write_shape``; ``use_ocdbt``,
@@ -22,8 +22,8 @@ from typing import Any, Iterator
 
 from etils import epath
 
-from orbax_pathways import format as fmt
-from orbax_pathways import metadata as pw_metadata
+from orbax_pathways.format import names as fmt
+from orbax_pathways.format import records as records_lib
 from orbax_pathways.cli import arrays
 from orbax_pathways.cli import paths
 from orbax_pathways.cli.model import CORRUPT, COMPLETE, PARTIAL, Item, Leaf, Sharding, Step
@@ -230,7 +230,7 @@ def read_item(path: epath.Path, name: str, handler: str | None) -> Item:
     item.problems.append(f'{meta_path} is missing')
   try:
     item.pathways = meta_io.read_item(path)
-  except pw_metadata.MetadataError as e:
+  except records_lib.MetadataError as e:
     item.problems.append(str(e))
   _attach_shardings(item)
   return item
@@ -280,7 +280,7 @@ def _attach_shardings(item: Item) -> None:
     )
 
 
-def _from_record(r: pw_metadata.ShardingRecord) -> Sharding:
+def _from_record(r: records_lib.ShardingRecord) -> Sharding:
   return Sharding(
       source='pathways', kind=r.kind, mesh_shape=tuple(r.mesh_shape),
       axis_names=tuple(r.axis_names), spec=tuple(r.spec), device_ids=tuple(r.device_ids),

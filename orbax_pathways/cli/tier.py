@@ -4,7 +4,7 @@ the committed step's records on storage.
 Runs on the node whose tier it lists (``main.cmd_tier``), as the user who owns it: a tier
 directory that is not this user's, or that others can write into, is refused (exit 2) before
 anything in it is read. Each entry (one writer's chunks of one item of one step,
-``tier/layout.py``) is ``ok`` when storage's index records its save id for its writer, each of
+``tier/manifest.py``) is ``ok`` when storage's index records its save id for its writer, each of
 its arrays has the committed dtype, shape and chunk shape, and every chunk is a regular file of
 the committed size whose crc32c is the committed one; ``stale`` when storage records another
 save (or none) of that step; ``damaged`` when a chunk or an array's layout differs, a chunk is
@@ -28,15 +28,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from orbax_pathways import checksum
-from orbax_pathways import metadata
+from orbax_pathways.format import checksum
+from orbax_pathways.format import grid as grid_lib
+from orbax_pathways.format import records as records_lib
 from orbax_pathways import options
 from orbax_pathways.storage import meta_io
 from orbax_pathways.cli import paths
 from orbax_pathways.tier import chain
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import gc as gc_lib
-from orbax_pathways.tier import layout
+from orbax_pathways.tier import manifest as manifest_lib
 from orbax_pathways.tier import store
 
 
@@ -70,7 +71,7 @@ def _read_exact(path: str, nbytes: int) -> np.ndarray:
   return np.frombuffer(b''.join(parts), np.uint8)
 
 
-def _layout_problems(a: layout.TierArray, rec: metadata.ArrayRecord) -> list[str]:
+def _layout_problems(a: manifest_lib.TierArray, rec: records_lib.ArrayRecord) -> list[str]:
   """How an entry's array differs from the committed record's dtype, shape and chunk shape."""
   out = []
   try:
@@ -93,7 +94,7 @@ def _layout_problems(a: layout.TierArray, rec: metadata.ArrayRecord) -> list[str
 def _check(e: store.Entry, root: str | None) -> tuple[str, list[str]]:
   if e.manifest is None:
     return ('incomplete' if e.error.startswith('incomplete') else 'damaged'), [e.error]
-  item_dir = layout.item_dir_of(root or e.manifest.root, e.step_name, e.item)
+  item_dir = manifest_lib.item_dir_of(root or e.manifest.root, e.step_name, e.item)
   try:
     committed = meta_io.read_item(item_dir)
   except Exception as ex:  # pylint: disable=broad-except  # a damaged index: say so, go on
@@ -115,7 +116,7 @@ def _check(e: store.Entry, root: str | None) -> tuple[str, list[str]]:
     if differs:  # same bytes read as another dtype or layout are other values: never used
       problems.append(f'array {a.name!r}: {"; ".join(differs)}')
       continue
-    index = metadata.chunk_index([rec])
+    index = grid_lib.chunk_index([rec])
     for origin, name, n in zip(a.origins, a.files, a.nbytes):
       want = index.get(tuple(origin))
       path = os.path.join(e.path, name)
@@ -253,7 +254,7 @@ def judge_storage(found: Sequence[store.Entry], local_dir: str) -> dict[str, str
       continue
     if e.step_name not in names or e.manifest is None:
       continue  # in flight (only its temporary name is listed), or incomplete: not judged
-    item_dir = layout.item_dir_of(root, e.step_name, e.item)
+    item_dir = manifest_lib.item_dir_of(root, e.step_name, e.item)
     if item_dir not in indexes:
       try:
         committed = meta_io.read_item(item_dir)

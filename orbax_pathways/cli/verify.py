@@ -39,9 +39,10 @@ import dataclasses
 import time
 from typing import Any, Iterable, TypedDict
 
-from orbax_pathways import checksum
-from orbax_pathways import format as fmt
-from orbax_pathways import metadata as pw_metadata
+from orbax_pathways.format import checksum
+from orbax_pathways.format import names as fmt
+from orbax_pathways.format import item as item_lib
+from orbax_pathways.format import records as records_lib
 from orbax_pathways.cli import arrays
 from orbax_pathways.cli import paths
 from orbax_pathways.cli import steps
@@ -157,7 +158,7 @@ class _Task:
   store: Any
   origin: tuple[int, ...]
   chunk_shape: tuple[int, ...]
-  expected: pw_metadata.ChunkRecord | None
+  expected: records_lib.ChunkRecord | None
 
   @property
   def region(self):
@@ -275,22 +276,22 @@ def written_by_us_evidence(step: Step, item: Item) -> str | None:
 def _index_problems(item: Item) -> list[Problem]:
   """A damaged ``_pathways/index.msgpack`` is a problem; when its writer records are intact the
   item is then checked against them (restore rebuilds the index from them the same way)."""
-  index = item.path / fmt.PATHWAYS_DIR / pw_metadata.INDEX_FILENAME
+  index = item.path / fmt.PATHWAYS_DIR / records_lib.INDEX_FILENAME
   try:
     if not index.exists():
       return []
-    pw_metadata.decode_index(index.read_bytes(), path=str(index))
+    item_lib.decode_index(index.read_bytes(), path=str(index))
     return []
-  except pw_metadata.MetadataError as e:
+  except records_lib.MetadataError as e:
     error = str(e)
   except OSError as e:
     error = f'cannot read {index}: {arrays.first_line(e)}'
   try:
     records = meta_io.read_records(item.path)
-  except (OSError, pw_metadata.MetadataError):
+  except (OSError, records_lib.MetadataError):
     records = []
   if records:
-    item.pathways = pw_metadata.merge(records)
+    item.pathways = item_lib.merge(records)
     merged = item.pathways.arrays()
     for leaf in item.leaves:
       leaf.record = leaf.record or merged.get(leaf.key)
@@ -380,7 +381,7 @@ def _record_tasks(item: Item, leaf: Leaf, store: Any, report: Report) -> list[_T
   if mismatch:
     report.problems.append(Problem('metadata', error='; '.join(mismatch), **where))
     return []
-  index: dict[tuple[int, ...], pw_metadata.ChunkRecord] = {}
+  index: dict[tuple[int, ...], records_lib.ChunkRecord] = {}
   for c in rec.chunks:
     prev = index.setdefault(tuple(c.origin), c)
     if prev.crc32c != c.crc32c:

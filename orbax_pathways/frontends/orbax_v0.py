@@ -3,7 +3,7 @@
 Who calls what, on which host:
 1. Orbax's PyTree handler calls ``serialize`` on every controller process (one under Pathways)
    inside ``CheckpointManager.save``. We convert its ``ParamInfo``/``SaveArgs`` into
-   ``orbax_pathways.values`` and call the engine, which plans and takes the snapshot (the only
+   ``orbax_pathways.transports.values`` and call the engine, which plans and takes the snapshot (the only
    blocking part). We return Orbax's commit futures: the engine's background write, Orbax's
    ``_sharding`` file and its ``array_metadatas`` entry.
 2. Orbax's background commit thread runs those futures; Orbax then merges OCDBT and commits
@@ -29,12 +29,12 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from orbax_pathways import elastic
+from orbax_pathways.sharding import elastic
 from orbax_pathways import engine as engine_lib
 from orbax_pathways import errors
-from orbax_pathways import _said
+from orbax_pathways._util import said
 from orbax_pathways import options as options_lib
-from orbax_pathways import values
+from orbax_pathways.transports import values
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways.storage import cast as cast_lib
 from orbax_pathways.storage import meta_io
@@ -138,7 +138,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
     item = self._item(infos[0])
     settings = compat.handler_settings(self)
     if settings.replica_separate_folder and settings.use_replica_parallel and item.use_ocdbt:
-      _said.once(logging.WARNING, 'replica_separate_folder',
+      said.once(logging.WARNING, 'replica_separate_folder',
                 'orbax_pathways: enable_replica_parallel_separate_folder is not honoured: '
                 'replicated arrays are written into ocdbt.process_<i>/ with the others, not into '
                 'ocdbt.process_replica_<i>/ (the merged checkpoint reads the same).')

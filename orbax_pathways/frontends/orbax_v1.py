@@ -2,7 +2,7 @@
 
 v1 builds its array handling per ``Context`` (``ArrayLeafHandler``), never from the v0 global
 registry. It does so by building a v0 ArrayHandler from the Context and delegating every save,
-load and metadata call to it; that construction is the seam we take (``_compat/orbax_v1.py``).
+load and metadata call to it; that construction is the seam we take (``_compat/orbax_v1_seams.py``).
 Who calls what: v1's ``PyTreeHandler`` constructs an ``ArrayLeafHandler`` per Context on the
 controller (every process under multi-controller JAX); our ``handler_for`` gets the handler
 Orbax built from that Context and returns a ``ProxyArrayHandler`` with the same settings, so
@@ -29,11 +29,11 @@ import dataclasses
 import logging
 from typing import Any
 
-from orbax_pathways import _said
+from orbax_pathways._util import said
 from orbax_pathways import options as options_lib
-from orbax_pathways import runtime
+from orbax_pathways.engine import runtime
 from orbax_pathways._compat import orbax as compat
-from orbax_pathways._compat import orbax_v1 as compat_v1
+from orbax_pathways._compat import orbax_v1_seams as compat_v1
 from orbax_pathways.frontends import orbax_v0
 
 def options_for(context: Any, base: options_lib.Options) -> options_lib.Options:
@@ -51,7 +51,7 @@ def handler_for(context: Any, stock: Any, base: options_lib.Options) -> Any:
   if not compat.is_plain_array_handler(stock):
     reason = ('ArrayOptions.Loading.use_load_and_broadcast' if compat_v1.uses_load_and_broadcast(context)
               else f'a {type(stock).__name__}')
-    _said.once(logging.INFO, type(stock).__name__,
+    said.once(logging.INFO, type(stock).__name__,
           'orbax_pathways: this Orbax v1 Context uses %s; Orbax\'s %s serves it (orbax_pathways '
           'has no equivalent), so its arrays are not checksummed or written by their owners.',
           reason, type(stock).__name__)

@@ -249,7 +249,7 @@ def plan_shards(
   """Each distinct shard is written exactly once.
 
   Without replica splitting, the first holder of a box writes it, which matches Orbax's
-  replica 0 (``layout.py`` orders holders by device id). With ``replica_parallel`` and a shard
+  replica 0 (``sharding/layout.py`` orders holders by device id). With ``replica_parallel`` and a shard
   held on R >= 2 distinct hosts (the minimum over shards), the shard is cut into R equal pieces
   along its first axis divisible by R, each written by a different host (its first R hosts),
   when a piece is at least ``min_split_bytes``.

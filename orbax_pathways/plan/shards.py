@@ -1,6 +1,6 @@
 """Which hosts hold each distinct shard of an array, as integer tables. Pure; no jax, no I/O.
 
-``layout.py`` builds these on the controller (or on each process) from a JAX sharding, and
+``sharding/layout.py`` builds these on the controller (or on each process) from a JAX sharding, and
 ``save.plan_array_writes`` from a list of placements; ``save.plan_shards`` plans the writes from
 them. Every step is numpy over devices, never a Python object per device, so a sharding with
 thousands of replicas of a few shards costs little more than its distinct shards do, and one
@@ -23,7 +23,7 @@ class Holders:
   """For each distinct shard ``0..S-1``, the hosts holding it, first holder first.
 
   One row per (shard, host) pair, sorted by shard, then by where the host's first device
-  holding the shard comes in the input order (device-id order in ``layout.py``): ``rank`` 0 is
+  holding the shard comes in the input order (device-id order in ``sharding/layout.py``): ``rank`` 0 is
   the host of the shard's first holder, the one that writes it unless replicas split it.
   """
 

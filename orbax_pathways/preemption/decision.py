@@ -11,7 +11,7 @@ called by the user's loop. The notice itself lives in ``notice``.
   hears SIGTERM through JAX's native notifier; ``notice`` leaves SIGTERM to it).
 - Multi-controller with the service off: every ``agreement_interval`` steps, one round through the
   coordination service's key-value store among the processes that call the manager (its
-  ``active_processes``: ``plan/participants.py``; every process for the public
+  ``active_processes``: ``coord/participants.py``; every process for the public
   ``reached_preemption(step)`` without a manager); if any of them holds a pending notice, they
   all answer True from that step until its preemption save started. Each set of participants
   has its own round and its own latched answers, so a per-slice manager (Orbax's emergency
@@ -25,8 +25,8 @@ from typing import Callable
 
 from absl import logging
 
-from orbax_pathways import waits
-from orbax_pathways.plan import participants as participants_lib
+from orbax_pathways.coord import waits
+from orbax_pathways.coord import participants as participants_lib
 from orbax_pathways.preemption import notice
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager as _om

@@ -14,8 +14,8 @@ import warnings
 from absl import logging
 
 from orbax_pathways import errors
-from orbax_pathways import retention
-from orbax_pathways import waits
+from orbax_pathways.manager import retention
+from orbax_pathways.coord import waits
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager as _om
 from orbax_pathways.preemption import decision

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from orbax_pathways import metadata
+from orbax_pathways.format import item as item_lib
+
+from orbax_pathways.format import partial as partial_lib
 from orbax_pathways.storage import meta_io
 
 
-def merge_item(item_dir: Any) -> metadata.ItemMetadata | None:
+def merge_item(item_dir: Any) -> item_lib.ItemMetadata | None:
   """Writes ``item_dir``'s index from its writer records; returns what it wrote. Does nothing
   (returns None) if the item has no records (an item none of whose arrays went through
   orbax-pathways, or saved by the colocated transport) or an index that already covers them.
@@ -43,11 +45,11 @@ def merge_item(item_dir: Any) -> metadata.ItemMetadata | None:
   keys, has_index = meta_io.list_item(item_dir)
   if not keys:
     return None
-  item = metadata.merge(meta_io.read_records(item_dir, keys))
+  item = item_lib.merge(meta_io.read_records(item_dir, keys))
   if has_index:
     have = meta_io.read_index(item_dir)
     if have is not None:
-      joined = metadata.join_indexes(have, item)
+      joined = partial_lib.join_indexes(have, item)
       if joined is have:
         return None
       item = joined
@@ -66,7 +68,7 @@ def merge_pending(item_dir: Any, part_dir: Any) -> None:
     have = {r.writer: r for r in meta_io.read_records(item_dir, meta_io.list_item(item_dir)[0])}
     for new in meta_io.read_records(part_dir, keys):
       old = have.get(new.writer)
-      joined = new if old is None else metadata.join_records(old, new)
+      joined = new if old is None else partial_lib.join_records(old, new)
       if joined is not old:
         meta_io.write_record(item_dir, joined)
   if has_index:
@@ -74,6 +76,6 @@ def merge_pending(item_dir: Any, part_dir: Any) -> None:
     old_index = meta_io.read_index(item_dir)
     if new_index is not None:
       joined_index = (new_index if old_index is None
-                      else metadata.join_indexes(old_index, new_index))
+                      else partial_lib.join_indexes(old_index, new_index))
       if joined_index is not old_index:
         meta_io.write_index(item_dir, joined_index)

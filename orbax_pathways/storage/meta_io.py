@@ -1,4 +1,4 @@
-"""Reads and writes ``<item>/_pathways/`` (what is in it: ``orbax_pathways.metadata``).
+"""Reads and writes ``<item>/_pathways/`` (what is in it: ``orbax_pathways.format``).
 
 Who calls what, on which host:
 
@@ -36,7 +36,9 @@ from typing import Any, Sequence
 
 import tensorstore as ts
 
-from orbax_pathways import metadata
+from orbax_pathways.format import item as item_lib
+
+from orbax_pathways.format import records as records_lib
 from orbax_pathways import version
 from orbax_pathways.storage import hedge
 
@@ -48,7 +50,7 @@ CACHE_ITEMS = 16
 _ctx_lock = threading.Lock()
 _context: ts.Context | None = None
 _cache_lock = threading.Lock()
-_cache: collections.OrderedDict[str, tuple[bytes, metadata.ItemMetadata]] = collections.OrderedDict()
+_cache: collections.OrderedDict[str, tuple[bytes, item_lib.ItemMetadata]] = collections.OrderedDict()
 # Reads by kind, for tests and benchmarks: see read_counts().
 _stats: collections.Counter[str] = collections.Counter()
 
@@ -93,15 +95,15 @@ def _request(item_dir: Any, call, *, nbytes: int, what: str, kind: str):
 
 
 def _key(name: str) -> str:
-  return f'{metadata.DIRNAME}/{name}'
+  return f'{records_lib.DIRNAME}/{name}'
 
 
 def record_path(item_dir: Any, writer: str) -> str:
-  return f'{os.fspath(item_dir).rstrip("/")}/{_key(metadata.writer_filename(writer))}'
+  return f'{os.fspath(item_dir).rstrip("/")}/{_key(records_lib.writer_filename(writer))}'
 
 
 def index_path(item_dir: Any) -> str:
-  return f'{os.fspath(item_dir).rstrip("/")}/{_key(metadata.INDEX_FILENAME)}'
+  return f'{os.fspath(item_dir).rstrip("/")}/{_key(records_lib.INDEX_FILENAME)}'
 
 
 def read_counts() -> dict[str, int]:
@@ -114,19 +116,19 @@ def read_counts() -> dict[str, int]:
 # ---- write -------------------------------------------------------------------------------------
 
 
-def write_record(item_dir: Any, record: metadata.WriterRecord) -> str:
+def write_record(item_dir: Any, record: records_lib.WriterRecord) -> str:
   """Writes one writer's record (one object, never rewritten)."""
-  data = metadata.encode(record)
-  key = _key(metadata.writer_filename(record.writer))
+  data = records_lib.encode(record)
+  key = _key(records_lib.writer_filename(record.writer))
   _request(item_dir, lambda kv: kv.write(key, data), nbytes=len(data), kind='write',
            what=record_path(item_dir, record.writer))
   return record_path(item_dir, record.writer)
 
 
-def write_index(item_dir: Any, item: metadata.ItemMetadata) -> str:
+def write_index(item_dir: Any, item: item_lib.ItemMetadata) -> str:
   """Writes the item's index (one object). Called once per save, before the commit."""
-  data = metadata.encode_index(item, library_version=version.VERSION)
-  _request(item_dir, lambda kv: kv.write(_key(metadata.INDEX_FILENAME), data),
+  data = item_lib.encode_index(item, library_version=version.VERSION)
+  _request(item_dir, lambda kv: kv.write(_key(records_lib.INDEX_FILENAME), data),
            nbytes=len(data), kind='write', what=index_path(item_dir))
   return index_path(item_dir)
 
@@ -136,19 +138,19 @@ def write_index(item_dir: Any, item: metadata.ItemMetadata) -> str:
 
 def list_item(item_dir: Any) -> tuple[list[str], bool]:
   """(keys of the item's writer records, sorted; whether it has an index): one listing."""
-  prefix = f'{metadata.DIRNAME}/'
+  prefix = f'{records_lib.DIRNAME}/'
   key_range = ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord('/') + 1))
   listed = _request(item_dir, lambda kv: kv.list(key_range), nbytes=0, kind='read',
                     what=f'the listing of {os.fspath(item_dir).rstrip("/")}/{prefix}')
   keys = [k.decode() for k in listed]
   _stats['list'] += 1
-  index_key = _key(metadata.INDEX_FILENAME)
-  records = sorted(k for k in keys if k.endswith(metadata.SUFFIX) and k != index_key
+  index_key = _key(records_lib.INDEX_FILENAME)
+  records = sorted(k for k in keys if k.endswith(records_lib.SUFFIX) and k != index_key
                    and '/' not in k[len(prefix):])
   return records, index_key in keys
 
 
-def read_records(item_dir: Any, keys: Sequence[str] | None = None) -> list[metadata.WriterRecord]:
+def read_records(item_dir: Any, keys: Sequence[str] | None = None) -> list[records_lib.WriterRecord]:
   """Every writer record of an item (or those at ``keys``), read concurrently: all reads are
   issued at once and tensorstore bounds how many are in flight (its per-driver concurrency)."""
   keys = list_item(item_dir)[0] if keys is None else list(keys)
@@ -167,7 +169,7 @@ def read_records(item_dir: Any, keys: Sequence[str] | None = None) -> list[metad
     _stats['record'] += 1
     if r.state != 'value':
       raise FileNotFoundError(f'{base}/{k} disappeared while it was being read')
-    out.append(metadata.decode(r.value, path=f'{base}/{k}'))
+    out.append(records_lib.decode(r.value, path=f'{base}/{k}'))
   return out
 
 
@@ -175,21 +177,21 @@ def _cache_key(item_dir: Any) -> str:
   return os.fspath(item_dir).rstrip('/')
 
 
-def read_index(item_dir: Any) -> metadata.ItemMetadata | None:
+def read_index(item_dir: Any) -> item_lib.ItemMetadata | None:
   """The item's index, or None if it has none. Cached per item path: a later call re-reads it
   only if its storage generation changed (a step directory deleted and saved again under the
   same number gets a new generation), and a conditional read moves no bytes otherwise. A
-  damaged index raises ``metadata.DamagedIndexError`` naming it."""
+  damaged index raises ``records_lib.DamagedIndexError`` naming it."""
   return _read_index(item_dir, rebuild=False)
 
 
-def _read_index(item_dir: Any, *, rebuild: bool) -> metadata.ItemMetadata | None:
+def _read_index(item_dir: Any, *, rebuild: bool) -> item_lib.ItemMetadata | None:
   """``read_index``; with ``rebuild``, a damaged index is replaced by the item's records
   (``_rebuilt``), and that is cached under the damaged object's generation like an index."""
   key = _cache_key(item_dir)
   with _cache_lock:
     cached = _cache.get(key)
-  index_key, what = _key(metadata.INDEX_FILENAME), index_path(item_dir)
+  index_key, what = _key(records_lib.INDEX_FILENAME), index_path(item_dir)
   if cached is not None:
     generation = cached[0]
     r = _request(item_dir, lambda kv: kv.read(index_key, if_not_equal=generation), nbytes=0,
@@ -200,7 +202,7 @@ def _read_index(item_dir: Any, *, rebuild: bool) -> metadata.ItemMetadata | None
         _cache.move_to_end(key)
       item = cached[1]
       if item.damaged_index is not None and not rebuild:
-        raise metadata.DamagedIndexError(item.damaged_index)
+        raise records_lib.DamagedIndexError(item.damaged_index)
       return item
   else:
     r = _request(item_dir, lambda kv: kv.read(index_key), nbytes=0, kind='read', what=what)
@@ -210,8 +212,8 @@ def _read_index(item_dir: Any, *, rebuild: bool) -> metadata.ItemMetadata | None
     return None
   _stats['index'] += 1
   try:
-    item = metadata.decode_index(r.value, path=index_path(item_dir))
-  except metadata.DamagedIndexError as e:
+    item = item_lib.decode_index(r.value, path=index_path(item_dir))
+  except records_lib.DamagedIndexError as e:
     if not rebuild:
       raise
     item = _rebuilt(item_dir, e)
@@ -223,7 +225,7 @@ def _read_index(item_dir: Any, *, rebuild: bool) -> metadata.ItemMetadata | None
   return item
 
 
-def _rebuilt(item_dir: Any, damage: metadata.DamagedIndexError) -> metadata.ItemMetadata:
+def _rebuilt(item_dir: Any, damage: records_lib.DamagedIndexError) -> item_lib.ItemMetadata:
   """The item from its writer records, for an index that cannot be decoded (the index only
   saves reads: the records hold the same checksums). Logs one warning naming the index (the
   result is cached under the damaged index's generation, so a process says it once). Without
@@ -231,17 +233,17 @@ def _rebuilt(item_dir: Any, damage: metadata.DamagedIndexError) -> metadata.Item
   well names both."""
   try:
     records = read_records(item_dir)
-  except metadata.MetadataError as e:
-    raise metadata.DamagedIndexError(
+  except records_lib.MetadataError as e:
+    raise records_lib.DamagedIndexError(
         f'{damage} The writer records beside it cannot replace it either: {e}') from damage
   if not records:
     raise damage
   log.warning('orbax_pathways: %s Reading the %d writer record(s) beside it instead: the same '
               'checksums, the array data is not affected (deleting the index silences this).',
               damage, len(records))
-  return dataclasses.replace(metadata.merge(records), damaged_index=str(damage))
+  return dataclasses.replace(item_lib.merge(records), damaged_index=str(damage))
 
-def cached_index(item_dir: Any) -> metadata.ItemMetadata | None:
+def cached_index(item_dir: Any) -> item_lib.ItemMetadata | None:
   """The index ``read_index`` last returned for ``item_dir``, without any request (None if not
   cached): for a caller inside the restore that just read it (the tier's source chain)."""
   with _cache_lock:
@@ -249,7 +251,7 @@ def cached_index(item_dir: Any) -> metadata.ItemMetadata | None:
   return cached[1] if cached is not None else None
 
 
-def read_item(item_dir: Any) -> metadata.ItemMetadata | None:
+def read_item(item_dir: Any) -> item_lib.ItemMetadata | None:
   """An item's metadata (its index; without one, its writer records merged), or None for an
   item written without orbax-pathways. A damaged index is rebuilt from the records (one
   warning per process; ``ItemMetadata.damaged_index`` says what was wrong); without records
@@ -258,7 +260,7 @@ def read_item(item_dir: Any) -> metadata.ItemMetadata | None:
   if item is not None:
     return item
   records = read_records(item_dir)
-  return metadata.merge(records) if records else None
+  return item_lib.merge(records) if records else None
 
 
 def clear_cache() -> None:

@@ -16,9 +16,9 @@ from typing import Any, Mapping
 import numpy as np
 import tensorstore as ts
 
-from orbax_pathways import checksum
+from orbax_pathways.format import checksum
 from orbax_pathways import errors
-from orbax_pathways import metadata
+from orbax_pathways.format import records as records_lib
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import restore as restore_plan
 from orbax_pathways.storage import cast as cast_lib
@@ -34,7 +34,7 @@ class ArrayRead:
   tspec: dict
   plan: restore_plan.ArrayReadPlan
   chunk_shape: tuple[int, ...] | None
-  chunks: Mapping[tuple[int, ...], metadata.ChunkRecord]  # empty: nothing to verify
+  chunks: Mapping[tuple[int, ...], records_lib.ChunkRecord]  # empty: nothing to verify
   target_dtype: np.dtype | None
   # True when the array was written with checksums: a chunk without a record is then an error
   # (a writer's record went missing), not a chunk to skip.

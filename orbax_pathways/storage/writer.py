@@ -16,10 +16,10 @@ from typing import Sequence
 import numpy as np
 import tensorstore as ts
 
-from orbax_pathways import checksum
+from orbax_pathways.format import checksum
 from orbax_pathways import errors
-from orbax_pathways import format as format_lib
-from orbax_pathways import metadata
+from orbax_pathways.format import names as format_lib
+from orbax_pathways.format import records as records_lib
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.storage import cast as cast_lib
 from orbax_pathways.storage import hedge
@@ -75,7 +75,7 @@ class ArrayWrite:
     return sum(p.data.nbytes for p in self.pieces)
 
 
-def chunk_records(write: ArrayWrite) -> list[metadata.ChunkRecord]:
+def chunk_records(write: ArrayWrite) -> list[records_lib.ChunkRecord]:
   """crc32c of every chunk of every piece, in the stored dtype (a cast converted as
   tensorstore's ``cast`` driver converts it on its way to storage: ``storage/cast.py``)."""
   out = []
@@ -87,7 +87,7 @@ def chunk_records(write: ArrayWrite) -> list[metadata.ChunkRecord]:
       if region is None or region.size == 0:
         continue
       sub = data[region.relative_to(piece.box)]
-      out.append(metadata.ChunkRecord(region.start, checksum.of_array(sub), sub.nbytes))
+      out.append(records_lib.ChunkRecord(region.start, checksum.of_array(sub), sub.nbytes))
   return out
 
 
@@ -118,7 +118,7 @@ def retry_spec(tspec: dict, attempt: int) -> dict:
   return out
 
 
-async def write_array(write: ArrayWrite, *, context: ts.Context) -> list[metadata.ChunkRecord]:
+async def write_array(write: ArrayWrite, *, context: ts.Context) -> list[records_lib.ChunkRecord]:
   """Creates the array's metadata (if ``write.create``), writes every piece, returns checksums.
 
   Pieces are handed to tensorstore without a copy (``can_reference_source_data_indefinitely``):
@@ -207,10 +207,10 @@ def host_pieces(write: ArrayWrite) -> ArrayWrite:
 
 
 async def write_arrays(writes: Sequence[ArrayWrite], *, context: ts.Context,
-                       max_inflight_bytes: int) -> dict[str, list[metadata.ChunkRecord]]:
+                       max_inflight_bytes: int) -> dict[str, list[records_lib.ChunkRecord]]:
   """Writes arrays with at most ``max_inflight_bytes`` of pieces handed to tensorstore at once
   (one array larger than the budget goes alone). Returns checksums per array name."""
-  results: dict[str, list[metadata.ChunkRecord]] = {}
+  results: dict[str, list[records_lib.ChunkRecord]] = {}
   batch: list[ArrayWrite] = []
   batch_bytes = 0
 

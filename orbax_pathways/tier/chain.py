@@ -42,7 +42,7 @@ from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import meta_io
 from orbax_pathways.tier import chunk_read
 from orbax_pathways.tier import fsafe
-from orbax_pathways.tier import layout
+from orbax_pathways.tier import manifest as manifest_lib
 from orbax_pathways.tier import peer as tier_peer
 from orbax_pathways.tier import relay as tier_relay
 from orbax_pathways.tier import store
@@ -313,7 +313,7 @@ def for_restore(cfg: store.TierConfig | None, item_dir: str,
   (``tier/relay.py``)."""
   if cfg is None:
     return None
-  root, step_name, item = layout.split_item_dir(item_dir)
+  root, step_name, item = manifest_lib.split_item_dir(item_dir)
   found = store.entries(cfg.local_dir, root, step_name, item) if os.path.isdir(cfg.local_dir) else []
   if not found and peers is None:
     return None

@@ -28,7 +28,7 @@ from typing import Sequence
 import crc32c as _crc32c
 import numpy as np
 
-from orbax_pathways import checksum
+from orbax_pathways.format import checksum
 from orbax_pathways.plan import boxes as boxes_lib
 
 Box = boxes_lib.Box

@@ -53,10 +53,10 @@ import threading
 import time
 from typing import Callable, Container, Iterable, Mapping, Sequence
 
-from orbax_pathways import _said
-from orbax_pathways import format as format_lib
+from orbax_pathways._util import said
+from orbax_pathways.format import names as format_lib
 from orbax_pathways.tier import fsafe
-from orbax_pathways.tier import layout
+from orbax_pathways.tier import manifest as manifest_lib
 from orbax_pathways.tier import store
 
 log = logging.getLogger('orbax_pathways')
@@ -175,9 +175,9 @@ def entry_root(local_dir: str, e: store.Entry, roots: dict[str, str | None]) -> 
   if e.root_key not in roots:
     roots[e.root_key] = store.root_of(local_dir, e.root_key)
   root = roots[e.root_key] or (e.manifest.root if e.manifest else None)
-  if root is None or layout.root_key(root) != e.root_key:
+  if root is None or manifest_lib.root_key(root) != e.root_key:
     return None
-  return layout.normalize_root(root)
+  return manifest_lib.normalize_root(root)
 
 
 def step_names(listed: Iterable[str]) -> set[str]:
@@ -259,8 +259,8 @@ def _remove_empty_root(local_dir: str, key: str) -> None:
   that starts meanwhile writes ``root.txt`` again, or fails its copy (one warning)."""
   kdir = os.path.join(local_dir, key)
   try:
-    if fsafe.is_dir(kdir) and fsafe.names(kdir) == [layout.ROOT_FILE]:
-      os.unlink(os.path.join(kdir, layout.ROOT_FILE))
+    if fsafe.is_dir(kdir) and fsafe.names(kdir) == [manifest_lib.ROOT_FILE]:
+      os.unlink(os.path.join(kdir, manifest_lib.ROOT_FILE))
       os.rmdir(kdir)
   except OSError:
     pass
@@ -305,7 +305,7 @@ def after_write(cfg: store.TierConfig, path: str) -> Result | None:
     result = collect(cfg.local_dir, max_age_s=cfg.max_age_s, max_bytes=cfg.max_bytes,
                      current=key, keep=(path,))
   except Exception as e:  # pylint: disable=broad-except  # a cache's clean-up: never the save's
-    _said.once(logging.WARNING, ('tier-gc', cfg.local_dir),
+    said.once(logging.WARNING, ('tier-gc', cfg.local_dir),
                'orbax_pathways: node-local tier %s: cleaning up other checkpoint directories\' '
                'entries failed (%s: %s); they stay until a later save or `orbax-pathways tier '
                '--gc` removes them.', cfg.local_dir, type(e).__name__, e)

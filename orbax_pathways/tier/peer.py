@@ -70,9 +70,10 @@ from typing import Any, Callable, Container, Iterable, Mapping
 import msgpack
 import numpy as np
 
+from orbax_pathways import stats
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.tier import fsafe
-from orbax_pathways.tier import layout
+from orbax_pathways.tier import manifest as manifest_lib
 from orbax_pathways.tier import wire
 
 Box = boxes_lib.Box
@@ -119,6 +120,7 @@ class _Counts:
     self._unlogged = 0
 
   def refused(self, reason: str, address: str, detail: str) -> None:
+    stats.count_peer_refused(reason)  # the public count (``stats.peer_server()``)
     with self._lock:
       self._n[reason] = self._n.get(reason, 0) + 1
       if reason != 'unauthenticated':
@@ -182,7 +184,7 @@ class _Manifests:
       path = os.path.join(path, p)
       if not fsafe.is_dir(path):
         return None
-    manifest = os.path.join(path, layout.MANIFEST)
+    manifest = os.path.join(path, manifest_lib.MANIFEST)
     try:
       st = os.lstat(manifest)
     except OSError:
@@ -196,7 +198,7 @@ class _Manifests:
         self._cache.move_to_end(path)
         return hit[1]
     try:
-      m = layout.decode(fsafe.read_small(manifest))
+      m = manifest_lib.decode(fsafe.read_small(manifest))
     except (OSError, ValueError):
       return None
     listed = _described(m, parts, entry)
@@ -208,12 +210,12 @@ class _Manifests:
     return listed
 
 
-def _described(m: layout.Manifest, parts: tuple[str, str, str], entry: str) -> _Listed | None:
+def _described(m: manifest_lib.Manifest, parts: tuple[str, str, str], entry: str) -> _Listed | None:
   """``m`` as listed, if it is the manifest of ``entry`` of item ``parts`` (its writer, save
   id, checkpoint directory, step and item) and names only chunk files, each once, with a size."""
   try:
-    if (layout.entry_name(m.writer, m.save_id) != entry or m.step_name != parts[1]
-        or m.item != parts[2] or layout.root_key(m.root) != parts[0]):
+    if (manifest_lib.entry_name(m.writer, m.save_id) != entry or m.step_name != parts[1]
+        or m.item != parts[2] or manifest_lib.root_key(m.root) != parts[0]):
       return None
     sizes: dict[str, int] = {}
     arrays = {}
@@ -927,5 +929,5 @@ def _quietly(fn):
 
 def item_parts(item_dir: str) -> tuple[str, str, str]:
   """(root key, step name, item name): where ``item_dir``'s entries sit under a tier."""
-  root, step_name, item = layout.split_item_dir(item_dir)
-  return layout.root_key(root), step_name, item
+  root, step_name, item = manifest_lib.split_item_dir(item_dir)
+  return manifest_lib.root_key(root), step_name, item

@@ -51,7 +51,7 @@ from typing import Any, Callable, Container, Mapping
 import numpy as np
 import tensorstore as ts
 
-from orbax_pathways import checksum
+from orbax_pathways.format import checksum
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import hedge

@@ -1,4 +1,4 @@
-"""Writes, commits, prunes and lists node-local tier entries (layout in ``tier/layout.py``).
+"""Writes, commits, prunes and lists node-local tier entries (layout in ``tier/manifest.py``).
 
 Who calls what, on which host:
 
@@ -57,14 +57,14 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from orbax_pathways import _said
-from orbax_pathways import format as format_lib
+from orbax_pathways._util import said
+from orbax_pathways.format import names as format_lib
 from orbax_pathways import options
 from orbax_pathways import version
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.storage import cast as cast_lib
 from orbax_pathways.tier import fsafe
-from orbax_pathways.tier import layout
+from orbax_pathways.tier import manifest as manifest_lib
 
 log = logging.getLogger('orbax_pathways')
 OFF = 'off'
@@ -113,9 +113,9 @@ def _is_tmpfs(path: str) -> bool:
 
 def default_dir() -> str | None:
   """``/dev/shm/orbax-pathways-<uid>`` when /dev/shm is a tmpfs, else None (no tier)."""
-  if not os.path.isdir(layout.DEFAULT_SHM) or not _is_tmpfs(layout.DEFAULT_SHM):
+  if not os.path.isdir(manifest_lib.DEFAULT_SHM) or not _is_tmpfs(manifest_lib.DEFAULT_SHM):
     return None
-  return os.path.join(layout.DEFAULT_SHM, f'orbax-pathways-{os.getuid()}')
+  return os.path.join(manifest_lib.DEFAULT_SHM, f'orbax-pathways-{os.getuid()}')
 
 
 # Filesystems whose reads cross the network: a checkpoint directory there is storage a restart
@@ -166,7 +166,7 @@ _ADVICE = ('Free space there, point ORBAX_PATHWAYS_LOCAL_DIR (Options.local_dir)
 
 
 def _warn(cfg: TierConfig, reason: str, detail: str, advice: str = _ADVICE) -> None:
-  _said.once(logging.WARNING, ('tier', cfg.local_dir, reason),
+  said.once(logging.WARNING, ('tier', cfg.local_dir, reason),
              'orbax_pathways: node-local tier skipped (%s): %s. Saves go on to storage as '
              'before; restores read storage. %s', cfg.local_dir, detail, advice)
 
@@ -234,7 +234,7 @@ def _readable(local_dir: str) -> bool:
     return False
   why = root_problem(local_dir, create=False)
   if why:
-    _said.once(logging.WARNING, ('tier-read', local_dir, why),
+    said.once(logging.WARNING, ('tier-read', local_dir, why),
                'orbax_pathways: node-local tier %s not read: %s. Restores read storage. %s',
                local_dir, why, _UNSAFE_ADVICE)
     return False
@@ -314,9 +314,9 @@ def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
   the copy does not fit."""
   if usable(cfg) is None:
     return None
-  root, step_name, item_name = layout.split_item_dir(item_dir)
-  key = layout.root_key(root)
-  name = layout.entry_name(writer, save_id)
+  root, step_name, item_name = manifest_lib.split_item_dir(item_dir)
+  key = manifest_lib.root_key(root)
+  name = manifest_lib.entry_name(writer, save_id)
   path = os.path.join(cfg.local_dir, key, step_name, item_name, name)
   total = sum(int(np.asarray(p.data).nbytes) for ps in pieces for p in ps)
   made = False  # only a directory this call made (checked component by component) is removed
@@ -325,7 +325,7 @@ def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
       return None
     fsafe.private_dirs(cfg.local_dir, key, step_name, item_name, name)
     made = True
-    root_file = os.path.join(cfg.local_dir, key, layout.ROOT_FILE)
+    root_file = os.path.join(cfg.local_dir, key, manifest_lib.ROOT_FILE)
     if not fsafe.exists(root_file):
       try:
         fsafe.write_file(root_file, (root + '\n').encode(), exclusive=True)
@@ -338,7 +338,7 @@ def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
       stored = np.dtype(leaf.stored_dtype)
       origins, sums, sizes, files = [], [], [], []
       for c, (origin, chunk) in enumerate(_chunks(leaf.shape, plan.chunk_shape, stored, ps)):
-        fname = layout.chunk_file(a, c)
+        fname = manifest_lib.chunk_file(a, c)
         flat = np.ascontiguousarray(chunk)
         fsafe.write_file(os.path.join(path, fname),
                          flat.tobytes() if flat.ndim == 0 else flat.reshape(-1).view(np.uint8).data)
@@ -346,16 +346,16 @@ def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
         sums.append(int(crcs.get(leaf.name, {}).get(tuple(origin), 0)))
         sizes.append(int(chunk.nbytes))
         files.append(fname)
-      arrays.append(layout.TierArray(
+      arrays.append(manifest_lib.TierArray(
           name=leaf.name, dtype=stored.name, shape=tuple(leaf.shape),
           chunk_shape=tuple(plan.chunk_shape), origins=tuple(origins), crc32c=tuple(sums),
           nbytes=tuple(sizes), files=tuple(files)))
-    manifest = layout.Manifest(root=root, step_name=step_name, item=item_name, writer=writer,
+    manifest = manifest_lib.Manifest(root=root, step_name=step_name, item=item_name, writer=writer,
                                save_id=save_id, arrays=tuple(arrays),
                                library_version=version.VERSION)
-    tmp = os.path.join(path, layout.MANIFEST + '.tmp')
-    fsafe.write_file(tmp, layout.encode(manifest))
-    fsafe.replace(tmp, os.path.join(path, layout.MANIFEST))
+    tmp = os.path.join(path, manifest_lib.MANIFEST + '.tmp')
+    fsafe.write_file(tmp, manifest_lib.encode(manifest))
+    fsafe.replace(tmp, os.path.join(path, manifest_lib.MANIFEST))
   except OSError as e:  # fsafe.UnsafeError too: a symlink or another user's directory inside
     if made:
       remove(path)
@@ -363,7 +363,7 @@ def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
     return None
   parsed = format_lib.parse_step_name(step_name)
   with _lock:
-    committed = parsed is not None and (layout.normalize_root(root), parsed[0]) in _committed
+    committed = parsed is not None and (manifest_lib.normalize_root(root), parsed[0]) in _committed
     if not committed:
       _pending.setdefault((root, step_name), []).append((path, cfg))
   if committed:  # its step committed while this copy was being written
@@ -416,9 +416,9 @@ def _make_room(cfg: TierConfig, root: str, step_name: str, total: int, item_dir:
   return False
 
 
-def _existing(path: str, save_id: str) -> tuple[layout.TierArray, ...]:
+def _existing(path: str, save_id: str) -> tuple[manifest_lib.TierArray, ...]:
   try:
-    m = layout.decode(fsafe.read_small(os.path.join(path, layout.MANIFEST)))
+    m = manifest_lib.decode(fsafe.read_small(os.path.join(path, manifest_lib.MANIFEST)))
   except (OSError, ValueError):
     return ()
   return m.arrays if m.save_id == save_id else ()
@@ -436,7 +436,7 @@ class Entry:
   writer: str
   save_id: str
   committed: bool
-  manifest: layout.Manifest | None = None
+  manifest: manifest_lib.Manifest | None = None
   error: str = ''
 
   @property
@@ -453,17 +453,17 @@ def read_entry(path: str) -> Entry:
   missing one only costs its chunk a storage read)."""
   parts = path.rstrip('/').split('/')
   key, step_name, item = parts[-4], parts[-3], parts[-2]
-  writer, save_id = layout.parse_entry_name(parts[-1]) or (parts[-1], '')
-  committed = _is_regular(os.path.join(path, layout.COMMITTED))
+  writer, save_id = manifest_lib.parse_entry_name(parts[-1]) or (parts[-1], '')
+  committed = _is_regular(os.path.join(path, manifest_lib.COMMITTED))
   try:
-    manifest = layout.decode(fsafe.read_small(os.path.join(path, layout.MANIFEST)))
+    manifest = manifest_lib.decode(fsafe.read_small(os.path.join(path, manifest_lib.MANIFEST)))
   except FileNotFoundError:
     return Entry(path, key, step_name, item, writer, save_id, committed,
                  error='incomplete: no manifest (a save or a copy was cut short)')
   except (OSError, ValueError) as e:
     return Entry(path, key, step_name, item, writer, save_id, committed,
                  error=f'damaged manifest: {e}')
-  why = layout.manifest_problem(manifest) or _files_problem(path, manifest)
+  why = manifest_lib.manifest_problem(manifest) or _files_problem(path, manifest)
   if why:
     return Entry(path, key, step_name, item, writer, save_id, committed,
                  error=f'damaged manifest: {why}')
@@ -477,7 +477,7 @@ def _is_regular(path: str) -> bool:
     return False
 
 
-def _files_problem(path: str, m: layout.Manifest) -> str:
+def _files_problem(path: str, m: manifest_lib.Manifest) -> str:
   """The first file ``m`` names that is there but is not a regular file ('' if none): one
   listing of the entry (the file types come with it, no stat per chunk; nothing followed)."""
   try:
@@ -507,7 +507,7 @@ def entries(local_dir: str, root: str | None = None, step_name: str | None = Non
   if not _readable(local_dir):
     return []
   out = []
-  keys = [layout.root_key(root)] if root is not None else fsafe.subdirs(local_dir)
+  keys = [manifest_lib.root_key(root)] if root is not None else fsafe.subdirs(local_dir)
   for key in keys:
     kdir = os.path.join(local_dir, key)
     for s in ([step_name] if step_name is not None else fsafe.subdirs(kdir)):
@@ -522,7 +522,7 @@ def entries(local_dir: str, root: str | None = None, step_name: str | None = Non
 def root_of(local_dir: str, key: str) -> str | None:
   """The checkpoint directory a root key stands for (from its ``root.txt``)."""
   try:
-    text = fsafe.read_small(os.path.join(local_dir, key, layout.ROOT_FILE), 1 << 16)
+    text = fsafe.read_small(os.path.join(local_dir, key, manifest_lib.ROOT_FILE), 1 << 16)
   except OSError:
     return None
   return text.decode('utf-8', 'replace').strip() or None
@@ -554,7 +554,7 @@ def on_commit(root: Any, step: int) -> None:
   """After ``step`` of ``root`` committed (every process, the manager's after_commit hook):
   marks this process's entries of it committed, then drops what they replace. A copy still
   being written is marked when it lands (``write_entry``)."""
-  root = layout.normalize_root(root)
+  root = manifest_lib.normalize_root(root)
   with _lock:
     _committed[(root, step)] = None
     while len(_committed) > _COMMITTED_REMEMBERED:
@@ -570,17 +570,17 @@ def on_commit(root: Any, step: int) -> None:
 
 def _mark_committed(path: str, cfg: TierConfig, root: str) -> None:
   """Marks one complete entry committed, drops this writer's other saves of the step, prunes."""
-  if not _is_regular(os.path.join(path, layout.MANIFEST)):
+  if not _is_regular(os.path.join(path, manifest_lib.MANIFEST)):
     return
   try:
-    fsafe.write_file(os.path.join(path, layout.COMMITTED))
+    fsafe.write_file(os.path.join(path, manifest_lib.COMMITTED))
   except OSError as e:
     _warn(cfg, 'commit', f'marking {path} committed failed: {e}')
     return
   here = os.path.basename(path)
-  writer = (layout.parse_entry_name(here) or (here, ''))[0]
+  writer = (manifest_lib.parse_entry_name(here) or (here, ''))[0]
   for sibling in fsafe.subdirs(os.path.dirname(path)):  # other saves of this step by this writer
-    other = layout.parse_entry_name(sibling)
+    other = manifest_lib.parse_entry_name(sibling)
     if sibling != here and other is not None and other[0] == writer:
       remove(os.path.join(os.path.dirname(path), sibling))
   prune(cfg, root)
@@ -590,7 +590,7 @@ def _mtime(path: str) -> float:
   """When an entry was written: its manifest's mtime (a restore's ``touch`` moves the
   directory's, not this; 0 for an incomplete entry)."""
   try:
-    return os.lstat(os.path.join(path, layout.MANIFEST)).st_mtime
+    return os.lstat(os.path.join(path, manifest_lib.MANIFEST)).st_mtime
   except OSError:
     return 0.0
 
@@ -601,7 +601,7 @@ def _committed_step(step_dir: str) -> bool:
   for item in fsafe.subdirs(step_dir):
     idir = os.path.join(step_dir, item)
     for e in fsafe.subdirs(idir):
-      if _is_regular(os.path.join(idir, e, layout.COMMITTED)):
+      if _is_regular(os.path.join(idir, e, manifest_lib.COMMITTED)):
         return True
   return False
 
@@ -612,7 +612,7 @@ def _newest_mtime(step_dir: str) -> float:
 
 
 def prune(cfg: TierConfig, root: str) -> None:
-  """Drops the steps of ``root`` older than what ``layout.keep_steps`` keeps. Directories
+  """Drops the steps of ``root`` older than what ``manifest_lib.keep_steps`` keeps. Directories
   whose name is no step number (``ocp.v1.save(path)`` saves into any directory) are kept by
   age: the newest ``keep + 1`` of them.
 
@@ -622,7 +622,7 @@ def prune(cfg: TierConfig, root: str) -> None:
   newest ``keep`` committed steps are found, every older step is dropped unlooked-at."""
   if not _readable(cfg.local_dir):
     return
-  kdir = os.path.join(cfg.local_dir, layout.root_key(root))
+  kdir = os.path.join(cfg.local_dir, manifest_lib.root_key(root))
   numbered: list[tuple[int, str]] = []
   named: list[str] = []
   for name in fsafe.subdirs(kdir):
@@ -637,7 +637,7 @@ def prune(cfg: TierConfig, root: str) -> None:
     committed = found < cfg.keep and _committed_step(os.path.join(kdir, name))
     found += committed
     seen.append((step, committed))
-  kept = layout.keep_steps(seen, cfg.keep)
+  kept = manifest_lib.keep_steps(seen, cfg.keep)
   by_age = sorted(named, key=lambda n: -_newest_mtime(os.path.join(kdir, n)))
   for step, name in numbered:
     if step not in kept:
@@ -662,7 +662,7 @@ def forget_step(step_dir: Any) -> None:
   try:
     text = os.fspath(step_dir).rstrip('/')
     parent, _, name = text.rpartition('/')
-    root, step_name = layout.normalize_root(parent or '.'), format_lib.final_name(name)
+    root, step_name = manifest_lib.normalize_root(parent or '.'), format_lib.final_name(name)
     with _lock:
       dirs = set(_used)
       _pending.pop((root, step_name), None)
@@ -678,7 +678,7 @@ def forget_step(step_dir: Any) -> None:
       log.info('orbax_pathways: node-local tier: dropped %d entr%s of deleted step %s of %s',
                removed, 'y' if removed == 1 else 'ies', step_name, root)
   except Exception as e:  # pylint: disable=broad-except  # a cache: never fail a deletion
-    _said.once(logging.WARNING, ('tier-forget', type(e).__name__),
+    said.once(logging.WARNING, ('tier-forget', type(e).__name__),
                'orbax_pathways: dropping the node-local tier copy of deleted %s failed (%s: %s); '
                'the next clean-up (or `orbax-pathways tier --gc`) removes it.', step_dir,
                type(e).__name__, e)

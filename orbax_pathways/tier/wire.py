@@ -46,6 +46,8 @@ import socket
 import struct
 import time
 
+from orbax_pathways import stats
+
 MAGIC = b'OPTP'
 VERSION = 1
 READY, BUSY = 0, 1
@@ -57,7 +59,7 @@ MAX_ERROR_BYTES = 4 << 10  # an error answer's text (the server truncates to it)
 # shrinks as the fleet grows (a node's share of the item); 64 MiB is the size a tier manifest
 # may have (``fsafe.MAX_SMALL_BYTES``), i.e. millions of chunks.
 MAX_LIST_BYTES = 64 << 20
-REASONS = ('unauthenticated', 'oversized', 'idle', 'busy')
+REASONS = stats.PEER_REFUSED  # counted in ``stats.peer_server()``
 
 _HELLO = struct.Struct(f'!4sBB{NONCE_BYTES}s')
 _LENGTH = struct.Struct('!I')  # a request's body bytes

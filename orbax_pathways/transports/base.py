@@ -3,7 +3,7 @@
 A transport moves shard bytes between devices and storage for one save or one restore call. The
 engine (``orbax_pathways.engine``) creates one per call with ``registry.create()`` and drives it; a
 transport never sees Orbax objects or the front door that called the engine, only the typed
-values of ``orbax_pathways.values`` and the caller's ``jax.Array``s.
+values of ``orbax_pathways.transports.values`` and the caller's ``jax.Array``s.
 
 Call order, save (all on the controller: the only process under Pathways, every process under
 multi-controller JAX):
@@ -32,7 +32,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 import jax
 
-from orbax_pathways import values as types  # the boundary values
+from orbax_pathways.transports import values as types  # the boundary values
 
 
 @dataclasses.dataclass(frozen=True)

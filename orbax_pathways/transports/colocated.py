@@ -43,9 +43,10 @@ import msgpack
 import numpy as np
 
 from orbax_pathways import errors
-from orbax_pathways import layout
-from orbax_pathways import metadata
-from orbax_pathways import values
+from orbax_pathways.sharding import layout
+from orbax_pathways.format import item as item_lib
+from orbax_pathways.format import records as records_lib
+from orbax_pathways.transports import values
 from orbax_pathways import version
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways.plan import boxes as boxes_lib
@@ -204,7 +205,7 @@ def _host_pieces(host: str, cpu_arrays: Sequence[jax.Array],
 
 
 def _crc_row(host: str, plans: Sequence[save_plan.ArrayWritePlan], leaves: Sequence[values.SaveLeaf],
-             chunks: dict[str, list[metadata.ChunkRecord]]) -> np.ndarray:
+             chunks: dict[str, list[records_lib.ChunkRecord]]) -> np.ndarray:
   """This host's chunk checksums in plan order (``share.host_chunks``), which the controller
   pairs with the origins of its own plan."""
   row = []
@@ -296,19 +297,19 @@ def _chunks_per_host(plans: Sequence[save_plan.ArrayWritePlan]) -> collections.C
 
 def _index_arrays(leaves: Sequence[values.SaveLeaf], plans: Sequence[save_plan.ArrayWritePlan],
                   boxes: dict[str, list[list[Box]]],
-                  crcs: dict[str, np.ndarray]) -> list[metadata.ArrayRecord]:
+                  crcs: dict[str, np.ndarray]) -> list[records_lib.ArrayRecord]:
   """Every chunk of every leaf: origins and sizes from the controller's plan (``boxes``),
   checksums from the workers' rows (``crcs``: host -> its row, in the same order)."""
-  chunks: list[list[metadata.ChunkRecord]] = [[] for _ in leaves]
+  chunks: list[list[records_lib.ChunkRecord]] = [[] for _ in leaves]
   for host, per_plan in boxes.items():
     row = crcs[host].tolist()
     k = 0
     for i, (leaf, bs) in enumerate(zip(leaves, per_plan)):
       itemsize = np.dtype(leaf.stored_dtype).itemsize
-      chunks[i] += [metadata.ChunkRecord(b.start, int(c), b.size * itemsize)
+      chunks[i] += [records_lib.ChunkRecord(b.start, int(c), b.size * itemsize)
                     for b, c in zip(bs, row[k:k + len(bs)])]
       k += len(bs)
-  return [metadata.ArrayRecord(
+  return [records_lib.ArrayRecord(
       name=leaf.name, dtype=np.dtype(leaf.stored_dtype).name, shape=tuple(leaf.shape),
       chunk_shape=tuple(plan.chunk_shape), chunks=tuple(sorted(cs, key=lambda c: c.origin)),
       sharding=leaf.sharding) for leaf, plan, cs in zip(leaves, plans, chunks)]
@@ -335,7 +336,7 @@ class WorkerReadTask:
   call_id: str = ''  # the call's progress, where the controller waits in this process
 
 
-def _needed_chunks(target: values.ReadTarget, box: Box) -> list[metadata.ChunkRecord]:
+def _needed_chunks(target: values.ReadTarget, box: Box) -> list[records_lib.ChunkRecord]:
   """The recorded chunks a device holding ``box`` of ``target`` reads (all that intersect it)."""
   if not target.chunks or target.chunk_shape is None or box.size == 0:
     return []
@@ -367,7 +368,7 @@ def decode_row(row: np.ndarray, targets: Sequence[values.ReadTarget]) -> list[di
   out = []
   for t, (origins, crcs, sizes) in zip(targets, body):
     ndim = len(t.shape)
-    out.append({tuple(origins[i * ndim:(i + 1) * ndim]): metadata.ChunkRecord(
+    out.append({tuple(origins[i * ndim:(i + 1) * ndim]): records_lib.ChunkRecord(
         tuple(origins[i * ndim:(i + 1) * ndim]), c, s) for i, (c, s) in enumerate(zip(crcs, sizes))})
   return out
 
@@ -539,7 +540,7 @@ class ColocatedTransport:
   async def write(self, snap: base.Snapshot) -> list[values.WriterOutcome]:
     item, leaves, plans, calls, save_id = snap.state
     outcomes: dict[str, list[int]] = {}
-    records: list[metadata.ArrayRecord] = []
+    records: list[records_lib.ArrayRecord] = []
     with trace('write'):
       # Sequential: the groups share each worker's OCDBT database.
       for fn, idx, group_arrays, call_id in calls:
@@ -568,12 +569,12 @@ class ColocatedTransport:
         records += _index_arrays([leaves[i] for i in idx], [plans[i] for i in idx], boxes,
                                  {h: row for h, (_, row) in rows.items()})
     writers = tuple(
-        metadata.WriterRecord(writer=w, transport=NAME, arrays=(), library_version=version.VERSION,
+        records_lib.WriterRecord(writer=w, transport=NAME, arrays=(), library_version=version.VERSION,
                               stats={'written_bytes': b, 'chunks': c}, save_id=save_id)
         for w, (b, c) in sorted(outcomes.items()))
     with trace('index'):
       await asyncio.to_thread(meta_io.write_index, item.directory,
-                              metadata.ItemMetadata(writers, tuple(records), source='index'))
+                              item_lib.ItemMetadata(writers, tuple(records), source='index'))
     return [values.WriterOutcome(w, b, c) for w, (b, c) in outcomes.items()]
 
   async def read(self, targets: Sequence[values.ReadTarget],

@@ -35,8 +35,8 @@ import jax
 import numpy as np
 
 from orbax_pathways import errors
-from orbax_pathways import liveness
-from orbax_pathways import waits
+from orbax_pathways.coord import liveness
+from orbax_pathways.coord import waits
 from orbax_pathways.storage import deadline as deadline_lib
 
 # How often the waiter looks at the call's outputs and its silence (at most; less for short

@@ -18,10 +18,10 @@ from typing import Any, Awaitable, Callable, Sequence
 import jax
 import numpy as np
 
-from orbax_pathways import _said
-from orbax_pathways import layout
+from orbax_pathways._util import said
+from orbax_pathways.sharding import layout
 from orbax_pathways._compat import jax_distributed
-from orbax_pathways import values
+from orbax_pathways.transports import values
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
 from orbax_pathways.plan import sources as plan_sources
@@ -248,7 +248,7 @@ def peer_exchange(timeout_s: float) -> tier_peer.Exchange | None:
   try:
     exchange.secret()
   except tier_peer.PeerError as e:
-    _said.once(logging.WARNING, ('tier-peer-secret', str(e)),
+    said.once(logging.WARNING, ('tier-peer-secret', str(e)),
                'orbax_pathways: node-local tiers of other hosts not used: %s. Chunks this '
                "node's tier lacks are read from storage.", e)
     return None

@@ -26,8 +26,8 @@ from typing import Any, Awaitable, Callable, Sequence
 import jax
 import numpy as np
 
-from orbax_pathways import metadata
-from orbax_pathways import values
+from orbax_pathways.format import records as records_lib
+from orbax_pathways.transports import values
 from orbax_pathways import version
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways.storage import meta_io
@@ -116,9 +116,9 @@ class PersistenceTransport:
     for f in futures:
       await asyncio.to_thread(f.result)
     # The plugin computes no checksums: the record carries the layout and shardings only.
-    record = metadata.WriterRecord(
+    record = records_lib.WriterRecord(
         writer='controller', transport=NAME, library_version=version.VERSION, arrays=tuple(
-            metadata.ArrayRecord(name=leaf.name, dtype=np.dtype(leaf.stored_dtype).name,
+            records_lib.ArrayRecord(name=leaf.name, dtype=np.dtype(leaf.stored_dtype).name,
                                  shape=leaf.shape, chunk_shape=plan.chunk_shape, chunks=(),
                                  sharding=leaf.sharding)
             for leaf, plan in zip(leaves, plans)))

@@ -17,9 +17,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from orbax_pathways import layout
-from orbax_pathways import metadata
-from orbax_pathways import values
+from orbax_pathways.sharding import layout
+from orbax_pathways.format import records as records_lib
+from orbax_pathways.transports import values
 from orbax_pathways import version
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways.plan import boxes as boxes_lib
@@ -80,16 +80,16 @@ def array_writes(item: values.Item, leaves: Sequence[values.SaveLeaf],
 
 def writer_record(writer: str, transport: str, leaves: Sequence[values.SaveLeaf],
                   plans: Sequence[save_plan.ArrayWritePlan],
-                  chunks: dict[str, list[metadata.ChunkRecord]], *, with_sharding: bool,
-                  outcome: values.WriterOutcome, save_id: str = '') -> metadata.WriterRecord:
+                  chunks: dict[str, list[records_lib.ChunkRecord]], *, with_sharding: bool,
+                  outcome: values.WriterOutcome, save_id: str = '') -> records_lib.WriterRecord:
   """The ``_pathways/<writer>.msgpack`` content for what this writer wrote."""
   arrays = tuple(
-      metadata.ArrayRecord(
+      records_lib.ArrayRecord(
           name=leaf.name, dtype=np.dtype(leaf.stored_dtype).name, shape=leaf.shape,
           chunk_shape=plan.chunk_shape, chunks=tuple(chunks.get(leaf.name, ())),
           sharding=leaf.sharding if with_sharding else None)
       for leaf, plan in zip(leaves, plans))
-  return metadata.WriterRecord(
+  return records_lib.WriterRecord(
       writer=writer, transport=transport, arrays=arrays, library_version=version.VERSION,
       stats={'written_bytes': outcome.bytes_written, 'chunks': outcome.chunks_written},
       save_id=save_id)
@@ -100,7 +100,7 @@ async def write_pieces(writer: str, item: values.Item, leaves: Sequence[values.S
                        pieces: Sequence[Sequence[writer_lib.Piece]], *, creates: Sequence[bool],
                        process_id: int | str | None, max_inflight_bytes: int, context: Any = None,
                        on_progress: Callable[[], None] | None = None,
-                       ) -> tuple[values.WriterOutcome, dict[str, list[metadata.ChunkRecord]]]:
+                       ) -> tuple[values.WriterOutcome, dict[str, list[records_lib.ChunkRecord]]]:
   """Writes this host's pieces; returns what it wrote and the checksum of every chunk.
   ``on_progress`` (a colocated call's progress, ``transports/colocated_calls.py``) is called
   after each memory-budget batch of arrays landed: the same batches ``writer.write_arrays``
@@ -154,7 +154,7 @@ async def write_share(writer: str, transport: str, item: values.Item,
 def write_tier(tier: tier_store.TierConfig, item: values.Item, writer: str, save_id: str,
                leaves: Sequence[values.SaveLeaf], plans: Sequence[save_plan.ArrayWritePlan],
                pieces: Sequence[Sequence[writer_lib.Piece]],
-               chunks: dict[str, list[metadata.ChunkRecord]]) -> None:
+               chunks: dict[str, list[records_lib.ChunkRecord]]) -> None:
   """This host's share into its node-local tier (background, after the storage write), then
   the node-level clean-up of other checkpoint directories' entries (``tier/gc.after_write``,
   once per save); a failure is logged, never raised: the tier must not cost a save."""

@@ -40,7 +40,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
 import orbax_pathways  # pylint: disable=g-import-not-at-top,unused-import
-from orbax_pathways import lease  # pylint: disable=g-import-not-at-top
+from orbax_pathways.manager import lease  # pylint: disable=g-import-not-at-top
 from orbax_pathways._compat import jax_distributed  # pylint: disable=g-import-not-at-top
 
 P = jax.sharding.PartitionSpec

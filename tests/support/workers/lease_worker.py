@@ -113,7 +113,7 @@ def mp(argv) -> None:
   w.init()
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   import orbax_pathways  # pylint: disable=g-import-not-at-top,unused-import
-  from orbax_pathways import lease  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.manager import lease  # pylint: disable=g-import-not-at-top
   directory, tag, steps = argv[0], argv[1], _steps(argv[2])
   mngr = ocp.CheckpointManager(directory)
   outcomes = []

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from orbax_pathways import metadata
+from orbax_pathways.format import records as records_lib
 from orbax_pathways import options as options_lib
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
@@ -177,7 +177,7 @@ def _spec_entry(p: Any) -> Any:
   return tuple(p)
 
 
-def sharding_record(sharding: jax.sharding.Sharding, *, num_slices: int | None = None) -> metadata.ShardingRecord:
+def sharding_record(sharding: jax.sharding.Sharding, *, num_slices: int | None = None) -> records_lib.ShardingRecord:
   """What elastic restore needs to rebuild the layout on another topology.
 
   Written with every save by the primary writer; the mesh part is computed once per mesh (a
@@ -190,13 +190,13 @@ def sharding_record(sharding: jax.sharding.Sharding, *, num_slices: int | None =
   devices: set[Any] = sharding.device_set  # of jax.Device: jaxlib ships no types for it
   if isinstance(sharding, jax.sharding.SingleDeviceSharding):
     d = next(iter(devices))
-    return metadata.ShardingRecord(kind='single_device', device_ids=(int(d.id),))
-  return metadata.ShardingRecord(kind='other', device_ids=tuple(sorted(int(d.id) for d in devices)))
+    return records_lib.ShardingRecord(kind='single_device', device_ids=(int(d.id),))
+  return records_lib.ShardingRecord(kind='other', device_ids=tuple(sorted(int(d.id) for d in devices)))
 
 
 @functools.lru_cache(maxsize=64)
 def _mesh_record(mesh: jax.sharding.Mesh, num_slices: int | None,
-                 process_count: int) -> metadata.ShardingRecord:
+                 process_count: int) -> records_lib.ShardingRecord:
   """The mesh fields of a 'named' record (``process_count`` keys the cache: the slices of a
   multi-process run without slice information are its processes)."""
   del process_count
@@ -207,7 +207,7 @@ def _mesh_record(mesh: jax.sharding.Mesh, num_slices: int | None,
       name for axis, name in enumerate(mesh.axis_names)
       if devs.size and np.any(np.diff(slice_grid, axis=axis) != 0)
   )
-  return metadata.ShardingRecord(
+  return records_lib.ShardingRecord(
       kind='named',
       mesh_shape=tuple(int(s) for s in devs.shape),
       axis_names=tuple(str(a) for a in mesh.axis_names),

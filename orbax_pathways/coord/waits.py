@@ -8,7 +8,7 @@ gave none.
 
 - ``gather`` (every process of a multi-controller job, through our key-value agreements:
   ``preemption/decision.py``'s preemption-step agreement, ``preemption/recovery.py``'s resume
-  agreement, ``liveness.py``'s "my writes finished" round). ``client`` is jax's distributed
+  agreement, ``coord/liveness.py``'s "my writes finished" round). ``client`` is jax's distributed
   client (``blocking_key_value_get``, ``key_value_try_get``, ``key_value_dir_get`` where it
   has it); each process publishes ``<prefix>/<process index>`` and every process reads all of
   them. A plain loop of ``blocking_key_value_get(key, timeout)`` waits up to ``timeout`` per

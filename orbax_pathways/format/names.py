@@ -15,7 +15,7 @@ A step directory, as Orbax lays it out (``docs/format.md``)::
       _METADATA  _sharding  _strings.json  array_metadatas/process_<i>
       manifest.ocdbt  d/  ocdbt.process_<id>/      (OCDBT: one kvstore rooted at the item)
       <param>/...                                  (no OCDBT: one zarr directory per param)
-      _pathways/<writer>.msgpack                   (ours: ``orbax_pathways.metadata``)
+      _pathways/<writer>.msgpack                   (ours: ``orbax_pathways.format``)
 """
 
 from __future__ import annotations

@@ -72,6 +72,7 @@ import uuid
 from absl import logging
 from etils import epath
 
+from orbax_pathways.manager import processes as proc_lib
 from orbax_pathways._compat import orbax_manager as _om
 from orbax_pathways.tier import store as tier_store
 
@@ -126,80 +127,11 @@ def is_step_complete(step_path: epath.PathLike) -> bool:
 # Who owns a deleting directory.
 
 
-def _read(path: str) -> str:
-  try:
-    with open(path) as f:
-      return f.read().strip()
-  except OSError:
-    return ''
-
-
-@functools.lru_cache(maxsize=1)
-def host_id() -> str:
-  """8 hex digits naming this host *and* PID namespace: two containers with the same host name
-  see different PIDs, so a PID is only meaningful next to its namespace."""
-  try:
-    pidns = os.readlink('/proc/self/ns/pid')
-  except OSError:
-    pidns = ''
-  key = f'{socket.gethostname()}|{_read("/proc/sys/kernel/random/boot_id")}|{pidns}'
-  return hashlib.sha1(key.encode()).hexdigest()[:8]
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-  """(state, start time in clock ticks since boot) of ``pid`` from /proc, None if unknown."""
-  text = _read(f'/proc/{pid}/stat')
-  if not text or ')' not in text:
-    return None
-  fields = text.rsplit(')', 1)[1].split()
-  try:
-    return fields[0], int(fields[19])
-  except (IndexError, ValueError):
-    return None
-
-
-def _process_start(pid: int) -> int:
-  stat = _proc_stat(pid)
-  return stat[1] if stat else 0
-
-
-def _pid_alive(pid: int, start: int) -> bool:
-  """Whether process ``pid`` of this host (and PID namespace) that started at ``start`` (clock
-  ticks; 0: unknown) still runs."""
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    pass  # exists, owned by someone else
-  except OSError:
-    return True  # cannot tell: assume alive
-  stat = _proc_stat(pid)
-  if stat is None:
-    return True
-  state, started = stat
-  if state in ('Z', 'X'):
-    return False
-  return not (start and started and started != start)  # a different process got the PID
-
-
-def process_start(pid: int) -> int:
-  """Start time of ``pid`` on this host (clock ticks since boot; 0: unknown). Also used by
-  ``orbax_pathways.lease`` to name its owner."""
-  return _process_start(pid)
-
-
-def process_alive(pid: int, start: int) -> bool:
-  """Whether process ``pid`` of this host that started at ``start`` still runs (see
-  ``_pid_alive``). Also used by ``orbax_pathways.lease`` for a lease owner on this host."""
-  return _pid_alive(pid, start)
-
-
 def deleting_name(step_dir_name: str) -> str:
   """``<step>.orbax-pathways-deleting-<host>-<pid>-<start>-<created>-<rand>``: no ``_`` and no
   ``.orbax-checkpoint-tmp``, so no Orbax listing or cleanup ever takes it for a step."""
   pid = os.getpid()
-  return (f'{step_dir_name}{DELETING_MARKER}{host_id()}-{pid}-{_process_start(pid)}-'
+  return (f'{step_dir_name}{DELETING_MARKER}{proc_lib.host_id()}-{pid}-{proc_lib.process_start(pid)}-'
           f'{int(time.time())}-{uuid.uuid4().hex[:8]}')
 
 
@@ -221,13 +153,13 @@ def abandoned(path: epath.PathLike, *, now: float | None = None,
       return True, f'owner unknown, unchanged for {age:.0f} s'
     return False, f'owner unknown, changed {age:.0f} s ago (< {lease:.0f} s)'
   pid, start, age = int(m['pid']), int(m['start']), now - int(m['created'])
-  if m['host'] == host_id():
-    if pid == os.getpid() and start == _process_start(pid):
+  if m['host'] == proc_lib.host_id():
+    if pid == os.getpid() and start == proc_lib.process_start(pid):
       with _active_lock:
         if str(path) in _active:
           return False, 'this process is deleting it'
       return True, 'this process gave up deleting it'
-    if not _pid_alive(pid, start):
+    if not proc_lib.process_alive(pid, start):
       return True, f'its owner, process {pid} on this host, is gone'
     if age > lease:
       return True, f'its owner, process {pid} on this host, started it {age:.0f} s ago'
@@ -465,7 +397,7 @@ def _manager_init_hook(mngr) -> None:
 def install(*, accept_unmarked_steps: bool = False,
             abandoned_after_s: float = ABANDONED_AFTER_S) -> None:
   """Activates safe deletion and strict listing for every CheckpointManager (idempotent), and
-  the writer lease (``orbax_pathways.lease.install``: one saving job per directory).
+  the writer lease (``orbax_pathways.manager.lease.install``: one saving job per directory).
 
   ``abandoned_after_s``: age after which a leftover whose owner cannot be checked (another host)
   or an unchanged temporary step counts as abandoned (see the module docstring)."""
@@ -481,14 +413,14 @@ def install(*, accept_unmarked_steps: bool = False,
     _om.set_hook('manager_init', _manager_init_hook)
     _om.install_manager_hooks()
     _installed = True
-  from orbax_pathways import lease  # pylint: disable=g-import-not-at-top  # it imports us
+  from orbax_pathways.manager import lease  # pylint: disable=g-import-not-at-top  # it imports us
   lease.install()
 
 
 def uninstall() -> None:
   """Back to stock Orbax behaviour for deletion, listing and saving (no lease; idempotent)."""
   global _installed, _accept_unmarked, _abandoned_after_s
-  from orbax_pathways import lease  # pylint: disable=g-import-not-at-top  # it imports us
+  from orbax_pathways.manager import lease  # pylint: disable=g-import-not-at-top  # it imports us
   lease.uninstall()
   with _state_lock:
     _om.set_hook('delete_step', None)

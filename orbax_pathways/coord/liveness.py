@@ -42,7 +42,7 @@ import time
 from typing import Any, Sequence
 
 from orbax_pathways import errors
-from orbax_pathways import waits
+from orbax_pathways.coord import waits
 
 PREFIX = 'orbax_pathways/liveness'
 OK = 'ok'

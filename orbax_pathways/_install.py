@@ -22,12 +22,12 @@ import warnings
 
 import numpy as np
 
-from orbax_pathways import layout
-from orbax_pathways import liveness
+from orbax_pathways.sharding import layout
+from orbax_pathways.coord import liveness
 from orbax_pathways.frontends import orbax_v0 as handler_lib
 from orbax_pathways import options as options_lib
 from orbax_pathways import preemption
-from orbax_pathways import retention
+from orbax_pathways.manager import retention
 from orbax_pathways import stats as stats_lib
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax as compat
@@ -36,7 +36,7 @@ from orbax_pathways._compat import orbax_liveness
 from orbax_pathways._compat import orbax_loop
 from orbax_pathways._compat import orbax_manager
 from orbax_pathways._compat import orbax_signals
-from orbax_pathways._compat import orbax_v1 as compat_v1
+from orbax_pathways._compat import orbax_v1_seams as compat_v1
 from orbax_pathways._compat import storage_clients
 from orbax_pathways.frontends import orbax_v1
 from orbax_pathways.storage import index as index_lib
@@ -107,7 +107,7 @@ def _install_manager_side() -> None:
   # the _pathways index, written before commit; v1 partial saves' parts joined at finalize
   orbax_finalize.install(index_lib.merge_item, index_lib.merge_pending)
   orbax_signals.install()  # a failed step directory releases its waiters (no hang at exit)
-  # a process that dies mid-save is named by the others, who raise and exit (liveness.py)
+  # a process that dies mid-save is named by the others, who raise and exit (coord/liveness.py)
   orbax_liveness.install(_save_round, liveness.lost_error)
 
 

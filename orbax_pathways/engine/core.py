@@ -1,7 +1,7 @@
 """The engine: the one save path and the one restore path behind every Orbax front door.
 
 Front doors (``frontends/orbax_v0.py`` for Orbax's TypeHandler registry, ``frontends/orbax_v1.py``
-for the v1 API) convert Orbax's objects into ``orbax_pathways.values`` and call, on the
+for the v1 API) convert Orbax's objects into ``orbax_pathways.transports.values`` and call, on the
 controller (the only process under Pathways, every process under multi-controller JAX):
 
 Save:
@@ -36,17 +36,18 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from orbax_pathways import _said
-from orbax_pathways import checksum
+from orbax_pathways._util import said
+from orbax_pathways.format import checksum
 from orbax_pathways import errors
-from orbax_pathways import format as format_lib
-from orbax_pathways import layout
-from orbax_pathways import liveness
-from orbax_pathways import metadata
+from orbax_pathways.format import names as format_lib
+from orbax_pathways.sharding import layout
+from orbax_pathways.coord import liveness
+from orbax_pathways.format import grid as grid_lib
+from orbax_pathways.format import records as records_lib
 from orbax_pathways import options as options_lib
-from orbax_pathways import runtime
+from orbax_pathways.engine import runtime
 from orbax_pathways import stats as stats_lib
-from orbax_pathways import values
+from orbax_pathways.transports import values
 from orbax_pathways import version
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways._compat import storage_clients
@@ -56,7 +57,7 @@ from orbax_pathways.storage import deadline as deadline_lib
 from orbax_pathways.storage import hedge
 from orbax_pathways.storage import reader as reader_lib
 from orbax_pathways.storage import writer as writer_lib
-from orbax_pathways.tier import layout as tier_layout
+from orbax_pathways.tier import manifest as tier_layout
 from orbax_pathways.tier import store as tier_store
 from orbax_pathways.transports import base as transports
 from orbax_pathways.transports import registry
@@ -79,7 +80,7 @@ def _step_dir(item_directory: str) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def sharding_record(sharding: jax.sharding.Sharding,
-                    num_slices: int | None) -> metadata.ShardingRecord:
+                    num_slices: int | None) -> records_lib.ShardingRecord:
   """What the primary writer records of an array's sharding (cached: O(devices) to build, and a
   training loop saves the same shardings every time)."""
   return layout.sharding_record(sharding, num_slices=num_slices)
@@ -145,13 +146,13 @@ def missing_record_error(name: str, path: str, item_directory: str) -> errors.Re
          '(Options(verify_checksums=False)).')
   cached = meta_io.cached_index(item_directory)
   if cached is not None and cached.damaged_index:
-    return metadata.DamagedIndexError(
+    return records_lib.DamagedIndexError(
         f'{cached.damaged_index} The writer records beside it do not cover array {name!r} at '
         f'{path} (a record was lost as well), so these bytes cannot be verified. {fix}')
   return errors.MissingChecksumError(
       f'Array {name!r} at {path} has no checksum record in {meta_io.index_path(item_directory)} '
       f'or the writer records beside it, although orbax-pathways wrote this item (its '
-      f'{metadata.DIRNAME}/ exists): the record was lost (a writer\'s record file deleted, or an '
+      f'{records_lib.DIRNAME}/ exists): the record was lost (a writer\'s record file deleted, or an '
       f'index missing the key), so these bytes cannot be verified. {fix}')
 
 
@@ -165,18 +166,18 @@ class HostArray:
 
 
 def host_chunk_records(value: np.ndarray,
-                       chunk_shape: tuple[int, ...]) -> list[metadata.ChunkRecord]:
+                       chunk_shape: tuple[int, ...]) -> list[records_lib.ChunkRecord]:
   """crc32c of every chunk of ``value`` (already in the stored dtype) on the grid
   ``chunk_shape``, clipped to the array, in C order of the grid."""
   out = []
   for origin in format_lib.chunk_origins(value.shape, chunk_shape):
     region = format_lib.chunk_region(origin, chunk_shape, value.shape)
     sub = value[region.to_slices()]
-    out.append(metadata.ChunkRecord(tuple(origin), checksum.of_array(sub), sub.nbytes))
+    out.append(records_lib.ChunkRecord(tuple(origin), checksum.of_array(sub), sub.nbytes))
   return out
 
 
-async def write_host_array(a: HostArray, *, context: Any) -> metadata.ArrayRecord:
+async def write_host_array(a: HostArray, *, context: Any) -> records_lib.ArrayRecord:
   """Writes one host leaf with Orbax's spec, then returns its record: the crc32c of each chunk
   of the grid tensorstore created, of the bytes as stored.
 
@@ -215,7 +216,7 @@ async def write_host_array(a: HostArray, *, context: Any) -> metadata.ArrayRecor
         'untouched; this step will not be committed. Check the storage path, credentials and '
         'free space, then save again.') from e
   chunks = await asyncio.to_thread(host_chunk_records, value, chunk_shape)
-  return metadata.ArrayRecord(name=a.name, dtype=stored.name, shape=tuple(value.shape),
+  return records_lib.ArrayRecord(name=a.name, dtype=stored.name, shape=tuple(value.shape),
                               chunk_shape=chunk_shape, chunks=tuple(chunks))
 
 
@@ -278,7 +279,7 @@ def announce_transport(transport: str) -> None:
   level, note = _TRANSPORT_NOTES.get(
       (rt, transport), (logging.INFO, 'each process writes and reads the shards its own devices '
                                       'hold.'))
-  _said.once(level, ('transport', rt, transport), 'orbax_pathways: transport %s (%s): %s',
+  said.once(level, ('transport', rt, transport), 'orbax_pathways: transport %s (%s): %s',
              transport, rt, note)
 
 
@@ -291,7 +292,7 @@ class Engine:
     deadline_lib.configure(options.request_deadline_floor_s, options.request_deadline_cap_s)
     # ... and those Orbax makes through gcsfs and google-cloud-storage: a stall deadline.
     storage_clients.configure(hedge.stall_timeout_s(options.request_deadline_floor_s))
-    liveness.configure(options.peer_timeout_s)  # waits on other processes (liveness.py)
+    liveness.configure(options.peer_timeout_s)  # waits on other processes (coord/liveness.py)
 
   def transport_name(self) -> str:
     return runtime.choose_transport(requested=self.options.transport).value
@@ -320,7 +321,7 @@ class Engine:
       root = tier_layout.split_item_dir(directory)[0] if directory is not None else None
       remote = root is not None and tier_store.storage_is_remote(root)
       if not tier_store.default_applies(remote, jax.process_count(), not local):
-        _said.once(logging.INFO, ('tier-default-off',),
+        said.once(logging.INFO, ('tier-default-off',),
                    'orbax_pathways: no node-local tier for %s: the checkpoint directory is on '
                    'this machine\'s disk and one process saves and restores it, so the page '
                    'cache already serves a restart (the /dev/shm default is kept for gs:// or '
@@ -362,7 +363,7 @@ class Engine:
     return PendingSave(transport, snap, st, item, ready)
 
   async def save_host(self, writer: str, item: values.Item, arrays: Sequence[HostArray], *,
-                      context: Any) -> metadata.WriterRecord:
+                      context: Any) -> records_lib.WriterRecord:
     """Writes host (numpy, scalar) leaves exactly as Orbax's ``NumpyHandler`` does, then their
     record ``_pathways/<writer>.msgpack`` (crc32c of every chunk), which the item's index merges
     like any writer's. Runs in Orbax's background commit, on the one process that writes them
@@ -375,7 +376,7 @@ class Engine:
         raise r
     done = [r for r in records if not isinstance(r, BaseException)]
     written = sum(c.nbytes for r in done for c in r.chunks)  # in the stored dtypes
-    record = metadata.WriterRecord(
+    record = records_lib.WriterRecord(
         writer=writer, transport='local', arrays=tuple(done), library_version=version.VERSION,
         stats={'written_bytes': written, 'chunks': sum(len(r.chunks) for r in done)})
     await asyncio.to_thread(meta_io.write_record, item.directory, record)
@@ -387,7 +388,7 @@ class Engine:
 
   async def restore(self, leaves: Sequence[RestoreLeaf], item: values.Item, *,
                     config: transports.ReadConfig,
-                    records: dict[str, metadata.ArrayRecord],
+                    records: dict[str, records_lib.ArrayRecord],
                     written_by_us: bool = False,
                     context: Any = None) -> list[jax.Array]:
     """``records`` are this item's ``_pathways`` records by array name (empty for a stock
@@ -433,7 +434,7 @@ class Engine:
     return out
 
   async def read_to_host(self, names: Sequence[str], dtypes: Sequence[Any], item: values.Item, *,
-                         records: dict[str, metadata.ArrayRecord], verify: bool,
+                         records: dict[str, records_lib.ArrayRecord], verify: bool,
                          written_by_us: bool = False, record_stats: bool = True,
                          context: Any = None) -> list[np.ndarray]:
     """Whole arrays as numpy on this host (restore targets that ask for ``np.ndarray``,
@@ -459,7 +460,7 @@ class Engine:
     return [bufs[bx[0]] for bufs, bx in zip(buffers, boxes)]
 
   async def _target(self, leaf: RestoreLeaf, item: values.Item,
-                    record: metadata.ArrayRecord | None, context: Any, *,
+                    record: records_lib.ArrayRecord | None, context: Any, *,
                     require_record: bool = False) -> values.ReadTarget:
     """Resolves one leaf against what is on storage. ``require_record``: the item was written
     by orbax-pathways and verification is on, so a leaf without a record cannot be verified."""
@@ -472,7 +473,7 @@ class Engine:
     chunk_shape: tuple[int, ...] | None
     if record is not None:
       stored_shape, chunk_shape = tuple(record.shape), tuple(record.chunk_shape)
-      chunks = metadata.chunk_index([record])
+      chunks = grid_lib.chunk_index([record])
       if dtype is None:
         dtype = np.dtype(record.dtype)
     else:  # A checkpoint without our metadata (stock Orbax): ask tensorstore for the layout.

@@ -15,7 +15,7 @@ Who calls what, on which host:
   lease-writing process (its primary host) takes the lease at the job's first save into the
   directory, and at each later save checks that it still holds it (renewing it when due). Under
   multi-controller JAX the other processes *that call this manager* (its ``active_processes``,
-  ``plan/participants.py``; never a process that does not, such as the other slices of Orbax's
+  ``coord/participants.py``; never a process that does not, such as the other slices of Orbax's
   emergency manager) take the writer's answer through the coordination service's key-value
   store, so they all raise together (no process left waiting in Orbax's barriers) and the job
   is one owner. A manager with ``primary_host=None`` (every process saves a directory of its
@@ -57,12 +57,12 @@ import tensorstore as ts
 
 from orbax_pathways import errors
 from orbax_pathways import options as options_lib
-from orbax_pathways import retention
+from orbax_pathways.manager import processes as proc_lib
 from orbax_pathways import version
-from orbax_pathways import waits
+from orbax_pathways.coord import waits
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager as _om
-from orbax_pathways.plan import lease as plan
+from orbax_pathways.manager import lease_policy as plan
 from orbax_pathways.storage import meta_io
 
 LEASE_FILE = 'orbax-pathways-lease.json'
@@ -153,8 +153,8 @@ class Lease:
     now = time.time()
     pid = os.getpid()
     self.me = plan.Owner(
-        token=uuid.uuid4().hex, host=socket.gethostname(), host_id=retention.host_id(), pid=pid,
-        pid_start=retention.process_start(pid), job=_job_name(), processes=processes,
+        token=uuid.uuid4().hex, host=socket.gethostname(), host_id=proc_lib.host_id(), pid=pid,
+        pid_start=proc_lib.process_start(pid), job=_job_name(), processes=processes,
         started=now, renewed=now, timeout_s=timeout, library_version=version.VERSION)
     self.holders: set[int] = set()  # id() of the managers of this process that saved here
     self._generation: bytes | None = None
@@ -184,7 +184,7 @@ class Lease:
         watched_since, seen = mono, generation
       alive = None
       if held is not None and held.host_id == self.me.host_id:
-        alive = retention.process_alive(held.pid, held.pid_start)
+        alive = proc_lib.process_alive(held.pid, held.pid_start)
       decision = plan.decide(
           held, present=present, my_token=self.me.token, my_host_id=self.me.host_id,
           now=time.time(), timeout_s=self.timeout_s, owner_alive=alive,

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from orbax_pathways import metadata
+from orbax_pathways.format import records as records_lib
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import restore as restore_plan
 from orbax_pathways.plan import save as save_plan
@@ -80,7 +80,7 @@ class SaveLeaf:
   stored_dtype: np.dtype
   compress: bool
   max_chunk_bytes: int
-  sharding: metadata.ShardingRecord | None = None
+  sharding: records_lib.ShardingRecord | None = None
   ext_metadata: Mapping[str, Any] | None = None
   split_axes: tuple[int, ...] | None = None  # chunk only along these axes (SaveArgs.shard_axes)
 
@@ -124,7 +124,7 @@ class ReadTarget:
   shape: tuple[int, ...]
   dtype: np.dtype
   chunk_shape: tuple[int, ...] | None
-  chunks: Mapping[tuple[int, ...], metadata.ChunkRecord]
+  chunks: Mapping[tuple[int, ...], records_lib.ChunkRecord]
   sharding: Any
   stored_shape: tuple[int, ...] | None = None  # differs from ``shape`` only when padding/truncating
   require_checksums: bool = False  # written with checksums: every chunk must have a record

@@ -1,6 +1,6 @@
 """The writer lease's content and the decision "may this job take it?". Pure: no I/O, no clock.
 
-``orbax_pathways.lease`` (on the lease-writing host of a saving job: its primary process) reads
+``orbax_pathways.manager.lease`` (on the lease-writing host of a saving job: its primary process) reads
 the lease object, gathers the facts it can check (is the owner's process alive, when did the
 object last change), and asks ``decide``; it then does the storage write the decision asks for.
 The content is JSON (``Owner.encode``), readable by hand and by any version.
@@ -28,7 +28,7 @@ class Owner:
 
   token: str  # random, one per process and directory: tells our lease from another's
   host: str  # host name
-  host_id: str  # host + boot + PID namespace (``retention.host_id``): where ``pid`` means something
+  host_id: str  # host + boot + PID namespace (``processes.host_id``): where ``pid`` means something
   pid: int
   pid_start: int  # the process's start time (clock ticks since boot; 0: unknown)
   job: str  # the scheduler's job name or id, '' when none is known
@@ -86,7 +86,7 @@ def decide(held: Owner | None, *, present: bool, my_token: str, my_host_id: str,
     held: the owner read from the object (None: no object, or one we cannot decode).
     present: whether the object exists.
     my_token: this job's token.
-    my_host_id: this host's id (``retention.host_id``).
+    my_host_id: this host's id (``processes.host_id``).
     now: Unix seconds now (this host's clock).
     timeout_s: renewal age after which the owner counts as gone.
     owner_alive: on the owner's host, whether its process still runs (None: another host).

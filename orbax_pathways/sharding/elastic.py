@@ -4,7 +4,7 @@ Called on the controller (every process in multi-controller JAX) at restore time
 doors: for Orbax's ``metadata`` call (it asks for the saved shardings when a restore has no
 target, or a target whose leaves carry no sharding), and for restore args that name no sharding.
 A saved sharding is kept when all its devices still exist and the slice count is unchanged;
-otherwise the saved mesh is rebuilt over the current slices (``plan/elastic.py``), keeping the
+otherwise the saved mesh is rebuilt over the current slices (``plan/remap.py``), keeping the
 PartitionSpecs. Any device count works: what no longer divides is replicated. Each remapping
 call logs one INFO line saying which mesh was laid over which and what got replicated.
 ``remapped_abstract_state`` shows the result before restoring.
@@ -24,10 +24,10 @@ import jax
 import numpy as np
 
 from orbax_pathways import errors
-from orbax_pathways import layout
-from orbax_pathways import metadata
+from orbax_pathways.sharding import layout
+from orbax_pathways.format import records as records_lib
 from orbax_pathways._compat import orbax as compat
-from orbax_pathways.plan import elastic as plan
+from orbax_pathways.plan import remap as plan
 from orbax_pathways.storage import meta_io
 
 log = logging.getLogger('orbax_pathways')
@@ -75,12 +75,12 @@ def current_topology(num_slices: int | None = None) -> Topology:
   return Topology(devices, slices, known)
 
 
-def _saved_mesh(record: metadata.ShardingRecord) -> plan.SavedMesh:
+def _saved_mesh(record: records_lib.ShardingRecord) -> plan.SavedMesh:
   return plan.SavedMesh(record.mesh_shape, record.axis_names, record.device_ids,
                         record.device_slices or (0,) * len(record.device_ids), record.slice_axes)
 
 
-def _record_from_orbax(sm: Any) -> metadata.ShardingRecord | None:
+def _record_from_orbax(sm: Any) -> records_lib.ShardingRecord | None:
   """Our record's fields from Orbax's ``_sharding`` entry (stock checkpoints: one slice)."""
   name = type(sm).__name__
   if name == 'NamedShardingMetadata':
@@ -89,15 +89,15 @@ def _record_from_orbax(sm: Any) -> metadata.ShardingRecord | None:
     if sm.device_mesh is not None:
       ids = tuple(int(d.id) for d in jax.tree.leaves(
           sm.device_mesh.mesh, is_leaf=lambda x: hasattr(x, 'id')))
-    return metadata.ShardingRecord(kind='named', mesh_shape=shape, axis_names=tuple(sm.axis_names),
+    return records_lib.ShardingRecord(kind='named', mesh_shape=shape, axis_names=tuple(sm.axis_names),
                                    device_ids=ids, device_slices=(0,) * len(ids),
                                    spec=tuple(sm.partition_spec))
   if name == 'SingleDeviceShardingMetadata':
-    return metadata.ShardingRecord(kind='single_device', device_ids=())
+    return records_lib.ShardingRecord(kind='single_device', device_ids=())
   return None
 
 
-def needs_remap(record: metadata.ShardingRecord, topo: Topology) -> bool:
+def needs_remap(record: records_lib.ShardingRecord, topo: Topology) -> bool:
   ids = {d.id for d in topo.devices}
   if any(i not in ids for i in record.device_ids):
     return True
@@ -134,7 +134,7 @@ def _mesh_text(shape: Sequence[int], names: Sequence[str]) -> str:
   return f'{dict(zip(names, (int(x) for x in shape)))} ({math.prod(shape)} device(s))'
 
 
-def remap_sharding(name: str, shape: Sequence[int], dtype: Any, record: metadata.ShardingRecord,
+def remap_sharding(name: str, shape: Sequence[int], dtype: Any, record: records_lib.ShardingRecord,
                    topo: Topology, *, divisibility: str,
                    laid: Laid | None = None) -> jax.sharding.Sharding:
   """The sharding ``name`` gets on ``topo`` (see module docstring for the rule). A dim that no
@@ -179,8 +179,8 @@ def remap_sharding(name: str, shape: Sequence[int], dtype: Any, record: metadata
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
-def _saved_record(name: str, records: dict[str, metadata.ArrayRecord],
-                  orbax_sharding: Any) -> metadata.ShardingRecord | None:
+def _saved_record(name: str, records: dict[str, records_lib.ArrayRecord],
+                  orbax_sharding: Any) -> records_lib.ShardingRecord | None:
   rec = records.get(name)
   if rec is not None and rec.sharding is not None:
     return rec.sharding
@@ -188,7 +188,7 @@ def _saved_record(name: str, records: dict[str, metadata.ArrayRecord],
 
 
 def remap_value_metadata(infos: Sequence[Any], metas: list[Any],
-                         records: dict[str, metadata.ArrayRecord], *, num_slices: int | None,
+                         records: dict[str, records_lib.ArrayRecord], *, num_slices: int | None,
                          divisibility: str) -> list[Any]:
   """Orbax ArrayMetadata with ``sharding`` replaced by the remapped one where needed.
 

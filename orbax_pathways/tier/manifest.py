@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import msgpack
 
-from orbax_pathways import format as format_lib
+from orbax_pathways.format import names as format_lib
 
 MANIFEST = 'manifest.msgpack'
 COMMITTED = 'COMMITTED'
