@@ -12,8 +12,9 @@ import orbax_pathways
 from orbax_pathways.storage import meta_io
 
 from support import ckpt
+from support import procs
 from support.arrays import assert_trees_equal, mesh, put, random_state
-from support.procs import run_python
+from support.workers import handler_worker
 
 # An exception nobody could raise (a callback into a closed event loop) or a coroutine never
 # awaited fails the test (issue 26, item 13).
@@ -47,19 +48,13 @@ def test_install_idempotent_and_uninstall_restores_previous():
 
 
 def test_opt_out_environment_variable():
-  proc = run_python("""
-      import jax, orbax.checkpoint as ocp, orbax_pathways
-      print(type(ocp.type_handlers.get_type_handler(jax.Array)).__name__)
-  """, env={'ORBAX_PATHWAYS_DISABLE': '1'})
+  proc = procs.run_worker(handler_worker, 'registered', env={'ORBAX_PATHWAYS_DISABLE': '1'})
   assert proc.stdout.strip().endswith('ArrayHandler')
   assert 'Proxy' not in proc.stdout
 
 
 def test_install_logs_what_it_installed():
-  proc = run_python("""
-      import logging; logging.basicConfig(level=logging.INFO)
-      import orbax_pathways
-  """)
+  proc = procs.run_worker(handler_worker, 'install_log')
   assert 'installed ProxyArrayHandler for jax.Array' in proc.stderr
 
 
@@ -109,20 +104,7 @@ def test_dtypes_round_trip(tmp_path, dtype):
 
 
 def test_64_bit_dtypes_round_trip(tmp_path):
-  run_python(f"""
-      import jax; jax.config.update('jax_enable_x64', True)
-      import numpy as np, orbax.checkpoint as ocp, orbax_pathways
-      import jax.numpy as jnp
-      x = {{'f': jnp.arange(16, dtype=jnp.float64) / 3, 'i': jnp.arange(16, dtype=jnp.int64) * 2**40,
-           'u': jnp.arange(16, dtype=jnp.uint64) * 2**40}}
-      with ocp.CheckpointManager({str(tmp_path)!r}) as m:
-        m.save(0, args=ocp.args.StandardSave(x)); m.wait_until_finished()
-        r = m.restore(0, args=ocp.args.StandardRestore(x))
-      assert orbax_pathways.stats.last_restore().arrays == 3
-      for k in x:
-        assert r[k].dtype == x[k].dtype, (k, r[k].dtype)
-        np.testing.assert_array_equal(np.asarray(r[k]), np.asarray(x[k]))
-  """)
+  procs.run_worker(handler_worker, 'x64', tmp_path)
 
 
 def _sharding_cases():
