@@ -2,11 +2,10 @@
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import orbax_pathways
 from orbax_pathways.storage import meta_io
@@ -80,89 +79,13 @@ def test_save_and_restore_are_served_by_our_handler(tmp_path):
   assert record.transports() == {'local'}
 
 
-def _dtype_cases():
-  cases = [np.float32, jnp.bfloat16, np.float16, np.int8, np.int16, np.int32, np.uint8,
-           np.uint16, np.uint32, np.bool_, ml_dtypes.int4, ml_dtypes.float8_e4m3fn,
-           ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3b11fnuz]
-  return [pytest.param(d, id=np.dtype(d).name) for d in cases]
-
-
-@pytest.mark.parametrize('dtype', _dtype_cases())
-def test_dtypes_round_trip(tmp_path, dtype):
-  m = mesh()
-  rng = np.random.default_rng(1)
-  raw = rng.integers(-7, 7, size=(16, 8))
-  value = (raw > 0) if np.dtype(dtype) == np.bool_ else raw.astype(dtype)
-  if np.dtype(dtype).kind == 'u':
-    value = np.abs(raw).astype(dtype)
-  state = {'x': put(value, m, 'data', 'model'), 'r': put(value, m)}
-  with ocp.CheckpointManager(tmp_path) as mngr:
-    mngr.save(0, args=ocp.args.StandardSave(state))
-    mngr.wait_until_finished()
-    assert_trees_equal(mngr.restore(0, args=ocp.args.StandardRestore(state)), state)
-    assert_trees_equal(mngr.restore(0), state)
+# Every dtype and sharding kind (sharded, replicated, partly replicated, single-device, scalars,
+# zero-size, PRNG keys) round-trips in the transport conformance suite, which runs for the local
+# transport too (support/conformance.py, tests/test_transport_conformance.py).
 
 
 def test_64_bit_dtypes_round_trip(tmp_path):
   procs.run_worker(handler_worker, 'x64', tmp_path)
-
-
-def _sharding_cases():
-  return {
-      'row': ((4, 2), ('data', 'model'), P('data', None)),
-      'col': ((4, 2), ('data', 'model'), P(None, 'model')),
-      'both': ((4, 2), ('data', 'model'), P('data', 'model')),
-      'transposed': ((4, 2), ('data', 'model'), P('model', 'data')),
-      'multi_axis': ((4, 2), ('data', 'model'), P(('data', 'model'), None)),
-      'replicated': ((4, 2), ('data', 'model'), P()),
-      'flat8': ((8,), ('x',), P(None, 'x')),
-      'three_d': ((2, 2, 2), ('a', 'b', 'c'), P('c', ('a', 'b'))),
-      'subset_mesh': ((2, 2), ('a', 'b'), P('b', None)),
-  }
-
-
-@pytest.mark.parametrize('case', list(_sharding_cases()))
-def test_named_shardings_round_trip(tmp_path, case):
-  shape, axes, spec = _sharding_cases()[case]
-  m = mesh(shape, axes)
-  value = np.arange(32 * 16, dtype=np.float32).reshape(32, 16)
-  state = {'a': jax.device_put(value, NamedSharding(m, spec))}
-  with ocp.CheckpointManager(tmp_path) as mngr:
-    mngr.save(0, args=ocp.args.StandardSave(state))
-    mngr.wait_until_finished()
-    st = orbax_pathways.stats.last_save()
-    assert st.written_bytes['p0'] == value.nbytes  # each distinct shard written exactly once
-    restored = mngr.restore(0)
-  assert restored['a'].sharding == state['a'].sharding
-  np.testing.assert_array_equal(np.asarray(restored['a']), value)
-
-
-def test_single_device_scalar_zero_size_and_prng_keys(tmp_path):
-  d1 = jax.devices()[3]
-  state = {
-      'single': jax.device_put(np.arange(10, dtype=np.int32), SingleDeviceSharding(d1)),
-      'scalar': jnp.float32(3.5),
-      'empty': jnp.zeros((0, 4), jnp.float32),
-      'empty_sharded': put(np.zeros((8, 0), np.float32), mesh(), 'data', None),
-      'key': jax.random.key(42),
-      'keys': jax.random.split(jax.random.key(1), 8),
-      'raw_key': jax.random.PRNGKey(0),
-      'np': np.arange(4.0),
-      'py_int': 3,
-      'py_float': 2.5,
-  }
-  with ocp.CheckpointManager(tmp_path) as mngr:
-    mngr.save(0, args=ocp.args.StandardSave(state))
-    mngr.wait_until_finished()
-    r = mngr.restore(0, args=ocp.args.StandardRestore(state))
-    r2 = mngr.restore(0)
-  assert_trees_equal(r, state)
-  assert jax.dtypes.issubdtype(r['key'].dtype, jax.dtypes.prng_key)
-  assert jax.random.key_impl(r['keys']) == jax.random.key_impl(state['keys'])
-  assert r['single'].sharding == state['single'].sharding
-  assert r2['empty'].shape == (0, 4)
-  np.testing.assert_array_equal(np.asarray(jax.random.key_data(r2['keys'])),
-                                np.asarray(jax.random.key_data(state['keys'])))
 
 
 def test_restore_onto_a_different_mesh_with_explicit_target(tmp_path):
