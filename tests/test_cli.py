@@ -38,10 +38,11 @@ from orbax_pathways.storage import meta_io
 from support import ckpt
 from support import damage
 from support import golden
+from support import procs
+from support.workers import bare_import_worker, cli_no_backend_worker, console_script_worker
 from support.arrays import mesh as make_mesh
 from support.arrays import put
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 KERNEL = 'params.dense.kernel'
 
 
@@ -64,10 +65,9 @@ def run_json(*argv) -> tuple[int, dict]:
 
 
 def run_subprocess(*argv, env=None, timeout=120) -> subprocess.CompletedProcess:
-  return subprocess.run(
-      [sys.executable, '-m', 'orbax_pathways', *[str(a) for a in argv]],
-      capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO,
-  )
+  """``python -m orbax_pathways argv...`` with ``env`` (a whole environment, e.g.
+  ``_hermetic_env()``) as the child's base, no device-count flag."""
+  return procs.run_cli(*argv, base=env, devices=None, timeout=timeout)
 
 
 def _mesh() -> Mesh:
@@ -601,38 +601,16 @@ def test_subprocess_and_gcs_without_credentials(built):
 
 
 def test_cli_never_initializes_a_backend(built):
-  code = (
-      'import sys\n'
-      'from orbax_pathways.cli import main\n'
-      f'assert main.main(["show", {str(built["ours"] / "1")!r}, "--json"]) == 0\n'
-      f'assert main.main(["verify", {str(built["ours"] / "1")!r}]) == 3\n'
-      'xb = sys.modules.get("jax._src.xla_bridge")\n'
-      'assert xb is None or not xb.backends_are_initialized(), "a jax backend was initialized"\n'
-  )
-  env = _hermetic_env()
-  env.pop('JAX_PLATFORMS')
-  proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env,
-                        cwd=REPO, timeout=120)
+  proc = procs.run_worker(cli_no_backend_worker, built['ours'] / '1', base=_hermetic_env(),
+                          devices=None, unset=('JAX_PLATFORMS',), timeout=120, check=False)
   assert proc.returncode == 0, proc.stderr
-
-
-_NO_JAX = (
-    'import sys\n'
-    'import orbax_pathways.cli.main\n'
-    'bad = sorted(m for m in ("jax", "jaxlib", "orbax") if m in sys.modules)\n'
-    'assert not bad, f"importing the CLI loaded {bad}"\n'
-)
 
 
 def test_cli_modules_import_no_jax():
   """Every module the CLI imports is jax-free: imported with the package's ``__init__`` skipped
   (it installs the handler, see the next test), nothing loads jax or Orbax."""
-  bare = ('import sys, types\n'
-          'pkg = types.ModuleType("orbax_pathways")\n'
-          f'pkg.__path__ = [{str(REPO / "orbax_pathways")!r}]\n'
-          'sys.modules["orbax_pathways"] = pkg\n')
-  proc = subprocess.run([sys.executable, '-c', bare + _NO_JAX], capture_output=True, text=True,
-                        cwd=REPO, timeout=120)
+  proc = procs.run_worker(bare_import_worker, 'orbax_pathways.cli.main', 'jax,jaxlib,orbax',
+                          timeout=120, check=False)
   assert proc.returncode == 0, proc.stderr
 
 
@@ -640,14 +618,8 @@ def test_the_console_script_loads_no_jax(built):
   """``orbax-pathways`` enters through ``orbax_pathways_cli``, which imports the package without
   installing the handler: jax and Orbax never load (a plain ``import orbax_pathways`` installs,
   which needs both)."""
-  code = ('import sys\n'
-          'import orbax_pathways_cli\n'
-          f'sys.argv = ["orbax-pathways", "ls", {str(built["stock"])!r}]\n'
-          'assert orbax_pathways_cli.main() == 0\n'
-          'bad = sorted(m for m in ("jax", "jaxlib", "orbax") if m in sys.modules)\n'
-          'assert not bad, f"the CLI loaded {bad}"\n')
-  proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=REPO,
-                        timeout=120, env=_hermetic_env())
+  proc = procs.run_worker(console_script_worker, built['stock'], base=_hermetic_env(),
+                          devices=None, timeout=120, check=False)
   assert proc.returncode == 0, proc.stderr
   assert 'complete' in proc.stdout
 
@@ -656,8 +628,8 @@ def test_console_script(built):
   script = pathlib.Path(sys.executable).parent / 'orbax-pathways'
   if not script.exists():
     pytest.skip('console script not installed (pip install -e .)')
-  proc = subprocess.run([str(script), 'ls', built['stock'], '--json'], capture_output=True,
-                        text=True, env=_hermetic_env(), timeout=120)
+  proc = procs.run([script, 'ls', built['stock'], '--json'], base=_hermetic_env(), devices=None,
+                   timeout=120, check=False)
   assert proc.returncode == 0, proc.stderr
   assert [s['step'] for s in json.loads(proc.stdout)['steps']] == [1, 2]
 

@@ -19,6 +19,7 @@ from orbax_pathways.plan.boxes import Box
 from support import ckpt
 from support import procs
 from support.arrays import mesh, put
+from support.workers import no_target_restore_worker
 
 
 # ---- pure planning -------------------------------------------------------------------------
@@ -140,35 +141,12 @@ def test_four_slices_restore_onto_fewer_without_target(tmp_path, m):
     assert restored['odd'].sharding.spec == P('data') and not odd_warned
 
 
-_NO_TARGET_RESTORE = """
-import hashlib, json, logging, sys
-import jax, numpy as np, orbax.checkpoint as ocp
-import orbax_pathways
-lines = []
-class Keep(logging.Handler):
-  def emit(self, record):
-    lines.append(record.getMessage())
-logging.getLogger('orbax_pathways').addHandler(Keep())
-logging.getLogger('orbax_pathways').setLevel(logging.INFO)
-with ocp.CheckpointManager(sys.argv[1]) as mngr:
-  restored = mngr.restore(0)
-print(json.dumps({
-    'devices': len(jax.devices()),
-    'arrays': {k: [hashlib.sha256(np.asarray(v).tobytes()).hexdigest(), str(v.dtype),
-                   dict(v.sharding.mesh.shape), str(v.sharding.spec), len(v.sharding.device_set)]
-               for k, v in restored.items()},
-    'laid': [l for l in lines if 'without target shardings' in l]}))
-"""
-
-
 @pytest.mark.parametrize('n', [1, 3, 5, 7])
 def test_no_target_restore_onto_any_device_count(tmp_path, n):
   # Saved on a 4x2 mesh of 8 devices; restored in a fresh process that has n devices.
   state = _state(mesh((4, 2)))
   ckpt.save(tmp_path, state)
-  got = procs.last_json(procs.run_python(
-      'import sys; sys.argv[1:] = [%r]\n' % str(tmp_path) + _NO_TARGET_RESTORE,
-      devices=n, timeout=300).stdout)
+  got = procs.worker_json(no_target_restore_worker, tmp_path, devices=n, timeout=300)
   assert got['devices'] == n
   for k, v in state.items():
     digest, dtype, mesh_shape, spec, used = got['arrays'][k]

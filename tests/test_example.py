@@ -1,18 +1,17 @@
 """README command 1's job, shortened: train, SIGTERM, resume on fewer slices (subprocesses)."""
 
 import os
-import subprocess
 import sys
 
 from support import REPO
+from support import procs
 
 
 def test_main_job_is_preempted_and_resumes_on_fewer_slices(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  r = subprocess.run(
-      [sys.executable, os.path.join(REPO, 'examples', 'train.py'), '--dir', str(tmp_path / 'ckpt'),
-       '--steps', '32', '--preempt-at', '12'],
-      capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+  # No device-count flag: the example sets its own slices' devices.
+  r = procs.run([sys.executable, os.path.join(REPO, 'examples', 'train.py'),
+                 '--dir', tmp_path / 'ckpt', '--steps', '32', '--preempt-at', '12'],
+                devices=None, timeout=300, check=False)
   out = r.stdout
   assert r.returncode == 0, out[-3000:] + r.stderr[-3000:]
   assert '== driver: sending SIGTERM (preemption notice) after step 15' in out

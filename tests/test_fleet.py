@@ -3,9 +3,11 @@ with the number of hosts.
 
 - Simulated fleets: one interpreter with 64 or 256 CPU devices
   (``--xla_force_host_platform_device_count``, set before jax is imported, so each size runs in
-  a subprocess); the colocated transport makes every CPU device its own worker host.
+  a subprocess: ``tests/support/workers/fleet_payload_worker.py``); the colocated transport
+  makes every CPU device its own worker host.
 - Real multi-controller: 8 ``jax.distributed`` processes (``tests/support/workers/fleet_worker.py``).
-- Requests per step on fake-gcs-server, ours against stock Orbax in the same subprocess.
+- Requests per step on fake-gcs-server, ours against stock Orbax in the same subprocess
+  (``tests/support/workers/fleet_requests_worker.py``).
 
 Counts are asserted; timings live in ``benchmarks/fleet.py``.
 """
@@ -14,13 +16,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import textwrap
 
 import pytest
 
+from support import procs
 from support.mp_harness import run_processes
-from support.procs import run_json
-from support.workers import fleet_worker
+from support.workers import fleet_payload_worker, fleet_requests_worker, fleet_worker
 
 # An exception nobody could raise (a callback into a closed event loop) or a coroutine never
 # awaited fails the test (issue 26, item 13).
@@ -30,9 +31,10 @@ pytestmark = [pytest.mark.filterwarnings('error::pytest.PytestUnraisableExceptio
 FLEETS = (64, 256)
 
 
-def _run_fleet(n: int, code: str) -> dict:
-  """Runs ``code`` in a fresh interpreter with ``n`` CPU devices; returns the JSON it printed last."""
-  return run_json(code, devices=n, timeout=600)
+def _run_fleet(n: int, worker, *args) -> dict:
+  """Runs ``worker`` with ``args`` in a fresh interpreter with ``n`` CPU devices; returns the
+  JSON it printed last."""
+  return procs.worker_json(worker, *args, devices=n, timeout=600)
 
 
 def _per_fleet(fn) -> dict:
@@ -43,78 +45,13 @@ def _per_fleet(fn) -> dict:
 
 # ---- 1. what one colocated worker call carries -------------------------------------------------
 
-PAYLOAD_CHILD = """
-    import dataclasses, json, sys
-    import cloudpickle, jax, numpy as np, orbax.checkpoint as ocp
-    from jax.experimental.colocated_python import serialization
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    import orbax_pathways
-    from orbax_pathways.storage import meta_io
-    from orbax_pathways.transports import colocated
-
-    n = jax.device_count()
-    mesh = Mesh(np.asarray(jax.devices()).reshape(n // 4, 4), ('data', 'model'))
-    # A fixed share per host: every device holds 8x64, 16x32 and 16x64 (4 replicas) elements.
-    layout = {'a': ((n * 8, 64), P(('data', 'model'))), 'b': ((n // 4 * 16, 128), P('data', 'model')),
-              'c': ((n // 4 * 16, 64), P('data'))}
-    rng = np.random.default_rng(0)
-    values = {k: rng.standard_normal(shape, dtype=np.float32) for k, (shape, _) in layout.items()}
-    state = {k: jax.device_put(values[k], NamedSharding(mesh, spec)) for k, (_, spec) in layout.items()}
-    target = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for k, a in state.items()}
-
-    ser = serialization._serialize  # what colocated Python pickles and ships to every worker
-    def shipped(fn, specs):
-      # The pickle also holds the call's output specs; colocated Python writes an equal sharding
-      # once, so shardings the function shares with them cost nothing: count what it adds.
-      return len(ser((fn, specs))) - len(ser((None, specs)))
-
-    got = {}
-    make_save, make_restore = colocated.make_worker_save, colocated.make_worker_restore
-    def save_hook(task):
-      fn = make_save(task)
-      got['save_task'] = len(cloudpickle.dumps(task))
-      got['save_fn'] = shipped(fn, ())
-      return fn
-    def restore_hook(task):
-      fn = make_restore(task)
-      specs = tuple(t.sharding for t in task.targets)
-      got['restore_fn'] = shipped(fn, specs)
-      got['restore_task_no_shardings'] = len(cloudpickle.dumps(dataclasses.replace(
-          task, targets=tuple(dataclasses.replace(t, sharding=None) for t in task.targets))))
-      got['restore_chunks_in_call'] = sum(len(t.chunks) for t in task.targets)
-      return fn
-    colocated.make_worker_save, colocated.make_worker_restore = save_hook, restore_hook
-
-    orbax_pathways.install(orbax_pathways.Options(transport='colocated'))
-    ckpt = CKPT
-    with ocp.CheckpointManager(ckpt) as mngr:
-      mngr.save(0, args=ocp.args.StandardSave(state))
-      mngr.wait_until_finished()
-    st = orbax_pathways.stats.last_save()
-    meta_io.clear_cache()
-    before = meta_io.read_counts()
-    with ocp.CheckpointManager(ckpt) as mngr:
-      restored = mngr.restore(0, args=ocp.args.StandardRestore(target))
-    rst = orbax_pathways.stats.last_restore()
-    after = meta_io.read_counts()
-    for k, v in values.items():
-      np.testing.assert_array_equal(np.asarray(restored[k]), v, err_msg=k)
-    got.update(
-        row=max(colocated.payload_row_bytes), writers=len(st.written_bytes),
-        readers=len(rst.bytes_read), verified=rst.chunks_verified,
-        index_reads=after.get('index', 0) - before.get('index', 0),
-        record_reads=after.get('record', 0) - before.get('record', 0))
-    print(json.dumps(got))
-"""
-
-
 @pytest.fixture(scope='module')
 def payloads(tmp_path_factory):
   base = tmp_path_factory.mktemp('fleet')
 
   def run(n):
     ckpt = base / f'n{n:05d}'  # the same path length at every size: paths are in the call
-    return _run_fleet(n, f'CKPT = {str(ckpt)!r}\n' + textwrap.dedent(PAYLOAD_CHILD))
+    return _run_fleet(n, fleet_payload_worker, ckpt)
 
   out = _per_fleet(run)
   for n, got in out.items():
@@ -165,76 +102,15 @@ def test_each_of_8_processes_reads_one_metadata_object_per_restore(tmp_path):
 
 # ---- 3. requests per step on fake-gcs-server, ours against stock --------------------------------
 
-GCS_CHILD = """
-    import json, os, sys, time
-    import jax, numpy as np, orbax.checkpoint as ocp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from support import gcs_server
-    from support.fault_proxy import FaultProxy
-    import orbax_pathways
-    from orbax_pathways.storage import hedge
-
-    mode, server_url, root = sys.argv[1:4]
-    proxy = FaultProxy(server_url, rate=0.0).start()
-    seen = []
-    orig = proxy._choose
-    proxy._choose = lambda m, t: (seen.append(t.replace('%2F', '/')), orig(m, t))[1]
-    import tempfile
-    for k in gcs_server.FakeGcs.unset_keys():
-      os.environ.pop(k, None)
-    os.environ.update(gcs_server.hermetic_env(proxy.url, tempfile.mkdtemp()))
-    gcs_server.configure_fsspec_anon()
-
-    n = jax.device_count()
-    mesh = Mesh(np.asarray(jax.devices()).reshape(n // 4, 4), ('data', 'model'))
-    specs = [P('data', 'model'), P(('data', 'model')), P('data'), P('model', 'data')]
-    values = {f'a{i}': np.arange(n * 64, dtype=np.float32).reshape(n, 64) + i for i in range(8)}
-    state = {k: jax.device_put(v, NamedSharding(mesh, specs[i % 4]))
-             for i, (k, v) in enumerate(values.items())}
-    target = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for k, a in state.items()}
-    out = {}
-    for impl in ('stock', 'local', 'colocated'):
-      if impl == 'stock':
-        orbax_pathways.uninstall()
-      else:
-        # Hedging off (a deadline of an hour, which no request here reaches): a hedge is a
-        # second request issued because the first was slow, so on a loaded machine it would add
-        # requests that say nothing about what a step costs; hedging has tests of its own
-        # (test_gcs_deadlines, test_gcs_request_kinds).
-        orbax_pathways.install(orbax_pathways.Options(
-            transport=impl, request_deadline_floor_s=3600, request_deadline_cap_s=3600))
-      path = f'{root}/{impl}'
-      if mode == 'save':
-        with ocp.CheckpointManager(path) as mngr:
-          mngr.save(0, args=ocp.args.StandardSave(state))  # the first save: jit, directories
-          mngr.wait_until_finished()
-          del seen[:]
-          mngr.save(1, args=ocp.args.StandardSave(state))
-          mngr.wait_until_finished()
-      else:
-        with ocp.CheckpointManager(path) as mngr:
-          del seen[:]
-          restored = mngr.restore(1, args=ocp.args.StandardRestore(target))
-        for k, v in values.items():
-          np.testing.assert_array_equal(np.asarray(restored[k]), v, err_msg=k)
-      out[impl] = {'requests': len(seen), 'pathways': sum('/_pathways/' in t for t in seen),
-                   'hedged': {k: v for k, v in hedge.counts().items() if v}}
-    proxy.stop()
-    print(json.dumps(out))
-"""
-
-
 @pytest.mark.gcs
 def test_requests_per_step_exceed_stock_by_a_constant_per_host(fake_gcs):
   bucket = fake_gcs.create_bucket(f'fleet-{os.getpid()}')
-  code = textwrap.dedent(GCS_CHILD)
 
   def run(n):
     root = f'gs://{bucket}/n{n}'
     counts = {}
     for mode in ('save', 'restore'):  # the restore in a fresh process: no client cache helps
-      counts[mode] = _run_fleet(n, f'import sys; sys.argv = ["-", {mode!r}, {fake_gcs.url!r}, '
-                                   f'{root!r}]\n' + code)
+      counts[mode] = _run_fleet(n, fleet_requests_worker, mode, fake_gcs.url, root)
     return counts
 
   per_host = {}

@@ -8,10 +8,6 @@ per-array directories and in OCDBT; the read spec must read those arrays back bi
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 from etils import epath
 import numpy as np
 import orbax.checkpoint as ocp
@@ -31,7 +27,8 @@ from orbax_pathways.format import names as fmt
 from orbax_pathways.format import grid as grid_lib
 from orbax_pathways.format import records as records_lib
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support import procs
+from support.workers import bare_import_worker
 
 
 def test_names_are_orbaxs():
@@ -172,20 +169,12 @@ def test_chunk_index_merges_writers():
   assert grid_lib.chunk_index([]) == {}
 
 
-def _bare_import(module: str) -> subprocess.CompletedProcess:
+def _bare_import(module: str):
   """Imports ``module`` without running ``orbax_pathways/__init__.py`` (which installs the
-  handler, hence imports jax): what a jax-free module needs is then all that is loaded."""
-  code = (
-      'import sys, types\n'
-      'pkg = types.ModuleType("orbax_pathways")\n'
-      f'pkg.__path__ = [{os.path.join(REPO, "orbax_pathways")!r}]\n'
-      'sys.modules["orbax_pathways"] = pkg\n'
-      f'import {module}\n'
-      'bad = sorted(m for m in ("jax", "jaxlib", "tensorstore", "orbax") if m in sys.modules)\n'
-      'assert not bad, bad\n'
-  )
-  return subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
-                        timeout=120, cwd=REPO)
+  handler, hence imports jax): what a jax-free module needs is then all that is loaded
+  (``support/workers/bare_import_worker.py``)."""
+  return procs.run_worker(bare_import_worker, module, 'jax,jaxlib,tensorstore,orbax',
+                          timeout=120, check=False)
 
 
 def test_format_imports_neither_jax_nor_tensorstore():

@@ -12,8 +12,9 @@ import pytest
 import orbax_pathways
 from support import ckpt
 from support import golden
+from support import procs
 from support.arrays import mesh
-from support.procs import run_python
+from support.workers import stock_reads_golden_worker
 
 VARIANTS = [pytest.param(v, id=v) for v in golden.VARIANTS]
 
@@ -67,23 +68,7 @@ def test_stock_orbax_restores_our_checkpoints(tmp_path, variant):
   _save_ours(tmp_path, use_ocdbt, use_zarr3)
   assert (tmp_path / str(golden.GOLDEN_STEP) / 'default' / '_pathways' / 'p0.msgpack').exists()
   # A fresh interpreter that never imports orbax_pathways.
-  run_python(f"""
-      import sys, numpy as np, jax, orbax.checkpoint as ocp
-      from support import golden
-      from support.arrays import mesh
-      m = mesh({golden.MESH_SHAPE}, {golden.MESH_AXES})
-      with ocp.CheckpointManager({str(tmp_path)!r}, item_handlers=ocp.PyTreeCheckpointHandler(
-          use_ocdbt={use_ocdbt}, use_zarr3={use_zarr3})) as mngr:
-        target = golden.abstract_target(m)
-        r = mngr.restore({golden.GOLDEN_STEP}, args=ocp.args.PyTreeRestore(
-            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
-      exp = golden.expected_state()
-      for k, v in golden.flatten(r).items():
-        np.testing.assert_array_equal(np.asarray(v), np.asarray(exp[k]), err_msg=k)
-        assert np.asarray(v).dtype == np.asarray(exp[k]).dtype, k
-      assert 'orbax_pathways' not in sys.modules
-      print('stock read ok')
-  """)
+  procs.run_worker(stock_reads_golden_worker, tmp_path, use_ocdbt, use_zarr3)
 
 
 def _normalized_tree(root):

@@ -26,10 +26,12 @@ import orbax_pathways
 from orbax_pathways.sharding import elastic
 from orbax_pathways import preemption
 
+from support import procs
 from support.arrays import abstract, assert_bit_identical, mesh, put, random_state
 from support.ckpt import save_with_options
 from support.mp_harness import run_processes
-from support.procs import run_limited, run_python
+from support.procs import run_limited
+from support.workers import gcs_mp_worker, gcs_second_writer_worker
 
 # An exception nobody could raise (a callback into a closed event loop) or a coroutine never
 # awaited fails the test (issue 26, item 13).
@@ -482,42 +484,11 @@ def test_long_lived_reader_sees_steps_written_by_another_process(gcs_bucket):
   reader = ocp.CheckpointManager(path)
   assert reader.all_steps() == [0]
   np.testing.assert_array_equal(np.asarray(reader.restore(0)['w']), value)  # caches listings
-  run_python(f"""
-      import numpy as np, jax, orbax.checkpoint as ocp, orbax_pathways
-      from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-      m = Mesh(np.asarray(jax.devices()).reshape(4, 2), ('data', 'model'))
-      x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8) + 1, NamedSharding(m, P('data')))
-      with ocp.CheckpointManager({path!r}) as w:
-        w.save(1, args=ocp.args.StandardSave({{'w': x}}))
-        w.wait_until_finished()
-  """)
+  procs.run_worker(gcs_second_writer_worker, path)
   reader.reload()
   assert reader.all_steps() == [0, 1]
   np.testing.assert_array_equal(np.asarray(reader.restore(1)['w']), value + 1)
   reader.close()
-
-
-_MP_GCS_WORKER = """
-import sys
-from support import mp_worker
-mp_worker.init()
-import jax, numpy as np, orbax.checkpoint as ocp, orbax_pathways
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-path, mode = sys.argv[1], sys.argv[2]
-m = Mesh(np.asarray(jax.devices()).reshape(2, 2), ('proc', 'local'))
-value = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
-x = jax.make_array_from_callback(value.shape, NamedSharding(m, P('proc', 'local')), lambda i: value[i])
-with ocp.CheckpointManager(path) as mngr:
-  if mode == 'save':
-    mngr.save(0, args=ocp.args.StandardSave({'w': x}))
-    mngr.wait_until_finished()
-    st = orbax_pathways.stats.last_save()
-    mp_worker.emit({'written': st.written_bytes})
-  else:
-    r = mngr.restore(0)
-    mp_worker.emit({'shards': mp_worker.shard_digests(r['w']),
-                    'spec': list(r['w'].sharding.spec)})
-"""
 
 
 @pytest.mark.gcs
@@ -529,13 +500,15 @@ def test_two_processes_save_and_restore_on_gcs(gcs_bucket):
   path = gcs_bucket.path('ckpt')
   env = {k: v for k, v in os.environ.items() if k.startswith(
       ('STORAGE_EMULATOR', 'TENSORSTORE_GCS', 'GCE_', 'NO_GCE', 'CLOUDSDK', 'FSSPEC', 'GCSFS'))}
-  saved = run_processes(_MP_GCS_WORKER, 2, 2, args=[path, 'save'], env=env, timeout=180)
+  saved = run_processes(gcs_mp_worker.__file__, 2, 2, args=[path, 'save'], env=env,
+                        timeout=180)
   assert [r.result['written'] for r in saved] == [{'p0': 4096}, {'p1': 4096}]
   objects = gcs_bucket.objects()
   assert {'ckpt/0/default/ocdbt.process_0/manifest.ocdbt', 'ckpt/0/default/ocdbt.process_1/manifest.ocdbt',
           'ckpt/0/default/manifest.ocdbt', 'ckpt/0/commit_success.txt',
           'ckpt/0/default/_pathways/p0.msgpack', 'ckpt/0/default/_pathways/p1.msgpack'} <= set(objects)
-  restored = run_processes(_MP_GCS_WORKER, 2, 2, args=[path, 'restore'], env=env, timeout=180)
+  restored = run_processes(gcs_mp_worker.__file__, 2, 2, args=[path, 'restore'], env=env,
+                           timeout=180)
   import hashlib  # pylint: disable=g-import-not-at-top
   value = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
   for r in restored:

@@ -29,7 +29,7 @@ import pytest
 
 from orbax_pathways.storage import hedge
 
-from support.procs import run_python
+from support import procs
 from support.workers import request_kinds_worker as worker
 
 # An exception nobody could raise (a callback into a closed event loop) or a coroutine never
@@ -43,15 +43,9 @@ FLOOR_S = 1.0
 # worker shortens as the gcs fixtures do).
 BOUND_S = 30.0
 
-_CHILD = """
-import sys
-from support.workers import request_kinds_worker
-request_kinds_worker.main(sys.argv[1:] if len(sys.argv) > 1 else ARGS)
-"""
-
 
 def _run(args: list[str], env: dict, timeout: float):
-  return run_python(f'ARGS = {args!r}\n' + _CHILD, env=env, timeout=timeout)
+  return procs.run_worker(worker, *args, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope='module')

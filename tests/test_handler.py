@@ -2,18 +2,18 @@
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import orbax_pathways
 from orbax_pathways.storage import meta_io
 
 from support import ckpt
+from support import procs
 from support.arrays import assert_trees_equal, mesh, put, random_state
-from support.procs import run_python
+from support.workers import handler_worker
 
 # An exception nobody could raise (a callback into a closed event loop) or a coroutine never
 # awaited fails the test (issue 26, item 13).
@@ -47,19 +47,13 @@ def test_install_idempotent_and_uninstall_restores_previous():
 
 
 def test_opt_out_environment_variable():
-  proc = run_python("""
-      import jax, orbax.checkpoint as ocp, orbax_pathways
-      print(type(ocp.type_handlers.get_type_handler(jax.Array)).__name__)
-  """, env={'ORBAX_PATHWAYS_DISABLE': '1'})
+  proc = procs.run_worker(handler_worker, 'registered', env={'ORBAX_PATHWAYS_DISABLE': '1'})
   assert proc.stdout.strip().endswith('ArrayHandler')
   assert 'Proxy' not in proc.stdout
 
 
 def test_install_logs_what_it_installed():
-  proc = run_python("""
-      import logging; logging.basicConfig(level=logging.INFO)
-      import orbax_pathways
-  """)
+  proc = procs.run_worker(handler_worker, 'install_log')
   assert 'installed ProxyArrayHandler for jax.Array' in proc.stderr
 
 
@@ -85,102 +79,13 @@ def test_save_and_restore_are_served_by_our_handler(tmp_path):
   assert record.transports() == {'local'}
 
 
-def _dtype_cases():
-  cases = [np.float32, jnp.bfloat16, np.float16, np.int8, np.int16, np.int32, np.uint8,
-           np.uint16, np.uint32, np.bool_, ml_dtypes.int4, ml_dtypes.float8_e4m3fn,
-           ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3b11fnuz]
-  return [pytest.param(d, id=np.dtype(d).name) for d in cases]
-
-
-@pytest.mark.parametrize('dtype', _dtype_cases())
-def test_dtypes_round_trip(tmp_path, dtype):
-  m = mesh()
-  rng = np.random.default_rng(1)
-  raw = rng.integers(-7, 7, size=(16, 8))
-  value = (raw > 0) if np.dtype(dtype) == np.bool_ else raw.astype(dtype)
-  if np.dtype(dtype).kind == 'u':
-    value = np.abs(raw).astype(dtype)
-  state = {'x': put(value, m, 'data', 'model'), 'r': put(value, m)}
-  with ocp.CheckpointManager(tmp_path) as mngr:
-    mngr.save(0, args=ocp.args.StandardSave(state))
-    mngr.wait_until_finished()
-    assert_trees_equal(mngr.restore(0, args=ocp.args.StandardRestore(state)), state)
-    assert_trees_equal(mngr.restore(0), state)
+# Every dtype and sharding kind (sharded, replicated, partly replicated, single-device, scalars,
+# zero-size, PRNG keys) round-trips in the transport conformance suite, which runs for the local
+# transport too (support/conformance.py, tests/test_transport_conformance.py).
 
 
 def test_64_bit_dtypes_round_trip(tmp_path):
-  run_python(f"""
-      import jax; jax.config.update('jax_enable_x64', True)
-      import numpy as np, orbax.checkpoint as ocp, orbax_pathways
-      import jax.numpy as jnp
-      x = {{'f': jnp.arange(16, dtype=jnp.float64) / 3, 'i': jnp.arange(16, dtype=jnp.int64) * 2**40,
-           'u': jnp.arange(16, dtype=jnp.uint64) * 2**40}}
-      with ocp.CheckpointManager({str(tmp_path)!r}) as m:
-        m.save(0, args=ocp.args.StandardSave(x)); m.wait_until_finished()
-        r = m.restore(0, args=ocp.args.StandardRestore(x))
-      assert orbax_pathways.stats.last_restore().arrays == 3
-      for k in x:
-        assert r[k].dtype == x[k].dtype, (k, r[k].dtype)
-        np.testing.assert_array_equal(np.asarray(r[k]), np.asarray(x[k]))
-  """)
-
-
-def _sharding_cases():
-  return {
-      'row': ((4, 2), ('data', 'model'), P('data', None)),
-      'col': ((4, 2), ('data', 'model'), P(None, 'model')),
-      'both': ((4, 2), ('data', 'model'), P('data', 'model')),
-      'transposed': ((4, 2), ('data', 'model'), P('model', 'data')),
-      'multi_axis': ((4, 2), ('data', 'model'), P(('data', 'model'), None)),
-      'replicated': ((4, 2), ('data', 'model'), P()),
-      'flat8': ((8,), ('x',), P(None, 'x')),
-      'three_d': ((2, 2, 2), ('a', 'b', 'c'), P('c', ('a', 'b'))),
-      'subset_mesh': ((2, 2), ('a', 'b'), P('b', None)),
-  }
-
-
-@pytest.mark.parametrize('case', list(_sharding_cases()))
-def test_named_shardings_round_trip(tmp_path, case):
-  shape, axes, spec = _sharding_cases()[case]
-  m = mesh(shape, axes)
-  value = np.arange(32 * 16, dtype=np.float32).reshape(32, 16)
-  state = {'a': jax.device_put(value, NamedSharding(m, spec))}
-  with ocp.CheckpointManager(tmp_path) as mngr:
-    mngr.save(0, args=ocp.args.StandardSave(state))
-    mngr.wait_until_finished()
-    st = orbax_pathways.stats.last_save()
-    assert st.written_bytes['p0'] == value.nbytes  # each distinct shard written exactly once
-    restored = mngr.restore(0)
-  assert restored['a'].sharding == state['a'].sharding
-  np.testing.assert_array_equal(np.asarray(restored['a']), value)
-
-
-def test_single_device_scalar_zero_size_and_prng_keys(tmp_path):
-  d1 = jax.devices()[3]
-  state = {
-      'single': jax.device_put(np.arange(10, dtype=np.int32), SingleDeviceSharding(d1)),
-      'scalar': jnp.float32(3.5),
-      'empty': jnp.zeros((0, 4), jnp.float32),
-      'empty_sharded': put(np.zeros((8, 0), np.float32), mesh(), 'data', None),
-      'key': jax.random.key(42),
-      'keys': jax.random.split(jax.random.key(1), 8),
-      'raw_key': jax.random.PRNGKey(0),
-      'np': np.arange(4.0),
-      'py_int': 3,
-      'py_float': 2.5,
-  }
-  with ocp.CheckpointManager(tmp_path) as mngr:
-    mngr.save(0, args=ocp.args.StandardSave(state))
-    mngr.wait_until_finished()
-    r = mngr.restore(0, args=ocp.args.StandardRestore(state))
-    r2 = mngr.restore(0)
-  assert_trees_equal(r, state)
-  assert jax.dtypes.issubdtype(r['key'].dtype, jax.dtypes.prng_key)
-  assert jax.random.key_impl(r['keys']) == jax.random.key_impl(state['keys'])
-  assert r['single'].sharding == state['single'].sharding
-  assert r2['empty'].shape == (0, 4)
-  np.testing.assert_array_equal(np.asarray(jax.random.key_data(r2['keys'])),
-                                np.asarray(jax.random.key_data(state['keys'])))
+  procs.run_worker(handler_worker, 'x64', tmp_path)
 
 
 def test_restore_onto_a_different_mesh_with_explicit_target(tmp_path):

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 import time
 
 import jax
@@ -23,7 +21,8 @@ from orbax_pathways._compat import orbax_finalize
 from orbax_pathways.storage import index as index_lib
 from orbax_pathways.storage import meta_io
 
-from support import REPO, ckpt
+from support import ckpt
+from support import procs
 from support.arrays import abstract, assert_trees_equal, mesh, random_state
 
 TMP_SUFFIX = '.orbax-checkpoint-tmp'
@@ -345,8 +344,7 @@ def test_cli_verify_reads_the_index(tmp_path):
   record = tmp_path / '0' / 'default' / '_pathways' / 'p0.msgpack'
   record.write_bytes(b'\xc1garbage')
   assert_trees_equal(_restore(tmp_path, target=abstract(state)), state)
-  proc = subprocess.run([sys.executable, '-m', 'orbax_pathways', 'verify', str(tmp_path / '0')],
-                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  proc = procs.run_cli('verify', tmp_path / '0', timeout=120)
   assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -406,8 +404,7 @@ def test_cli_knows_checksumless_arrays_from_the_index(tmp_path):
   meta_io.clear_cache()
 
   def cli(*argv):
-    return subprocess.run([sys.executable, '-m', 'orbax_pathways', *argv], capture_output=True,
-                          text=True, cwd=REPO, timeout=120)
+    return procs.run_cli(*argv, timeout=120)
 
   out = cli('verify', str(tmp_path / '0'), '--json')
   doc = json.loads(out.stdout)

@@ -1,64 +1,18 @@
 """Logging is stock's: importing orbax_pathways changes no logger level and no absl verbosity, and
 every record and step-statistics event Orbax's CheckpointManager emits reaches the user's root
 handler and ``CheckpointManager(logger=...)``. Each case runs in a fresh interpreter (the test
-process has long since imported everything) with a root handler at INFO, as a user's script has.
+process has long since imported everything) with a root handler at INFO, as a user's script has
+(``support/workers/logging_probe_worker.py``).
 """
 
 import json
 
-from support.procs import run_python
-
-# Saves and restores one sharded array with a custom logger, then saves with the default
-# StandardLogger; prints what the user's handler and logger received as JSON on the last line.
-_PROBE = """
-    import json, logging, os, sys, tempfile
-    records = []
-    class Collect(logging.Handler):
-      def emit(self, record):
-        records.append(record)
-    logging.basicConfig(level=logging.INFO, handlers=[Collect()])
-    import jax, numpy as np
-    import orbax.checkpoint as ocp
-    from absl import logging as absl_logging
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    def levels():
-      return {n: l.level for n, l in logging.Logger.manager.loggerDict.items()
-              if isinstance(l, logging.Logger)}
-
-    before, verbosity_before = levels(), absl_logging.get_verbosity()
-    if IMPORT_US:
-      import orbax_pathways
-      orbax_pathways.install(orbax_pathways.Options(max_chunk_bytes=1 << 20))  # a re-registration
-    after, verbosity_after = levels(), absl_logging.get_verbosity()
-
-    entries = []
-    class UserLogger(ocp.logging.AbstractLogger):
-      def log_entry(self, entry):
-        entries.append(entry)
-
-    m = Mesh(np.asarray(jax.devices()).reshape(4, 2), ('d', 'm'))
-    x = jax.device_put(np.arange(64.).reshape(8, 8), NamedSharding(m, P('d', 'm')))
-    root = tempfile.mkdtemp()
-    with ocp.CheckpointManager(os.path.join(root, 'a'), logger=UserLogger()) as mngr:
-      mngr.save(0, args=ocp.args.StandardSave({'x': x}))
-      mngr.wait_until_finished()
-      mngr.restore(0)
-    with ocp.CheckpointManager(os.path.join(root, 'b')) as mngr:
-      mngr.save(0, args=ocp.args.StandardSave({'x': x}))
-      mngr.wait_until_finished()
-    print(json.dumps(dict(
-        changed={n: [before[n], after[n]] for n in before if before[n] != after[n]},
-        absl_level=logging.getLogger('absl').level,
-        verbosity=[verbosity_before, verbosity_after],
-        entries=[[e.get('event_type'), e.get('step'), e.get('directory')] for e in entries],
-        records=[[r.name, r.levelname, r.pathname, r.funcName, r.getMessage()] for r in records],
-        root=root)))
-"""
+from support import procs
+from support.workers import logging_probe_worker
 
 
 def _probe(import_us: bool) -> dict:
-  proc = run_python(_PROBE.replace('IMPORT_US', str(import_us)))
+  proc = procs.run_worker(logging_probe_worker, 'ours' if import_us else 'stock')
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -7,8 +7,6 @@ import contextlib
 import io
 import json
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -24,9 +22,10 @@ from orbax_pathways.cli import main as cli_main
 from orbax_pathways.storage import index as index_lib
 from orbax_pathways.storage import meta_io
 
-from support import REPO, damage
+from support import damage
+from support import procs
 from support.arrays import assert_trees_equal, host_leaf_state, mesh, put, random_state
-from support.procs import run_python
+from support.workers import stock_v1_worker
 
 # An exception nobody could raise (an answer into a closed event loop) or a coroutine never
 # awaited fails the test (issue 26, item 13).
@@ -241,8 +240,7 @@ def test_training_checkpointer_saves_on_preemption_and_the_cli_reads_it(tmp_path
   assert [c.step for c in ckpt.checkpoints] == saved
   assert_trees_equal(ckpt.load(13), state)
   assert orbax_pathways.stats.saves_for_step(13, str(tmp_path / 'run'))[-1].commit_s > 0
-  proc = subprocess.run([sys.executable, '-m', 'orbax_pathways', 'verify', str(tmp_path / 'run' / '13'),
-                         '--json'], capture_output=True, text=True, cwd=REPO, timeout=120)
+  proc = procs.run_cli('verify', tmp_path / 'run' / '13', '--json', timeout=120)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert json.loads(proc.stdout)['ok'] is True
 
@@ -288,17 +286,8 @@ def test_stock_v1_reads_ours_and_we_read_stock_v1(tmp_path):
   stock v1 checkpoint loads through us unchecked, as before (the CLI: UNCHECKED, exit 3)."""
   state = _host_state()
   v1.save(tmp_path / 'ours', state)
-  run_python(f"""
-      import json, numpy as np, orbax.checkpoint as ocp, sys
-      out = ocp.v1.load({str(tmp_path / 'ours')!r})
-      assert 'orbax_pathways' not in sys.modules
-      np.savez({str(tmp_path / 'ours.npz')!r}, w=np.asarray(out['w']), loader=out['loader'],
-               rng=out['rng'])
-      print(json.dumps({{k: out[k] for k in ('step', 'lr', 'ema')}}), file=open(
-          {str(tmp_path / 'scalars.json')!r}, 'w'))
-      ocp.v1.save({str(tmp_path / 'stock')!r},
-                  {{'x': np.arange(10.0), 'step': 3, 'lr': 0.5}})
-  """, env={'ORBAX_PATHWAYS_DISABLE': '1'})
+  procs.run_worker(stock_v1_worker, tmp_path / 'ours', tmp_path / 'ours.npz',
+                   tmp_path / 'scalars.json', tmp_path / 'stock', env={'ORBAX_PATHWAYS_DISABLE': '1'})
   saved = np.load(tmp_path / 'ours.npz')
   for name in ('w', 'loader', 'rng'):
     np.testing.assert_array_equal(saved[name], np.asarray(state[name]))

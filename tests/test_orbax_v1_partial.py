@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -24,9 +22,9 @@ from orbax_pathways._compat import orbax_finalize
 from orbax_pathways.storage import index as index_lib
 from orbax_pathways.storage import meta_io
 
-from support import REPO
+from support import procs
 from support.arrays import assert_bit_identical, mesh, put
-from support.procs import run_python
+from support.workers import stock_v1_partial_worker
 
 v1 = ocp.v1
 
@@ -51,8 +49,7 @@ def _merged(parts):
 
 
 def _verify_cli(path):
-  proc = subprocess.run([sys.executable, '-m', 'orbax_pathways', 'verify', str(path), '--json'],
-                        capture_output=True, text=True, cwd=REPO, timeout=180)
+  proc = procs.run_cli('verify', path, '--json', timeout=180)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert json.loads(proc.stdout)['ok'] is True, proc.stdout
 
@@ -259,18 +256,8 @@ def test_stock_loads_our_partial_checkpoint_and_we_load_stocks(tmp_path):
   v1.partial.finalize(tmp_path / 'ours')
   want = {'a': np.asarray(parts[0]['a']), 'b': np.asarray(parts[1]['b']),
           'c': np.asarray(parts[2]['c'])}
-  run_python(f"""
-      import numpy as np, orbax.checkpoint as ocp, sys
-      out = ocp.v1.load({str(tmp_path / 'ours')!r})
-      assert 'orbax_pathways' not in sys.modules
-      assert sorted(out) == ['a', 'b', 'c', 'opt'], sorted(out)
-      np.savez({str(tmp_path / 'ours.npz')!r}, a=np.asarray(out['a']), b=np.asarray(out['b']),
-               c=np.asarray(out['c']), mu=np.asarray(out['opt']['mu']).view(np.uint16))
-      p = {str(tmp_path / 'stock')!r}
-      ocp.v1.partial.save(p, {{'x': np.arange(10.0)}})
-      ocp.v1.partial.save(p, {{'y': np.arange(6, dtype=np.int32).reshape(2, 3)}})
-      ocp.v1.partial.finalize(p)
-  """, env={'ORBAX_PATHWAYS_DISABLE': '1'})
+  procs.run_worker(stock_v1_partial_worker, tmp_path / 'ours', tmp_path / 'ours.npz',
+                   tmp_path / 'stock', env={'ORBAX_PATHWAYS_DISABLE': '1'})
   got = np.load(tmp_path / 'ours.npz')
   for k, v in want.items():
     assert got[k].tobytes() == v.tobytes(), k

@@ -28,7 +28,6 @@ import select
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 
@@ -41,9 +40,9 @@ import pytest
 
 import orbax_pathways
 from orbax_pathways import stats
-from support import REPO
+from support import procs
 from support.mp_harness import run_processes
-from support.procs import child_env
+from support.workers import peer_secret_worker, peer_server_worker
 from orbax_pathways.tier import peer
 from orbax_pathways.tier import store as tier_store
 from orbax_pathways.tier import wire
@@ -78,7 +77,7 @@ def tier(saved, tmp_path):
   """A private copy of the saved tier (tests damage it) and its item's (root key, step, item)."""
   src, parts, entry = saved
   dst = tmp_path / 'tier'
-  subprocess.run(['cp', '-a', str(src), str(dst)], check=True)
+  procs.run(['cp', '-a', src, dst], timeout=60)
   return dst, parts, os.path.join(str(dst), *parts, os.path.basename(entry.path)), entry.manifest
 
 
@@ -240,7 +239,7 @@ def test_a_symlinked_manifest_or_entry_is_not_listed_or_served(server, tier, tmp
   entry, file = os.path.basename(entry_dir), manifest.arrays[0].files[0]
   item_dir = os.path.dirname(entry_dir)
   elsewhere = tmp_path / 'elsewhere'
-  subprocess.run(['cp', '-a', entry_dir, str(elsewhere)], check=True)
+  procs.run(['cp', '-a', entry_dir, elsewhere], timeout=60)
   # The entry directory itself a symlink to a complete copy of it.
   os.rename(entry_dir, entry_dir + '.moved')
   os.symlink(elsewhere, entry_dir)
@@ -345,23 +344,11 @@ def test_a_busy_server_costs_a_peer_error_but_not_the_peer(tier, monkeypatch):
 
 # ---- the server's bounds, in a process of its own -------------------------------------------------
 
-SERVER = r'''
-import json, sys
-from orbax_pathways.tier import peer, wire
-addr = peer.serve(sys.argv[1], bytes.fromhex(sys.argv[2]),
-                  wire.Limits(max_connections=16, handshake_s=2.0, idle_s=2.0))
-print(addr, flush=True)
-for line in sys.stdin:  # 'counts': what the server refused so far
-  print(json.dumps(peer.server_counts()), flush=True)
-'''
-
-
 @pytest.fixture
 def server_process(tier):
-  proc = subprocess.Popen([sys.executable, '-c', SERVER, str(tier[0]), SECRET.hex()],
-                          env=child_env({'ORBAX_PATHWAYS_DISABLE': '1'}, devices=None),
-                          cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-  try:
+  with procs.started(procs.worker_argv(peer_server_worker, tier[0], SECRET.hex()),
+                     env={'ORBAX_PATHWAYS_DISABLE': '1'}, devices=None,
+                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as proc:
     ready, _, _ = select.select([proc.stdout], [], [], 120)
     assert ready, 'the server process did not start'
     address = proc.stdout.readline().strip()
@@ -373,9 +360,6 @@ def server_process(tier):
       return json.loads(proc.stdout.readline())
 
     yield psutil.Process(proc.pid), address, counts
-  finally:
-    proc.kill()
-    proc.wait()
 
 
 def _settle(measure, until, timeout=20.0):
@@ -438,30 +422,9 @@ def test_400_idle_connections_leave_bounded_threads_and_fds_and_are_closed(serve
 
 # ---- the job's secret: created once, the same in every process -----------------------------------
 
-SECRET_WORKER = r'''
-import hashlib
-from support import mp_worker
-mp_worker.init()
-import jax
-from orbax_pathways.tier import peer
-from orbax_pathways.transports import local
-from jax.experimental import multihost_utils
-ex = local.peer_exchange(30.0)
-first = ex.secret()
-multihost_utils.sync_global_devices('read')
-if jax.process_index() == 0:  # gone from the store: every process keeps the one it read
-  ex.client.key_value_delete(peer.SECRET_KEY)
-multihost_utils.sync_global_devices('deleted')
-again = local.peer_exchange(30.0).secret()
-mp_worker.emit({'sha': hashlib.sha256(first).hexdigest(), 'n': len(first),
-                'cached': again == first})
-multihost_utils.sync_global_devices('done')
-'''
-
-
 @pytest.mark.multiprocess
 def test_every_process_of_a_job_reads_the_same_secret_once():
-  results = run_processes(SECRET_WORKER, 3, 1, timeout=240)
+  results = run_processes(peer_secret_worker.__file__, 3, 1, timeout=240)
   got = [r.result for r in results]
   assert all(g['n'] == 32 and g['cached'] for g in got), got
   assert len({g['sha'] for g in got}) == 1, got

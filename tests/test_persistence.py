@@ -6,7 +6,6 @@ NOT run against a real Pathways server (none is reachable here): these tests che
 
 import base64
 import json
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -54,16 +53,8 @@ def test_requests_are_grouped_by_directory_and_device_assignment():
   assert second[0]['devices']['device_ids'] == [4, 5, 6, 7]
 
 
-def test_limits_are_named():
-  arrays = [jnp.zeros((2,), jnp.float16), jnp.zeros((2,), jnp.bool_), jnp.zeros((2,), jnp.float32)]
-  leaves = [_leaf('h', arrays[0]), _leaf('m', arrays[1]), _leaf('f', arrays[2], jnp.bfloat16)]
-  reasons = persistence.unsupported(leaves, dataclasses.replace(_ITEM, use_ocdbt=True))
-  assert reasons == [
-      'the checkpoint uses OCDBT, which the persistence plugin cannot write',
-      "SaveArgs.dtype casts requested for ['f'], which the plugin cannot do",
-      "dtypes the plugin cannot store: ['h (float16)', 'm (bool)']",
-  ]
-  assert persistence.unsupported([_leaf('f', arrays[2])], _ITEM) == []
+# unsupported()'s reasons (OCDBT, casts, dtypes) and the fallback they cause: the transport
+# conformance suite (tests/test_transport_conformance.py, TestPersistence).
 
 
 def test_ocdbt_checkpoint_falls_back_to_colocated_with_a_warning(tmp_path):

@@ -8,15 +8,12 @@ import contextlib
 import os
 import shutil
 import stat
-import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
 
-from support import REPO
-from support.procs import child_env
+from support import procs
+from support.workers import readonly_save_worker
 
 # Stock Orbax's waiters give up after the coordination timeout (300 s); a prompt exit is far below.
 EXIT_LIMIT_S = 120
@@ -27,8 +24,8 @@ def read_only_dir(path):
   """``path`` as a directory nobody can create entries in (root included: immutable)."""
   path.mkdir()
   if os.geteuid() == 0:
-    if shutil.which('chattr') is None or subprocess.run(
-        ['chattr', '+i', str(path)], capture_output=True).returncode != 0:
+    if shutil.which('chattr') is None or procs.run(
+        ['chattr', '+i', path], check=False, timeout=60).returncode != 0:
       pytest.skip('running as root and cannot make a directory immutable (chattr +i)')
     undo = ['chattr', '-i', str(path)]
   else:
@@ -38,35 +35,17 @@ def read_only_dir(path):
     yield path
   finally:
     if undo:
-      subprocess.run(undo, check=False)
+      procs.run(undo, check=False, timeout=60)
     else:
       path.chmod(stat.S_IRWXU)
 
 
 def test_failed_save_on_read_only_directory_raises_and_exits_promptly(tmp_path):
-  code = textwrap.dedent(f"""
-      import orbax.checkpoint as ocp
-      import orbax_pathways
-      from support.arrays import mesh, random_state
-      state = random_state(mesh())
-      try:
-        with ocp.CheckpointManager({str(tmp_path / 'ro')!r}) as mngr:
-          mngr.save(0, args=ocp.args.StandardSave(state))
-          mngr.wait_until_finished()
-        print('SAVED', flush=True)
-      except Exception as e:
-        print('ERROR', type(e).__name__, e, flush=True)
-      print('MAIN DONE', flush=True)
-  """)
   with read_only_dir(tmp_path / 'ro'):
     t0 = time.monotonic()
-    try:
-      proc = subprocess.run([sys.executable, '-c', code], env=child_env(), cwd=REPO,
-                            capture_output=True, text=True, timeout=EXIT_LIMIT_S)
-    except subprocess.TimeoutExpired as e:
-      out = (e.stdout or b'').decode(errors='replace') if isinstance(e.stdout, bytes) else e.stdout
-      pytest.fail(f'the process did not exit within {EXIT_LIMIT_S}s after its save failed on a '
-                  f'read-only directory; stdout: {out!r}')
+    # Past EXIT_LIMIT_S the process is killed and the test fails with its output.
+    proc = procs.run_worker(readonly_save_worker, tmp_path / 'ro', timeout=EXIT_LIMIT_S,
+                            check=False)
     elapsed = time.monotonic() - t0
   print(f'\n[read-only] exited {proc.returncode} after {elapsed:.1f}s')
   assert proc.returncode == 0, proc.stderr[-4000:]

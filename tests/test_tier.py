@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import stat
-import subprocess
 import threading
 
 import jax
@@ -30,6 +29,7 @@ from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import meta_io
 from orbax_pathways.tier import manifest as tier_layout
 from orbax_pathways.tier import store as tier_store
+from support import procs
 
 P = jax.sharding.PartitionSpec
 Box = boxes_lib.Box
@@ -234,11 +234,10 @@ def _mount_tmpfs(path, *options):
   path.mkdir()
   # mode=0700: a private tier directory (tmpfs's own default, 1777, is refused as writable by
   # other users before its room or its read-only state would matter)
-  r = subprocess.run(['mount', '-t', 'tmpfs', '-o', ','.join(('size=1m', 'mode=0700') + options),
-                      'tmpfs',
-                      str(path)], capture_output=True, check=False)
+  r = procs.run(['mount', '-t', 'tmpfs', '-o', ','.join(('size=1m', 'mode=0700') + options),
+                 'tmpfs', path], check=False, timeout=60)
   if r.returncode:
-    pytest.skip(f'cannot mount a tmpfs here (needs root): {r.stderr.decode().strip()}')
+    pytest.skip(f'cannot mount a tmpfs here (needs root): {r.stderr.strip()}')
 
 
 @pytest.mark.parametrize('kind', ['full', 'read-only'])
@@ -268,7 +267,7 @@ def test_full_or_read_only_tmpfs_skips_with_one_warning(tmp_path, caplog, kind):
       assert 'Read-only file system' in warnings[0]
     assert os.listdir(tier) == []  # a skipped copy leaves no folders behind
   finally:
-    subprocess.run(['umount', str(tier)], check=False)
+    procs.run(['umount', tier], check=False, timeout=60)
 
 
 def test_cli_tier_lists_and_verifies(tmp_path, capsys):
@@ -493,55 +492,13 @@ def test_no_default_tier_for_a_local_directory_of_one_process(tmp_path, monkeypa
   assert engine.Engine(orbax_pathways.Options()).tier(item).local_dir == str(tmp_path / 'node')
 
 
-DEFAULT = r'''
-import json, os, stat, sys
-p = json.loads(sys.argv[1])
-os.environ.pop('ORBAX_PATHWAYS_LOCAL_DIR', None)  # the default: before the import reads it
-import jax
-import numpy as np
-import orbax.checkpoint as ocp
-import orbax_pathways
-from orbax_pathways import stats
-from orbax_pathways.tier import store
-
-mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
-w = np.arange(8 * 4096, dtype=np.float32).reshape(8, 4096)
-state = {'w': jax.device_put(w, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x')))}
-
-
-def save_restore(path):
-  with ocp.CheckpointManager(path) as m:
-    m.save(1, args=ocp.args.StandardSave(state))
-    m.wait_until_finished()
-    store.flush()
-    out = m.restore(1, args=ocp.args.StandardRestore(state))
-  return bool(np.array_equal(np.asarray(out['w']), w)), stats.last_restore().bytes_by_source
-
-
-def tree(top):
-  out = {}
-  for d, dirs, files in os.walk(top):
-    for n in dirs + files:
-      st = os.lstat(os.path.join(d, n))
-      out[os.path.relpath(os.path.join(d, n), top)] = [stat.S_ISDIR(st.st_mode),
-                                                        stat.S_IMODE(st.st_mode)]
-  return out
-
-
-local = save_restore(p['local'])
-after_local = sorted(os.listdir('/dev/shm'))
-remote = save_restore(p['gs'])
-print('RESULT ' + json.dumps({'local': local, 'after_local': after_local, 'remote': remote,
-                              'shm': sorted(os.listdir('/dev/shm')), 'tree': tree('/dev/shm')}))
-'''
-
-
 def test_the_default_tier_on_a_real_node(tmp_path, gcs_bucket):
   """With nothing set, in a private /dev/shm: a one-process save into a local directory leaves
   nothing in /dev/shm; a save to gs:// keeps this host's share in
   /dev/shm/orbax-pathways-<uid> (0700 directories, 0600 files) and the restore reads it."""
   from support import private_shm  # pylint: disable=g-import-not-at-top
-  r = private_shm.run(DEFAULT, {'local': str(tmp_path / 'ckpt'), 'gs': gcs_bucket.path('ckpt')})
+  from support.workers import default_tier_worker  # pylint: disable=g-import-not-at-top
+  r = private_shm.run(default_tier_worker, {'local': str(tmp_path / 'ckpt'), 'gs': gcs_bucket.path('ckpt')})
   total = 8 * 4096 * 4
   assert r['local'] == [True, {'storage': total}] and r['after_local'] == []
   assert r['remote'][0] and r['remote'][1].get('local') == total, r['remote']

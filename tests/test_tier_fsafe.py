@@ -167,99 +167,6 @@ def test_root_problem_inspects_without_changing(tmp_path):
 
 ATTACKER_UID = 4343
 
-# Runs as root in a private mount namespace with its own /dev/shm (support/private_shm). The
-# attacker (a forked child that became ATTACKER_UID, before anything else is imported) makes the
-# victim's default tier directory first, world-writable, with a symlink into the victim's
-# private folder and a planted entry whose chunk is a symlink to the victim's 0600 file. The
-# victim (root here) then saves and restores with that directory as its tier.
-ATTACK = r'''
-import json, os, sys, time, traceback
-p = json.loads(sys.argv[1])
-tier, private, secret = p['tier'], p['private'], p['secret']
-os.makedirs(os.path.dirname(secret), mode=0o700)
-with open(secret, 'wb') as f:
-  f.write(b'victim secret ' * 300)
-os.chmod(secret, 0o600)
-hour_ago = time.time() - 3600  # the victim's files, untouched for an hour (idle for clean-up)
-for d, dirs, files in os.walk(private, topdown=False):
-  for n in dirs + files:
-    os.utime(os.path.join(d, n), (hour_ago, hour_ago))
-os.utime(private, (hour_ago, hour_ago))
-pid = os.fork()
-if pid == 0:  # the attacker
-  try:
-    os.setgroups([])
-    os.setgid(p['uid'])
-    os.setuid(p['uid'])
-    os.mkdir(tier)
-    os.chmod(tier, 0o777)
-    os.symlink(private, os.path.join(tier, p['link_key']))
-    entry = os.path.join(tier, p['key'], '1', 'default', 'p0.' + p['save_id'])
-    os.makedirs(entry)
-    for d in (os.path.join(tier, p['key']), os.path.join(tier, p['key'], '1'),
-              os.path.join(tier, p['key'], '1', 'default'), entry):
-      os.chmod(d, 0o777)
-    with open(os.path.join(entry, 'manifest.msgpack'), 'wb') as f:
-      f.write(bytes.fromhex(p['manifest']))
-    os.symlink(secret, os.path.join(entry, '0.0.bin'))
-    os._exit(0)
-  except BaseException:
-    traceback.print_exc()
-    os._exit(1)
-assert os.waitpid(pid, 0)[1] == 0, 'the attacker could not set up'
-planted = sorted(os.path.relpath(os.path.join(d, n), tier)
-                 for d, dirs, files in os.walk(tier) for n in dirs + files)
-
-import logging
-import jax
-import numpy as np
-import orbax.checkpoint as ocp
-import orbax_pathways
-from orbax_pathways import engine, stats
-from orbax_pathways.cli import main as cli
-from orbax_pathways.tier import store
-
-records = []
-handler = logging.Handler()
-handler.emit = records.append
-logging.getLogger('orbax_pathways').addHandler(handler)
-logging.getLogger('orbax_pathways').setLevel(logging.INFO)
-
-# The default tier (gs:// storage: the default applies) resolves to the attacker's directory:
-# refused, nothing created.
-os.environ.pop('ORBAX_PATHWAYS_LOCAL_DIR', None)
-default = engine.Engine(orbax_pathways.Options()).tier(p['gs_item'])
-
-# A real save and restore with that directory as the node's tier.
-os.environ['ORBAX_PATHWAYS_LOCAL_DIR'] = tier
-orbax_pathways.install(orbax_pathways.Options.from_env())
-mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
-w = np.arange(8 * 1024, dtype=np.float32).reshape(8, 1024)
-state = {'w': jax.device_put(w, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x')))}
-with ocp.CheckpointManager(p['ckpt']) as m:
-  m.save(1, args=ocp.args.StandardSave(state))
-  m.save(2, args=ocp.args.StandardSave(state))
-  m.wait_until_finished()
-  store.flush()
-  out = m.restore(2, args=ocp.args.StandardRestore(state))
-exact = bool(np.array_equal(np.asarray(out['w']), w))
-sources = stats.last_restore().bytes_by_source
-listed = store.entries(tier)
-cli_code = cli.main(['tier', tier])
-after = sorted(os.path.relpath(os.path.join(d, n), tier)
-               for d, dirs, files in os.walk(tier) for n in dirs + files)
-victim_files = sorted(os.path.relpath(os.path.join(d, n), private)
-                      for d, dirs, files in os.walk(private) for n in dirs + files)
-with open(secret, 'rb') as f:
-  secret_ok = f.read() == b'victim secret ' * 300
-warnings = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
-print('RESULT ' + json.dumps({
-    'default': default is not None, 'exact': exact, 'sources': sources, 'listed': len(listed),
-    'cli': cli_code, 'planted': planted, 'after': after, 'victim_files': victim_files,
-    'secret_ok': secret_ok, 'warnings': warnings}))
-'''
-
-
 def test_another_users_tier_directory_is_refused_and_nothing_of_the_victim_is_touched(tmp_path):
   """The red team's takeover (issue 26, item 1): another uid pre-creates the default-named tier
   directory (777) with a symlink into the victim's private folder and a planted entry whose
@@ -267,6 +174,7 @@ def test_another_users_tier_directory_is_refused_and_nothing_of_the_victim_is_to
   tier; its restore reads storage; nothing in the victim's folder is deleted or created;
   ``orbax-pathways tier`` refuses the directory."""
   from support import private_shm  # pylint: disable=g-import-not-at-top
+  from support.workers import tier_attack_worker  # pylint: disable=g-import-not-at-top
   from orbax_pathways.tier import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
   private_shm.skip_unless_possible()
   ckpt = str(tmp_path / 'ckpt')
@@ -280,7 +188,7 @@ def test_another_users_tier_directory_is_refused_and_nothing_of_the_victim_is_to
       arrays=(manifest_lib.TierArray('w', 'float32', (8, 1024), (1, 1024), ((0, 0),), (0,),
                                (4096,), ('0.0.bin',)),)))
   tier = f'/dev/shm/orbax-pathways-{os.geteuid()}'
-  r = private_shm.run(ATTACK, {
+  r = private_shm.run(tier_attack_worker, {
       'tier': tier, 'private': str(private), 'secret': secret, 'uid': ATTACKER_UID,
       'ckpt': ckpt, 'key': manifest_lib.root_key(ckpt), 'save_id': save_id, 'manifest': manifest.hex(),
       'link_key': 'home_private-0123456789abcdef', 'gs_item': 'gs://bucket/run/1/default'})

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import time
 import uuid
 
@@ -36,6 +35,7 @@ from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.tier import gc as tier_gc
 from orbax_pathways.tier import manifest as tier_layout
 from orbax_pathways.tier import store as tier_store
+from support import procs
 
 P = jax.sharding.PartitionSpec
 HOUR = 3600.0
@@ -315,10 +315,10 @@ def test_variables_and_options_reach_the_tier(monkeypatch, tmp_path):
 
 def _mount_tmpfs(path, size):
   path.mkdir()
-  r = subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size},mode=0700', 'tmpfs', str(path)],
-                     capture_output=True, check=False)
+  r = procs.run(['mount', '-t', 'tmpfs', '-o', f'size={size},mode=0700', 'tmpfs', path],
+                check=False, timeout=60)
   if r.returncode:
-    pytest.skip(f'cannot mount a tmpfs here (needs root): {r.stderr.decode().strip()}')
+    pytest.skip(f'cannot mount a tmpfs here (needs root): {r.stderr.strip()}')
 
 
 def test_a_tier_with_room_for_one_copy_keeps_the_newest_step(tmp_path, caplog):
@@ -346,7 +346,7 @@ def test_a_tier_with_room_for_one_copy_keeps_the_newest_step(tmp_path, caplog):
     assert stats.last_restore().bytes_by_source == {'local': w.nbytes, 'storage': 0}
     assert not [r for r in caplog.records if 'node-local tier skipped' in r.getMessage()]
   finally:
-    subprocess.run(['umount', str(tier)], check=False)
+    procs.run(['umount', tier], check=False, timeout=60)
 
 
 def test_no_room_names_the_safety_margin_and_leaves_nothing(tmp_path, caplog):
@@ -371,7 +371,7 @@ def test_no_room_names_the_safety_margin_and_leaves_nothing(tmp_path, caplog):
     assert 'safety margin of 67108864 bytes (64 MiB)' in warnings[0]
     assert os.listdir(tier) == []
   finally:
-    subprocess.run(['umount', str(tier)], check=False)
+    procs.run(['umount', tier], check=False, timeout=60)
 
 
 # ---- what was never cleaned (issue 26, item 11) --------------------------------------------------

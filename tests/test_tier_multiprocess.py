@@ -17,55 +17,13 @@ import os
 import pytest
 
 from support.mp_harness import run_processes
+from support.workers import tier_kill_worker
 from orbax_pathways.tier import manifest as tier_layout
 from orbax_pathways.tier import store as tier_store
 
 pytestmark = pytest.mark.multiprocess
 
-WORKER = r'''
-import os, signal, sys
-from support import mp_worker
-mp_worker.init()
-import jax, numpy as np
-import orbax.checkpoint as ocp
-import orbax_pathways
-from orbax_pathways import stats
-from orbax_pathways.tier import store as tier_store
-from jax.experimental import multihost_utils
-
-P = jax.sharding.PartitionSpec
-mode, root = sys.argv[1], sys.argv[2]
-host = {'w': np.arange(256 * 64, dtype=np.float32).reshape(256, 64) * 0.5,
-        'b': np.arange(96, dtype=np.int32), 'r': np.arange(40, dtype=np.float32) + 0.25}
-n = jax.device_count()
-mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n // 2, 2), ('x', 'y'))
-shard = {'w': jax.sharding.NamedSharding(mesh, P('x', 'y')),
-         'b': jax.sharding.NamedSharding(mesh, P('x')),
-         'r': jax.sharding.NamedSharding(mesh, P())}  # replicated: p0 writes it
-
-def make(k):
-  return jax.make_array_from_callback(host[k].shape, shard[k], lambda i: host[k][i])
-
-state = {k: make(k) for k in host}
-with ocp.CheckpointManager(root) as m:
-  if mode == 'save':
-    for step in (1, 2):
-      m.save(step, args=ocp.args.StandardSave(state))
-    m.wait_until_finished()
-    # The tier copy runs in the background, off the commit path: this test is about a kill
-    # after the copy landed (a kill before it only costs that copy: storage serves it).
-    tier_store.flush()
-    multihost_utils.sync_global_devices('saved')
-    mp_worker.emit({'saved': True})
-    os.kill(os.getpid(), signal.SIGKILL)
-  target = {k: jax.ShapeDtypeStruct(host[k].shape, host[k].dtype, sharding=shard[k]) for k in host}
-  out = m.restore(m.latest_step(), args=ocp.args.StandardRestore(target))
-  for k in host:
-    for s in out[k].addressable_shards:
-      np.testing.assert_array_equal(np.asarray(s.data), host[k][s.index])
-  st = stats.last_restore()
-  mp_worker.emit({'step': st.step, 'bytes_by_source': st.bytes_by_source, 'exact': True})
-'''
+WORKER = tier_kill_worker.__file__
 
 
 def _tiers(tmp_path, n):

@@ -16,6 +16,7 @@ from orbax_pathways.storage import meta_io
 from support.arrays import assert_trees_equal, mesh, random_state
 from support.ckpt import assert_stock_reads_same
 from support.mp_harness import run_processes
+from support.workers import runtime_worker
 
 
 def test_detect_runtime_single_process_and_override(monkeypatch):
@@ -33,17 +34,8 @@ def test_detect_runtime_single_process_and_override(monkeypatch):
     runtime.detect_runtime()
 
 
-_WORKER = """
-from support import mp_worker
-mp_worker.init()
-from orbax_pathways.engine import runtime
-mp_worker.emit({'runtime': runtime.detect_runtime().value,
-                'transport': runtime.choose_transport().value})
-"""
-
-
 def test_multi_controller_runtime_is_detected_in_a_distributed_process():
-  results = run_processes(_WORKER, num_processes=2, devices_per_process=1, timeout=120)
+  results = run_processes(runtime_worker.__file__, num_processes=2, devices_per_process=1, timeout=120)
   assert {(r.result['runtime'], r.result['transport']) for r in results} == {
       ('multi_controller', 'local')}
 

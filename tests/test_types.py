@@ -9,8 +9,9 @@ about 10 s.
 
 import importlib.util
 import pathlib
-import subprocess
 import sys
+
+from support import procs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -18,10 +19,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_mypy_finds_no_errors():
   assert importlib.util.find_spec('mypy') is not None, (
       "mypy is not installed in this environment: pip install -e '.[test]'")
-  proc = subprocess.run(
-      [sys.executable, '-m', 'mypy', '--config-file', str(ROOT / 'pyproject.toml'),
-       '--cache-dir', str(ROOT / '.mypy_cache')],
-      cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+  proc = procs.run(
+      [sys.executable, '-m', 'mypy', '--config-file', ROOT / 'pyproject.toml',
+       '--cache-dir', ROOT / '.mypy_cache'],
+      cwd=ROOT, devices=None, timeout=300, check=False)
   assert proc.returncode == 0, (
       f'mypy found type errors (exit {proc.returncode}); run `python -m mypy` at the repository '
       f'root to reproduce:\n{proc.stdout}{proc.stderr}')

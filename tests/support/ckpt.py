@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 
 import orbax_pathways
 from support import procs
+from support.workers import stock_reads_same_worker
 
 
 def install_defaults() -> None:
@@ -58,11 +59,4 @@ def save_with_options(directory, state, step: int = 0, **kwargs) -> None:
 def assert_stock_reads_same(dir_a, dir_b, step: int = 0) -> None:
   """Stock Orbax, in a fresh interpreter that never imports orbax_pathways, restores ``step``
   of both checkpoint directories to identical leaves."""
-  procs.run_python(f"""
-      import numpy as np, orbax.checkpoint as ocp, sys, jax
-      a = ocp.CheckpointManager({str(dir_a)!r}).restore({step})
-      b = ocp.CheckpointManager({str(dir_b)!r}).restore({step})
-      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-      assert 'orbax_pathways' not in sys.modules
-  """)
+  procs.run_worker(stock_reads_same_worker, dir_a, dir_b, step)

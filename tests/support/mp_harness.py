@@ -3,21 +3,32 @@
 Usage (parent, e.g. inside a pytest test)::
 
     from support.mp_harness import run_processes
-    results = run_processes(WORKER_SOURCE, num_processes=2, devices_per_process=4,
+    from support.workers import fleet_worker
+    results = run_processes(fleet_worker.__file__, num_processes=2, devices_per_process=4,
                             shared_dir=tmp_path, timeout=60)
     assert results[0].result == results[1].result
 
-Each worker is ``sys.executable <script> *args`` in its own process group (session), with
+Worker scripts are modules of ``support/workers/``. The harness builds on ``support.procs`` (the
+one helper that sets a child's environment) rather than merging with it: ``procs`` runs one
+child and waits for it; this module's job is N processes of one ``jax.distributed`` job (a
+coordinator port, fail-fast when one dies, every process group killed), which no single-child
+call needs. Each worker is ``sys.executable <script> *args`` in its own process group
+(session), with ``procs.child_env``'s environment:
 
 * ``JAX_PLATFORMS=cpu``
 * ``XLA_FLAGS=--xla_force_host_platform_device_count=<devices_per_process>`` (other flags
   already in ``XLA_FLAGS`` are kept; an existing device-count flag is replaced)
+* ``PYTHONPATH`` = ``tests/`` + the repository root + the caller's PYTHONPATH, so a worker
+  script anywhere does ``from support import mp_worker``
+* ``NO_GCE_CHECK=true`` and ``ORBAX_PATHWAYS_LOCAL_DIR=off`` (the tier off unless ``env`` or
+  ``per_process_env`` sets it)
+
+plus the harness's own:
+
 * ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo`` (``mp_worker.init`` also does
   ``jax.config.update('jax_cpu_collectives_implementation', 'gloo')``)
 * ``MP_*`` variables (coordinator ``127.0.0.1:<free port>``, N, id, results dir, shared dir)
   read by ``mp_worker.init()`` / ``emit()`` / ``shared_dir()``
-* ``PYTHONPATH`` = ``tests/`` + the repository root + the caller's PYTHONPATH
-  (``procs.child_env``), so a worker script anywhere does ``from support import mp_worker``.
 
 The worker's stdout/stderr go to files (no pipe can fill up and block a worker). The parent
 polls; when every worker has exited it returns one ``ProcessResult`` per process. If a worker
@@ -171,8 +182,10 @@ def run_processes(
   """Runs ``num_processes`` jax.distributed CPU workers and returns their results.
 
   Args:
-    script_path_or_source: path of a worker script, or the worker's Python source (anything
-      that is not an existing file path; it is dedented and written to a temp file).
+    script_path_or_source: path of a worker script (``support/workers/<name>.py``), or the
+      worker's Python source (anything that is not an existing file path; it is dedented and
+      written to a temp file). Source is left for the manager side's tests whose workers have
+      not moved to ``support/workers/`` yet; a new test writes a worker module.
     num_processes: N; worker i gets process_id i, process 0 hosts the coordinator.
     devices_per_process: forced host CPU devices per worker (global = N * this).
     args: argv for every worker (after the script path).

@@ -1,9 +1,25 @@
-"""Fresh interpreters for the tests (``python -c``), with the suite's environment.
+"""Child processes of the tests: the one helper that starts a child and sets its environment.
 
-The test process itself runs on 8 virtual CPU devices (``tests/conftest.py``); a child gets the
-same environment plus ``PYTHONPATH`` = ``tests/`` + the repository root, so that it imports
-``support`` modules and the working tree's ``orbax_pathways``. Used by tests on the host that runs
-pytest; ``mp_harness`` builds its workers' environment with ``child_env`` too.
+Every Python program a test runs in a child process is a module in ``support/workers/`` (a
+``main()`` and a docstring naming its test), or the package's CLI, an example, a tool. A test
+starts one child through this module (on the host that runs pytest), N ``jax.distributed``
+processes through ``mp_harness``, which builds on it: its workers get ``child_env`` too, plus
+the harness's own variables (its job is the N-process run: one coordinator, fail-fast, every
+process group killed; one child's run is this module's).
+
+What every child gets (``child_env``), whoever starts it:
+
+- ``JAX_PLATFORMS=cpu`` and ``devices`` virtual CPU devices (``XLA_FLAGS``; other flags kept;
+  None: no device-count flag, one device), set before the child imports jax;
+- ``PYTHONPATH`` = ``tests/`` + the repository root (+ the caller's), so that a worker imports
+  ``support`` and the working tree's ``orbax_pathways``;
+- ``NO_GCE_CHECK=true`` (google-auth and gcsfs never probe a metadata server);
+- ``ORBAX_PATHWAYS_LOCAL_DIR=off``: the node-local tier off, as in the test process
+  (``tests/conftest.py``), unless the caller asks for one (``extra`` sets it);
+- then the caller's ``extra`` (which wins), minus the names in ``unset``.
+
+Every run is bounded (``timeout``: killed past it) and fails the test with the tails of the
+child's stdout and stderr when it exits non-zero (``check``) or runs past its time.
 """
 
 from __future__ import annotations
@@ -18,18 +34,21 @@ import sys
 import textwrap
 import threading
 import time
-from typing import Mapping
+import types
+from typing import Iterator, Mapping, Sequence
 
 from support import REPO, TESTS
 
 _DEVICE_COUNT_FLAG = re.compile(r'--xla_force_host_platform_device_count=\S*')
+TIER_ENV = 'ORBAX_PATHWAYS_LOCAL_DIR'
 
 
 def child_env(extra: Mapping[str, object] | None = None, *, devices: int | None = 8,
-              base: Mapping[str, str] | None = None) -> dict[str, str]:
-  """``base`` (default ``os.environ``) for a child interpreter: CPU backend, ``devices`` virtual
-  CPU devices (None: no device-count flag, one device), ``PYTHONPATH`` reaching ``support``;
-  then ``extra`` (values turned into strings), which wins."""
+              base: Mapping[str, str] | None = None, unset: Sequence[str] = ()) -> dict[str, str]:
+  """``base`` (default ``os.environ``) for a child interpreter, as the module docstring says:
+  CPU backend, ``devices`` virtual CPU devices (None: no device-count flag), ``PYTHONPATH``
+  reaching ``support``, no metadata-server probe, the tier off; then ``extra`` (values turned
+  into strings), which wins; then the names in ``unset`` removed."""
   env = dict(os.environ if base is None else base)
   env['JAX_PLATFORMS'] = 'cpu'
   flags = _DEVICE_COUNT_FLAG.sub('', env.get('XLA_FLAGS', '')).strip()
@@ -41,20 +60,101 @@ def child_env(extra: Mapping[str, object] | None = None, *, devices: int | None 
     env.pop('XLA_FLAGS', None)
   env['PYTHONPATH'] = os.pathsep.join(
       [TESTS, REPO] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
+  env['NO_GCE_CHECK'] = 'true'
+  env[TIER_ENV] = 'off'
   env.update({k: str(v) for k, v in (extra or {}).items()})
+  for name in unset:
+    env.pop(name, None)
   return env
+
+
+def _text(data) -> str:
+  if isinstance(data, bytes):
+    return data.decode('utf-8', errors='replace')
+  return data or ''
+
+
+def output_tails(stdout, stderr) -> str:
+  """The last 3000 characters of a child's stdout and 6000 of its stderr, for a failure."""
+  return (f'--- stdout tail ---\n{_text(stdout)[-3000:]}\n'
+          f'--- stderr tail ---\n{_text(stderr)[-6000:]}')
+
+
+def run(argv: Sequence[object], *, env: Mapping[str, object] | None = None,
+        devices: int | None = 8, base: Mapping[str, str] | None = None,
+        unset: Sequence[str] = (), timeout: float = 180, check: bool = True,
+        cwd: object = REPO, input: str | None = None) -> subprocess.CompletedProcess:
+  """Runs ``argv`` with ``child_env(env, devices=..., base=..., unset=...)`` in ``cwd`` (the
+  repository root), its output captured as text. Past ``timeout`` s the child is killed and
+  the test fails with its output tails; so does a non-zero exit when ``check``."""
+  argv = [os.fspath(a) if isinstance(a, os.PathLike) else str(a) for a in argv]
+  try:
+    proc = subprocess.run(argv, env=child_env(env, devices=devices, base=base, unset=unset),
+                          cwd=os.fspath(cwd), capture_output=True, text=True, timeout=timeout,
+                          input=input, check=False)
+  except subprocess.TimeoutExpired as e:
+    raise AssertionError(f'{argv} did not finish within {timeout} s (killed)\n'
+                         f'{output_tails(e.stdout, e.stderr)}') from None
+  if check and proc.returncode != 0:
+    raise AssertionError(f'{argv} failed (exit {proc.returncode})\n'
+                         f'{output_tails(proc.stdout, proc.stderr)}')
+  return proc
+
+
+def worker_name(worker: types.ModuleType | str) -> str:
+  """The module name ``python -m`` runs for a worker (a module of ``support.workers``, or its
+  name)."""
+  name = worker if isinstance(worker, str) else worker.__name__
+  if not name.startswith('support.workers.'):
+    name = f'support.workers.{name}'
+  return name
+
+
+def worker_argv(worker: types.ModuleType | str, *args: object) -> list[str]:
+  """``python -m support.workers.<worker> args...``."""
+  return [sys.executable, '-m', worker_name(worker), *map(str, args)]
+
+
+def run_worker(worker: types.ModuleType | str, *args: object,
+               **kwargs) -> subprocess.CompletedProcess:
+  """Runs a module of ``support/workers/`` with ``args`` in a fresh interpreter (``run``'s
+  keywords: ``env``, ``devices``, ``timeout``, ``check``, ...)."""
+  return run(worker_argv(worker, *args), **kwargs)
+
+
+def worker_json(worker: types.ModuleType | str, *args: object, **kwargs):
+  """``run_worker``; returns the JSON object the worker printed last."""
+  return last_json(run_worker(worker, *args, **kwargs).stdout)
+
+
+def run_cli(*args: object, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
+  """``python -m orbax_pathways args...`` (the inspection CLI); the caller checks its exit code
+  (``check=False``: the CLI answers with its exit code)."""
+  return run([sys.executable, '-m', 'orbax_pathways', *args], check=check, **kwargs)
+
+
+@contextlib.contextmanager
+def started(argv: Sequence[object], *, env: Mapping[str, object] | None = None,
+            devices: int | None = 8, cwd: object = REPO,
+            **popen) -> Iterator[subprocess.Popen]:
+  """A child that runs while the block talks to it (``popen``: Popen's pipes, ``text``), with
+  ``child_env``; killed and reaped at the end of the block, whatever happened."""
+  proc = subprocess.Popen([str(a) for a in argv], env=child_env(env, devices=devices),
+                          cwd=os.fspath(cwd), **popen)
+  try:
+    yield proc
+  finally:
+    proc.kill()
+    proc.wait()
 
 
 def run_python(code: str, *, env: Mapping[str, object] | None = None, devices: int | None = 8,
                timeout: float = 180) -> subprocess.CompletedProcess:
-  """Runs ``code`` (dedented) in a fresh interpreter in the repository root and fails with its
-  output tails unless it exits 0."""
-  proc = subprocess.run([sys.executable, '-c', textwrap.dedent(code)],
-                        env=child_env(env, devices=devices), cwd=REPO, capture_output=True,
-                        text=True, timeout=timeout)
-  assert proc.returncode == 0, (f'subprocess failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n'
-                                f'{proc.stderr[-6000:]}')
-  return proc
+  """Runs ``code`` (dedented) in a fresh interpreter (``python -c``) through ``run``; fails
+  with its output tails unless it exits 0. Left for the tests whose inline programs have not
+  moved to ``support/workers/`` yet (the manager side's); a new test writes a worker."""
+  return run([sys.executable, '-c', textwrap.dedent(code)], env=env, devices=devices,
+             timeout=timeout)
 
 
 def last_json(stdout: str):

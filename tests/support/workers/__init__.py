@@ -1,3 +1,12 @@
-"""Worker scripts started by ``support.mp_harness.run_processes`` (one ``jax.distributed``
-process each). Their top halves are numpy-only, so a parent test imports them as modules to
-compute what the workers must report."""
+"""Every Python program a test runs in a child process, one module each: a ``main()`` and a
+docstring saying what it does and which test runs it.
+
+Started through ``support.procs`` (one interpreter: ``procs.run_worker(module, *args)``, which
+runs ``python -m support.workers.<name>``) or ``support.mp_harness.run_processes(module.__file__,
+...)`` (N ``jax.distributed`` processes; those call ``support.mp_worker.init()`` first). Both
+give the child the suite's environment (``procs.child_env``). Imports at the top of a worker are
+light (numpy at most; jax, Orbax and orbax_pathways inside ``main()``), so a parent test imports
+a worker as a module to reach its constants and compute what it must report.
+(``emergency_worker`` and ``lease_worker``, the manager side's, predate this and run at import;
+they are only started, never imported.)
+"""

@@ -1,7 +1,7 @@
 """Worker for tests/test_gcs_request_kinds.py: every kind of storage request a save or restore
 makes on gs://, held unanswered in turn (issue 26, item 8).
 
-Two fresh interpreters, started by the test with ``procs.run_python``; both need 8 CPU devices
+Two fresh interpreters, started by the test with ``procs.run_worker``; both need 8 CPU devices
 and ``ORBAX_PATHWAYS_LOCAL_DIR`` set by the test (the node-local tier both share):
 
 - ``save SERVER_URL``: saves the suite's ``random_state`` once per restore case, each into a
