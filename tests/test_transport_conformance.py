@@ -71,27 +71,6 @@ class TestPersistence(TransportConformance):
       'dtypes': ["dtypes the plugin cannot store: ['h (float16)', 'm (bool)']"],
   }
 
-  # Found by this suite, left for a fix in the package (strict: each entry goes once fixed).
-  # 1. With Orbax's default ArrayMetadata store a persistence save never commits: the v0 front
-  #    door writes no ArrayMetadata when the transport's layouts are not exact
-  #    (frontends/orbax_v0.py, ``write_mds``), and Orbax's commit requires one per process.
-  # 2. With 1 changed, three more still fail: the plugin's writes (after ``await ready()``)
-  #    meet Orbax still creating or renaming the item directory ('File exists:
-  #    .../default.orbax-checkpoint-tmp', a vanished '.zarray.__lock').
-  _NO_ARRAY_METADATA = ("a persistence save does not commit: Orbax's commit finds no "
-                        'ArrayMetadata for process_index=0 (frontends/orbax_v0.py writes none '
-                        'when layouts_exact is False)')
-  _AND_THE_ITEM_DIRECTORY = (_NO_ARRAY_METADATA + '; then the plugin writes race the item '
-                             "directory's creation (File exists: default.orbax-checkpoint-tmp)")
-  known_failures = {
-      'test_every_dtype_round_trips_with_and_without_a_target': _NO_ARRAY_METADATA,
-      'test_every_sharding_kind_round_trips_and_is_written_once': _NO_ARRAY_METADATA,
-      'test_stats_and_the_info_line_name_the_transport': _NO_ARRAY_METADATA,
-      'test_restores_onto_fewer_and_more_devices': _AND_THE_ITEM_DIRECTORY,
-      'test_checksums_are_recorded_and_a_flipped_byte_is_caught': _AND_THE_ITEM_DIRECTORY,
-      'test_stock_orbax_reads_the_tree': _AND_THE_ITEM_DIRECTORY,
-  }
-
   def fake(self, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compat, 'persistence_write_arrays', fake_persistence_plugin)
 

@@ -73,6 +73,10 @@ def _notify(callback: Any, event: str, infos: Sequence[Any]) -> None:
       hook(info.keypath)
 
 
+
+async def _nothing() -> None:
+  """The coroutine of a commit future that only waits for Orbax's signals."""
+
 class ProxyArrayHandler(compat.ArrayHandler):
   """Drop-in replacement of Orbax's ArrayHandler (same typestr, same on-disk format).
 
@@ -143,8 +147,15 @@ class ProxyArrayHandler(compat.ArrayHandler):
                 'replicated arrays are written into ocdbt.process_<i>/ with the others, not into '
                 'ocdbt.process_replica_<i>/ (the merged checkpoint reads the same).')
 
+    # Orbax may create the step's directories in the background and say so by signals (its
+    # AWAITABLE_SIGNALS_CONTRACT); a transport that writes before the background commit (the
+    # persistence plugin, at snapshot) waits for them as Orbax's own Pathways handler does. Taken
+    # here, under this save's operation id; answered at once when nothing is pending.
+    created = compat.CommitFuture(_nothing(), name='orbax_pathways_directories')
+
     async def ready():
       await asyncio.gather(*(info.await_path_creation() for info in infos))
+      await asyncio.to_thread(created.result)
 
     pending = await self.engine.save(arrays, leaves, item, config=self._save_config(infos[0]),
                                      ready=ready)
@@ -174,13 +185,18 @@ class ProxyArrayHandler(compat.ArrayHandler):
   async def _background(self, pending: engine_lib.PendingSave, infos: Sequence[Any],
                         leaves: Sequence[values.SaveLeaf], settings: Any) -> None:
     store = settings.array_metadata_store
-    write_mds = store is not None and pending.snapshot.layouts_exact
+    write_mds = store is not None  # Orbax's commit needs one per process when it has a store
     coros = [pending.write(extra_requests=1 if write_mds else 0)]
     if write_mds:  # independent of the data: written alongside it
+      exact = pending.snapshot.layouts_exact
+      # A transport whose layout is not ours to say (the persistence plugin picks its chunks)
+      # records the global shape, as Orbax's own Pathways handler does.
       mds = [compat.array_metadata(
-          pending.item, leaf.name, global_shape=leaf.shape, write_shape=lay.write_shape,
-          chunk_shape=lay.chunk_shape, dtype=leaf.dtype, stored_dtype=leaf.stored_dtype,
-          ext_metadata=leaf.ext_metadata, use_compression=leaf.compress)
+          pending.item, leaf.name, global_shape=leaf.shape,
+          write_shape=lay.write_shape if exact else leaf.shape,
+          chunk_shape=lay.chunk_shape if exact else leaf.shape, dtype=leaf.dtype,
+          stored_dtype=leaf.stored_dtype, ext_metadata=leaf.ext_metadata,
+          use_compression=leaf.compress)
              for leaf, lay in zip(leaves, pending.layouts)]
 
       async def write_mds_after_ready():

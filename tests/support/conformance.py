@@ -18,9 +18,7 @@ persistence plugin needs a Pathways server) fakes only what it cannot reach, in 
 
 from __future__ import annotations
 
-import gc
 import logging
-import warnings
 from typing import Any, ClassVar
 
 import jax
@@ -106,26 +104,16 @@ class TransportConformance:
   refusals: ClassVar[dict[str, list[str]]] = {}
   # The transport a refused save uses instead (its ``fallback``), if any case is refused.
   fallback: ClassVar[str | None] = None
-  # Tests of this suite the transport is known to fail, by name, with the reason (a bug to fix:
-  # strict, so the test fails once it passes and the entry must go).
-  known_failures: ClassVar[dict[str, str]] = {}
 
   def fake(self, monkeypatch: pytest.MonkeyPatch) -> None:
     """Replaces only what cannot run in this process (nothing by default)."""
     del monkeypatch
 
   @pytest.fixture(autouse=True)
-  def _installed(self, request, monkeypatch):
-    reason = self.known_failures.get(request.function.__name__)
-    if reason:
-      request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+  def _installed(self, monkeypatch):
     self.fake(monkeypatch)
     orbax_pathways.install(orbax_pathways.Options(transport=self.transport))
     yield
-    if reason:  # a known failure's save leaves coroutines Orbax never awaited: collected here,
-      with warnings.catch_warnings():  # not in whichever test the garbage collector runs next
-        warnings.simplefilter('ignore')
-        gc.collect()
 
   # ---- helpers ---------------------------------------------------------------------------------
 
