@@ -74,7 +74,7 @@ def _step_dir(item_directory: str) -> str:
   suffix removed), for stats and log lines."""
   step_dir = item_directory.rstrip('/').rsplit('/', 1)[0]
   head, _, name = step_dir.rpartition('/')
-  name = name.split('.orbax-checkpoint-tmp', 1)[0]
+  name = format_lib.final_name(name)
   return f'{head}/{name}' if head else name
 
 
