@@ -5,21 +5,38 @@ global handler), with typed validation: a bad value raises ``ValueError`` naming
 value found and the values accepted, instead of failing at the first save or silently picking a
 default. Booleans accept ``1/true/yes/y/on/t`` and ``0/false/no/n/off/f`` (any case) and reject
 anything else. ``ENV_VARS`` is the list; ``engine/runtime.py``, ``preemption/`` and ``sharding/layout.py`` read
-their variables through ``env_value`` / ``num_slices_from_env``.
+their variables through ``env_value`` / ``num_slices_from_env``. The names of the transports and
+runtimes are here too (``TransportName``, ``Runtime``), below every module that uses them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import math
 import os
 from typing import Any, Mapping
 
 MiB = 1 << 20
 
-TRANSPORTS = ('local', 'colocated', 'persistence')  # runtime.Transport values
-RUNTIMES = ('single', 'multi_controller', 'pathways')  # runtime.Runtime values
+class TransportName(str, enum.Enum):
+  """Who moves shard bytes: the names ``Options.transport`` and ``ORBAX_PATHWAYS_TRANSPORT``
+  accept, ``engine/runtime.choose_transport`` picks and ``transports/registry.create`` builds."""
+  LOCAL = 'local'  # this process writes/reads the shards its own devices hold
+  COLOCATED = 'colocated'  # colocated-Python functions on the worker hosts do the I/O
+  PERSISTENCE = 'persistence'  # Pathways' server-side persistence plugin program
+
+
+class Runtime(str, enum.Enum):
+  """Which JAX runtime this is (``ORBAX_PATHWAYS_RUNTIME``; ``engine/runtime.detect_runtime``)."""
+  SINGLE = 'single'  # one process owns every device
+  MULTI_CONTROLLER = 'multi_controller'  # jax.distributed, one process per host
+  PATHWAYS = 'pathways'  # single controller over the IFRT proxy; devices live on worker hosts
+
+
+TRANSPORTS = tuple(t.value for t in TransportName)
+RUNTIMES = tuple(r.value for r in Runtime)
 SNAPSHOTS = ('auto', 'pinned', 'host')
 DIVISIBILITIES = ('replicate', 'strict')
 COMPRESSIONS = ('auto', 'zstd', 'none')

@@ -12,19 +12,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import re
 import threading
 from typing import Optional
 
 _KEEP = 64  # recent saves and restores kept per process
-
-_STEP_RE = re.compile(r'^(?:.*_)?(\d+)(?:\.orbax-checkpoint-tmp.*)?$')
-
-
-def step_of(step_dir_name: str) -> int | None:
-  """The step number of a step directory name (``12``, ``ckpt_12``, ``12.orbax-checkpoint-tmp``)."""
-  m = _STEP_RE.match(step_dir_name)
-  return int(m.group(1)) if m else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,22 +1,44 @@
 """Every Orbax internal we reach, exercised against the installed Orbax (see _compat/)."""
 
+import pathlib
+import tomllib
+
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 from orbax_pathways.transports import values
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways._compat import orbax_manager
+from orbax_pathways._compat import supported
 
 from support.arrays import mesh, put
 
 
 def test_installed_orbax_is_in_the_supported_range():
   assert ocp.__version__ in SpecifierSet(compat.SUPPORTED_ORBAX)
-  assert compat.SUPPORTED_ORBAX == orbax_manager.SUPPORTED
-  pyproject = open(__file__.replace('tests/test_compat.py', 'pyproject.toml')).read()
-  assert f'"orbax-checkpoint{compat.SUPPORTED_ORBAX}"' in pyproject
+  assert compat.SUPPORTED_ORBAX == orbax_manager.SUPPORTED == supported.ORBAX
+
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_the_supported_orbax_range_is_written_once_and_pinned_inside():
+  """``_compat/supported.ORBAX`` is the package's one copy of the range: ``pyproject.toml``
+  declares the same, no other module spells it, and both CI pin files sit inside it."""
+  requires = tomllib.loads((_ROOT / 'pyproject.toml').read_text())['project']['dependencies']
+  declared = [r for r in map(Requirement, requires) if r.name == 'orbax-checkpoint']
+  assert [str(r.specifier) for r in declared] == [str(SpecifierSet(supported.ORBAX))]
+  spelled = {str(p.relative_to(_ROOT)) for p in (_ROOT / 'orbax_pathways').rglob('*.py')
+             if supported.ORBAX in p.read_text()}
+  assert spelled == {'orbax_pathways/_compat/supported.py'}
+  for ends in ('oldest', 'newest'):
+    pins = (_ROOT / '.ci' / f'constraints-{ends}.txt').read_text().splitlines()
+    orbax = [line.split('==')[1].strip() for line in pins
+             if line.startswith('orbax-checkpoint==')]
+    assert len(orbax) == 1 and orbax[0] in SpecifierSet(supported.ORBAX), (ends, orbax)
 
 
 def _item(path, zarr3=False, ocdbt=True, gcs_grpc=False):

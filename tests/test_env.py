@@ -75,12 +75,22 @@ def test_valid_values_are_typed_and_case_insensitive(monkeypatch):
   assert (o.transport, o.storage_retries, o.num_slices) == ('local', 3, 4)
   assert options_lib.num_slices_from_env() == 4
   assert options_lib.env_value('ORBAX_PATHWAYS_SIGTERM_GRACE_S') == float('inf')
-  assert runtime.choose_transport() is runtime.Transport.LOCAL
+  assert runtime.choose_transport() is runtime.TransportName.LOCAL
 
 
-def test_the_accepted_values_are_the_runtime_enums():
-  assert tuple(m.value for m in runtime.Transport) == options_lib.TRANSPORTS
-  assert tuple(m.value for m in runtime.Runtime) == options_lib.RUNTIMES
+def test_every_accepted_transport_name_builds_that_transport():
+  """One list of names (``options.TransportName``): what the options accept, what the runtime
+  picks and what the registry builds."""
+  from orbax_pathways.transports import registry  # pylint: disable=g-import-not-at-top
+  assert options_lib.TRANSPORTS == ('local', 'colocated', 'persistence')
+  assert options_lib.RUNTIMES == ('single', 'multi_controller', 'pathways')
+  assert runtime.TransportName is options_lib.TransportName
+  for name in options_lib.TRANSPORTS:
+    assert registry.create(name).name == name
+    assert runtime.choose_transport(requested=name) == name
+  with pytest.raises(ValueError, match=r"Unknown transport 'bogus'; valid transports: "
+                                       r"\['local', 'colocated', 'persistence'\]"):
+    registry.create('bogus')
 
 
 def test_options_reject_bad_values_directly():

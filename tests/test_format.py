@@ -66,8 +66,10 @@ def test_step_names_as_orbax_builds_them(prefix, fixed_length):
     tmp = name + fmt.TMP_SUFFIX  # atomicity._get_tmp_directory
     assert fmt.parse_step_name(tmp) == (step, True)
     assert fmt.final_name(tmp) == name and fmt.is_tmp(tmp) and not fmt.is_tmp(name)
+    assert fmt.step_of(name) == fmt.step_of(tmp) == step
   assert fmt.parse_step_name('tensorboard') is None
   assert fmt.parse_step_name('default') is None
+  assert fmt.step_of('default') is None
 
 
 def _write_with_orbax_spec(directory, name, value, write_shape, *, zarr3, ocdbt):

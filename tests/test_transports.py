@@ -21,13 +21,13 @@ from support.workers import runtime_worker
 
 def test_detect_runtime_single_process_and_override(monkeypatch):
   assert runtime.detect_runtime() is runtime.Runtime.SINGLE
-  assert runtime.choose_transport() is runtime.Transport.LOCAL
+  assert runtime.choose_transport() is runtime.TransportName.LOCAL
   monkeypatch.setenv('ORBAX_PATHWAYS_RUNTIME', 'pathways')
   assert runtime.detect_runtime() is runtime.Runtime.PATHWAYS
-  assert runtime.choose_transport() is runtime.Transport.COLOCATED
+  assert runtime.choose_transport() is runtime.TransportName.COLOCATED
   monkeypatch.setenv('ENABLE_PATHWAYS_PERSISTENCE', '1')
-  assert runtime.choose_transport() is runtime.Transport.PERSISTENCE
-  assert runtime.choose_transport(requested='local') is runtime.Transport.LOCAL
+  assert runtime.choose_transport() is runtime.TransportName.PERSISTENCE
+  assert runtime.choose_transport(requested='local') is runtime.TransportName.LOCAL
   monkeypatch.setenv('ORBAX_PATHWAYS_RUNTIME', 'bogus')
   with pytest.raises(ValueError, match=r"ORBAX_PATHWAYS_RUNTIME='bogus' is not one of "
                                        r"\['single', 'multi_controller', 'pathways'\]"):

@@ -1,7 +1,7 @@
 """Every use of Orbax *serialization* internals (Orbax's private ``_src`` package, reached
 through ``src.py``) goes through here.
 
-Supported: orbax-checkpoint >=0.12.4,<0.13 (see pyproject.toml). Each function is a small named
+Supported: orbax-checkpoint ``supported.ORBAX`` (see pyproject.toml). Each function is a small named
 translation so that a moved symbol breaks in one place, and ``tests/test_compat.py`` exercises
 every one against the installed Orbax. Called on any host, from the handler and the storage layer.
 """
@@ -9,6 +9,7 @@ every one against the installed Orbax. Called on any host, from the handler and 
 from __future__ import annotations
 
 from orbax_pathways._compat import src
+from orbax_pathways._compat import supported
 
 import copy
 import dataclasses
@@ -32,7 +33,7 @@ run_sync = src.orbax('asyncio_utils.run_sync')  # re-exported
 
 from orbax_pathways.format import names as format_lib
 
-SUPPORTED_ORBAX = '>=0.12.4,<0.13'
+SUPPORTED_ORBAX = supported.ORBAX
 ORBAX_VERSION = ocp.__version__
 
 # Public Orbax API, re-exported so the rest of the package imports Orbax from one place.

@@ -1,7 +1,7 @@
 """The touches of Orbax's finalize: run a hook on each item directory before commit, and join
 our files of an Orbax v1 partial save's parts before Orbax moves the rest.
 
-SUPPORTED: orbax-checkpoint ``>=0.12.4,<0.13`` (written against 0.12.8), like
+SUPPORTED: orbax-checkpoint ``supported.ORBAX`` (written against 0.12.8), like
 ``_compat/orbax_manager.py``.
 
 Patch, installed by ``install(hook)`` and restored exactly (the very same function object) by
@@ -41,6 +41,7 @@ merged ``_pathways`` index).
 from __future__ import annotations
 
 from orbax_pathways._compat import src
+from orbax_pathways._compat import supported
 
 import asyncio
 import contextvars
@@ -58,7 +59,7 @@ except ImportError:  # pragma: no cover
 
 from orbax_pathways.format import names as format_lib
 
-SUPPORTED = '>=0.12.4,<0.13'
+SUPPORTED = supported.ORBAX
 
 _lock = threading.Lock()
 _original: Callable[..., Any] | None = None

@@ -1,7 +1,7 @@
 """Orbax's background commit of a multi-process async save, with a liveness round before its
 barriers (issue 21, item 1). The round itself is ``orbax_pathways/liveness.py``.
 
-SUPPORTED: orbax-checkpoint ``>=0.12.4,<0.13`` (written against 0.12.8), like the other patches.
+SUPPORTED: orbax-checkpoint ``supported.ORBAX`` (written against 0.12.8), like the other patches.
 
 Stock: ``_AsyncManager`` runs ``_background_wait_for_commit_futures`` in its ``async_save``
 thread: wait for this process's commit futures, barrier ``async_write_complete`` (every
@@ -66,7 +66,6 @@ _ac = src.orbax('checkpointers.async_checkpointer')
 _future = src.orbax('futures.future')
 _multihost = src.orbax('multihost.multihost')
 
-SUPPORTED = '>=0.12.4,<0.13'
 
 _SCOPE = '_orbax_pathways_liveness_scope'
 _PARTICIPANTS = '_orbax_pathways_liveness_participants'

@@ -1,6 +1,6 @@
 """A save or restore that fails leaves no task of its event loop behind (issue 26, item 13).
 
-SUPPORTED: orbax-checkpoint ``>=0.12.4,<0.13`` (written against 0.12.8; a release without
+SUPPORTED: orbax-checkpoint ``supported.ORBAX`` (written against 0.12.8; a release without
 ``asyncio_utils._run_sync_via_new_loop`` runs its coroutines with ``asyncio.run``, which already
 cancels what is left, and is left alone).
 
@@ -41,7 +41,6 @@ import logging
 import threading
 from typing import Any, Callable
 
-SUPPORTED = '>=0.12.4,<0.13'
 SETTLE_S = 30.0  # how long the cancelled tasks of a failed run may take to end
 # A loop whose failed run left tasks behind is closed this much later, not at once: a storage
 # request those tasks had started (tensorstore's, Orbax's own) may still answer into it after

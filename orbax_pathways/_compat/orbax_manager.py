@@ -1,6 +1,6 @@
 """Every touch of Orbax's private CheckpointManager internals, in one place.
 
-SUPPORTED = '>=0.12.4,<0.13' (written against 0.12.8). Nothing else in ``orbax_pathways.manager.retention``
+SUPPORTED = ``supported.ORBAX`` (written against 0.12.8). Nothing else in ``orbax_pathways.manager.retention``
 or ``orbax_pathways.preemption`` reaches Orbax's private ``_src`` modules (this file does, only
 through ``src.py``) or patches Orbax; if an Orbax upgrade breaks something, this file (and its
 tests) is where to look.
@@ -55,6 +55,7 @@ save for preemption).
 from __future__ import annotations
 
 from orbax_pathways._compat import src
+from orbax_pathways._compat import supported
 
 import dataclasses
 import functools
@@ -79,7 +80,7 @@ _temporary_paths = src.orbax('path.temporary_paths')
 from orbax_pathways.format import names as format_lib
 from orbax_pathways.coord import participants as participants_lib
 
-SUPPORTED = '>=0.12.4,<0.13'
+SUPPORTED = supported.ORBAX
 
 # One definition of the names (orbax_pathways.format.names; tests/test_format.py checks them against
 # Orbax's own constants).

@@ -1,6 +1,6 @@
 """A failed step of an async save releases the threads waiting for it (issue 21, item 8).
 
-SUPPORTED: orbax-checkpoint ``>=0.12.4,<0.13`` (written against 0.12.8).
+SUPPORTED: orbax-checkpoint ``supported.ORBAX`` (written against 0.12.8).
 
 Orbax runs each commit future of an async save in a ``_SignalingThread`` (non-daemon) that waits
 for signals from other futures before it starts: the writers wait for
@@ -35,7 +35,6 @@ from typing import Any, Callable
 _future = src.orbax('futures.future')
 _signaling_client = src.orbax('futures.signaling_client')
 
-SUPPORTED = '>=0.12.4,<0.13'
 FAILED = 'orbax_pathways:failed'
 
 _lock = threading.Lock()

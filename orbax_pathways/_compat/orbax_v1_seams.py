@@ -1,6 +1,6 @@
 """Every touch of Orbax v1's private internals (``orbax.checkpoint.experimental.v1._src``).
 
-Supported: the orbax-checkpoint range in ``orbax.SUPPORTED_ORBAX``. v1's leaf handlers (used by
+Supported: the orbax-checkpoint range in ``supported.ORBAX``. v1's leaf handlers (used by
 ``ocp.v1.save`` / ``load`` / ``save_pytree`` / ``load_pytree`` and ``ocp.v1.training.Checkpointer``)
 each build the v0 TypeHandler they delegate every save, load and metadata call to, once per
 leaf handler (per ``Context``), through a module-level factory; v1 never consults the v0 global

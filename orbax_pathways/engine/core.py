@@ -74,7 +74,7 @@ def _step_dir(item_directory: str) -> str:
   suffix removed), for stats and log lines."""
   step_dir = item_directory.rstrip('/').rsplit('/', 1)[0]
   head, _, name = step_dir.rpartition('/')
-  name = name.split('.orbax-checkpoint-tmp', 1)[0]
+  name = format_lib.final_name(name)
   return f'{head}/{name}' if head else name
 
 
@@ -358,7 +358,7 @@ class Engine:
         transport=transport.name, arrays=len(leaves), snapshot=snap.snapshot_mode,
         blocking_s=time.perf_counter() - t0, d2h_bytes=dict(snap.d2h_bytes),
         controller_tensor_bytes=snap.controller_tensor_bytes,
-        step=stats_lib.step_of(step_dir.rsplit('/', 1)[-1]), step_dir=step_dir)
+        step=format_lib.step_of(step_dir.rsplit('/', 1)[-1]), step_dir=step_dir)
     stats_lib.record_save(st)
     return PendingSave(transport, snap, st, item, ready)
 
@@ -417,7 +417,7 @@ class Engine:
         bytes_read={o.reader: o.bytes_read for o in outcomes},
         bytes_needed={o.reader: o.bytes_needed for o in outcomes if o.bytes_needed},
         chunks_verified=sum(o.chunks_verified for o in outcomes),
-        step=stats_lib.step_of(step_dir.rsplit('/', 1)[-1]), step_dir=step_dir,
+        step=format_lib.step_of(step_dir.rsplit('/', 1)[-1]), step_dir=step_dir,
         **stats_lib.by_source(outcomes))
     stats_lib.record_restore(st)
     compat.io_metrics_end('read', telemetry, sum(st.bytes_needed.values()) or sum(st.bytes_read.values()),
@@ -456,7 +456,7 @@ class Engine:
       stats_lib.record_restore(stats_lib.RestoreStats(
           transport='host', arrays=len(targets), read_s=time.perf_counter() - t0,
           bytes_read={'host': rstats.bytes_read}, chunks_verified=rstats.chunks_verified,
-          step=stats_lib.step_of(step_dir.rsplit('/', 1)[-1]), step_dir=step_dir))
+          step=format_lib.step_of(step_dir.rsplit('/', 1)[-1]), step_dir=step_dir))
     return [bufs[bx[0]] for bufs, bx in zip(buffers, boxes)]
 
   async def _target(self, leaf: RestoreLeaf, item: values.Item,

@@ -8,7 +8,6 @@ read again here so that a test or platform may set them later).
 
 from __future__ import annotations
 
-import enum
 import os
 
 import jax
@@ -16,17 +15,9 @@ import jax
 from orbax_pathways import options as options_lib
 
 
-class Runtime(str, enum.Enum):
-  SINGLE = 'single'  # one process owns every device
-  MULTI_CONTROLLER = 'multi_controller'  # jax.distributed, one process per host
-  PATHWAYS = 'pathways'  # single controller over the IFRT proxy; devices live on worker hosts
-
-
-class Transport(str, enum.Enum):
-  LOCAL = 'local'  # this process writes/reads the shards its own devices hold
-  COLOCATED = 'colocated'  # colocated-Python functions on the worker hosts do the I/O
-  PERSISTENCE = 'persistence'  # Pathways' server-side persistence plugin program
-
+# The names, once: in options.py (the layer below), which validates them.
+Runtime = options_lib.Runtime
+TransportName = options_lib.TransportName
 
 RUNTIME_ENV = 'ORBAX_PATHWAYS_RUNTIME'
 TRANSPORT_ENV = 'ORBAX_PATHWAYS_TRANSPORT'
@@ -52,20 +43,21 @@ def detect_runtime() -> Runtime:
   return Runtime.SINGLE
 
 
-def choose_transport(runtime: Runtime | None = None, requested: str | None = None) -> Transport:
+def choose_transport(runtime: Runtime | None = None,
+                     requested: str | None = None) -> TransportName:
   """An explicit request wins, then the environment, then the runtime's default: colocated
   under Pathways (persistence when ``ENABLE_PATHWAYS_PERSISTENCE=1``), local otherwise."""
   if requested:
     if requested not in options_lib.TRANSPORTS:
       raise ValueError(f'transport={requested!r} is not one of {list(options_lib.TRANSPORTS)}; '
                        'pass None to detect it.')
-    return Transport(requested)
-  override = _choice(Transport, TRANSPORT_ENV)
+    return TransportName(requested)
+  override = _choice(TransportName, TRANSPORT_ENV)
   if override is not None:
     return override
   runtime = runtime or detect_runtime()
   if runtime is Runtime.PATHWAYS:
     if os.environ.get('ENABLE_PATHWAYS_PERSISTENCE') == '1':
-      return Transport.PERSISTENCE
-    return Transport.COLOCATED
-  return Transport.LOCAL
+      return TransportName.PERSISTENCE
+    return TransportName.COLOCATED
+  return TransportName.LOCAL

@@ -69,6 +69,13 @@ def parse_step_name(name: str) -> tuple[int, bool] | None:
   return int(m.group('step')), m.group('tmp') is not None
 
 
+def step_of(name: str) -> int | None:
+  """The step number of a step directory name ('12', 'ckpt_12', '12.orbax-checkpoint-tmp'), or
+  None; the engine files each save's and restore's stats under it."""
+  parsed = parse_step_name(name)
+  return parsed[0] if parsed else None
+
+
 def is_tmp(name: str) -> bool:
   """A step or item directory name that Orbax has not committed (renamed) yet."""
   return TMP_SUFFIX in name

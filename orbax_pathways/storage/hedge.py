@@ -143,6 +143,100 @@ def _say_hedged(kind: str, what: str, waited_s: float, n: int) -> None:
                  '(the first complete answer wins).', kind, what, waited_s, n + 1, MAX_ATTEMPTS)
 
 
+def _answered(f: Any) -> bool:
+  """Whether ``f`` (an asyncio or tensorstore future) finished with an answer."""
+  return f.done() and not f.cancelled() and f.exception() is None
+
+
+class _Race:
+  """The algorithm both runners share (``run`` waits with asyncio, ``run_sync`` on a thread):
+  the attempts issued, their tickets, the first error, when the next attempt is due. It never
+  waits itself; each runner waits for ``unsettled()`` until ``wait_s()`` and then calls
+  ``take()`` (something finished) or ``issue_next()`` (nothing did in time).
+
+  ``start(n)`` issues attempt ``n`` and returns its future (an asyncio task or a tensorstore
+  future: both have ``done``, ``cancelled``, ``exception``, ``result`` and ``cancel``)."""
+
+  def __init__(self, start: Callable[[int], Any], *, nbytes: int, what: str, kind: str,
+               policy: deadline_lib.Policy):
+    self._start, self._nbytes, self._what, self._kind = start, nbytes, what, kind
+    self._policy = policy
+    self._t0 = time.monotonic()
+    self._futures: list[Any] = []
+    self._tickets: list[deadline_lib.Ticket] = []
+    self._ended: set[int] = set()
+    self._first_error: BaseException | None = None
+    self._due = self._t0  # when the latest attempt passes its deadline
+
+  def issue_next(self) -> None:
+    """Issues the next attempt; past ``MAX_ATTEMPTS`` raises ``StorageDeadlineError``."""
+    n = len(self._futures)
+    if n >= MAX_ATTEMPTS:
+      raise _error(self._what, self._kind, time.monotonic() - self._t0, n)
+    if n:
+      _say_hedged(self._kind, self._what, time.monotonic() - self._t0, n)
+    ticket = self._policy.begin(self._nbytes, time.monotonic())
+    try:
+      future = self._start(n)
+    except BaseException:
+      self._policy.end(ticket, time.monotonic(), ok=False)
+      raise
+    self._futures.append(future)
+    self._tickets.append(ticket)
+    self._due = time.monotonic() + ticket.deadline_s
+
+  def unsettled(self) -> list[Any]:
+    """The attempts issued whose outcome was not taken yet."""
+    return [f for i, f in enumerate(self._futures) if i not in self._ended]
+
+  def wait_s(self) -> float:
+    """How long until the latest attempt passes its deadline (0: it has)."""
+    return max(self._due - time.monotonic(), 0.0)
+
+  def any_done(self) -> bool:
+    return any(f.done() for f in self.unsettled())
+
+  def take(self) -> tuple[bool, Any]:
+    """Takes the outcome of every attempt that finished, in the order issued: ``(True,
+    answer)`` for the first that answered; ``(False, None)`` while others may still answer;
+    the first error once every attempt failed."""
+    for i, f in enumerate(self._futures):
+      if i in self._ended or not f.done():
+        continue
+      self._end(i)
+      error = f.exception()
+      if error is None:
+        if i:
+          _count(f'{self._kind}_won_by_retry')
+        return True, f.result()
+      self._first_error = self._first_error or error
+    if len(self._ended) == len(self._futures):
+      assert self._first_error is not None
+      raise self._first_error
+    return False, None
+
+  def cancel(self) -> list[Any]:
+    """Cancels every attempt still running and returns them. Cancelling on an event loop that
+    closed under this request ('Event loop is closed') is skipped: nothing can run there."""
+    running = [f for f in self.unsettled() if not f.done()]
+    for f in running:
+      try:
+        f.cancel()
+      except RuntimeError:
+        pass
+    return running
+
+  def end(self) -> None:
+    """Ends every ticket not ended yet (an attempt cancelled, failed, or answered unread)."""
+    for i in range(len(self._futures)):
+      if i not in self._ended:
+        self._end(i)
+
+  def _end(self, i: int) -> None:
+    self._ended.add(i)
+    self._policy.end(self._tickets[i], time.monotonic(), ok=_answered(self._futures[i]))
+
+
 async def run(attempt: Callable[[int], Awaitable[Any]], *, nbytes: int, what: str, kind: str,
               policy: deadline_lib.Policy | None = None) -> Any:
   """The first answer of ``attempt(0)``, ``attempt(1)``, ...: each later attempt is issued when
@@ -150,149 +244,68 @@ async def run(attempt: Callable[[int], Awaitable[Any]], *, nbytes: int, what: st
   (an answer, an error, cancelled, or closed with its event loop), every attempt's ticket is
   ended: a request left counted in flight would add its bytes to every later deadline of the
   process (``storage/deadline.py``)."""
-  policy = policy or deadline_lib.POLICY
-  t0 = time.monotonic()
-  tasks: dict[asyncio.Future, deadline_lib.Ticket] = {}
-  ended: set[asyncio.Future] = set()
-  first_error: BaseException | None = None
-
-  def end(t: asyncio.Future, ok: bool) -> None:
-    if t not in ended:
-      ended.add(t)
-      policy.end(tasks[t], time.monotonic(), ok=ok)
-
-  def end_all() -> None:
-    for t in tasks:
-      end(t, ok=t.done() and not t.cancelled() and t.exception() is None)
-
-  def issue(n: int) -> float:
-    ticket = policy.begin(nbytes, time.monotonic())
-    try:
-      task = asyncio.ensure_future(attempt(n))
-    except BaseException:
-      policy.end(ticket, time.monotonic(), ok=False)
-      raise
-    tasks[task] = ticket
-    return ticket.deadline_s
+  race = _Race(lambda n: asyncio.ensure_future(attempt(n)), nbytes=nbytes, what=what, kind=kind,
+               policy=policy or deadline_lib.POLICY)
 
   async def settle() -> None:
-    pending = [p for p in tasks if not p.done()]
-    for p in pending:
-      p.cancel()
     try:
-      if pending:
-        await asyncio.gather(*pending, return_exceptions=True)
+      running = race.cancel()
+      if running:
+        await asyncio.gather(*running, return_exceptions=True)
     finally:
-      end_all()
+      race.end()
 
   try:
-    wait_s = issue(0)
-    n = 1
+    race.issue_next()
     while True:
-      pending = {t for t in tasks if not t.done()}
-      if not pending:  # every attempt failed
-        assert first_error is not None
-        raise first_error
-      done, _ = await asyncio.wait(pending, timeout=wait_s,
+      done, _ = await asyncio.wait(race.unsettled(), timeout=race.wait_s(),
                                    return_when=asyncio.FIRST_COMPLETED)
-      for t in done:
-        if t.exception() is None:
-          end(t, ok=True)
-          if tasks[t] is not next(iter(tasks.values())):
-            _count(f'{kind}_won_by_retry')
-          await settle()
-          return t.result()
-        end(t, ok=False)
-        first_error = first_error or t.exception()
-      if done:
-        continue  # an attempt failed: keep waiting for the others (or raise if none is left)
-      if n >= MAX_ATTEMPTS:
+      if not done:
+        race.issue_next()
+        continue
+      answered, answer = race.take()
+      if answered:
         await settle()
-        raise _error(what, kind, time.monotonic() - t0, n)
-      _say_hedged(kind, what, time.monotonic() - t0, n)
-      wait_s = issue(n)
-      n += 1
+        return answer
   except GeneratorExit:
     # This coroutine is being closed, not cancelled: its event loop ended under it (an event
     # loop closed while this read was in flight). Nothing may be awaited now, and cancelling
     # schedules callbacks, which a closed loop refuses.
-    for p in tasks:
-      if not p.done():
-        try:
-          p.cancel()
-        except RuntimeError:  # 'Event loop is closed'
-          pass
+    race.cancel()
     raise
   except BaseException:
     await settle()
     raise
   finally:
-    end_all()
+    race.end()
 
 
 def run_sync(attempt: Callable[[int], ts.Future], *, nbytes: int, what: str, kind: str,
              policy: deadline_lib.Policy | None = None) -> Any:
   """``run`` for a thread without an event loop: ``attempt(n)`` returns a tensorstore future."""
-  policy = policy or deadline_lib.POLICY
-  t0 = time.monotonic()
   changed = threading.Condition()
-  futures: list[tuple[ts.Future, deadline_lib.Ticket]] = []
-  ended: set[int] = set()
 
-  def issue(n: int) -> float:
-    ticket = policy.begin(nbytes, time.monotonic())
-    f = attempt(n)
-    futures.append((f, ticket))
+  def notify(_) -> None:
+    with changed:
+      changed.notify_all()
 
-    def notify(_):
-      with changed:
-        changed.notify_all()
+  def start(n: int) -> ts.Future:
+    future = attempt(n)
+    future.add_done_callback(notify)
+    return future
 
-    f.add_done_callback(notify)
-    return ticket.deadline_s
-
-  def settle() -> None:
-    now = time.monotonic()
-    for i, (f, ticket) in enumerate(futures):
-      if i not in ended:
-        f.cancel()
-        policy.end(ticket, now, ok=False)
-        ended.add(i)
-
-  first_error: BaseException | None = None
+  race = _Race(start, nbytes=nbytes, what=what, kind=kind, policy=policy or deadline_lib.POLICY)
   try:
-    wait_until = time.monotonic() + issue(0)
-    n = 1
+    race.issue_next()
     while True:
       with changed:
-        changed.wait_for(lambda: any(f.done() for i, (f, _) in enumerate(futures)
-                                     if i not in ended),
-                         timeout=max(wait_until - time.monotonic(), 0))
-      progressed = False
-      for i, (f, ticket) in enumerate(futures):
-        if i in ended or not f.done():
-          continue
-        ended.add(i)
-        progressed = True
-        error = f.exception()
-        policy.end(ticket, time.monotonic(), ok=error is None)
-        if error is None:
-          if i:
-            _count(f'{kind}_won_by_retry')
-          settle()
-          return f.result()
-        first_error = first_error or error
-      if progressed:
-        if len(ended) == len(futures):
-          assert first_error is not None
-          raise first_error
-        continue
-      if time.monotonic() < wait_until:
-        continue
-      if n >= MAX_ATTEMPTS:
-        raise _error(what, kind, time.monotonic() - t0, n)
-      _say_hedged(kind, what, time.monotonic() - t0, n)
-      wait_until = time.monotonic() + issue(n)
-      n += 1
+        changed.wait_for(race.any_done, timeout=race.wait_s())
+      if race.any_done():
+        answered, answer = race.take()
+        if answered:
+          return answer
+      elif not race.wait_s():
+        race.issue_next()
   finally:
-    settle()
+    race.cancel()
+    race.end()

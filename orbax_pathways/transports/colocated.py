@@ -47,6 +47,7 @@ from orbax_pathways.sharding import layout
 from orbax_pathways.format import item as item_lib
 from orbax_pathways.format import records as records_lib
 from orbax_pathways.transports import values
+from orbax_pathways import options as options_lib
 from orbax_pathways import version
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways.plan import boxes as boxes_lib
@@ -60,7 +61,7 @@ from orbax_pathways.transports import share
 
 worker_key = colocated_calls.worker_key  # 'w<cpu device id>': a worker host's name
 
-NAME = 'colocated'
+NAME = options_lib.TransportName.COLOCATED.value
 Box = boxes_lib.Box
 # Writer (or, in the CPU simulation, reader) hosts one worker call serves at once: on a real
 # worker its own CPU devices; in the CPU simulation every simulated host, so this bounds the

@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable, Sequence
 import jax
 import numpy as np
 
+from orbax_pathways import options as options_lib
 from orbax_pathways._util import said
 from orbax_pathways.sharding import layout
 from orbax_pathways._compat import jax_distributed
@@ -32,7 +33,7 @@ from orbax_pathways.tier import peer as tier_peer
 from orbax_pathways.tier import relay as tier_relay
 from orbax_pathways.transports import share
 
-NAME = 'local'
+NAME = options_lib.TransportName.LOCAL.value
 Box = boxes_lib.Box
 # Arrays up to this size that this process holds entirely, on several devices, are read as one
 # region and put with one call (``jax.device_put`` slices them per device itself).

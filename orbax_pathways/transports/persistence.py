@@ -28,6 +28,7 @@ import numpy as np
 
 from orbax_pathways.format import records as records_lib
 from orbax_pathways.transports import values
+from orbax_pathways import options as options_lib
 from orbax_pathways import version
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways.storage import meta_io
@@ -35,7 +36,7 @@ from orbax_pathways.transports import base
 from orbax_pathways.transports import colocated
 from orbax_pathways.transports import share
 
-NAME = 'persistence'
+NAME = options_lib.TransportName.PERSISTENCE.value
 TIMEOUT = datetime.timedelta(hours=1)
 
 

@@ -1,26 +1,27 @@
 """Which transport class serves which name: the engine creates one per save or restore call.
 
 Kept apart from ``base`` (the protocol every transport imports), so that no transport imports
-the module that imports it.
+the module that imports it. The names are ``options.TransportName`` (the one list).
 """
 
 from __future__ import annotations
 
+from orbax_pathways import options as options_lib
 from orbax_pathways.transports import base
-
-NAMES = ('local', 'colocated', 'persistence')
 
 
 def create(name: str, *, save: base.SaveConfig | None = None,
            read: base.ReadConfig | None = None) -> base.Transport:
-  """A transport of kind ``name`` configured for one save (``save``) or restore (``read``)."""
-  if name == 'local':
+  """A transport of kind ``name`` (an ``options.TransportName``) configured for one save
+  (``save``) or restore (``read``)."""
+  names = options_lib.TransportName
+  if name == names.LOCAL:
     from orbax_pathways.transports import local  # pylint: disable=g-import-not-at-top
     return local.LocalTransport(save=save, read=read)
-  if name == 'colocated':
+  if name == names.COLOCATED:
     from orbax_pathways.transports import colocated  # pylint: disable=g-import-not-at-top
     return colocated.ColocatedTransport(save=save, read=read)
-  if name == 'persistence':
+  if name == names.PERSISTENCE:
     from orbax_pathways.transports import persistence  # pylint: disable=g-import-not-at-top
     return persistence.PersistenceTransport(save=save, read=read)
-  raise ValueError(f'Unknown transport {name!r}; valid transports: {list(NAMES)}.')
+  raise ValueError(f'Unknown transport {name!r}; valid transports: {list(options_lib.TRANSPORTS)}.')
