@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
+from orbax_pathways import options
 from orbax_pathways._compat import orbax as compat
 
 from support.conformance import TransportConformance
@@ -76,8 +77,7 @@ class TestPersistence(TransportConformance):
 
 
 def test_every_registered_transport_runs_the_suite():
-  """A transport added to the registry without a subclass here fails this."""
-  from orbax_pathways.transports import registry  # pylint: disable=g-import-not-at-top
+  """A transport added to ``options.TransportName`` without a subclass here fails this."""
   covered = {c.transport for c in TransportConformance.__subclasses__()}
-  assert covered == set(registry.NAMES), (covered, registry.NAMES)
+  assert covered == set(options.TRANSPORTS), (covered, options.TRANSPORTS)
   assert jax.device_count() == 8
