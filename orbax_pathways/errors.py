@@ -34,6 +34,14 @@ class PeerLostError(SaveError):
     self.hosts = dict(hosts or {})
 
 
+class SaveTimeoutError(SaveError, TimeoutError):
+  """A multi-process save ran past Orbax's own timeout (``AsyncCheckpointer(timeout_secs=...)``,
+  ``AsyncOptions.timeout_secs``) while this process waited for the others, or another process's
+  writes timed out: a ``TimeoutError`` with stock's phrase ("Timed out while waiting for
+  async_write_complete barrier", "... async_commit_complete barrier"), naming the processes it
+  waited for. The step is not committed by this process."""
+
+
 class RestoreError(OrbaxPathwaysError, ValueError):
   """A checkpoint could not be read back as asked."""
 

@@ -60,6 +60,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from orbax_pathways import errors
 from orbax_pathways.coord import participants as participants_lib
 
 _ac = src.orbax('checkpointers.async_checkpointer')
@@ -71,6 +72,7 @@ _SCOPE = '_orbax_pathways_liveness_scope'
 _PARTICIPANTS = '_orbax_pathways_liveness_participants'
 _SYNC_WRAPPED = '_orbax_pathways_liveness_sync'
 _COMMIT_COMPLETE = 'async_commit_complete'
+_WRITE_COMPLETE = 'async_write_complete'
 
 _lock = threading.Lock()
 _originals: dict[str, Callable[..., Any]] = {}
@@ -114,13 +116,27 @@ class _LivenessFuture:
     self._started = started
 
   def result(self, timeout: float | None = None) -> None:
+    """``timeout``: Orbax's own timeout of the save (``timeout_secs``, counted from the start
+    of its background thread); the liveness round waits no longer than what is left of it."""
     _local.round = self._round
     error: BaseException | None = None
     try:
       _future.ChainedFuture(self._futures, cb=lambda: None).result(timeout=timeout)
     except BaseException as e:  # pylint: disable=broad-except  (published, then raised)
       error = e
-    self._round.writes_done(error, time.monotonic() - self._started)
+    own_s = time.monotonic() - self._started
+    limit = None
+    if timeout is not None:  # ends a little early: Orbax raises its own bare "Timed out after"
+      left = timeout - own_s  # before its barrier if none is left, and ours names who was slow
+      limit = left - min(0.5, 0.1 * max(left, 0.0))
+    try:
+      self._round.writes_done(error, own_s, limit)
+    except errors.SaveTimeoutError as e:
+      if error is not None:
+        raise
+      # Raised at Orbax's next barrier, where stock raises its TimeoutError (raised here,
+      # Orbax's ChainedFuture would replace it with its own "timed out" for this future).
+      self._round.timed_out = e
     if error is not None:
       raise error
 
@@ -147,11 +163,16 @@ def _commit_callback(callback: Callable[[], None], rnd: Any) -> Callable[[], Non
 def _wrap_sync_fn(sync_fn: Callable[[str, int], None]) -> Callable[[str, int], None]:
   def sync(key: str, timeout_ms: int) -> None:
     rnd: Any = getattr(_local, 'round', None)
+    if rnd is not None and (_WRITE_COMPLETE in key or _COMMIT_COMPLETE in key):
+      timed_out = getattr(rnd, 'timed_out', None)
+      if timed_out is not None:
+        rnd.timed_out = None
+        raise timed_out
     if rnd is None or _COMMIT_COMPLETE not in key:
       sync_fn(key, timeout_ms)
       return
     if not rnd.is_primary and rnd.commits_alone:
-      rnd.await_commit()
+      rnd.await_commit(timeout_ms / 1000)  # what is left of Orbax's timeout of the save
     sync_fn(key, timeout_ms)
     if rnd.is_primary:
       rnd.cleanup()

@@ -132,15 +132,21 @@ class SaveRound:
     self.num_processes = num_processes
     self.timeout_s = _timeout_s if timeout_s is None else timeout_s
     self._alive: threading.Event | None = None
+    # Set by _compat/orbax_liveness when Orbax's own timeout cut the round short: raised at
+    # Orbax's next barrier of this save.
+    self.timed_out: errors.SaveTimeoutError | None = None
 
   @property
   def is_primary(self) -> bool:
     return self.me == self.primary
 
   # ---- writes ----------------------------------------------------------------------------------
-  def writes_done(self, error: BaseException | None, own_s: float) -> None:
+  def writes_done(self, error: BaseException | None, own_s: float,
+                  limit_s: float | None = None) -> None:
     """Publishes this process's outcome and, unless it failed, waits for the verdict; raises
-    ``PeerLostError`` / ``SaveError`` naming the processes that are missing or failed."""
+    ``PeerLostError`` / ``SaveError`` naming the processes that are missing or failed.
+    ``limit_s``: what is left of Orbax's own timeout of the save (``timeout_secs``); a wait it
+    cuts short raises ``SaveTimeoutError``, as stock's barrier raises ``TimeoutError``."""
     self._publish_host()
     try:
       self.client.key_value_set(f'{self.key}/{self.me}', OK if error is None else _failure(error),
@@ -159,19 +165,25 @@ class SaveRound:
       return
     deadline = self.timeout_s + max(own_s, 0.0)
     if self.is_primary:
-      verdict = _set_once(self.client, f'{self.key}/verdict', self._gather(deadline))
+      cut = limit_s is not None and limit_s < deadline
+      wait = max(limit_s, 0.001) if cut and limit_s is not None else deadline
+      verdict = _set_once(self.client, f'{self.key}/verdict', self._gather(wait, cut))
     else:
+      wait = 2 * deadline
+      cut = limit_s is not None and limit_s < wait
+      if cut and limit_s is not None:
+        wait = max(limit_s, 0.001)
       try:
         verdict = self.client.blocking_key_value_get(f'{self.key}/verdict',
-                                                     max(1, int(2 * deadline * 1000)))
+                                                     max(1, int(wait * 1000)))
       except Exception:  # pylint: disable=broad-except  (DEADLINE_EXCEEDED)
         verdict = _set_once(self.client, f'{self.key}/verdict',
-                            json.dumps({'missing': [self.primary], 'waited_s': 2 * deadline,
-                                        'by': self.me}))
+                            json.dumps({'missing': [self.primary], 'waited_s': wait,
+                                        'orbax_timeout': cut, 'by': self.me}))
     if verdict != OK:
       self._raise(json.loads(verdict), 'report that its writes finished')
 
-  def _gather(self, deadline: float) -> str:
+  def _gather(self, deadline: float, orbax_timeout: bool = False) -> str:
     others = [p for p in self.processes if p != self.me]
     missing: list[int] = []
     try:
@@ -185,7 +197,7 @@ class SaveRound:
     if not missing and not failed:
       return OK
     return json.dumps({'missing': missing, 'failed': failed, 'waited_s': deadline,
-                       'by': self.me})
+                       'orbax_timeout': orbax_timeout and bool(missing), 'by': self.me})
 
   # ---- commit ----------------------------------------------------------------------------------
   def commit_started(self) -> None:
@@ -215,16 +227,29 @@ class SaveRound:
     self.client.key_value_set(f'{self.key}/commit', OK if error is None else _failure(error),
                               allow_overwrite=True)
 
-  def await_commit(self) -> None:
+  def await_commit(self, limit_s: float | None = None) -> None:
     """The other processes, before Orbax's ``async_commit_complete`` barrier: the primary's
-    commit outcome, as long as it shows progress."""
+    commit outcome, as long as it shows progress and (``limit_s``: what is left of Orbax's own
+    timeout of the save) no longer than Orbax would wait in that barrier."""
     last = None
     window_ms = max(1, int(self.timeout_s * 1000))
+    end = None if limit_s is None else time.monotonic() + max(limit_s, 0.0)
     while True:
+      wait_ms = window_ms
+      if end is not None:
+        wait_ms = max(1, min(window_ms, int((end - time.monotonic()) * 1000)))
       try:
-        outcome = self.client.blocking_key_value_get(f'{self.key}/commit', window_ms)
+        outcome = self.client.blocking_key_value_get(f'{self.key}/commit', wait_ms)
         break
       except Exception:  # pylint: disable=broad-except  (DEADLINE_EXCEEDED)
+        if end is not None and time.monotonic() >= end:
+          raise errors.SaveTimeoutError(
+              'Timed out while waiting for async_commit_complete barrier: the primary host '
+              f'(process {self.primary}) was still committing {self.what} when Orbax\'s timeout '
+              f'of the save ran out (AsyncCheckpointer timeout_secs / AsyncOptions.timeout_secs, '
+              f'{limit_s:.0f}s left when this process finished writing). This process does not '
+              'wait longer; the step is committed only if the primary finishes. Raise '
+              'timeout_secs if commits take this long.') from None
         alive = _try_get(self.client, f'{self.key}/alive')
         if alive is None or alive == last:
           self._raise({'missing': [self.primary], 'waited_s': self.timeout_s},
@@ -272,11 +297,19 @@ class SaveRound:
                              sorted(failed.items())[:8]))
     if self.me in missing:
       parts.append('(this process answered too late: the others gave up on it)')
-    text = (f'The save of {self.what} cannot complete: ' + '; '.join(parts) + '. The step is not '
-            'committed; earlier steps are untouched. A missing process died, hangs or is far '
-            'slower than this one: check its log (and the host). The peer deadline is '
+    text = (f'The save of {self.what} cannot complete: ' + '; '.join(parts).rstrip('.') + '. The '
+            'step is not committed; earlier steps are untouched. A missing process died, hangs '
+            'or is far slower than this one: check its log (and the host). The peer deadline is '
             f'ORBAX_PATHWAYS_PEER_TIMEOUT_S={self.timeout_s:g}s (Options.peer_timeout_s) plus what '
             "this process's own writes took.")
+    # Orbax's own timeout ran out (here, or in another process's writes): a TimeoutError with
+    # stock's phrase, as stock's barrier raises; the processes waited for are slow, not lost.
+    if verdict.get('orbax_timeout') or any(
+        m.split(':', 1)[0].endswith('TimeoutError') for m in failed.values()):
+      raise errors.SaveTimeoutError(
+          'Timed out while waiting for async_write_complete barrier: ' + text
+          + " Orbax's timeout of the save is AsyncCheckpointer timeout_secs / "
+          'AsyncOptions.timeout_secs.')
     if missing:
       _remember_lost([p for p in missing if p != self.me], text)
       raise errors.PeerLostError(text, missing, hosts)
