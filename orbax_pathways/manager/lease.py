@@ -79,15 +79,6 @@ _leases: dict[str, Lease] = {}  # directory -> the lease this process holds ther
 _seq: dict[str, int] = {}  # a manager's round name -> its saves started (every member counts alike)
 _installed = False
 _timeout_override: float | None = None
-_ctx: ts.Context | None = None
-
-
-def _context() -> ts.Context:
-  global _ctx
-  with _lock:
-    if _ctx is None:
-      _ctx = ts.Context()
-    return _ctx
 
 
 def directory_key(directory) -> str:
@@ -121,7 +112,8 @@ class _Store:
   """The lease object of one directory, through tensorstore's kvstore (file, gcs, s3)."""
 
   def __init__(self, directory: str):
-    self._kv = ts.KvStore.open(meta_io.kvstore_spec(directory), context=_context()).result()
+    self._kv = ts.KvStore.open(meta_io.kvstore_spec(directory),
+                               context=meta_io.context()).result()
 
   def read(self) -> tuple[bool, bytes, bytes]:
     """(present, content, storage generation)."""

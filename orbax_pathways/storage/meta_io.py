@@ -55,7 +55,9 @@ _cache: collections.OrderedDict[str, tuple[bytes, item_lib.ItemMetadata]] = coll
 _stats: collections.Counter[str] = collections.Counter()
 
 
-def _ctx() -> ts.Context:
+def context() -> ts.Context:
+  """This process's tensorstore context for the package's own small objects (records, the
+  writer lease), built at first use; any thread. A retry opens a fresh one (``hedge``)."""
   global _context
   with _ctx_lock:
     if _context is None:
@@ -81,7 +83,7 @@ def kvstore_spec(item_dir: Any) -> dict:
 
 def _kv(item_dir: Any, attempt: int = 0) -> ts.KvStore:
   """The item's kvstore: through the shared context, or a fresh one for a later attempt."""
-  ctx = _ctx() if attempt == 0 else hedge.fresh_context(_ctx(), attempt)
+  ctx = context() if attempt == 0 else hedge.fresh_context(context(), attempt)
   return ts.KvStore.open(kvstore_spec(item_dir), context=ctx).result()
 
 
