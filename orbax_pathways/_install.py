@@ -113,7 +113,7 @@ def _install_manager_side() -> None:
 
 def _save_round(**kwargs) -> liveness.SaveRound:
   """One async save's liveness round on this process (``_compat/orbax_liveness``)."""
-  return liveness.SaveRound(jax_distributed.distributed_client(), **kwargs)
+  return liveness.save_round(jax_distributed.distributed_client(), timeout_s=None, **kwargs)
 
 
 def _after_commit(mngr, step: int, commit_s: float) -> None:

@@ -1,4 +1,4 @@
-"""The liveness round of a save (``orbax_pathways/liveness.py``) against jax's real key-value
+"""The liveness round of a save (``orbax_pathways/coord/liveness.py``) against jax's real key-value
 store: one ``jax.distributed`` process (a fresh interpreter) plays several processes' parts by
 publishing their keys itself, or not at all.
 
@@ -22,7 +22,7 @@ client = jax_distributed.distributed_client()
 out = {}
 
 def rnd(key, me, primary=0, n=3):
-  return liveness.SaveRound(client, key, me, list(range(n)), primary, f'/ckpt/{key}', n,
+  return liveness.SaveRound(client, f'test/{key}', me, list(range(n)), primary, f'/ckpt/{key}', n,
                             timeout_s=1.0)
 
 def caught(fn):
@@ -33,14 +33,14 @@ def caught(fn):
     return {'type': type(e).__name__, 'text': str(e), 'missing': list(getattr(e, 'missing', []))}
 
 # 1. the primary: process 1 reported, process 2 never did
-client.key_value_set(f'{liveness.PREFIX}/saves/a/1', 'ok')
+client.key_value_set(f'{rnd("a", 0).key}/1', 'ok')
 out['primary_missing'] = caught(lambda: rnd('a', 0).writes_done(None, 0.0))
 # a late process 2 follows the same verdict
 out['late'] = caught(lambda: rnd('a', 2).writes_done(None, 0.0))
 
 # 2. the primary: process 2 failed its writes
-client.key_value_set(f'{liveness.PREFIX}/saves/b/1', 'ok')
-client.key_value_set(f'{liveness.PREFIX}/saves/b/2', 'failed: OSError: disk full')
+client.key_value_set(f'{rnd("b", 0).key}/1', 'ok')
+client.key_value_set(f'{rnd("b", 0).key}/2', 'failed: OSError: disk full')
 out['failed'] = caught(lambda: rnd('b', 0).writes_done(None, 0.0))
 
 # 3. a non-primary whose primary never answers: it names the primary
@@ -48,7 +48,7 @@ out['no_primary'] = caught(lambda: rnd('c', 1).writes_done(None, 0.0))
 
 # 4. all answered: nothing raised
 for p in (1, 2):
-  client.key_value_set(f'{liveness.PREFIX}/saves/d/{p}', 'ok')
+  client.key_value_set(f'{rnd("d", 0).key}/{p}', 'ok')
 out['healthy'] = caught(lambda: rnd('d', 0).writes_done(None, 0.0))
 out['healthy_other'] = caught(lambda: rnd('d', 1).writes_done(None, 0.0))
 
@@ -64,10 +64,10 @@ threading.Thread(target=commit).start()
 out['slow_commit'] = caught(lambda: rnd('e', 1).await_commit())
 # ... one that stops is named; one whose commit failed is reported with its error
 out['dead_commit'] = caught(lambda: rnd('f', 1).await_commit())
-client.key_value_set(f'{liveness.PREFIX}/saves/g/commit', 'failed: ValueError: merge failed')
+client.key_value_set(f'{rnd("g", 0).key}/commit', 'failed: ValueError: merge failed')
 out['failed_commit'] = caught(lambda: rnd('g', 1).await_commit())
 primary.cleanup()
-out['left'] = [k for k, _ in client.key_value_dir_get(f'{liveness.PREFIX}/saves/e/')]
+out['left'] = [k for k, _ in client.key_value_dir_get(f'{rnd("e", 0).key}/')]
 out['lost'] = sorted(liveness.lost_processes())
 print(json.dumps(out))
 '''

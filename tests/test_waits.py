@@ -1,9 +1,9 @@
-"""Waits on other processes name who did not answer (orbax_pathways/waits.py, issue 21 item 1),
-and their deadline measures silence, not total time (issue 26 item 7).
+"""Waits on other processes name who did not answer (issue 21 item 1), and their deadline
+measures silence, not total time (issue 26 item 7).
 
-Real ``jax.distributed`` processes (tests/support/mp_harness.py): the agreement helper the
-preemption and resume agreements use, with one process that never publishes its key, and keys
-that keep arriving, one every ``STEP_S``, for longer than the deadline in all.
+Real ``jax.distributed`` processes (tests/support/mp_harness.py): the gather of a key-value
+round (``coord/rounds.py``), which every agreement uses, with one process that never publishes
+its key, and keys that keep arriving, one every 1.5 s, for longer than the deadline in all.
 """
 
 from __future__ import annotations
@@ -15,25 +15,29 @@ import time
 from support import mp_worker
 mp_worker.init()
 import jax
-from orbax_pathways.coord import waits
+from orbax_pathways.coord import rounds
 from orbax_pathways._compat import jax_distributed
 client = jax_distributed.distributed_client()
 me, n = jax.process_index(), jax.process_count()
+
+def gather(key, count, timeout_s, what):
+  rnd = rounds.Round(client, key, me=me, members=range(count), count=count, what=what)
+  return list(rnd.gather(timeout_s).values())
 if me != 2:  # process 2 is "stuck": it never publishes
   client.key_value_set(f'test/agree/{me}', str(me * 10))
 if me == 0:
   t = time.monotonic()
   try:
-    waits.gather(client, 'test/agree', n, 3.0, what='test agreement')
+    gather('test/agree', n, 3.0, 'test agreement')
     mp_worker.emit({'raised': None})
-  except waits.PeerTimeoutError as e:
+  except rounds.PeerTimeoutError as e:
     mp_worker.emit({'raised': str(e), 'missing': list(e.missing), 't': time.monotonic() - t})
   client.key_value_set('test/done', '1')
 else:
   client.blocking_key_value_get('test/done', 120_000)
 if me == 1:  # all present: values in process order
   client.key_value_set('test/all/0', 'a'); client.key_value_set('test/all/1', 'b')
-  mp_worker.emit({'values': waits.gather(client, 'test/all', 2, 30.0, what='x')})
+  mp_worker.emit({'values': gather('test/all', 2, 30.0, 'x')})
 # Slow but progressing: process 1 publishes the keys of 3 processes, the last one first (the
 # one gather waits on first comes last), one every 1.5 s after process 0 starts waiting with a
 # 2.5 s deadline: 4.5 s in all, never 2.5 s without a new key.
@@ -41,9 +45,9 @@ if me == 0:
   client.key_value_set('test/go', '1')
   t = time.monotonic()
   try:
-    got = waits.gather(client, 'test/slow', 3, 2.5, what='slow agreement')
+    got = gather('test/slow', 3, 2.5, 'slow agreement')
     mp_worker.emit({'slow': got, 't': time.monotonic() - t})
-  except waits.PeerTimeoutError as e:
+  except rounds.PeerTimeoutError as e:
     mp_worker.emit({'slow': str(e), 't': time.monotonic() - t})
 elif me == 1:
   client.blocking_key_value_get('test/go', 120_000)

@@ -23,13 +23,14 @@ idempotent):
   commit callback reports its progress and outcome (``commit_started`` / ``commit_done``); the
   manager's barrier function (``_sync_fn``, wrapped once per manager) makes the other processes
   ``await_commit`` before ``async_commit_complete``, and the primary ``cleanup`` after it.
-  The round's key (under ``liveness.PREFIX``) is unique per save and the same on every process
-  of the checkpointer: the name of its participants (``coord/participants.py``: the barrier
-  prefix, ``active_processes``, ``primary_host``), the number of async saves this process
-  started under that name, and the step directory's name. Not Orbax's operation id: that counter
-  is per process, and the slices of Orbax's emergency manager run different numbers of saves
-  (a local one every step, a persistent one every few), so it differs between the processes
-  of a manager that spans them (its ``non_replicated`` manager).
+  The round factory gets the checkpointer's participants (``coord/participants.py``: the barrier
+  prefix, ``active_processes``, ``primary_host``) and names the round from them and the number
+  of async saves this process started among them, and the step directory's name
+  (``coord/liveness.save_round``): unique per save and the same on every process of the
+  checkpointer. Not Orbax's operation id: that
+  counter is per process, and the slices of Orbax's emergency manager run different numbers of
+  saves (a local one every step, a persistent one every few), so it differs between the
+  processes of a manager that spans them (its ``non_replicated`` manager).
 
 - ``multihost.sync_global_processes`` and ``multihost.get_barrier_sync_fn`` (the barriers of
   Orbax's CheckpointManager and checkpointers: the manager's finalize thread, ``close()``, the
@@ -80,7 +81,6 @@ _make_round: Callable[..., Any] | None = None
 _lost_error: Callable[[str], BaseException | None] | None = None
 _local = threading.local()  # .round: the round of the async_save thread running it
 _kept: list[Any] = []  # jax's distributed client/service, dropped at exit without shutdown
-_seq: dict[str, int] = {}  # a round name (Participants.name) -> async saves started under it
 _atexit_registered = False
 
 
@@ -197,14 +197,11 @@ def _wrap_start(original):
     if part is None:
       part = self.__dict__[_PARTICIPANTS] = participants_lib.Participants.of(
           scope.processes, primary_host, scope.prefix)
-    name = part.name('save')
-    with _lock:
-      seq = _seq[name] = _seq.get(name, 0) + 1
-    key = f'{name}/{seq}/{getattr(directory, "name", "-")}'
     # Orbax's process numbering (active_processes, primary_host use it): jax.distributed's
     # process id under experimental_orbax_use_distributed_process_id.
-    rnd = make(key=key, me=_multihost.process_index(), processes=processes, primary=primary,
-               what=str(directory), num_processes=count,
+    rnd = make(participants=part, step_dir=getattr(directory, 'name', '-'),
+               me=_multihost.process_index(), processes=processes,
+               primary=primary, what=str(directory), num_processes=count,
                commits_alone=not every_process_commits)
     if not self.__dict__.get(_SYNC_WRAPPED):
       self._sync_fn = _wrap_sync_fn(self._sync_fn)  # pylint: disable=protected-access
@@ -254,10 +251,10 @@ def _targets():
 
 def install(make_round: Callable[..., Any],
             lost_error: Callable[[str], BaseException | None]) -> None:
-  """Sets the round factory (``liveness.SaveRound``-like, keyword arguments ``key, me,
-  processes, primary, what, num_processes, commits_alone``) and ``lost_error(barrier)`` (the
-  error to raise instead of entering an Orbax barrier once peers were found lost; None while
-  none was), installs the patches (once) and the exit handler (once per process)."""
+  """Sets the round factory (``liveness.SaveRound``-like, keyword arguments ``participants,
+  step_dir, me, processes, primary, what, num_processes, commits_alone``) and
+  ``lost_error(barrier)`` (the error to raise instead of entering an Orbax barrier once peers
+  were found lost; None while none was), installs the patches (once) and the exit handler (once per process)."""
   global _make_round, _lost_error, _atexit_registered
   with _lock:
     _make_round, _lost_error = make_round, lost_error

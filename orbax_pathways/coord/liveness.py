@@ -5,10 +5,11 @@ async save, by ``_compat/orbax_liveness.py``, before Orbax's own barriers (which
 process until jax's heartbeat timeout aborts everyone with no Python error):
 
 1. ``SaveRound.writes_done(error, own_s)`` once this process's commit futures finished (or
-   failed): it publishes ``ok`` or ``failed: <error>`` under ``<key>/<process index>`` in jax's
-   key-value store. The primary host waits for the others (``waits.gather``, one deadline:
-   ``peer_timeout_s`` plus how long this process's own writes took) and publishes the verdict
-   (``<key>/verdict``: ``ok``, or who is missing or failed). Every other process waits for the
+   failed): it publishes ``ok`` or ``failed: <error>`` in the save's round (``coord/rounds.py``:
+   ``<key>/<process index>`` in jax's key-value store). The primary host gathers the others
+   (one deadline that measures silence: ``peer_timeout_s`` plus how long this process's own
+   writes took) and publishes the verdict (``<key>/verdict``: ``ok``, or who is missing or
+   failed). Every other process waits for the
    verdict only (twice its own deadline); if none comes it claims "the primary is missing" as
    the verdict. The verdict is set at most once (``allow_overwrite=False``), so every live
    process follows the same one: all go on to Orbax's barrier, or all raise. A process whose
@@ -23,9 +24,11 @@ process until jax's heartbeat timeout aborts everyone with no Python error):
    everything under it.
 
 Cost of a healthy save: every process sets one key and (but the primary) reads two; the primary
-reads one key per process, sets three and deletes one: O(1) per process, O(processes) on the
-primary only, no polling. Each process also publishes its host name once per lifetime
-(``<PREFIX>/hosts/<i>``), read only to name a missing process.
+reads the round's directory once (then blocks only on processes not yet there), sets three keys
+and deletes one: O(1) requests per process, the primary included, no polling. The round's key is
+``orbax_pathways/save/<participants' digest>/<n>/<step dir>`` (``save_round``: the n-th async
+save this process started among those participants). Each process also publishes its host
+name once per lifetime (``<HOSTS>/<i>``), read only to name a missing process.
 
 A process found missing is remembered (``lost_processes``, ``lost_error``):
 ``_compat/orbax_liveness`` then makes Orbax's later barriers raise at once, and keeps jax's
@@ -42,95 +45,102 @@ import time
 from typing import Any, Sequence
 
 from orbax_pathways import errors
-from orbax_pathways.coord import waits
+from orbax_pathways.coord import participants as participants_lib
+from orbax_pathways.coord import rounds
 
-PREFIX = 'orbax_pathways/liveness'
+HOSTS = f'{rounds.ROOT}/liveness/hosts'  # <HOSTS>/<i>: the host name of process i
 OK = 'ok'
 FAILED = 'failed: '
 DEFAULT_TIMEOUT_S = 60.0
 MAX_MESSAGE = 1500
 
-_lock = threading.Lock()
-_timeout_s = DEFAULT_TIMEOUT_S
-_lost: set[int] = set()
-_lost_text = ''  # the message of the first PeerLostError this process raised
-_host_published = False
+
+class _State:
+  """What this process found in its saves' rounds (per process by nature: its own peers lost,
+  for its own later barriers and its exit), and whether it published its host name."""
+
+  def __init__(self) -> None:
+    self.lock = threading.Lock()
+    self.timeout_s = DEFAULT_TIMEOUT_S
+    self.lost: set[int] = set()
+    self.lost_text = ''  # the message of the first PeerLostError this process raised
+    self.host_published = False
+
+
+_state = _State()
 
 
 def configure(peer_timeout_s: float) -> None:
   """Sets the process's deadline beyond observed work (``engine.Engine`` from its options)."""
-  global _timeout_s
   if not peer_timeout_s > 0:
     raise ValueError(f'peer_timeout_s={peer_timeout_s!r}: need seconds > 0.')
-  with _lock:
-    _timeout_s = float(peer_timeout_s)
+  with _state.lock:
+    _state.timeout_s = float(peer_timeout_s)
 
 
 def peer_timeout_s() -> float:
-  return _timeout_s
+  return _state.timeout_s
 
 
 def lost_processes() -> set[int]:
   """Processes this process found missing in a save (and raised ``PeerLostError`` for)."""
-  with _lock:
-    return set(_lost)
+  with _state.lock:
+    return set(_state.lost)
 
 
 def _remember_lost(missing: Sequence[int], text: str) -> None:
-  global _lost_text
-  with _lock:
-    _lost.update(missing)
-    _lost_text = _lost_text or text
+  with _state.lock:
+    _state.lost.update(missing)
+    _state.lost_text = _state.lost_text or text
 
 
 def lost_error(barrier: str) -> errors.PeerLostError | None:
   """Once this process found peers lost: the error that an Orbax barrier (``barrier``) raises
   instead of waiting for them (``_compat/orbax_liveness``); None while none was lost."""
-  with _lock:
-    if not _lost:
+  with _state.lock:
+    if not _state.lost:
       return None
     return errors.PeerLostError(
-        f'{_lost_text} (Orbax barrier {barrier!r} not entered: it would wait for the lost '
+        f'{_state.lost_text} (Orbax barrier {barrier!r} not entered: it would wait for the lost '
         'process(es) until jax\'s heartbeat timeout aborts this process. The job must be '
-        'restarted.)', sorted(_lost))
+        'restarted.)', sorted(_state.lost))
 
 
 def _failure(e: BaseException) -> str:
   return (FAILED + f'{type(e).__name__}: {e}')[:MAX_MESSAGE]
 
 
-def _try_get(client: Any, key: str) -> str | None:
-  try:
-    return client.key_value_try_get(key)
-  except Exception:  # pylint: disable=broad-except  (NOT_FOUND)
-    return None
-
-
-def _set_once(client: Any, key: str, value: str) -> str:
-  """Sets ``key`` unless some process set it first; returns the value that stands."""
-  try:
-    client.key_value_set(key, value, allow_overwrite=False)
-    return value
-  except Exception:  # pylint: disable=broad-except  (ALREADY_EXISTS: another verdict won)
-    found = _try_get(client, key)
-    return value if found is None else found
+def save_round(client: Any, participants: participants_lib.Participants, *, step_dir: str,
+               me: int, processes: Sequence[int], primary: int, what: str, num_processes: int,
+               commits_alone: bool, timeout_s: float | None) -> SaveRound:
+  """The round of the next async save this process starts among ``participants`` (the
+  processes of its checkpointer) into ``step_dir`` (the step directory's name):
+  ``orbax_pathways/save/<digest>/<n>/<step_dir>``, numbered alike on every member. Called
+  by ``_compat/orbax_liveness`` (through ``_install``) in the controller's thread at the end
+  of ``save()``."""
+  key = rounds.sequence(participants.name('save')).next(suffix=step_dir)
+  return SaveRound(client, key, me, processes, primary, what, num_processes,
+                   commits_alone=commits_alone, timeout_s=timeout_s)
 
 
 class SaveRound:
-  """One async save's liveness round on this process (see the module docstring)."""
+  """One async save's liveness round on this process (see the module docstring). ``key`` is
+  the round's key (``save_round`` builds it)."""
 
   def __init__(self, client: Any, key: str, me: int, processes: Sequence[int], primary: int,
                what: str, num_processes: int, commits_alone: bool = True,
                timeout_s: float | None = None):
     self.client = client
-    self.key = f'{PREFIX}/saves/{key}'
+    self.key = key
     self.commits_alone = commits_alone  # False: every process commits (Orbax primary_host=None)
     self.me = me
     self.processes = tuple(processes)
     self.primary = primary
     self.what = what  # the step directory, for messages
     self.num_processes = num_processes
-    self.timeout_s = _timeout_s if timeout_s is None else timeout_s
+    self.timeout_s = _state.timeout_s if timeout_s is None else timeout_s
+    self.round = rounds.Round(client, key, me=me, members=self.processes, count=num_processes,
+                              what=f'save of {what}', leader=primary)
     self._alive: threading.Event | None = None
     # Set by _compat/orbax_liveness when Orbax's own timeout cut the round short: raised at
     # Orbax's next barrier of this save.
@@ -149,17 +159,16 @@ class SaveRound:
     cuts short raises ``SaveTimeoutError``, as stock's barrier raises ``TimeoutError``."""
     self._publish_host()
     try:
-      self.client.key_value_set(f'{self.key}/{self.me}', OK if error is None else _failure(error),
-                                allow_overwrite=True)
+      self.round.publish(OK if error is None else _failure(error))
     except Exception:  # pylint: disable=broad-except
       if error is None:
         raise
     if error is not None:  # the caller raises its own error; the others read ours
       if self.is_primary:  # and follow it at once, instead of waiting for a verdict
         try:
-          _set_once(self.client, f'{self.key}/verdict', json.dumps(
+          self.round.publish_verdict(json.dumps(
               {'missing': [], 'failed': {str(self.me): _failure(error)[len(FAILED):]},
-               'by': self.me}))
+               'by': self.me}), once=True)
         except Exception:  # pylint: disable=broad-except
           pass
       return
@@ -167,19 +176,18 @@ class SaveRound:
     if self.is_primary:
       cut = limit_s is not None and limit_s < deadline
       wait = max(limit_s, 0.001) if cut and limit_s is not None else deadline
-      verdict = _set_once(self.client, f'{self.key}/verdict', self._gather(wait, cut))
+      verdict = self.round.publish_verdict(self._gather(wait, cut), once=True)
     else:
       wait = 2 * deadline
       cut = limit_s is not None and limit_s < wait
       if cut and limit_s is not None:
         wait = max(limit_s, 0.001)
       try:
-        verdict = self.client.blocking_key_value_get(f'{self.key}/verdict',
-                                                     max(1, int(wait * 1000)))
-      except Exception:  # pylint: disable=broad-except  (DEADLINE_EXCEEDED)
-        verdict = _set_once(self.client, f'{self.key}/verdict',
-                            json.dumps({'missing': [self.primary], 'waited_s': wait,
-                                        'orbax_timeout': cut, 'by': self.me}))
+        verdict = self.round.await_verdict(wait)
+      except rounds.PeerTimeoutError:
+        verdict = self.round.publish_verdict(
+            json.dumps({'missing': [self.primary], 'waited_s': wait, 'orbax_timeout': cut,
+                        'by': self.me}), once=True)
     if verdict != OK:
       self._raise(json.loads(verdict), 'report that its writes finished')
 
@@ -187,12 +195,9 @@ class SaveRound:
     others = [p for p in self.processes if p != self.me]
     missing: list[int] = []
     try:
-      found = dict(zip(others, waits.gather(self.client, self.key, self.num_processes, deadline,
-                                            what=f'save of {self.what}', processes=others)))
-    except waits.PeerTimeoutError as e:
-      missing = list(e.missing)
-      found = {p: v for p in others if p not in missing
-               for v in [_try_get(self.client, f'{self.key}/{p}')] if v is not None}
+      found = self.round.gather(deadline, processes=others)
+    except rounds.PeerTimeoutError as e:
+      missing, found = list(e.missing), e.found
     failed = {str(p): v[len(FAILED):] for p, v in found.items() if v.startswith(FAILED)}
     if not missing and not failed:
       return OK
@@ -250,7 +255,7 @@ class SaveRound:
               f'{limit_s:.0f}s left when this process finished writing). This process does not '
               'wait longer; the step is committed only if the primary finishes. Raise '
               'timeout_secs if commits take this long.') from None
-        alive = _try_get(self.client, f'{self.key}/alive')
+        alive = self.round.read('alive')
         if alive is None or alive == last:
           self._raise({'missing': [self.primary], 'waited_s': self.timeout_s},
                       'show progress in its commit (the primary host commits the step)')
@@ -263,27 +268,29 @@ class SaveRound:
 
   def cleanup(self) -> None:
     """Primary, after Orbax's last barrier: the round's keys go (one request)."""
-    try:
-      self.client.key_value_delete(self.key)
-    except Exception:  # pylint: disable=broad-except  (a leftover key costs nothing but memory)
-      pass
+    self.round.delete()
 
   # ---- errors ----------------------------------------------------------------------------------
   def _publish_host(self) -> None:
-    global _host_published
-    if _host_published:
+    if _state.host_published:
       return
     try:
-      self.client.key_value_set(f'{PREFIX}/hosts/{self.me}', socket.gethostname(),
+      self.client.key_value_set(f'{HOSTS}/{self.me}', socket.gethostname(),
                                 allow_overwrite=True)
-      _host_published = True
+      _state.host_published = True
     except Exception:  # pylint: disable=broad-except  (names only)
       pass
+
+  def _host(self, process: int) -> str | None:
+    try:
+      return self.client.key_value_try_get(f'{HOSTS}/{process}') or None
+    except Exception:  # pylint: disable=broad-except  (NOT_FOUND)
+      return None
 
   def _raise(self, verdict: dict, did_not: str) -> None:
     missing = [int(p) for p in verdict.get('missing', ())]
     failed = {int(p): m for p, m in verdict.get('failed', {}).items()}
-    hosts = {p: h for p in missing for h in [_try_get(self.client, f'{PREFIX}/hosts/{p}')] if h}
+    hosts = {p: h for p in missing[:16] for h in [self._host(p)] if h}
     parts = []
     if missing:
       named = ', '.join(f'process {p}' + (f' (host {hosts[p]})' if p in hosts else '')

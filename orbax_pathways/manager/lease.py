@@ -59,7 +59,7 @@ from orbax_pathways import errors
 from orbax_pathways import options as options_lib
 from orbax_pathways.manager import processes as proc_lib
 from orbax_pathways import version
-from orbax_pathways.coord import waits
+from orbax_pathways.coord import rounds
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager as _om
 from orbax_pathways.manager import lease_policy as plan
@@ -76,7 +76,6 @@ _AGREE_KEEP = 16  # key-value entries of past saves kept per directory (multi-co
 
 _lock = threading.RLock()
 _leases: dict[str, Lease] = {}  # directory -> the lease this process holds there
-_seq: dict[str, int] = {}  # a manager's round name -> its saves started (every member counts alike)
 _installed = False
 _timeout_override: float | None = None
 
@@ -378,41 +377,37 @@ def before_save(mngr, step: int) -> None:
       error.__cause__ = e
   client = jax_distributed.distributed_client()
   if count > 1 and client is not None and part.includes(me, count) and part.size(count) > 1:
-    name = part.name('lease')
-    with _lock:
-      seq = _seq[name] = _seq.get(name, 0) + 1
-    outcome = _agree(client, f'orbax_pathways/{name}', seq, part, me, count,
-                     None if error is None else str(error))
+    outcome = _agree(client, part, me, count, None if error is None else str(error))
     if outcome is not None and error is None:
       error = errors.WriterLeaseError(outcome)
   if error is not None:
     raise error
 
 
-def _agree(client, base: str, seq: int, part, me: int, count: int,
-           outcome: str | None) -> str | None:
+def _agree(client, part, me: int, count: int, outcome: str | None) -> str | None:
   """The round that makes every process calling the manager (``part``) raise together:
-  ``None`` (go ahead) or the refusal that stands.
+  ``None`` (go ahead) or the refusal that stands (``coord/rounds.py``).
 
-  One writer (``primary_host`` set): it sets ``<base>/<seq>`` to its answer; the others wait for
-  that one key. Every process a writer (``primary_host=None``, a directory per process): each
-  but the leader (the first member) sets ``<base>/<seq>/<me>``; the leader gathers them (one
-  deadline) and sets ``<base>/<seq>/verdict``, which the others wait for. The leader deletes
+  One writer (``primary_host`` set): it publishes its answer as the round's verdict; the
+  others wait for that one key. Every process a writer (``primary_host=None``, a directory per
+  process): each but the leader (the first member) publishes its answer; the leader gathers
+  them (one deadline) and publishes the verdict, which the others wait for. The leader deletes
   the round of ``_AGREE_KEEP`` saves ago (every member is past it)."""
   leader = part.leader(count)
-  key = f'{base}/{seq}'
+  seq = rounds.sequence(part.name('lease'), keep=_AGREE_KEEP)
+  rnd = rounds.Round(client, seq.next(), me=me, members=part.members(count), count=count,
+                     what='orbax_pathways: the writer lease round', leader=leader)
   wait_s = 3 * timeout_s() + 300  # a writer may watch another host's lease for `timeout`
-  if part.every_process_writes and me != leader:
-    client.key_value_set(f'{key}/{me}', 'ok' if outcome is None else 'refused:' + outcome,
-                         allow_overwrite=True)
-    key = f'{key}/verdict'
   if me != leader:
+    if part.every_process_writes:
+      rnd.publish('ok' if outcome is None else 'refused:' + outcome)
     try:
-      value = client.blocking_key_value_get(key, int(wait_s * 1000))
-    except Exception as e:  # pylint: disable=broad-except
+      value = rnd.await_verdict(wait_s)
+    except rounds.PeerTimeoutError as e:
+      cause = e.__cause__
       return (f'orbax_pathways: process {leader}, which answers for the writer lease of this '
               f'manager ({part.describe(count)}), did not say within {wait_s:.0f} s whether the '
-              f'save may go ahead ({type(e).__name__}: {e}). Every process that calls a '
+              f'save may go ahead ({type(cause).__name__}: {cause}). Every process that calls a '
               'CheckpointManager must call its save at every step.')
     if outcome is not None:
       return outcome  # this process's own refusal (the verdict then names it, or another)
@@ -420,26 +415,15 @@ def _agree(client, base: str, seq: int, part, me: int, count: int,
   if part.every_process_writes and outcome is None:  # a refusing leader answers at once
     others = [p for p in part.members(count) if p != me]
     try:
-      answers = dict(zip(others, waits.gather(
-          client, key, count, wait_s, what='orbax_pathways: the writer lease round',
-          processes=others)))
+      answers = rnd.gather(wait_s, processes=others)
       refused = [(p, v.split(':', 1)[1]) for p, v in answers.items() if v != 'ok']
       if refused:
         p, text = refused[0]
         outcome = f'process {p}: {text}'
-    except waits.PeerTimeoutError as e:
+    except rounds.PeerTimeoutError as e:
       outcome = str(e)
-  if part.every_process_writes:
-    client.key_value_set(f'{key}/verdict', 'ok' if outcome is None else 'refused:' + outcome,
-                         allow_overwrite=True)
-  else:
-    client.key_value_set(key, 'ok' if outcome is None else 'refused:' + outcome,
-                         allow_overwrite=True)
-  if seq > _AGREE_KEEP:
-    try:
-      client.key_value_delete(f'{base}/{seq - _AGREE_KEEP}')
-    except Exception:  # pylint: disable=broad-except
-      pass
+  rnd.publish_verdict('ok' if outcome is None else 'refused:' + outcome)
+  seq.retire(client, me, whole=True)
   return outcome
 
 
@@ -484,7 +468,6 @@ def _after_fork_in_child() -> None:
   global _lock
   _lock = threading.RLock()
   _leases.clear()  # the parent's; the child takes its own if it saves
-  _seq.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -25,7 +25,7 @@ from typing import Callable
 
 from absl import logging
 
-from orbax_pathways.coord import waits
+from orbax_pathways.coord import rounds
 from orbax_pathways.coord import participants as participants_lib
 from orbax_pathways.preemption import notice
 from orbax_pathways._compat import jax_distributed
@@ -37,7 +37,6 @@ _EVERY_PROCESS = participants_lib.Participants(None, 0)
 # Per round name (one per set of participants, ``Participants.name``; '' for one controller):
 _agreed_step: dict[str, int] = {}  # the step from which its participants answer True
 _decided: dict[str, dict[int, bool]] = {}  # its latched answers, by step
-_last_published_key: dict[str, str] = {}
 
 
 def configure(*, agreement_interval: int, agreement_timeout_s: float) -> None:
@@ -56,7 +55,6 @@ def reset() -> None:
   with notice.lock:
     _agreed_step.clear()
     _decided.clear()
-    _last_published_key.clear()
 
 
 def what_next() -> str:
@@ -102,19 +100,16 @@ def _kv_agreement(step: int, part: participants_lib.Participants) -> bool:
   n, me = jax_distributed.process_count(), _om.process_index()
   if client is None or not part.includes(me, n) or part.size(n) <= 1:
     return _remember(decided, step, notice.pending())
-  prefix = f'orbax_pathways/{name}/{notice.generation()}/{step}'
-  key = f'{prefix}/{me}'
-  client.key_value_set(key, '1' if notice.pending() else '0', allow_overwrite=True)
-  flags = waits.gather(client, prefix, n, _agreement_timeout_s,
-                       what=(f'orbax_pathways: preemption agreement at step {step} among '
-                             f'{part.describe(n)}'), processes=part.members(n))
-  last = _last_published_key.get(name)
-  if last is not None:
-    try:
-      client.key_value_delete(last)
-    except Exception:  # pylint: disable=broad-except
-      pass
-  _last_published_key[name] = key
+  # One round per (notice generation, step): every member derives the same key.
+  seq = rounds.sequence(name, keep=1)
+  rnd = rounds.Round(client, seq.next(f'{notice.generation()}/{step}'), me=me,
+                     members=part.members(n), count=n, leader=part.leader(n),
+                     what=(f'orbax_pathways: preemption agreement at step {step} among '
+                           f'{part.describe(n)}'))
+  rnd.publish('1' if notice.pending() else '0')
+  flags = rnd.gather(_agreement_timeout_s).values()
+  if rnd.is_leader:  # every member published this round: all are past the one before
+    seq.retire(client, me, whole=True)
   answer = _remember(decided, step, any(f == '1' for f in flags))
   if answer:
     _agreed_step[name] = step

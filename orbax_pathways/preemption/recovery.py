@@ -15,12 +15,10 @@ from absl import logging
 
 from orbax_pathways import errors
 from orbax_pathways.manager import retention
-from orbax_pathways.coord import waits
+from orbax_pathways.coord import rounds
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager as _om
 from orbax_pathways.preemption import decision
-
-_resume_rounds: dict[str, int] = {}  # rounds so far per set of participants (their name)
 
 
 def latest_complete_step(mngr, exclude=()) -> int | None:
@@ -41,12 +39,16 @@ def _all_processes_ok(mngr, ok: bool, step: int) -> bool:
   if client is None or n <= 1 or part.size(n) <= 1 or not part.includes(me, n):
     return ok
   name = part.name('resume')
-  rnd = _resume_rounds[name] = _resume_rounds.get(name, 0) + 1
-  prefix = f'orbax_pathways/{name}/{rnd}/{step}'
-  client.key_value_set(f'{prefix}/{me}', '1' if ok else '0', allow_overwrite=True)
-  flags = waits.gather(client, prefix, n, decision.agreement_timeout_s(),
-                       what=(f'orbax_pathways: resume agreement on step {step} among '
-                             f'{part.describe(n)}'), processes=part.members(n))
+  seq = rounds.sequence(name, keep=1)
+  # The n-th resume round of these participants on this process, on the step it tried.
+  rnd = rounds.Round(client, seq.next(suffix=str(step)), me=me,
+                     members=part.members(n), count=n, leader=part.leader(n),
+                     what=(f'orbax_pathways: resume agreement on step {step} among '
+                           f'{part.describe(n)}'))
+  rnd.publish('1' if ok else '0')
+  flags = rnd.gather(decision.agreement_timeout_s()).values()
+  if rnd.is_leader:  # every member published this round: all are past the one before
+    seq.retire(client, me, whole=True)
   return all(f == '1' for f in flags)
 
 

@@ -71,6 +71,7 @@ import msgpack
 import numpy as np
 
 from orbax_pathways import stats
+from orbax_pathways.coord import rounds
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
@@ -480,77 +481,64 @@ def job_secret(client: Any, timeout_s: float) -> bytes:
 
 # ---- the key-value exchange: who serves what, per restored item ---------------------------------
 
-_seq: dict[str, int] = {}
-_seq_lock = threading.Lock()
-
-
-def _base(item_dir: str) -> str:
-  return f'orbax_pathways/tier_peers/{hashlib.sha256(item_dir.encode()).hexdigest()[:16]}'
+def _name(item_dir: str) -> str:
+  """The rounds' name of one restored item: every process restores the same items."""
+  return f'tier_peers/{hashlib.sha256(item_dir.encode()).hexdigest()[:16]}'
 
 
 class Exchange:
-  """One restore's view of the other processes, through jax's key-value store. Made by the
-  local transport (every process, every restore); ``publish`` once per item."""
+  """One restore's view of the other processes, through jax's key-value store (one round per
+  restored item: ``coord/rounds.py``). Made by the local transport (every process, every
+  restore); ``publish`` once per item."""
 
   def __init__(self, client: Any, process_index: int, process_count: int, timeout_s: float):
     self.client = client
     self.me = process_index
     self.count = process_count
     self.timeout_s = timeout_s
+    self._sequences: dict[str, rounds.Sequence] = {}  # a round's key -> its item's sequence
 
   def secret(self) -> bytes:
     """The job's peer secret (``job_secret``: read once per process, then cached)."""
     return job_secret(self.client, self.timeout_s)
 
   def prefix(self, item_dir: str) -> str:
-    """The key prefix of this restore of ``item_dir`` (one per call). Every process numbers its
-    restores of one item alike (multi-controller JAX restores the same items everywhere)."""
-    base = _base(item_dir)
-    with _seq_lock:
-      seq = _seq[base] = _seq.get(base, 0) + 1
-    return f'{base}/{seq}'
+    """The key of this restore's round for ``item_dir`` (one per call). Every process numbers
+    its restores of one item alike (multi-controller JAX restores the same items everywhere)."""
+    seq = rounds.sequence(_name(item_dir), keep=2)
+    key = seq.next()
+    self._sequences[key] = seq
+    return key
+
+  def _round(self, prefix: str) -> rounds.Round:
+    return rounds.Round(self.client, prefix, me=self.me, members=range(self.count),
+                        count=self.count, what=f'orbax_pathways: the tier peers of {prefix}')
 
   def publish(self, prefix: str, address: str, held: Iterable[tuple[str, str]]) -> None:
     """Publishes, under ``prefix``, this process's server and the (writer, save id) of the
-    entries its node holds of the item."""
+    entries its node holds of the item; then deletes its own key of the restore before last
+    (every process is past it: nobody reads its keys now)."""
     value = json.dumps({'addr': address, 'entries': sorted(set(map(tuple, held)))})
-    self.client.key_value_set(f'{prefix}/{self.me}', value)
-    base, _, seq = prefix.rpartition('/')
-    if int(seq) > 2:  # every process is past the restore before last: nobody reads its keys now
-      try:
-        self.client.key_value_delete(f'{base}/{int(seq) - 2}/{self.me}')
-      except Exception:  # pylint: disable=broad-except
-        pass
+    self._round(prefix).publish(value, overwrite=False)
+    seq = self._sequences.get(prefix)
+    if seq is not None:
+      seq.retire(self.client, self.me, whole=False)
 
   def gather(self, prefix: str) -> tuple[dict[int, dict[str, Any]], list[int]]:
-    """The other processes' published values (one deadline for all), and the processes whose
-    key did not appear in time. One request for every key already there (a directory read of
-    the prefix), then one blocking read per process still missing."""
-    deadline = time.monotonic() + self.timeout_s
+    """The other processes' published values (one deadline for all, in total: a restore reads
+    storage rather than wait longer), and the processes whose key did not appear in time. One
+    request for every key already there (a directory read of the round), then one blocking
+    read per process still missing."""
+    others = [p for p in range(self.count) if p != self.me]
+    got = self._round(prefix).gather(self.timeout_s, processes=others, on_silence=False,
+                                     missing_ok=True)
     found: dict[int, dict[str, Any]] = {}
-    dir_get = getattr(self.client, 'key_value_dir_get', None)
-    if dir_get is not None:
+    for p, raw in got.items():
       try:
-        for key, raw in dir_get(f'{prefix}/'):
-          p = key.rstrip('/').rpartition('/')[2]
-          if p.isdigit() and int(p) != self.me and int(p) < self.count:
-            found[int(p)] = json.loads(raw)
-      except Exception:  # pylint: disable=broad-except  (then one key at a time, as below)
-        found = {}
-    missing = []
-    for p in range(self.count):
-      if p == self.me or p in found:
-        continue
-      left = deadline - time.monotonic()
-      try:
-        if left > 0:
-          raw = self.client.blocking_key_value_get(f'{prefix}/{p}', max(1, int(left * 1000)))
-        else:
-          raw = self.client.key_value_try_get(f'{prefix}/{p}')
         found[p] = json.loads(raw)
-      except Exception:  # pylint: disable=broad-except  (not published in time)
-        missing.append(p)
-    return found, missing
+      except ValueError:  # not what a peer publishes: treated as not published
+        pass
+    return found, [p for p in others if p not in found]
 
 
 # ---- the client: the peer source of the chain ----------------------------------------------------
