@@ -55,6 +55,7 @@ save for preemption).
 from __future__ import annotations
 
 from orbax_pathways._compat import src
+from orbax_pathways._compat import storage_clients
 from orbax_pathways._compat import supported
 
 import dataclasses
@@ -217,18 +218,9 @@ def invalidate_gcs_listings() -> None:
   OCDBT checkpoint for a per-array one and fails ("Individual parameter subdirectory not found").
   Called before every CheckpointManager listing (init, reload) and restore; costs a re-list.
   """
-  gcsfs = sys.modules.get('gcsfs')
-  if gcsfs is None:
-    return  # gs:// never used in this process
-  # The filesystem etils.epath (hence Orbax) uses; etils keeps its own reference, which may have
-  # left fsspec's instance cache.
-  instances = [epath.backend.fsspec_backend.fs('gs://bucket/')]
-  pending = [gcsfs.GCSFileSystem]
-  while pending:
-    cls = pending.pop()
-    pending.extend(cls.__subclasses__())
-    instances.extend(getattr(cls, '_cache', {}).values())
-  for fs in {id(fs): fs for fs in instances}.values():
+  # None unless gs:// was used in this process. The filesystem etils.epath (hence Orbax) uses is
+  # among them: etils keeps its own reference, which may have left fsspec's instance cache.
+  for fs in storage_clients.gcs_filesystems():
     fs.invalidate_cache()
 
 

@@ -46,9 +46,10 @@ def _gcsfs_installed() -> bool:
   return 'gcsfs' in sys.modules or importlib.util.find_spec('gcsfs') is not None
 
 
-def _gcs_filesystems() -> list[Any]:
+def gcs_filesystems() -> list[Any]:
   """Every gcsfs filesystem of this process that exists now (etils.epath's and fsspec's
-  instance caches); none unless gcsfs is already imported."""
+  instance caches); none unless gcsfs is already imported. Also used by
+  ``orbax_manager.invalidate_gcs_listings``."""
   gcsfs = sys.modules.get('gcsfs')
   if gcsfs is None:
     return []
@@ -74,7 +75,7 @@ def _set_gcsfs(new: Any, old: Any) -> None:
         conf.pop('requests_timeout', None)
       else:
         conf['requests_timeout'] = new
-  for fs in _gcs_filesystems():
+  for fs in gcs_filesystems():
     current = getattr(fs, 'requests_timeout', None)
     if current is None or (old is not None and current is old):
       fs.requests_timeout = new
@@ -133,6 +134,6 @@ def uninstall() -> None:
 def gcsfs_requests_timeout() -> Any:
   """The aiohttp timeout gcsfs requests get now (epath's filesystem), for tests and logs; None
   without gcsfs."""
-  filesystems = _gcs_filesystems()
+  filesystems = gcs_filesystems()
   return getattr(filesystems[0], 'requests_timeout', None) if filesystems else None
 
