@@ -61,7 +61,6 @@ from orbax_pathways._compat import supported
 import dataclasses
 import functools
 import json
-import sys
 import threading
 import time
 from typing import Any, Callable
