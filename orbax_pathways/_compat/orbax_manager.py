@@ -82,7 +82,7 @@ from orbax_pathways.coord import participants as participants_lib
 
 SUPPORTED = supported.ORBAX
 
-# One definition of the names (orbax_pathways.format.names; tests/test_format.py checks them against
+# One definition of the names (orbax_pathways.format.names; tests/unit/test_format.py checks them against
 # Orbax's own constants).
 TMP_DIR_SUFFIX: str = format_lib.TMP_SUFFIX
 COMMIT_SUCCESS_FILE: str = format_lib.COMMIT_SUCCESS_FILE
@@ -460,7 +460,7 @@ def install_manager_hooks() -> None:
       logging.warning(
           'orbax_pathways: orbax-checkpoint %s is outside the tested range %s; the '
           'CheckpointManager hooks in orbax_pathways/_compat/orbax_manager.py may not apply. '
-          'Pin orbax-checkpoint%s or run tests/test_retention.py against this version.',
+          'Pin orbax-checkpoint%s or run tests/manager/test_retention.py against this version.',
           ocp.__version__, SUPPORTED, SUPPORTED)
     for owner, attr, wrap in _patch_targets():
       if attr not in owner.__dict__:

@@ -12,7 +12,7 @@ the checksum of what storage holds, and the restore of an undamaged checkpoint r
 ``ChecksumMismatchError``.
 
 ``convert`` converts with tensorstore's own conversion (an in-memory ``ts.cast``, the same
-converter the ``cast`` driver uses: ``tests/test_casts.py`` compares it with what the driver
+converter the ``cast`` driver uses: ``tests/frontends/test_casts.py`` compares it with what the driver
 stores for every dtype pair and the edge values above). No I/O; pure given tensorstore.
 
 Who calls it, on which host: ``storage/writer.chunk_records`` (the checksums of a jax.Array

@@ -12,7 +12,7 @@ The plugin's limits, checked before anything is sent:
 - the plugin computes no checksums, so our metadata records the sharding but no chunk crc32c.
 Restores read through the colocated transport (workers read their own boxes).
 
-What runs here: request building, grouping and the limit checks (tests/test_persistence.py);
+What runs here: request building, grouping and the limit checks (tests/transports/test_persistence.py);
 the plugin program itself needs a Pathways server and is not run in tests.
 """
 

@@ -19,7 +19,7 @@ Modules (each with one job; none imports jax or orbax_pathways at import time un
   built on ``procs``.
 - ``workers/``: every Python program a test runs in a child process, one module each (a
   ``main()``; its docstring says what it does and which test runs it).
-- ``conformance``: the test class every ``Transport`` passes (``tests/test_transport_conformance.py``
+- ``conformance``: the test class every ``Transport`` passes (``tests/transports/test_transport_conformance.py``
   subclasses it per transport; imports jax and orbax_pathways).
 - ``private_shm``: a worker run as root in a private mount namespace with its own /dev/shm.
 - ``golden``: the stock-Orbax golden checkpoints in ``tests/golden`` (never imports

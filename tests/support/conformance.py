@@ -1,6 +1,6 @@
 """The conformance suite every ``Transport`` passes, zarr's ``StoreTests`` style.
 
-``TransportConformance`` is a class of tests; ``tests/test_transport_conformance.py`` subclasses
+``TransportConformance`` is a class of tests; ``tests/transports/test_transport_conformance.py`` subclasses
 it once per transport (``local``, ``colocated``, ``persistence``), and a new transport adds a
 subclass there (``docs/architecture.md``, "Adding a transport"). Each test saves and restores
 through an unchanged ``ocp.CheckpointManager`` in the pytest process (8 CPU devices) with

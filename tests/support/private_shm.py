@@ -4,7 +4,7 @@ and let a second uid (a forked child that calls ``os.setuid``) plant things ther
 reaching the machine's real ``/dev/shm``. Where that cannot be done (not root, no ``unshare``,
 a container that forbids mount namespaces), the test is skipped with the reason.
 
-Used by ``tests/test_tier_fsafe.py`` (another user's tier directory) and ``tests/test_tier.py``
+Used by ``tests/tier/test_tier_fsafe.py`` (another user's tier directory) and ``tests/tier/test_tier.py``
 (the tier's default), with ``workers/tier_attack_worker.py`` and ``workers/default_tier_worker.py``.
 The worker gets its parameters as JSON in ``sys.argv[1]`` and prints one JSON line starting with
 ``RESULT `` for the test to read. Started through ``procs.run`` (the suite's environment, the

@@ -1,5 +1,5 @@
 """A colocated save over N simulated workers, or its restore, in a fresh interpreter with N
-virtual CPU devices, for ``tests/test_colocated_fleet.py`` (``procs.worker_json``).
+virtual CPU devices, for ``tests/transports/test_colocated_fleet.py`` (``procs.worker_json``).
 
     python -m support.workers.colocated_fleet_worker save|restore CKPT N
 

@@ -1,5 +1,5 @@
 """The default node-local tier on a real node, in a private mount namespace with its own
-/dev/shm (``support.private_shm.run``), for ``tests/test_tier.py``
+/dev/shm (``support.private_shm.run``), for ``tests/tier/test_tier.py``
 (``test_the_default_tier_on_a_real_node``).
 
     python -m support.workers.default_tier_worker PARAMS_JSON

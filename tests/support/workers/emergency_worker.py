@@ -1,4 +1,4 @@
-"""Worker for ``tests/test_emergency.py``'s multi-process tests (``support.mp_harness``), with
+"""Worker for ``tests/manager/test_emergency.py``'s multi-process tests (``support.mp_harness``), with
 orbax_pathways imported. ``argv[1]`` is the mode:
 
 ``emergency``: Orbax's emergency CheckpointManager built as MaxText's

@@ -1,5 +1,5 @@
 """What one colocated worker call carries, in a fresh interpreter with N virtual CPU devices
-(each its own simulated worker host), for ``tests/test_fleet.py``'s ``payloads`` fixture
+(each its own simulated worker host), for ``tests/transports/test_fleet.py``'s ``payloads`` fixture
 (``procs.worker_json``, one run per fleet size).
 
     python -m support.workers.fleet_payload_worker CKPT

@@ -1,5 +1,5 @@
 """Storage requests per step on fake-gcs-server, ours against stock Orbax in one interpreter with
-N virtual CPU devices, for ``tests/test_fleet.py``'s
+N virtual CPU devices, for ``tests/transports/test_fleet.py``'s
 ``test_requests_per_step_exceed_stock_by_a_constant_per_host`` (``procs.worker_json``).
 
     python -m support.workers.fleet_requests_worker save|restore SERVER_URL ROOT

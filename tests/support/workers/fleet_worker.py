@@ -1,4 +1,4 @@
-"""Worker for tests/test_fleet.py: one of N jax.distributed processes (one device each) saving
+"""Worker for tests/transports/test_fleet.py: one of N jax.distributed processes (one device each) saving
 and restoring with a stock ``ocp.CheckpointManager`` after ``import orbax_pathways``, reporting
 how many ``_pathways/`` objects it read in each phase (``meta_io.read_counts()``).
 

@@ -1,5 +1,5 @@
 """One of two ``jax.distributed`` processes (two devices each) saving or restoring on gs://, for
-``tests/test_gcs.py`` (``test_two_processes_save_and_restore_on_gcs``, ``mp_harness``).
+``tests/storage/test_gcs.py`` (``test_two_processes_save_and_restore_on_gcs``, ``mp_harness``).
 
     gcs_mp_worker.py GS_PATH save|restore
 

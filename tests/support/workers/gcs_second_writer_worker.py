@@ -1,5 +1,5 @@
 """Another process commits step 1 into a gs:// checkpoint directory that a reader in the test
-process already listed, for ``tests/test_gcs.py``
+process already listed, for ``tests/storage/test_gcs.py``
 (``test_long_lived_reader_sees_steps_written_by_another_process``, ``procs.run_worker``).
 
     python -m support.workers.gcs_second_writer_worker GS_PATH

@@ -1,4 +1,4 @@
-"""What ``import orbax_pathways`` does in a fresh interpreter, for ``tests/test_handler.py``
+"""What ``import orbax_pathways`` does in a fresh interpreter, for ``tests/frontends/test_handler.py``
 (``procs.run_worker``).
 
     python -m support.workers.handler_worker registered      (test_opt_out_environment_variable)

@@ -1,4 +1,4 @@
-"""A ``jax.distributed`` process of ``tests/test_mp_harness.py``'s
+"""A ``jax.distributed`` process of ``tests/multiprocess/test_mp_harness.py``'s
 ``test_emit_args_env_and_shared_dir`` (``mp_harness``): what the harness handed it.
 
     harness_echo_worker.py ARGS...

@@ -1,4 +1,4 @@
-"""A ``jax.distributed`` process of ``tests/test_mp_harness.py``'s
+"""A ``jax.distributed`` process of ``tests/multiprocess/test_mp_harness.py``'s
 ``test_failure_reports_every_stderr_and_kills_peers`` (``mp_harness``): process 1 raises,
 process 0 blocks in a barrier with it.
 

@@ -1,4 +1,4 @@
-"""One ``jax.distributed`` process of ``tests/test_mp_harness.py``'s round trips
+"""One ``jax.distributed`` process of ``tests/multiprocess/test_mp_harness.py``'s round trips
 (``mp_harness``): stock Orbax (no orbax_pathways import) across real processes.
 
     harness_roundtrip_worker.py

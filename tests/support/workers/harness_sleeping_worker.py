@@ -1,5 +1,5 @@
 """A process that prints its pid and sleeps for 10 minutes: started by ``mp_harness`` for
-``tests/test_mp_harness.py``'s ``test_timeout_kills_everything`` (the harness must kill it at
+``tests/multiprocess/test_mp_harness.py``'s ``test_timeout_kills_everything`` (the harness must kill it at
 its timeout), and as the grandchild of ``harness_failing_worker``. Imports nothing of jax.
 
     harness_sleeping_worker.py

@@ -1,4 +1,4 @@
-"""A job saving into (or reading from) a checkpoint directory, for ``tests/test_lease.py``.
+"""A job saving into (or reading from) a checkpoint directory, for ``tests/manager/test_lease.py``.
 
     python lease_worker.py save DIR TAG STEPS [--hold STOPFILE] [--then STEPS] [--after GOFILE]
     python lease_worker.py read DIR [--stock] [--after GOFILE]

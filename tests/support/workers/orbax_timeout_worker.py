@@ -1,4 +1,4 @@
-"""Worker for tests/test_orbax_timeout.py: Orbax's ``AsyncCheckpointer(timeout_secs=...)`` on
+"""Worker for tests/frontends/test_orbax_timeout.py: Orbax's ``AsyncCheckpointer(timeout_secs=...)`` on
 two ``jax.distributed`` processes (``support.mp_harness``), with process 0 slow in the part of
 the save that ``argv[2]`` names (``commit``: one of its background writes; ``finalize``: the
 commit of the step after every write finished), as Orbax's own

@@ -1,4 +1,4 @@
-"""Worker for tests/test_multiprocess.py: one jax.distributed process saving / restoring with a
+"""Worker for tests/multiprocess/test_multiprocess.py: one jax.distributed process saving / restoring with a
 stock ``ocp.CheckpointManager`` after ``import orbax_pathways``.
 
 Usage (started by ``support.mp_harness.run_processes``)::

@@ -1,5 +1,5 @@
 """One of three ``jax.distributed`` processes reading the tier's job secret, for
-``tests/test_peer_channel.py`` (``test_every_process_of_a_job_reads_the_same_secret_once``,
+``tests/tier/test_peer_channel.py`` (``test_every_process_of_a_job_reads_the_same_secret_once``,
 ``mp_harness``).
 
     peer_secret_worker.py

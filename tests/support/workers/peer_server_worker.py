@@ -1,4 +1,4 @@
-"""A tier server of the peer channel in a process of its own, for ``tests/test_peer_channel.py``
+"""A tier server of the peer channel in a process of its own, for ``tests/tier/test_peer_channel.py``
 (the ``server_process`` fixture, ``procs.started``): the test measures its threads, descriptors
 and memory from outside while it attacks it.
 

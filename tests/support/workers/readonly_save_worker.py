@@ -1,4 +1,4 @@
-"""A save into a read-only directory, for ``tests/test_readonly_exit.py``
+"""A save into a read-only directory, for ``tests/storage/test_readonly_exit.py``
 (``procs.run_worker``): the save must raise and the process exit promptly.
 
     python -m support.workers.readonly_save_worker DIR

@@ -1,4 +1,4 @@
-"""Worker for tests/test_gcs_request_kinds.py: every kind of storage request a save or restore
+"""Worker for tests/storage/test_gcs_request_kinds.py: every kind of storage request a save or restore
 makes on gs://, held unanswered in turn (issue 26, item 8).
 
 Two fresh interpreters, started by the test with ``procs.run_worker``; both need 8 CPU devices
@@ -98,7 +98,7 @@ CASES: tuple[Case, ...] = (
          'gcsfs', 'ocp.v1.load_pytree: _CHECKPOINT_METADATA', api='v1'),
     Case('v1_item_metadata_read', 'restore', 'GET', _D + rf'/{_STEP}/state/_METADATA\?', 'gcsfs',
          "ocp.v1.load_pytree: the item's _METADATA", api='v1'),
-    # -- save (the array data upload is tests/test_gcs_deadlines.py's) ---------------------------
+    # -- save (the array data upload is tests/storage/test_gcs_deadlines.py's) ---------------------------
     Case('save_step_stat', 'save', 'GET', _O + rf'/{_STEP}$', 'gcsfs',
          "Orbax's existence check of the step directory"),
     Case('save_listing', 'save', 'GET', _O + rf'\?(?=.*[?&]prefix={_STEP}/)', 'gcsfs',

@@ -1,5 +1,5 @@
 """One ``jax.distributed`` process reporting the runtime and transport it detects, for
-``tests/test_transports.py``
+``tests/transports/test_transports.py``
 (``test_multi_controller_runtime_is_detected_in_a_distributed_process``, ``mp_harness``).
 
     runtime_worker.py

@@ -1,5 +1,5 @@
 """Stock Orbax, in a fresh interpreter that never imports orbax_pathways, restores the golden
-state a test saved with orbax_pathways, for ``tests/test_format_compat.py``
+state a test saved with orbax_pathways, for ``tests/frontends/test_format_compat.py``
 (``test_stock_orbax_restores_our_checkpoints``, ``procs.run_worker``).
 
     python -m support.workers.stock_reads_golden_worker CKPT USE_OCDBT USE_ZARR3

@@ -1,7 +1,7 @@
 """Stock Orbax, in a fresh interpreter that never imports orbax_pathways, restores one step of
 two checkpoint directories and compares them leaf by leaf, for
-``support.ckpt.assert_stock_reads_same`` (``tests/test_transports.py``, ``tests/test_handler.py``,
-``tests/test_host_leaves.py``; ``procs.run_worker``).
+``support.ckpt.assert_stock_reads_same`` (``tests/transports/test_transports.py``, ``tests/frontends/test_handler.py``,
+``tests/frontends/test_host_leaves.py``; ``procs.run_worker``).
 
     python -m support.workers.stock_reads_same_worker DIR_A DIR_B STEP
 

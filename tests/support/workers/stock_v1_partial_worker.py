@@ -1,5 +1,5 @@
 """Stock Orbax v1's partial saves in a fresh interpreter that never imports orbax_pathways (the
-test sets ``ORBAX_PATHWAYS_DISABLE=1``), for ``tests/test_orbax_v1_partial.py``
+test sets ``ORBAX_PATHWAYS_DISABLE=1``), for ``tests/frontends/test_orbax_v1_partial.py``
 (``test_stock_loads_our_partial_checkpoint_and_we_load_stocks``, ``procs.run_worker``).
 
     python -m support.workers.stock_v1_partial_worker OURS OUT_NPZ STOCK

@@ -1,5 +1,5 @@
 """Stock Orbax v1 in a fresh interpreter that never imports orbax_pathways (the test sets
-``ORBAX_PATHWAYS_DISABLE=1``), for ``tests/test_orbax_v1.py``
+``ORBAX_PATHWAYS_DISABLE=1``), for ``tests/frontends/test_orbax_v1.py``
 (``test_stock_v1_reads_ours_and_we_read_stock_v1``, ``procs.run_worker``).
 
     python -m support.workers.stock_v1_worker OURS OUT_NPZ SCALARS_JSON STOCK

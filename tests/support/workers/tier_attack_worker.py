@@ -1,5 +1,5 @@
 """Another local user's takeover of the default tier directory, in a private mount namespace
-with its own /dev/shm (``support.private_shm.run``, as root), for ``tests/test_tier_fsafe.py``
+with its own /dev/shm (``support.private_shm.run``, as root), for ``tests/tier/test_tier_fsafe.py``
 (``test_another_users_tier_directory_is_refused_and_nothing_of_the_victim_is_touched``).
 
     python -m support.workers.tier_attack_worker PARAMS_JSON

@@ -1,4 +1,4 @@
-"""One ``jax.distributed`` process of ``tests/test_tier_peer.py`` (``mp_harness``): a simulated
+"""One ``jax.distributed`` process of ``tests/tier/test_tier_peer.py`` (``mp_harness``): a simulated
 node with its own tier directory (``ORBAX_PATHWAYS_LOCAL_DIR``, set by the test), and the fault
 its peer server plays in a survivor-first restore.
 

@@ -81,7 +81,7 @@ def test_save_and_restore_are_served_by_our_handler(tmp_path):
 
 # Every dtype and sharding kind (sharded, replicated, partly replicated, single-device, scalars,
 # zero-size, PRNG keys) round-trips in the transport conformance suite, which runs for the local
-# transport too (support/conformance.py, tests/test_transport_conformance.py).
+# transport too (support/conformance.py, tests/transports/test_transport_conformance.py).
 
 
 def test_64_bit_dtypes_round_trip(tmp_path):

@@ -22,7 +22,7 @@ from support.workers import orbax_timeout_worker
 pytestmark = pytest.mark.multiprocess
 
 TIMEOUT_S = 3
-SLEEP_S = 15  # far past TIMEOUT_S
+SLEEP_S = 10  # far past TIMEOUT_S
 
 
 @pytest.mark.parametrize('stage, barrier', [('commit', 'async_write_complete'),

@@ -12,8 +12,9 @@ import pathlib
 import sys
 
 from support import procs
+from support import REPO
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(REPO)
 
 
 def test_mypy_finds_no_errors():

@@ -5,8 +5,9 @@ import ast
 import pathlib
 
 import pytest
+from support import REPO
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'orbax_pathways'
+PACKAGE = pathlib.Path(REPO) / 'orbax_pathways'
 
 
 def _modules():

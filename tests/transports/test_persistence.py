@@ -54,7 +54,7 @@ def test_requests_are_grouped_by_directory_and_device_assignment():
 
 
 # unsupported()'s reasons (OCDBT, casts, dtypes) and the fallback they cause: the transport
-# conformance suite (tests/test_transport_conformance.py, TestPersistence).
+# conformance suite (tests/transports/test_transport_conformance.py, TestPersistence).
 
 
 def test_ocdbt_checkpoint_falls_back_to_colocated_with_a_warning(tmp_path):

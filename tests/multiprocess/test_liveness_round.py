@@ -3,7 +3,7 @@ store: one ``jax.distributed`` process (a fresh interpreter) plays several proce
 publishing their keys itself, or not at all.
 
 What a user would see: who is named, what the error says, and that a primary still showing
-progress in a long commit is waited for. ``tests/test_liveness.py`` runs the whole thing with
+progress in a long commit is waited for. ``tests/multiprocess/test_liveness.py`` runs the whole thing with
 real processes, one of which dies.
 """
 

@@ -15,7 +15,7 @@ import orbax_pathways
 from orbax_pathways import options as options_lib
 from orbax_pathways.engine import runtime
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support import REPO
 
 OUT_OF_RANGE = r'is out of range: it must be '
 BOOL_ERROR = r"is not a boolean: one of \['1', 'true', 'yes', 'y', 'on', 't'\] or \['0', 'false'"

@@ -15,6 +15,7 @@ from orbax_pathways._compat import orbax_manager
 from orbax_pathways._compat import supported
 
 from support.arrays import mesh, put
+from support import REPO
 
 
 def test_installed_orbax_is_in_the_supported_range():
@@ -22,7 +23,7 @@ def test_installed_orbax_is_in_the_supported_range():
   assert compat.SUPPORTED_ORBAX == orbax_manager.SUPPORTED == supported.ORBAX
 
 
-_ROOT = pathlib.Path(__file__).resolve().parent.parent
+_ROOT = pathlib.Path(REPO)
 
 
 def test_the_supported_orbax_range_is_written_once_and_pinned_inside():
@@ -123,7 +124,7 @@ def test_ci_constraints_sit_at_the_declared_bounds():
   from packaging.requirements import Requirement  # pylint: disable=g-import-not-at-top
   from packaging.utils import canonicalize_name  # pylint: disable=g-import-not-at-top
   from packaging.version import Version  # pylint: disable=g-import-not-at-top
-  root = pathlib.Path(__file__).resolve().parent.parent
+  root = pathlib.Path(REPO)
   project = tomllib.loads((root / 'pyproject.toml').read_text())['project']
   declared = {}
   for line in project['dependencies'] + [d for ds in project['optional-dependencies'].values()
