@@ -60,3 +60,17 @@ def assert_stock_reads_same(dir_a, dir_b, step: int = 0) -> None:
   """Stock Orbax, in a fresh interpreter that never imports orbax_pathways, restores ``step``
   of both checkpoint directories to identical leaves."""
   procs.run_worker(stock_reads_same_worker, dir_a, dir_b, step)
+
+
+def drop_host_leaf_records(item) -> None:
+  """Deletes an item's numpy and scalar leaf records and re-merges its index from the arrays'
+  records alone: the item as a step saved by Orbax's own host-leaf handlers (or by a version
+  that did not record them) looks. Caches cleared, so the next read sees it."""
+  from orbax_pathways.format import records as records_lib  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.storage import index as index_lib  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.storage import meta_io  # pylint: disable=g-import-not-at-top
+  for f in (item / records_lib.DIRNAME).glob('*.msgpack'):
+    if f.name.startswith(('numpy.', 'scalar.', 'index.')):
+      f.unlink()
+  index_lib.merge_item(item)  # the index of the arrays' records only
+  meta_io.clear_cache()
