@@ -27,7 +27,9 @@ from orbax_pathways.coord import liveness
 from orbax_pathways.frontends import orbax_v0 as handler_lib
 from orbax_pathways import options as options_lib
 from orbax_pathways import preemption
+from orbax_pathways.manager import hooks as manager_hooks
 from orbax_pathways.manager import retention
+from orbax_pathways.manager import step_errors
 from orbax_pathways import stats as stats_lib
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax as compat
@@ -39,6 +41,7 @@ from orbax_pathways._compat import orbax_signals
 from orbax_pathways._compat import orbax_v1_seams as compat_v1
 from orbax_pathways._compat import storage_clients
 from orbax_pathways.frontends import orbax_v1
+from orbax_pathways.storage import deadline as deadline_lib
 from orbax_pathways.storage import index as index_lib
 from orbax_pathways.tier import store as tier_store
 
@@ -95,25 +98,79 @@ def _check_slices(mngr) -> None:
         'the devices.') from None
 
 
+class _Checks(manager_hooks.ManagerHooks):
+  """At each manager's construction, ``num_slices`` against the devices; at each save, that our
+  handler is still the registered one (``check_installed``)."""
+
+  name = 'checks'
+
+  def manager_init(self, mngr) -> None:
+    _check_slices(mngr)
+
+  def before_save(self, mngr, step: int) -> None:
+    check_installed()
+
+
+class _TierCommit(manager_hooks.ManagerHooks):
+  """Every process, once a step committed: the node-local tier's copy of it becomes the
+  committed one, then the commit's log line."""
+
+  name = 'tier_commit'
+
+  def after_commit(self, mngr, step: int, commit_s: float) -> None:
+    _after_commit(mngr, step, commit_s)
+
+
+def _manager_hooks() -> list[manager_hooks.ManagerHooks]:
+  """What the package does around every CheckpointManager, in ``manager/hooks.ORDER``."""
+  return [_Checks(), step_errors.StepErrors(), _TierCommit()]
+
+
 def _install_manager_side() -> None:
-  """Safe retention and strict listing, the preemption notice, and the re-registration check
-  at each ``CheckpointManager.save`` (all reversible, see ``_compat/orbax_manager.py``)."""
-  retention.install()
+  """Safe retention and strict listing with the writer lease, the preemption notice, and the
+  package's own hooks (``_manager_hooks``), all reversible (``_compat/orbax_manager.py`` patches
+  Orbax and calls them in ``manager/hooks.ORDER``)."""
+  retention.install()  # and manager/lease.py
   preemption.install()
-  orbax_manager.set_hook('manager_init_check', _check_slices)
-  orbax_manager.set_hook('before_save', lambda mngr, step: check_installed())
-  orbax_manager.set_hook('after_commit', _after_commit)
-  orbax_manager.install_manager_hooks()
+  for h in _manager_hooks():
+    orbax_manager.register(h)
   # the _pathways index, written before commit; v1 partial saves' parts joined at finalize
-  orbax_finalize.install(index_lib.merge_item, index_lib.merge_pending)
+  orbax_finalize.install(_merge_item, _merge_pending)
   orbax_signals.install()  # a failed step directory releases its waiters (no hang at exit)
   # a process that dies mid-save is named by the others, who raise and exit (coord/liveness.py)
   orbax_liveness.install(_save_round, liveness.lost_error)
 
 
+def _installed_options() -> options_lib.Options:
+  """The installed handler's options (every handler is built from them); the environment's
+  before ``install()``."""
+  handler = _ours
+  return handler.options if handler is not None else options_lib.Options.from_env()
+
+
+def _bounds() -> deadline_lib.Bounds:
+  o = _installed_options()
+  return deadline_lib.Bounds(o.request_deadline_floor_s, o.request_deadline_cap_s)
+
+
+def _merge_item(item_dir):
+  """The item's index, merged at Orbax's finalize (primary host), under the installed options'
+  storage deadlines (no handler runs the finalize)."""
+  with deadline_lib.bounded(_bounds()):
+    return index_lib.merge_item(item_dir)
+
+
+def _merge_pending(item_dir, part_dir):
+  with deadline_lib.bounded(_bounds()):
+    return index_lib.merge_pending(item_dir, part_dir)
+
+
 def _save_round(**kwargs) -> liveness.SaveRound:
-  """One async save's liveness round on this process (``_compat/orbax_liveness``)."""
-  return liveness.save_round(jax_distributed.distributed_client(), timeout_s=None, **kwargs)
+  """One async save's liveness round on this process (``_compat/orbax_liveness``), with the
+  peer deadline of the installed handler's options (Orbax's async manager, which starts the
+  round, does not know which handler wrote the save; every handler is built from them)."""
+  return liveness.save_round(jax_distributed.distributed_client(),
+                             timeout_s=_installed_options().peer_timeout_s, **kwargs)
 
 
 def _after_commit(mngr, step: int, commit_s: float) -> None:
@@ -236,9 +293,8 @@ def uninstall() -> None:
   with _lock:
     if _ours is None:
       return
-    orbax_manager.set_hook('manager_init_check', None)
-    orbax_manager.set_hook('before_save', None)
-    orbax_manager.set_hook('after_commit', None)
+    for h in _manager_hooks():
+      orbax_manager.unregister(h)
     preemption.uninstall()
     retention.uninstall()
     compat_v1.uninstall()

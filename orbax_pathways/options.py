@@ -178,6 +178,36 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
 )}
 
 
+# The Options field each variable sets (``Options.from_env``); the field's default is the
+# variable's.
+FIELD_ENV: dict[str, str] = {
+    'max_chunk_bytes': 'ORBAX_PATHWAYS_MAX_CHUNK_BYTES',
+    'max_inflight_bytes': 'ORBAX_PATHWAYS_MAX_INFLIGHT_BYTES',
+    'coalesce_bytes': 'ORBAX_PATHWAYS_COALESCE_BYTES',
+    'snapshot': 'ORBAX_PATHWAYS_SNAPSHOT',
+    'verify_checksums': 'ORBAX_PATHWAYS_VERIFY',
+    'transport': 'ORBAX_PATHWAYS_TRANSPORT',
+    'divisibility': 'ORBAX_PATHWAYS_DIVISIBILITY',
+    'compression': 'ORBAX_PATHWAYS_COMPRESSION',
+    'gcs_grpc': 'ORBAX_PATHWAYS_GCS_GRPC',
+    'storage_retries': 'ORBAX_PATHWAYS_STORAGE_RETRIES',
+    'num_slices': 'ORBAX_PATHWAYS_NUM_SLICES',
+    'local_dir': 'ORBAX_PATHWAYS_LOCAL_DIR',
+    'local_keep': 'ORBAX_PATHWAYS_LOCAL_KEEP',
+    'local_scope': 'ORBAX_PATHWAYS_LOCAL_SCOPE',
+    'local_max_age_s': 'ORBAX_PATHWAYS_LOCAL_MAX_AGE_S',
+    'local_max_bytes': 'ORBAX_PATHWAYS_LOCAL_MAX_BYTES',
+    'tier_peer_timeout_s': 'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S',
+    'request_deadline_floor_s': 'ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S',
+    'request_deadline_cap_s': 'ORBAX_PATHWAYS_REQUEST_DEADLINE_CAP_S',
+    'peer_timeout_s': 'ORBAX_PATHWAYS_PEER_TIMEOUT_S',
+}
+
+
+def _default(field: str) -> Any:
+  return ENV_VARS[FIELD_ENV[field]].default
+
+
 def env_value(name: str, environ: Mapping[str, str] | None = None) -> Any:
   """The parsed value of the known variable ``name`` (its default when unset)."""
   environ = os.environ if environ is None else environ
@@ -338,7 +368,8 @@ class Options:
     deadline gets a second identical request (the first complete answer wins, its checksums
     still verified); a write is written again (object writes are idempotent); after 3 requests
     past their deadlines the save or restore fails naming the object (``storage/hedge.py``).
-    The deadlines are per process: the last handler built sets them.
+    The floor and cap are the handler's: they apply to its calls only (what was observed is the
+    process's).
   peer_timeout_s: how long a wait on other processes or workers may last beyond the work this
     process saw (``ORBAX_PATHWAYS_PEER_TIMEOUT_S``, 60 s). A multi-process save: once this
     process's writes finished, the others must report theirs within this plus the time this
@@ -349,31 +380,33 @@ class Options:
     (``PeerLostError``, a ``SaveError``) or restore (``WorkerTimeoutError``) fails naming the
     processes or workers that went silent; the step
     is not committed. Keep it below ``jax.distributed``'s heartbeat timeout (100 s by default),
-    which otherwise aborts every process with no Python error. Per process: the last handler
-    built sets it.
+    which otherwise aborts every process with no Python error. A handler's colocated calls
+    use its own; a multi-process save's liveness round uses the installed handler's (Orbax's
+    async manager, which runs the round, does not know which handler wrote the save).
   """
 
-  max_chunk_bytes: int = 16 * MiB
-  max_inflight_bytes: int = 1024 * MiB
-  coalesce_bytes: int = 1 * MiB
-  snapshot: str = 'auto'
-  verify_checksums: bool = True
-  replica_parallel: bool = True
-  transport: str | None = None
-  divisibility: str = 'replicate'
-  compression: str = 'auto'
-  gcs_grpc: bool = False
-  storage_retries: int | None = None
-  num_slices: int | None = None
-  local_dir: str | None = None
-  local_keep: int = 1
-  local_scope: str = 'written'
-  local_max_age_s: float = LOCAL_MAX_AGE_S
-  local_max_bytes: int | None = None
-  tier_peer_timeout_s: float = 20.0
-  request_deadline_floor_s: float = 10.0
-  request_deadline_cap_s: float = 120.0
-  peer_timeout_s: float = 60.0
+  # Each default is its variable's (ENV_VARS, through FIELD_ENV): written once.
+  max_chunk_bytes: int = _default('max_chunk_bytes')
+  max_inflight_bytes: int = _default('max_inflight_bytes')
+  coalesce_bytes: int = _default('coalesce_bytes')
+  snapshot: str = _default('snapshot')
+  verify_checksums: bool = _default('verify_checksums')
+  replica_parallel: bool = True  # no variable: Orbax's own use_replica_parallel decides too
+  transport: str | None = _default('transport')
+  divisibility: str = _default('divisibility')
+  compression: str = _default('compression')
+  gcs_grpc: bool = _default('gcs_grpc')
+  storage_retries: int | None = _default('storage_retries')
+  num_slices: int | None = _default('num_slices')
+  local_dir: str | None = _default('local_dir')
+  local_keep: int = _default('local_keep')
+  local_scope: str = _default('local_scope')
+  local_max_age_s: float = _default('local_max_age_s')
+  local_max_bytes: int | None = _default('local_max_bytes')
+  tier_peer_timeout_s: float = _default('tier_peer_timeout_s')
+  request_deadline_floor_s: float = _default('request_deadline_floor_s')
+  request_deadline_cap_s: float = _default('request_deadline_cap_s')
+  peer_timeout_s: float = _default('peer_timeout_s')
 
   def compress(self, dtype, requested: bool) -> bool:
     """Whether to zstd-compress an array of ``dtype`` when the checkpoint handler asks
@@ -434,26 +467,4 @@ class Options:
   def from_env(cls, environ: Mapping[str, str] | None = None) -> 'Options':
     """Options from the ``ORBAX_PATHWAYS_*`` variables (defaults where unset); a malformed
     value raises ValueError naming the variable, the value and the accepted values."""
-    get = lambda name: env_value(name, environ)
-    return cls(
-        max_chunk_bytes=get('ORBAX_PATHWAYS_MAX_CHUNK_BYTES'),
-        max_inflight_bytes=get('ORBAX_PATHWAYS_MAX_INFLIGHT_BYTES'),
-        coalesce_bytes=get('ORBAX_PATHWAYS_COALESCE_BYTES'),
-        snapshot=get('ORBAX_PATHWAYS_SNAPSHOT'),
-        verify_checksums=get('ORBAX_PATHWAYS_VERIFY'),
-        transport=get('ORBAX_PATHWAYS_TRANSPORT'),
-        divisibility=get('ORBAX_PATHWAYS_DIVISIBILITY'),
-        compression=get('ORBAX_PATHWAYS_COMPRESSION'),
-        gcs_grpc=get('ORBAX_PATHWAYS_GCS_GRPC'),
-        num_slices=get('ORBAX_PATHWAYS_NUM_SLICES'),
-        storage_retries=get('ORBAX_PATHWAYS_STORAGE_RETRIES'),
-        local_dir=get('ORBAX_PATHWAYS_LOCAL_DIR'),
-        local_keep=get('ORBAX_PATHWAYS_LOCAL_KEEP'),
-        local_scope=get('ORBAX_PATHWAYS_LOCAL_SCOPE'),
-        local_max_age_s=get('ORBAX_PATHWAYS_LOCAL_MAX_AGE_S'),
-        local_max_bytes=get('ORBAX_PATHWAYS_LOCAL_MAX_BYTES'),
-        tier_peer_timeout_s=get('ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S'),
-        request_deadline_floor_s=get('ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S'),
-        request_deadline_cap_s=get('ORBAX_PATHWAYS_REQUEST_DEADLINE_CAP_S'),
-        peer_timeout_s=get('ORBAX_PATHWAYS_PEER_TIMEOUT_S'),
-    )
+    return cls(**{field: env_value(name, environ) for field, name in FIELD_ENV.items()})

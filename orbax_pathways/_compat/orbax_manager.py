@@ -23,15 +23,12 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
   ``PreemptionCheckpointingPolicy`` in the default policy) and ``save``'s own preemption logging;
   the hook gets the manager's participants (``manager_participants``), so an agreement runs
   among the processes that call this manager only.
-- ``CheckpointManager.save`` (public): the re-registration check before, storage errors named
-  after (an error of an earlier step's background commit, which Orbax raises from this save's
-  ``wait_until_finished``, keeps the name of *that* step), the start time of each step for the
-  commit log line, and the ``after_save`` hook (preemption: the notice is consumed once its save
-  started).
-- ``CheckpointManager.save`` also calls the ``lease_save`` hook first, on every process: the
-  writer lease (``orbax_pathways.manager.lease``) refuses the save if another job saves into the
-  directory. ``CheckpointManager.close`` (public) calls ``after_close`` once it returned or
-  raised: the lease is released.
+- ``CheckpointManager.save`` (public): the hooks' ``before_save`` (one that raises refuses the
+  save: the writer lease, if another job saves into the directory), ``save_error`` when Orbax's
+  save raised (the step's name on a storage error), the start time of each step for the commit
+  log line, and ``after_save`` (preemption: the notice is consumed once its save started).
+  ``CheckpointManager.close`` (public) calls the hooks' ``close`` once it returned or raised
+  (the lease is released).
 - ``CheckpointManager.reload`` / ``restore`` (public): drop gcsfs's listing cache first; a restore
   of a step the manager listed when it began, which fails because the step was deleted meanwhile
   (another process's retention), says so (``StepDeletedError``); any other failure (a step never
@@ -44,8 +41,13 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
   first (see ``invalidate_gcs_listings``); returns once ``step`` is committed (raises if it was not: re-raised as ``SaveError`` naming ``step``); traced as
   ``orbax_pathways.commit``, then the ``after_commit`` hook logs save()-to-committed time.
 
-The wrappers dispatch to hooks set with ``set_hook(name, fn)``; with no hook set they call the
-original, so leaving the patches in place with no hooks behaves exactly like stock Orbax.
+The wrappers only dispatch: to the hook objects registered with ``register(hooks)``
+(``manager/hooks.ManagerHooks``: its docstring numbers the calls and names their hosts), in
+their ``order``. With none registered they call the original, so leaving the patches in place
+with no hooks behaves exactly like stock Orbax. Which error a failed save or commit raises,
+what a listing hides, what is refused, is the hooks' (``manager/``, ``preemption/``). Two
+restore rules still live here, next to the Orbax protocol they follow: ``StepDeletedError`` for
+a step deleted while it was restored, and a failed restore joining its peers' barrier.
 
 Next door: ``jax_distributed.py`` (process count and index, jax's key-value client, whether its
 preemption service runs) and ``orbax_policies.py`` (whether a manager's save decision policy can
@@ -88,9 +90,6 @@ TMP_DIR_SUFFIX: str = format_lib.TMP_SUFFIX
 COMMIT_SUCCESS_FILE: str = format_lib.COMMIT_SUCCESS_FILE
 STEP_METADATA_FILE: str = format_lib.CHECKPOINT_METADATA_FILE
 
-HOOK_NAMES = ('delete_step', 'explicit_delete', 'step_complete', 'manager_init',
-              'manager_init_check', 'manager_init_notice', 'reached_preemption', 'lease_save',
-              'before_save', 'after_save', 'after_commit', 'after_close')
 
 
 def orbax_version_supported() -> bool:
@@ -106,7 +105,7 @@ def orbax_version_supported() -> bool:
 # Hook registry and reversible patches.
 
 _lock = threading.RLock()
-_hooks: dict[str, Callable[..., Any] | None] = {name: None for name in HOOK_NAMES}
+_hooks: tuple[Any, ...] = ()  # the registered ManagerHooks objects, in their ``order``
 
 
 @dataclasses.dataclass
@@ -120,31 +119,58 @@ class _Patch:
 _installed: list[_Patch] = []
 
 
-def set_hook(name: str, fn: Callable[..., Any] | None) -> None:
-  """Sets (or with None clears) one hook; the patches call it while installed."""
-  if name not in _hooks:
-    raise ValueError(f'Unknown hook {name!r}; known hooks: {HOOK_NAMES}.')
+def register(hooks: Any) -> None:
+  """Adds one ``ManagerHooks`` object (idempotent: an object of the same ``name`` is replaced),
+  installs the patches (idempotent)."""
+  global _hooks
   with _lock:
-    _hooks[name] = fn
+    kept = [h for h in _hooks if h.name != hooks.name]
+    _hooks = tuple(sorted(kept + [hooks], key=lambda h: h.order))
+  install_manager_hooks()
 
 
-def get_hook(name: str) -> Callable[..., Any] | None:
-  return _hooks[name]
+def unregister(hooks: Any) -> None:
+  """Removes the hook object of ``hooks.name``; the patches go once none is left."""
+  global _hooks
+  with _lock:
+    _hooks = tuple(h for h in _hooks if h.name != hooks.name)
+    if not _hooks:
+      uninstall_manager_hooks()
+
+
+def registered() -> tuple[Any, ...]:
+  """The hook objects the patches call, in order."""
+  return _hooks
 
 
 def any_hook_set() -> bool:
-  return any(fn is not None for fn in _hooks.values())
+  return bool(_hooks)
+
+
+def _each(method: str, *args: Any) -> None:
+  for h in _hooks:
+    getattr(h, method)(*args)
+
+
+def _first(method: str, *args: Any) -> Any:
+  """The first answer that is not None (None if every hook passes)."""
+  for h in _hooks:
+    answer = getattr(h, method)(*args)
+    if answer is not None:
+      return answer
+  return None
 
 
 def _wrap_delete_step_permanently(original):
   @functools.wraps(original)
   def _delete_step_permanently(self, step, delete_target):
-    hook = _hooks['delete_step']
-    if hook is None:
-      return original(self, step, delete_target)
     # The stock PathDeleter (parallel on local disk, gcs_utils on gs://) does the actual removal
-    # of whatever path the hook hands it.
-    return hook(step, epath.Path(delete_target), _path_remover(self))
+    # of whatever path a hook hands it.
+    remove = _path_remover(self)
+    for h in _hooks:
+      if h.delete_step(step, epath.Path(delete_target), remove):
+        return None
+    return original(self, step, delete_target)
   return _delete_step_permanently
 
 
@@ -188,12 +214,11 @@ def _pinned(metadata: Any, commit_timestamp: Any) -> Any:
 def _wrap_build_metadata(original):
   @functools.wraps(original)
   def _build_metadata(self, step_path, step=None):
-    hook = _hooks['step_complete']
-    if hook is None:
+    if not _hooks:
       return original(self, step_path, step=step)
     try:
       metadata = original(self, step_path, step=step)
-      if metadata is None or not hook(epath.Path(metadata.path)):
+      if metadata is None or _first('step_complete', epath.Path(metadata.path)) is False:
         return None
       # Read the commit time now and keep it: a step that retention deletes while a reader lists
       # the directory then drops out of the listing, instead of failing the reader's
@@ -236,62 +261,50 @@ def _wrap_manager_init(original):
   def __init__(self, *args, **kwargs):
     invalidate_gcs_listings()
     original(self, *args, **kwargs)
-    for name in ('manager_init_check', 'manager_init', 'manager_init_notice'):
-      hook = _hooks[name]
-      if hook is not None:
-        hook(self)
+    _each('manager_init', self)
   return __init__
 
 
 def _wrap_delete(original):
   @functools.wraps(original)
   def delete(self, step):
-    hook = _hooks['explicit_delete']
-    if hook is None:
+    _each('delete_started', self, step)
+    try:
       return original(self, step)
-    return hook(self, step, lambda: original(self, step))
+    finally:
+      _each('delete_ended', self, step)
   return delete
 
 
 def _wrap_reached_preemption(original):
   @functools.wraps(original)
   def reached_preemption(self, step):
-    hook = _hooks['reached_preemption']
-    if hook is None:
+    if not _hooks:
       return original(self, step)
-    return hook(step, lambda: original(self, step), manager_participants(self))
+    stock = lambda: original(self, step)  # pylint: disable=unnecessary-lambda-assignment
+    answer = _first('reached_preemption', self, step, stock, manager_participants(self))
+    return stock() if answer is None else answer
   return reached_preemption
 
 
 _SAVE_STARTS = '_orbax_pathways_save_starts'  # {step: perf_counter at save()} on the manager
-_STEP_ATTR = 'orbax_pathways_step'  # on a SaveError: the step it belongs to
 
 
 def _wrap_save(original):
   @functools.wraps(original)
   def save(self, step, *args, **kwargs):
-    lease = _hooks['lease_save']
-    if lease is not None:
-      lease(self, step)  # raises (before anything is written) if another job saves here
-    hook = _hooks['before_save']
-    if hook is None:
+    if not _hooks:
       return original(self, step, *args, **kwargs)
-    hook(self, step)
+    _each('before_save', self, step)  # a hook that refuses the save raises: nothing written
     self.__dict__.setdefault(_SAVE_STARTS, {})[step] = time.perf_counter()
     try:
       saved = original(self, step, *args, **kwargs)
     except Exception as e:  # pylint: disable=broad-except
-      if getattr(e, _STEP_ATTR, None) is not None or not _is_storage_error(e):
-        raise  # an earlier step's commit error (named by _finalize), or not a storage error
-      from orbax_pathways import errors  # pylint: disable=g-import-not-at-top
-      raise errors.keeping_type(
-          errors.SaveError, e,
-          f'Saving step {step} to {manager_step_path(self, step)} failed in storage: '
-          f'{type(e).__module__}.{type(e).__name__}: {e}. Earlier steps are untouched; the step '
-          'is not committed.') from e
-    after = _hooks['after_save']
-    if after is not None:
-      after(self, step, saved)
+      replacement = _first('save_error', self, step, e)
+      if replacement is None:
+        raise
+      raise replacement from e
+    _each('after_save', self, step, saved)
     return saved
   return save
 
@@ -304,9 +317,7 @@ def _wrap_close(original):
     try:
       return original(self, *args, **kwargs)
     finally:
-      hook = _hooks['after_close']
-      if hook is not None:
-        hook(self)
+      _each('close', self)
   return close
 
 
@@ -315,7 +326,7 @@ def _wrap_finalize(original):
   (in Orbax's finalize thread, or inline for synchronous saves); it raises if the commit failed.
 
   Orbax re-raises a background failure from the *next* ``save()`` (its ``wait_until_finished``),
-  so the error is wrapped here, where the step is known: a ``SaveError`` naming ``step``."""
+  so the hooks' ``commit_error`` sees it here, where the step is known."""
   @functools.wraps(original)
   def _finalize(self, step, *args, **kwargs):
     if not any_hook_set():
@@ -331,29 +342,15 @@ def _wrap_finalize(original):
         out = original(self, step, *args, **kwargs)
     except Exception as e:  # pylint: disable=broad-except
       self.__dict__.get(_SAVE_STARTS, {}).pop(step, None)
-      raise _commit_error(self, step, e) from e
+      replacement = _first('commit_error', self, step, e)
+      if replacement is None:
+        raise
+      raise replacement from e
     t0 = self.__dict__.get(_SAVE_STARTS, {}).pop(step, None)
-    hook = _hooks['after_commit']
-    if t0 is not None and hook is not None:
-      hook(self, step, time.perf_counter() - t0)
+    if t0 is not None:
+      _each('after_commit', self, step, time.perf_counter() - t0)
     return out
   return _finalize
-
-
-def _commit_error(mngr, step: int, e: BaseException) -> Exception:
-  from orbax_pathways import errors  # pylint: disable=g-import-not-at-top
-  if isinstance(e, errors.PeerLostError) and isinstance(e.__context__, errors.PeerLostError):
-    e = e.__context__  # the liveness round's error, not the barrier Orbax then tried in a finally
-  where = 'in storage' if _is_storage_error(e) else 'in the background'
-  err = errors.keeping_type(
-      errors.SaveError, e,
-      f'Step {step} ({manager_step_path(mngr, step)}) was not committed: its background commit '
-      f'failed {where}: {type(e).__module__}.{type(e).__name__}: {str(e).rstrip(".")}. Orbax '
-      'reports this from '
-      f'the next save() or wait_until_finished(); earlier steps are untouched, and step {step} '
-      'is not listed.')
-  setattr(err, _STEP_ATTR, step)
-  return err
 
 
 def _wrap_restore(original):
@@ -375,7 +372,7 @@ def _wrap_restore(original):
         # retention) makes it answer "several", and every later restore of this manager then
         # fails ("Must provide args of type Composite"). Let the next restore decide again.
         item_mode.set(None)
-      if not listed or _hooks['step_complete'] is None or not _step_vanished(self, step):
+      if not listed or not _hooks or not _step_vanished(self, step):
         raise
       from orbax_pathways import errors  # pylint: disable=g-import-not-at-top
       raise errors.keeping_type(
@@ -423,13 +420,6 @@ def _wrap_checkpointer_restore(original):
   return _restore
 
 
-_STORAGE_ERROR_MODULES = ('gcsfs', 'aiohttp', 'google', 'requests', 'fsspec')
-
-
-def _is_storage_error(e: BaseException) -> bool:
-  return isinstance(e, OSError) or type(e).__module__.split('.')[0] in _STORAGE_ERROR_MODULES
-
-
 def _patch_targets():
   return (
       (_deleter.StandardCheckpointDeleter, '_delete_step_permanently',
@@ -452,7 +442,7 @@ def hooks_installed() -> bool:
 
 
 def install_manager_hooks() -> None:
-  """Installs the wrappers (idempotent). Hooks decide what they do; see ``set_hook``."""
+  """Installs the wrappers (idempotent). Hooks decide what they do; see ``register``."""
   with _lock:
     if _installed:
       return

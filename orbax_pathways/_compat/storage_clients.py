@@ -19,8 +19,8 @@ lookup) fails, and the client's own retry issues it again (gcsfs: 6 attempts; go
 storage: ``DEFAULT_RETRY``). A large transfer that keeps moving is never cut: there is no total
 limit. A value the user set (``requests_timeout`` in fsspec's config or on a filesystem) is kept.
 
-Called by ``engine.Engine`` (each handler built: the last options set it, like
-``storage/deadline.configure``) on the controller process; ``uninstall`` (from
+Called by ``engine.Engine`` (each handler built: the last options set it; a client's timeout is
+process-wide by nature, unlike our own requests' deadline bounds) on the controller process; ``uninstall`` (from
 ``orbax_pathways.uninstall``) puts the clients back as they were. Imports gcsfs only if this
 process already did (so ``import orbax_pathways`` does not import it).
 """

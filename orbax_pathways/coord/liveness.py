@@ -61,25 +61,12 @@ class _State:
 
   def __init__(self) -> None:
     self.lock = threading.Lock()
-    self.timeout_s = DEFAULT_TIMEOUT_S
     self.lost: set[int] = set()
     self.lost_text = ''  # the message of the first PeerLostError this process raised
     self.host_published = False
 
 
 _state = _State()
-
-
-def configure(peer_timeout_s: float) -> None:
-  """Sets the process's deadline beyond observed work (``engine.Engine`` from its options)."""
-  if not peer_timeout_s > 0:
-    raise ValueError(f'peer_timeout_s={peer_timeout_s!r}: need seconds > 0.')
-  with _state.lock:
-    _state.timeout_s = float(peer_timeout_s)
-
-
-def peer_timeout_s() -> float:
-  return _state.timeout_s
 
 
 def lost_processes() -> set[int]:
@@ -112,12 +99,13 @@ def _failure(e: BaseException) -> str:
 
 def save_round(client: Any, participants: participants_lib.Participants, *, step_dir: str,
                me: int, processes: Sequence[int], primary: int, what: str, num_processes: int,
-               commits_alone: bool, timeout_s: float | None) -> SaveRound:
+               commits_alone: bool, timeout_s: float) -> SaveRound:
   """The round of the next async save this process starts among ``participants`` (the
   processes of its checkpointer) into ``step_dir`` (the step directory's name):
   ``orbax_pathways/save/<digest>/<n>/<step_dir>``, numbered alike on every member. Called
   by ``_compat/orbax_liveness`` (through ``_install``) in the controller's thread at the end
-  of ``save()``."""
+  of ``save()``. ``timeout_s``: the peer deadline beyond this process's own work
+  (``Options.peer_timeout_s`` of the installed handler)."""
   key = rounds.sequence(participants.name('save')).next(suffix=step_dir)
   return SaveRound(client, key, me, processes, primary, what, num_processes,
                    commits_alone=commits_alone, timeout_s=timeout_s)
@@ -129,7 +117,7 @@ class SaveRound:
 
   def __init__(self, client: Any, key: str, me: int, processes: Sequence[int], primary: int,
                what: str, num_processes: int, commits_alone: bool = True,
-               timeout_s: float | None = None):
+               timeout_s: float = DEFAULT_TIMEOUT_S):
     self.client = client
     self.key = key
     self.commits_alone = commits_alone  # False: every process commits (Orbax primary_host=None)
@@ -138,7 +126,9 @@ class SaveRound:
     self.primary = primary
     self.what = what  # the step directory, for messages
     self.num_processes = num_processes
-    self.timeout_s = _state.timeout_s if timeout_s is None else timeout_s
+    if not timeout_s > 0:
+      raise ValueError(f'peer_timeout_s={timeout_s!r}: need seconds > 0.')
+    self.timeout_s = float(timeout_s)
     self.round = rounds.Round(client, key, me=me, members=self.processes, count=num_processes,
                               what=f'save of {what}', leader=primary)
     self._alive: threading.Event | None = None

@@ -41,7 +41,6 @@ from orbax_pathways.format import checksum
 from orbax_pathways import errors
 from orbax_pathways.format import names as format_lib
 from orbax_pathways.sharding import layout
-from orbax_pathways.coord import liveness
 from orbax_pathways.format import grid as grid_lib
 from orbax_pathways.format import records as records_lib
 from orbax_pathways import options as options_lib
@@ -229,11 +228,13 @@ class PendingSave:
   stats: stats_lib.SaveStats
   item: values.Item
   ready: Callable[[], Awaitable[None]]
+  bounds: deadline_lib.Bounds = deadline_lib.Bounds()  # the engine's (runs in Orbax's thread)
 
   @property
   def layouts(self) -> list[values.LeafLayout]:
     return self.snapshot.layouts
 
+  @deadline_lib.with_bounds
   async def write(self, *, extra_requests: int = 0) -> None:
     """Every writer host's share, then the stats and the log line. ``extra_requests`` counts the
     metadata objects the front door writes alongside (Orbax's array metadata file)."""
@@ -288,11 +289,12 @@ class Engine:
 
   def __init__(self, options: options_lib.Options):
     self.options = options
-    # Storage request deadlines are per process (storage/deadline.py): these options set them.
-    deadline_lib.configure(options.request_deadline_floor_s, options.request_deadline_cap_s)
+    # The floor and cap of storage request deadlines, for the calls of this engine only
+    # (storage/deadline.py: deadline_lib.with_bounds on each entry point).
+    self.bounds = deadline_lib.Bounds(options.request_deadline_floor_s,
+                                      options.request_deadline_cap_s)
     # ... and those Orbax makes through gcsfs and google-cloud-storage: a stall deadline.
     storage_clients.configure(hedge.stall_timeout_s(options.request_deadline_floor_s))
-    liveness.configure(options.peer_timeout_s)  # waits on other processes (coord/liveness.py)
 
   def transport_name(self) -> str:
     return runtime.choose_transport(requested=self.options.transport).value
@@ -333,13 +335,15 @@ class Engine:
 
   # ---- save ------------------------------------------------------------------------------------
 
+  @deadline_lib.with_bounds
   async def save(self, arrays: Sequence[jax.Array], leaves: Sequence[values.SaveLeaf],
                  item: values.Item, *, config: transports.SaveConfig,
                  ready: Callable[[], Awaitable[None]]) -> PendingSave:
     t0 = time.perf_counter()
     check_global(arrays, [leaf.name for leaf in leaves])
     config = dataclasses.replace(config, tier=self.tier(item.directory),
-                                 tier_scope=self.options.local_scope)
+                                 tier_scope=self.options.local_scope,
+                                 peer_timeout_s=self.options.peer_timeout_s)
     transport = registry.create(self.transport_name(), save=config)
     reasons = transport.unsupported(leaves, item)
     if reasons and transport.fallback is not None:
@@ -360,8 +364,9 @@ class Engine:
         controller_tensor_bytes=snap.controller_tensor_bytes,
         step=format_lib.step_of(step_dir.rsplit('/', 1)[-1]), step_dir=step_dir)
     stats_lib.record_save(st)
-    return PendingSave(transport, snap, st, item, ready)
+    return PendingSave(transport, snap, st, item, ready, self.bounds)
 
+  @deadline_lib.with_bounds
   async def save_host(self, writer: str, item: values.Item, arrays: Sequence[HostArray], *,
                       context: Any) -> records_lib.WriterRecord:
     """Writes host (numpy, scalar) leaves exactly as Orbax's ``NumpyHandler`` does, then their
@@ -386,6 +391,7 @@ class Engine:
 
   # ---- restore ---------------------------------------------------------------------------------
 
+  @deadline_lib.with_bounds
   async def restore(self, leaves: Sequence[RestoreLeaf], item: values.Item, *,
                     config: transports.ReadConfig,
                     records: dict[str, records_lib.ArrayRecord],
@@ -400,7 +406,8 @@ class Engine:
                                     require_record=written_by_us and config.verify)
                  for leaf in leaves]
     config = dataclasses.replace(config, tier=self.tier(item.directory),
-                                 tier_peer_timeout_s=self.options.tier_peer_timeout_s)
+                                 tier_peer_timeout_s=self.options.tier_peer_timeout_s,
+                                 peer_timeout_s=self.options.peer_timeout_s)
     transport = registry.create(self.transport_name(), read=config)
     telemetry = compat.io_metrics_start('read')
     out, outcomes = await transport.read(targets, item)
@@ -433,6 +440,7 @@ class Engine:
                'checks storage.', unread / 2**20, _step_dir(item.directory))
     return out
 
+  @deadline_lib.with_bounds
   async def read_to_host(self, names: Sequence[str], dtypes: Sequence[Any], item: values.Item, *,
                          records: dict[str, records_lib.ArrayRecord], verify: bool,
                          written_by_us: bool = False, record_stats: bool = True,

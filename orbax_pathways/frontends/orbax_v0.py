@@ -37,6 +37,7 @@ from orbax_pathways import options as options_lib
 from orbax_pathways.transports import values
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways.storage import cast as cast_lib
+from orbax_pathways.storage import deadline as deadline_lib
 from orbax_pathways.storage import meta_io
 from orbax_pathways.storage import reader as reader_lib
 from orbax_pathways.transports import base as transports
@@ -89,6 +90,11 @@ class ProxyArrayHandler(compat.ArrayHandler):
     self.options = options or options_lib.Options.from_env()
     self.engine = engine_lib.Engine(self.options)
 
+  @property
+  def bounds(self) -> deadline_lib.Bounds:
+    """This handler's storage deadline bounds (its options'): its calls run inside them."""
+    return self.engine.bounds
+
   # ---- conversions at the boundary -------------------------------------------------------------
 
   def _item(self, info: Any) -> values.Item:
@@ -132,6 +138,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
 
   # ---- save ------------------------------------------------------------------------------------
 
+  @deadline_lib.with_bounds
   async def serialize(self, values_: Sequence[jax.Array], infos: Sequence[Any],
                       args: Sequence[Any] | None = None) -> list[Any]:
     args = list(args or [compat.SaveArgs()] * len(values_))
@@ -182,6 +189,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
       i.ts_context = ctx
     return out
 
+  @deadline_lib.with_bounds
   async def _background(self, pending: engine_lib.PendingSave, infos: Sequence[Any],
                         leaves: Sequence[values.SaveLeaf], settings: Any) -> None:
     store = settings.array_metadata_store
@@ -212,6 +220,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
 
   # ---- restore ---------------------------------------------------------------------------------
 
+  @deadline_lib.with_bounds
   async def metadata(self, infos: Sequence[Any]) -> Sequence[Any]:
     """Orbax's metadata, with shardings remapped onto the current devices where needed."""
     metas = await self._orbax_metadata(infos)
@@ -247,6 +256,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
     return compat.handler_settings(self).dispatcher is not None or any(
         not isinstance(a, compat.ArrayRestoreArgs) for a in args)
 
+  @deadline_lib.with_bounds
   async def deserialize(self, infos: Sequence[Any],
                         args: Sequence[Any] | None = None) -> Sequence[jax.Array]:
     if args is None:
@@ -368,6 +378,11 @@ class ProxyNumpyHandler(compat.NumpyHandler):
     self.engine = engine_lib.Engine(self.options)
     self.saved_type_in_infos = saved_type_in_infos
 
+  @property
+  def bounds(self) -> deadline_lib.Bounds:
+    """This handler's storage deadline bounds (its options'): its calls run inside them."""
+    return self.engine.bounds
+
   def _host_item(self, info: Any) -> values.Item:
     return values.Item(
         directory=compat.logical_parent_dir(info), use_ocdbt=bool(info.is_ocdbt_checkpoint),
@@ -376,6 +391,7 @@ class ProxyNumpyHandler(compat.NumpyHandler):
         raise_array_data_missing_error=bool(getattr(info, 'raise_array_data_missing_error', True)),
         metadata_key=compat.numpy_handler_metadata_key(self))
 
+  @deadline_lib.with_bounds
   async def serialize(self, values_: Sequence[Any], infos: Sequence[Any],
                       args: Sequence[Any] | None = None) -> list[Any]:
     args = list(args or [compat.SaveArgs()] * len(values_))
@@ -387,6 +403,7 @@ class ProxyNumpyHandler(compat.NumpyHandler):
       values_ = [copy.deepcopy(v) for v in values_]
     return [compat.CommitFuture(self._write(list(values_), infos, args), name='np_type_handler')]
 
+  @deadline_lib.with_bounds
   async def _write(self, values_: Sequence[Any], infos: Sequence[Any], args: Sequence[Any]) -> None:
     """Orbax's background commit: process 0 writes every leaf and the record."""
     arrays = []
@@ -403,6 +420,7 @@ class ProxyNumpyHandler(compat.NumpyHandler):
         host_writer_name(self.WRITER_KIND, [a.name for a in arrays]), item, arrays,
         context=infos[0].ts_context or compat.ts_context(item.use_ocdbt))
 
+  @deadline_lib.with_bounds
   async def deserialize(self, infos: Sequence[Any], args: Sequence[Any] | None = None) -> list[Any]:
     args = list(args or [compat.RestoreArgs()] * len(infos))
     await asyncio.gather(*(info.await_path_creation() for info in infos))

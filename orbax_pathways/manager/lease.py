@@ -10,7 +10,7 @@ gone is taken over with one warning.
 
 Who calls what, on which host:
 
-- ``before_save`` (the ``lease_save`` manager hook, at the start of every
+- ``before_save`` (``LeaseHooks.before_save``, at the start of every
   ``CheckpointManager.save`` on every process that calls the manager): the manager's
   lease-writing process (its primary host) takes the lease at the job's first save into the
   directory, and at each later save checks that it still holds it (renewing it when due). Under
@@ -46,17 +46,20 @@ orbax_pathways``) installs the hooks.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import socket
 import threading
 import time
 import uuid
+from typing import Any, ClassVar
 
 from absl import logging
 import tensorstore as ts
 
 from orbax_pathways import errors
 from orbax_pathways import options as options_lib
+from orbax_pathways.manager import hooks as hooks_lib
 from orbax_pathways.manager import processes as proc_lib
 from orbax_pathways import version
 from orbax_pathways.coord import rounds
@@ -76,8 +79,6 @@ _AGREE_KEEP = 16  # key-value entries of past saves kept per directory (multi-co
 
 _lock = threading.RLock()
 _leases: dict[str, Lease] = {}  # directory -> the lease this process holds there
-_installed = False
-_timeout_override: float | None = None
 
 
 def directory_key(directory) -> str:
@@ -91,7 +92,7 @@ def lease_path(directory) -> str:
 
 
 def timeout_s() -> float:
-  return (_timeout_override if _timeout_override is not None
+  return (_current.timeout if _current.timeout is not None
           else float(options_lib.env_value(TIMEOUT_ENV)))
 
 
@@ -349,7 +350,7 @@ def _hold(directory: str, mngr) -> None:
 
 
 def before_save(mngr, step: int) -> None:
-  """``lease_save`` hook: see the module docstring. Raises ``WriterLeaseError`` on every process
+  """``LeaseHooks.before_save``: see the module docstring. Raises ``WriterLeaseError`` on every process
   that calls ``mngr`` when the lease is held by another live job or was taken over from this
   one; never waits for a process that does not call ``mngr``."""
   if not options_lib.env_value(ENABLE_ENV):
@@ -428,7 +429,7 @@ def _agree(client, part, me: int, count: int, outcome: str | None) -> str | None
 
 
 def after_close(mngr) -> None:
-  """``after_close`` hook: the last manager of this process that saved into the directory
+  """``LeaseHooks.close``: the last manager of this process that saved into the directory
   releases the lease."""
   directory = directory_key(mngr.directory)
   with _lock:
@@ -474,32 +475,45 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(release_all)
 
 
+@dataclasses.dataclass(frozen=True)
+class LeaseHooks(hooks_lib.ManagerHooks):
+  """The writer lease's calls around a CheckpointManager (``manager/hooks.py``): checked before
+  each save, released at close. ``timeout``: seconds without renewal after which a lease is
+  stale (None: ``ORBAX_PATHWAYS_LEASE_TIMEOUT_S``)."""
+
+  name: ClassVar[str] = 'lease'
+  timeout: float | None = None
+  active: bool = False  # registered (the default instance is not)
+
+  def before_save(self, mngr: Any, step: int) -> None:
+    before_save(mngr, step)
+
+  def close(self, mngr: Any) -> None:
+    after_close(mngr)
+
+
+_current = LeaseHooks()  # the registered one (its settings apply), else the defaults
+
+
 def install(*, timeout: float | None = None) -> None:
   """Activates the lease for every CheckpointManager save (idempotent). ``timeout``: seconds
   without renewal after which a lease is stale (None: ``ORBAX_PATHWAYS_LEASE_TIMEOUT_S``)."""
-  global _installed, _timeout_override
+  global _current
   if timeout is not None and not timeout > 0:
     raise ValueError(f'timeout={timeout!r} must be > 0 seconds.')
   with _lock:
-    _timeout_override = timeout
-    _om.set_hook('lease_save', before_save)
-    _om.set_hook('after_close', after_close)
-    _om.install_manager_hooks()
-    _installed = True
+    _current = LeaseHooks(timeout=timeout, active=True)
+    _om.register(_current)
 
 
 def uninstall() -> None:
   """No lease for later saves; the leases held now are released."""
-  global _installed, _timeout_override
+  global _current
   release_all(None)
   with _lock:
-    _om.set_hook('lease_save', None)
-    _om.set_hook('after_close', None)
-    _timeout_override = None
-    _installed = False
+    _om.unregister(_current)
+    _current = LeaseHooks()
 
 
 def installed() -> bool:
-  return _installed
-
-
+  return _current.active

@@ -57,6 +57,7 @@ What ``install()`` changes (through ``orbax_pathways._compat.orbax_manager``):
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import hashlib
@@ -68,10 +69,12 @@ import sys
 import threading
 import time
 import uuid
+from typing import Any, ClassVar
 
 from absl import logging
 from etils import epath
 
+from orbax_pathways.manager import hooks as hooks_lib
 from orbax_pathways.manager import processes as proc_lib
 from orbax_pathways._compat import orbax_manager as _om
 from orbax_pathways.tier import store as tier_store
@@ -82,9 +85,6 @@ _OWNER_RE = re.compile(
     r'^(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)-(?P<created>\d+)-[0-9a-f]+$')
 
 _state_lock = threading.Lock()
-_installed = False
-_accept_unmarked = False
-_abandoned_after_s = ABANDONED_AFTER_S
 _warned_unmarked: set[str] = set()
 _active_lock = threading.Lock()
 _active: set[str] = set()  # deleting paths this process is removing right now
@@ -109,7 +109,7 @@ def is_step_complete(step_path: epath.PathLike) -> bool:
     return False  # On gs:// the commit marker is the only proof of a commit.
   if _om.read_commit_timestamp_nsecs(step_path) is not None:
     return True
-  if _accept_unmarked and not (step_path / _om.STEP_METADATA_FILE).exists():
+  if _current.accept_unmarked and not (step_path / _om.STEP_METADATA_FILE).exists():
     return True
   key = str(step_path)
   if key not in _warned_unmarked:
@@ -141,7 +141,7 @@ def abandoned(path: epath.PathLike, *, now: float | None = None,
   """
   path = epath.Path(path)
   now = time.time() if now is None else now
-  lease = _abandoned_after_s if abandoned_after_s is None else abandoned_after_s
+  lease = _current.abandoned_after_s if abandoned_after_s is None else abandoned_after_s
   owner = path.name.split(DELETING_MARKER, 1)[1] if DELETING_MARKER in path.name else ''
   m = _OWNER_RE.match(owner)
   if m is None:
@@ -287,15 +287,6 @@ def _delete_step_hook(step: int, delete_target: epath.Path, remove_tree_fn) -> N
         'Saves are not affected.', step, delete_target, type(e).__name__, e)
 
 
-def _explicit_delete(mngr, step: int, original) -> None:
-  del mngr, step
-  _explicit.active = True
-  try:
-    original()
-  finally:
-    _explicit.active = False
-
-
 def leftover_deleting_dirs(directory: epath.PathLike) -> list[epath.Path]:
   directory = epath.Path(directory)
   try:
@@ -358,7 +349,7 @@ def cleanup_abandoned_temporary_steps(directory: epath.PathLike, *,
   """Removes Orbax temporary steps of ``directory`` (uncommitted saves) in which nothing changed
   for ``abandoned_after_s`` seconds; returns them. A save in progress in another process keeps
   writing into its temporary step, so it is left alone. Call on the primary host only."""
-  lease = _abandoned_after_s if abandoned_after_s is None else abandoned_after_s
+  lease = _current.abandoned_after_s if abandoned_after_s is None else abandoned_after_s
   removed = []
   now = time.time()
   for path in _om.temporary_step_paths(directory):
@@ -379,19 +370,48 @@ def cleanup_abandoned_temporary_steps(directory: epath.PathLike, *,
   return removed
 
 
-def _manager_init_hook(mngr) -> None:
-  try:
-    if _om.manager_read_only(mngr):
-      return
-    if _om.is_primary_host(_om.manager_primary_host(mngr)):
-      cleanup_leftovers(mngr.directory)
-  except Exception as e:  # pylint: disable=broad-except
-    # Never fail a manager construction over garbage collection.
-    logging.warning('orbax_pathways: leftover cleanup in %s failed: %s', mngr.directory, e)
-
-
 # ---------------------------------------------------------------------------------------------
 # Activation.
+
+
+@dataclasses.dataclass(frozen=True)
+class RetentionHooks(hooks_lib.ManagerHooks):
+  """Retention's calls around a CheckpointManager (``manager/hooks.py``), with its settings:
+  ``accept_unmarked`` lists a step with neither commit marker nor step metadata (written by an
+  old Orbax); ``abandoned_after_s``: the age after which a leftover whose owner cannot be
+  checked, or an unchanged temporary step, counts as abandoned (see the module docstring)."""
+
+  name: ClassVar[str] = 'retention'
+  accept_unmarked: bool = False
+  abandoned_after_s: float = ABANDONED_AFTER_S
+  active: bool = False  # registered (the default instance is not)
+
+  def manager_init(self, mngr: Any) -> None:
+    """Leftovers of earlier processes go, on the manager's primary host (never fails the
+    construction)."""
+    try:
+      if _om.manager_read_only(mngr):
+        return
+      if _om.is_primary_host(_om.manager_primary_host(mngr)):
+        cleanup_leftovers(mngr.directory)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning('orbax_pathways: leftover cleanup in %s failed: %s', mngr.directory, e)
+
+  def step_complete(self, step_path: Any) -> bool:
+    return is_step_complete(step_path)
+
+  def delete_step(self, step: int, path: Any, remove: Any) -> bool:
+    _delete_step_hook(step, path, remove)
+    return True
+
+  def delete_started(self, mngr: Any, step: int) -> None:
+    _explicit.active = True  # the user's delete raises on failure; garbage collection logs
+
+  def delete_ended(self, mngr: Any, step: int) -> None:
+    _explicit.active = False
+
+
+_current = RetentionHooks()  # the registered one (its settings apply), else the defaults
 
 
 def install(*, accept_unmarked_steps: bool = False,
@@ -401,38 +421,26 @@ def install(*, accept_unmarked_steps: bool = False,
 
   ``abandoned_after_s``: age after which a leftover whose owner cannot be checked (another host)
   or an unchanged temporary step counts as abandoned (see the module docstring)."""
-  global _installed, _accept_unmarked, _abandoned_after_s
+  global _current
   if not abandoned_after_s > 0:
     raise ValueError(f'abandoned_after_s={abandoned_after_s!r} must be > 0 seconds.')
   with _state_lock:
-    _accept_unmarked = accept_unmarked_steps
-    _abandoned_after_s = float(abandoned_after_s)
-    _om.set_hook('delete_step', _delete_step_hook)
-    _om.set_hook('explicit_delete', _explicit_delete)
-    _om.set_hook('step_complete', is_step_complete)
-    _om.set_hook('manager_init', _manager_init_hook)
-    _om.install_manager_hooks()
-    _installed = True
+    _current = RetentionHooks(accept_unmarked=accept_unmarked_steps,
+                              abandoned_after_s=float(abandoned_after_s), active=True)
+    _om.register(_current)
   from orbax_pathways.manager import lease  # pylint: disable=g-import-not-at-top  # it imports us
   lease.install()
 
 
 def uninstall() -> None:
   """Back to stock Orbax behaviour for deletion, listing and saving (no lease; idempotent)."""
-  global _installed, _accept_unmarked, _abandoned_after_s
+  global _current
   from orbax_pathways.manager import lease  # pylint: disable=g-import-not-at-top  # it imports us
   lease.uninstall()
   with _state_lock:
-    _om.set_hook('delete_step', None)
-    _om.set_hook('explicit_delete', None)
-    _om.set_hook('step_complete', None)
-    _om.set_hook('manager_init', None)
-    _accept_unmarked = False
-    _abandoned_after_s = ABANDONED_AFTER_S
-    if not _om.any_hook_set():
-      _om.uninstall_manager_hooks()
-    _installed = False
+    _om.unregister(_current)
+    _current = RetentionHooks()
 
 
 def installed() -> bool:
-  return _installed
+  return _current.active

@@ -15,7 +15,8 @@ The user's loop stays the stock Orbax one::
 This package is the public face (``orbax_pathways.preemption``); the work is in three modules,
 each with one job: ``notice`` (the notice and SIGTERM), ``decision`` (which step saves for
 preemption; ``exit_after_commit``) and ``recovery`` (``resume``). ``install``/``uninstall`` here
-are called by ``orbax_pathways.install``/``uninstall`` (``_registration``) in every process.
+are called by ``orbax_pathways.install``/``uninstall`` (``_install.py``) in every process; they
+register ``PreemptionHooks`` (``manager/hooks.py``).
 
 **Notice.** SIGTERM becomes a preemption notice only where a training loop can act on it and no
 one else owns it: the handler is installed when the first ``CheckpointManager`` of a process whose
@@ -72,7 +73,11 @@ raises instead). All processes of a multi-controller job agree on each step's ou
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Callable, ClassVar
+
 from orbax_pathways import options as options_lib
+from orbax_pathways.manager import hooks as hooks_lib
 from orbax_pathways._compat import orbax_manager as _om
 from orbax_pathways.preemption import decision
 from orbax_pathways.preemption import notice
@@ -115,6 +120,32 @@ def clear_notice() -> None:
     decision.reset()
 
 
+@dataclasses.dataclass(frozen=True)
+class PreemptionHooks(hooks_lib.ManagerHooks):
+  """Preemption's calls around a CheckpointManager (``manager/hooks.py``): SIGTERM becomes a
+  notice once a manager that saves for preemption exists (``notice.manager_constructed``); every
+  process of the manager agrees on the step that saves for it (``decision.reached_preemption``);
+  the notice is consumed once that save started (``decision.after_save``). Their settings are
+  ``install``'s (``decision`` and ``notice`` keep them, with the notice's process-wide state:
+  one SIGTERM per process)."""
+
+  name: ClassVar[str] = 'preemption'
+  agreement: decision.Agreement = decision.Agreement()
+
+  def manager_init(self, mngr: Any) -> None:
+    notice.manager_constructed(mngr)
+
+  def reached_preemption(self, mngr: Any, step: int, stock: Callable[[], bool],
+                         participants: Any) -> bool:
+    return decision.reached_preemption(step, stock, participants, self.agreement)
+
+  def after_save(self, mngr: Any, step: int, saved: bool) -> None:
+    decision.after_save(mngr, step, saved)
+
+
+HOOKS = PreemptionHooks()  # the registered one (replaced by install)
+
+
 def install(*, agreement_interval: int = 10, agreement_timeout_s: float = 300.0,
             handle_sigterm: bool = True, sigterm_grace_s: float | None = None) -> None:
   """Activates preemption saves for every CheckpointManager (idempotent).
@@ -124,9 +155,8 @@ def install(*, agreement_interval: int = 10, agreement_timeout_s: float = 300.0,
   go unanswered before SIGTERM's default action applies (None: ``ORBAX_PATHWAYS_SIGTERM_GRACE_S``,
   120; ``math.inf``: only a second SIGTERM). Both environment variables are parsed here.
   """
-  global _installed
-  if agreement_interval < 1:
-    raise ValueError(f'agreement_interval must be >= 1, got {agreement_interval}.')
+  global _installed, HOOKS
+  agreement = decision.Agreement(agreement_interval, float(agreement_timeout_s))
   no_sigterm = options_lib.env_value(NO_SIGTERM_ENV)
   grace = options_lib.env_value(GRACE_ENV) if sigterm_grace_s is None else sigterm_grace_s
   if not grace > 0:
@@ -134,13 +164,10 @@ def install(*, agreement_interval: int = 10, agreement_timeout_s: float = 300.0,
                      'for a second SIGTERM).')
   handle = handle_sigterm and not no_sigterm
   with notice.lock:
-    decision.configure(agreement_interval=agreement_interval,
-                       agreement_timeout_s=agreement_timeout_s)
+    HOOKS = PreemptionHooks(agreement)
+    decision.set_current(agreement)
     notice.configure(handle_sigterm=handle, grace_s=float(grace), what_next=decision.what_next)
-    _om.set_hook('reached_preemption', decision.reached_preemption)
-    _om.set_hook('after_save', decision.after_save)
-    _om.set_hook('manager_init_notice', notice.manager_constructed)
-    _om.install_manager_hooks()
+    _om.register(HOOKS)
     _installed = True
     if not handle:
       uninstall_notice_handler()
@@ -152,11 +179,7 @@ def uninstall() -> None:
   """Back to stock preemption behaviour; restores the previous SIGTERM handler (idempotent)."""
   global _installed
   with notice.lock:
-    _om.set_hook('reached_preemption', None)
-    _om.set_hook('after_save', None)
-    _om.set_hook('manager_init_notice', None)
-    if not _om.any_hook_set():
-      _om.uninstall_manager_hooks()
+    _om.unregister(HOOKS)
     notice.cancel_grace()
     uninstall_notice_handler()
     _installed = False

@@ -2,7 +2,7 @@
 
 Called by the patched ``CheckpointManager.reached_preemption`` (``_compat/orbax_manager``), which
 ``should_save`` (through ``PreemptionCheckpointingPolicy``), ``save`` and the user's loop call, on
-every controller process; ``after_save`` is the ``after_save`` hook; ``exit_after_commit`` is
+every controller process; ``after_save`` is ``PreemptionHooks.after_save``; ``exit_after_commit`` is
 called by the user's loop. The notice itself lives in ``notice``.
 
 - Single controller (``jax.process_count() == 1``, Pathways included): a pending notice, OR the
@@ -23,6 +23,8 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+import dataclasses
+
 from absl import logging
 
 from orbax_pathways.coord import rounds
@@ -31,23 +33,35 @@ from orbax_pathways.preemption import notice
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager as _om
 
-_agreement_interval = 10
-_agreement_timeout_s = 300.0
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+  """How the processes of a manager agree on a preemption step (``preemption.install``'s
+  arguments): every ``interval`` steps, one round with ``timeout_s`` of silence allowed."""
+  interval: int = 10
+  timeout_s: float = 300.0
+
+  def __post_init__(self):
+    if self.interval < 1:
+      raise ValueError(f'agreement_interval must be >= 1, got {self.interval}.')
+
+
+# The registered PreemptionHooks' agreement, for the calls no hook makes (the notice's log line,
+# preemption.resume); the hooks pass their own to reached_preemption.
+_current = Agreement()
 _EVERY_PROCESS = participants_lib.Participants(None, 0)
 # Per round name (one per set of participants, ``Participants.name``; '' for one controller):
 _agreed_step: dict[str, int] = {}  # the step from which its participants answer True
 _decided: dict[str, dict[int, bool]] = {}  # its latched answers, by step
 
 
-def configure(*, agreement_interval: int, agreement_timeout_s: float) -> None:
-  global _agreement_interval, _agreement_timeout_s
-  with notice.lock:
-    _agreement_interval = agreement_interval
-    _agreement_timeout_s = agreement_timeout_s
+def set_current(agreement: Agreement) -> None:
+  """``preemption.install``: the agreement of the hooks it registers."""
+  global _current
+  _current = agreement
 
 
 def agreement_timeout_s() -> float:
-  return _agreement_timeout_s
+  return _current.timeout_s
 
 
 def reset() -> None:
@@ -65,7 +79,7 @@ def what_next() -> str:
   if jax_distributed.jax_preemption_service_active():
     return ("this process does not decide: JAX's preemption sync point does (send SIGTERM to a "
             'process instead)')
-  return (f'all processes agree on the next multiple of {_agreement_interval} steps and save '
+  return (f'all processes agree on the next multiple of {_current.interval} steps and save '
           'one preemption checkpoint there')
 
 
@@ -79,14 +93,15 @@ def _consume(step: int) -> None:
 
 
 def after_save(mngr, step: int, saved: bool) -> None:
-  """``after_save`` hook (the loop's thread, every process): the notice is consumed once the save
+  """``PreemptionHooks.after_save`` (the loop's thread, every process): the notice is consumed once the save
   of a step answered as a preemption step started."""
   del mngr
   if saved and any(d.get(step) for d in _decided.values()):
     _consume(step)
 
 
-def _kv_agreement(step: int, part: participants_lib.Participants) -> bool:
+def _kv_agreement(step: int, part: participants_lib.Participants,
+                  agreement: Agreement) -> bool:
   """Agreement on a preemption step among ``part`` through the coordination KV store."""
   name = part.name('preemption')
   decided = _decided.setdefault(name, {})
@@ -94,7 +109,7 @@ def _kv_agreement(step: int, part: participants_lib.Participants) -> bool:
     return decided[step]
   if name in _agreed_step:
     return _remember(decided, step, step >= _agreed_step[name])
-  if step % _agreement_interval != 0:
+  if step % agreement.interval != 0:
     return False
   client = jax_distributed.distributed_client()
   n, me = jax_distributed.process_count(), _om.process_index()
@@ -107,7 +122,7 @@ def _kv_agreement(step: int, part: participants_lib.Participants) -> bool:
                      what=(f'orbax_pathways: preemption agreement at step {step} among '
                            f'{part.describe(n)}'))
   rnd.publish('1' if notice.pending() else '0')
-  flags = rnd.gather(_agreement_timeout_s).values()
+  flags = rnd.gather(agreement.timeout_s).values()
   if rnd.is_leader:  # every member published this round: all are past the one before
     seq.retire(client, me, whole=True)
   answer = _remember(decided, step, any(f == '1' for f in flags))
@@ -143,9 +158,11 @@ def _single_controller(step: int, stock: Callable[[], bool]) -> bool:
 
 
 def reached_preemption(step: int, stock: Callable[[], bool] | None = None,
-                       participants: participants_lib.Participants | None = None) -> bool:
+                       participants: participants_lib.Participants | None = None,
+                       agreement: Agreement | None = None) -> bool:
   """Our answer for ``CheckpointManager.reached_preemption(step)``; ``stock`` is Orbax's;
-  ``participants``: the processes that call the manager (None: every process of the job)."""
+  ``participants``: the processes that call the manager (None: every process of the job);
+  ``agreement``: the calling hooks' (None: the registered one)."""
   stock = stock or (lambda: False)
   if jax_distributed.process_count() <= 1:
     with notice.lock:
@@ -153,7 +170,7 @@ def reached_preemption(step: int, stock: Callable[[], bool] | None = None,
   if jax_distributed.jax_preemption_service_active():
     return bool(stock())
   with notice.lock:
-    return _kv_agreement(step, participants or _EVERY_PROCESS)
+    return _kv_agreement(step, participants or _EVERY_PROCESS, agreement or _current)
 
 
 def exit_after_commit(mngr, exit_code: int = 0) -> None:

@@ -4,7 +4,7 @@ Runs in the main process of each controller (every process of a multi-controller
 controller under Pathways). ``notify_preemption`` is safe from any thread; the SIGTERM handler runs
 in the main thread; the grace timer runs in its own daemon thread. ``decision`` reads the notice
 (``pending()``) and marks it consumed once its save started; the package's ``install()`` sets the
-options here (``configure``) and the ``manager_init_notice`` hook (``manager_constructed``).
+options here (``configure``) and the ``PreemptionHooks.manager_init`` (``manager_constructed``).
 
 **Who owns SIGTERM.** Ours only where no one else can act on it: not while JAX's preemption
 service runs (``jax.distributed``, the default: its native notifier owns SIGTERM and its sync
@@ -339,7 +339,7 @@ def may_install_now() -> bool:
 
 
 def manager_constructed(mngr) -> None:
-  """``manager_init_notice`` hook, run after each CheckpointManager construction (v0, and the one
+  """``PreemptionHooks.manager_init``, run after each CheckpointManager construction (v0, and the one
   inside v1's ``training.Checkpointer``): SIGTERM becomes a notice here, once per process, if the
   manager's save decision policy saves for preemption."""
   global _manager_seen

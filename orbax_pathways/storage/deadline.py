@@ -17,16 +17,23 @@ The deadline is ``FACTOR`` times that, clamped to ``[floor_s, cap_s]`` (both opt
 ``Options.request_deadline_floor_s`` / ``request_deadline_cap_s``). Before anything was observed
 it assumes ``DEFAULT_LATENCY_S`` and ``DEFAULT_THROUGHPUT``, conservative for cloud storage.
 
-One ``Policy`` per process (``POLICY``), shared by every reader and writer thread: the lock is
-the only state shared across threads. ``configure`` is called by ``engine.Engine`` with the
-handler's options (the last handler built sets them; every handler of one job uses the same).
+One ``Policy`` per process (``POLICY``), shared by every reader and writer thread: what storage
+answers is the process's observation, whoever asked (the lock is the only state shared across
+threads). The floor and cap are the handler's: ``engine.Engine`` and the front doors run each
+save and restore inside ``bounded(Bounds(...))`` (a context variable, so it follows the call's
+tasks and ``asyncio.to_thread`` calls, and two handlers with other options never mix); outside
+any, the policy's own (the defaults).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import dataclasses
+import functools
 import threading
+from typing import Any, Callable, Iterator
 
 MiB = 1 << 20
 SMALL_BYTES = 1 * MiB
@@ -37,6 +44,47 @@ DEFAULT_FLOOR_S = 10.0
 DEFAULT_CAP_S = 120.0
 SAMPLES = 256  # latency samples kept
 MIN_OBSERVED_BYTES = 4 * MiB  # below this much answered, keep the default throughput
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+  """The floor and cap of every deadline (``Options.request_deadline_floor_s`` / ``_cap_s``)."""
+  floor_s: float = DEFAULT_FLOOR_S
+  cap_s: float = DEFAULT_CAP_S
+
+  def __post_init__(self):
+    if not 0 < self.floor_s <= self.cap_s:
+      raise ValueError(f'request deadline floor {self.floor_s!r} s and cap {self.cap_s!r} s: need '
+                       '0 < floor <= cap.')
+
+
+_bounds: contextvars.ContextVar[Bounds | None] = contextvars.ContextVar(
+    'orbax_pathways_deadline_bounds', default=None)
+
+
+@contextlib.contextmanager
+def bounded(bounds: Bounds) -> Iterator[None]:
+  """Deadlines of requests issued inside (this task, the tasks and threads it starts) use
+  ``bounds``."""
+  token = _bounds.set(bounds)
+  try:
+    yield
+  finally:
+    _bounds.reset(token)
+
+
+def current_bounds() -> Bounds | None:
+  """The bounds of the call running now (None outside any ``bounded``)."""
+  return _bounds.get()
+
+
+def with_bounds(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """An ``async`` method of an object with a ``bounds`` attribute, run inside ``bounded``."""
+  @functools.wraps(fn)
+  async def run(self, *args, **kwargs):
+    with bounded(self.bounds):
+      return await fn(self, *args, **kwargs)
+  return run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +111,10 @@ class Policy:
     self._answered_bytes = 0
 
   def configure(self, floor_s: float, cap_s: float) -> None:
-    if not 0 < floor_s <= cap_s:
-      raise ValueError(f'request deadline floor {floor_s!r} s and cap {cap_s!r} s: need '
-                       '0 < floor <= cap.')
+    """This policy's own floor and cap (used outside any ``bounded``)."""
+    b = Bounds(float(floor_s), float(cap_s))
     with self._lock:
-      self.floor_s, self.cap_s = float(floor_s), float(cap_s)
+      self.floor_s, self.cap_s = b.floor_s, b.cap_s
 
   # -- estimates ---------------------------------------------------------------------------------
   def latency_s(self) -> float:
@@ -98,7 +145,9 @@ class Policy:
   def _deadline_locked(self, nbytes: int, now: float, queued_bytes: int) -> float:
     expected = (self._latency_locked()
                 + (queued_bytes + max(nbytes, 0)) / self._throughput_locked(now))
-    return min(self.cap_s, max(self.floor_s, FACTOR * expected))
+    b = _bounds.get()
+    floor, cap = (b.floor_s, b.cap_s) if b is not None else (self.floor_s, self.cap_s)
+    return min(cap, max(floor, FACTOR * expected))
 
   def in_flight(self) -> tuple[int, int]:
     """(requests, bytes) begun and not yet ended: what a new request would queue behind."""
@@ -131,8 +180,3 @@ class Policy:
 
 
 POLICY = Policy()
-
-
-def configure(floor_s: float, cap_s: float) -> None:
-  """Sets the process's floor and cap (``engine.Engine`` from the handler's options)."""
-  POLICY.configure(floor_s, cap_s)

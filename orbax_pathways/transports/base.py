@@ -47,6 +47,7 @@ class SaveConfig:
   context: Any = None  # Orbax's tensorstore context for this item (local transport only)
   tier: Any = None  # tier.store.TierConfig: this node's tier (None: off); set by the engine
   tier_scope: str = 'written'  # Options.local_scope: 'written' or 'held' (every chunk it holds)
+  peer_timeout_s: float = 60.0  # a wait on workers beyond their work (Options.peer_timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,7 @@ class ReadConfig:
   max_inflight_bytes: int | None = None  # host bytes read before going to devices (None: all)
   tier: Any = None  # tier.store.TierConfig: read this node's tier first (None: storage only)
   tier_peer_timeout_s: float = 20.0  # each wait on another host's tier (Options.tier_peer_timeout_s)
+  peer_timeout_s: float = 60.0  # a wait on workers beyond their work (Options.peer_timeout_s)
 
 
 @dataclasses.dataclass

@@ -540,6 +540,8 @@ class ColocatedTransport:
 
   async def write(self, snap: base.Snapshot) -> list[values.WriterOutcome]:
     item, leaves, plans, calls, save_id = snap.state
+    cfg = self._save
+    assert cfg is not None, 'a transport that saves is created with save=SaveConfig(...)'
     outcomes: dict[str, list[int]] = {}
     records: list[records_lib.ArrayRecord] = []
     with trace('write'):
@@ -549,8 +551,9 @@ class ColocatedTransport:
         counts, crcs = await colocated_calls.call_with_deadline(
             functools.partial(colocated_calls.call_and_fetch, fn, group_arrays), devices,
             colocated_calls.call_deadline_s(_max_host_bytes([plans[i] for i in idx],
-                                            [leaves[i] for i in idx])),
-            f'Colocated save to {item.directory}', call_id)
+                                                            [leaves[i] for i in idx]),
+                                            cfg.peer_timeout_s),
+            f'Colocated save to {item.directory}', call_id, peer_timeout_s=cfg.peer_timeout_s)
         rows = {}
         for d, (nbytes, chunks), row in zip(devices, counts.tolist(), crcs):
           if nbytes or chunks:
@@ -610,8 +613,8 @@ class ColocatedTransport:
         payload = jax.device_put(rows, _row_sharding(group_devices))
         *arrays, counts = await colocated_calls.call_with_deadline(
             functools.partial(colocated_calls.call_ready, fn, payload), group_devices,
-            colocated_calls.call_deadline_s(_max_device_bytes(full)),
-            f'Colocated restore from {item.directory}', call_id)
+            colocated_calls.call_deadline_s(_max_device_bytes(full), cfg.peer_timeout_s),
+            f'Colocated restore from {item.directory}', call_id, peer_timeout_s=cfg.peer_timeout_s)
       with trace('device_put'):
         for i, arr in zip(idx, arrays):
           out[i] = jax.device_put(arr, targets[i].sharding)

@@ -35,7 +35,6 @@ import jax
 import numpy as np
 
 from orbax_pathways import errors
-from orbax_pathways.coord import liveness
 from orbax_pathways.coord import waits
 from orbax_pathways.storage import deadline as deadline_lib
 
@@ -75,13 +74,13 @@ def call_and_fetch(fn: Callable[..., Any], xs: Sequence[jax.Array],
   return tuple(np.asarray(r) for r in jax.block_until_ready(out))
 
 
-def call_deadline_s(max_host_bytes: int) -> float:
+def call_deadline_s(max_host_bytes: int, peer_timeout_s: float) -> float:
   """How long one colocated call may go without any sign of progress when its busiest worker
   host moves ``max_host_bytes``: the peer timeout (``Options.peer_timeout_s``) plus those bytes
   at a conservative storage rate (``storage/deadline.DEFAULT_THROUGHPUT``). Each storage request
   inside the call has its own, shorter deadline (``storage/hedge.py``); this one catches a
   worker that goes silent."""
-  return liveness.peer_timeout_s() + max(max_host_bytes, 0) / deadline_lib.DEFAULT_THROUGHPUT
+  return peer_timeout_s + max(max_host_bytes, 0) / deadline_lib.DEFAULT_THROUGHPUT
 
 
 def _describe(cpu_devices: Sequence[Any]) -> str:
@@ -105,13 +104,16 @@ def _not_ready(outputs: Sequence[Any]) -> list[Any]:
 
 
 async def call_with_deadline(call: Callable[[list], Any], cpu_devices: Sequence[Any],
-                             deadline_s: float, what: str, call_id: str = '') -> Any:
+                             deadline_s: float, what: str, call_id: str = '', *,
+                             peer_timeout_s: float | None = None) -> Any:
   """``call(outputs)`` on a daemon thread, waited for while it makes progress; once it has
   shown none for ``deadline_s``, ``WorkerTimeoutError`` names the workers that went silent:
   those the call's workers reported running and not finished (under ``call_id``, see the
   module docstring), else those whose outputs are not ready when the call returned them
   (asynchronous dispatch), else every worker of the call.
   The thread is a daemon: a call that never answers does not keep the process alive at exit.
+  ``peer_timeout_s``: the part of ``deadline_s`` that is ``Options.peer_timeout_s``, for the
+  error's text.
   Called on the controller (Orbax's commit thread for a save, the restoring thread)."""
   loop = asyncio.get_running_loop()
   done: asyncio.Future = loop.create_future()
@@ -182,9 +184,9 @@ async def call_with_deadline(call: Callable[[list], Any], cpu_devices: Sequence[
       f'{time.monotonic() - watch.began:.0f}s in all, {len(watch.finished())} of '
       f'{len(cpu_devices)} workers finished). Check those workers\' logs and hosts (a dead or '
       'stuck worker, or a storage request that never ends). The deadline measures silence: '
-      'ORBAX_PATHWAYS_PEER_TIMEOUT_S='
-      f'{liveness.peer_timeout_s():g}s (Options.peer_timeout_s) plus the busiest worker host\'s '
-      f'bytes at {deadline_lib.DEFAULT_THROUGHPUT / 2**20:.0f} MiB/s.',
+      + (f'ORBAX_PATHWAYS_PEER_TIMEOUT_S={peer_timeout_s:g}s (Options.peer_timeout_s) plus '
+         if peer_timeout_s is not None else 'the peer timeout (Options.peer_timeout_s) plus ')
+      + f'the busiest worker host\'s bytes at {deadline_lib.DEFAULT_THROUGHPUT / 2**20:.0f} MiB/s.',
       [worker_key(d) for d in silent]) from None
 
 

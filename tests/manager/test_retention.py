@@ -453,18 +453,20 @@ def test_reader_listing_while_a_step_is_deleted(tmp_path, ours):
   _save_steps(tmp_path, [0, 1, 2])
   vanished = []
 
-  def complete_then_deleted(path):
-    ok = retention.is_step_complete(path)
-    if ok and path.name == '1':  # retention renames step 1 right after it was judged complete
-      retention.safe_delete_step(path)
-      vanished.append(path.name)
-    return ok
+  class CompleteThenDeleted(retention.RetentionHooks):
+    def step_complete(self, step_path):
+      ok = retention.is_step_complete(step_path)
+      if ok and step_path.name == '1':  # retention renames step 1 right after it was judged complete
+        retention.safe_delete_step(step_path)
+        vanished.append(step_path.name)
+      return ok
 
-  om.set_hook('step_complete', complete_then_deleted)
+  installed = [h for h in om.registered() if h.name == 'retention'][0]
+  om.register(CompleteThenDeleted(active=True))  # in retention's place
   try:
     reader = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(read_only=True))
   finally:
-    om.set_hook('step_complete', retention.is_step_complete)
+    om.register(installed)
   assert vanished == ['1']
   assert reader.all_steps() == [0, 2]
 

@@ -67,12 +67,40 @@ def test_floor_and_cap_come_from_options_and_environment(monkeypatch):
   opts = orbax_pathways.Options.from_env({'ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S': '2.5',
                                           'ORBAX_PATHWAYS_REQUEST_DEADLINE_CAP_S': '30'})
   assert (opts.request_deadline_floor_s, opts.request_deadline_cap_s) == (2.5, 30)
-  orbax_pathways.install(opts)
+  handler = orbax_pathways.install(opts)
   try:
-    assert (deadline.POLICY.floor_s, deadline.POLICY.cap_s) == (2.5, 30)
+    assert handler.bounds == deadline.Bounds(2.5, 30)
   finally:
     orbax_pathways.install(orbax_pathways.Options.from_env())
+  # Per handler, not per process: another handler's options leave the process's policy alone.
   assert (deadline.POLICY.floor_s, deadline.POLICY.cap_s) == (10, 120)
+
+
+def test_bounds_apply_inside_their_call_only_and_follow_its_tasks_and_threads():
+  import asyncio  # pylint: disable=g-import-not-at-top
+  p = deadline.Policy()
+  huge = 1 << 40  # the cap applies
+  assert p.deadline_s(huge, now=0.0) == deadline.DEFAULT_CAP_S
+
+  async def call():
+    with deadline.bounded(deadline.Bounds(1.0, 9.0)):
+      in_task = await asyncio.create_task(asyncio.sleep(0, p.deadline_s(huge, now=0.0)))
+      in_thread = await asyncio.to_thread(p.deadline_s, huge, 0.0)
+      small = p.deadline_s(0, now=0.0)
+    return in_task, in_thread, small, p.deadline_s(huge, now=0.0)
+
+  async def other():
+    return p.deadline_s(huge, now=0.0)
+
+  async def both():
+    return await asyncio.gather(call(), other())
+
+  (in_task, in_thread, small, after), elsewhere = asyncio.run(both())
+  assert (in_task, in_thread, after, elsewhere) == (9.0, 9.0, deadline.DEFAULT_CAP_S,
+                                                    deadline.DEFAULT_CAP_S)
+  assert small == min(9.0, max(1.0, deadline.FACTOR * deadline.DEFAULT_LATENCY_S))
+  with pytest.raises(ValueError, match='floor 5 s and cap 2 s'):
+    deadline.Bounds(5, 2)
 
 
 def test_tensorstore_stall_timeout_is_twice_the_floor_unless_set():

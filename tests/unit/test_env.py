@@ -161,3 +161,19 @@ def test_import_fails_at_once_on_a_malformed_variable():
   assert r.returncode == 1
   assert ("ValueError: orbax_pathways: invalid environment: ORBAX_PATHWAYS_VERIFY='maybe' is not "
           'a boolean') in r.stderr
+
+
+def test_every_option_field_has_its_variable_and_takes_its_default_from_it():
+  """The defaults are written once (``options.FIELD_ENV`` into ``ENV_VARS``): unset variables
+  give exactly ``Options()``, and each variable sets its field."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from orbax_pathways import options as options_lib  # pylint: disable=g-import-not-at-top
+  fields = {f.name: f.default for f in dataclasses.fields(options_lib.Options)}
+  assert set(fields) - set(options_lib.FIELD_ENV) == {'replica_parallel'}
+  assert set(options_lib.FIELD_ENV.values()) <= set(options_lib.ENV_VARS)
+  for field, name in options_lib.FIELD_ENV.items():
+    assert fields[field] == options_lib.ENV_VARS[name].default, field
+  assert options_lib.Options.from_env({}) == options_lib.Options()
+  assert options_lib.Options.from_env(
+      {'ORBAX_PATHWAYS_LOCAL_KEEP': '3', 'ORBAX_PATHWAYS_PEER_TIMEOUT_S': '7.5'}) == \
+      options_lib.Options(local_keep=3, peer_timeout_s=7.5)
