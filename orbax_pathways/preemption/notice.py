@@ -17,6 +17,7 @@ with that policy): there SIGTERM keeps its default action, as in stock Orbax.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -37,34 +38,37 @@ FORCE_AFTER_S = 5.0  # after the grace: how long the main thread gets to run the
 lock = threading.RLock()  # notice, handler and (in ``decision``) agreement state
 _notice = threading.Event()
 _notice_info: dict[str, Any] = {}
-_consumed = False  # the notice's preemption save has started
-_sigterms = 0  # SIGTERMs received since the last clear()
-_grace_ran_out = False  # the SIGTERM being handled was sent by the grace timer
-_exiting = False  # exit_after_commit is waiting for the commit
-_generation = 0  # bumped by clear(): stale timers and agreement keys are ignored
+@dataclasses.dataclass
+class _State:
+  """The notice's process-wide state (one SIGTERM per process), under ``lock``."""
+  consumed: bool = False  # the notice's preemption save has started
+  sigterms: int = 0  # SIGTERMs received since the last clear()
+  grace_ran_out: bool = False  # the SIGTERM being handled was sent by the grace timer
+  exiting: bool = False  # exit_after_commit is waiting for the commit
+  generation: int = 0  # bumped by clear(): stale timers and agreement keys are ignored
+  handler_installed: bool = False
+  previous_handler: Any = None
+  grace_timer: threading.Timer | None = None
+  default_action_ran: bool = False
+  handle_sigterm: bool = True  # configure()'s settings
+  grace_s: float = 120.0
+  manager_seen: bool = False  # a manager whose policy saves for preemption was built here
+  what_next: Callable[[], str] = lambda: 'a preemption checkpoint follows'
 
-_handler_installed = False
-_previous_handler: Any = None
-_grace_timer: threading.Timer | None = None
-_default_action_ran = False
 
-_handle_sigterm = True
-_grace_s = 120.0
-_manager_seen = False  # a manager whose policy saves for preemption was built in this process
+_s = _State()
 _said: set[str] = set()
-_what_next: Callable[[], str] = lambda: 'a preemption checkpoint follows'
 
 
 def configure(*, handle_sigterm: bool, grace_s: float,
               what_next: Callable[[], str] | None = None) -> None:
   """Called by ``preemption.install``: whether SIGTERM may become a notice, the grace period, and
   the sentence the notice log line ends with (what the decision will do with it)."""
-  global _handle_sigterm, _grace_s, _what_next
   with lock:
-    _handle_sigterm = handle_sigterm
-    _grace_s = float(grace_s)
+    _s.handle_sigterm = handle_sigterm
+    _s.grace_s = float(grace_s)
     if what_next is not None:
-      _what_next = what_next
+      _s.what_next = what_next
 
 
 def _say_once(key: str, level: int, msg: str, *args) -> None:
@@ -84,7 +88,7 @@ def notify_preemption(reason: str = 'platform notice') -> None:
     _notice_info.update(reason=reason, time=time.time())
     _notice.set()
     # Kept out of signal context problems: logging from a handler is best effort.
-    logging.warning('orbax_pathways: preemption notice received (%s): %s.', reason, _what_next())
+    logging.warning('orbax_pathways: preemption notice received (%s): %s.', reason, _s.what_next())
 
 
 def noticed() -> bool:
@@ -92,7 +96,7 @@ def noticed() -> bool:
 
 
 def pending() -> bool:
-  return _notice.is_set() and not _consumed
+  return _notice.is_set() and not _s.consumed
 
 
 def info() -> dict[str, Any]:
@@ -100,36 +104,33 @@ def info() -> dict[str, Any]:
 
 
 def generation() -> int:
-  return _generation
+  return _s.generation
 
 
 def mark_consumed() -> bool:
   """The notice's preemption save started (``decision``). False if there was nothing to consume."""
-  global _consumed
   with lock:
-    if _consumed or not _notice.is_set():
+    if _s.consumed or not _notice.is_set():
       return False
-    _consumed = True
+    _s.consumed = True
     return True
 
 
 def set_exiting(exiting: bool) -> None:
   """``exit_after_commit`` waits for the commit: the grace clock does not run out meanwhile."""
-  global _exiting
-  _exiting = exiting
+  _s.exiting = exiting
 
 
 def clear() -> None:
   """Forgets the notice and the SIGTERM grace clock (``preemption.clear_notice``)."""
-  global _generation, _consumed, _sigterms, _exiting, _grace_ran_out
   with lock:
     _notice.clear()
     _notice_info.clear()
-    _generation += 1
-    _consumed = False
-    _sigterms = 0
-    _grace_ran_out = False
-    _exiting = False
+    _s.generation += 1
+    _s.consumed = False
+    _s.sigterms = 0
+    _s.grace_ran_out = False
+    _s.exiting = False
     cancel_grace()
 
 
@@ -138,25 +139,23 @@ def clear() -> None:
 
 
 def _sigterm_handler(signum, frame):
-  global _sigterms
-  _sigterms += 1
-  if _sigterms > 1:
+  _s.sigterms += 1
+  if _s.sigterms > 1:
     _default_action(signum, frame, (
-        f'the preemption notice went unanswered for {_grace_s:g} s ({GRACE_ENV})'
-        if _grace_ran_out else 'a second SIGTERM'))
+        f'the preemption notice went unanswered for {_s.grace_s:g} s ({GRACE_ENV})'
+        if _s.grace_ran_out else 'a second SIGTERM'))
     return
   notify_preemption(f'signal {signal.Signals(signum).name}')
   _arm_grace()
-  prev = _previous_handler
+  prev = _s.previous_handler
   if callable(prev) and prev is not _sigterm_handler:
     prev(signum, frame)
 
 
 def _default_action(signum, frame, why: str) -> None:
   """Restores SIGTERM's previous disposition and re-raises the signal (main thread only)."""
-  global _default_action_ran
-  _default_action_ran = True
-  prev = _previous_handler
+  _s.default_action_ran = True
+  prev = _s.previous_handler
   logging.warning("orbax_pathways: %s: giving SIGTERM its previous disposition (%s) back and "
                   're-raising it.', why, _disposition_name(prev))
   cancel_grace()
@@ -178,20 +177,18 @@ def _disposition_name(handler) -> str:
 
 
 def _arm_grace() -> None:
-  global _grace_timer
   with lock:
     cancel_grace()
-    if math.isinf(_grace_s):
+    if math.isinf(_s.grace_s):
       return
-    _grace_timer = threading.Timer(_grace_s, _grace_expired, args=(_generation,))
-    _grace_timer.daemon = True
-    _grace_timer.name = 'orbax_pathways_sigterm_grace'
-    _grace_timer.start()
+    _s.grace_timer = threading.Timer(_s.grace_s, _grace_expired, args=(_s.generation,))
+    _s.grace_timer.daemon = True
+    _s.grace_timer.name = 'orbax_pathways_sigterm_grace'
+    _s.grace_timer.start()
 
 
 def cancel_grace() -> None:
-  global _grace_timer
-  timer, _grace_timer = _grace_timer, None
+  timer, _s.grace_timer = _s.grace_timer, None
   if timer is not None and timer is not threading.current_thread():
     timer.cancel()
 
@@ -200,27 +197,26 @@ def _grace_expired(generation: int) -> None:
   """Timer thread: the notice was not acted on in time. SIGTERM again, which the main thread
   handles as the end of the grace period; if it cannot (stuck in native code), force the
   default action."""
-  global _grace_timer, _grace_ran_out
   with lock:
-    if generation != _generation or not _handler_installed:
+    if generation != _s.generation or not _s.handler_installed:
       return  # cleared, or already back to the previous disposition
-    if _exiting:  # exit_after_commit is waiting for the preemption commit: let it finish
-      _grace_timer = threading.Timer(_grace_s, _grace_expired, args=(generation,))
-      _grace_timer.daemon = True
-      _grace_timer.start()
+    if _s.exiting:  # exit_after_commit is waiting for the preemption commit: let it finish
+      _s.grace_timer = threading.Timer(_s.grace_s, _grace_expired, args=(generation,))
+      _s.grace_timer.daemon = True
+      _s.grace_timer.start()
       return
-    _grace_ran_out = True
+    _s.grace_ran_out = True
   logging.warning('orbax_pathways: the preemption notice (SIGTERM) is %.0f s old and the process '
-                  'has not exited (%s=%g): applying SIGTERM\'s default action.', _grace_s,
-                  GRACE_ENV, _grace_s)
-  prev = _previous_handler
+                  'has not exited (%s=%g): applying SIGTERM\'s default action.', _s.grace_s,
+                  GRACE_ENV, _s.grace_s)
+  prev = _s.previous_handler
   os.kill(os.getpid(), signal.SIGTERM)  # handled in the main thread: the default action
   deadline = time.monotonic() + FORCE_AFTER_S
   while time.monotonic() < deadline:
-    if _default_action_ran:
+    if _s.default_action_ran:
       return
     time.sleep(0.05)
-  if prev in (None, signal.SIG_DFL) and generation == _generation:
+  if prev in (None, signal.SIG_DFL) and generation == _s.generation:
     _force_default_sigterm()
 
 
@@ -283,11 +279,10 @@ def install_notice_handler() -> bool:
   main process (see the module docstring); call it yourself only to get notices in a process
   without a manager.
   """
-  global _handler_installed, _previous_handler, _default_action_ran
   with lock:
     current = signal.getsignal(signal.SIGTERM)
     if current is _sigterm_handler:
-      _handler_installed = True
+      _s.handler_installed = True
       return True
     if threading.current_thread() is not threading.main_thread():
       logging.warning('orbax_pathways: SIGTERM handler not installed: not on the main thread. '
@@ -305,27 +300,26 @@ def install_notice_handler() -> bool:
                 'orbax_pathways: SIGTERM is ignored in this process (SIG_IGN); not making it a '
                 'preemption notice.')
       return False
-    _previous_handler = current
+    _s.previous_handler = current
     signal.signal(signal.SIGTERM, _sigterm_handler)
-    _handler_installed = True
-    _default_action_ran = False
+    _s.handler_installed = True
+    _s.default_action_ran = False
     logging.info('orbax_pathways: SIGTERM is now a preemption notice in this process (pid %d); '
                  'a second SIGTERM, or %g s without exiting, terminates it.', os.getpid(),
-                 _grace_s)
+                 _s.grace_s)
     return True
 
 
 def uninstall_notice_handler() -> None:
-  global _handler_installed, _previous_handler
   with lock:
-    if not _handler_installed:
+    if not _s.handler_installed:
       return
     if (signal.getsignal(signal.SIGTERM) is _sigterm_handler
         and threading.current_thread() is threading.main_thread()):
-      prev = _previous_handler
+      prev = _s.previous_handler
       signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
-    _handler_installed = False
-    _previous_handler = None
+    _s.handler_installed = False
+    _s.previous_handler = None
 
 
 def in_main_process() -> bool:
@@ -334,7 +328,7 @@ def in_main_process() -> bool:
 
 def may_install_now() -> bool:
   """``install()`` after ``uninstall()``: a manager that saves for preemption already exists."""
-  return (_handle_sigterm and _manager_seen and in_main_process()
+  return (_s.handle_sigterm and _s.manager_seen and in_main_process()
           and threading.current_thread() is threading.main_thread())
 
 
@@ -342,8 +336,7 @@ def manager_constructed(mngr) -> None:
   """``PreemptionHooks.manager_init``, run after each CheckpointManager construction (v0, and the one
   inside v1's ``training.Checkpointer``): SIGTERM becomes a notice here, once per process, if the
   manager's save decision policy saves for preemption."""
-  global _manager_seen
-  if not _handle_sigterm or _handler_installed or _default_action_ran or not in_main_process():
+  if not _s.handle_sigterm or _s.handler_installed or _s.default_action_ran or not in_main_process():
     return
   if not orbax_policies.manager_saves_on_preemption(mngr):
     _say_once('policy', logging.INFO,
@@ -352,7 +345,7 @@ def manager_constructed(mngr) -> None:
               'PreemptionCheckpointingPolicy() (in an AnySavePolicy) to save on a preemption '
               'notice.', mngr.directory, orbax_policies.manager_policy_name(mngr))
     return
-  _manager_seen = True
+  _s.manager_seen = True
   if threading.current_thread() is not threading.main_thread():
     _say_once('off_main', logging.WARNING,
               'orbax_pathways: CheckpointManager constructed off the main thread: SIGTERM is not a '
@@ -366,18 +359,17 @@ def manager_constructed(mngr) -> None:
 def _after_fork_in_child() -> None:
   """A forked child (multiprocessing 'fork', os.fork) is not the training loop: SIGTERM must stop
   it (``Pool.terminate``, ``Process.terminate``). Back to the parent's previous disposition."""
-  global _handler_installed, _previous_handler, _sigterms, _grace_timer
-  _grace_timer = None  # the timer thread does not exist in the child
-  _sigterms = 0
-  if _handler_installed:
+  _s.grace_timer = None  # the timer thread does not exist in the child
+  _s.sigterms = 0
+  if _s.handler_installed:
     try:
       if signal.getsignal(signal.SIGTERM) is _sigterm_handler:
-        prev = _previous_handler
+        prev = _s.previous_handler
         signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
     except (ValueError, OSError):
       pass
-    _handler_installed = False
-    _previous_handler = None
+    _s.handler_installed = False
+    _s.previous_handler = None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

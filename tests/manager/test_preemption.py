@@ -70,7 +70,7 @@ def test_notice_makes_should_save_and_reached_preemption_true(tmp_path, installe
 
 def test_sigterm_handler_chains_and_restores(tmp_path, installed, monkeypatch):
   preemption.uninstall()
-  monkeypatch.setattr(preemption.notice, '_manager_seen', False)  # as in a fresh process
+  monkeypatch.setattr(preemption.notice._s, 'manager_seen', False)  # as in a fresh process
   calls = []
   previous = lambda signum, frame: calls.append(signum)
   old = signal.signal(signal.SIGTERM, previous)
