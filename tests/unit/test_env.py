@@ -3,8 +3,6 @@ the value and what is accepted (issue 15, items 4 and 7)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import jax
@@ -15,7 +13,7 @@ import orbax_pathways
 from orbax_pathways import options as options_lib
 from orbax_pathways.engine import runtime
 
-from support import REPO
+from support import procs
 
 OUT_OF_RANGE = r'is out of range: it must be '
 BOOL_ERROR = r"is not a boolean: one of \['1', 'true', 'yes', 'y', 'on', 't'\] or \['0', 'false'"
@@ -131,11 +129,9 @@ def test_other_programs_variables_are_not_ours(monkeypatch):
 
 
 def test_misspelled_variable_is_warned_about_once_at_import():
-  env = dict(os.environ, ORBAX_PATHWAY_VERIFY='0', ORBAX_PATHWAYS_VERIFI='0')
-  r = subprocess.run([sys.executable, '-c', 'import orbax_pathways; orbax_pathways.install(); '
-                      'orbax_pathways.install()'], capture_output=True, text=True, env=env,
-                     cwd=REPO, timeout=180)
-  assert r.returncode == 0, r.stderr[-3000:]
+  r = procs.run([sys.executable, '-c', 'import orbax_pathways; orbax_pathways.install(); '
+                 'orbax_pathways.install()'],
+                env={'ORBAX_PATHWAY_VERIFY': '0', 'ORBAX_PATHWAYS_VERIFI': '0'}, devices=None)
   for name in ('ORBAX_PATHWAY_VERIFY', 'ORBAX_PATHWAYS_VERIFI'):
     assert r.stderr.count(f'unknown environment variable {name}=') == 1, r.stderr[-3000:]
   assert r.stderr.count('Did you mean ORBAX_PATHWAYS_VERIFY?') == 2
@@ -155,10 +151,9 @@ def test_num_slices_that_does_not_divide_the_devices_fails_at_manager_constructi
 
 
 def test_import_fails_at_once_on_a_malformed_variable():
-  env = dict(os.environ, ORBAX_PATHWAYS_VERIFY='maybe')
-  r = subprocess.run([sys.executable, '-c', 'import orbax_pathways'], capture_output=True,
-                     text=True, env=env, cwd=REPO, timeout=180)
-  assert r.returncode == 1
+  r = procs.run([sys.executable, '-c', 'import orbax_pathways'],
+                env={'ORBAX_PATHWAYS_VERIFY': 'maybe'}, devices=None, check=False)
+  assert r.returncode == 1, r.stderr[-3000:]
   assert ("ValueError: orbax_pathways: invalid environment: ORBAX_PATHWAYS_VERIFY='maybe' is not "
           'a boolean') in r.stderr
 
