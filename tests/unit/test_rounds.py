@@ -134,13 +134,13 @@ def _bounded(client: FakeKV, late: int) -> None:
 
 
 def _preemption(client: FakeKV, monkeypatch, step: int) -> bool:
-  monkeypatch.setattr(decision, '_agreement_interval', 1)
-  monkeypatch.setattr(decision, '_agreement_timeout_s', 30.0)
-  return decision._kv_agreement(step, participants_lib.Participants(None, 0))  # pylint: disable=protected-access
+  del monkeypatch
+  return decision._kv_agreement(step, participants_lib.Participants(None, 0),  # pylint: disable=protected-access
+                                decision.Agreement(interval=1, timeout_s=30.0))
 
 
 def _resume(client: FakeKV, monkeypatch, step: int) -> bool:
-  monkeypatch.setattr(decision, '_agreement_timeout_s', 30.0)
+  monkeypatch.setattr(decision, '_current', decision.Agreement(timeout_s=30.0))
   return recovery._all_processes_ok(types.SimpleNamespace(), True, step)  # pylint: disable=protected-access
 
 
