@@ -1,13 +1,14 @@
 """SIGTERM in a multi-controller job running the README loop (issue 21, item 0).
 
 Real ``jax.distributed`` processes on 127.0.0.1 (CPU, gloo), each running the unchanged README
-loop (``mngr.save(step, ...)``; ``if mngr.reached_preemption(step): exit_after_commit(mngr)``,
-``save_interval_steps=50``). The test sends SIGTERM to one process or to all of them, with JAX's
-preemption service on (the default: its sync point decides) and off (our notice reaches every
-process through the coordination service). Every process must save the same preemption step and
-exit 0, as stock Orbax does. The bug: the manager replaced JAX's native SIGTERM notifier, so the
-sync point never heard the signal, nothing was saved and the processes trained on until the
-grace period killed them. A hang shows as the test's timeout; no test asserts a duration.
+loop (``support/workers/readme_loop_worker.py``: ``mngr.save(step, ...)``; ``if
+mngr.reached_preemption(step): exit_after_commit(mngr)``, ``save_interval_steps=50``). The test
+sends SIGTERM to one process or to all of them, with JAX's preemption service on (the default:
+its sync point decides) and off (our notice reaches every process through the coordination
+service). Every process must save the same preemption step and exit 0, as stock Orbax does. The
+bug: the manager replaced JAX's native SIGTERM notifier, so the sync point never heard the
+signal, nothing was saved and the processes trained on until the grace period killed them. A
+hang shows as the test's timeout; no test asserts a duration.
 """
 
 from __future__ import annotations
@@ -15,54 +16,17 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import time
+from subprocess import DEVNULL
 
 import pytest
 
-from support import REPO
 from support import mp_worker
-from support.procs import child_env, free_port
+from support.procs import free_port, started, worker_argv
+from support.workers import readme_loop_worker
 
-PY = sys.executable
 HANG = 240  # seconds after which a run counts as hung (the bug ran until the 120 s grace period)
-
-_LOOP = '''
-import os, sys, time
-from support import mp_worker as w
-w.init()
-import numpy as np
-import jax
-import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-import orbax_pathways
-from orbax_pathways import preemption
-
-directory = sys.argv[1]
-me = w.process_id()
-progress = os.path.join(w.shared_dir(), f'progress_{me}')
-sh = NamedSharding(Mesh(np.array(jax.devices()), ('x',)), P('x'))
-BASE = np.arange(96, dtype=np.float32)  # divisible by 4, 6 and 8 devices
-
-def state_at(step):
-  value = BASE + np.float32(step)
-  return {'w': jax.make_array_from_callback(value.shape, sh, lambda idx: value[idx])}
-
-mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
-    save_interval_steps=50))
-for step in range(10**6):
-  state = state_at(step)
-  time.sleep(0.01)  # the training step
-  mngr.save(step, args=ocp.args.StandardSave(state))
-  with open(progress + '.tmp', 'w') as f:
-    f.write(str(step))
-  os.replace(progress + '.tmp', progress)
-  if mngr.reached_preemption(step):
-    w.emit({'preempted_at': step})
-    preemption.exit_after_commit(mngr)
-'''
 
 
 def _progress(shared: str, i: int) -> int:
@@ -88,34 +52,29 @@ def _run_and_preempt(tmp_path, n: int, targets: str, service: bool):
   exit. Returns (returncodes, emitted results, step at signal, stderr tails)."""
   ckpt = tmp_path / 'ckpt'
   work = tempfile.mkdtemp(prefix='preempt_mp_', dir=tmp_path)
-  script = os.path.join(work, 'loop.py')
-  with open(script, 'w') as f:
-    f.write(_LOOP)
   shared = os.path.join(work, 'shared')
   results_dir = os.path.join(work, 'results')
   os.makedirs(shared)
   os.makedirs(results_dir)
   coordinator = f'127.0.0.1:{free_port()}'
   procs, logs = [], []
-  try:
+  with contextlib.ExitStack() as stack:  # at its end, every worker is killed and reaped
     for i in range(n):
-      env = child_env(devices=2)
-      for k in ('ORBAX_PATHWAYS_NO_SIGTERM', 'ORBAX_PATHWAYS_SIGTERM_GRACE_S'):
-        env.pop(k, None)
-      env.update({
+      env = {
           'JAX_CPU_COLLECTIVES_IMPLEMENTATION': 'gloo', 'PYTHONUNBUFFERED': '1',
           'JAX_ENABLE_PREEMPTION_SERVICE': 'true' if service else 'false',
           mp_worker.ENV_COORDINATOR: coordinator, mp_worker.ENV_NUM_PROCESSES: str(n),
           mp_worker.ENV_PROCESS_ID: str(i), mp_worker.ENV_DEVICES_PER_PROCESS: '2',
           mp_worker.ENV_RESULTS_DIR: results_dir, mp_worker.ENV_SHARED_DIR: shared,
           mp_worker.ENV_PARENT_PID: str(os.getpid()),
-      })
+      }
       out, err = os.path.join(work, f'{i}.out'), os.path.join(work, f'{i}.err')
       logs.append(err)
       with open(out, 'wb') as o, open(err, 'wb') as e:
-        procs.append(subprocess.Popen([PY, script, str(ckpt)], env=env, cwd=REPO,
-                                      stdin=subprocess.DEVNULL, stdout=o, stderr=e,
-                                      start_new_session=True))
+        procs.append(stack.enter_context(started(
+            worker_argv(readme_loop_worker, ckpt), env=env, devices=2,
+            unset=('ORBAX_PATHWAYS_NO_SIGTERM', 'ORBAX_PATHWAYS_SIGTERM_GRACE_S'),
+            stdin=DEVNULL, stdout=o, stderr=e, start_new_session=True)))
     deadline = time.monotonic() + HANG
     while min(_progress(shared, i) for i in range(n)) < 60:
       assert time.monotonic() < deadline, 'the workers never reached step 60: ' + _tails(logs)
@@ -128,11 +87,6 @@ def _run_and_preempt(tmp_path, n: int, targets: str, service: bool):
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
       time.sleep(0.1)
     codes = [p.poll() for p in procs]
-  finally:
-    for p in procs:
-      with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(p.pid, signal.SIGKILL)
-      p.wait()
   tails = [_tail(err) for err in logs]
   return codes, [_results(results_dir, i) for i in range(n)], at_signal, tails, ckpt
 

@@ -135,11 +135,13 @@ def run_cli(*args: object, check: bool = False, **kwargs) -> subprocess.Complete
 
 @contextlib.contextmanager
 def started(argv: Sequence[object], *, env: Mapping[str, object] | None = None,
-            devices: int | None = 8, cwd: object = REPO,
+            devices: int | None = 8, unset: Sequence[str] = (), cwd: object = REPO,
             **popen) -> Iterator[subprocess.Popen]:
   """A child that runs while the block talks to it (``popen``: Popen's pipes, ``text``), with
-  ``child_env``; killed and reaped at the end of the block, whatever happened."""
-  proc = subprocess.Popen([str(a) for a in argv], env=child_env(env, devices=devices),
+  ``child_env(env, devices=..., unset=...)``; killed and reaped at the end of the block, whatever
+  happened."""
+  proc = subprocess.Popen([str(a) for a in argv],
+                          env=child_env(env, devices=devices, unset=unset),
                           cwd=os.fspath(cwd), **popen)
   try:
     yield proc
