@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
+from subprocess import PIPE
 
 import jax
 import numpy as np
@@ -18,11 +17,10 @@ import pytest
 from orbax_pathways._compat import orbax_policies
 from orbax_pathways import preemption
 from orbax_pathways.manager import retention
-from support import REPO, damage
+from support import damage
 from support.mp_harness import run_processes
-from support.procs import child_env, free_port
-
-PY = sys.executable
+from support.procs import free_port, run_worker, started, worker_argv
+from support.workers import kv_agreement_worker, mp_resume_worker, preemption_loop_worker
 
 
 @pytest.fixture
@@ -293,63 +291,21 @@ def test_resume_with_a_wrong_target_raises_the_latest_steps_error(tmp_path, inst
 # ----------------------------------------------------------------------------------------------
 # SIGTERM against a real training loop in a subprocess (8 CPU devices), then resume elsewhere.
 
-_LOOP = textwrap.dedent('''
-    import sys, time
-    import numpy as np, jax, jax.numpy as jnp
-    import orbax.checkpoint as ocp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from orbax_pathways import preemption
-    from orbax_pathways.manager import retention
-    retention.install()
-    preemption.install()
-    directory, mode = sys.argv[1], sys.argv[2]
-    mesh = Mesh(np.array(jax.devices()).reshape(8), ('x',))
-    sh = NamedSharding(mesh, P('x'))
-    BASE = np.arange(8 * 1024, dtype=np.float32)
-    def state_at(step):
-      return {'w': jax.device_put(BASE + step, sh), 'step': step}
-    abstract = {'w': jax.ShapeDtypeStruct(BASE.shape, BASE.dtype, sharding=sh), 'step': 0}
-    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
-        save_interval_steps=100, max_to_keep=3))
-    if mode == 'resume':
-      for target in (abstract, None):
-        step, state = preemption.resume(mngr, lambda: None, abstract_state=target)
-        ok = (np.asarray(state['w']).tobytes() == (BASE + step).tobytes()
-              and int(state['step']) == step)
-        print('RESUMED', step, ok, state['w'].sharding == sh, flush=True)
-      sys.exit(0)
-    step, state = preemption.resume(mngr, lambda: state_at(0), abstract_state=abstract)
-    start = 0 if step is None else step + 1
-    print('READY', flush=True)
-    for step in range(start, 10**6):
-      state = state_at(step)
-      time.sleep(0.002)
-      mngr.save(step, args=ocp.args.StandardSave(state))
-      if step % 50 == 0:
-        print('STEP', step, flush=True)
-      if mngr.reached_preemption(step):
-        print('PREEMPTED_AT', step, mngr.latest_step(), flush=True)
-        preemption.exit_after_commit(mngr)
-''')
-
-
 def test_sigterm_saves_at_notice_commits_and_exits_zero_then_resumes(tmp_path):
-  script = tmp_path / 'loop.py'
-  script.write_text(_LOOP)
   ckpt = tmp_path / 'ckpt'
-  proc = subprocess.Popen([PY, str(script), str(ckpt), 'train'], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
-  lines = []
-  deadline = time.time() + 120
-  while time.time() < deadline:
-    line = proc.stdout.readline()
-    if not line:
-      break
-    lines.append(line.strip())
-    if line.startswith('STEP 250'):
-      proc.send_signal(signal.SIGTERM)
-      break
-  out, err = proc.communicate(timeout=120)
+  with started(worker_argv(preemption_loop_worker, ckpt, 'train'), stdout=PIPE, stderr=PIPE,
+               text=True) as proc:
+    lines = []
+    deadline = time.time() + 120
+    while time.time() < deadline:
+      line = proc.stdout.readline()
+      if not line:
+        break
+      lines.append(line.strip())
+      if line.startswith('STEP 250'):
+        proc.send_signal(signal.SIGTERM)
+        break
+    out, err = proc.communicate(timeout=120)
   lines += out.split('\n')
   assert proc.returncode == 0, (proc.returncode, err[-3000:])
   (pre,) = [l for l in lines if l.startswith('PREEMPTED_AT')]
@@ -366,8 +322,7 @@ def test_sigterm_saves_at_notice_commits_and_exits_zero_then_resumes(tmp_path):
   saved = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
   assert saved == [100, 200, notice_step]
 
-  r = subprocess.run([PY, str(script), str(ckpt), 'resume'], capture_output=True, text=True,
-                     env=child_env(), cwd=REPO, timeout=120)
+  r = run_worker(preemption_loop_worker, ckpt, 'resume', timeout=120, check=False)
   assert r.returncode == 0, r.stderr[-3000:]
   resumed = [l.split() for l in r.stdout.splitlines() if l.startswith('RESUMED')]
   assert resumed == [['RESUMED', str(notice_step), 'True', 'True']] * 2, r.stdout
@@ -376,42 +331,17 @@ def test_sigterm_saves_at_notice_commits_and_exits_zero_then_resumes(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # Multi-controller agreement through the coordination service KV store (service disabled).
 
-_MC = textwrap.dedent('''
-    import sys, json
-    import jax
-    jax.config.update('jax_enable_preemption_service', False)
-    pid, port = int(sys.argv[1]), sys.argv[2]
-    jax.distributed.initialize(f'127.0.0.1:{port}', num_processes=2, process_id=pid,
-                               initialization_timeout=60)
-    from orbax_pathways import preemption
-    preemption.install(agreement_interval=5, handle_sigterm=False)
-    first = None
-    for step in range(40):
-      if pid == 1 and step == 13:
-        preemption.notify_preemption('test')
-      # Called twice per step like CheckpointManager.should_save + save do.
-      r = preemption.reached_preemption(step)
-      assert r == preemption.reached_preemption(step)
-      if r and first is None:
-        first = step
-    print(json.dumps({'pid': pid, 'first': first}), flush=True)
-    jax.distributed.shutdown()
-''')
-
-
 def test_multi_controller_kv_agreement(tmp_path):
-  script = tmp_path / 'mc.py'
-  script.write_text(_MC)
   port = str(free_port())
-  env = child_env()
-  procs = [subprocess.Popen([PY, str(script), str(i), port], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-           for i in range(2)]
   results = []
-  for p in procs:
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 0, err[-3000:]
-    results.append(json.loads(out.strip().splitlines()[-1]))
+  with contextlib.ExitStack() as stack:
+    procs = [stack.enter_context(started(worker_argv(kv_agreement_worker, i, port), stdout=PIPE,
+                                         stderr=PIPE, text=True))
+             for i in range(2)]
+    for p in procs:
+      out, err = p.communicate(timeout=120)
+      assert p.returncode == 0, err[-3000:]
+      results.append(json.loads(out.strip().splitlines()[-1]))
   # Process 1 noticed at 13; the next agreement step (multiple of 5) is 15, on both processes.
   assert [r['first'] for r in results] == [15, 15]
 
@@ -420,47 +350,18 @@ def test_multi_controller_kv_agreement(tmp_path):
 # resume() in a multi-controller job: a chunk damaged on one process's shard makes every process
 # fall back together (one KV round per step tried).
 
-_MP_RESUME = '''
-    import sys
-    import numpy as np
-    from support import mp_worker as w
-    w.init()
-    import jax
-    import orbax.checkpoint as ocp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    import orbax_pathways
-    from orbax_pathways import preemption
-    mode, directory = sys.argv[1], sys.argv[2]
-    sh = NamedSharding(Mesh(np.array(jax.devices()), ('x',)), P('x'))
-    def value(step):
-      return np.arange(4 * 1024, dtype=np.float32) + np.float32(1000 * step)
-    def array(step):
-      return jax.make_array_from_callback(value(step).shape, sh, lambda idx: value(step)[idx])
-    mngr = ocp.CheckpointManager(directory)
-    if mode == 'save':
-      for step in (1, 2):
-        mngr.save(step, args=ocp.args.StandardSave({'w': array(step)}))
-      mngr.wait_until_finished()
-      w.emit({'saved': mngr.all_steps()})
-    else:
-      abstract = {'w': jax.ShapeDtypeStruct((4 * 1024,), np.float32, sharding=sh)}
-      step, state = preemption.resume(mngr, lambda: None, abstract_state=abstract)
-      ok = all(np.asarray(s.data).tobytes() == value(step)[s.index].tobytes()
-               for s in state['w'].addressable_shards)
-      w.emit({'step': step, 'ok': ok, 'latest': mngr.latest_step()})
-'''
-
-
 @pytest.mark.multiprocess
 def test_resume_fallback_is_agreed_by_every_process(tmp_path):
   ckpt = tmp_path / 'ckpt'
-  results = run_processes(_MP_RESUME, 2, 2, args=['save', str(ckpt)], timeout=180)
+  results = run_processes(mp_resume_worker.__file__, 2, 2, args=['save', str(ckpt)],
+                          timeout=180)
   assert [r.result for r in results] == [{'saved': [1, 2]}] * 2
   # Damage a chunk of step 2 that only process 1 reads (global elements 2048.. live on its
   # first device).
   needle = (np.arange(4 * 1024, dtype=np.float32) + 2000)[2048:2064].tobytes()
   damage.flip_bit_in(sorted((ckpt / '2').rglob('d/*')), needle, what='process 1 shard')
-  results = run_processes(_MP_RESUME, 2, 2, args=['resume', str(ckpt)], timeout=180)
+  results = run_processes(mp_resume_worker.__file__, 2, 2, args=['resume', str(ckpt)],
+                          timeout=180)
   assert [r.result for r in results] == [{'step': 1, 'ok': True, 'latest': 1}] * 2
   assert 'is DAMAGED and was skipped (ChecksumMismatchError' in results[1].stderr_tail
   assert ('is DAMAGED and was skipped (another process of this job failed to restore it)'
