@@ -483,7 +483,6 @@ class LeaseHooks(hooks_lib.ManagerHooks):
 
   name: ClassVar[str] = 'lease'
   timeout: float | None = None
-  active: bool = False  # registered (the default instance is not)
 
   def before_save(self, mngr: Any, step: int) -> None:
     before_save(mngr, step)
@@ -502,7 +501,7 @@ def install(*, timeout: float | None = None) -> None:
   if timeout is not None and not timeout > 0:
     raise ValueError(f'timeout={timeout!r} must be > 0 seconds.')
   with _lock:
-    _current = LeaseHooks(timeout=timeout, active=True)
+    _current = LeaseHooks(timeout=timeout)
     _om.register(_current)
 
 
@@ -516,4 +515,4 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
-  return _current.active
+  return any(h is _current for h in _om.registered())

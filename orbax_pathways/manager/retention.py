@@ -384,7 +384,6 @@ class RetentionHooks(hooks_lib.ManagerHooks):
   name: ClassVar[str] = 'retention'
   accept_unmarked: bool = False
   abandoned_after_s: float = ABANDONED_AFTER_S
-  active: bool = False  # registered (the default instance is not)
 
   def manager_init(self, mngr: Any) -> None:
     """Leftovers of earlier processes go, on the manager's primary host (never fails the
@@ -426,7 +425,7 @@ def install(*, accept_unmarked_steps: bool = False,
     raise ValueError(f'abandoned_after_s={abandoned_after_s!r} must be > 0 seconds.')
   with _state_lock:
     _current = RetentionHooks(accept_unmarked=accept_unmarked_steps,
-                              abandoned_after_s=float(abandoned_after_s), active=True)
+                              abandoned_after_s=float(abandoned_after_s))
     _om.register(_current)
   from orbax_pathways.manager import lease  # pylint: disable=g-import-not-at-top  # it imports us
   lease.install()
@@ -443,4 +442,4 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
-  return _current.active
+  return any(h is _current for h in _om.registered())

@@ -73,11 +73,6 @@ def bounded(bounds: Bounds) -> Iterator[None]:
     _bounds.reset(token)
 
 
-def current_bounds() -> Bounds | None:
-  """The bounds of the call running now (None outside any ``bounded``)."""
-  return _bounds.get()
-
-
 def with_bounds(fn: Callable[..., Any]) -> Callable[..., Any]:
   """An ``async`` method of an object with a ``bounds`` attribute, run inside ``bounded``."""
   @functools.wraps(fn)

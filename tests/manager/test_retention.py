@@ -462,7 +462,7 @@ def test_reader_listing_while_a_step_is_deleted(tmp_path, ours):
       return ok
 
   installed = [h for h in om.registered() if h.name == 'retention'][0]
-  om.register(CompleteThenDeleted(active=True))  # in retention's place
+  om.register(CompleteThenDeleted())  # in retention's place
   try:
     reader = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(read_only=True))
   finally:
