@@ -26,10 +26,15 @@ class ChunkGrid(collections.abc.Sequence):
   Behaves as the sequence of its ``ChunkRecord``s (C order of the grid) and, through ``get``,
   as a mapping origin -> ``ChunkRecord``; records are made on access, so a host that restores a
   few chunks of a large checkpoint pays for those only.
+
+  The writer column (``writer``: per cell an index into ``writer_names``, -1 where unknown; None
+  when the index has none) says who wrote each chunk: a restore asks only the holders of those
+  writers' copies for the chunks it lacks (``tier/peer.PeerSource``).
   """
 
   def __init__(self, shape: Sequence[int], chunk_shape: Sequence[int], itemsize: int,
-               crc32c: np.ndarray, present: np.ndarray | None = None):
+               crc32c: np.ndarray, present: np.ndarray | None = None,
+               writer: np.ndarray | None = None, writer_names: Sequence[str] = ()):
     self.shape = tuple(int(d) for d in shape)
     self.chunk_shape = tuple(int(c) for c in chunk_shape)
     self.grid = grid_shape(self.shape, self.chunk_shape)
@@ -39,6 +44,20 @@ class ChunkGrid(collections.abc.Sequence):
     if crc32c.shape != (math.prod(self.grid),) or (present is not None and present.shape != crc32c.shape):
       raise ValueError(f'chunk grid {self.grid} needs {math.prod(self.grid)} checksums, '
                        f'got {crc32c.shape[0]}')
+    if writer is not None and (writer.shape != crc32c.shape
+                               or (writer.size and int(writer.max()) >= len(writer_names))
+                               or (writer.size and int(writer.min()) < -1)):
+      raise ValueError(f'chunk grid {self.grid}: a writer column of {writer.shape[0]} cells '
+                       f'that are not indices into its {len(writer_names)} writers')
+    self.writer = writer
+    self.writer_names = tuple(writer_names)
+
+  def writer_of(self, flat: int) -> str:
+    """Who wrote cell ``flat`` ('' where the column is absent or does not say)."""
+    if self.writer is None:
+      return ''
+    w = int(self.writer[flat])
+    return self.writer_names[w] if w >= 0 else ''
 
   @functools.cached_property
   def _cells(self) -> np.ndarray:
@@ -50,7 +69,7 @@ class ChunkGrid(collections.abc.Sequence):
     cell = np.unravel_index(flat, self.grid) if self.grid else ()
     origin = tuple(int(i) * c for i, c in zip(cell, self.chunk_shape))
     n = math.prod(min(o + c, d) - o for o, c, d in zip(origin, self.chunk_shape, self.shape))
-    return ChunkRecord(origin, int(self.crc32c[flat]), n * self.itemsize)
+    return ChunkRecord(origin, int(self.crc32c[flat]), n * self.itemsize, self.writer_of(flat))
 
   def get(self, origin: Sequence[int], default: Any = None) -> ChunkRecord | Any:
     if len(origin) != len(self.grid):
@@ -103,6 +122,8 @@ class ChunkGrid(collections.abc.Sequence):
     grid = grid_shape(shape, chunk_shape)
     crc = np.zeros(math.prod(grid), np.uint32)
     present = np.zeros(crc.shape, bool)
+    writer = np.full(crc.shape, -1, np.int32)
+    names: dict[str, int] = {}
     for c in chunks:
       if len(c.origin) != len(grid):
         return None
@@ -116,7 +137,10 @@ class ChunkGrid(collections.abc.Sequence):
         return None
       crc[flat] = c.crc32c
       present[flat] = True
-    return cls(shape, chunk_shape, itemsize, crc, None if present.all() else present)
+      if c.writer:
+        writer[flat] = names.setdefault(c.writer, len(names))
+    return cls(shape, chunk_shape, itemsize, crc, None if present.all() else present,
+               writer if names else None, tuple(names))
 
 
 class ChunkMap(collections.abc.Mapping):

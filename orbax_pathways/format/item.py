@@ -121,20 +121,46 @@ def index_of(item: ItemMetadata) -> ItemMetadata:
   return ItemMetadata(tuple(summary(w) for w in item.writers), merged, source='index')
 
 
-def _array_to_index_obj(a: ArrayRecord) -> dict:
+def _writer_column(grid: ChunkGrid, position: Mapping[str, int]) -> bytes | None:
+  """The grid's writer column as the index stores it: per cell the writer's position in the
+  index's writers column, little-endian ``u2`` (``u4`` from 65,535 writers on), the type's
+  largest value where unknown. None when no cell's writer is known."""
+  if grid.writer is None:
+    return None
+  kind = '<u2' if len(position) < 0xFFFF else '<u4'
+  absent = np.iinfo(kind).max
+  remap = np.array([position.get(n, absent) for n in grid.writer_names] + [absent], np.int64)
+  return remap[grid.writer].astype(kind).tobytes()  # -1 (unknown) picks the last: absent
+
+
+def _writer_column_from(data: Any, cells: int, names: Sequence[str]) -> np.ndarray | None:
+  if data is None:
+    return None
+  kind = {2 * cells: '<u2', 4 * cells: '<u4'}.get(len(data)) if cells else '<u2'
+  if kind is None:
+    raise ValueError(f'grid_writer has {len(data)} bytes for {cells} chunks')
+  raw = np.frombuffer(data, kind).astype(np.int64)
+  raw[raw >= len(names)] = -1  # absent (the type's largest value), or past the column: unknown
+  return raw.astype(np.int32)
+
+
+def _array_to_index_obj(a: ArrayRecord, position: Mapping[str, int]) -> dict:
   obj = {'dtype': a.dtype, 'shape': list(a.shape), 'chunk_shape': list(a.chunk_shape),
          'sharding': _sharding_to_obj(a.sharding)}
   grid = ChunkGrid.of(a.shape, a.chunk_shape, itemsize(a.dtype), a.chunks)
   if grid is not None:
     obj['grid_crc32c'] = grid.crc32c.astype('<u4').tobytes()
     obj['grid_present'] = None if grid.present is None else np.packbits(grid.present).tobytes()
+    column = _writer_column(grid, position)
+    if column is not None:
+      obj['grid_writer'] = column
   else:  # chunks off the regular grid (never written by this version): as in a writer record
     obj.update(origins=[list(c.origin) for c in a.chunks], crc32c=[c.crc32c for c in a.chunks],
                nbytes=[c.nbytes for c in a.chunks])
   return obj
 
 
-def _array_from_index_obj(name: str, a: Mapping[str, Any]) -> ArrayRecord:
+def _array_from_index_obj(name: str, a: Mapping[str, Any], writers: Sequence[str]) -> ArrayRecord:
   shape, chunk_shape = tuple(a['shape']), tuple(a['chunk_shape'])
   chunks: Sequence[ChunkRecord]
   if 'grid_crc32c' in a:
@@ -142,7 +168,9 @@ def _array_from_index_obj(name: str, a: Mapping[str, Any]) -> ArrayRecord:
     present = a.get('grid_present')
     if present is not None:
       present = np.unpackbits(np.frombuffer(present, np.uint8), count=crc.shape[0]).astype(bool)
-    chunks = ChunkGrid(shape, chunk_shape, itemsize(a['dtype']), crc, present)
+    column = _writer_column_from(a.get('grid_writer'), crc.shape[0], writers)
+    chunks = ChunkGrid(shape, chunk_shape, itemsize(a['dtype']), crc, present,
+                       column, writers if column is not None else ())
   else:
     chunks = tuple(ChunkRecord(tuple(org), int(crc), int(n))
                    for org, crc, n in zip(a['origins'], a['crc32c'], a['nbytes']))
@@ -154,8 +182,9 @@ def encode_index(item: ItemMetadata, *, library_version: str = '') -> bytes:
   """Serializes an item's index (``_pathways/index.msgpack``): per array the checksums over its
   chunk grid (``ChunkGrid``), per writer a summary. ``item`` may come from records or be an
   index already."""
-  arrays = {name: _array_to_index_obj(a) for name, a in sorted(item.arrays().items())}
   ws = sorted(item.writers, key=lambda w: w.writer)
+  position = {w.writer: i for i, w in enumerate(ws)}
+  arrays = {name: _array_to_index_obj(a, position) for name, a in sorted(item.arrays().items())}
   keys = sorted({k for w in ws for k in w.stats})
   writers = {'writer': [w.writer for w in ws], 'transport': [w.transport for w in ws],
              'library_version': [w.library_version for w in ws],
@@ -190,7 +219,8 @@ def decode_index(data: bytes, *, path: str = '<bytes>') -> ItemMetadata:
                         'damaged. Run `orbax-pathways verify` on the step.')
   try:
     writers = WriterSummaries(o['writers'], schema)
-    merged = tuple(_array_from_index_obj(name, a) for name, a in o['arrays'].items())
+    names = tuple(str(w) for w in o['writers']['writer'])
+    merged = tuple(_array_from_index_obj(name, a, names) for name, a in o['arrays'].items())
   except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
     raise DamagedIndexError(
         f'orbax-pathways index {path} {_what_is_wrong(e)}; it is damaged. Run '

@@ -43,11 +43,15 @@ class ChunkRecord:
 
   The checksum covers the chunk's elements in the stored dtype, C order, native (little-endian)
   byte order, clipped to the array bounds: exactly what ``np.asarray(t[box]).tobytes()`` returns.
+  ``writer`` names who wrote it (a writer record's chunks carry their writer; an index's carry
+  its writer column, where it has one; '' where unknown). Not part of equality: the same chunk
+  is the same record whoever is known to have written it.
   """
 
   origin: tuple[int, ...]
   crc32c: int
   nbytes: int
+  writer: str = dataclasses.field(default='', compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +191,7 @@ def decode(data: bytes, *, path: str = '<bytes>') -> WriterRecord:
         f'{SCHEMA_VERSION}. Upgrade orbax-pathways.'
     )
   try:
+    writer = str(o['writer'])
     arrays = tuple(
         ArrayRecord(
             name=name,
@@ -194,7 +199,7 @@ def decode(data: bytes, *, path: str = '<bytes>') -> WriterRecord:
             shape=tuple(a['shape']),
             chunk_shape=tuple(a['chunk_shape']),
             chunks=tuple(
-                ChunkRecord(tuple(org), int(crc), int(n))
+                ChunkRecord(tuple(org), int(crc), int(n), writer)
                 for org, crc, n in zip(a['origins'], a['crc32c'], a['nbytes'])
             ),
             sharding=_sharding_from_obj(a.get('sharding')),

@@ -307,7 +307,7 @@ def _index_arrays(leaves: Sequence[values.SaveLeaf], plans: Sequence[save_plan.A
     k = 0
     for i, (leaf, bs) in enumerate(zip(leaves, per_plan)):
       itemsize = np.dtype(leaf.stored_dtype).itemsize
-      chunks[i] += [records_lib.ChunkRecord(b.start, int(c), b.size * itemsize)
+      chunks[i] += [records_lib.ChunkRecord(b.start, int(c), b.size * itemsize, host)
                     for b, c in zip(bs, row[k:k + len(bs)])]
       k += len(bs)
   return [records_lib.ArrayRecord(

@@ -16,6 +16,7 @@ import pytest
 import orbax_pathways
 from orbax_pathways.format import grid as grid_lib
 from orbax_pathways.format import item as item_lib
+from orbax_pathways.format import partial as partial_lib
 from orbax_pathways.format import records as records_lib
 from orbax_pathways._compat import orbax_finalize
 from orbax_pathways.storage import index as index_lib
@@ -412,3 +413,53 @@ def test_cli_knows_checksumless_arrays_from_the_index(tmp_path):
   assert doc['verdict'] == 'unchecked' and len(doc['unchecked']) == doc['arrays']
   assert doc['modes'] == {'default': 'decode'} and doc['chunks_checksummed'] == 0
   assert 'written by persistence (1 writer)' in cli('show', str(tmp_path), '--step', '0').stdout
+
+
+def test_the_index_records_who_wrote_each_chunk():
+  """The writer column (``grid_writer``): each chunk's writer survives the writer records ->
+  index round trip, the join of two parts whose writers differ, and an item of 70,000 writers
+  (the uint32 column); an index without it reads as before (writer unknown)."""
+  def part(writer, origins, name='x'):
+    a = records_lib.ArrayRecord(name, 'float32', (8, 4), (1, 4), tuple(
+        records_lib.ChunkRecord((o, 0), o, 16) for o in origins))
+    rec = records_lib.WriterRecord(writer, 'local', (a,), save_id=f'id-{writer}')
+    return records_lib.decode(records_lib.encode(rec))  # as finalize reads it: through the codec
+
+  merged = item_lib.merge([part('p1', [1, 3, 5, 7]), part('p0', [0, 2, 4, 6])])
+  back = item_lib.decode_index(item_lib.encode_index(merged))
+  chunks = grid_lib.chunk_index([back.arrays()['x']])
+  assert [chunks[(o, 0)].writer for o in range(8)] == ['p0', 'p1'] * 4
+  assert 'grid_writer' in str(item_lib.msgpack.unpackb(item_lib.encode_index(merged)))
+
+  # A later part with one more writer: positions in the writers column move, writers do not.
+  joined = partial_lib.join_indexes(back, item_lib.merge([part('a9', [0], name='z')]))
+  again = item_lib.decode_index(item_lib.encode_index(joined))
+  assert [w.writer for w in again.writers] == ['a9', 'p0', 'p1']
+  assert [c.writer for c in again.arrays()['x'].chunks] == ['p0', 'p1'] * 4
+  assert [c.writer for c in again.arrays()['z'].chunks] == ['a9']
+
+  # An index without the column (written before it): chunks read back with no writer.
+  plain = item_lib.merge([records_lib.WriterRecord('p0', 'local', (records_lib.ArrayRecord(
+      'x', 'float32', (2,), (1,), (records_lib.ChunkRecord((0,), 1, 4),
+                                   records_lib.ChunkRecord((1,), 2, 4))),))])
+  assert 'grid_writer' not in str(item_lib.msgpack.unpackb(item_lib.encode_index(plain)))
+  assert [c.writer for c in item_lib.decode_index(item_lib.encode_index(plain)).arrays()['x'].chunks] == ['', '']
+
+  # 70,000 writers: the column is uint32, 4 bytes a chunk.
+  many = item_lib.merge([records_lib.WriterRecord(f'p{i}', 'local', (records_lib.ArrayRecord(
+      'y', 'int8', (70000,), (1,), (records_lib.ChunkRecord((i,), i, 1, f'p{i}'),)),))
+      for i in range(70000)])
+  obj = item_lib.msgpack.unpackb(item_lib.encode_index(many), raw=False)
+  assert len(obj['arrays']['y']['grid_writer']) == 4 * 70000
+  ys = item_lib.decode_index(item_lib.encode_index(many)).arrays()['y'].chunks
+  assert ys.writer_of(69999) == 'p69999' and ys.writer_of(12345) == 'p12345'
+
+
+def test_a_saved_index_names_the_writer_of_every_chunk(tmp_path):
+  ckpt.save(tmp_path, random_state(mesh()))
+  meta_io.clear_cache()
+  arrays = meta_io.read_item(tmp_path / '0' / 'default').arrays()
+  item = meta_io.read_item(tmp_path / '0' / 'default')
+  known = {w.writer for w in item.writers}  # p0, and the records of numpy and scalar leaves
+  assert all(c.writer in known for a in arrays.values() for c in a.chunks)
+  assert {c.writer for a in arrays.values() for c in a.chunks} == known, known
