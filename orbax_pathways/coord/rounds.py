@@ -106,15 +106,20 @@ class Sequence:
         self._keys.append(key)
       return key
 
-  def retire(self, client: Any, me: int, *, whole: bool) -> None:
+  def retire(self, client: Any, me: int, *, whole: bool, subdirs: Seq[str] = ()) -> None:
     """Deletes the round that began ``keep`` rounds before the latest: all of it (``whole``:
     one request, by the process the caller says answers for the round) or only this process's
-    own key. Call it once every member is past that round."""
+    own key and the round's ``subdirs`` (``Round.publish_at``'s directories: one request each,
+    from every member; a second delete of a directory deletes nothing). Call it once every
+    member is past that round."""
     with self._lock:
       if self.keep <= 0 or len(self._keys) <= self.keep:
         return
       old = self._keys.popleft()
     _quietly(client.key_value_delete, old if whole else f'{old}/{me}')
+    if not whole:
+      for sub in subdirs:
+        _quietly(client.key_value_delete, f'{old}/{sub}')
 
 
 class _Registry:
@@ -169,6 +174,31 @@ class Round:
   def publish(self, value: str, *, overwrite: bool = True) -> None:
     """Publishes this process's value (``<key>/<me>``: one set)."""
     self.client.key_value_set(f'{self.key}/{self.me}', value, allow_overwrite=overwrite)
+
+  def publish_at(self, subdir: str, value: str) -> None:
+    """Publishes this process's value under a directory of the round (``<key>/<subdir>/<me>``:
+    one set), for readers that want only some members' values and do not know which members
+    those are (the tier's holders of one writer's chunks: ``listing``)."""
+    self.client.key_value_set(f'{self.key}/{subdir}/{self.me}', value, allow_overwrite=True)
+
+  def listing(self, subdir: str) -> dict[int, str]:
+    """The values published under ``<key>/<subdir>/`` now, by process index: one directory read
+    (an empty answer where the client has none or the service fails). What it returns is what
+    was published there, not what the round's members number."""
+    dir_get = getattr(self.client, 'key_value_dir_get', None)
+    if dir_get is None:
+      return {}
+    base = f'{self.key}/{subdir}'.strip('/')
+    try:
+      found = dir_get(f'{self.key}/{subdir}/')
+    except Exception:  # pylint: disable=broad-except  (an older client, a dead service)
+      return {}
+    out = {}
+    for key, value in found:
+      head, _, last = key.rstrip('/').rpartition('/')
+      if last.isdigit() and head.strip('/') == base:
+        out[int(last)] = value
+    return out
 
   def read(self, name: str) -> str | None:
     """``<key>/<name>`` if it is there now (one read), else None."""

@@ -37,6 +37,7 @@ from typing import Any, Container, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from orbax_pathways.format import grid as grid_lib
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import meta_io
@@ -297,6 +298,26 @@ def _groups(chunks: Sequence[tuple[int, Box]], itemsize: int,
   return out
 
 
+def _writers_held(usable: Sequence[store.Entry], committed: Any) -> dict[str, list[tuple[str, str]]]:
+  """Writer -> the (entry writer, save id) of this node's usable entries that hold chunks it
+  wrote: each entry holds its own writer's, and (``local_scope='held'``) the chunks of other
+  writers that the committed index's writer column names. Pure."""
+  arrays = committed.arrays() if committed is not None else {}
+  out: dict[str, set[tuple[str, str]]] = {}
+  for e in usable:
+    tag = (e.writer, e.save_id)
+    out.setdefault(e.writer, set()).add(tag)
+    for a in e.manifest.arrays if e.manifest is not None else ():
+      chunks = arrays[a.name].chunks if a.name in arrays else None
+      if not isinstance(chunks, grid_lib.ChunkGrid) or chunks.writer is None:
+        continue
+      for origin in a.origins:
+        record = chunks.get(origin)
+        if record is not None and record.writer and record.writer != e.writer:
+          out.setdefault(record.writer, set()).add(tag)
+  return {w: sorted(t) for w, t in out.items()}
+
+
 def for_restore(cfg: store.TierConfig | None, item_dir: str,
                 save_ids: Mapping[str, str] | str | None = None,
                 peers: tier_peer.Exchange | None = None,
@@ -353,7 +374,8 @@ def for_restore(cfg: store.TierConfig | None, item_dir: str,
       address = tier_peer.serve(cfg.local_dir)
       if relay is not None:  # before publishing: whoever sees our key may ask for a relay
         tier_relay.register(relay)
-      peers.publish(prefix, address, [(e.writer, e.save_id) for e in usable])
+      peers.publish(prefix, address, [(e.writer, e.save_id) for e in usable],
+                    holds=_writers_held(usable, meta_io.cached_index(item_dir)))
     except Exception as e:  # pylint: disable=broad-except  (no peers: storage, as before)
       log.warning('orbax_pathways: node-local tiers of other hosts not used for %s: this '
                   'process could not serve or publish its own (%s: %s)', item_dir,

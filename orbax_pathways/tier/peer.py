@@ -481,6 +481,31 @@ def job_secret(client: Any, timeout_s: float) -> bytes:
 
 # ---- the key-value exchange: who serves what, per restored item ---------------------------------
 
+HOLDERS = 'h'  # a round's directory of holder keys: h/<writer>/<process>
+
+# What this process's restores asked of the exchange since it started (``lookup_counts``).
+counts: collections.Counter[str] = collections.Counter()
+
+
+def lookup_counts() -> dict[str, int]:
+  """The peer lookups of this process's restores since it started: ``gathers`` (reads of every
+  process's key of a restore: once per restored item that needed a writer with no holder, or
+  whose index has no writer column), ``holder_reads`` (directory reads of one writer's
+  holders), ``keys_read`` (the keys those returned) and ``lists`` (chunk lists asked of
+  peers)."""
+  return dict(counts)
+
+
+def to_ask(holders: Mapping[int, Mapping[str, Any]], save_ids: Mapping[str, str],
+           me: int) -> list[int]:
+  """The processes to ask for one writer's chunks, in order: those whose holder key names an
+  entry (its writer, its save id) that the committed index records (``save_ids``: writer ->
+  committed save id), never this process. Pure."""
+  return sorted(p for p, v in holders.items()
+                if p != me and any(len(e) == 2 and save_ids.get(e[0]) == e[1]
+                                   for e in v['entries']))
+
+
 def _name(item_dir: str) -> str:
   """The rounds' name of one restored item: every process restores the same items."""
   return f'tier_peers/{hashlib.sha256(item_dir.encode()).hexdigest()[:16]}'
@@ -514,15 +539,40 @@ class Exchange:
     return rounds.Round(self.client, prefix, me=self.me, members=range(self.count),
                         count=self.count, what=f'orbax_pathways: the tier peers of {prefix}')
 
-  def publish(self, prefix: str, address: str, held: Iterable[tuple[str, str]]) -> None:
+  def publish(self, prefix: str, address: str, held: Iterable[tuple[str, str]],
+              holds: Mapping[str, Iterable[tuple[str, str]]] | None = None) -> None:
     """Publishes, under ``prefix``, this process's server and the (writer, save id) of the
-    entries its node holds of the item; then deletes its own key of the restore before last
-    (every process is past it: nobody reads its keys now)."""
+    entries its node holds of the item, and first, for each writer whose chunks those entries
+    hold (``holds``: writer -> the entries holding its chunks; by the committed index's writer
+    column), one holder key (``h/<writer>/<me>``) that readers lacking that writer's chunks
+    read instead of every process's key. Then deletes its own keys of the restore before last
+    (every process is past it: nobody reads them now)."""
+    rnd = self._round(prefix)
+    for writer, entries in sorted((holds or {}).items()):
+      if _PART.match(writer):
+        rnd.publish_at(f'{HOLDERS}/{writer}', json.dumps(
+            {'addr': address, 'entries': sorted(set(map(tuple, entries)))}))
     value = json.dumps({'addr': address, 'entries': sorted(set(map(tuple, held)))})
-    self._round(prefix).publish(value, overwrite=False)
+    rnd.publish(value, overwrite=False)
     seq = self._sequences.get(prefix)
     if seq is not None:
-      seq.retire(self.client, self.me, whole=False)
+      seq.retire(self.client, self.me, whole=False, subdirs=(HOLDERS,))
+
+  def holders(self, prefix: str, writer: str) -> dict[int, dict[str, Any]]:
+    """The processes that published, under ``prefix``, a holder key for ``writer`` (one
+    directory read: the holders of that writer's chunks, not the fleet), by process index."""
+    if not _PART.match(writer):
+      return {}
+    found = {}
+    for p, raw in self._round(prefix).listing(f'{HOLDERS}/{writer}').items():
+      try:
+        v = json.loads(raw)
+        found[p] = {'addr': str(v['addr']), 'entries': [tuple(e) for e in v['entries']]}
+      except (ValueError, KeyError, TypeError):  # not what a peer publishes
+        pass
+    counts['keys_read'] += len(found)
+    counts['holder_reads'] += 1
+    return found
 
   def gather(self, prefix: str) -> tuple[dict[int, dict[str, Any]], list[int]]:
     """The other processes' published values (one deadline for all, in total: a restore reads
@@ -532,6 +582,8 @@ class Exchange:
     others = [p for p in range(self.count) if p != self.me]
     got = self._round(prefix).gather(self.timeout_s, processes=others, on_silence=False,
                                      missing_ok=True)
+    counts['gathers'] += 1
+    counts['keys_read'] += len(got)
     found: dict[int, dict[str, Any]] = {}
     for p, raw in got.items():
       try:
@@ -737,8 +789,7 @@ class _Lazy(Container):
     self._source, self._read = source, read
 
   def __contains__(self, origin: object) -> bool:
-    h = self._source.holding(self._read)
-    return h is not None and origin in h.files
+    return self._source.holds(self._read, origin)
 
 
 class PeerSource:
@@ -754,83 +805,160 @@ class PeerSource:
     self.exchange, self.prefix, self.item_parts = exchange, prefix, item_parts
     self.save_ids, self.local_writers = dict(save_ids), local_writers
     self.problems = problems  # the chain's: one log line per restore says what fell back
-    self._arrays: dict[str, list[_Holding]] | None = None
-    self._found: dict[int, dict[str, Any]] = {}
+    self._arrays: dict[str, list[_Holding]] = {}  # what the peers listed so far, by array
+    self._found: dict[int, dict[str, Any]] = {}  # every process's key (``_gather_everyone``)
+    self._everyone = False
+    self._all_listed = False
+    self._holders: dict[str, dict[int, dict[str, Any]]] = {}  # writer -> its holder keys
+    self._listed: dict[int, bool] = {}  # peers asked for their list: did they answer
+    self._claimed: set[str] = set()
     self._peers: dict[int, _Peer] = {}
     self._joined: dict[tuple[str, tuple[int, ...], tuple[int, ...]], _Holding | None] = {}
-    self._lock = threading.Lock()
+    self._lock = threading.RLock()
 
-  def _discover(self) -> dict[str, list[_Holding]]:
+  def _gather_everyone(self) -> None:
+    """Every process's key of this restore (once: the old, O(fleet) look), so that a writer
+    without a holder key is known lost rather than not yet published."""
+    if self._everyone:
+      return
     found, missing = self.exchange.gather(self.prefix)
-    self._found = found
+    self._found, self._everyone = found, True
     if missing:
       self.problems.append(
           f'peer process(es) {", ".join(map(str, missing[:16]))} did not say what they hold '
           f'within {self.exchange.timeout_s:g} s (key prefix {self.prefix})')
-    wanted: dict[int, _Peer] = {}
-    for p, v in sorted(found.items()):
-      if any(self.save_ids.get(w) == s and w not in self.local_writers for w, s in v['entries']):
-        wanted[p] = self._peers[p] = self._new_peer(p, v['addr'])
-    arrays: dict[str, list[_Holding]] = {}
-    claimed: set[str] = set()  # a writer's entry is taken from the first peer that lists it
 
-    def listing(peer: _Peer):
-      return peer.request({'op': 'list', 'item': list(self.item_parts)},
-                          f'the list of {"/".join(self.item_parts)}')
+  def _list(self, process: int, address: Any) -> bool:
+    """Asks ``process`` (once per restore) which chunks it holds of the item and adds the
+    usable ones; True if it answered."""
+    if process in self._listed:
+      return self._listed[process]
+    self._peers.setdefault(process, self._new_peer(process, address))
+    self._listed[process] = False
+    try:
+      answer = self._request_list(process)
+    except PeerError as e:
+      self.problems.append(str(e))
+      return False
+    self._listed_answer(process, answer)
+    return self._listed[process]
 
+  def _learn_everything(self) -> None:
+    """The look without a writer column: every process's key, then a list from each peer that
+    holds a usable entry (in parallel)."""
+    if self._all_listed:
+      return
+    self._all_listed = True
+    self._gather_everyone()
+    wanted = {p: v['addr'] for p, v in sorted(self._found.items())
+              if p not in self._listed and any(
+                  self.save_ids.get(w) == s and w not in self.local_writers
+                  for w, s in v['entries'])}
+    for p, addr in wanted.items():
+      self._peers.setdefault(p, self._new_peer(p, addr))
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(wanted) or 1)) as pool:
-      answers = list(zip(wanted.values(), pool.map(_quietly(listing), wanted.values())))
-    for peer, answer in answers:
+      answers = list(zip(wanted, pool.map(_quietly(self._request_list), wanted)))
+    for p, answer in answers:
+      self._listed[p] = False
       if isinstance(answer, Exception):
         self.problems.append(str(answer))
         continue
-      try:
-        listed = _parse_listing(peer, answer)
-      except PeerError as e:
-        self.problems.append(str(e))
+      self._listed_answer(p, answer)
+
+  def _request_list(self, process: int) -> Any:
+    counts['lists'] += 1
+    return self._peers[process].request({'op': 'list', 'item': list(self.item_parts)},
+                                        f'the list of {"/".join(self.item_parts)}')
+
+  def _listed_answer(self, process: int, answer: Any) -> None:
+    try:
+      listed = _parse_listing(self._peers[process], answer)
+    except PeerError as e:
+      self.problems.append(str(e))
+      return
+    for writer, save_id, held in listed:
+      if (self.save_ids.get(writer) != save_id or writer in self.local_writers
+          or writer in self._claimed):
         continue
-      for writer, save_id, held in listed:
-        if (self.save_ids.get(writer) != save_id or writer in self.local_writers
-            or writer in claimed):
-          continue
-        claimed.add(writer)
-        for name, h in held.items():
-          arrays.setdefault(name, []).append(h)
-    return arrays
+      self._claimed.add(writer)  # a writer's entry is taken from the first peer that lists it
+      for name, h in held.items():
+        self._arrays.setdefault(name, []).append(h)
+    self._joined.clear()
+    self._listed[process] = True
+
+  def _holders_of(self, writer: str) -> dict[int, dict[str, Any]]:
+    """``writer``'s holder keys (one directory read, once per restore); a writer with none is
+    looked for once more after every process's key is in: then it is lost."""
+    if writer not in self._holders:
+      found = self.exchange.holders(self.prefix, writer)
+      if not to_ask(found, self.save_ids, self.exchange.me) and not self._everyone:
+        self._gather_everyone()
+        found = self.exchange.holders(self.prefix, writer)
+      self._holders[writer] = found
+    return self._holders[writer]
+
+  def _find(self, read: Any, origin: Any, writer: str) -> None:
+    """Lists ``writer``'s holders, in order, until one holds ``origin`` of ``read``'s array (in
+    the usual case the first: the writer's own node), or none is left."""
+    holders = self._holders_of(writer)
+    for p in to_ask(holders, self.save_ids, self.exchange.me):
+      if p in self._listed:
+        continue
+      self._list(p, holders[p]['addr'])
+      h = self._holding(read)
+      if h is not None and origin in h.files:
+        return
+
+  def holds(self, read: Any, origin: Any) -> bool:
+    """Whether a peer holds chunk ``origin`` of ``read``'s array (the planner's question). With
+    the index's writer column, only the holders of the chunk's writer are looked up; without
+    it, every process (once per restore)."""
+    with self._lock:
+      h = self._holding(read)
+      if h is not None and origin in h.files:
+        return True
+      chunks = getattr(read, 'chunks', None)
+      record = chunks.get(origin) if chunks is not None and read.chunk_shape is not None else None
+      writer = getattr(record, 'writer', '') if record is not None else ''
+      if writer in self.local_writers:
+        return False  # this node's copy of that writer's entry is the one to use
+      if writer:
+        self._find(read, origin, writer)
+      else:
+        self._learn_everything()
+      h = self._holding(read)
+      return h is not None and origin in h.files
 
   def _new_peer(self, process: int, address: Any) -> _Peer:
     return _Peer(process, str(address), self.exchange.timeout_s, self.exchange.secret())
 
-  def _discovered(self) -> None:
-    with self._lock:
-      if self._arrays is None:
-        self._arrays = self._discover()
-
   def live(self) -> frozenset[int]:
     """This process and the others that published in time and have not failed a request in
-    this restore (the relay's view of who can share a storage read)."""
-    self._discovered()
+    this restore (the relay's view of who can share a storage read: every process's key)."""
     with self._lock:
+      self._gather_everyone()
       return frozenset([self.exchange.me] + [
           p for p in self._found if p not in self._peers or not self._peers[p].failed])
 
   def peer(self, process: int) -> _Peer | None:
     """The server of another process that published in time (one per process and restore)."""
-    self._discovered()
     with self._lock:
+      self._gather_everyone()
       if process not in self._peers and process in self._found:
         self._peers[process] = self._new_peer(process, self._found[process]['addr'])
       return self._peers.get(process)
 
   def holding(self, read: Any) -> _Holding | None:
-    """What peers hold of ``read``'s array in its stored layout (every writer's chunks joined;
-    found out once per restore, joined once per array)."""
+    """What the peers listed so far hold of ``read``'s array in its stored layout (every
+    writer's chunks joined; joined again after each new list)."""
+    with self._lock:
+      return self._holding(read)
+
+  def _holding(self, read: Any) -> _Holding | None:
     if read.chunk_shape is None:
       return None
     key = (read.name, tuple(read.chunk_shape), tuple(read.plan.global_shape))
     with self._lock:
-      if self._arrays is None:
-        self._arrays = self._discover()
       if key not in self._joined:
         matching = [h for h in self._arrays.get(read.name, ())
                     if h.chunk_shape == key[1] and h.shape == key[2]]

@@ -76,6 +76,7 @@ def _restore(root, tiers, faults=('none', 'none'), timeout_s=5, env=None):
     (one,) = r.results
     assert one['exact'] and one['step'] == 2, one
     out.append((one['bytes_by_source'], r.stderr_tail))
+  _restore.lookups = [r.results[0]['lookups'] for r in res]
   return out
 
 
@@ -91,6 +92,13 @@ def test_lost_node_restore_onto_fewer_processes_reads_survivors_first(saved, tmp
   assert p0 == {'local': OWN + R, 'peer': OWN, 'storage': 0}, p0
   # Process 1: its own from its tier, 'r' from node 0, only the lost node's chunks from storage.
   assert p1 == {'local': OWN, 'peer': R, 'storage': OWN}, p1
+  # Who was asked (the index's writer column): process 0 lacks only writer p1's chunks, so it
+  # read p1's holder key (one) and asked node 1 alone for its list, never reading every
+  # process's key. Process 1 lacks p0's ('r') and the lost p2's: one holder key (p0's), one
+  # list; p2 has no holder, which only every process's key (read once) can tell.
+  l0, l1 = _restore.lookups
+  assert (l0.get('gathers', 0), l0['holder_reads'], l0['lists'], l0['keys_read']) == (0, 1, 1, 1), l0
+  assert (l1['gathers'], l1['holder_reads'], l1['lists']) == (1, 3, 1), l1
 
 
 def test_flipped_byte_in_a_peers_chunk_is_read_from_storage(saved, tmp_path):

@@ -124,8 +124,10 @@ def main() -> None:
         for s in out[k].addressable_shards:
           np.testing.assert_array_equal(np.asarray(s.data), host[k][s.index])
       st = stats.last_restore()
+      from orbax_pathways.tier import peer  # pylint: disable=g-import-not-at-top
       mp_worker.emit({'step': st.step, 'bytes_by_source': st.bytes_by_source, 'exact': True,
-                      'peer_s': st.seconds_by_source.get('peer', 0.0)})
+                      'peer_s': st.seconds_by_source.get('peer', 0.0),
+                      'lookups': peer.lookup_counts()})
     multihost_utils.sync_global_devices('done')
 
 
