@@ -119,7 +119,7 @@ class Sequence:
     _quietly(client.key_value_delete, old if whole else f'{old}/{me}')
     if not whole:
       for sub in subdirs:
-        _quietly(client.key_value_delete, f'{old}/{sub}')
+        _quietly(client.key_value_delete, f'{old}.{sub}')
 
 
 class _Registry:
@@ -176,21 +176,22 @@ class Round:
     self.client.key_value_set(f'{self.key}/{self.me}', value, allow_overwrite=overwrite)
 
   def publish_at(self, subdir: str, value: str) -> None:
-    """Publishes this process's value under a directory of the round (``<key>/<subdir>/<me>``:
-    one set), for readers that want only some members' values and do not know which members
-    those are (the tier's holders of one writer's chunks: ``listing``)."""
-    self.client.key_value_set(f'{self.key}/{subdir}/{self.me}', value, allow_overwrite=True)
+    """Publishes this process's value in a directory beside the round's own
+    (``<key>.<subdir>/<me>``: one set; beside it, so that a ``gather`` of the round never reads
+    it), for readers that want only some members' values and do not know which members those
+    are (the tier's holders of one writer's chunks: ``listing``)."""
+    self.client.key_value_set(f'{self.key}.{subdir}/{self.me}', value, allow_overwrite=True)
 
   def listing(self, subdir: str) -> dict[int, str]:
-    """The values published under ``<key>/<subdir>/`` now, by process index: one directory read
+    """The values published in ``<key>.<subdir>/`` now, by process index: one directory read
     (an empty answer where the client has none or the service fails). What it returns is what
     was published there, not what the round's members number."""
     dir_get = getattr(self.client, 'key_value_dir_get', None)
     if dir_get is None:
       return {}
-    base = f'{self.key}/{subdir}'.strip('/')
+    base = f'{self.key}.{subdir}'.strip('/')
     try:
-      found = dir_get(f'{self.key}/{subdir}/')
+      found = dir_get(f'{self.key}.{subdir}/')
     except Exception:  # pylint: disable=broad-except  (an older client, a dead service)
       return {}
     out = {}

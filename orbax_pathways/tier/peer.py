@@ -15,33 +15,39 @@ Who calls what, on which host (multi-controller JAX, every process):
   process's index, the process count, ``Options.tier_peer_timeout_s``) and reads the job's
   secret through it (``Exchange.secret`` -> ``job_secret``: once per process, then cached), then
   hands it to ``tier/chain.for_restore``, which calls ``serve`` (starts this process's server
-  once, with that secret) and ``Exchange.publish`` (one key: this server's address and the
-  (writer, save id) of the entries this node holds of the item that the committed index
-  records).
+  once, with that secret) and ``Exchange.publish`` (one holder key per writer whose chunks this
+  node's usable entries hold, by the index's writer column, then one key: this server's
+  address and the (writer, save id) of the entries this node holds of the item that the
+  committed index records).
 - The server (``_Server``, a thread per connection, at most ``wire.Limits.max_connections``)
   serves only this node's tier directory, only to a client that proved the job's secret
   (``tier/wire.py``: the handshake, a MAC on every request, the size caps, the idle deadline),
   only complete manifests, only the regular files they name, of the size they record, never
   through a symlink (``tier/fsafe.py``). Error answers name paths relative to the tier.
-- ``PeerSource`` joins the chain after this node's own tier. The first time the planner asks
-  it for a chunk, it reads the other processes' keys (one deadline for all) and asks each peer
-  holding a usable entry, once, which chunks it holds of the item (``list``). A chunk then comes
-  with one ``get``: the bytes streamed into a buffer of the committed record's dtype and size
-  (an answer of another size is refused unread). The chain checks each chunk's crc32c and size
-  against storage's index before using it.
+- ``PeerSource`` joins the chain after this node's own tier. When the planner asks it for a
+  chunk, it looks up the chunk's writer in the committed index, reads that writer's holder keys
+  (``Exchange.holders``: one directory read per writer and restore) and asks the first holder,
+  once, which chunks it holds of the item (``list``). A writer without a holder key sends it to
+  every process's key once (``Exchange.gather``, one deadline for all): lost, or late? An index
+  without the writer column takes that full look at once and lists every peer that holds a
+  usable entry. A chunk then comes with one ``get``: the bytes streamed into a buffer of the
+  committed record's dtype and size (an answer of another size is refused unread). The chain
+  checks each chunk's crc32c and size against storage's index before using it.
 
 What grows with what: each process publishes one key per restored item, of constant size in
 the fleet (its address and the save ids of the entries its node holds, one per writer on the
-node), and reads the job's secret once in its life. A reader that needs any chunk from a peer
-reads one key per process and sends one ``list`` per peer that holds a usable entry (the
-answer lists that peer's own chunks of the item, at most ``wire.MAX_LIST_BYTES``); then one
-``get`` per chunk, over at most ``CONNECTIONS_PER_PEER`` connections per peer. A server holds at
-most ``max_connections`` connections and threads, however many readers ask. The per-chunk
-lists are never in the key-value store. Memory: at most ``MAX_INFLIGHT_BYTES`` of chunk buffers
-being received from peers at once per process (one chunk larger than that goes alone); the
-chain copies each into the region's buffer as soon as it checked out, and the server streams
-files (``sendfile``) without reading them whole. Keys of the restore before last are deleted by
-their publisher.
+node), one holder key per writer whose chunks it holds, and reads the job's secret once in its
+life. A reader reads one holder key and sends one ``list`` per writer whose chunks it lacks
+(the answer lists that peer's chunks of the item, at most ``wire.MAX_LIST_BYTES``); only a
+writer that no survivor holds (or an index without the column, or the relay) costs one read of
+every process's key. Then one ``get`` per chunk, over at most ``CONNECTIONS_PER_PEER``
+connections per peer. A server holds at most ``max_connections`` connections and threads,
+however many readers ask. The per-chunk lists are never in the key-value store. Memory: at
+most ``MAX_INFLIGHT_BYTES`` of chunk buffers being received from peers at once per process (one
+chunk larger than that goes alone); the chain copies each into the region's buffer as soon as
+it checked out, and the server streams files (``sendfile``) without reading them whole. Keys of
+the restore before last are deleted by their publisher (holder keys: the directory, by every
+process).
 
 No jax here: the key-value client arrives as an object with ``key_value_set`` (which refuses
 to overwrite a key), ``blocking_key_value_get``, ``key_value_try_get``, ``key_value_delete``
@@ -481,7 +487,7 @@ def job_secret(client: Any, timeout_s: float) -> bytes:
 
 # ---- the key-value exchange: who serves what, per restored item ---------------------------------
 
-HOLDERS = 'h'  # a round's directory of holder keys: h/<writer>/<process>
+HOLDERS = 'h'  # beside a round, its holder keys: <round>.h/<writer>/<process>
 
 # What this process's restores asked of the exchange since it started (``lookup_counts``).
 counts: collections.Counter[str] = collections.Counter()
@@ -544,7 +550,7 @@ class Exchange:
     """Publishes, under ``prefix``, this process's server and the (writer, save id) of the
     entries its node holds of the item, and first, for each writer whose chunks those entries
     hold (``holds``: writer -> the entries holding its chunks; by the committed index's writer
-    column), one holder key (``h/<writer>/<me>``) that readers lacking that writer's chunks
+    column), one holder key (``<round>.h/<writer>/<me>``) that readers lacking that writer's chunks
     read instead of every process's key. Then deletes its own keys of the restore before last
     (every process is past it: nobody reads them now)."""
     rnd = self._round(prefix)

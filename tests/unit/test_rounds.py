@@ -232,3 +232,70 @@ def test_old_rounds_are_deleted_once_everyone_is_past_them():
   assert keys == [f'{rounds.ROOT}/test/retire/{i}' for i in range(1, 5)]
   assert sorted(client.stored) == [f'{k}/0' for k in keys[2:]]  # rounds 1 and 2 are gone
   assert notice.pending() is False  # nothing here touched the process's notice
+
+
+class SharedKV:
+  """One store that every simulated process of a job publishes into (jax's service semantics);
+  counts the requests and the keys returned while ``counting``."""
+
+  def __init__(self) -> None:
+    self.store: dict[str, str] = {}
+    self.calls: collections.Counter[str] = collections.Counter()
+    self.keys = 0
+    self.counting = False
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    if not allow_overwrite and key in self.store:
+      raise RuntimeError(f'ALREADY_EXISTS: {key}')
+    self.store[key] = value
+
+  def key_value_try_get(self, key):
+    self.calls['try_get'] += self.counting
+    if key not in self.store:
+      raise RuntimeError(f'NOT_FOUND: {key}')
+    return self.store[key]
+
+  def blocking_key_value_get(self, key, timeout_ms):
+    self.calls['blocking_get'] += self.counting
+    if key not in self.store:
+      raise RuntimeError(f'DEADLINE_EXCEEDED: {key}')
+    return self.store[key]
+
+  def key_value_dir_get(self, prefix):
+    found = [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
+    self.calls['dir_get'] += self.counting
+    self.keys += len(found) * self.counting
+    return found
+
+  def key_value_delete(self, key):
+    for k in [k for k in self.store if k == key or k.startswith(key + '/')]:
+      del self.store[k]
+
+
+@pytest.mark.parametrize('n', FLEETS)
+def test_a_reader_reads_only_the_holders_of_the_writer_it_lacks(n):
+  """Each of ``n`` processes publishes its key and one holder key for its own writer; a reader
+  that lacks writer p1's chunks reads one key in one request, whatever ``n``; a gather of the
+  round reads the processes' keys only (the holder keys sit beside the round); the holder
+  keys of the restore before last go with it."""
+  kv = SharedKV()
+  exchanges = [peer.Exchange(kv, me, n, timeout_s=1.0) for me in range(n)]
+  prefixes = []
+  for _ in range(3):  # three restores of the item: the first one's keys are retired by the third
+    # One interpreter plays every process, so one of them numbers the rounds (and retires them).
+    prefix = exchanges[0].prefix(f'/ckpt/holders/{n}/item')
+    for me, ex in enumerate(exchanges):
+      ex.publish(prefix, f'h{me}:1', [(f'p{me}', f's{me}')], holds={f'p{me}': [(f'p{me}', f's{me}')]})
+    prefixes.append(prefix)
+  reader = exchanges[0]
+  kv.counting = True
+  found = reader.holders(prefixes[-1], 'p1')
+  assert found == {1: {'addr': 'h1:1', 'entries': [('p1', 's1')]}}
+  assert peer.to_ask(found, {'p1': 's1'}, me=0) == [1]
+  assert peer.to_ask(found, {'p1': 'another save'}, me=0) == []  # a stale entry is not asked
+  assert (dict(kv.calls), kv.keys) == ({'dir_get': 1}, 1)
+  got, missing = reader.gather(prefixes[-1])
+  assert (len(got), missing, kv.keys) == (n - 1, [], 1 + n)
+  assert not [k for k in kv.store if k.startswith(prefixes[0] + '.h/')]  # retired by the third
+  assert f'{prefixes[0]}/0' not in kv.store
+  assert len([k for k in kv.store if k.startswith(prefixes[1] + '.h/')]) == n  # before last: kept
