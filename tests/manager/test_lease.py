@@ -11,22 +11,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
-from support import REPO
-from support.procs import child_env
+from support import REPO, procs
 from support.workers import lease_worker as lw
 
 from orbax_pathways import errors
 from orbax_pathways.manager import lease
 from orbax_pathways.manager import lease_policy as plan
 
-WORKER = os.path.join(REPO, 'tests', 'support', 'workers', 'lease_worker.py')
+WORKER = os.path.join(REPO, 'tests', 'support', 'workers', 'lease_worker.py')  # the mp jobs' script
 TIMEOUT = 300  # generous: several helpers share two cores
 
 
@@ -218,12 +215,11 @@ class Job:
     self.out = tmp_path / f'{name}.out'
     self.err = tmp_path / f'{name}.err'
     self._go = tmp_path / f'{name}.go'
-    argv = [sys.executable, WORKER, *map(str, args)]
+    argv = procs.worker_argv(lw, *args)
     if paused:
       argv += ['--after', str(self._go)]
     with open(self.out, 'wb') as out, open(self.err, 'wb') as err:
-      self.proc = subprocess.Popen(argv, stdout=out, stderr=err,
-                                   env=child_env(env, devices=None), cwd=REPO)
+      self.proc = procs.start(argv, env=env, devices=None, stdout=out, stderr=err)
 
   def go(self):
     self._go.touch()

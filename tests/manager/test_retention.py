@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
-import textwrap
 import time
 
 import jax
@@ -19,7 +17,8 @@ from etils import epath
 from orbax_pathways.manager import processes as proc_lib
 from orbax_pathways.manager import retention
 from orbax_pathways._compat import orbax_manager as om
-from support import REPO
+from support import procs
+from support.workers import retention_gc_worker, retention_torn_worker
 
 PY = sys.executable
 
@@ -257,10 +256,9 @@ def test_leftover_cleanup_removes_only_provably_abandoned_ones(tmp_path, ours):
   delete in progress (issue 15, item 2): only leftovers whose owner is provably gone."""
   _save_steps(tmp_path, [9]).close()
   me = proc_lib.host_id()
-  live = subprocess.Popen([PY, '-c', 'import time; time.sleep(600)'])
-  dead = subprocess.Popen([PY, '-c', 'pass'])
-  dead.wait()
-  try:
+  with procs.started([PY, '-c', 'import time; time.sleep(600)'], devices=None) as live:
+    with procs.started([PY, '-c', 'pass'], devices=None) as dead:
+      dead.wait()
     live_start = proc_lib.process_start(live.pid)
     names = {
         'live': _owned('1', me, live.pid, live_start, 5),
@@ -286,9 +284,6 @@ def test_leftover_cleanup_removes_only_provably_abandoned_ones(tmp_path, ours):
     ocp.CheckpointManager(tmp_path).close()  # the owner is gone now
     left = {k for k, n in names.items() if (tmp_path / n).exists()}
     assert left == {'other_host', 'legacy_fresh'}
-  finally:
-    live.kill()
-    live.wait()
 
 
 def test_deleter_tolerates_files_vanishing_under_it(tmp_path, ours):
@@ -311,9 +306,18 @@ def test_deleter_tolerates_files_vanishing_under_it(tmp_path, ours):
 def _strace_available() -> bool:
   if shutil.which('strace') is None:
     return False
-  r = subprocess.run(['strace', '-qq', '-o', os.devnull, '-e', 'inject=unlinkat:error=ENOENT:when=1',
-                      'true'], capture_output=True)
+  r = procs.run(['strace', '-qq', '-o', os.devnull, '-e', 'inject=unlinkat:error=ENOENT:when=1',
+                 'true'], devices=None, timeout=60, check=False)
   return r.returncode == 0
+
+
+def _strace(*inject: str) -> list[str]:
+  """The ``strace`` prefix of a worker's argv: every process of it traced (``-f``), only its
+  ``unlinkat`` calls, each ``inject`` an ``-e inject=`` rule for them."""
+  argv = ['strace', '-f', '-qq', '-o', os.devnull, '-e', 'trace=unlinkat']
+  for rule in inject:
+    argv += ['-e', f'inject=unlinkat:{rule}']
+  return argv
 
 
 needs_strace = pytest.mark.skipif(
@@ -322,41 +326,14 @@ needs_strace = pytest.mark.skipif(
            'needs ptrace permission in the container)')
 
 
-_GC_CHILD = textwrap.dedent('''
-    import json, sys, traceback
-    import jax.numpy as jnp
-    import orbax_pathways
-    import orbax.checkpoint as ocp
-    m = ocp.CheckpointManager(sys.argv[1], options=ocp.CheckpointManagerOptions(max_to_keep=1))
-    errors = []
-    for s in range(4):
-      try:
-        m.save(s, args=ocp.args.StandardSave({'w': jnp.full(64, s)}))
-      except Exception as e:
-        errors.append(f'save({s}): {type(e).__name__}: {e}')
-    m.wait_until_finished()
-    listed = m.all_steps()
-    try:
-      m.delete(3)
-      explicit = None
-    except Exception as e:
-      explicit = f'{type(e).__name__}: {e}'
-    print(json.dumps({'errors': errors, 'listed': listed, 'explicit': explicit}), flush=True)
-''')
-
-
 @needs_strace
 def test_failing_garbage_collection_never_fails_a_save(tmp_path):
   """Every unlink fails (EACCES from the kernel, injected by strace): old steps cannot be
   removed. Saves must still all succeed and stay listed (stock Orbax fails the *next* save and
   forgets the committed step); the user's own mngr.delete() raises naming the step."""
-  script = tmp_path / 'gc_child.py'
-  script.write_text(_GC_CHILD)
   ckpt = tmp_path / 'ckpt'
-  r = subprocess.run(['strace', '-f', '-qq', '-o', os.devnull, '-e', 'trace=unlinkat',
-                      '-e', 'inject=unlinkat:error=EACCES', PY, str(script), str(ckpt)],
-                     capture_output=True, text=True, timeout=300, cwd=REPO,
-                     env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  r = procs.run(_strace('error=EACCES') + procs.worker_argv(retention_gc_worker, ckpt),
+                timeout=300, check=False)
   assert r.returncode == 0, r.stderr[-3000:]
   out = json.loads(r.stdout.strip().splitlines()[-1])
   assert out['errors'] == [] and out['listed'] == [3], out
@@ -376,35 +353,13 @@ def test_failing_garbage_collection_never_fails_a_save(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # Deterministic torn-delete reproduction: SIGKILL at the K-th unlinkat of the old-step delete.
 
-_CHILD = textwrap.dedent('''
-    import sys
-    import numpy as np, jax, jax.numpy as jnp
-    import orbax.checkpoint as ocp
-    directory, mode = sys.argv[1], sys.argv[2]
-    if mode == 'ours':
-      from orbax_pathways.manager import retention
-      retention.install()
-    def state(step):
-      return {f'p{i}': jnp.asarray(np.arange(4096, dtype=np.float32) * (i + 1) + step)
-              for i in range(6)}
-    m = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=3))
-    for s in range(5):
-      m.save(s, args=ocp.args.StandardSave(state(s)))
-      m.wait_until_finished()
-    m.close()
-''')
-
-
 def _run_killed_child(tmp_path, mode: str, k: int):
-  script = tmp_path / 'child.py'
-  script.write_text(_CHILD)
   ckpt = tmp_path / 'ckpt'
   # Only old-step deletion calls unlinkat in this child (checked: a full run makes 2 x 20 calls,
   # all inside rmtree of steps 0 and 1), so the K-th unlinkat is inside the delete of step 0.
-  proc = subprocess.run(
-      ['strace', '-f', '-qq', '-o', os.devnull, '-e', 'trace=unlinkat',
-       '-e', f'inject=unlinkat:signal=SIGKILL:when={k}', PY, str(script), str(ckpt), mode],
-      capture_output=True, text=True, timeout=180, cwd=REPO)
+  proc = procs.run(_strace(f'signal=SIGKILL:when={k}')
+                   + procs.worker_argv(retention_torn_worker, ckpt, mode), timeout=180,
+                   check=False)
   assert proc.returncode in (-9, 137), (proc.returncode, proc.stderr[-3000:])
   return ckpt
 

@@ -31,7 +31,6 @@ import re
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 import types
@@ -133,16 +132,25 @@ def run_cli(*args: object, check: bool = False, **kwargs) -> subprocess.Complete
   return run([sys.executable, '-m', 'orbax_pathways', *args], check=check, **kwargs)
 
 
+def start(argv: Sequence[object], *, env: Mapping[str, object] | None = None,
+          devices: int | None = 8, unset: Sequence[str] = (), cwd: object = REPO,
+          **popen) -> subprocess.Popen:
+  """Starts ``argv`` with ``child_env(env, devices=..., unset=...)`` in ``cwd`` and returns its
+  Popen (``popen``: Popen's pipes or files, ``text``); the caller kills and reaps it (a child
+  that outlives one block: a test's job object). Within one block, ``started``."""
+  return subprocess.Popen([str(a) for a in argv],
+                          env=child_env(env, devices=devices, unset=unset),
+                          cwd=os.fspath(cwd), **popen)
+
+
 @contextlib.contextmanager
 def started(argv: Sequence[object], *, env: Mapping[str, object] | None = None,
             devices: int | None = 8, unset: Sequence[str] = (), cwd: object = REPO,
             **popen) -> Iterator[subprocess.Popen]:
   """A child that runs while the block talks to it (``popen``: Popen's pipes, ``text``), with
   ``child_env(env, devices=..., unset=...)``; killed and reaped at the end of the block, whatever
-  happened."""
-  proc = subprocess.Popen([str(a) for a in argv],
-                          env=child_env(env, devices=devices, unset=unset),
-                          cwd=os.fspath(cwd), **popen)
+  happened (``start``)."""
+  proc = start(argv, env=env, devices=devices, unset=unset, cwd=cwd, **popen)
   try:
     yield proc
   finally:
@@ -150,25 +158,11 @@ def started(argv: Sequence[object], *, env: Mapping[str, object] | None = None,
     proc.wait()
 
 
-def run_python(code: str, *, env: Mapping[str, object] | None = None, devices: int | None = 8,
-               timeout: float = 180) -> subprocess.CompletedProcess:
-  """Runs ``code`` (dedented) in a fresh interpreter (``python -c``) through ``run``; fails
-  with its output tails unless it exits 0. Left for the tests whose inline programs have not
-  moved to ``support/workers/`` yet (the manager side's); a new test writes a worker."""
-  return run([sys.executable, '-c', textwrap.dedent(code)], env=env, devices=devices,
-             timeout=timeout)
-
-
 def last_json(stdout: str):
   """The JSON object printed last (lines starting with ``{``) by a child."""
   lines = [l for l in stdout.splitlines() if l.startswith('{')]
   assert lines, f'no JSON line in the output:\n{stdout[-3000:]}'
   return json.loads(lines[-1])
-
-
-def run_json(code: str, **kwargs):
-  """``run_python(code, **kwargs)``; returns the JSON object the child printed last."""
-  return last_json(run_python(code, **kwargs).stdout)
 
 
 def free_port() -> int:

@@ -7,7 +7,7 @@ runs ``python -m support.workers.<name>``) or ``support.mp_harness.run_processes
 give the child the suite's environment (``procs.child_env``). Imports at the top of a worker are
 light (numpy at most; jax, Orbax and orbax_pathways inside ``main()``), so a parent test imports
 a worker as a module to reach its constants and compute what it must report.
-(``emergency_worker`` and ``lease_worker``, the manager side's, predate this and run at import;
+(``emergency_worker``, the manager side's, predates this and runs at import;
 ``mp_sigterm_worker`` imports orbax_pathways at its top, which its ``spawn`` children re-import;
 they are only started, never imported.)
 """

@@ -1,7 +1,9 @@
-"""A job saving into (or reading from) a checkpoint directory, for ``tests/manager/test_lease.py``.
+"""A job saving into (or reading from) a checkpoint directory, for ``tests/manager/test_lease.py``
+(its ``Job``, through ``procs.start``; ``mp`` through ``mp_harness.run_processes``).
 
-    python lease_worker.py save DIR TAG STEPS [--hold STOPFILE] [--then STEPS] [--after GOFILE]
-    python lease_worker.py read DIR [--stock] [--after GOFILE]
+    python -m support.workers.lease_worker save DIR TAG STEPS [--hold STOPFILE] [--then STEPS]
+                                                              [--after GOFILE]
+    python -m support.workers.lease_worker read DIR [--stock] [--after GOFILE]
     python lease_worker.py mp DIR TAG STEPS          (a jax.distributed worker, mp_harness)
 
 ``save``: an ordinary CheckpointManager saves ``STEPS`` (comma-separated) with ``values(TAG,
@@ -129,5 +131,9 @@ def mp(argv) -> None:
   w.emit({'outcomes': outcomes, 'held': held, 'pid': os.getpid()})
 
 
-if __name__ == '__main__':
+def main() -> None:
   {'save': save, 'read': read, 'mp': mp}[sys.argv[1]](sys.argv[2:])
+
+
+if __name__ == '__main__':
+  main()
