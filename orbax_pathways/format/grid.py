@@ -52,6 +52,21 @@ class ChunkGrid(collections.abc.Sequence):
     self.writer = writer
     self.writer_names = tuple(writer_names)
 
+  def writers_at(self, origins: Sequence[Sequence[int]]) -> set[str]:
+    """The writers of the cells at ``origins`` that the column names (vectorized: one numpy
+    pass, however many origins; origins off the grid are ignored)."""
+    if self.writer is None or not len(origins) or not self.grid:
+      return set()
+    o = np.asarray(origins, np.int64).reshape(len(origins), len(self.grid))
+    c = np.asarray(self.chunk_shape, np.int64)
+    cells = o // c
+    ok = ((o % c == 0) & (cells >= 0) & (cells < np.asarray(self.grid))).all(axis=1)
+    if not ok.any():
+      return set()
+    flat = np.ravel_multi_index(tuple(cells[ok].T), self.grid)
+    ids = np.unique(self.writer[flat])
+    return {self.writer_names[i] for i in ids.tolist() if i >= 0}
+
   def writer_of(self, flat: int) -> str:
     """Who wrote cell ``flat`` ('' where the column is absent or does not say)."""
     if self.writer is None:

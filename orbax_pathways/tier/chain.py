@@ -309,12 +309,9 @@ def _writers_held(usable: Sequence[store.Entry], committed: Any) -> dict[str, li
     out.setdefault(e.writer, set()).add(tag)
     for a in e.manifest.arrays if e.manifest is not None else ():
       chunks = arrays[a.name].chunks if a.name in arrays else None
-      if not isinstance(chunks, grid_lib.ChunkGrid) or chunks.writer is None:
-        continue
-      for origin in a.origins:
-        record = chunks.get(origin)
-        if record is not None and record.writer and record.writer != e.writer:
-          out.setdefault(record.writer, set()).add(tag)
+      if isinstance(chunks, grid_lib.ChunkGrid):
+        for w in chunks.writers_at(a.origins):
+          out.setdefault(w, set()).add(tag)
   return {w: sorted(t) for w, t in out.items()}
 
 

@@ -463,3 +463,12 @@ def test_a_saved_index_names_the_writer_of_every_chunk(tmp_path):
   known = {w.writer for w in item.writers}  # p0, and the records of numpy and scalar leaves
   assert all(c.writer in known for a in arrays.values() for c in a.chunks)
   assert {c.writer for a in arrays.values() for c in a.chunks} == known, known
+
+
+def test_writers_at_names_the_writers_of_a_set_of_cells():
+  grid = grid_lib.ChunkGrid((4, 6), (2, 3), 4, np.zeros(4, np.uint32),
+                            writer=np.array([0, 1, -1, 1], np.int32), writer_names=('p0', 'p1'))
+  assert grid.writers_at([(0, 0), (2, 3)]) == {'p0', 'p1'}
+  assert grid.writers_at([(2, 0)]) == set()  # unknown
+  assert grid.writers_at([(1, 0), (8, 0)]) == set()  # off the grid, out of bounds
+  assert grid_lib.ChunkGrid((4,), (2,), 4, np.zeros(2, np.uint32)).writers_at([(0,)]) == set()
