@@ -28,6 +28,7 @@ from orbax_pathways.frontends import orbax_v0 as handler_lib
 from orbax_pathways import options as options_lib
 from orbax_pathways import preemption
 from orbax_pathways.manager import hooks as manager_hooks
+from orbax_pathways.manager import local_steps
 from orbax_pathways.manager import retention
 from orbax_pathways.manager import step_errors
 from orbax_pathways import stats as stats_lib
@@ -123,7 +124,9 @@ class _TierCommit(manager_hooks.ManagerHooks):
 
 def _manager_hooks() -> list[manager_hooks.ManagerHooks]:
   """What the package does around every CheckpointManager, in ``manager/hooks.ORDER``."""
-  return [_Checks(), step_errors.StepErrors(), _TierCommit()]
+  return [_Checks(), step_errors.StepErrors(), _TierCommit(),
+          local_steps.LocalStepHooks(lambda: _installed_options().local_save_interval_steps,
+                                     lambda: _installed_options().local_keep)]
 
 
 def _install_manager_side() -> None:

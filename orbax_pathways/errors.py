@@ -68,6 +68,11 @@ class MissingChecksumError(RestoreError):
   is missing), so its bytes cannot be verified."""
 
 
+class LocalStepIncompleteError(RestoreError):
+  """A local-only step (``docs/multi_tier.md``) cannot be completed: a chunk of it is in no
+  live process's node-local tier, and storage holds no bytes of such a step."""
+
+
 class TopologyError(RestoreError):
   """The saved layout cannot be mapped onto the current devices under the chosen policy."""
 

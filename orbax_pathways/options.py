@@ -159,6 +159,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
                  'Pathways workers; none for one process on local disk'),
     EnvVar('ORBAX_PATHWAYS_LOCAL_KEEP', 'int', 1, 'committed steps the node-local tier keeps',
            minimum=1),
+    EnvVar('ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS', 'int', 0,
+           'save a step that the CheckpointManager declines to the node-local tiers only, when '
+           'its number is a multiple of this (0: never)', minimum=0),
     EnvVar('ORBAX_PATHWAYS_LOCAL_MAX_AGE_S', 'float', LOCAL_MAX_AGE_S,
            "node-local tier entries of other checkpoint directories idle this long are dropped",
            minimum=0, unit='seconds; inf: never by age'),
@@ -194,6 +197,7 @@ FIELD_ENV: dict[str, str] = {
     'num_slices': 'ORBAX_PATHWAYS_NUM_SLICES',
     'local_dir': 'ORBAX_PATHWAYS_LOCAL_DIR',
     'local_keep': 'ORBAX_PATHWAYS_LOCAL_KEEP',
+    'local_save_interval_steps': 'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS',
     'local_scope': 'ORBAX_PATHWAYS_LOCAL_SCOPE',
     'local_max_age_s': 'ORBAX_PATHWAYS_LOCAL_MAX_AGE_S',
     'local_max_bytes': 'ORBAX_PATHWAYS_LOCAL_MAX_BYTES',
@@ -336,6 +340,12 @@ class Options:
     tier serves does not read storage's copy) (``docs/format.md``, "The node-local tier").
   local_keep: committed steps the tier keeps per checkpoint directory (``ORBAX_PATHWAYS_LOCAL_KEEP``,
     1); a step's copy is dropped once a newer step's copy is complete and that step committed.
+  local_save_interval_steps: multi-tier checkpointing (``docs/multi_tier.md``;
+    ``ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS``, 0: off). A step a ``CheckpointManager``'s own
+    policy declines whose number is a multiple of this is saved *local-only*: Orbax's files and
+    our records to ``<directory>/.orbax-pathways-local/<step>`` in storage, the array bytes to the
+    writer hosts' node-local tiers only. ``preemption.resume`` restores the newest step, local-only
+    or in storage, that the live processes can complete. Needs the tier (``local_dir``).
   local_max_age_s, local_max_bytes: node-level clean-up of the tier (``tier/gc.py``). At the
     first tier copy of each save, entries whose step is gone from a local checkpoint directory
     (or the directory itself) are dropped (``mngr.delete`` and retention drop theirs at once;
@@ -400,6 +410,7 @@ class Options:
   num_slices: int | None = _default('num_slices')
   local_dir: str | None = _default('local_dir')
   local_keep: int = _default('local_keep')
+  local_save_interval_steps: int = _default('local_save_interval_steps')
   local_scope: str = _default('local_scope')
   local_max_age_s: float = _default('local_max_age_s')
   local_max_bytes: int | None = _default('local_max_bytes')
@@ -442,6 +453,7 @@ class Options:
     _check_int('storage_retries', self.storage_retries, 0, optional=True)
     _check_int('num_slices', self.num_slices, 1, optional=True)
     _check_int('local_keep', self.local_keep, 1)
+    _check_int('local_save_interval_steps', self.local_save_interval_steps, 0)
     _check_int('local_max_bytes', self.local_max_bytes, 0, optional=True)
     age = self.local_max_age_s
     if isinstance(age, bool) or not isinstance(age, (int, float)) or not age >= 0:

@@ -28,7 +28,10 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
   save raised (the step's name on a storage error), the start time of each step for the commit
   log line, and ``after_save`` (preemption: the notice is consumed once its save started).
   ``CheckpointManager.close`` (public) calls the hooks' ``close`` once it returned or raised
-  (the lease is released).
+  (the lease is released). A save Orbax's policy declined calls the hooks' ``save_declined``
+  with the save's arguments (a local-only step may be saved); ``wait_until_finished`` (public)
+  then calls the hooks' ``wait``. ``local_manager`` builds the hidden manager of a manager's
+  local-only steps (``manager/local_steps.py``).
 - ``CheckpointManager.reload`` / ``restore`` (public): drop gcsfs's listing cache first; a restore
   of a step the manager listed when it began, which fails because the step was deleted meanwhile
   (another process's retention), says so (``StepDeletedError``); any other failure (a step never
@@ -305,8 +308,22 @@ def _wrap_save(original):
         raise
       raise replacement from e
     _each('after_save', self, step, saved)
+    if saved is False:  # Orbax's own policy declined the step: a hook may save it elsewhere
+      _each('save_declined', self, step, args, kwargs)
     return saved
   return save
+
+
+def _wrap_wait_until_finished(original):
+  """``CheckpointManager.wait_until_finished()``, then the hooks' ``wait`` (saves a hook runs
+  beside Orbax's: the local-only steps)."""
+  @functools.wraps(original)
+  def wait_until_finished(self, *args, **kwargs):
+    out = original(self, *args, **kwargs)
+    if _hooks:
+      _each('wait', self)
+    return out
+  return wait_until_finished
 
 
 def _wrap_close(original):
@@ -430,6 +447,7 @@ def _patch_targets():
       (ocp.CheckpointManager, 'save', _wrap_save),
       (ocp.CheckpointManager, '_finalize', _wrap_finalize),
       (ocp.CheckpointManager, 'close', _wrap_close),
+      (ocp.CheckpointManager, 'wait_until_finished', _wrap_wait_until_finished),
       (ocp.CheckpointManager, 'delete', _wrap_delete),
       (ocp.CheckpointManager, 'reload', _wrap_fresh_listing),
       (ocp.CheckpointManager, 'restore', _wrap_restore),
@@ -565,3 +583,42 @@ def forget_step(mngr: ocp.CheckpointManager, step: int) -> None:
 
 def is_proxy_pathways_backend() -> bool:
   return _multihost.is_proxy_pathways_backend()
+
+
+# ---- the hidden manager of a manager's local-only steps (manager/local_steps.py) ---------------
+
+_LOCAL = '_orbax_pathways_local_manager'  # on a manager: the hidden manager of its local steps
+_LOCAL_OF = '_orbax_pathways_local_of'  # on a hidden manager: the manager it serves
+
+
+def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike,
+                  keep: int) -> ocp.CheckpointManager:
+  """The hidden manager of ``mngr``'s local-only steps (built at its first local save, then
+  kept): ``directory``, one step per save it is asked for, the newest ``keep`` kept, the same
+  processes (``MultiprocessingOptions``), async mode and step names as ``mngr``. Its saves go through Orbax's own save and commit; only the array handler knows the
+  directory is a local-only one (``format.names.is_local_only``)."""
+  found = mngr.__dict__.get(_LOCAL)
+  if found is not None:
+    return found
+  options = mngr._options  # pylint: disable=protected-access
+  inner_options = ocp.CheckpointManagerOptions(
+      save_interval_steps=1, max_to_keep=keep, create=True,
+      enable_async_checkpointing=options.enable_async_checkpointing,
+      multiprocessing_options=options.multiprocessing_options,
+      step_name_format=options.step_name_format,
+      async_options=options.async_options)
+  # Handlers come from the save's arguments, as for a manager built without item handlers.
+  inner = ocp.CheckpointManager(directory, options=inner_options)
+  inner.__dict__[_LOCAL_OF] = mngr
+  mngr.__dict__[_LOCAL] = inner
+  return inner
+
+
+def existing_local_manager(mngr: ocp.CheckpointManager) -> ocp.CheckpointManager | None:
+  """``mngr``'s hidden manager if a local save built one, else None."""
+  return mngr.__dict__.get(_LOCAL)
+
+
+def is_local_manager(mngr: Any) -> bool:
+  """Whether ``mngr`` is a hidden manager of local-only steps."""
+  return _LOCAL_OF in getattr(mngr, '__dict__', {})

@@ -506,4 +506,4 @@ class Engine:
     return values.ReadTarget(
         name=leaf.name, path=path, tspec=tspec, shape=shape, dtype=np.dtype(dtype),
         chunk_shape=chunk_shape, chunks=chunks, sharding=leaf.sharding, stored_shape=stored_shape,
-        require_checksums=bool(chunks))
+        require_checksums=bool(chunks), stored_dtype=record.dtype if record is not None else None)

@@ -46,6 +46,16 @@ ARRAY_VALUE_TYPES = frozenset({JAX_ARRAY_VALUE_TYPE, 'np.ndarray', 'scalar'})
 # ---- What orbax-pathways adds ----------------------------------------------------------------
 
 PATHWAYS_DIR = '_pathways'  # <item>/_pathways/<writer>.msgpack (metadata.DIRNAME)
+# <directory>/.orbax-pathways-local/<step>: a local-only step's Orbax files and records, its
+# array bytes in the writers' node-local tiers only (docs/multi_tier.md). A dot name: Orbax's
+# step listing, which takes step-number names only, never lists it as a step.
+LOCAL_STEPS_DIR = '.orbax-pathways-local'
+
+
+def is_local_only(item_dir: object) -> bool:
+  """Whether ``item_dir`` (an item of a step) is an item of a local-only step."""
+  parts = str(item_dir).rstrip('/').split('/')
+  return len(parts) >= 3 and parts[-3] == LOCAL_STEPS_DIR
 PATHWAYS_SUFFIX = '.msgpack'  # metadata.SUFFIX
 # The colocated transport's writers are named w<cpu device id>: their OCDBT databases are
 # ``ocdbt.process_w<id>/``, a name stock Orbax never writes (its process ids are integers).

@@ -22,7 +22,9 @@ that calls the manager (multi-controller JAX); under Pathways that is the one co
 4. ``save_error(mngr, step, error)``: when Orbax's ``save`` raised. The first hook that returns
    an exception has it raised in place of ``error`` (``None``: next; none: ``error`` itself).
 5. ``after_save(mngr, step, saved)``: every process, once Orbax's ``save`` returned ``saved``
-   (the device-to-host copy is done; the commit runs on).
+   (the device-to-host copy is done; the commit runs on). Then, when ``saved`` is ``False``
+   (Orbax's policy declined the step), ``save_declined(mngr, step, args, kwargs)`` with the
+   save's arguments: each hook in ``ORDER`` (the local-only steps: ``manager/local_steps.py``).
 6. ``commit_error(mngr, step, error)``: in Orbax's finalize thread (or inline for a synchronous
    save), when the step's commit failed; like ``save_error``.
 7. ``after_commit(mngr, step, commit_s)``: every process, in Orbax's finalize thread, once
@@ -37,7 +39,8 @@ that calls the manager (multi-controller JAX); under Pathways that is the one co
 10. ``delete_started(mngr, step)`` / ``delete_ended(mngr, step)``: around the user's explicit
     ``mngr.delete(step)`` (``delete_ended`` even if it raised), on the process that calls it.
 11. ``close(mngr)``: every process, once Orbax's ``close`` returned or raised. Each hook in
-    ``ORDER``.
+    ``ORDER``. ``wait(mngr)``: every process, once Orbax's ``wait_until_finished`` returned
+    (saves a hook runs beside Orbax's finish too). Each hook in ``ORDER``.
 
 Who registers what: ``orbax_pathways._install.install()`` (at ``import orbax_pathways``)
 registers every concern below; ``manager.retention.install()``, ``manager.lease.install()`` and
@@ -58,6 +61,7 @@ ORDER = (
     'retention',    # manager/retention.py: never a torn step listed or left behind
     'step_errors',  # manager/step_errors.py: errors that name the step and the path
     'preemption',   # preemption/: the notice, the agreement, the save on it
+    'local_steps',  # manager/local_steps.py: a declined step saved to the node-local tiers only
     'tier_commit',  # _install: the node-local tier's copy becomes the committed one; the log line
 )
 
@@ -92,6 +96,10 @@ class ManagerHooks:
   def after_save(self, mngr: Any, step: int, saved: bool) -> None:
     """5. Every process, once ``save`` returned."""
 
+  def save_declined(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> None:
+    """5. Every process, when Orbax's policy declined ``step``; ``args``/``kwargs`` are the
+    save's."""
+
   def commit_error(self, mngr: Any, step: int, error: BaseException) -> BaseException | None:
     """6. The error to raise in place of ``error`` from a failed commit; ``None`` passes."""
     return None
@@ -115,3 +123,6 @@ class ManagerHooks:
 
   def close(self, mngr: Any) -> None:
     """11. Every process, once Orbax's ``close`` returned or raised."""
+
+  def wait(self, mngr: Any) -> None:
+    """11. Every process, once Orbax's ``wait_until_finished`` returned."""

@@ -14,6 +14,7 @@ import warnings
 from absl import logging
 
 from orbax_pathways import errors
+from orbax_pathways.manager import local_steps
 from orbax_pathways.manager import retention
 from orbax_pathways.coord import rounds
 from orbax_pathways._compat import jax_distributed
@@ -67,6 +68,31 @@ def _damaged_warning(step: int, path, error: BaseException | None, fallback_step
           'instead.')
 
 
+def _from_local_step(mngr, abstract_state: Any, newest_storage: int | None):
+  """``(step, state)`` of the newest local-only step newer than ``newest_storage`` that every
+  process restored (one agreement round per step tried, as for storage steps), or None. A
+  step that cannot be completed (a chunk in no live process's tier: ``LocalStepIncompleteError``,
+  or any other failure on some process) is passed over with one log line naming it and why."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  inner, steps = local_steps.newer_steps(mngr, newest_storage)
+  for step in steps:
+    error = None
+    try:
+      state = inner.restore(step, args=ocp.args.StandardRestore(abstract_state))
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    if _all_processes_ok(mngr, error is None, step):
+      logging.info('orbax_pathways.preemption.resume: resumed from local-only step %d (newer '
+                   'than the newest storage step, %s).', step, newest_storage)
+      return step, state
+    logging.warning('orbax_pathways.preemption.resume: local-only step %d cannot be restored '
+                    '(%s); trying the next older step.', step,
+                    f'{type(error).__name__}: {str(error)[:500]}' if error is not None
+                    else 'another process of this job could not complete it')
+  return None
+
+
 def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
            fallback: bool = True):
   """Returns ``(step, state)`` from the newest complete step that restores, or
@@ -93,6 +119,9 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
     retention.cleanup_leftovers(mngr.directory)
     retention.cleanup_abandoned_temporary_steps(mngr.directory)
   mngr.reload()
+  found = _from_local_step(mngr, abstract_state, latest_complete_step(mngr))
+  if found is not None:
+    return found
   damaged: list[tuple[int, Any, BaseException | None]] = []
   vanished = 0
   while True:

@@ -39,6 +39,7 @@ class ArrayRead:
   # True when the array was written with checksums: a chunk without a record is then an error
   # (a writer's record went missing), not a chunk to skip.
   require_checksums: bool = False
+  stored_dtype: str | None = None  # the committed record's dtype (None: ask tensorstore)
 
 
 @dataclasses.dataclass
@@ -51,6 +52,44 @@ class ReadStats:
 
 # Buffers of at least this many bytes are anonymous mappings of their own (``aligned_empty``).
 MAPPED_BYTES = 4 << 20
+
+
+async def _read_tier_only(read: ArrayRead, chain: Any, *, verify: bool,
+                          stats: ReadStats) -> dict[Box, np.ndarray]:
+  """``read_array`` for a local-only step (``docs/multi_tier.md``): every chunk from the source
+  chain (this node's tier, the other processes', verified against the committed record as
+  always), none from storage, which holds no bytes of it. A chunk no source could give raises
+  ``LocalStepIncompleteError`` naming the array and the first such chunk: nothing of the step
+  is returned."""
+  del verify  # the chain checks every chunk it gives against the committed crc32c and size
+  if read.stored_dtype is None or not read.chunks:
+    raise errors.LocalStepIncompleteError(
+        f'array {read.name!r} of the local-only step at {read.path} has no committed record '
+        '(its writer\'s record or the index lacks it): its chunks cannot be checked, so the '
+        'step is not restored from the node-local tiers.')
+  dtype = np.dtype(read.stored_dtype)
+
+  async def one(region: restore_plan.Region) -> list[tuple[Box, np.ndarray]]:
+    data = aligned_empty(region.box.shape, dtype)
+    missing = await chain.fill(read, region.box, data)
+    if missing:
+      raise errors.LocalStepIncompleteError(
+          f'chunk {list(missing[0].start)} of array {read.name!r} of the local-only step at '
+          f'{read.path} is held by no live process\'s node-local tier ({len(missing)} chunk '
+          'region(s) of this region lack one), and storage holds no bytes of a local-only '
+          'step. Resume passes this step over for an older one.')
+    stats.bytes_read += data.nbytes
+    if read.target_dtype is not None and data.dtype != read.target_dtype:
+      data = cast_lib.convert(data, read.target_dtype, what=f'array {read.name!r}',
+                              fix=cast_lib.RESTORE_FIX)
+    return [(box, data if box == region.box else data[box.relative_to(region.box)])
+            for box in region.device_boxes]
+
+  parts = await asyncio.gather(*(one(r) for r in read.plan.regions), return_exceptions=True)
+  for part in parts:
+    if isinstance(part, BaseException):
+      raise part
+  return {box: buf for part in parts if not isinstance(part, BaseException) for box, buf in part}
 
 
 def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
@@ -129,6 +168,8 @@ async def read_array(read: ArrayRead, *, context: ts.Context, verify: bool,
   ``chain`` (``tier/chain.py``), the chunks it holds and that match their recorded checksums
   come from it, the rest from storage. Every storage request runs under ``hedge.run``: past
   its deadline a second, identical request through a fresh context; the first answer wins."""
+  if getattr(chain, 'tier_only', False):  # a local-only step: no array on storage to open
+    return await _read_tier_only(read, chain, verify=verify, stats=stats)
   spec = ts.Spec(read.tspec)
 
   async def open_attempt(n: int) -> ts.TensorStore:  # later attempts: a fresh context

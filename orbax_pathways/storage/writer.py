@@ -157,7 +157,7 @@ async def write_array(write: ArrayWrite, *, context: ts.Context) -> list[records
                         kind='write')
     first = next(n for n, h in handles.items() if h is t)
     if write.create and 0 in write.global_shape:
-      await _write_empty_array_marker(write, context)
+      await write_empty_chunk_marker(write, context)
     if write.nbytes <= INLINE_CHECKSUM_BYTES:  # A thread hop costs more than hashing a few KiB.
       crc_task = asyncio.get_running_loop().create_future()
       crc_task.set_result(chunk_records(write))
@@ -180,10 +180,12 @@ async def write_array(write: ArrayWrite, *, context: ts.Context) -> list[records
     ) from e
 
 
-async def _write_empty_array_marker(write: ArrayWrite, context: ts.Context) -> None:
+async def write_empty_chunk_marker(write: ArrayWrite, context: ts.Context) -> None:
   """A zero-size array has no chunks, but Orbax's post-merge OCDBT validation requires every
   param to own at least one chunk key. We write one empty value under the first chunk key; no
-  reader ever fetches it (the array's domain is empty). Documented in docs/format.md."""
+  reader ever fetches it (the array's domain is empty). An array of a local-only step, whose
+  bytes are in the node-local tiers only, gets the same marker (``transports/share``): a
+  reader of storage fails on it loudly instead of reading zeros. Documented in docs/format.md."""
   spec = write.tspec['base'] if write.tspec.get('driver') == 'cast' else write.tspec
   kv = dict(spec['kvstore'])
   if kv.get('driver') != 'ocdbt':

@@ -38,6 +38,7 @@ from typing import Any, Container, Mapping, Protocol, Sequence
 import numpy as np
 
 from orbax_pathways.format import grid as grid_lib
+from orbax_pathways.format import names as format_names
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import meta_io
@@ -159,6 +160,9 @@ class SourceChain:
   def __init__(self, sources: Sequence[Source], where: str):
     self.sources = list(sources)
     self.where = where
+    # A local-only step: storage holds none of its bytes, so nothing falls back to it (the
+    # reader raises for a chunk no source gives) and no relay reads storage for others.
+    self.tier_only = format_names.is_local_only(where)
     self.bytes: dict[str, int] = {}
     self.seconds: dict[str, float] = {}
     self.problems: list[str] = []
@@ -333,7 +337,7 @@ def for_restore(cfg: store.TierConfig | None, item_dir: str,
     return None
   root, step_name, item = manifest_lib.split_item_dir(item_dir)
   found = store.entries(cfg.local_dir, root, step_name, item) if os.path.isdir(cfg.local_dir) else []
-  if not found and peers is None:
+  if not found and peers is None and not format_names.is_local_only(item_dir):
     return None
   # The front door read the index moments ago in this restore: no second request for it. An
   # item without an index (schema 1, a save that never reached Orbax's finalize) records no
@@ -366,7 +370,7 @@ def for_restore(cfg: store.TierConfig | None, item_dir: str,
     peer_source = tier_peer.PeerSource(peers, prefix, tier_peer.item_parts(item_dir), ids,
                                        {e.writer for e in usable}, chain.problems)
     relay = (tier_relay.RelaySource(peer_source, relay_targets, peers.timeout_s)
-             if relay_targets else None)
+             if relay_targets and not chain.tier_only else None)
     try:
       address = tier_peer.serve(cfg.local_dir)
       if relay is not None:  # before publishing: whoever sees our key may ask for a relay
@@ -381,4 +385,4 @@ def for_restore(cfg: store.TierConfig | None, item_dir: str,
       chain.sources.append(peer_source)
       if relay is not None:
         chain.sources.append(relay)
-  return chain if chain.sources else None
+  return chain if chain.sources or chain.tier_only else None

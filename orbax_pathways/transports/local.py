@@ -18,7 +18,9 @@ from typing import Any, Awaitable, Callable, Sequence
 import jax
 import numpy as np
 
+from orbax_pathways import errors
 from orbax_pathways import options as options_lib
+from orbax_pathways.format import names as format_names
 from orbax_pathways._util import said
 from orbax_pathways.sharding import layout
 from orbax_pathways._compat import jax_distributed
@@ -280,8 +282,12 @@ class LocalTransport:
     pinned = use_pinned(arrays, cfg.snapshot_mode)
     with trace('snapshot'):
       pieces = snapshot(arrays, plans, host, pinned=pinned)
+      # A local-only step keeps what each host's devices hold ('held'): replicated state then
+      # survives the loss of any host with no storage to fall back on.
       held = (held_pieces(arrays, plans, host)
-              if cfg.tier is not None and cfg.tier_scope == 'held' else None)
+              if cfg.tier is not None and (cfg.tier_scope == 'held'
+                                           or format_names.is_local_only(item.directory))
+              else None)
     d2h = sum(p.data.nbytes for ps in pieces for p in ps)
     d2h += sum(p.data.nbytes for ps in held or () for p in ps)
     return base.Snapshot(
@@ -296,6 +302,14 @@ class LocalTransport:
     cfg = self._save
     assert cfg is not None, 'a transport that saves is created with save=SaveConfig(...)'
     item, leaves, plans, pieces, host, held = snap.state
+    if format_names.is_local_only(item.directory):
+      with trace('write_tier'):
+        outcome = await share.write_tier_only(
+            host, NAME, item, leaves, plans, pieces, creates=[cfg.is_primary] * len(leaves),
+            process_id=cfg.ocdbt_process_id, with_sharding=cfg.is_primary, tier=cfg.tier,
+            save_id=share.new_save_id(), context=cfg.context,
+            tier_pieces=None if held is None else [tuple(p) + h for p, h in zip(pieces, held)])
+      return [outcome]
     with trace('write'):
       outcome = await share.write_share(
           host, NAME, item, leaves, plans, pieces, creates=[cfg.is_primary] * len(leaves),
@@ -330,6 +344,11 @@ class LocalTransport:
           tier_chain.for_restore, cfg.tier, item.directory, peers=peers,
           relay_targets=relay_targets(targets, share.context_for(item, cfg.context))
           if peers is not None else None)
+    if chain is None and format_names.is_local_only(item.directory):
+      raise errors.LocalStepIncompleteError(
+          f'{item.directory} is a local-only step, whose array bytes are in the node-local '
+          'tiers only, and the tier is off on this process (Options.local_dir, '
+          'ORBAX_PATHWAYS_LOCAL_DIR): it cannot be restored here.')
     # Orbax's restore byte limit (restore_concurrent_gb): at most that many bytes of host
     # buffers between storage and the devices at once (one array above it goes alone).
     try:

@@ -11,12 +11,14 @@ host's devices need.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from orbax_pathways import errors
 from orbax_pathways.sharding import layout
 from orbax_pathways.format import records as records_lib
 from orbax_pathways.transports import values
@@ -151,6 +153,58 @@ async def write_share(writer: str, transport: str, item: values.Item,
   return outcome
 
 
+async def write_tier_only(writer: str, transport: str, item: values.Item,
+                          leaves: Sequence[values.SaveLeaf],
+                          plans: Sequence[save_plan.ArrayWritePlan],
+                          pieces: Sequence[Sequence[writer_lib.Piece]], *,
+                          creates: Sequence[bool], process_id: int | str | None,
+                          with_sharding: bool, tier: tier_store.TierConfig | None, save_id: str,
+                          context: Any = None,
+                          tier_pieces: Sequence[Sequence[writer_lib.Piece]] | None = None,
+                          ) -> values.WriterOutcome:
+  """This host's share of a local-only step (``docs/multi_tier.md``): the chunks' checksums
+  from the host buffers, the writer's record to storage (as for any save: the restore checks
+  the tier's bytes against it), the bytes into this node's tier, **not** to storage. The tier
+  copy is written here, in the save's background part, so the step commits only once it
+  landed; one that cannot be written fails this save (``SaveError`` naming the directory), so
+  the step is never committed. Nothing is queued: ``tier_store.flush`` first. The host that
+  creates an array's metadata (``creates``) still writes it, with no chunk: Orbax's metadata
+  reads (a restore without a target) open the array, and a stock reader of the step finds
+  every chunk missing (Orbax reads with ``fill_missing_data_reads`` off) instead of zeros."""
+  if tier is None or not save_id:
+    raise errors.SaveError(
+        f'{item.directory} is a local-only step (Options.local_save_interval_steps), whose '
+        'array bytes go to the node-local tier only, and the tier is off on this process. Set '
+        'Options.local_dir (ORBAX_PATHWAYS_LOCAL_DIR) to a node-local directory, or '
+        'local_save_interval_steps=0.')
+  await asyncio.to_thread(tier_store.flush)
+  writes = array_writes(item, leaves, plans, pieces, creates=creates, process_id=process_id)
+  chunks = {w.name: writer_lib.chunk_records(w) for w in writes}
+  metadata_only = [dataclasses.replace(w, pieces=()) for w in writes if w.create]
+  if metadata_only:
+    ctx = context_for(item, context)
+    await writer_lib.write_arrays(metadata_only, context=ctx, max_inflight_bytes=1 << 30)
+    for w in metadata_only:
+      if 0 not in w.global_shape:  # a zero-size array got its marker from write_arrays
+        await writer_lib.write_empty_chunk_marker(w, ctx)
+  outcome = values.WriterOutcome(writer, sum(w.nbytes for w in writes),
+                                 sum(len(c) for c in chunks.values()))
+  crcs = {name: {c.origin: c.crc32c for c in cs} for name, cs in chunks.items()}
+  path = await asyncio.to_thread(
+      tier_store.write_entry, tier, item.directory, writer, save_id, leaves, plans,
+      pieces if tier_pieces is None else tier_pieces, crcs)
+  if path is None:
+    raise errors.SaveError(
+        f'the local-only step {item.directory}: this process could not write its share '
+        f'({outcome.bytes_written} bytes) into the node-local tier {tier.local_dir} (the '
+        'warning above says why). The step is not committed; the previous local-only or '
+        'storage step stays the newest to resume from.')
+  record = writer_record(writer, transport, leaves, plans, chunks, with_sharding=with_sharding,
+                         outcome=outcome, save_id=save_id)
+  await asyncio.to_thread(meta_io.write_record, item.directory, record)
+  return outcome
+
+
 def write_tier(tier: tier_store.TierConfig, item: values.Item, writer: str, save_id: str,
                leaves: Sequence[values.SaveLeaf], plans: Sequence[save_plan.ArrayWritePlan],
                pieces: Sequence[Sequence[writer_lib.Piece]],
@@ -219,7 +273,7 @@ def array_read(target: values.ReadTarget, boxes: Sequence[Box]) -> reader_lib.Ar
       name=target.name, path=target.path, tspec=dict(target.tspec),
       plan=values.read_plan(target, needed), chunk_shape=target.chunk_shape,
       chunks=target.chunks, target_dtype=np.dtype(target.dtype),
-      require_checksums=target.require_checksums)
+      require_checksums=target.require_checksums, stored_dtype=target.stored_dtype)
 
 
 def place(target: values.ReadTarget, boxes: Sequence[Box],

@@ -128,6 +128,7 @@ class ReadTarget:
   sharding: Any
   stored_shape: tuple[int, ...] | None = None  # differs from ``shape`` only when padding/truncating
   require_checksums: bool = False  # written with checksums: every chunk must have a record
+  stored_dtype: str | None = None  # the committed record's (None: no record)
 
   @property
   def shape_on_storage(self) -> tuple[int, ...]:

@@ -1,0 +1,105 @@
+"""Local-only steps (``docs/multi_tier.md``): a step the ``CheckpointManager``'s own policy
+declines, whose number is a multiple of ``Options.local_save_interval_steps``, is saved into a
+hidden step directory beside the manager's (``<directory>/.orbax-pathways-local``) by a hidden
+manager with the same processes and options; there the array handler writes the bytes to the
+writer hosts' node-local tiers only, and storage gets Orbax's files and our records.
+
+Who calls what, on which host (every process that calls the manager):
+
+- ``LocalStepHooks.save_declined`` (``manager/hooks.py`` call 5, in the training loop's thread,
+  right after Orbax declined the step): the hidden manager's ``save`` of the same arguments:
+  Orbax's own save, which blocks for the device-to-host copy and commits in the background. A
+  local save that fails is logged (one warning) and never fails training: the previous
+  local-only or storage step stays the newest to resume from.
+- ``LocalStepHooks.wait`` / ``close`` (calls 11): the user's ``wait_until_finished`` and
+  ``close`` also wait for (and close) the hidden manager.
+- ``local_steps(mngr)`` (``preemption.resume``): the committed local-only steps, newest first,
+  and ``restore`` one of them through the hidden manager.
+
+The hidden manager is a ``CheckpointManager`` like any other, so the package's other hooks run
+on it too (the writer lease, retention, the tier's commit); this module's hooks skip it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from etils import epath
+
+from orbax_pathways.format import names as format_names
+from orbax_pathways.manager import hooks as hooks_lib
+from orbax_pathways._compat import orbax_manager as _om
+
+log = logging.getLogger('orbax_pathways')
+
+
+def directory_of(mngr: Any) -> epath.Path:
+  """Where ``mngr``'s local-only steps are: ``<directory>/.orbax-pathways-local``."""
+  return epath.Path(mngr.directory) / format_names.LOCAL_STEPS_DIR
+
+
+class LocalStepHooks(hooks_lib.ManagerHooks):
+  """Saves declined steps on the local interval through the hidden manager. ``interval`` and
+  ``keep`` are read at each save (the installed handler's ``Options``)."""
+
+  name = 'local_steps'
+
+  def __init__(self, interval: Callable[[], int], keep: Callable[[], int]):
+    self.interval = interval
+    self.keep = keep
+
+  def save_declined(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> None:
+    every = self.interval()
+    if every <= 0 or step % every or _om.is_local_manager(mngr):
+      return
+    inner = _om.local_manager(mngr, directory_of(mngr), self.keep())
+    kwargs = {k: v for k, v in kwargs.items() if k not in ('force', 'metrics')}
+    try:
+      inner.save(step, *args, force=True, **kwargs)
+    except Exception as e:  # pylint: disable=broad-except  (never fails the training step)
+      log.warning('orbax_pathways: local-only save of step %d into %s failed (%s: %s); the '
+                  'newest committed step stays the one to resume from.', step,
+                  directory_of(mngr), type(e).__name__, e)
+
+  def wait(self, mngr: Any) -> None:
+    inner = _om.existing_local_manager(mngr)
+    if inner is None:
+      return
+    try:
+      inner.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      log.warning('orbax_pathways: a local-only save into %s failed in the background (%s: '
+                  '%s); the newest committed step stays the one to resume from.',
+                  directory_of(mngr), type(e).__name__, e)
+
+  def close(self, mngr: Any) -> None:
+    inner = _om.existing_local_manager(mngr)
+    if inner is not None:
+      self.wait(mngr)
+      inner.close()
+
+
+def local_manager(mngr: Any) -> Any | None:
+  """The hidden manager of ``mngr``'s local-only steps, or None when there are none (no hook
+  registered, or no such directory: ``preemption.resume`` of a restarted job builds it to read
+  them)."""
+  if _om.is_local_manager(mngr):
+    return None
+  inner = _om.existing_local_manager(mngr)
+  if inner is not None:
+    return inner
+  hook = next((h for h in _om.registered() if isinstance(h, LocalStepHooks)), None)
+  if hook is None or not directory_of(mngr).exists():
+    return None
+  return _om.local_manager(mngr, directory_of(mngr), hook.keep())
+
+
+def newer_steps(mngr: Any, than: int | None) -> tuple[Any | None, list[int]]:
+  """The hidden manager and its committed local-only steps newer than ``than`` (the newest
+  storage step; None: all), newest first."""
+  inner = local_manager(mngr)
+  if inner is None:
+    return None, []
+  inner.reload()
+  return inner, sorted((s for s in inner.all_steps() if than is None or s > than), reverse=True)

@@ -1,0 +1,81 @@
+"""One ``jax.distributed`` process of ``tests/tier/test_local_steps.py`` (``mp_harness``): a
+simulated node with its own tier directory (``ORBAX_PATHWAYS_LOCAL_DIR``, set by the test).
+
+    local_steps_worker.py save|resume CKPT LAYOUT
+
+``LAYOUT``: ``sharded`` ('w' split over every device, 'r' replicated) or ``replicated`` ('w'
+split over the devices of one slice only, so every slice holds all of it). Both have the numpy
+leaf 'n'. Values are a function of the step.
+
+``save``: an unchanged ``CheckpointManager`` (``save_interval_steps=100``) saves steps 0..25
+with ``ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS`` set by the test; emits Orbax's steps.
+``resume``: ``preemption.resume`` onto the current processes (a mesh of however many there
+are), checks every addressable shard against the step it returned, emits the step and the
+bytes by source. Both end in a barrier.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def values(step: int):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  return {'w': np.arange(96 * 64, dtype=np.float32).reshape(96, 64) * 0.5 + step,
+          'r': np.arange(40, dtype=np.float32) - step,
+          'n': np.full((3,), step, np.int64)}
+
+
+def main() -> None:
+  from support import mp_worker  # pylint: disable=g-import-not-at-top
+
+  mp_worker.init()
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  import orbax_pathways  # pylint: disable=g-import-not-at-top,unused-import
+  from orbax_pathways import preemption  # pylint: disable=g-import-not-at-top
+  from orbax_pathways import stats  # pylint: disable=g-import-not-at-top
+
+  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
+  mode, root, layout = sys.argv[1], sys.argv[2], sys.argv[3]
+  n = jax.device_count()
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n // 2, 2), ('x', 'y'))
+  w_spec = P('x', 'y') if layout == 'sharded' else P(None, 'y')
+  shard = {'w': jax.sharding.NamedSharding(mesh, w_spec),
+           'r': jax.sharding.NamedSharding(mesh, P())}
+
+  def state(step):
+    host = values(step)
+    out = {k: jax.make_array_from_callback(host[k].shape, shard[k], lambda i, k=k: host[k][i])
+           for k in shard}
+    out['n'] = host['n']
+    return out
+
+  options = ocp.CheckpointManagerOptions(save_interval_steps=100)
+  with ocp.CheckpointManager(root, options=options) as m:
+    if mode == 'save':
+      for step in range(26):
+        m.save(step, args=ocp.args.StandardSave(state(step)))
+      m.wait_until_finished()
+      mp_worker.emit({'steps': m.all_steps()})
+    else:
+      target = {k: jax.ShapeDtypeStruct(values(0)[k].shape, values(0)[k].dtype, sharding=shard[k])
+                for k in shard}
+      target['n'] = np.zeros((3,), np.int64)
+      step, got = preemption.resume(m, lambda: None, abstract_state=target)
+      want = values(step)
+      for k in shard:
+        for s in got[k].addressable_shards:
+          np.testing.assert_array_equal(np.asarray(s.data), want[k][s.index])
+      np.testing.assert_array_equal(got['n'], want['n'])
+      st = stats.last_restore()
+      mp_worker.emit({'step': step, 'exact': True, 'bytes_by_source': st.bytes_by_source,
+                      'storage_steps': m.all_steps()})
+    multihost_utils.sync_global_devices('done')
+
+
+if __name__ == '__main__':
+  main()

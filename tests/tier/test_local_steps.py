@@ -1,0 +1,97 @@
+"""Local-only steps (issue 27, ``docs/multi_tier.md``): with
+``ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS``, an unchanged ``CheckpointManager`` whose policy saves
+every 100 steps also saves every 10th step with Orbax's files and our records in storage and the
+array bytes in the writer hosts' node-local tiers only; ``preemption.resume`` restores the newest
+step the live processes can complete, onto whatever processes there are now.
+
+Real ``jax.distributed`` processes, one tier directory per simulated node. Three processes (nodes
+0, 1, 2; two devices each) save steps 0..25 once; each test copies the tiers as its case says
+and resumes. Every case checks bit-exact values of the step resumed and the bytes by source.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from support.mp_harness import run_processes
+from support.workers import local_steps_worker
+
+pytestmark = pytest.mark.multiprocess
+
+WORKER = local_steps_worker.__file__
+LOCAL = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '10'}
+
+
+def _save(base, layout):
+  root, tiers = base / 'ckpt', [base / f'node{i}' for i in range(3)]
+  res = run_processes(WORKER, 3, 2, args=['save', str(root), layout], timeout=400, env=LOCAL,
+                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+  assert [r.results for r in res] == [[{'steps': [0]}]] * 3  # Orbax's listing: storage steps
+  return root, tiers
+
+
+@pytest.fixture(scope='module')
+def sharded(tmp_path_factory):
+  return _save(tmp_path_factory.mktemp('local_sharded'), 'sharded')
+
+
+def _resume(root, tiers, layout, tmp_path):
+  copies = []
+  for i, t in enumerate(tiers):
+    dst = tmp_path / f'copy{i}'
+    shutil.copytree(t, dst)
+    copies.append(dst)
+  res = run_processes(WORKER, len(copies), 2, args=['resume', str(root), layout], timeout=400,
+                      env={**LOCAL, 'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': '5'},
+                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in copies])
+  out = []
+  for r in res:
+    (one,) = r.results
+    assert one['exact'] and one['storage_steps'] == [0], one
+    out.append((one['step'], one['bytes_by_source'], r.stderr_tail))
+  return out
+
+
+def test_the_local_only_step_holds_no_array_bytes_in_storage(sharded):
+  root, _ = sharded
+  local = root / '.orbax-pathways-local'
+  assert sorted(os.listdir(local)) == ['20']  # step 10 dropped once 20 committed (local_keep 1)
+  item = local / '20' / 'default'
+  sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(item) for f in fs]
+  # Orbax's files, our records, the numpy leaf and one empty chunk marker per array: no chunk
+  # of 'w' (24 KiB) or 'r'.
+  assert sum(sizes) < 16 << 10, sorted(sizes)
+  assert (item / '_pathways' / 'index.msgpack').exists()
+
+
+def test_a_restart_on_the_same_nodes_resumes_from_the_local_only_step(sharded, tmp_path):
+  root, tiers = sharded
+  out = _resume(root, tiers, 'sharded', tmp_path)
+  for step, by_source, _ in out:
+    assert step == 20 and by_source.get('storage', 0) == 0, (step, by_source)
+    assert by_source.get('local', 0) > 0
+
+
+def test_a_lost_node_of_sharded_state_passes_the_local_step_over_for_storage(sharded, tmp_path):
+  """Node 2 is gone: its rows of 'w' of step 20 are in no survivor's tier. The restart on two
+  processes passes step 20 over (one log line naming it and the missing chunk) and resumes
+  from storage's step 0; nothing of step 20 is returned."""
+  root, tiers = sharded
+  out = _resume(root, tiers[:2], 'sharded', tmp_path)
+  assert [step for step, _, _ in out] == [0, 0]
+  logs = ''.join(tail for _, _, tail in out)
+  assert 'local-only step 20 cannot be restored' in logs, logs[-3000:]
+  assert 'LocalStepIncompleteError' in logs or 'could not complete it' in logs, logs[-3000:]
+
+
+def test_replicated_state_survives_a_lost_node_from_the_local_only_step(tmp_path):
+  """'w' split over one slice's devices only (every slice holds all of it): each host keeps what
+  its devices hold, so after node 2 is lost the two survivors resume step 20 from their tiers,
+  reading nothing from storage."""
+  root, tiers = _save(tmp_path / 'save', 'replicated')
+  out = _resume(root, tiers[:2], 'replicated', tmp_path)
+  for step, by_source, _ in out:
+    assert step == 20 and by_source.get('storage', 0) == 0, (step, by_source)
