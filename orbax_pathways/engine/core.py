@@ -322,7 +322,9 @@ class Engine:
     if not cfg.explicit:
       root = tier_layout.split_item_dir(directory)[0] if directory is not None else None
       remote = root is not None and tier_store.storage_is_remote(root)
-      if not tier_store.default_applies(remote, jax.process_count(), not local):
+      # A local-only step's bytes go nowhere else: the default always applies to it.
+      if (not tier_store.default_applies(remote, jax.process_count(), not local)
+          and not format_lib.is_local_only(directory)):
         said.once(logging.INFO, ('tier-default-off',),
                    'orbax_pathways: no node-local tier for %s: the checkpoint directory is on '
                    'this machine\'s disk and one process saves and restores it, so the page '
@@ -345,6 +347,12 @@ class Engine:
                                  tier_scope=self.options.local_scope,
                                  peer_timeout_s=self.options.peer_timeout_s)
     transport = registry.create(self.transport_name(), save=config)
+    if format_lib.is_local_only(item.directory) and transport.name != 'local':
+      raise errors.SaveError(
+          f'{item.directory} is a local-only step (Options.local_save_interval_steps), which '
+          f'only the local transport (multi-controller JAX) writes so far; this save uses the '
+          f'{transport.name} transport. Set local_save_interval_steps=0 under Pathways '
+          '(docs/multi_tier.md).')
     reasons = transport.unsupported(leaves, item)
     if reasons and transport.fallback is not None:
       warnings.warn(

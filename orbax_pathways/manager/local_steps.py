@@ -103,3 +103,18 @@ def newer_steps(mngr: Any, than: int | None) -> tuple[Any | None, list[int]]:
     return None, []
   inner.reload()
   return inner, sorted((s for s in inner.all_steps() if than is None or s > than), reverse=True)
+
+
+def drop_newer(mngr: Any, step: int | None) -> None:
+  """Deletes the local-only steps newer than ``step`` (the step a resume chose; None: all):
+  saved by a run that was rolled back, they must not be resumed from later, nor block a save
+  of the same step number. Every process calls it (Orbax's delete is collective)."""
+  inner = local_manager(mngr)
+  if inner is None or _om.manager_read_only(mngr):  # an evaluator's resume deletes nothing
+    return
+  inner.reload()
+  for s in sorted(inner.all_steps()):
+    if step is None or s > step:
+      log.info('orbax_pathways: local-only step %d is newer than the step resumed from (%s): '
+               'deleted (a rolled-back run saved it).', s, step)
+      inner.delete(s)

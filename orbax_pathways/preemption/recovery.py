@@ -76,6 +76,8 @@ def _from_local_step(mngr, abstract_state: Any, newest_storage: int | None):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   inner, steps = local_steps.newer_steps(mngr, newest_storage)
+  if inner is None:
+    return None
   for step in steps:
     error = None
     try:
@@ -85,6 +87,7 @@ def _from_local_step(mngr, abstract_state: Any, newest_storage: int | None):
     if _all_processes_ok(mngr, error is None, step):
       logging.info('orbax_pathways.preemption.resume: resumed from local-only step %d (newer '
                    'than the newest storage step, %s).', step, newest_storage)
+      local_steps.drop_newer(mngr, step)
       return step, state
     logging.warning('orbax_pathways.preemption.resume: local-only step %d cannot be restored '
                     '(%s); trying the next older step.', step,
@@ -133,6 +136,7 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
             + '; '.join(f'step {s} ({p}): ' + (f'{type(e).__name__}: {str(e)[:300]}' if e else
                                                'failed on another process')
                         for s, p, e in damaged)) from damaged[0][2]
+      local_steps.drop_newer(mngr, None)
       return None, init_fn()
     path = _om.manager_step_path(mngr, step)
     error = None
@@ -146,6 +150,7 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
         logging.error(message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         _om.forget_step(mngr, s)
+      local_steps.drop_newer(mngr, step)
       return step, state
     if error is not None and not _still_complete(mngr, step):
       vanished += 1  # deleted meanwhile by a process saving here: look again

@@ -18,6 +18,7 @@ import pytest
 
 from support.mp_harness import run_processes
 from support.workers import local_steps_worker
+from orbax_pathways.tier import store as tier_store
 
 pytestmark = pytest.mark.multiprocess
 
@@ -39,20 +40,31 @@ def sharded(tmp_path_factory):
 
 
 def _resume(root, tiers, layout, tmp_path):
+  """Resumes from copies of ``tiers``; returns (step, bytes by source, log tail) per process
+  and the local-only steps left in storage after it. A resume deletes local-only steps newer
+  than the one it chose, so ``root`` is put back as it was afterwards (the tiers name it by
+  its path: it cannot be resumed from a copy elsewhere)."""
   copies = []
   for i, t in enumerate(tiers):
     dst = tmp_path / f'copy{i}'
     shutil.copytree(t, dst)
     copies.append(dst)
-  res = run_processes(WORKER, len(copies), 2, args=['resume', str(root), layout], timeout=400,
-                      env={**LOCAL, 'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': '5'},
-                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in copies])
+  backup = tmp_path / 'ckpt_before'
+  shutil.copytree(root, backup)
+  try:
+    res = run_processes(WORKER, len(copies), 2, args=['resume', str(root), layout], timeout=400,
+                        env={**LOCAL, 'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': '5'},
+                        per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in copies])
+    left = sorted(os.listdir(root / '.orbax-pathways-local'))
+  finally:
+    shutil.rmtree(root)
+    shutil.copytree(backup, root)
   out = []
   for r in res:
     (one,) = r.results
     assert one['exact'] and one['storage_steps'] == [0], one
     out.append((one['step'], one['bytes_by_source'], r.stderr_tail))
-  return out
+  return out, left
 
 
 def test_the_local_only_step_holds_no_array_bytes_in_storage(sharded):
@@ -69,10 +81,11 @@ def test_the_local_only_step_holds_no_array_bytes_in_storage(sharded):
 
 def test_a_restart_on_the_same_nodes_resumes_from_the_local_only_step(sharded, tmp_path):
   root, tiers = sharded
-  out = _resume(root, tiers, 'sharded', tmp_path)
+  out, left = _resume(root, tiers, 'sharded', tmp_path)
   for step, by_source, _ in out:
     assert step == 20 and by_source.get('storage', 0) == 0, (step, by_source)
     assert by_source.get('local', 0) > 0
+  assert left == ['20']
 
 
 def test_a_lost_node_of_sharded_state_passes_the_local_step_over_for_storage(sharded, tmp_path):
@@ -80,11 +93,16 @@ def test_a_lost_node_of_sharded_state_passes_the_local_step_over_for_storage(sha
   processes passes step 20 over (one log line naming it and the missing chunk) and resumes
   from storage's step 0; nothing of step 20 is returned."""
   root, tiers = sharded
-  out = _resume(root, tiers[:2], 'sharded', tmp_path)
+  out, left = _resume(root, tiers[:2], 'sharded', tmp_path)
   assert [step for step, _, _ in out] == [0, 0]
   logs = ''.join(tail for _, _, tail in out)
   assert 'local-only step 20 cannot be restored' in logs, logs[-3000:]
-  assert 'LocalStepIncompleteError' in logs or 'could not complete it' in logs, logs[-3000:]
+  # The process that lacks node 2's rows names the chunk; the other, the agreement.
+  assert "LocalStepIncompleteError: chunk [64, 0] of array 'w'" in logs, logs[-3000:]
+  assert 'another process of this job could not complete it' in logs, logs[-3000:]
+  # Training goes on from step 0: the step of the run it rolls back is gone, so step 20 can be
+  # saved again and is never resumed from.
+  assert left == []
 
 
 def test_replicated_state_survives_a_lost_node_from_the_local_only_step(tmp_path):
@@ -92,6 +110,23 @@ def test_replicated_state_survives_a_lost_node_from_the_local_only_step(tmp_path
   its devices hold, so after node 2 is lost the two survivors resume step 20 from their tiers,
   reading nothing from storage."""
   root, tiers = _save(tmp_path / 'save', 'replicated')
-  out = _resume(root, tiers[:2], 'replicated', tmp_path)
+  out, _ = _resume(root, tiers[:2], 'replicated', tmp_path)
   for step, by_source, _ in out:
     assert step == 20 and by_source.get('storage', 0) == 0, (step, by_source)
+
+
+def test_a_flipped_byte_in_a_local_only_chunk_passes_the_step_over(sharded, tmp_path):
+  """A tier copy of node 1's rows of 'w' damaged after the save (its crc32c no longer the
+  committed record's) has no other copy, in a tier or in storage: the step is passed over,
+  never returned with the bad byte."""
+  root, tiers = sharded
+  damaged = tmp_path / 'damaged'
+  shutil.copytree(tiers[1], damaged)
+  (entry,) = [e for e in tier_store.entries(str(damaged)) if e.step == 20]
+  (w,) = [a for a in entry.manifest.arrays if a.name == 'w']  # one copy in the job: no replica
+  with open(os.path.join(entry.path, w.files[0]), 'r+b') as f:
+    b = f.read(1)
+    f.seek(0)
+    f.write(bytes([b[0] ^ 0x40]))
+  out, _ = _resume(root, [tiers[0], damaged, tiers[2]], 'sharded', tmp_path / 'run')
+  assert [step for step, _, _ in out] == [0, 0, 0]
