@@ -604,7 +604,11 @@ def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike,
   inner_options = ocp.CheckpointManagerOptions(
       save_interval_steps=1, max_to_keep=keep, create=True,
       enable_async_checkpointing=options.enable_async_checkpointing,
-      multiprocessing_options=options.multiprocessing_options,
+      # Its own barrier names: its barriers never meet the manager's.
+      multiprocessing_options=dataclasses.replace(
+          options.multiprocessing_options,
+          barrier_sync_key_prefix=(options.multiprocessing_options.barrier_sync_key_prefix
+                                   or '') + 'orbax_pathways_local'),
       step_name_format=options.step_name_format,
       async_options=options.async_options)
   # Handlers come from the save's arguments, as for a manager built without item handlers.

@@ -12,7 +12,9 @@ Who calls what, on which host (every process that calls the manager):
   local save that fails is logged (one warning) and never fails training: the previous
   local-only or storage step stays the newest to resume from.
 - ``LocalStepHooks.wait`` / ``close`` (calls 11): the user's ``wait_until_finished`` and
-  ``close`` also wait for (and close) the hidden manager.
+  ``close`` also wait for (and close) the hidden manager; ``before_save`` (call 3) waits for a
+  local-only save still committing, and a local-only save first waits for the storage save
+  before it: one save commits in the background per process at a time.
 - ``local_steps(mngr)`` (``preemption.resume``): the committed local-only steps, newest first,
   and ``restore`` one of them through the hidden manager.
 
@@ -49,6 +51,13 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     self.interval = interval
     self.keep = keep
 
+  def before_save(self, mngr: Any, step: int) -> None:
+    """A storage save starts once the local-only save before it committed: one save in the
+    background per process at a time (Orbax's own rule within one manager; two managers'
+    background threads would share Orbax's process-wide operation ids and barrier order)."""
+    if not _om.is_local_manager(mngr):
+      self.wait(mngr)
+
   def save_declined(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> None:
     every = self.interval()
     if every <= 0 or step % every or _om.is_local_manager(mngr):
@@ -56,6 +65,7 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     inner = _om.local_manager(mngr, directory_of(mngr), self.keep())
     kwargs = {k: v for k, v in kwargs.items() if k not in ('force', 'metrics')}
     try:
+      mngr.wait_until_finished()  # the storage save before it, as before_save above
       inner.save(step, *args, force=True, **kwargs)
     except Exception as e:  # pylint: disable=broad-except  (never fails the training step)
       log.warning('orbax_pathways: local-only save of step %d into %s failed (%s: %s); the '

@@ -11,13 +11,16 @@ and resumes. Every case checks bit-exact values of the step resumed and the byte
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
 import pytest
 
+from support import procs
 from support.mp_harness import run_processes
 from support.workers import local_steps_worker
+from support.workers import stock_read_worker
 from orbax_pathways.tier import store as tier_store
 
 pytestmark = pytest.mark.multiprocess
@@ -130,3 +133,20 @@ def test_a_flipped_byte_in_a_local_only_chunk_passes_the_step_over(sharded, tmp_
     f.write(bytes([b[0] ^ 0x40]))
   out, _ = _resume(root, [tiers[0], damaged, tiers[2]], 'sharded', tmp_path / 'run')
   assert [step for step, _, _ in out] == [0, 0, 0]
+
+
+def test_stock_orbax_fails_loudly_on_a_local_only_step_instead_of_reading_zeros(sharded):
+  root, _ = sharded
+  item = root / '.orbax-pathways-local' / '20' / 'default'
+  got = procs.worker_json(stock_read_worker, item, env={'ORBAX_PATHWAYS_DISABLE': '1'},
+                          devices=1, timeout=300)
+  assert 'error' in got, got  # never {'nonzero': ...}: a silent read of zeros or a marker
+
+
+def test_the_tier_command_lists_and_checks_a_local_only_steps_entries(sharded):
+  root, tiers = sharded
+  out = procs.run_cli('tier', tiers[1], '--json', timeout=120)
+  doc = json.loads(out.stdout)
+  local = [e for e in doc['entries'] if '.orbax-pathways-local' in e['root']]
+  assert out.returncode == 0 and local, out.stdout[-3000:]
+  assert all(e['status'] == 'ok' for e in local), local

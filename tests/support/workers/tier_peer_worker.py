@@ -5,7 +5,7 @@ its peer server plays in a survivor-first restore.
     tier_peer_worker.py save|restore CKPT FAULT
 
 ``FAULT`` (this process's server): ``none``; ``stall`` (accepts connections, never answers);
-``refuse`` (publishes, then its server is gone); ``no_relay`` (answers every relay request with
+``refuse`` (its server is gone when it publishes); ``no_relay`` (answers every relay request with
 an error); ``die_mid_chunk`` (closes the connection half-way through a chunk); ``tib`` (claims
 a 1 TiB answer, sends nothing); ``dtype`` (its list says int32 for the float32 'w').
 ``save``: saves steps 1 and 2 of 'w' (sharded), 'b' (row-sharded), 'r' (replicated) and, with
@@ -29,15 +29,14 @@ def _play(fault: str) -> None:
 
   if fault == 'stall':  # accepts connections, never answers
     peer._Handler.answer = lambda self, sock, req: time.sleep(3600)
-  elif fault == 'refuse':  # publishes, then its server is gone: connections are refused
+  elif fault == 'refuse':  # its server is gone before it publishes: connections are refused
     publish = peer.Exchange.publish
 
-    def publish_then_stop(self, *a, **k):
-      prefix = publish(self, *a, **k)
+    def stop_then_publish(self, *a, **k):
       peer.stop_serving()
-      return prefix
+      return publish(self, *a, **k)
 
-    peer.Exchange.publish = publish_then_stop
+    peer.Exchange.publish = stop_then_publish
   elif fault == 'no_relay':  # answers every relay request with an error
     from orbax_pathways.tier import relay  # pylint: disable=g-import-not-at-top
 

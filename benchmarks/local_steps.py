@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Multi-tier checkpointing against storage-only (issue 27): steps lost and time to resume after
+every process is killed, and what a save costs the training loop.
+
+    .venv/bin/python benchmarks/local_steps.py                      # 32 MiB per process
+    .venv/bin/python benchmarks/local_steps.py --mib 64 --json-out /tmp/local_steps.json
+
+Storage is fake-gcs-server (in memory) behind ``tests/support/fault_proxy.py`` with its bandwidth
+cap (all connections together), so storage is slower than node-local memory as in production.
+4 ``jax.distributed`` processes (2 CPU devices each, one node-local tier directory each) train a
+state sharded over all 8 devices (``--mib`` per process) for ``--steps`` steps of ``--step-s``
+seconds each (a sleep: the CPU stays free for the background commits), with an unchanged
+``CheckpointManager`` saving to storage every ``--storage-every`` steps, and then stop without
+a final save (every process killed at the same step). Each run is made twice, interleaved:
+
+- ``storage_only``: ``local_save_interval_steps=0``;
+- ``multi_tier``: ``local_save_interval_steps=--local-every``.
+
+Then 4 fresh processes run ``preemption.resume`` and one training step. Reported per mode: the
+step resumed from and the steps lost, seconds from the resume call to the end of the first step
+after it (slowest process, between barriers), bytes read from storage, and the training loop's
+mean step time against the step time with no checkpointing (``--steps`` steps, measured in the
+same processes before the saving runs).
+
+Timings are wall clock on a shared machine; compare within one run. The resumed state is checked
+against the values of the step it came from in every process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+TESTS = os.path.join(REPO, 'tests')
+MiB = 1 << 20
+
+WORKER = r'''
+import json, os, sys, time
+from support import mp_worker
+mp_worker.init()
+import jax, numpy as np
+import orbax.checkpoint as ocp
+import orbax_pathways
+from orbax_pathways import preemption, stats
+from jax.experimental import multihost_utils
+
+P = jax.sharding.PartitionSpec
+mode, root, mib, steps, step_s, storage_every = (
+    sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]),
+    int(sys.argv[6]))
+n = jax.device_count()
+rows = max(n, int(mib * (1 << 20) * jax.process_count() / 4 / 1024) // n * n)
+mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n // 2, 2), ('x', 'y'))
+sharding = jax.sharding.NamedSharding(mesh, P('x', 'y'))
+base = np.arange(rows * 1024, dtype=np.float32).reshape(rows, 1024)
+
+def state(step):
+  return {'w': jax.make_array_from_callback(base.shape, sharding, lambda i: base[i] + step)}
+
+opts = ocp.CheckpointManagerOptions(save_interval_steps=storage_every, max_to_keep=2)
+if mode == 'train':
+  s = state(0)
+  jax.block_until_ready(s)
+  multihost_utils.sync_global_devices('bare')
+  t0 = time.perf_counter()
+  for step in range(steps):  # no checkpointing: the reference step time
+    time.sleep(step_s)
+  bare = (time.perf_counter() - t0) / steps
+  with ocp.CheckpointManager(root, options=opts) as m:
+    multihost_utils.sync_global_devices('train')
+    t0 = time.perf_counter()
+    blocking = []
+    for step in range(steps):
+      time.sleep(step_s)
+      s = state(step)  # the step's new state (its values identify the step)
+      b0 = time.perf_counter()
+      m.save(step, args=ocp.args.StandardSave(s))
+      blocking.append(time.perf_counter() - b0)
+    loop = (time.perf_counter() - t0) / steps
+    # Killed here: no final save, and whatever is still committing in the background is lost
+    # (os._exit below never waits for it).
+    multihost_utils.sync_global_devices('killed')
+  mp_worker.emit({'bare_step_s': bare, 'step_s': loop, 'blocking_max_s': max(blocking),
+                  'blocking_mean_s': sum(blocking) / len(blocking)})
+  sys.stdout.flush()
+  os._exit(0)
+else:
+  target = {'w': jax.ShapeDtypeStruct(base.shape, base.dtype, sharding=sharding)}
+  with ocp.CheckpointManager(root, options=opts) as m:
+    multihost_utils.sync_global_devices('before')
+    t0 = time.perf_counter()
+    step, got = preemption.resume(m, lambda: state(0), abstract_state=target)
+    time.sleep(step_s)  # the first training step after it
+    jax.block_until_ready(got)
+    multihost_utils.sync_global_devices('after')
+    wall = time.perf_counter() - t0
+  for sh in got['w'].addressable_shards:
+    np.testing.assert_array_equal(np.asarray(sh.data), base[sh.index] + step)
+  st = stats.last_restore()
+  mp_worker.emit({'step': step, 'resume_s': wall, 'bytes_by_source': st.bytes_by_source})
+'''
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument('--mib', type=float, default=32.0, help='MiB of state per process')
+  p.add_argument('--steps', type=int, default=96, help='steps trained before the kill')
+  p.add_argument('--step-s', type=float, default=0.1, help='seconds of one training step')
+  p.add_argument('--storage-every', type=int, default=50)
+  p.add_argument('--local-every', type=int, default=10)
+  p.add_argument('--bandwidth-mib', type=float, default=64.0,
+                 help='storage bandwidth cap, MiB/s, all connections together')
+  p.add_argument('--json-out', default=None)
+  p.add_argument('--timeout', type=float, default=900, help='seconds per multi-process run')
+  return p.parse_args(argv)
+
+
+def _run(run_processes, args, mode, root, env, tiers):
+  res = run_processes(WORKER, 4, 2, timeout=args.timeout, init_timeout=300, env=env,
+                      args=[mode, root, str(args.mib), str(args.steps), str(args.step_s),
+                            str(args.storage_every)],
+                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': t} for t in tiers])
+  return [r.result for r in res]
+
+
+def one_mode(mode, args, bucket, run_processes) -> dict:
+  root = f'gs://{bucket}/{mode}'
+  tiers = [tempfile.mkdtemp(prefix=f'orbax-pathways-bench-{mode}-{i}-',
+                            dir='/dev/shm' if os.access('/dev/shm', os.W_OK) else None)
+           for i in range(4)]
+  env = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS':
+         str(args.local_every if mode == 'multi_tier' else 0)}
+  try:
+    train = _run(run_processes, args, 'train', root, env, tiers)
+    resume = _run(run_processes, args, 'resume', root, env, tiers)
+  finally:
+    for t in tiers:
+      shutil.rmtree(t, ignore_errors=True)
+  steps = {r['step'] for r in resume}
+  assert len(steps) == 1, steps
+  step = steps.pop()
+  return {
+      'mode': mode, 'resumed_step': step,
+      'steps_lost': (args.steps - 1) - (step if step is not None else -1),
+      'resume_s': max(r['resume_s'] for r in resume),
+      'storage_bytes': sum(r['bytes_by_source'].get('storage', 0) for r in resume),
+      'step_s': max(t['step_s'] for t in train), 'bare_step_s': max(t['bare_step_s'] for t in train),
+      'blocking_max_s': max(t['blocking_max_s'] for t in train),
+  }
+
+
+def table(results, args) -> str:
+  lines = [f'4 processes x 2 CPU devices, {args.mib:g} MiB per process, {args.steps} steps of '
+           f'{args.step_s:g} s, storage every {args.storage_every}, local every '
+           f'{args.local_every}, gs:// at {args.bandwidth_mib:g} MiB/s', '',
+           '| mode | resumed from | steps lost | resume to first step (s) | storage bytes read '
+           '| step time / bare | save() blocking max (s) |', '|---|---:|---:|---:|---:|---:|---:|']
+  for r in results:
+    lines.append(f"| {r['mode']} | {r['resumed_step']} | {r['steps_lost']} | "
+                 f"{r['resume_s']:.2f} | {r['storage_bytes'] / MiB:.1f} MiB | "
+                 f"{r['step_s'] / r['bare_step_s']:.3f} | {r['blocking_max_s']:.3f} |")
+  by = {r['mode']: r for r in results}
+  if {'storage_only', 'multi_tier'} <= set(by):
+    lines.append('')
+    lines.append(f"resume time multi_tier / storage_only: "
+                 f"{by['multi_tier']['resume_s'] / by['storage_only']['resume_s']:.2f}")
+  return '\n'.join(lines)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  sys.path.insert(0, TESTS)
+  from support import gcs_server  # pylint: disable=import-outside-toplevel
+  from support.fault_proxy import FaultProxy  # pylint: disable=import-outside-toplevel
+  from support.mp_harness import run_processes  # pylint: disable=import-outside-toplevel
+  server = gcs_server.FakeGcs(backend='memory').start()
+  proxy = FaultProxy(server.url, rate=0.0, bandwidth=args.bandwidth_mib * MiB).start()
+  try:
+    for k, v in server.env(proxy.url).items():
+      os.environ[k] = v
+    for k in gcs_server.FakeGcs.unset_keys():
+      os.environ.pop(k, None)
+    results = []
+    for mode in ('storage_only', 'multi_tier'):
+      t0 = time.perf_counter()
+      results.append(one_mode(mode, args, server.new_bucket('local'), run_processes))
+      print(f'{mode}: {time.perf_counter() - t0:.0f} s', file=sys.stderr, flush=True)
+    print(table(results, args))
+    if args.json_out:
+      with open(args.json_out, 'w', encoding='utf-8') as f:
+        json.dump({'args': vars(args), 'date': time.strftime('%Y-%m-%d'), 'results': results},
+                  f, indent=1)
+  finally:
+    proxy.stop()
+    server.stop()
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
