@@ -13,8 +13,9 @@ seconds each (a sleep: the CPU stays free for the background commits), with an u
 ``CheckpointManager`` saving to storage every ``--storage-every`` steps, and then stop without
 a final save (every process killed at the same step). Each run is made twice, interleaved:
 
-- ``storage_only``: ``local_save_interval_steps=0``;
-- ``multi_tier``: ``local_save_interval_steps=--local-every``.
+- ``storage_only``: ``local_save_interval_steps=0`` and no node-local tier (``local_dir='off'``):
+  every restore reads storage, as stock Orbax does;
+- ``multi_tier``: ``local_save_interval_steps=--local-every``, a tier per process.
 
 Then 4 fresh processes run ``preemption.resume`` and one training step. Reported per mode: the
 step resumed from and the steps lost, seconds from the resume call to the end of the first step
@@ -138,9 +139,10 @@ def one_mode(mode, args, bucket, run_processes) -> dict:
            for i in range(4)]
   env = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS':
          str(args.local_every if mode == 'multi_tier' else 0)}
+  per_tier = list(tiers) if mode == 'multi_tier' else ['off'] * 4  # storage only: no tier at all
   try:
-    train = _run(run_processes, args, 'train', root, env, tiers)
-    resume = _run(run_processes, args, 'resume', root, env, tiers)
+    train = _run(run_processes, args, 'train', root, env, per_tier)
+    resume = _run(run_processes, args, 'resume', root, env, per_tier)
   finally:
     for t in tiers:
       shutil.rmtree(t, ignore_errors=True)
