@@ -1,12 +1,12 @@
 """Keys one restoring process reads to find the peers that hold the chunks it lacks, at 64, 1,024
 and 16,384 simulated processes (issue 27, item 6).
 
-What runs: the package's own ``tier/peer.Exchange`` (publish, ``gather``, ``holders``) and
-``tier/peer.to_ask`` (which holders a reader lists), every simulated process publishing into one
-in-memory key-value store with the semantics of jax's coordination service (set, blocking get,
-directory get, delete). jax's service itself cannot hold 16,384 processes on this machine; the
-store counts what a reader asks of it and the keys it gets back. No chunk moves: the chunk lists
-and gets are the same whichever way the peers were found.
+What runs: the package's own ``tier/exchange.Exchange`` (publish, ``gather``, ``holders``)
+and ``tier/exchange.to_ask`` (which holders a reader lists), every simulated process publishing
+into one in-memory key-value store with the semantics of jax's coordination service (set,
+blocking get, directory get, delete). jax's service itself cannot hold 16,384 processes on this
+machine; the store counts what a reader asks of it and the keys it gets back. No chunk moves:
+the chunk lists and gets are the same whichever way the peers were found.
 
 The case: a job of N processes (one writer each, ``local_scope='written'``) restarts onto N - 1
 after one node was lost; each process then restores a layout whose regions straddle two
@@ -30,7 +30,7 @@ import json
 import sys
 import time
 
-from orbax_pathways.tier import peer
+from orbax_pathways.tier import exchange
 
 FLEETS = (64, 1024, 16384)
 
@@ -79,7 +79,7 @@ class FleetKV:
       del self.store[k]
 
 
-def _fleet(n: int) -> tuple[FleetKV, list[peer.Exchange], str, dict[str, str]]:
+def _fleet(n: int) -> tuple[FleetKV, list[exchange.Exchange], str, dict[str, str]]:
   """N - 1 survivors of an N-process job, each holding its own writer's entry of one item, all
   published into one store. Writer ``p<n-1>``'s node is lost."""
   kv = FleetKV()
@@ -87,7 +87,7 @@ def _fleet(n: int) -> tuple[FleetKV, list[peer.Exchange], str, dict[str, str]]:
   save_ids = {f'p{w}': f'id{w}' for w in range(n)}
   exchanges, prefix = [], ''
   for me in range(n - 1):
-    ex = peer.Exchange(kv, me, n - 1, timeout_s=1.0)
+    ex = exchange.Exchange(kv, me, n - 1, timeout_s=1.0)
     prefix = ex.prefix(item) if me == 0 else prefix
     ex.publish(prefix, f'10.0.{me // 256}.{me % 256}:7000', [(f'p{me}', f'id{me}')],
                holds={f'p{me}': [(f'p{me}', f'id{me}')]})
@@ -118,13 +118,13 @@ def run(n: int) -> dict:
                if any(save_ids.get(w) == s for w, s in v['entries']))
 
   def survivor():
-    return len(peer.to_ask(reader.holders(prefix, 'p1'), save_ids, reader.me)[:1])
+    return len(exchange.to_ask(reader.holders(prefix, 'p1'), save_ids, reader.me)[:1])
 
   def lost():
-    asked = len(peer.to_ask(edge.holders(prefix, f'p{n - 3}'), save_ids, edge.me)[:1])
-    if not peer.to_ask(edge.holders(prefix, f'p{n - 1}'), save_ids, edge.me):
+    asked = len(exchange.to_ask(edge.holders(prefix, f'p{n - 3}'), save_ids, edge.me)[:1])
+    if not exchange.to_ask(edge.holders(prefix, f'p{n - 1}'), save_ids, edge.me):
       edge.gather(prefix)  # is p<n-1> late or lost: every process's key, once
-      asked += len(peer.to_ask(edge.holders(prefix, f'p{n - 1}'), save_ids, edge.me)[:1])
+      asked += len(exchange.to_ask(edge.holders(prefix, f'p{n - 1}'), save_ids, edge.me)[:1])
     return asked
 
   return {'processes': n, 'before': _measure(kv, before), 'survivor': _measure(kv, survivor),

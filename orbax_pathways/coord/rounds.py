@@ -12,7 +12,7 @@ client arrives as an object with ``key_value_set``, ``blocking_key_value_get``,
   member publishes "my writes finished", the primary gathers and publishes the verdict;
 - ``preemption/decision.py`` (every ``agreement_interval`` steps) and ``preemption/recovery.py``
   (each step ``resume`` tries): every member publishes a flag and gathers everyone's;
-- ``tier/peer.Exchange`` (each restore with the tier on): every process publishes what its
+- ``tier/exchange.Exchange`` (each restore with the tier on): every process publishes what its
   node holds; a reader gathers the others' when it first needs a chunk, and takes whoever
   answered in time (``missing_ok``: a missing peer costs its chunks a storage read).
 

@@ -11,8 +11,10 @@ Modules, each one job:
   oldest entries while the tier is over ``Options.local_max_bytes`` (planning pure, then I/O).
 - ``chain``: the per-chunk source chain of a restore (this node's tier -> other hosts' tiers ->
   storage), verified against the committed step's checksums from storage.
-- ``peer``: other hosts' tiers: a TCP server per process serving its node's tier, the key-value
-  exchange of who holds what, and the chain's peer source (deadlines, bytes in flight capped).
+- ``peer``: other hosts' tiers: the chain's peer source, the client side of the peer channel
+  (deadlines, bytes in flight capped).
+- ``peer_server``: a TCP server per process serving its node's tier to the job's processes.
+- ``exchange``: the job's peer secret and the key-value exchange of who holds what.
 
 The tier is not part of the checkpoint format (``docs/format.md``): storage stays the truth, a
 tier entry is used only when its save id is the one storage's index records for its writer.

@@ -43,11 +43,14 @@ from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import meta_io
 from orbax_pathways.tier import chunk_read
+from orbax_pathways.tier import exchange as tier_exchange
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
 from orbax_pathways.tier import peer as tier_peer
+from orbax_pathways.tier import peer_server as tier_server
 from orbax_pathways.tier import relay as tier_relay
 from orbax_pathways.tier import store
+from orbax_pathways.tier import wire as tier_wire
 
 Box = boxes_lib.Box
 log = logging.getLogger('orbax_pathways')
@@ -206,7 +209,7 @@ class SourceChain:
         src.read_into(read, chunk, place)
       else:
         place.fill_from_array(src.read_chunk(read, chunk, place.dtype))
-    except (SourceError, tier_peer.PeerError) as e:
+    except (SourceError, tier_wire.PeerError) as e:
       self.problems.append(f'{src.name}: {e}')
       return False
     except ValueError as e:  # fill_from_array: another dtype or shape; nothing converted
@@ -321,7 +324,7 @@ def _writers_held(usable: Sequence[store.Entry], committed: Any) -> dict[str, li
 
 def for_restore(cfg: store.TierConfig | None, item_dir: str,
                 save_ids: Mapping[str, str] | str | None = None,
-                peers: tier_peer.Exchange | None = None,
+                peers: tier_exchange.Exchange | None = None,
                 relay_targets: Mapping[str, tier_relay.Target] | None = None
                 ) -> SourceChain | None:
   """The chain for restoring ``item_dir`` on this host: this node's tier entries of the item
@@ -372,7 +375,7 @@ def for_restore(cfg: store.TierConfig | None, item_dir: str,
     relay = (tier_relay.RelaySource(peer_source, relay_targets, peers.timeout_s)
              if relay_targets and not chain.tier_only else None)
     try:
-      address = tier_peer.serve(cfg.local_dir)
+      address = tier_server.serve(cfg.local_dir)
       if relay is not None:  # before publishing: whoever sees our key may ask for a relay
         tier_relay.register(relay)
       peers.publish(prefix, address, [(e.writer, e.save_id) for e in usable],

@@ -8,8 +8,8 @@ chunk (``plan/sources.needers``, from the target sharding) are split into groups
 ``GROUP`` in process order; in each group one process (``plan/sources.fetcher``, the same pick on
 every process) reads the chunk from storage, checks it against the committed crc32c, and keeps it
 in memory; the others of its group ask it for the chunk over the tier's peer channel
-(``tier/peer.py``, op ``relay``). Groups bound what one process sends (at most ``GROUP - 1``
-copies of a chunk), however many processes need it.
+(``tier/peer.py`` to ``tier/peer_server.py``, op ``relay``). Groups bound what one process sends
+(at most ``GROUP - 1`` copies of a chunk), however many processes need it.
 
 Who calls what, on which host (multi-controller JAX, every process, one restore):
 
@@ -56,6 +56,8 @@ from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import hedge
 from orbax_pathways.tier import peer as tier_peer
+from orbax_pathways.tier import peer_server as tier_server
+from orbax_pathways.tier import wire as tier_wire
 
 Box = boxes_lib.Box
 log = logging.getLogger('orbax_pathways')
@@ -232,7 +234,7 @@ def answer(req: Mapping[str, Any]) -> np.ndarray:
   return source.fetch(name, chunk)
 
 
-tier_peer.register_op('relay', answer)
+tier_server.register_op('relay', answer)
 
 
 # ---- the chain's source --------------------------------------------------------------------------
@@ -312,16 +314,16 @@ class RelaySource:
   def read_chunk(self, read: Any, chunk: Box, dtype: np.dtype) -> np.ndarray:
     fetcher = self.fetcher_of(read, chunk)
     if fetcher is None:
-      raise tier_peer.PeerError(f'no relay for chunk {list(chunk.start)} of {read.name!r}')
+      raise tier_wire.PeerError(f'no relay for chunk {list(chunk.start)} of {read.name!r}')
     if fetcher == self.me:
       try:
         return self.fetch(read.name, chunk)
       except RelayError as e:
-        raise tier_peer.PeerError(f'relay read of chunk {list(chunk.start)} of {read.name!r} '
+        raise tier_wire.PeerError(f'relay read of chunk {list(chunk.start)} of {read.name!r} '
                                   f'for its group: {e}') from e
     peer = self.peers.peer(fetcher)
     if peer is None:
-      raise tier_peer.PeerError(f'peer process {fetcher} (the fetcher of chunk '
+      raise tier_wire.PeerError(f'peer process {fetcher} (the fetcher of chunk '
                                 f'{list(chunk.start)} of {read.name!r}) is not reachable')
     out = np.empty(chunk.shape, dtype)
     tier_peer.budget.take(out.nbytes)

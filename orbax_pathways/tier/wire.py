@@ -1,12 +1,16 @@
 """The tier's peer channel on the wire: the job-secret handshake, authenticated requests, and
-the bound on every receive. Sockets and bytes only (no numpy, no files, no jax).
+the bound on every receive. Sockets and bytes only (no numpy, no files, no jax). Also what
+both ends share: the names a request or a list answer may carry (``PART_RE``, ``FILE_RE``) and
+``PeerError``, what the channel raises when a peer did not deliver (``tier/peer.py``,
+``tier/relay.py``, ``tier/peer_server.serve``, ``tier/exchange.job_secret``; caught by
+``tier/chain.py`` and ``transports/local.py``).
 
-Who calls what, on which host: ``tier/peer.py``'s server (one per process, a thread per
-connection) calls ``accept`` on each new connection, then ``recv_request`` per request; its
-client (``_Peer``, on the restoring process) calls ``connect`` once per pooled connection, then
-``send_request`` and ``recv_header`` / ``recv_bounded`` per request.
+Who calls what, on which host: ``tier/peer_server.py``'s server (one per process, a thread per
+connection) calls ``accept`` on each new connection, then ``recv_request`` per request;
+``tier/peer.py``'s client (``_Peer``, on the restoring process) calls ``connect`` once per
+pooled connection, then ``send_request`` and ``recv_header`` / ``recv_bounded`` per request.
 
-A connection (``K`` is the job's 32-byte secret, ``tier/peer.job_secret``; every MAC is
+A connection (``K`` is the job's 32-byte secret, ``tier/exchange.job_secret``; every MAC is
 HMAC-SHA256 under ``K`` over a label and the parts, each compared with
 ``hmac.compare_digest``)::
 
@@ -41,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import re
 import secrets
 import socket
 import struct
@@ -60,6 +65,8 @@ MAX_ERROR_BYTES = 4 << 10  # an error answer's text (the server truncates to it)
 # may have (``fsafe.MAX_SMALL_BYTES``), i.e. millions of chunks.
 MAX_LIST_BYTES = 64 << 20
 REASONS = stats.PEER_REFUSED  # counted in ``stats.peer_server()``
+PART_RE = re.compile(r'^[A-Za-z0-9_.=+-]+$')  # a tier path component (and a holder key's writer)
+FILE_RE = re.compile(r'^\d+\.\d+\.bin$')  # a chunk file's name (a get, a list answer)
 
 _HELLO = struct.Struct(f'!4sBB{NONCE_BYTES}s')
 _LENGTH = struct.Struct('!I')  # a request's body bytes
@@ -70,7 +77,7 @@ _PIECE = 1 << 20  # bytes taken per receive of an answer of unknown content
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-  """What one server allows (per process; ``tier/peer.serve``)."""
+  """What one server allows (per process; ``tier/peer_server.serve``)."""
 
   max_connections: int = 64  # served at once, one thread each; more are refused at once
   handshake_s: float = 10.0  # a new connection must prove the job's secret within this
@@ -79,6 +86,10 @@ class Limits:
 
 
 LIMITS = Limits()
+
+
+class PeerError(Exception):
+  """A peer did not deliver: refused, closed, answered an error, or missed its deadline."""
 
 
 class Refused(Exception):

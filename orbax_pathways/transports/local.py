@@ -31,8 +31,9 @@ from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.transports import base
 from orbax_pathways.tier import chain as tier_chain
-from orbax_pathways.tier import peer as tier_peer
+from orbax_pathways.tier import exchange as tier_exchange
 from orbax_pathways.tier import relay as tier_relay
+from orbax_pathways.tier import wire as tier_wire
 from orbax_pathways.transports import share
 
 NAME = options_lib.TransportName.LOCAL.value
@@ -237,20 +238,20 @@ def relay_targets(targets: Sequence[values.ReadTarget], context: Any
       for t in targets}
 
 
-def peer_exchange(timeout_s: float) -> tier_peer.Exchange | None:
+def peer_exchange(timeout_s: float) -> tier_exchange.Exchange | None:
   """The other processes of this multi-controller job, through jax's key-value store (None in
   a single process): a restore takes what this node's tier lacks from theirs. Reads the job's
-  peer secret first (once per process: ``tier_peer.job_secret``), which this process's server
+  peer secret first (once per process: ``tier_exchange.job_secret``), which this process's server
   demands of every connection and its client proves; without it (the key-value store did not
   answer) the peer channel stays off for this restore, one warning per process, and storage
   serves what this node's tier lacks."""
   client = jax_distributed.distributed_client() if jax.process_count() > 1 else None
   if client is None:
     return None
-  exchange = tier_peer.Exchange(client, jax.process_index(), jax.process_count(), timeout_s)
+  exchange = tier_exchange.Exchange(client, jax.process_index(), jax.process_count(), timeout_s)
   try:
     exchange.secret()
-  except tier_peer.PeerError as e:
+  except tier_wire.PeerError as e:
     said.once(logging.WARNING, ('tier-peer-secret', str(e)),
                'orbax_pathways: node-local tiers of other hosts not used: %s. Chunks this '
                "node's tier lacks are read from storage.", e)

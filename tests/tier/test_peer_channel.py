@@ -43,7 +43,9 @@ from orbax_pathways import stats
 from support import procs
 from support.mp_harness import run_processes
 from support.workers import peer_secret_worker, peer_server_worker
+from orbax_pathways.tier import exchange
 from orbax_pathways.tier import peer
+from orbax_pathways.tier import peer_server
 from orbax_pathways.tier import store as tier_store
 from orbax_pathways.tier import wire
 
@@ -84,11 +86,11 @@ def tier(saved, tmp_path):
 @pytest.fixture
 def server(tier, monkeypatch):
   """This process's server of the copy, with short deadlines, and fresh counters."""
-  monkeypatch.setattr(peer, 'COUNTS', peer._Counts())
+  monkeypatch.setattr(peer_server, 'COUNTS', peer_server._Counts())
   monkeypatch.setattr(stats, '_peer_refused', dict.fromkeys(stats.PEER_REFUSED, 0))
-  address = peer.serve(str(tier[0]), SECRET, FAST)
+  address = peer_server.serve(str(tier[0]), SECRET, FAST)
   yield address
-  peer.stop_serving()
+  peer_server.stop_serving()
 
 
 def _connect(address):
@@ -131,8 +133,9 @@ def _get(parts, entry, file):
 def test_a_client_without_the_secret_gets_no_list_chunk_or_relay_and_is_counted(
     server, tier, caplog, monkeypatch):
   tier_dir, parts, entry_dir, manifest = tier
-  probed = []  # a registered op (peer.register_op) that says whether a request reached it
-  monkeypatch.setitem(peer._ops, 'probe', lambda req: probed.append(req) or np.zeros(4, np.uint8))
+  probed = []  # a registered op (peer_server.register_op) that says whether a request reached it
+  monkeypatch.setitem(peer_server._ops, 'probe',
+                      lambda req: probed.append(req) or np.zeros(4, np.uint8))
   entry, file = os.path.basename(entry_dir), manifest.arrays[0].files[0]
   chunk = open(os.path.join(entry_dir, file), 'rb').read()
   asks = [{'op': 'list', 'item': list(parts)}, _get(parts, entry, file),
@@ -145,8 +148,8 @@ def test_a_client_without_the_secret_gets_no_list_chunk_or_relay_and_is_counted(
       got = _drain(s)
     assert got[:4] == wire.MAGIC and len(got) == 22, got  # the hello, then closed: nothing else
   assert probed == []
-  assert peer.server_counts()['unauthenticated'] == len(asks)
-  assert stats.peer_server() == peer.server_counts()
+  assert peer_server.server_counts()['unauthenticated'] == len(asks)
+  assert stats.peer_server() == peer_server.server_counts()
   lines = [r.getMessage() for r in caplog.records if 'did not prove' in r.getMessage()]
   assert len(lines) == 1, lines  # rate-limited: one line for the four
   assert '127.0.0.1:' in lines[0] and 'got no data' in lines[0], lines
@@ -163,21 +166,21 @@ def test_a_client_without_the_secret_gets_no_list_chunk_or_relay_and_is_counted(
 
 def test_a_client_of_another_job_and_a_silent_one_are_refused(server, tier):
   _, parts, _, _ = tier
-  with pytest.raises(peer.PeerError, match="does not hold this job's secret"):
+  with pytest.raises(wire.PeerError, match="does not hold this job's secret"):
     _client(server, OTHER_JOB).request({'op': 'list', 'item': list(parts)}, 'the list')
   with _connect(server) as s:  # connects and sends nothing: closed at the handshake deadline
     t0 = time.monotonic()
     assert len(_drain(s)) == 22
     assert time.monotonic() - t0 < 10
-  assert peer.server_counts()['unauthenticated'] == 2
+  assert peer_server.server_counts()['unauthenticated'] == 2
 
 
 def test_a_server_never_starts_without_the_jobs_secret(tmp_path, monkeypatch):
-  monkeypatch.setattr(peer, '_secret', None)  # no Exchange has read one in this process
-  with pytest.raises(peer.PeerError, match="needs this job's secret"):
-    peer.serve(str(tmp_path))
-  with pytest.raises(peer.PeerError, match="needs this job's secret"):
-    peer.serve(str(tmp_path), b'short')
+  monkeypatch.setattr(exchange, '_secret', None)  # no Exchange has read one in this process
+  with pytest.raises(wire.PeerError, match="needs this job's secret"):
+    peer_server.serve(str(tmp_path))
+  with pytest.raises(wire.PeerError, match="needs this job's secret"):
+    peer_server.serve(str(tmp_path), b'short')
 
 
 def test_a_request_with_a_wrong_mac_is_closed_unread(server, tier):
@@ -190,7 +193,7 @@ def test_a_request_with_a_wrong_mac_is_closed_unread(server, tier):
     s.sendall(struct.pack('!I', len(body)) + b'\0' * 32 + body)
     assert _drain(s) == b''
     del session
-  assert peer.server_counts()['unauthenticated'] == 1
+  assert peer_server.server_counts()['unauthenticated'] == 1
 
 
 # ---- the server's files: only what a complete manifest names ------------------------------------
@@ -207,7 +210,7 @@ def test_a_chunk_replaced_by_a_symlink_to_another_file_is_never_sent(server, tie
   os.remove(path)
   os.symlink(victim, path)
   out = np.zeros(size, np.uint8)
-  with pytest.raises(peer.PeerError) as e:
+  with pytest.raises(wire.PeerError) as e:
     _client(server).request(_get(parts, os.path.basename(entry_dir), file), 'a chunk', into=out)
   text = str(e.value)
   assert 'symlink' in text and f'{"/".join(parts)}/{os.path.basename(entry_dir)}/{file}' in text
@@ -224,12 +227,12 @@ def test_a_fifo_or_a_file_of_another_size_is_refused_without_blocking(server, ti
   with open(os.path.join(entry_dir, a.files[1]), 'ab') as f:
     f.write(b'x')
   c = _client(server)
-  with pytest.raises(peer.PeerError, match='a FIFO'):
+  with pytest.raises(wire.PeerError, match='a FIFO'):
     c.request(_get(parts, entry, a.files[0]), 'a chunk', into=np.empty(a.nbytes[0], np.uint8))
-  with pytest.raises(peer.PeerError, match=f'holds {a.nbytes[1] + 1} bytes; its record says '
+  with pytest.raises(wire.PeerError, match=f'holds {a.nbytes[1] + 1} bytes; its record says '
                                            f'{a.nbytes[1]}'):
     c.request(_get(parts, entry, a.files[1]), 'a chunk', into=np.empty(a.nbytes[1], np.uint8))
-  with pytest.raises(peer.PeerError, match='its manifest names no 9.9.bin'):
+  with pytest.raises(wire.PeerError, match='its manifest names no 9.9.bin'):
     c.request(_get(parts, entry, '9.9.bin'), 'a chunk', into=np.empty(4, np.uint8))
   assert not c.failed  # error answers: the peer is still asked for its other chunks
 
@@ -245,7 +248,7 @@ def test_a_symlinked_manifest_or_entry_is_not_listed_or_served(server, tier, tmp
   os.symlink(elsewhere, entry_dir)
   c = _client(server)
   assert c.request({'op': 'list', 'item': list(parts)}, 'the list') == {}
-  with pytest.raises(peer.PeerError, match=f'{entry}: no complete entry'):
+  with pytest.raises(wire.PeerError, match=f'{entry}: no complete entry'):
     c.request(_get(parts, entry, file), 'a chunk', into=np.empty(manifest.arrays[0].nbytes[0],
                                                                    np.uint8))
   # A real entry directory whose manifest is a symlink to the copy's.
@@ -259,7 +262,7 @@ def test_a_symlinked_manifest_or_entry_is_not_listed_or_served(server, tier, tmp
 
 def test_error_answers_name_no_absolute_tier_path(server, tier):
   tier_dir, parts, _, _ = tier
-  with pytest.raises(peer.PeerError) as e:
+  with pytest.raises(wire.PeerError) as e:
     _client(server).request(_get(parts, 'p9.nosuchsave', '0.0.bin'), 'a chunk',
                             into=np.empty(4, np.uint8))
   text = str(e.value)
@@ -277,7 +280,7 @@ def test_a_connection_closed_at_the_idle_deadline_is_replaced(server, tier):
   time.sleep(FAST.idle_s + 1.0)  # the server closed the pooled connection meanwhile
   assert c.request({'op': 'list', 'item': list(parts)}, 'the list') == first
   assert not c.failed
-  assert peer.server_counts()['idle'] == 1
+  assert peer_server.server_counts()['idle'] == 1
 
 
 def _hostile_peer(answer_header: bytes):
@@ -313,9 +316,9 @@ def test_a_peer_claiming_a_1_tib_answer_costs_a_peer_error(status, tier):
   address, close = _hostile_peer(wire.ANSWER.pack(status, 1 << 40))
   try:
     rss = psutil.Process().memory_info().rss
-    with pytest.raises(peer.PeerError, match='an answer of 1099511627776 bytes, more than'):
+    with pytest.raises(wire.PeerError, match='an answer of 1099511627776 bytes, more than'):
       _client(address).request({'op': 'list', 'item': list(parts)}, 'the list')
-    with pytest.raises(peer.PeerError, match=(
+    with pytest.raises(wire.PeerError, match=(
         'has 1099511627776 bytes for a chunk; the committed record says 1024' if status == 0
         else 'an answer of 1099511627776 bytes, more than')):
       _client(address).request(_get(parts, 'p0.x', '0.0.bin'), 'a chunk',
@@ -326,20 +329,20 @@ def test_a_peer_claiming_a_1_tib_answer_costs_a_peer_error(status, tier):
 
 
 def test_a_busy_server_costs_a_peer_error_but_not_the_peer(tier, monkeypatch):
-  monkeypatch.setattr(peer, 'COUNTS', peer._Counts())
+  monkeypatch.setattr(peer_server, 'COUNTS', peer_server._Counts())
   monkeypatch.setattr(stats, '_peer_refused', dict.fromkeys(stats.PEER_REFUSED, 0))
   _, parts, _, _ = tier
-  address = peer.serve(str(tier[0]), SECRET, wire.Limits(max_connections=1, handshake_s=5))
+  address = peer_server.serve(str(tier[0]), SECRET, wire.Limits(max_connections=1, handshake_s=5))
   try:
     with _connect(address) as hold:  # takes the one slot
       assert len(hold.recv(64)) == 22
       c = _client(address)
-      with pytest.raises(peer.PeerError, match='serving as many connections as it allows'):
+      with pytest.raises(wire.PeerError, match='serving as many connections as it allows'):
         c.request({'op': 'list', 'item': list(parts)}, 'the list')
       assert not c.failed  # busy is not broken: its next chunk is asked for again
-    assert peer.server_counts()['busy'] == 1
+    assert peer_server.server_counts()['busy'] == 1
   finally:
-    peer.stop_serving()
+    peer_server.stop_serving()
 
 
 # ---- the server's bounds, in a process of its own -------------------------------------------------

@@ -29,7 +29,7 @@ from orbax_pathways.manager import lease
 from orbax_pathways.preemption import decision
 from orbax_pathways.preemption import notice
 from orbax_pathways.preemption import recovery
-from orbax_pathways.tier import peer
+from orbax_pathways.tier import exchange
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager as _om
 
@@ -190,7 +190,7 @@ def test_lease_round_requests_do_not_grow(primary, me, n):
 def test_peer_exchange_requests_do_not_grow(late, n):
   client = FakeKV(0, n, lambda p: json.dumps({'addr': f'h{p}:1', 'entries': []}),
                   late=range(n - late, n))
-  ex = peer.Exchange(client, 0, n, timeout_s=30.0)
+  ex = exchange.Exchange(client, 0, n, timeout_s=30.0)
   prefix = ex.prefix(f'/ckpt/{n}/{late}/item')
   ex.publish(prefix, 'h0:1', [])
   found, missing = ex.gather(prefix)
@@ -279,7 +279,7 @@ def test_a_reader_reads_only_the_holders_of_the_writer_it_lacks(n):
   round reads the processes' keys only (the holder keys sit beside the round); the holder
   keys of the restore before last go with it."""
   kv = SharedKV()
-  exchanges = [peer.Exchange(kv, me, n, timeout_s=1.0) for me in range(n)]
+  exchanges = [exchange.Exchange(kv, me, n, timeout_s=1.0) for me in range(n)]
   prefixes = []
   for _ in range(3):  # three restores of the item: the first one's keys are retired by the third
     # One interpreter plays every process, so one of them numbers the rounds (and retires them).
@@ -291,8 +291,8 @@ def test_a_reader_reads_only_the_holders_of_the_writer_it_lacks(n):
   kv.counting = True
   found = reader.holders(prefixes[-1], 'p1')
   assert found == {1: {'addr': 'h1:1', 'entries': [('p1', 's1')]}}
-  assert peer.to_ask(found, {'p1': 's1'}, me=0) == [1]
-  assert peer.to_ask(found, {'p1': 'another save'}, me=0) == []  # a stale entry is not asked
+  assert exchange.to_ask(found, {'p1': 's1'}, me=0) == [1]
+  assert exchange.to_ask(found, {'p1': 'another save'}, me=0) == []  # a stale entry is not asked
   assert (dict(kv.calls), kv.keys) == ({'dir_get': 1}, 1)
   got, missing = reader.gather(prefixes[-1])
   assert (len(got), missing, kv.keys) == (n - 1, [], 1 + n)

@@ -6,7 +6,8 @@ and memory from outside while it attacks it.
 
 Serves ``TIER`` with the job secret ``SECRET_HEX`` (at most 16 connections, 2 s handshake and
 idle deadlines), prints its address, then answers each line on stdin with the server's refusal
-counts (``peer.server_counts()``) as JSON. The test sets ``ORBAX_PATHWAYS_DISABLE=1``.
+counts (``peer_server.server_counts()``) as JSON. The test sets
+``ORBAX_PATHWAYS_DISABLE=1``.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import sys
 
 
 def main() -> None:
-  from orbax_pathways.tier import peer, wire  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.tier import peer_server, wire  # pylint: disable=g-import-not-at-top
 
-  addr = peer.serve(sys.argv[1], bytes.fromhex(sys.argv[2]),
-                    wire.Limits(max_connections=16, handshake_s=2.0, idle_s=2.0))
+  addr = peer_server.serve(sys.argv[1], bytes.fromhex(sys.argv[2]),
+                           wire.Limits(max_connections=16, handshake_s=2.0, idle_s=2.0))
   print(addr, flush=True)
   for _ in sys.stdin:  # 'counts': what the server refused so far
-    print(json.dumps(peer.server_counts()), flush=True)
+    print(json.dumps(peer_server.server_counts()), flush=True)
 
 
 if __name__ == '__main__':

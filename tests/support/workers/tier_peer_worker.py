@@ -24,28 +24,29 @@ import time
 
 def _play(fault: str) -> None:
   """Patches this process's peer server (or exchange) to play ``fault``."""
-  from orbax_pathways.tier import peer  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.tier import exchange  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.tier import peer_server  # pylint: disable=g-import-not-at-top
   from orbax_pathways.tier import wire  # pylint: disable=g-import-not-at-top
 
   if fault == 'stall':  # accepts connections, never answers
-    peer._Handler.answer = lambda self, sock, req: time.sleep(3600)
+    peer_server._Handler.answer = lambda self, sock, req: time.sleep(3600)
   elif fault == 'refuse':  # its server is gone before it publishes: connections are refused
-    publish = peer.Exchange.publish
+    publish = exchange.Exchange.publish
 
     def stop_then_publish(self, *a, **k):
-      peer.stop_serving()
+      peer_server.stop_serving()
       return publish(self, *a, **k)
 
-    peer.Exchange.publish = stop_then_publish
+    exchange.Exchange.publish = stop_then_publish
   elif fault == 'no_relay':  # answers every relay request with an error
     from orbax_pathways.tier import relay  # pylint: disable=g-import-not-at-top
 
     def refuse(req):
       raise relay.RelayError('simulated: this process cannot read storage for its group')
 
-    peer.register_op('relay', refuse)
+    peer_server.register_op('relay', refuse)
   elif fault == 'die_mid_chunk':  # lists, then closes the connection half-way through a chunk
-    answer = peer._Handler.answer
+    answer = peer_server._Handler.answer
 
     def half(self, sock, req):
       if req.get('op') != 'get':
@@ -55,16 +56,16 @@ def _play(fault: str) -> None:
       sock.sendall(wire.ANSWER.pack(0, len(data)) + data[:len(data) // 2])
       raise OSError('simulated death mid-chunk')
 
-    peer._Handler.answer = half
+    peer_server._Handler.answer = half
   elif fault == 'tib':  # claims a 1 TiB answer to every request (the list first), sends nothing
     def tib(self, sock, req):
       sock.sendall(wire.ANSWER.pack(0, 1 << 40))
       time.sleep(3600)
 
-    peer._Handler.answer = tib
+    peer_server._Handler.answer = tib
   elif fault == 'dtype':  # its list says int32 for the float32 'w' (the bytes are unchanged)
     import msgpack  # pylint: disable=g-import-not-at-top
-    listing = peer._Server.listing
+    listing = peer_server._Server.listing
 
     def lying(self, parts):
       out = msgpack.unpackb(listing(self, parts), raw=False)
@@ -73,7 +74,7 @@ def _play(fault: str) -> None:
           e['arrays']['w']['dtype'] = 'int32'
       return msgpack.packb(out, use_bin_type=True)
 
-    peer._Server.listing = lying
+    peer_server._Server.listing = lying
 
 
 def main() -> None:
@@ -123,10 +124,10 @@ def main() -> None:
         for s in out[k].addressable_shards:
           np.testing.assert_array_equal(np.asarray(s.data), host[k][s.index])
       st = stats.last_restore()
-      from orbax_pathways.tier import peer  # pylint: disable=g-import-not-at-top
+      from orbax_pathways.tier import exchange  # pylint: disable=g-import-not-at-top
       mp_worker.emit({'step': st.step, 'bytes_by_source': st.bytes_by_source, 'exact': True,
                       'peer_s': st.seconds_by_source.get('peer', 0.0),
-                      'lookups': peer.lookup_counts()})
+                      'lookups': exchange.lookup_counts()})
     multihost_utils.sync_global_devices('done')
 
 

@@ -1,0 +1,392 @@
+"""This node's tier, served to the job's other processes: a small TCP server per process, the
+job's secret on every connection, a deadline on every wait and a cap on connections.
+
+Who calls what, on which host (multi-controller JAX, every process):
+
+- ``tier/chain.for_restore`` calls ``serve`` at every restore: it starts this process's server
+  once (a daemon thread), with the job's secret (``tier/exchange.job_secret``, which the local
+  transport read just before through ``Exchange.secret``), and returns the address that the
+  chain then publishes (``Exchange.publish``): ``ORBAX_PATHWAYS_PEER_ADDRESS`` (``ADDRESS_ENV``)
+  names the host, else this host name's address. The server lives as long as the process, so a
+  peer still reading after this process's restore ended gets its chunks.
+- The server (``_Server``, a thread per connection, at most ``wire.Limits.max_connections``)
+  serves only this node's tier directory, only to a client that proved the job's secret
+  (``tier/wire.py``: the handshake, a MAC on every request, the size caps, the idle deadline),
+  only complete manifests, only the regular files they name, of the size they record, never
+  through a symlink (``tier/fsafe.py``). Error answers name paths relative to the tier.
+- The requests come from the other processes' restores (``tier/peer.py``'s ``_Peer``): ``list``
+  (the complete entries of one item: writer, save id and per array the chunks and their files)
+  and ``get`` (one chunk file, streamed with ``sendfile``), and the kinds registered with
+  ``register_op`` (``tier/relay.py``: ``relay``, a chunk answered from memory).
+- What a server closed unread is counted by reason (``server_counts``, and
+  ``stats.peer_server()``), with one warning per ``LOG_EVERY_S`` for connections that did not
+  prove the job's secret.
+
+What grows with what: a server holds at most ``max_connections`` connections and threads,
+however many readers ask; it streams files (``sendfile``) without reading them whole, and keeps
+the manifests it read (at most ``_Manifests.cap``), re-read when one changes. No jax here.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import os
+import socket
+import socketserver
+import stat
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+import msgpack
+import numpy as np
+
+from orbax_pathways import stats
+from orbax_pathways.tier import exchange as exchange_lib
+from orbax_pathways.tier import fsafe
+from orbax_pathways.tier import manifest as manifest_lib
+from orbax_pathways.tier import wire
+
+log = logging.getLogger('orbax_pathways')
+
+ADDRESS_ENV = 'ORBAX_PATHWAYS_PEER_ADDRESS'  # the address this host's peers reach it at
+
+
+# ---- the server: this node's tier, to the other processes -------------------------------------
+
+
+def _safe(part: Any) -> str:
+  if not isinstance(part, str) or not wire.PART_RE.match(part) or part in ('.', '..'):
+    raise ValueError(f'not a tier path component: {str(part)[:64]!r}')
+  return part
+
+
+_ops: dict[str, Callable[[Mapping[str, Any]], np.ndarray]] = {}
+
+
+def register_op(name: str, fn: Callable[[Mapping[str, Any]], np.ndarray]) -> None:
+  """Adds a request kind the server answers with ``fn(request)``'s bytes (``tier/relay.py``:
+  ``relay``, a chunk read from storage for several processes)."""
+  _ops[name] = fn
+
+
+class _Counts:
+  """What this process's servers refused, by ``wire.REASONS`` (``server_counts``), and one
+  warning per ``LOG_EVERY_S`` for connections that did not prove the job's secret."""
+
+  def __init__(self) -> None:
+    self._n = dict.fromkeys(wire.REASONS, 0)
+    self._lock = threading.Lock()
+    self._logged_at = -math.inf
+    self._unlogged = 0
+
+  def refused(self, reason: str, address: str, detail: str) -> None:
+    stats.count_peer_refused(reason)  # the public count (``stats.peer_server()``)
+    with self._lock:
+      self._n[reason] = self._n.get(reason, 0) + 1
+      if reason != 'unauthenticated':
+        return
+      self._unlogged += 1
+      now = time.monotonic()
+      if now - self._logged_at < LOG_EVERY_S:
+        return
+      self._logged_at, n, self._unlogged = now, self._unlogged, 0
+    log.warning('orbax_pathways: the node-local tier\'s peer server closed %d connection(s) '
+                'unread that did not prove this job\'s secret (the latest from %s: %s). '
+                'Something outside the job reaches this port; it got no data (see the trust '
+                'model in docs/architecture.md). At most one such line per %d s.', n, address,
+                detail, LOG_EVERY_S)
+
+  def snapshot(self) -> dict[str, int]:
+    with self._lock:
+      return dict(self._n)
+
+
+COUNTS = _Counts()
+LOG_EVERY_S = 60
+
+
+def server_counts() -> dict[str, int]:
+  """Connections this process's tier servers closed unread, by reason: 'unauthenticated' (no
+  or a wrong proof of the job's secret, or a request with a wrong MAC), 'oversized' (a request
+  above ``wire.Limits.max_request_bytes``), 'idle' (silent past ``idle_s``), 'busy' (beyond
+  ``max_connections``)."""
+  return COUNTS.snapshot()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Listed:
+  """One complete entry as the server read its manifest: what ``list`` says of it and the
+  recorded size of every file it names (the only files ``get`` opens)."""
+
+  writer: str
+  save_id: str
+  arrays: dict[str, Any]
+  sizes: dict[str, int]
+
+
+class _Manifests:
+  """Complete entries' manifests by entry directory, re-read when the manifest changed (its
+  inode, size or mtime), at most ``cap`` kept. Never through a symlink: every directory from
+  the tier root down is checked with ``lstat``, the manifest is read with ``fsafe.read_small``
+  (a regular file only, ``O_NOFOLLOW``)."""
+
+  def __init__(self, local_dir: str, cap: int = 32):
+    self.local_dir, self.cap = local_dir, cap
+    self._cache: collections.OrderedDict[str, tuple[tuple[int, int, int], _Listed]] = (
+        collections.OrderedDict())
+    self._lock = threading.Lock()
+
+  def get(self, parts: tuple[str, str, str], entry: str) -> _Listed | None:
+    """The entry ``entry`` of item ``parts`` (root key, step, item), or None: not a real
+    directory, no (or a damaged) manifest, or one that does not describe this entry."""
+    path = self.local_dir
+    for p in (*parts, entry):
+      path = os.path.join(path, p)
+      if not fsafe.is_dir(path):
+        return None
+    manifest = os.path.join(path, manifest_lib.MANIFEST)
+    try:
+      st = os.lstat(manifest)
+    except OSError:
+      return None
+    if not stat.S_ISREG(st.st_mode):
+      return None
+    key = (st.st_ino, st.st_size, st.st_mtime_ns)
+    with self._lock:
+      hit = self._cache.get(path)
+      if hit is not None and hit[0] == key:
+        self._cache.move_to_end(path)
+        return hit[1]
+    try:
+      m = manifest_lib.decode(fsafe.read_small(manifest))
+    except (OSError, ValueError):
+      return None
+    listed = _described(m, parts, entry)
+    if listed is not None:
+      with self._lock:
+        self._cache[path] = (key, listed)
+        while len(self._cache) > self.cap:
+          self._cache.popitem(last=False)
+    return listed
+
+
+def _described(m: manifest_lib.Manifest, parts: tuple[str, str, str], entry: str) -> _Listed | None:
+  """``m`` as listed, if it is the manifest of ``entry`` of item ``parts`` (its writer, save
+  id, checkpoint directory, step and item) and names only chunk files, each once, with a size."""
+  try:
+    if (manifest_lib.entry_name(m.writer, m.save_id) != entry or m.step_name != parts[1]
+        or m.item != parts[2] or manifest_lib.root_key(m.root) != parts[0]):
+      return None
+    sizes: dict[str, int] = {}
+    arrays = {}
+    for a in m.arrays:
+      if not len(a.files) == len(a.origins) == len(a.nbytes):
+        return None
+      for f, n in zip(a.files, a.nbytes):
+        if not isinstance(f, str) or not wire.FILE_RE.match(f) or f in sizes or int(n) < 0:
+          return None
+        sizes[f] = int(n)
+      arrays[a.name] = {'dtype': a.dtype, 'shape': list(a.shape),
+                        'chunk_shape': list(a.chunk_shape),
+                        'origins': [list(o) for o in a.origins], 'files': list(a.files)}
+  except (TypeError, ValueError):
+    return None
+  return _Listed(m.writer, m.save_id, arrays, sizes)
+
+
+def _item(req: Mapping[str, Any]) -> tuple[str, str, str]:
+  item = req.get('item')
+  if not isinstance(item, (list, tuple)) or len(item) != 3:
+    raise ValueError('a request names an item as [root key, step, item]')
+  return _safe(item[0]), _safe(item[1]), _safe(item[2])
+
+
+class _Handler(socketserver.BaseRequestHandler):
+  """One connection (its own thread, one of the server's ``max_connections``): the handshake,
+  then requests answered in order until the reader closes it or falls silent."""
+
+  server: '_Server'
+
+  def handle(self) -> None:
+    sock, srv = self.request, self.server
+    address = '%s:%s' % tuple(self.client_address[:2])
+    try:
+      sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+      session = wire.accept(sock, srv.secret, srv.limits)
+      while True:
+        body = wire.recv_request(sock, session, srv.limits)
+        if body is None:
+          return
+        req = msgpack.unpackb(body, raw=False)
+        if not isinstance(req, dict):
+          return
+        sock.settimeout(srv.limits.idle_s)  # an answer the reader stops taking ends here
+        self.answer(sock, req)
+    except wire.Refused as e:
+      COUNTS.refused(e.reason, address, str(e))
+    except (OSError, ValueError, msgpack.UnpackException):
+      return
+
+  def answer(self, sock: socket.socket, req: Mapping[str, Any]) -> None:
+    """Prepares the answer (an error answers with its text: names relative to the tier, never
+    its absolute path), then sends it: a failure while sending closes the connection, never a
+    second header in the middle of a payload."""
+    try:
+      found = self.prepare(req)
+    except Exception as e:  # pylint: disable=broad-except  (answered as an error, never raised)
+      text = self.server.scrub(f'{type(e).__name__}: {e}').encode()[:wire.MAX_ERROR_BYTES]
+      sock.sendall(wire.ANSWER.pack(1, len(text)) + text)
+      return
+    if isinstance(found, bytes):
+      sock.sendall(wire.ANSWER.pack(0, len(found)) + found)
+    elif isinstance(found, np.ndarray):
+      sock.sendall(wire.ANSWER.pack(0, found.nbytes))
+      sock.sendall(found.reshape(-1).view(np.uint8).data)
+    else:
+      f, size = found
+      with f:
+        sock.sendall(wire.ANSWER.pack(0, size))
+        sent = sock.sendfile(f, 0, size)  # streamed: the file is never read whole into memory
+        if sent != size:  # shrank since it was opened: the reader must not wait for the rest
+          raise OSError(f'sent {sent} of {size} bytes')
+
+  def prepare(self, req: Mapping[str, Any]) -> Any:
+    """A ``list``'s payload (bytes), a registered op's array (``register_op``: answered from
+    memory), or a ``get``'s (open chunk file, size): only a regular file that a complete
+    entry's manifest names, of the size it records, opened without following a symlink."""
+    op = req.get('op')
+    if isinstance(op, str) and op in _ops:
+      return np.ascontiguousarray(_ops[op](req))
+    parts = _item(req)
+    if op == 'list':
+      return self.server.listing(parts)
+    if op != 'get':
+      raise ValueError(f'unknown request {str(op)[:32]!r}')
+    entry, file = _safe(req.get('entry')), req.get('file')
+    if not isinstance(file, str) or not wire.FILE_RE.match(file):
+      raise ValueError(f'not a chunk file name: {str(file)[:64]!r}')
+    where = f'{"/".join(parts)}/{entry}'
+    listed = self.server.manifests.get(parts, entry)
+    if listed is None:
+      raise FileNotFoundError(f'{where}: no complete entry')
+    size = listed.sizes.get(file)
+    if size is None:
+      raise FileNotFoundError(f'{where}: its manifest names no {file}')
+    try:
+      return fsafe.open_regular(os.path.join(self.server.local_dir, *parts, entry, file), size), size
+    except fsafe.UnsafeError as e:
+      raise fsafe.UnsafeError(e.errno, f'{where}/{file} refused: {self.server.scrub(str(e))}'
+                              ) from None
+    except OSError as e:
+      raise OSError(e.errno, f'{where}/{file}: {e.strerror}') from None
+
+
+class _Server(socketserver.ThreadingTCPServer):
+  """One process's server of its node's tier: at most ``limits.max_connections`` connections
+  (threads) at once; one more is answered 'busy' and closed by the accepting thread at once."""
+
+  daemon_threads = True
+  allow_reuse_address = True
+  request_queue_size = 128
+
+  def __init__(self, address: tuple[str, int], local_dir: str, secret: bytes,
+               limits: wire.Limits = wire.LIMITS):
+    self.local_dir, self.secret, self.limits = local_dir, secret, limits
+    self.manifests = _Manifests(local_dir)
+    self._slots = threading.BoundedSemaphore(limits.max_connections)
+    super().__init__(address, _Handler)
+
+  def process_request(self, request: Any, client_address: Any) -> None:
+    if not self._slots.acquire(blocking=False):
+      COUNTS.refused('busy', '%s:%s' % tuple(client_address[:2]),
+                     f'{self.limits.max_connections} connections served already')
+      wire.refuse_busy(request)
+      self.shutdown_request(request)
+      return
+    try:
+      super().process_request(request, client_address)
+    except BaseException:
+      self._slots.release()
+      raise
+
+  def process_request_thread(self, request: Any, client_address: Any) -> None:
+    try:
+      super().process_request_thread(request, client_address)
+    finally:
+      self._slots.release()
+
+  def handle_error(self, request: Any, client_address: Any) -> None:
+    log.debug('orbax_pathways: tier peer server: a connection from %s failed', client_address,
+              exc_info=True)
+
+  def scrub(self, text: str) -> str:
+    """``text`` without this node's tier path (error answers name paths relative to it)."""
+    return text.replace(self.local_dir.rstrip('/') + '/', '').replace(self.local_dir,
+                                                                       '<tier dir>')
+
+  def listing(self, parts: tuple[str, str, str]) -> bytes:
+    """Every complete entry of one item in this node's tier (real directories only): its
+    writer, save id and, per array, the stored layout and the chunk origins with their files."""
+    item_dir = os.path.join(self.local_dir, *parts)
+    out = {}
+    for name in fsafe.subdirs(item_dir):
+      listed = self.manifests.get(parts, name)
+      if listed is not None:
+        out[name] = {'writer': listed.writer, 'save_id': listed.save_id, 'arrays': listed.arrays}
+    data = msgpack.packb(out, use_bin_type=True)
+    if len(data) > wire.MAX_LIST_BYTES:
+      raise ValueError(f'the list of {"/".join(parts)} is {len(data)} bytes, more than the '
+                       f'{wire.MAX_LIST_BYTES} a reader accepts')
+    return data
+
+
+_servers: dict[str, tuple[_Server, str]] = {}
+_servers_lock = threading.Lock()
+
+
+def _advertised_host() -> str:
+  host = os.environ.get(ADDRESS_ENV, '').strip()
+  if host:
+    return host
+  try:
+    return socket.gethostbyname(socket.gethostname())
+  except OSError:
+    return '127.0.0.1'
+
+
+def serve(local_dir: str, secret: bytes | None = None, limits: wire.Limits | None = None) -> str:
+  """Starts (once per process and directory) the server of this node's tier in a daemon
+  thread; returns the ``host:port`` peers reach it at (``ORBAX_PATHWAYS_PEER_ADDRESS`` names
+  the host, else this host name's address). ``secret``: the job's (``job_secret``); None takes
+  the one this process last read (``Exchange.secret``, which the local transport calls before
+  the chain serves). ``limits``: the server's bounds (``wire.LIMITS``), at its start."""
+  if secret is None:
+    secret = exchange_lib.cached_secret()
+  if secret is None or len(secret) != wire.SECRET_BYTES:
+    raise wire.PeerError('the tier\'s peer server needs this job\'s secret (Exchange.secret()); it '
+                         'never serves without one')
+  with _servers_lock:
+    if local_dir in _servers:
+      server, address = _servers[local_dir]
+      server.secret = secret  # a later job in this process (jax.distributed restarted)
+      return address
+    host = _advertised_host()
+    server = _Server((host, 0), local_dir, secret, limits or wire.LIMITS)
+    address = f'{host}:{server.server_address[1]}'
+    threading.Thread(target=server.serve_forever, name='orbax-pathways-tier-peer',
+                     daemon=True).start()
+    _servers[local_dir] = (server, address)
+    return address
+
+
+def stop_serving() -> None:
+  """Closes this process's servers (tests: a peer whose process is gone refuses connections)."""
+  with _servers_lock:
+    for server, _ in _servers.values():
+      server.shutdown()
+      server.server_close()
+    _servers.clear()
