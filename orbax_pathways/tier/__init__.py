@@ -3,18 +3,25 @@ memory (a tmpfs directory, by default under ``/dev/shm``), read first on restore
 
 Modules, each one job:
 
-- ``layout``: where an entry lives and what its manifest says (pure: names and msgpack).
+- ``manifest``: where an entry lives and what its manifest says (pure: names and msgpack).
+- ``fsafe``: every file system access of the tier: ``0700`` directories, ``0600`` files, no
+  symlink followed, only regular files of the recorded size read.
 - ``store``: writes an entry in the background part of a save, marks it committed after the
   step commits and drops older ones, lists entries (the CLI), resolves ``Options.local_dir``.
 - ``gc``: node-level clean-up once per save (and ``orbax-pathways tier --gc``): other
   checkpoint directories' entries idle past ``Options.local_max_age_s`` or incomplete, and the
   oldest entries while the tier is over ``Options.local_max_bytes`` (planning pure, then I/O).
 - ``chain``: the per-chunk source chain of a restore (this node's tier -> other hosts' tiers ->
-  storage), verified against the committed step's checksums from storage.
+  the relay -> storage; no storage for a local-only step), verified against the committed
+  step's checksums from storage.
+- ``chunk_read``: a chunk file read straight into its place in the region's buffer.
 - ``peer``: other hosts' tiers: the chain's peer source, the client side of the peer channel
   (deadlines, bytes in flight capped).
 - ``peer_server``: a TCP server per process serving its node's tier to the job's processes.
 - ``exchange``: the job's peer secret and the key-value exchange of who holds what.
+- ``wire``: the peer channel's framing, handshake, MACs and bounds.
+- ``relay``: a chunk no tier holds that several processes need, read from storage once for
+  them all.
 
 The tier is not part of the checkpoint format (``docs/format.md``): storage stays the truth, a
 tier entry is used only when its save id is the one storage's index records for its writer.
