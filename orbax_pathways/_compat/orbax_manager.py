@@ -299,6 +299,7 @@ def _wrap_save(original):
     if not _hooks:
       return original(self, step, *args, **kwargs)
     _each('before_save', self, step)  # a hook that refuses the save raises: nothing written
+    _each('save_args', self, step, args, kwargs)
     self.__dict__.setdefault(_SAVE_STARTS, {})[step] = time.perf_counter()
     try:
       saved = original(self, step, *args, **kwargs)

@@ -18,7 +18,8 @@ that calls the manager (multi-controller JAX); under Pathways that is the one co
    own ``stock()``.
 3. ``before_save(mngr, step)``: every process, in the training loop's thread, before Orbax
    writes anything of the step. Raising refuses the save: nothing is written, the step is not
-   listed. Each hook in ``ORDER``.
+   listed. Each hook in ``ORDER``. Then ``save_args(mngr, step, args, kwargs)`` with the save's
+   arguments (the preemption save's local-only copy first: ``manager/local_steps.py``).
 4. ``save_error(mngr, step, error)``: when Orbax's ``save`` raised. The first hook that returns
    an exception has it raised in place of ``error`` (``None``: next; none: ``error`` itself).
 5. ``after_save(mngr, step, saved)``: every process, once Orbax's ``save`` returned ``saved``
@@ -88,6 +89,9 @@ class ManagerHooks:
 
   def before_save(self, mngr: Any, step: int) -> None:
     """3. Every process, before the save writes anything; raise to refuse it."""
+
+  def save_args(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> None:
+    """3. Every process, after ``before_save``, with the save's arguments."""
 
   def save_error(self, mngr: Any, step: int, error: BaseException) -> BaseException | None:
     """4. The error to raise in place of ``error`` from ``save``; ``None`` passes."""

@@ -6,6 +6,8 @@ writer hosts' node-local tiers only, and storage gets Orbax's files and our reco
 
 Who calls what, on which host (every process that calls the manager):
 
+- ``LocalStepHooks.save_args`` (call 3, before Orbax's save of a preemption step): the step's
+  local-only copy first, committed before the storage save begins.
 - ``LocalStepHooks.save_declined`` (``manager/hooks.py`` call 5, in the training loop's thread,
   right after Orbax declined the step): the hidden manager's ``save`` of the same arguments:
   Orbax's own save, which blocks for the device-to-host copy and commits in the background. A
@@ -62,15 +64,31 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     every = self.interval()
     if every <= 0 or step % every or _om.is_local_manager(mngr):
       return
+    self._save(mngr, step, args, kwargs)
+
+  def save_args(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> None:
+    """The preemption save goes to memory first: its local-only copy is saved and committed
+    (the tiers and the small records: seconds) before Orbax's storage save of the step begins,
+    so a job whose grace period ends before the storage commit still resumes from it."""
+    if (self.interval() <= 0 or _om.is_local_manager(mngr)
+        or not mngr.reached_preemption(step)):  # latched per step: the save asks it next
+      return
+    if self._save(mngr, step, args, kwargs):
+      self.wait(mngr)
+      log.info('orbax_pathways: preemption step %d is local-committed (node-local tiers); its '
+               'storage save starts now.', step)
+
+  def _save(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> bool:
     inner = _om.local_manager(mngr, directory_of(mngr), self.keep())
     kwargs = {k: v for k, v in kwargs.items() if k not in ('force', 'metrics')}
     try:
       mngr.wait_until_finished()  # the storage save before it, as before_save above
-      inner.save(step, *args, force=True, **kwargs)
+      return bool(inner.save(step, *args, force=True, **kwargs))
     except Exception as e:  # pylint: disable=broad-except  (never fails the training step)
       log.warning('orbax_pathways: local-only save of step %d into %s failed (%s: %s); the '
                   'newest committed step stays the one to resume from.', step,
                   directory_of(mngr), type(e).__name__, e)
+      return False
 
   def wait(self, mngr: Any) -> None:
     inner = _om.existing_local_manager(mngr)

@@ -19,6 +19,7 @@ import pytest
 
 from support import procs
 from support.mp_harness import run_processes
+from support.workers import local_preempt_worker
 from support.workers import local_steps_worker
 from support.workers import stock_read_worker
 from orbax_pathways.tier import store as tier_store
@@ -150,3 +151,17 @@ def test_the_tier_command_lists_and_checks_a_local_only_steps_entries(sharded):
   local = [e for e in doc['entries'] if '.orbax-pathways-local' in e['root']]
   assert out.returncode == 0 and local, out.stdout[-3000:]
   assert all(e['status'] == 'ok' for e in local), local
+
+
+def test_the_preemption_save_is_local_committed_before_its_storage_save(tmp_path):
+  """After a notice, the preemption step's local-only copy commits before Orbax's storage save
+  of it begins (``save()`` returns with it listed); a job killed before that storage save
+  committed (here: its step directory gone) resumes from it."""
+  root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
+  env = {**LOCAL, 'ORBAX_PATHWAYS_LOCAL_DIR': tier, 'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '5',
+         'ORBAX_PATHWAYS_NO_SIGTERM': '1'}
+  got = procs.worker_json(local_preempt_worker, 'save', root, env=env, timeout=300)
+  assert got == {'local_at_save_return': [8], 'storage': [0, 8]}, got  # 5 dropped: local_keep 1
+  shutil.rmtree(root / '8')  # the storage save that the grace period cut off
+  got = procs.worker_json(local_preempt_worker, 'resume', root, env=env, timeout=300)
+  assert got == {'step': 8, 'exact': True}, got
