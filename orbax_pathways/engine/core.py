@@ -347,11 +347,11 @@ class Engine:
                                  tier_scope=self.options.local_scope,
                                  peer_timeout_s=self.options.peer_timeout_s)
     transport = registry.create(self.transport_name(), save=config)
-    if format_lib.is_local_only(item.directory) and transport.name != 'local':
+    if format_lib.is_local_only(item.directory) and transport.name not in ('local', 'colocated'):
       raise errors.SaveError(
-          f'{item.directory} is a local-only step (Options.local_save_interval_steps), which '
-          f'only the local transport (multi-controller JAX) writes so far; this save uses the '
-          f'{transport.name} transport. Set local_save_interval_steps=0 under Pathways '
+          f'{item.directory} is a local-only step (Options.local_save_interval_steps), whose '
+          f'bytes go to the hosts\' node-local tiers; the {transport.name} transport writes '
+          'none. Use the local or colocated transport, or local_save_interval_steps=0 '
           '(docs/multi_tier.md).')
     reasons = transport.unsupported(leaves, item)
     if reasons and transport.fallback is not None:

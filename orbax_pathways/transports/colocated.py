@@ -56,6 +56,7 @@ from orbax_pathways.storage import meta_io
 from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.transports import base
 from orbax_pathways.transports import colocated_calls
+from orbax_pathways.format import names as format_names
 from orbax_pathways.tier import chain as tier_chain
 from orbax_pathways.transports import share
 
@@ -229,9 +230,16 @@ def make_worker_save(task: WorkerSaveTask) -> Callable[..., tuple[jax.Array, jax
       if watch is not None:
         watch.start(host)
       pieces = _host_pieces(host, cpu_arrays, plans)
+      creates = [_creates(host, p, local_hosts) for p in plans]
+      if format_names.is_local_only(task.item.directory):  # the bytes to this node's tier only
+        outcome, chunks = await share.tier_only_pieces(
+            host, task.item, task.leaves, plans, pieces, creates=creates, process_id=host,
+            tier=task.tier, save_id=task.save_id)
+        if watch is not None:
+          watch.finish(host)
+        return int(host[1:]), outcome, _crc_row(host, plans, task.leaves, chunks)
       outcome, chunks = await share.write_pieces(
-          host, task.item, task.leaves, plans, pieces,
-          creates=[_creates(host, p, local_hosts) for p in plans], process_id=host,
+          host, task.item, task.leaves, plans, pieces, creates=creates, process_id=host,
           max_inflight_bytes=task.max_inflight_bytes,
           on_progress=None if watch is None else functools.partial(watch.beat, host))
       if task.tier is not None and task.save_id:  # this worker's node, from the same buffers
@@ -452,7 +460,8 @@ def make_worker_restore(task: WorkerReadTask) -> Callable[[jax.Array], tuple[jax
           entries.append(i)
           targets.append(dataclasses.replace(t, chunks=chunks))
           boxes.append([box])
-      chain = tier_chain.SourceChain(sources, task.item.directory) if sources else None
+      chain = (tier_chain.SourceChain(sources, task.item.directory)
+               if sources or format_names.is_local_only(task.item.directory) else None)
       buffers, stats = await share.read_share(
           targets, boxes, item=task.item, verify=task.verify, chain=chain,
           on_progress=None if watch is None else functools.partial(watch.beat, host))

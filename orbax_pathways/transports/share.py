@@ -162,19 +162,39 @@ async def write_tier_only(writer: str, transport: str, item: values.Item,
                           context: Any = None,
                           tier_pieces: Sequence[Sequence[writer_lib.Piece]] | None = None,
                           ) -> values.WriterOutcome:
-  """This host's share of a local-only step (``docs/multi_tier.md``): the chunks' checksums
-  from the host buffers, the writer's record to storage (as for any save: the restore checks
-  the tier's bytes against it), the bytes into this node's tier, **not** to storage. The tier
-  copy is written here, in the save's background part, so the step commits only once it
-  landed; one that cannot be written fails this save (``SaveError`` naming the directory), so
-  the step is never committed. Nothing is queued: ``tier_store.flush`` first. The host that
-  creates an array's metadata (``creates``) still writes it, with no chunk: Orbax's metadata
-  reads (a restore without a target) open the array, and a stock reader of the step finds
-  every chunk missing (Orbax reads with ``fill_missing_data_reads`` off) instead of zeros."""
+  """This host's share of a local-only step under the local transport: ``tier_only_pieces``,
+  then the writer's record to storage, as for any save (the restore checks the tier's bytes
+  against it)."""
+  outcome, chunks = await tier_only_pieces(
+      writer, item, leaves, plans, pieces, creates=creates, process_id=process_id, tier=tier,
+      save_id=save_id, context=context, tier_pieces=tier_pieces)
+  record = writer_record(writer, transport, leaves, plans, chunks, with_sharding=with_sharding,
+                         outcome=outcome, save_id=save_id)
+  await asyncio.to_thread(meta_io.write_record, item.directory, record)
+  return outcome
+
+
+async def tier_only_pieces(writer: str, item: values.Item, leaves: Sequence[values.SaveLeaf],
+                           plans: Sequence[save_plan.ArrayWritePlan],
+                           pieces: Sequence[Sequence[writer_lib.Piece]], *,
+                           creates: Sequence[bool], process_id: int | str | None,
+                           tier: tier_store.TierConfig | None, save_id: str, context: Any = None,
+                           tier_pieces: Sequence[Sequence[writer_lib.Piece]] | None = None,
+                           ) -> tuple[values.WriterOutcome, dict[str, list[records_lib.ChunkRecord]]]:
+  """This host's share of a local-only step (``docs/multi_tier.md``), on the host that holds the
+  bytes (a multi-controller process, a Pathways worker): the chunks' checksums from the host
+  buffers, the bytes into this node's tier, **not** to storage; returns what it wrote and the
+  checksums, as ``write_pieces`` does. The tier copy is written here, in the save's background
+  part, so the step commits only once it landed; one that cannot be written fails this save
+  (``SaveError`` naming the directory), so the step is never committed. Nothing is queued:
+  ``tier_store.flush`` first. The host that creates an array's metadata (``creates``) still
+  writes it, and one empty chunk marker: Orbax's metadata reads (a restore without a target)
+  open the array, its OCDBT validation wants a chunk key per array, and a stock reader of the
+  step fails on the marker instead of reading zeros."""
   if tier is None or not save_id:
     raise errors.SaveError(
         f'{item.directory} is a local-only step (Options.local_save_interval_steps), whose '
-        'array bytes go to the node-local tier only, and the tier is off on this process. Set '
+        'array bytes go to the node-local tier only, and the tier is off on this host. Set '
         'Options.local_dir (ORBAX_PATHWAYS_LOCAL_DIR) to a node-local directory, or '
         'local_save_interval_steps=0.')
   await asyncio.to_thread(tier_store.flush)
@@ -195,14 +215,11 @@ async def write_tier_only(writer: str, transport: str, item: values.Item,
       pieces if tier_pieces is None else tier_pieces, crcs)
   if path is None:
     raise errors.SaveError(
-        f'the local-only step {item.directory}: this process could not write its share '
+        f'the local-only step {item.directory}: host {writer} could not write its share '
         f'({outcome.bytes_written} bytes) into the node-local tier {tier.local_dir} (the '
         'warning above says why). The step is not committed; the previous local-only or '
         'storage step stays the newest to resume from.')
-  record = writer_record(writer, transport, leaves, plans, chunks, with_sharding=with_sharding,
-                         outcome=outcome, save_id=save_id)
-  await asyncio.to_thread(meta_io.write_record, item.directory, record)
-  return outcome
+  return outcome, chunks
 
 
 def write_tier(tier: tier_store.TierConfig, item: values.Item, writer: str, save_id: str,

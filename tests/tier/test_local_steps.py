@@ -165,3 +165,38 @@ def test_the_preemption_save_is_local_committed_before_its_storage_save(tmp_path
   shutil.rmtree(root / '8')  # the storage save that the grace period cut off
   got = procs.worker_json(local_preempt_worker, 'resume', root, env=env, timeout=300)
   assert got == {'step': 8, 'exact': True}, got
+
+
+@pytest.mark.parametrize('transport', ['local', 'colocated'])
+def test_one_process_and_pathways_workers_save_and_resume_a_local_only_step(tmp_path, transport):
+  """In one process: the local transport, and the colocated transport (Pathways: each simulated
+  worker host writes its chunks to its node's tier inside its colocated call, the controller
+  writes the index; in the CPU simulation every worker runs here). Step 10 is local-only:
+  no array chunk in storage; resume takes it, every chunk from the tier."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  from orbax_pathways import preemption, stats  # pylint: disable=g-import-not-at-top
+
+  root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
+  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier), transport=transport,
+                                                local_save_interval_steps=10))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('x', 'y'))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x', 'y'))
+  base = np.arange(128 * 64, dtype=np.float32).reshape(128, 64)
+  options = ocp.CheckpointManagerOptions(save_interval_steps=100)
+  with ocp.CheckpointManager(root, options=options) as m:
+    for step in range(13):
+      m.save(step, args=ocp.args.StandardSave({'w': jax.device_put(base + step, sharding)}))
+    m.wait_until_finished()
+    assert m.all_steps() == [0]
+  item = root / '.orbax-pathways-local' / '10' / 'default'
+  assert sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(item) for f in fs) < 8192
+  with ocp.CheckpointManager(root, options=options) as m:
+    target = {'w': jax.ShapeDtypeStruct(base.shape, base.dtype, sharding=sharding)}
+    step, got = preemption.resume(m, lambda: None, abstract_state=target)
+  assert step == 10
+  np.testing.assert_array_equal(np.asarray(got['w']), base + 10)
+  st = stats.last_restore()
+  assert st.transport == transport and st.bytes_by_source.get('storage', 0) == 0, st
