@@ -596,14 +596,16 @@ def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike,
                   keep: int) -> ocp.CheckpointManager:
   """The hidden manager of ``mngr``'s local-only steps (built at its first local save, then
   kept): ``directory``, one step per save it is asked for, the newest ``keep`` kept, the same
-  processes (``MultiprocessingOptions``), async mode and step names as ``mngr``. Its saves go through Orbax's own save and commit; only the array handler knows the
-  directory is a local-only one (``format.names.is_local_only``)."""
+  processes (``MultiprocessingOptions``, with barrier names of its own), async mode, step
+  names and read-only mode as ``mngr``. Its saves go through Orbax's own save and commit; only
+  the array handler knows the directory is a local-only one (``format.names.is_local_only``)."""
   found = mngr.__dict__.get(_LOCAL)
   if found is not None:
     return found
   options = mngr._options  # pylint: disable=protected-access
   inner_options = ocp.CheckpointManagerOptions(
-      save_interval_steps=1, max_to_keep=keep, create=True,
+      save_interval_steps=1, max_to_keep=keep, create=not options.read_only,
+      read_only=options.read_only,
       enable_async_checkpointing=options.enable_async_checkpointing,
       # Its own barrier names: its barriers never meet the manager's.
       multiprocessing_options=dataclasses.replace(

@@ -17,8 +17,10 @@ Who calls what, on which host (every process that calls the manager):
   ``close`` also wait for (and close) the hidden manager; ``before_save`` (call 3) waits for a
   local-only save still committing, and a local-only save first waits for the storage save
   before it: one save commits in the background per process at a time.
-- ``local_steps(mngr)`` (``preemption.resume``): the committed local-only steps, newest first,
-  and ``restore`` one of them through the hidden manager.
+- ``newer_steps(mngr, than)`` and ``drop_newer(mngr, step)`` (``preemption.resume``, every
+  process): the committed local-only steps newer than the newest storage step, newest first,
+  restored through the hidden manager; after the resume, those newer than the step it chose
+  are deleted (a rolled-back run's).
 
 The hidden manager is a ``CheckpointManager`` like any other, so the package's other hooks run
 on it too (the writer lease, retention, the tier's commit); this module's hooks skip it.

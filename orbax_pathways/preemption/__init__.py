@@ -137,10 +137,13 @@ class PreemptionHooks(hooks_lib.ManagerHooks):
 
   def reached_preemption(self, mngr: Any, step: int, stock: Callable[[], bool],
                          participants: Any) -> bool:
+    if _om.is_local_manager(mngr):  # the manager it serves decides (manager/local_steps.py)
+      return False
     return decision.reached_preemption(step, stock, participants, self.agreement)
 
   def after_save(self, mngr: Any, step: int, saved: bool) -> None:
-    decision.after_save(mngr, step, saved)
+    if not _om.is_local_manager(mngr):  # its saves never consume the notice
+      decision.after_save(mngr, step, saved)
 
 
 HOOKS = PreemptionHooks()  # the registered one (replaced by install)
