@@ -200,3 +200,35 @@ def test_one_process_and_pathways_workers_save_and_resume_a_local_only_step(tmp_
   np.testing.assert_array_equal(np.asarray(got['w']), base + 10)
   st = stats.last_restore()
   assert st.transport == transport and st.bytes_by_source.get('storage', 0) == 0, st
+
+
+def test_a_tier_that_cannot_take_the_step_costs_the_local_save_only(tmp_path, caplog):
+  """The tier directory cannot be made (a file is in its way): the local-only save of step 10
+  fails with one warning naming the step, training goes on, nothing of step 10 is listed, and
+  resume takes storage's step 0."""
+  import logging  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  from orbax_pathways import preemption  # pylint: disable=g-import-not-at-top
+
+  root, blocker = tmp_path / 'ckpt', tmp_path / 'a_file'
+  blocker.write_text('not a directory')
+  orbax_pathways.install(orbax_pathways.Options(local_dir=str(blocker / 'tier'),
+                                                local_save_interval_steps=10))
+  x = jax.device_put(np.arange(64, dtype=np.float32))
+  options = ocp.CheckpointManagerOptions(save_interval_steps=100)
+  caplog.set_level(logging.WARNING, logger='orbax_pathways')
+  with ocp.CheckpointManager(root, options=options) as m:
+    for step in range(12):
+      m.save(step, args=ocp.args.StandardSave({'x': x + step}))
+    m.wait_until_finished()
+    assert m.all_steps() == [0]
+  failed = [r.getMessage() for r in caplog.records if 'local-only save' in r.getMessage()]
+  assert failed and 'step 10' in failed[0], [r.getMessage() for r in caplog.records]
+  local = root / '.orbax-pathways-local'
+  assert not local.exists() or not [n for n in os.listdir(local) if n.isdigit()]
+  with ocp.CheckpointManager(root, options=options) as m:
+    step, got = preemption.resume(m, lambda: None)
+  assert step == 0 and np.array_equal(np.asarray(got['x']), np.arange(64, dtype=np.float32))
