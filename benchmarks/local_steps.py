@@ -17,7 +17,9 @@ a final save (every process killed at the same step). Each run is made twice, in
   every restore reads storage, as stock Orbax does;
 - ``multi_tier``: ``local_save_interval_steps=--local-every``, a tier per process.
 
-Then 4 fresh processes run ``preemption.resume`` and one training step. Reported per mode: the
+Then 4 fresh processes (3 with ``--lose-node``: the 4th node and its tier gone) run
+``preemption.resume`` and one training step. ``--layout replicated`` splits the state over
+each slice's devices only (every slice holds all of it) instead of over every device. Reported per mode: the
 step resumed from and the steps lost, seconds from the resume call to the end of the first step
 after it (slowest process, between barriers), bytes read from storage, and the training loop's
 mean step time against the step time with no checkpointing (``--steps`` steps, measured in the
@@ -53,13 +55,14 @@ from orbax_pathways import preemption, stats
 from jax.experimental import multihost_utils
 
 P = jax.sharding.PartitionSpec
-mode, root, mib, steps, step_s, storage_every = (
+mode, root, mib, steps, step_s, storage_every, layout = (
     sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]),
-    int(sys.argv[6]))
+    int(sys.argv[6]), sys.argv[7])
 n = jax.device_count()
-rows = max(n, int(mib * (1 << 20) * jax.process_count() / 4 / 1024) // n * n)
+rows = max(24, int(mib * (1 << 20) * 4 / 4 / 1024) // 24 * 24)  # the state saved on 4 processes
 mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n // 2, 2), ('x', 'y'))
-sharding = jax.sharding.NamedSharding(mesh, P('x', 'y'))
+# sharded: over every device; replicated: over each slice's 2 devices, every slice holding all
+sharding = jax.sharding.NamedSharding(mesh, P('x', 'y') if layout == 'sharded' else P(None, 'y'))
 base = np.arange(rows * 1024, dtype=np.float32).reshape(rows, 1024)
 
 def state(step):
@@ -119,15 +122,19 @@ def parse_args(argv=None):
   p.add_argument('--local-every', type=int, default=10)
   p.add_argument('--bandwidth-mib', type=float, default=64.0,
                  help='storage bandwidth cap, MiB/s, all connections together')
+  p.add_argument('--layout', choices=('sharded', 'replicated'), default='sharded',
+                 help="the state: split over every device, or over each slice's devices")
+  p.add_argument('--lose-node', action='store_true',
+                 help='restart on 3 processes, the 4th node (and its tier) gone')
   p.add_argument('--json-out', default=None)
   p.add_argument('--timeout', type=float, default=900, help='seconds per multi-process run')
   return p.parse_args(argv)
 
 
 def _run(run_processes, args, mode, root, env, tiers):
-  res = run_processes(WORKER, 4, 2, timeout=args.timeout, init_timeout=300, env=env,
+  res = run_processes(WORKER, len(tiers), 2, timeout=args.timeout, init_timeout=300, env=env,
                       args=[mode, root, str(args.mib), str(args.steps), str(args.step_s),
-                            str(args.storage_every)],
+                            str(args.storage_every), args.layout],
                       per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': t} for t in tiers])
   return [r.result for r in res]
 
@@ -142,7 +149,8 @@ def one_mode(mode, args, bucket, run_processes) -> dict:
   per_tier = list(tiers) if mode == 'multi_tier' else ['off'] * 4  # storage only: no tier at all
   try:
     train = _run(run_processes, args, 'train', root, env, per_tier)
-    resume = _run(run_processes, args, 'resume', root, env, per_tier)
+    resume = _run(run_processes, args, 'resume', root, env,
+                  per_tier[:3] if args.lose_node else per_tier)
   finally:
     for t in tiers:
       shutil.rmtree(t, ignore_errors=True)
@@ -160,9 +168,11 @@ def one_mode(mode, args, bucket, run_processes) -> dict:
 
 
 def table(results, args) -> str:
-  lines = [f'4 processes x 2 CPU devices, {args.mib:g} MiB per process, {args.steps} steps of '
-           f'{args.step_s:g} s, storage every {args.storage_every}, local every '
-           f'{args.local_every}, gs:// at {args.bandwidth_mib:g} MiB/s', '',
+  lines = [f'4 processes x 2 CPU devices, {args.mib:g} MiB per process ({args.layout}), '
+           f'{args.steps} steps of {args.step_s:g} s, storage every {args.storage_every}, local '
+           f'every {args.local_every}, gs:// at {args.bandwidth_mib:g} MiB/s; restart on '
+           f'{3 if args.lose_node else 4} processes' + (' (node 4 lost)' if args.lose_node else ''),
+           '',
            '| mode | resumed from | steps lost | resume to first step (s) | storage bytes read '
            '| step time / bare | save() blocking max (s) |', '|---|---:|---:|---:|---:|---:|---:|']
   for r in results:
