@@ -38,6 +38,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from benchlib import storage as benchlib_storage  # noqa: E402  pylint: disable=wrong-import-position
 REPO = os.path.dirname(HERE)
 TESTS = os.path.join(REPO, 'tests')
 MiB = 1 << 20
@@ -207,16 +209,8 @@ def table(results, args) -> str:
 def main(argv=None) -> int:
   args = parse_args(argv)
   sys.path.insert(0, TESTS)
-  from support import gcs_server  # pylint: disable=import-outside-toplevel
-  from support.fault_proxy import FaultProxy  # pylint: disable=import-outside-toplevel
   from support.mp_harness import run_processes  # pylint: disable=import-outside-toplevel
-  server = gcs_server.FakeGcs(backend='memory').start()
-  proxy = FaultProxy(server.url, rate=0.0, bandwidth=args.bandwidth_mib * MiB).start()
-  try:
-    for k, v in server.env(proxy.url).items():
-      os.environ[k] = v
-    for k in gcs_server.FakeGcs.unset_keys():
-      os.environ.pop(k, None)
+  with benchlib_storage.capped_gcs(args.bandwidth_mib * MiB) as (server, proxy):
     results = []
     for kind in args.kinds.split(','):
       bucket = server.new_bucket('tier')
@@ -228,9 +222,6 @@ def main(argv=None) -> int:
       with open(args.json_out, 'w', encoding='utf-8') as f:
         json.dump({'args': vars(args), 'date': time.strftime('%Y-%m-%d'), 'results': results}, f,
                   indent=1)
-  finally:
-    proxy.stop()
-    server.stop()
   return 0
 
 

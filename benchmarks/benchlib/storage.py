@@ -99,3 +99,25 @@ def ts_bytes_read() -> tuple[int, list[str]]:
       total += sum(int(v.get('value', 0)) for v in m['values'])
       names.append(name)
   return total, names
+
+
+@contextlib.contextmanager
+def capped_gcs(bandwidth_bytes: float | None = None):
+  """fake-gcs-server (memory backend) behind ``tests/support/fault_proxy.py``, with its
+  bandwidth cap (all connections together; None: uncapped), this process's environment (and its
+  children's) pointed at the proxy. Yields ``(server, proxy)``; both stop at the end."""
+  gcs_mod, why = import_gcs_server()
+  if gcs_mod is None:
+    raise RuntimeError(why)
+  from support.fault_proxy import FaultProxy  # pylint: disable=import-outside-toplevel
+  server = gcs_mod.FakeGcs(backend='memory').start()
+  proxy = FaultProxy(server.url, rate=0.0, bandwidth=bandwidth_bytes).start()
+  try:
+    for k, v in server.env(proxy.url).items():
+      os.environ[k] = v
+    for k in gcs_mod.FakeGcs.unset_keys():
+      os.environ.pop(k, None)
+    yield server, proxy
+  finally:
+    proxy.stop()
+    server.stop()

@@ -68,22 +68,25 @@ def _damaged_warning(step: int, path, error: BaseException | None, fallback_step
           'instead.')
 
 
+def _try_restore(mngr, step: int, abstract_state: Any) -> tuple[Any, BaseException | None]:
+  """``mngr.restore(step)`` with ``abstract_state``: (state, None), or (None, the error)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  try:
+    return mngr.restore(step, args=ocp.args.StandardRestore(abstract_state)), None
+  except Exception as e:  # pylint: disable=broad-except
+    return None, e
+
+
 def _from_local_step(mngr, abstract_state: Any, newest_storage: int | None):
   """``(step, state)`` of the newest local-only step newer than ``newest_storage`` that every
   process restored (one agreement round per step tried, as for storage steps), or None. A
   step that cannot be completed (a chunk in no live process's tier: ``LocalStepIncompleteError``,
   or any other failure on some process) is passed over with one log line naming it and why."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-
   inner, steps = local_steps.newer_steps(mngr, newest_storage)
   if inner is None:
     return None
   for step in steps:
-    error = None
-    try:
-      state = inner.restore(step, args=ocp.args.StandardRestore(abstract_state))
-    except Exception as e:  # pylint: disable=broad-except
-      error = e
+    state, error = _try_restore(inner, step, abstract_state)
     if _all_processes_ok(mngr, error is None, step):
       logging.info('orbax_pathways.preemption.resume: resumed from local-only step %d (newer '
                    'than the newest storage step, %s).', step, newest_storage)
@@ -115,7 +118,6 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
   first (see ``retention``); work in progress of other processes (a trainer saving into this
   directory while an evaluator resumes) is left alone.
   """
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   mngr.wait_until_finished()
   if _om.is_primary_host(_om.manager_primary_host(mngr)) and not _om.manager_read_only(mngr):
@@ -139,11 +141,7 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
       local_steps.drop_newer(mngr, None)
       return None, init_fn()
     path = _om.manager_step_path(mngr, step)
-    error = None
-    try:
-      state = mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
-    except Exception as e:  # pylint: disable=broad-except
-      error = e
+    state, error = _try_restore(mngr, step, abstract_state)
     if _all_processes_ok(mngr, error is None, step):
       for s, p, err in damaged:
         message = _damaged_warning(s, p, err, step)
