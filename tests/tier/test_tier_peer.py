@@ -87,18 +87,33 @@ def _entry(tier, step, writer):
 
 def test_lost_node_restore_onto_fewer_processes_reads_survivors_first(saved, tmp_path):
   root, tiers = _nodes(saved, tmp_path)
-  (p0, _), (p1, _) = _restore(root, tiers)
+  # Process 0 looks only once process 1 has published (the usual case in a fleet that starts
+  # together; left to chance, it is the next test's). The deadline only bounds a late peer.
+  (p0, _), (p1, _) = _restore(root, tiers, faults=('after:1', 'none'), timeout_s=60)
   # Process 0: its own chunks (and 'r') from its tier, node 1's chunks at row 32 from node 1.
   assert p0 == {'local': OWN + R, 'peer': OWN, 'storage': 0}, p0
   # Process 1: its own from its tier, 'r' from node 0, only the lost node's chunks from storage.
   assert p1 == {'local': OWN, 'peer': R, 'storage': OWN}, p1
   # Who was asked (the index's writer column): process 0 lacks only writer p1's chunks, so it
   # read p1's holder key (one) and asked node 1 alone for its list, never reading every
-  # process's key. Process 1 lacks p0's ('r') and the lost p2's: one holder key (p0's), one
-  # list; p2 has no holder, which only every process's key (read once) can tell.
+  # process's key. Process 1 lacks p0's ('r') and the lost p2's: one list (node 0's); p2 has
+  # no holder, which only every process's key (read once) can tell, and p0's holder key, if
+  # process 1 looked before process 0 published, is read again after it: three holder reads.
   l0, l1 = _restore.lookups
   assert (l0.get('gathers', 0), l0['holder_reads'], l0['lists'], l0['keys_read']) == (0, 1, 1, 1), l0
   assert (l1['gathers'], l1['holder_reads'], l1['lists']) == (1, 3, 1), l1
+
+
+def test_a_holder_that_publishes_after_the_reader_looked_is_still_asked(saved, tmp_path):
+  """Process 0 looks for p1's holder before process 1 has published (process 1 waits for that):
+  no holder key yet, so process 0 reads every process's key once (lost, or late?), waiting for
+  process 1's, then p1's holder key again, and takes node 1's chunks from node 1, not storage."""
+  root, tiers = _nodes(saved, tmp_path)
+  (p0, _), (p1, _) = _restore(root, tiers, faults=('tell_empty', 'after_empty'), timeout_s=60)
+  assert p0 == {'local': OWN + R, 'peer': OWN, 'storage': 0}, p0
+  assert p1 == {'local': OWN, 'peer': R, 'storage': OWN}, p1
+  l0, _ = _restore.lookups
+  assert (l0['gathers'], l0['holder_reads'], l0['lists'], l0['keys_read']) == (1, 2, 1, 2), l0
 
 
 def test_flipped_byte_in_a_peers_chunk_is_read_from_storage(saved, tmp_path):

@@ -7,7 +7,11 @@ its peer server plays in a survivor-first restore.
 ``FAULT`` (this process's server): ``none``; ``stall`` (accepts connections, never answers);
 ``refuse`` (its server is gone when it publishes); ``no_relay`` (answers every relay request with
 an error); ``die_mid_chunk`` (closes the connection half-way through a chunk); ``tib`` (claims
-a 1 TiB answer, sends nothing); ``dtype`` (its list says int32 for the float32 'w').
+a 1 TiB answer, sends nothing); ``dtype`` (its list says int32 for the float32 'w');
+``after:P`` (it publishes, and so looks anything up, only once process P has published: the
+order of the two, which a restore otherwise leaves to chance); ``tell_empty`` (when it finds a
+writer without holder keys, it says so in the key ``<round>.empty``) and ``after_empty`` (it
+publishes only once that key is there: so a reader looks before the holder publishes).
 ``save``: saves steps 1 and 2 of 'w' (sharded), 'b' (row-sharded), 'r' (replicated) and, with
 ``ORBAX_PATHWAYS_LOCAL_SCOPE=held`` or ``WITH_M``, 'm' (replicated across slices); emits
 ``{'saved': True}``. ``restore``: restores step 2 onto the same shardings of the current
@@ -75,6 +79,32 @@ def _play(fault: str) -> None:
       return msgpack.packb(out, use_bin_type=True)
 
     peer_server._Server.listing = lying
+  elif fault.startswith('after:'):  # publishes (then looks up) once process P has published
+    other, publish = int(fault.split(':')[1]), exchange.Exchange.publish
+
+    def after(self, prefix, *a, **k):
+      self.client.blocking_key_value_get(f'{prefix}/{other}', 120_000)
+      return publish(self, prefix, *a, **k)
+
+    exchange.Exchange.publish = after
+  elif fault == 'tell_empty':  # says when it found a writer without holder keys
+    holders = exchange.Exchange.holders
+
+    def telling(self, prefix, writer):
+      found = holders(self, prefix, writer)
+      if not found:
+        self.client.key_value_set(f'{prefix}.empty', writer, allow_overwrite=True)
+      return found
+
+    exchange.Exchange.holders = telling
+  elif fault == 'after_empty':  # publishes once a reader found a writer without holder keys
+    publish = exchange.Exchange.publish
+
+    def after_empty(self, prefix, *a, **k):
+      self.client.blocking_key_value_get(f'{prefix}.empty', 120_000)
+      return publish(self, prefix, *a, **k)
+
+    exchange.Exchange.publish = after_empty
 
 
 def main() -> None:
