@@ -221,11 +221,10 @@ def read_small(path: str, max_bytes: int = MAX_SMALL_BYTES) -> bytes:
     return f.read(max_bytes + 1)[:max_bytes]
 
 
-def write_file(path: str, data: bytes | memoryview | None = None, *, exclusive: bool = False
-               ) -> None:
-  """Writes ``data`` (nothing: an empty marker) to ``path`` with mode ``0600``, never through a
-  symlink (``O_NOFOLLOW``); ``exclusive`` refuses a file that exists (``O_EXCL``), else an
-  existing regular file is truncated."""
+def open_new(path: str, *, exclusive: bool = False) -> int:
+  """A descriptor of ``path`` opened for writing, mode ``0600``, never through a symlink
+  (``O_NOFOLLOW``), a regular file only; ``exclusive`` refuses a file that exists
+  (``O_EXCL``), else an existing regular file is truncated. The caller closes it."""
   flags = os.O_WRONLY | os.O_CREAT | _NOFOLLOW | _CLOEXEC | (os.O_EXCL if exclusive else os.O_TRUNC)
   try:
     fd = os.open(path, flags, FILE_MODE)
@@ -238,6 +237,19 @@ def write_file(path: str, data: bytes | memoryview | None = None, *, exclusive: 
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
       raise UnsafeError(errno.EINVAL, f'{path} is {_describe(st)}, not a regular file')
+  except BaseException:
+    os.close(fd)
+    raise
+  return fd
+
+
+def write_file(path: str, data: bytes | memoryview | None = None, *, exclusive: bool = False
+               ) -> None:
+  """Writes ``data`` (nothing: an empty marker) to ``path`` with mode ``0600``, never through a
+  symlink (``open_new``); ``exclusive`` refuses a file that exists, else an existing regular
+  file is truncated."""
+  fd = open_new(path, exclusive=exclusive)
+  try:
     if data is not None:
       view = memoryview(data).cast('B')
       while view:

@@ -361,15 +361,23 @@ def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
       remove(path)
     _warn(cfg, type(e).__name__, f'writing {path} failed: {e}')
     return None
+  adopt(cfg, path, root, step_name)
+  return path
+
+
+def adopt(cfg: TierConfig, path: str, root: str, step_name: str) -> None:
+  """A complete entry this process wrote (``write_entry``) or received (a partner copy:
+  ``tier/receive.py``) is marked committed when its step commits (``on_commit``), at once if it
+  already did; then the tier is pruned."""
   parsed = format_lib.parse_step_name(step_name)
   with _lock:
+    _used.add(cfg.local_dir)
     committed = parsed is not None and (manifest_lib.normalize_root(root), parsed[0]) in _committed
     if not committed:
       _pending.setdefault((root, step_name), []).append((path, cfg))
   if committed:  # its step committed while this copy was being written
     _mark_committed(path, cfg, root)
   prune(cfg, root)
-  return path
 
 
 def _free_bytes(local_dir: str) -> int:
