@@ -17,7 +17,9 @@ Who calls what, on which host (multi-controller JAX, every process):
 - The requests come from the other processes' restores (``tier/peer.py``'s ``_Peer``): ``list``
   (the complete entries of one item: writer, save id and per array the chunks and their files)
   and ``get`` (one chunk file, streamed with ``sendfile``), and the kinds registered with
-  ``register_op`` (``tier/relay.py``: ``relay``, a chunk answered from memory).
+  ``register_op`` (``tier/relay.py``: ``relay``, a chunk answered from memory). From the
+  processes whose partner this one is (``Options.local_copies=2``, ``tier/partner_copy.py``):
+  ``put``, one file of a partner copy, written into this node's tier (``tier/receive.py``).
 - What a server closed unread is counted by reason (``server_counts``, and
   ``stats.peer_server()``), with one warning per ``LOG_EVERY_S`` for connections that did not
   prove the job's secret.
@@ -48,6 +50,7 @@ from orbax_pathways import stats
 from orbax_pathways.tier import exchange as exchange_lib
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
+from orbax_pathways.tier import receive
 from orbax_pathways.tier import wire
 
 log = logging.getLogger('orbax_pathways')
@@ -225,11 +228,28 @@ class _Handler(socketserver.BaseRequestHandler):
         if not isinstance(req, dict):
           return
         sock.settimeout(srv.limits.idle_s)  # an answer the reader stops taking ends here
+        if req.get('op') == 'put':
+          if not self.put(sock, req):
+            return
+          continue
         self.answer(sock, req)
     except wire.Refused as e:
       COUNTS.refused(e.reason, address, str(e))
     except (OSError, ValueError, msgpack.UnpackException):
       return
+
+  def put(self, sock: socket.socket, req: Mapping[str, Any]) -> bool:
+    """A partner copy's file (``tier/receive.py``); whether the connection can go on. A put
+    refused before its body was read is answered with why, then the connection closes (the
+    body is never drained); one cut short closes it."""
+    try:
+      receive.receive(sock, req, self.server.tier, self.server.limits.idle_s)
+    except receive.Refused as e:
+      text = self.server.scrub(f'Refused: {e}').encode()[:wire.MAX_ERROR_BYTES]
+      sock.sendall(wire.ANSWER.pack(1, len(text)) + text)
+      return False
+    sock.sendall(wire.ANSWER.pack(0, 0))
+    return True
 
   def answer(self, sock: socket.socket, req: Mapping[str, Any]) -> None:
     """Prepares the answer (an error answers with its text: names relative to the tier, never
@@ -296,6 +316,7 @@ class _Server(socketserver.ThreadingTCPServer):
   def __init__(self, address: tuple[str, int], local_dir: str, secret: bytes,
                limits: wire.Limits = wire.LIMITS):
     self.local_dir, self.secret, self.limits = local_dir, secret, limits
+    self.tier: Any = None  # tier.store.TierConfig: set when it takes partner copies (``serve``)
     self.manifests = _Manifests(local_dir)
     self._slots = threading.BoundedSemaphore(limits.max_connections)
     super().__init__(address, _Handler)
@@ -358,12 +379,15 @@ def _advertised_host() -> str:
     return '127.0.0.1'
 
 
-def serve(local_dir: str, secret: bytes | None = None, limits: wire.Limits | None = None) -> str:
+def serve(local_dir: str, secret: bytes | None = None, limits: wire.Limits | None = None,
+          tier: Any = None) -> str:
   """Starts (once per process and directory) the server of this node's tier in a daemon
   thread; returns the ``host:port`` peers reach it at (``ORBAX_PATHWAYS_PEER_ADDRESS`` names
   the host, else this host name's address). ``secret``: the job's (``job_secret``); None takes
   the one this process last read (``Exchange.secret``, which the local transport calls before
-  the chain serves). ``limits``: the server's bounds (``wire.LIMITS``), at its start."""
+  the chain serves). ``limits``: the server's bounds (``wire.LIMITS``), at its start.
+  ``tier``: this node's ``TierConfig`` (``tier/partner_copy.py``, ``Options.local_copies=2``):
+  the server then also takes partner copies into it (``put``); else it refuses them."""
   if secret is None:
     secret = exchange_lib.cached_secret()
   if secret is None or len(secret) != wire.SECRET_BYTES:
@@ -373,9 +397,12 @@ def serve(local_dir: str, secret: bytes | None = None, limits: wire.Limits | Non
     if local_dir in _servers:
       server, address = _servers[local_dir]
       server.secret = secret  # a later job in this process (jax.distributed restarted)
+      if tier is not None:
+        server.tier = tier
       return address
     host = _advertised_host()
     server = _Server((host, 0), local_dir, secret, limits or wire.LIMITS)
+    server.tier = tier
     address = f'{host}:{server.server_address[1]}'
     threading.Thread(target=server.serve_forever, name='orbax-pathways-tier-peer',
                      daemon=True).start()
