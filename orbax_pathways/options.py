@@ -162,6 +162,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar('ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS', 'int', 0,
            'save a step that the CheckpointManager declines to the node-local tiers only, when '
            'its number is a multiple of this (0: never)', minimum=0),
+    EnvVar('ORBAX_PATHWAYS_LOCAL_COPIES', 'int', 1,
+           'copies of each host\'s share of a local-only step: 1, or 2 (a partner host of '
+           'another slice keeps the second)', minimum=1),
     EnvVar('ORBAX_PATHWAYS_LOCAL_MAX_AGE_S', 'float', LOCAL_MAX_AGE_S,
            "node-local tier entries of other checkpoint directories idle this long are dropped",
            minimum=0, unit='seconds; inf: never by age'),
@@ -199,6 +202,7 @@ FIELD_ENV: dict[str, str] = {
     'local_keep': 'ORBAX_PATHWAYS_LOCAL_KEEP',
     'local_save_interval_steps': 'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS',
     'local_scope': 'ORBAX_PATHWAYS_LOCAL_SCOPE',
+    'local_copies': 'ORBAX_PATHWAYS_LOCAL_COPIES',
     'local_max_age_s': 'ORBAX_PATHWAYS_LOCAL_MAX_AGE_S',
     'local_max_bytes': 'ORBAX_PATHWAYS_LOCAL_MAX_BYTES',
     'tier_peer_timeout_s': 'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S',
@@ -346,6 +350,13 @@ class Options:
     our records to ``<directory>/.orbax-pathways-local/<step>`` in storage, the array bytes to the
     writer hosts' node-local tiers only. ``preemption.resume`` restores the newest step, local-only
     or in storage, that the live processes can complete. Needs the tier (``local_dir``).
+  local_copies: copies of each host's share of a local-only step (``ORBAX_PATHWAYS_LOCAL_COPIES``,
+    1). ``2``: each process also sends its share, in the save's background part, to a partner
+    process of another slice (``tier/partners.py``), which keeps it in its node's tier, so the
+    step survives the loss of any one slice even where state is sharded across every device.
+    Costs each node its partner's share in node memory and one copy over the network per save.
+    Multi-controller JAX only (under Pathways: not yet); a copy that cannot be made (no other
+    slice, a partner's full tier) is one warning, and the step keeps one copy.
   local_max_age_s, local_max_bytes: node-level clean-up of the tier (``tier/gc.py``). At the
     first tier copy of each save, entries whose step is gone from a local checkpoint directory
     (or the directory itself) are dropped (``mngr.delete`` and retention drop theirs at once;
@@ -412,6 +423,7 @@ class Options:
   local_keep: int = _default('local_keep')
   local_save_interval_steps: int = _default('local_save_interval_steps')
   local_scope: str = _default('local_scope')
+  local_copies: int = _default('local_copies')
   local_max_age_s: float = _default('local_max_age_s')
   local_max_bytes: int | None = _default('local_max_bytes')
   tier_peer_timeout_s: float = _default('tier_peer_timeout_s')
@@ -454,6 +466,10 @@ class Options:
     _check_int('num_slices', self.num_slices, 1, optional=True)
     _check_int('local_keep', self.local_keep, 1)
     _check_int('local_save_interval_steps', self.local_save_interval_steps, 0)
+    _check_int('local_copies', self.local_copies, 1)
+    if self.local_copies > 2:
+      raise ValueError(f'Options.local_copies={self.local_copies!r}: use 1 or 2 (a second copy '
+                       'on a partner host of another slice).')
     _check_int('local_max_bytes', self.local_max_bytes, 0, optional=True)
     age = self.local_max_age_s
     if isinstance(age, bool) or not isinstance(age, (int, float)) or not age >= 0:

@@ -57,6 +57,7 @@ from orbax_pathways.storage import hedge
 from orbax_pathways.storage import reader as reader_lib
 from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.tier import manifest as tier_layout
+from orbax_pathways.tier import partners as tier_partners
 from orbax_pathways.tier import store as tier_store
 from orbax_pathways.transports import base as transports
 from orbax_pathways.transports import registry
@@ -335,6 +336,27 @@ class Engine:
         return None
     return tier_store.usable(cfg, missing_ok=True) if local else cfg
 
+  def _partner(self, directory: Any) -> int | None:
+    """The process that keeps this process's second copy of a local-only step
+    (``Options.local_copies=2``, multi-controller JAX; ``tier/partners.py``), else None. No
+    other slice: said once, no copy."""
+    if (self.options.local_copies < 2 or not format_lib.is_local_only(directory)
+        or jax.process_count() < 2):
+      return None
+    by_device = layout.slice_of_devices(jax.devices(), num_slices=self.options.num_slices)
+    slice_of: dict[int, int] = {}
+    for d in jax.devices():
+      slice_of[d.process_index] = min(slice_of.get(d.process_index, by_device[d.id]),
+                                      by_device[d.id])
+    partner = tier_partners.partner_of(jax.process_index(), slice_of)
+    if partner is None:
+      said.once(logging.WARNING, ('no-partner',),
+                 'orbax_pathways: Options.local_copies=2, but every process is in one slice: a '
+                 'second copy there would be lost with the first, so local-only steps keep one '
+                 'copy. Set ORBAX_PATHWAYS_NUM_SLICES (Options.num_slices) if the platform does '
+                 'not tell the slices apart.')
+    return partner
+
   # ---- save ------------------------------------------------------------------------------------
 
   @deadline_lib.with_bounds
@@ -345,7 +367,9 @@ class Engine:
     check_global(arrays, [leaf.name for leaf in leaves])
     config = dataclasses.replace(config, tier=self.tier(item.directory),
                                  tier_scope=self.options.local_scope,
-                                 peer_timeout_s=self.options.peer_timeout_s)
+                                 peer_timeout_s=self.options.peer_timeout_s,
+                                 partner=self._partner(item.directory),
+                                 tier_peer_timeout_s=self.options.tier_peer_timeout_s)
     transport = registry.create(self.transport_name(), save=config)
     if format_lib.is_local_only(item.directory) and transport.name not in ('local', 'colocated'):
       raise errors.SaveError(

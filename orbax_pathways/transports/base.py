@@ -48,6 +48,10 @@ class SaveConfig:
   tier: Any = None  # tier.store.TierConfig: this node's tier (None: off); set by the engine
   tier_scope: str = 'written'  # Options.local_scope: 'written' or 'held' (every chunk it holds)
   peer_timeout_s: float = 60.0  # a wait on workers beyond their work (Options.peer_timeout_s)
+  # A local-only step's second copy (Options.local_copies=2): the process that keeps it (None:
+  # no copy), and each wait on it (Options.tier_peer_timeout_s). Set by the engine.
+  partner: int | None = None
+  tier_peer_timeout_s: float = 20.0
 
 
 @dataclasses.dataclass(frozen=True)

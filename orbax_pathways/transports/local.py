@@ -32,6 +32,7 @@ from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.transports import base
 from orbax_pathways.tier import chain as tier_chain
 from orbax_pathways.tier import exchange as tier_exchange
+from orbax_pathways.tier import partner_copy
 from orbax_pathways.tier import relay as tier_relay
 from orbax_pathways.tier import wire as tier_wire
 from orbax_pathways.transports import share
@@ -259,6 +260,28 @@ def peer_exchange(timeout_s: float) -> tier_exchange.Exchange | None:
   return exchange
 
 
+def _partner_copier(cfg: base.SaveConfig) -> Callable[[str], None] | None:
+  """What sends this process's entry of a local-only step to its partner
+  (``Options.local_copies=2``: ``tier/partner_copy.py``), or None (no partner, no tier). Makes
+  this process's tier server take copies first: its own senders may already be on the way."""
+  if cfg.partner is None or cfg.tier is None:
+    return None
+  client = jax_distributed.distributed_client()
+  try:
+    partner_copy.ready(cfg.tier, client, jax.process_index(), cfg.tier_peer_timeout_s)
+  except (tier_wire.PeerError, OSError) as e:
+    said.once(logging.WARNING, ('tier-partner', type(e).__name__),
+               'orbax_pathways: this process\'s tier cannot take partner copies, nor send one '
+               '(%s: %s); local-only steps keep one copy here.', type(e).__name__, e)
+    return None
+  partner, timeout_s = cfg.partner, cfg.tier_peer_timeout_s
+
+  def copy(path: str) -> None:
+    partner_copy.send_or_say(path, partner, client, timeout_s)
+
+  return copy
+
+
 class LocalTransport:
   """This process writes and reads its own devices' shards (see the module docstring)."""
 
@@ -309,7 +332,8 @@ class LocalTransport:
             host, NAME, item, leaves, plans, pieces, creates=[cfg.is_primary] * len(leaves),
             process_id=cfg.ocdbt_process_id, with_sharding=cfg.is_primary, tier=cfg.tier,
             save_id=share.new_save_id(), context=cfg.context,
-            tier_pieces=None if held is None else [tuple(p) + h for p, h in zip(pieces, held)])
+            tier_pieces=None if held is None else [tuple(p) + h for p, h in zip(pieces, held)],
+            copy=await asyncio.to_thread(_partner_copier, cfg))
       return [outcome]
     with trace('write'):
       outcome = await share.write_share(

@@ -161,13 +161,15 @@ async def write_tier_only(writer: str, transport: str, item: values.Item,
                           with_sharding: bool, tier: tier_store.TierConfig | None, save_id: str,
                           context: Any = None,
                           tier_pieces: Sequence[Sequence[writer_lib.Piece]] | None = None,
+                          copy: Callable[[str], None] | None = None,
                           ) -> values.WriterOutcome:
   """This host's share of a local-only step under the local transport: ``tier_only_pieces``,
   then the writer's record to storage, as for any save (the restore checks the tier's bytes
-  against it)."""
+  against it). ``copy``: called with the entry's directory once it landed (a partner copy:
+  ``tier/partner_copy.py``), before the record is written."""
   outcome, chunks = await tier_only_pieces(
       writer, item, leaves, plans, pieces, creates=creates, process_id=process_id, tier=tier,
-      save_id=save_id, context=context, tier_pieces=tier_pieces)
+      save_id=save_id, context=context, tier_pieces=tier_pieces, copy=copy)
   record = writer_record(writer, transport, leaves, plans, chunks, with_sharding=with_sharding,
                          outcome=outcome, save_id=save_id)
   await asyncio.to_thread(meta_io.write_record, item.directory, record)
@@ -180,6 +182,7 @@ async def tier_only_pieces(writer: str, item: values.Item, leaves: Sequence[valu
                            creates: Sequence[bool], process_id: int | str | None,
                            tier: tier_store.TierConfig | None, save_id: str, context: Any = None,
                            tier_pieces: Sequence[Sequence[writer_lib.Piece]] | None = None,
+                           copy: Callable[[str], None] | None = None,
                            ) -> tuple[values.WriterOutcome, dict[str, list[records_lib.ChunkRecord]]]:
   """This host's share of a local-only step (``docs/multi_tier.md``), on the host that holds the
   bytes (a multi-controller process, a Pathways worker): the chunks' checksums from the host
@@ -219,6 +222,8 @@ async def tier_only_pieces(writer: str, item: values.Item, leaves: Sequence[valu
         f'({outcome.bytes_written} bytes) into the node-local tier {tier.local_dir} (the '
         'warning above says why). The step is not committed; the previous local-only or '
         'storage step stays the newest to resume from.')
+  if copy is not None:
+    await asyncio.to_thread(copy, path)
   return outcome, chunks
 
 
