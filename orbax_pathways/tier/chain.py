@@ -57,6 +57,7 @@ log = logging.getLogger('orbax_pathways')
 # The names stats report, in chain order. 'relay': read from storage by another process that
 # needed the chunk too, and passed on (``tier/relay.py``).
 SOURCES = ('local', 'peer', 'relay', 'storage')
+_COPIES = ('local', 'peer')  # the sources that hold tier copies (a failed one tries the next)
 
 
 class SourceError(Exception):
@@ -267,15 +268,35 @@ class SourceChain:
     failed."""
     failed = []
     for i, chunk in chunks:
-      t0 = time.perf_counter()
-      place = chunk_read.Place(data, region, chunk)
-      if self._take(read, i, place):
-        src = self.sources[i]
-        name = src.counted_as(read, chunk) if hasattr(src, 'counted_as') else src.name
-        self.add(name, place.nbytes, time.perf_counter() - t0)
-      else:
+      if not any(self._fill_one(read, region, data, j, chunk) for j in self._after(read, i, chunk)):
         failed.append(chunk)
     return failed
+
+  def _after(self, read: Any, i: int, chunk: Box):
+    """Source ``i`` (the plan's), then each later tier source that holds ``chunk``, lazily: a
+    chunk one source cannot give (its copy damaged, its peer gone) is asked of the next one
+    that holds a copy (a peer's replica or partner copy) before storage. A source with
+    ``distrust`` is told first that the copy before it failed (the peer source then also asks
+    for the chunks of a writer this node's tier holds)."""
+    yield i
+    for j in range(i + 1, len(self.sources)):
+      src = self.sources[j]
+      if src.name not in _COPIES:  # the relay is a storage read: storage's turn, as planned
+        continue
+      if hasattr(src, 'distrust'):
+        src.distrust(read, chunk.start)
+      if chunk.start in self._held_by(read, j):
+        yield j
+
+  def _fill_one(self, read: Any, region: Box, data: np.ndarray, i: int, chunk: Box) -> bool:
+    t0 = time.perf_counter()
+    place = chunk_read.Place(data, region, chunk)
+    if not self._take(read, i, place):
+      return False
+    src = self.sources[i]
+    name = src.counted_as(read, chunk) if hasattr(src, 'counted_as') else src.name
+    self.add(name, place.nbytes, time.perf_counter() - t0)
+    return True
 
   def report(self) -> None:
     """One log line for this restore if any source fell back."""

@@ -44,7 +44,7 @@ import concurrent.futures
 import socket
 import threading
 import time
-from typing import Any, Container, Mapping
+from typing import Any, Container, Iterable, Mapping
 
 import msgpack
 import numpy as np
@@ -270,9 +270,12 @@ class PeerSource:
 
   def __init__(self, exchange: exchange_lib.Exchange, prefix: str,
                item_parts: tuple[str, str, str], save_ids: Mapping[str, str],
-               local_writers: Container[str], problems: list[str]):
+               local_writers: Iterable[str], problems: list[str]):
     self.exchange, self.prefix, self.item_parts = exchange, prefix, item_parts
-    self.save_ids, self.local_writers = dict(save_ids), local_writers
+    self.save_ids, self.local_writers = dict(save_ids), set(local_writers)
+    # Entries of writers this node holds itself, as peers listed them: used once this node's
+    # copy of one of their chunks failed (``distrust``).
+    self._deferred: dict[str, list[tuple[str, _Holding]]] = {}
     self.problems = problems  # the chain's: one log line per restore says what fell back
     self._arrays: dict[str, list[_Holding]] = {}  # what the peers listed so far, by array
     self._found: dict[int, dict[str, Any]] = {}  # every process's key (``_gather_everyone``)
@@ -346,14 +349,34 @@ class PeerSource:
       self.problems.append(str(e))
       return
     for writer, save_id, held in listed:
-      if (self.save_ids.get(writer) != save_id or writer in self.local_writers
-          or writer in self._claimed):
+      if self.save_ids.get(writer) != save_id or writer in self._claimed:
         continue
-      self._claimed.add(writer)  # a writer's entry is taken from the first peer that lists it
-      for name, h in held.items():
-        self._arrays.setdefault(name, []).append(h)
+      if writer in self.local_writers:
+        self._deferred.setdefault(writer, []).extend(held.items())
+        continue
+      self._claim(writer, held.items())
     self._joined.clear()
     self._listed[process] = True
+
+  def _claim(self, writer: str, held: Any) -> None:
+    self._claimed.add(writer)  # a writer's entry is taken from the first peer that lists it
+    for name, h in held:
+      self._arrays.setdefault(name, []).append(h)
+
+  def distrust(self, read: Any, origin: Any) -> None:
+    """This node's copy of chunk ``origin`` of ``read``'s array failed (damaged, missing):
+    its writer's chunks are from now on also looked for in peers' tiers (a replica, a partner
+    copy: ``Options.local_copies``), from the lists already received first."""
+    chunks = getattr(read, 'chunks', None)
+    record = chunks.get(origin) if chunks is not None else None
+    writer = getattr(record, 'writer', '') if record is not None else ''
+    with self._lock:
+      if writer and writer in self.local_writers:
+        self.local_writers.discard(writer)
+        deferred = self._deferred.pop(writer, [])
+        if deferred and writer not in self._claimed:
+          self._claim(writer, deferred)
+          self._joined.clear()
 
   def _holders_of(self, writer: str) -> dict[int, dict[str, Any]]:
     """``writer``'s holder keys (one directory read, once per restore); a writer with none is
