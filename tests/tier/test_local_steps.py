@@ -30,9 +30,10 @@ WORKER = local_steps_worker.__file__
 LOCAL = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '10'}
 
 
-def _save(base, layout):
+def _save(base, layout, env=None):
   root, tiers = base / 'ckpt', [base / f'node{i}' for i in range(3)]
-  res = run_processes(WORKER, 3, 2, args=['save', str(root), layout], timeout=400, env=LOCAL,
+  res = run_processes(WORKER, 3, 2, args=['save', str(root), layout], timeout=400,
+                      env={**LOCAL, **(env or {})},
                       per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
   assert [r.results for r in res] == [[{'steps': [0]}]] * 3  # Orbax's listing: storage steps
   return root, tiers
@@ -134,6 +135,87 @@ def test_a_flipped_byte_in_a_local_only_chunk_passes_the_step_over(sharded, tmp_
     f.write(bytes([b[0] ^ 0x40]))
   out, _ = _resume(root, [tiers[0], damaged, tiers[2]], 'sharded', tmp_path / 'run')
   assert [step for step, _, _ in out] == [0, 0, 0]
+
+
+@pytest.fixture(scope='module')
+def copied(tmp_path_factory):
+  """The sharded save with ``ORBAX_PATHWAYS_LOCAL_COPIES=2``: each process (its own slice) also
+  sends its share of a local-only step to the next one (p0 -> p1 -> p2 -> p0)."""
+  return _save(tmp_path_factory.mktemp('local_copied'), 'sharded',
+               {'ORBAX_PATHWAYS_LOCAL_COPIES': '2'})
+
+
+def _writers(tier, step):
+  return sorted((e.writer, e.committed) for e in tier_store.entries(str(tier)) if e.step == step)
+
+
+def test_each_node_keeps_its_partners_share_of_a_local_only_step(copied):
+  root, tiers = copied
+  assert sorted(os.listdir(root / '.orbax-pathways-local')) == ['20']
+  # Node i holds its own entry and node i-1's copy, both committed with the step; the copies of
+  # step 10 went with it (local_keep 1).
+  assert [_writers(t, 20) for t in tiers] == [
+      [('p0', True), ('p2', True)], [('p0', True), ('p1', True)], [('p1', True), ('p2', True)]]
+  assert [_writers(t, 10) for t in tiers] == [[], [], []]
+  for i, t in enumerate(tiers):  # the copy is the sender's entry, file for file
+    (mine,) = [e for e in tier_store.entries(str(tiers[i])) if e.step == 20 and e.writer == f'p{i}']
+    nxt = tiers[(i + 1) % 3]
+    (copy,) = [e for e in tier_store.entries(str(nxt)) if e.step == 20 and e.writer == f'p{i}']
+    assert copy.manifest == mine.manifest
+    for a in mine.manifest.arrays:
+      for f in a.files:
+        with open(os.path.join(mine.path, f), 'rb') as x, open(os.path.join(copy.path, f), 'rb') as y:
+          assert x.read() == y.read()
+        assert os.stat(os.path.join(copy.path, f)).st_mode & 0o777 == 0o600
+
+
+def test_with_partner_copies_a_lost_node_of_sharded_state_resumes_the_local_only_step(
+    copied, tmp_path):
+  """Node 2 is gone; its share of step 20 survives on node 0 (its partner): the two survivors
+  resume step 20 from their tiers, reading nothing from storage (without the copy they resume
+  step 0: ``test_a_lost_node_of_sharded_state_passes_the_local_step_over_for_storage``)."""
+  root, tiers = copied
+  out, left = _resume(root, tiers[:2], 'sharded', tmp_path)
+  for step, by_source, _ in out:
+    assert step == 20 and by_source.get('storage', 0) == 0, (step, by_source)
+  assert left == ['20']
+
+
+def test_with_partner_copies_a_flipped_byte_is_read_from_the_partners_copy(copied, tmp_path):
+  """Node 1's copy of its rows of 'w' is damaged; node 2 holds the other copy: step 20 is
+  resumed all the same, the damaged chunk taken from node 2, nothing from storage."""
+  root, tiers = copied
+  damaged = tmp_path / 'damaged'
+  shutil.copytree(tiers[1], damaged)
+  (entry,) = [e for e in tier_store.entries(str(damaged)) if e.step == 20 and e.writer == 'p1']
+  (w,) = [a for a in entry.manifest.arrays if a.name == 'w']
+  with open(os.path.join(entry.path, w.files[0]), 'r+b') as f:
+    b = f.read(1)
+    f.seek(0)
+    f.write(bytes([b[0] ^ 0x40]))
+  out, _ = _resume(root, [tiers[0], damaged, tiers[2]], 'sharded', tmp_path / 'run')
+  for step, by_source, _ in out:
+    assert step == 20 and by_source.get('storage', 0) == 0, (step, by_source)
+  assert out[1][1].get('peer', 0) > 0, out[1]
+
+
+def test_a_partner_that_is_gone_costs_the_copy_not_the_step(tmp_path):
+  """Node 1's server is gone once it published its address: node 0's copies to it fail (one
+  warning naming the partner, within the deadline), the step still commits everywhere with
+  node 0's share in one copy, and the other copies land."""
+  base = tmp_path / 'save'
+  root, tiers = base / 'ckpt', [base / f'node{i}' for i in range(3)]
+  res = run_processes(WORKER, 3, 2, args=['save', str(root), 'sharded'], timeout=400,
+                      env={**LOCAL, 'ORBAX_PATHWAYS_LOCAL_COPIES': '2',
+                           'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': '5'},
+                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t),
+                                        **({'PARTNER_GONE': '1'} if i == 1 else {})}
+                                       for i, t in enumerate(tiers)])
+  assert [r.results for r in res] == [[{'steps': [0]}]] * 3
+  assert sorted(os.listdir(root / '.orbax-pathways-local')) == ['20']
+  assert 'the partner copy of' in res[0].stderr_tail and 'partner process 1' in res[0].stderr_tail
+  assert [_writers(t, 20) for t in tiers] == [
+      [('p0', True), ('p2', True)], [('p1', True)], [('p1', True), ('p2', True)]]
 
 
 def test_stock_orbax_fails_loudly_on_a_local_only_step_instead_of_reading_zeros(sharded):

@@ -12,10 +12,14 @@ with ``ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS`` set by the test; emits Orbax's
 ``resume``: ``preemption.resume`` onto the current processes (a mesh of however many there
 are), checks every addressable shard against the step it returned, emits the step and the
 bytes by source. Both end in a barrier.
+
+``PARTNER_GONE=1`` (with ``ORBAX_PATHWAYS_LOCAL_COPIES=2``): this process's tier server is gone
+once it published its address (a partner whose process went away): its senders' copies fail.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -38,6 +42,17 @@ def main() -> None:
   import orbax_pathways  # pylint: disable=g-import-not-at-top,unused-import
   from orbax_pathways import preemption  # pylint: disable=g-import-not-at-top
   from orbax_pathways import stats  # pylint: disable=g-import-not-at-top
+
+  if os.environ.get('PARTNER_GONE'):
+    from orbax_pathways.tier import partner_copy  # pylint: disable=g-import-not-at-top
+    from orbax_pathways.tier import peer_server  # pylint: disable=g-import-not-at-top
+    ready = partner_copy.ready
+
+    def ready_then_gone(*a, **k):
+      ready(*a, **k)
+      peer_server.stop_serving()
+
+    partner_copy.ready = ready_then_gone
 
   P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
   mode, root, layout = sys.argv[1], sys.argv[2], sys.argv[3]
