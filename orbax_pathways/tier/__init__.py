@@ -22,6 +22,10 @@ Modules, each one job:
 - ``wire``: the peer channel's framing, handshake, MACs and bounds.
 - ``relay``: a chunk no tier holds that several processes need, read from storage once for
   them all.
+- ``partners``: who keeps whose second copy of a local-only step (``Options.local_copies=2``;
+  pure: the same rank in the next slice).
+- ``partner_copy``: sends this process's entry of a local-only step to its partner (``put``).
+- ``receive``: the server's side of ``put``: a partner copy written into this node's tier.
 
 The tier is not part of the checkpoint format (``docs/format.md``): storage stays the truth, a
 tier entry is used only when its save id is the one storage's index records for its writer.

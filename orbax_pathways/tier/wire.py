@@ -23,6 +23,10 @@ HMAC-SHA256 under ``K`` over a label and the parts, each compared with
                        body (n bytes of msgpack)
     server -> client   status (0 ok, 1 error), length (8 B), payload
 
+    a ``put`` (a partner copy's file, ``tier/receive.py``): the request names the file, its
+    size and crc32c; that many raw bytes follow it; then the answer (0 bytes when ok). A put
+    the server refuses is answered before the body is read, and the connection is closed.
+
 What the server refuses, closing the connection without reading further and counting why
 (``REASONS``): a client that does not send a valid proof within ``Limits.handshake_s``
 ('unauthenticated'; nothing it sent is parsed, at most 48 bytes are read), a request whose MAC
