@@ -218,6 +218,23 @@ def test_a_partner_that_is_gone_costs_the_copy_not_the_step(tmp_path):
       [('p0', True), ('p2', True)], [('p1', True)], [('p1', True), ('p2', True)]]
 
 
+def test_every_process_killed_during_a_local_only_commit_never_uses_that_step(tmp_path):
+  """Every process SIGKILLs itself once its share of local-only step 20 is in its tier: the
+  step's commit never finishes, so the restart never restores it (its entries are there, its
+  records are not committed) and resumes from local-only step 10, from the tiers."""
+  base = tmp_path / 'save'
+  root, tiers = base / 'ckpt', [base / f'node{i}' for i in range(3)]
+  res = run_processes(WORKER, 3, 2, args=['save', str(root), 'sharded'], timeout=400,
+                      env={**LOCAL, 'KILL_AT': '20'}, check=False,
+                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+  assert [r.returncode for r in res] == [-9] * 3, [(r.returncode, r.stderr_tail[-2000:]) for r in res]
+  assert all(any(e.step == 20 for e in tier_store.entries(str(t))) for t in tiers)
+  assert '20' not in os.listdir(root / '.orbax-pathways-local')  # never committed
+  out, _ = _resume(root, tiers, 'sharded', tmp_path / 'run')
+  for step, by_source, _ in out:
+    assert step == 10 and by_source.get('storage', 0) == 0, (step, by_source)
+
+
 def test_stock_orbax_fails_loudly_on_a_local_only_step_instead_of_reading_zeros(sharded):
   root, _ = sharded
   item = root / '.orbax-pathways-local' / '20' / 'default'

@@ -13,6 +13,8 @@ with ``ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS`` set by the test; emits Orbax's
 are), checks every addressable shard against the step it returned, emits the step and the
 bytes by source. Both end in a barrier.
 
+``KILL_AT=S``: every process SIGKILLs itself once its share of local-only step ``S`` is in its
+tier, in the middle of that step's commit (no process finishes it).
 ``PARTNER_GONE=1`` (with ``ORBAX_PATHWAYS_LOCAL_COPIES=2``): this process's tier server is gone
 once it published its address (a partner whose process went away): its senders' copies fail.
 """
@@ -43,6 +45,19 @@ def main() -> None:
   from orbax_pathways import preemption  # pylint: disable=g-import-not-at-top
   from orbax_pathways import stats  # pylint: disable=g-import-not-at-top
 
+  if os.environ.get('KILL_AT'):
+    import signal  # pylint: disable=g-import-not-at-top
+    from orbax_pathways.tier import store as tier_store  # pylint: disable=g-import-not-at-top
+    write_entry, kill_at = tier_store.write_entry, os.environ['KILL_AT']
+
+    def write_then_die(cfg, item_dir, *a, **k):
+      out = write_entry(cfg, item_dir, *a, **k)
+      if '.orbax-pathways-local' in str(item_dir) and tier_store.manifest_lib.split_item_dir(
+          item_dir)[1] == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+      return out
+
+    tier_store.write_entry = write_then_die
   if os.environ.get('PARTNER_GONE'):
     from orbax_pathways.tier import partner_copy  # pylint: disable=g-import-not-at-top
     from orbax_pathways.tier import peer_server  # pylint: disable=g-import-not-at-top
