@@ -34,6 +34,7 @@ from orbax_pathways.manager import step_errors
 from orbax_pathways import stats as stats_lib
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax as compat
+from orbax_pathways._compat import orbax_emergency
 from orbax_pathways._compat import orbax_finalize
 from orbax_pathways._compat import orbax_liveness
 from orbax_pathways._compat import orbax_loop
@@ -142,6 +143,9 @@ def _install_manager_side() -> None:
   orbax_signals.install()  # a failed step directory releases its waiters (no hang at exit)
   # a process that dies mid-save is named by the others, who raise and exit (coord/liveness.py)
   orbax_liveness.install(_save_round, liveness.lost_error)
+  if options_lib.env_value('ORBAX_PATHWAYS_EMERGENCY') == 'pathways':
+    from orbax_pathways.manager import emergency  # pylint: disable=g-import-not-at-top
+    orbax_emergency.install(emergency.EmergencyCheckpointManager)
 
 
 def _installed_options() -> options_lib.Options:
@@ -304,6 +308,7 @@ def uninstall() -> None:
     orbax_finalize.uninstall()
     orbax_signals.uninstall()
     orbax_liveness.uninstall()
+    orbax_emergency.uninstall()
     storage_clients.uninstall()  # gcsfs / google-cloud-storage deadlines (set by the Engine)
     orbax_loop.uninstall()
     if _previous is not None:

@@ -119,6 +119,11 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar('ORBAX_PATHWAYS_LEASE', 'bool', True,
            'saving CheckpointManagers take the directory\'s writer lease (a second live writer '
            'is refused)'),
+    EnvVar('ORBAX_PATHWAYS_EMERGENCY', 'choice', 'pathways',
+           "what Orbax's emergency CheckpointManager is: 'pathways', this package's drop-in "
+           "(one manager, local-only steps in the node-local tier at local_directory, any "
+           "topology); 'orbax', Orbax's own class",
+           choices=('pathways', 'orbax')),
     EnvVar('ORBAX_PATHWAYS_LEASE_TIMEOUT_S', 'float', 30.0,
            'seconds without renewal after which a writer lease counts as abandoned',
            minimum=0.1, unit='seconds'),

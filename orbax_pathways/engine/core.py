@@ -56,6 +56,7 @@ from orbax_pathways.storage import deadline as deadline_lib
 from orbax_pathways.storage import hedge
 from orbax_pathways.storage import reader as reader_lib
 from orbax_pathways.storage import writer as writer_lib
+from orbax_pathways.tier import assigned as tier_assigned
 from orbax_pathways.tier import manifest as tier_layout
 from orbax_pathways.tier import partners as tier_partners
 from orbax_pathways.tier import store as tier_store
@@ -302,7 +303,8 @@ class Engine:
 
   def tier(self, directory: Any = None) -> tier_store.TierConfig | None:
     """This node's tier for a save or restore of the item ``directory`` (None: off), on the
-    process that calls ``save``/``restore``. ``Options.local_dir=None`` takes
+    process that calls ``save``/``restore``. A directory an emergency manager assigned to the
+    item's checkpoint directory (``tier/assigned.py``) comes first. ``Options.local_dir=None`` takes
     ``ORBAX_PATHWAYS_LOCAL_DIR`` as the node has it set (where a node keeps its RAM disk is the
     node's setting, so it holds for ``Options(...)`` built in code too), then the /dev/shm
     default, kept only where it saves a storage read (``tier_store.default_applies``: remote
@@ -313,15 +315,18 @@ class Engine:
     made is warned about and its copies skipped, while restores still read other hosts' tiers.
     Worker hosts check their own (``tier_store.write_entry`` / ``entries``)."""
     o = self.options
-    local_dir = o.local_dir
+    local_dir, keep = o.local_dir, o.local_keep
     if local_dir is None:
       local_dir = os.environ.get(tier_store.ENV) or None
-    cfg = tier_store.resolve(local_dir, o.local_keep, o.local_max_age_s, o.local_max_bytes)
+    root = tier_layout.split_item_dir(directory)[0] if directory is not None else None
+    assigned = tier_assigned.lookup(root)  # an emergency manager's local_directory
+    if assigned is not None:
+      local_dir, keep = assigned
+    cfg = tier_store.resolve(local_dir, keep, o.local_max_age_s, o.local_max_bytes)
     if cfg is None:
       return None
     local = self.transport_name() == 'local'
     if not cfg.explicit:
-      root = tier_layout.split_item_dir(directory)[0] if directory is not None else None
       remote = root is not None and tier_store.storage_is_remote(root)
       # A local-only step's bytes go nowhere else: the default always applies to it.
       if (not tier_store.default_applies(remote, jax.process_count(), not local)

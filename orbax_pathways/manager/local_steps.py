@@ -17,8 +17,8 @@ Who calls what, on which host (every process that calls the manager):
   ``close`` also wait for (and close) the hidden manager; ``before_save`` (call 3) waits for a
   local-only save still committing, and a local-only save first waits for the storage save
   before it: one save commits in the background per process at a time.
-- ``newer_steps(mngr, than)`` and ``drop_newer(mngr, step)`` (``preemption.resume``, every
-  process): the committed local-only steps newer than the newest storage step, newest first,
+- ``newer_steps(mngr, than)`` and ``drop_newer(mngr, step, listed)`` (``preemption.resume``
+  and the emergency manager's restart, every process): the committed local-only steps newer than the newest storage step, newest first,
   restored through the hidden manager; after the resume, those newer than the step it chose
   are deleted (a rolled-back run's).
 
@@ -29,7 +29,8 @@ on it too (the writer lease, retention, the tier's commit); this module's hooks 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, NamedTuple
+import weakref
 
 from etils import epath
 
@@ -45,15 +46,36 @@ def directory_of(mngr: Any) -> epath.Path:
   return epath.Path(mngr.directory) / format_names.LOCAL_STEPS_DIR
 
 
+class Policy(NamedTuple):
+  interval: int  # local-only saves on steps that are multiples of this (0: none)
+  keep: int  # local-only steps the hidden manager keeps
+
+
+# Managers whose local policy their builder set (``assign``: the emergency manager's
+# ``LocalCheckpointOptions``); every other manager follows the installed handler's Options.
+_assigned: 'weakref.WeakKeyDictionary[Any, Policy]' = weakref.WeakKeyDictionary()
+
+
+def assign(mngr: Any, interval: int, keep: int) -> None:
+  """``mngr`` saves local-only steps every ``interval`` steps and keeps ``keep`` of them,
+  whatever the installed handler's Options say (``manager/emergency.py``, at construction)."""
+  _assigned[mngr] = Policy(int(interval), int(keep))
+
+
 class LocalStepHooks(hooks_lib.ManagerHooks):
   """Saves declined steps on the local interval through the hidden manager. ``interval`` and
-  ``keep`` are read at each save (the installed handler's ``Options``)."""
+  ``keep`` are read at each save (the installed handler's ``Options``) unless the manager's
+  builder assigned its own (``assign``)."""
 
   name = 'local_steps'
 
   def __init__(self, interval: Callable[[], int], keep: Callable[[], int]):
-    self.interval = interval
-    self.keep = keep
+    self._interval = interval
+    self._keep = keep
+
+  def policy(self, mngr: Any) -> Policy:
+    found = _assigned.get(mngr)
+    return found if found is not None else Policy(self._interval(), self._keep())
 
   def before_save(self, mngr: Any, step: int) -> None:
     """A storage save starts once the local-only save before it committed: one save in the
@@ -63,7 +85,7 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
       self.wait(mngr)
 
   def save_declined(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> None:
-    every = self.interval()
+    every = self.policy(mngr).interval
     if every <= 0 or step % every or _om.is_local_manager(mngr):
       return
     self._save(mngr, step, args, kwargs)
@@ -72,7 +94,7 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     """The preemption save goes to memory first: its local-only copy is saved and committed
     (the tiers and the small records: seconds) before Orbax's storage save of the step begins,
     so a job whose grace period ends before the storage commit still resumes from it."""
-    if (self.interval() <= 0 or _om.is_local_manager(mngr)
+    if (self.policy(mngr).interval <= 0 or _om.is_local_manager(mngr)
         or not mngr.reached_preemption(step)):  # latched per step: the save asks it next
       return
     if self._save(mngr, step, args, kwargs):
@@ -81,7 +103,7 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
                'storage save starts now.', step)
 
   def _save(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> bool:
-    inner = _om.local_manager(mngr, directory_of(mngr), self.keep())
+    inner = _om.local_manager(mngr, directory_of(mngr), self.policy(mngr).keep)
     kwargs = {k: v for k, v in kwargs.items() if k not in ('force', 'metrics')}
     try:
       mngr.wait_until_finished()  # the storage save before it, as before_save above
@@ -122,7 +144,7 @@ def local_manager(mngr: Any) -> Any | None:
   hook = next((h for h in _om.registered() if isinstance(h, LocalStepHooks)), None)
   if hook is None or not directory_of(mngr).exists():
     return None
-  return _om.local_manager(mngr, directory_of(mngr), hook.keep())
+  return _om.local_manager(mngr, directory_of(mngr), hook.policy(mngr).keep)
 
 
 def newer_steps(mngr: Any, than: int | None) -> tuple[Any | None, list[int]]:
@@ -135,15 +157,17 @@ def newer_steps(mngr: Any, than: int | None) -> tuple[Any | None, list[int]]:
   return inner, sorted((s for s in inner.all_steps() if than is None or s > than), reverse=True)
 
 
-def drop_newer(mngr: Any, step: int | None) -> None:
-  """Deletes the local-only steps newer than ``step`` (the step a resume chose; None: all):
-  saved by a run that was rolled back, they must not be resumed from later, nor block a save
-  of the same step number. Every process calls it (Orbax's delete is collective)."""
+def drop_newer(mngr: Any, step: int | None, listed: Iterable[int]) -> None:
+  """Deletes the local-only steps of ``listed`` newer than ``step`` (the step a resume chose;
+  None: all): saved by a run that was rolled back, they must not be resumed from later, nor
+  block a save of the same step number. Every process calls it (Orbax's delete is collective),
+  with ``listed`` as it listed them (``newer_steps``) before the round that chose ``step``: a
+  listing made now could miss a step the primary host already deleted in this very call, and
+  that process would skip a collective the others make."""
   inner = local_manager(mngr)
   if inner is None or _om.manager_read_only(mngr):  # an evaluator's resume deletes nothing
     return
-  inner.reload()
-  for s in sorted(inner.all_steps()):
+  for s in sorted(listed):
     if step is None or s > step:
       log.info('orbax_pathways: local-only step %d is newer than the step resumed from (%s): '
                'deleted (a rolled-back run saved it).', s, step)

@@ -31,7 +31,7 @@ def latest_complete_step(mngr, exclude=()) -> int | None:
   return None
 
 
-def _all_processes_ok(mngr, ok: bool, step: int) -> bool:
+def all_processes_ok(mngr, ok: bool, step: int) -> bool:
   """Whether every process that calls ``mngr`` (its ``active_processes``) restored ``step``
   (one KV round among them)."""
   client = jax_distributed.distributed_client()
@@ -77,20 +77,21 @@ def _try_restore(mngr, step: int, abstract_state: Any) -> tuple[Any, BaseExcepti
     return None, e
 
 
-def _from_local_step(mngr, abstract_state: Any, newest_storage: int | None):
-  """``(step, state)`` of the newest local-only step newer than ``newest_storage`` that every
-  process restored (one agreement round per step tried, as for storage steps), or None. A
-  step that cannot be completed (a chunk in no live process's tier: ``LocalStepIncompleteError``,
-  or any other failure on some process) is passed over with one log line naming it and why."""
-  inner, steps = local_steps.newer_steps(mngr, newest_storage)
+def _from_local_step(mngr, abstract_state: Any, newest_storage: int | None, listed: list[int]):
+  """``(step, state)`` of the newest local-only step of ``listed`` newer than ``newest_storage``
+  that every process restored (one agreement round per step tried, as for storage steps), or
+  None. A step that cannot be completed (a chunk in no live process's tier:
+  ``LocalStepIncompleteError``, or any other failure on some process) is passed over with one
+  log line naming it and why."""
+  inner = local_steps.local_manager(mngr)
   if inner is None:
     return None
-  for step in steps:
+  for step in [s for s in listed if newest_storage is None or s > newest_storage]:
     state, error = _try_restore(inner, step, abstract_state)
-    if _all_processes_ok(mngr, error is None, step):
+    if all_processes_ok(mngr, error is None, step):
       logging.info('orbax_pathways.preemption.resume: resumed from local-only step %d (newer '
                    'than the newest storage step, %s).', step, newest_storage)
-      local_steps.drop_newer(mngr, step)
+      local_steps.drop_newer(mngr, step, listed)
       return step, state
     logging.warning('orbax_pathways.preemption.resume: local-only step %d cannot be restored '
                     '(%s); trying the next older step.', step,
@@ -124,7 +125,9 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
     retention.cleanup_leftovers(mngr.directory)
     retention.cleanup_abandoned_temporary_steps(mngr.directory)
   mngr.reload()
-  found = _from_local_step(mngr, abstract_state, latest_complete_step(mngr))
+  # The local-only steps, listed once before any agreement round (local_steps.drop_newer).
+  _, listed = local_steps.newer_steps(mngr, None)
+  found = _from_local_step(mngr, abstract_state, latest_complete_step(mngr), listed)
   if found is not None:
     return found
   damaged: list[tuple[int, Any, BaseException | None]] = []
@@ -138,17 +141,17 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
             + '; '.join(f'step {s} ({p}): ' + (f'{type(e).__name__}: {str(e)[:300]}' if e else
                                                'failed on another process')
                         for s, p, e in damaged)) from damaged[0][2]
-      local_steps.drop_newer(mngr, None)
+      local_steps.drop_newer(mngr, None, listed)
       return None, init_fn()
     path = _om.manager_step_path(mngr, step)
     state, error = _try_restore(mngr, step, abstract_state)
-    if _all_processes_ok(mngr, error is None, step):
+    if all_processes_ok(mngr, error is None, step):
       for s, p, err in damaged:
         message = _damaged_warning(s, p, err, step)
         logging.error(message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         _om.forget_step(mngr, s)
-      local_steps.drop_newer(mngr, step)
+      local_steps.drop_newer(mngr, step, listed)
       return step, state
     if error is not None and not _still_complete(mngr, step):
       vanished += 1  # deleted meanwhile by a process saving here: look again

@@ -1,4 +1,8 @@
-"""Orbax's emergency (multi-tier) CheckpointManager with orbax_pathways imported.
+"""Orbax's own emergency (multi-tier) CheckpointManager with orbax_pathways imported: the class
+``ORBAX_PATHWAYS_EMERGENCY=orbax`` keeps (``import orbax_pathways`` otherwise puts the drop-in of
+``manager/emergency.py`` in its place: ``test_emergency_dropin.py``), and the one that options the
+drop-in does not map fall back to. Here it is built as Orbax's class itself
+(``_compat.orbax_emergency.stock_class()``), and the workers run with the variable set.
 
 In one process (8 CPU devices, local and persistent directories under tmp_path): with one slice
 it is a plain CheckpointManager over the persistent directory, so our handler writes the arrays
@@ -25,6 +29,7 @@ import pytest
 
 import orbax_pathways
 from orbax_pathways.manager import lease
+from orbax_pathways._compat import orbax_emergency
 from support import REPO
 from support.arrays import mesh, put
 from support.mp_harness import run_processes
@@ -54,8 +59,8 @@ def _run(tmp_path, monkeypatch, slices: int):
       calls.append(_name)
       return await _original(*a, **k)
     monkeypatch.setattr(ours, name, spy)
-  with emergency.CheckpointManager(tmp_path / 'local', tmp_path / 'persistent', m, abstract,
-                                   options=options) as mngr:
+  with orbax_emergency.stock_class()(tmp_path / 'local', tmp_path / 'persistent', m, abstract,
+                                     options=options) as mngr:
     for step in range(3):
       mngr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
     mngr.wait_until_finished()
@@ -98,7 +103,8 @@ def test_multislice_emergency_manager_uses_orbax_handler_not_ours(tmp_path, monk
 def _run_workers(mode, processes, devices, tmp_path, env=None):
   return run_processes(WORKER, processes, devices_per_process=devices, args=[mode],
                        shared_dir=str(tmp_path), timeout=LIMIT_S, fail_fast_grace=30,
-                       env={'DUMP_S': str(LIMIT_S - 20), **(env or {})})
+                       env={'DUMP_S': str(LIMIT_S - 20), 'ORBAX_PATHWAYS_EMERGENCY': 'orbax',
+                            **(env or {})})
 
 
 @pytest.mark.multiprocess

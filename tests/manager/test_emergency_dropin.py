@@ -1,0 +1,210 @@
+"""Orbax's emergency ``CheckpointManager`` as a drop-in on the multi-tier path (issue 27, item 5;
+``manager/emergency.py``): MaxText's construction, unchanged, with ``orbax_pathways`` imported,
+builds one manager over the persistent directory whose declined steps on the local interval
+are saved local-only, with ``local_directory`` as each node's tier.
+
+One process (8 CPU devices, 2 slices): what lands where, values back from a local-only step and
+a storage step, the dataset at the local cadence, stock Orbax reading the persistent steps, and
+options the drop-in does not map keeping Orbax's own class. Several ``jax.distributed`` processes
+(``support/workers/emergency_dropin_worker.py``, one process a slice, one local directory per
+simulated node): a job stopped after a local-only step resumes from it on fewer slices, reading
+nothing from storage, when a partner of another slice kept the lost node's share
+(``ORBAX_PATHWAYS_LOCAL_COPIES=2``), and passes it over for the newest storage step when none did.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint.experimental.emergency import checkpoint_manager as em
+import pytest
+
+import orbax_pathways  # pylint: disable=unused-import
+from orbax_pathways._compat import orbax_emergency
+from orbax_pathways.manager import emergency as dropin
+from support.arrays import mesh as make_mesh
+from support.arrays import put
+from support.mp_harness import run_processes
+from support.workers import emergency_dropin_worker
+
+WORKER = emergency_dropin_worker.__file__
+P = jax.sharding.PartitionSpec
+
+
+def _state(m, step):
+  return {'w': put(np.arange(1 << 16, dtype=np.float32).reshape(256, 256) + 1000 * step, m,
+                   'data'),
+          'b': put(np.arange(8, dtype=np.int32) - step, m, None)}
+
+
+def _options(**local):
+  return em.CheckpointManagerOptions(
+      local=em.LocalCheckpointOptions(save_interval_steps=1, **local),
+      persistent=em.PersistentCheckpointOptions(save_interval_steps=2))
+
+
+def _build(tmp_path, m, abstract, options=None):
+  (tmp_path / 'local').mkdir(exist_ok=True)
+  (tmp_path / 'persistent').mkdir(exist_ok=True)
+  return em.CheckpointManager(tmp_path / 'local', tmp_path / 'persistent', m, abstract,
+                              options=options or _options())
+
+
+def _assert_step(restored, m, step):
+  for k, v in _state(m, step).items():
+    np.testing.assert_array_equal(np.asarray(restored[k]), np.asarray(v))
+    assert restored[k].sharding.is_equivalent_to(v.sharding, v.ndim)
+
+
+def _files(root):
+  return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root)
+                for f in fs)
+
+
+def test_maxtexts_construction_saves_local_every_step_and_persistent_every_two(tmp_path):
+  m = make_mesh((2, 4), ('replica', 'data'))
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
+  with _build(tmp_path, m, abstract) as mngr:
+    assert type(mngr) is dropin.EmergencyCheckpointManager
+    assert isinstance(mngr, orbax_emergency.stock_class())  # isinstance checks still hold
+    saved = [mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s)),
+                                                  dataset=ocp.args.JsonSave({'pos': s})))
+             for s in range(4)]
+    mngr.wait_until_finished()
+    assert saved == [True] * 4
+    assert list(mngr.all_steps()) == [0, 2, 3] and mngr.latest_step() == 3
+    got = mngr.restore(3, args=ocp.args.Composite(dataset=ocp.args.JsonRestore()))
+    _assert_step(got['state'], m, 3)  # a local-only step: from the tier
+    assert got['dataset'] == {'pos': 3}  # the data iterator at the local cadence
+    _assert_step(mngr.restore(2)['state'], m, 2)  # a storage step
+  persistent = tmp_path / 'persistent'
+  assert sorted(os.listdir(persistent)) == ['.orbax-pathways-local', '0', '2']
+  # Step 3's array bytes are in the local directory's tier only: storage holds Orbax's files,
+  # our records and an empty chunk marker per array for it, no chunk of 'w' (256 KiB).
+  local_step = persistent / '.orbax-pathways-local' / '3'
+  files = _files(local_step)
+  assert 'state/_pathways/index.msgpack' in files and 'dataset/metadata' in files
+  assert sum(os.path.getsize(local_step / f) for f in files) < 16 << 10
+  assert sum(os.path.getsize(persistent / '2' / f) for f in _files(persistent / '2')) > 256 << 10
+  tier = _files(tmp_path / 'local')
+  assert tier and all('persistent' in f for f in tier), tier  # entries of this directory only
+  assert oct(os.stat(tmp_path / 'local').st_mode & 0o777) in ('0o700', '0o755')
+
+
+def test_a_fresh_manager_resumes_from_the_newest_local_only_step(tmp_path):
+  m = make_mesh((2, 4), ('replica', 'data'))
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
+  with _build(tmp_path, m, abstract) as mngr:
+    for s in range(4):
+      mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s))))
+  with _build(tmp_path, m, abstract) as fresh:
+    step = fresh.latest_step()
+    assert step == 3
+    _assert_step(fresh.restore(step)['state'], m, 3)
+
+
+def test_a_damaged_local_only_step_is_passed_over_for_the_newest_storage_step(tmp_path, caplog):
+  """Every tier chunk of step 3 flipped: the fresh manager's ``latest_step()`` tries it, passes
+  it over with one warning naming it, answers 2, and restores 2 exactly; asking for 3 itself
+  raises naming the step."""
+  m = make_mesh((2, 4), ('replica', 'data'))
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
+  with _build(tmp_path, m, abstract) as mngr:
+    for s in range(4):
+      mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s))))
+  flipped = 0
+  for d, _, fs in os.walk(tmp_path / 'local'):
+    for f in fs:
+      path = os.path.join(d, f)
+      if '3' in os.path.relpath(path, tmp_path / 'local').split(os.sep)[1] and not f.endswith(
+          ('.msgpack', '.json', '.committed')) and os.path.getsize(path) > 0:
+        data = bytearray(open(path, 'rb').read())
+        data[0] ^= 0xFF
+        open(path, 'wb').write(bytes(data))
+        flipped += 1
+  assert flipped > 0
+  with caplog.at_level(logging.WARNING, logger='orbax_pathways'):
+    with _build(tmp_path, m, abstract) as fresh:
+      assert fresh.latest_step() == 2
+      _assert_step(fresh.restore(2)['state'], m, 2)
+  assert 'local-only step 3 cannot be restored' in caplog.text, caplog.text
+
+
+def test_stock_orbax_reads_the_persistent_steps(tmp_path):
+  m = make_mesh((2, 4), ('replica', 'data'))
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
+  with _build(tmp_path, m, abstract) as mngr:
+    for s in range(3):
+      mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s))))
+  # Orbax's own PyTree handler and ArrayHandler, not ours: stock bytes read stock's way.
+  registry = ocp.type_handlers.create_type_handler_registry(
+      (jax.Array, ocp.type_handlers.ArrayHandler()))
+  handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+  with ocp.CheckpointManager(tmp_path / 'persistent',
+                             item_handlers={'state': handler}) as stock:
+    assert list(stock.all_steps()) == [0, 2]
+    got = stock.restore(2, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))
+  _assert_step(got['state'], m, 2)
+
+
+def test_options_the_drop_in_does_not_map_keep_orbaxs_own_class(tmp_path):
+  m = make_mesh((1, 8), ('replica', 'data'))
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
+  options = _options(should_save_fn=lambda step, last: step % 3 == 0)
+  assert dropin.unsupported(options) == ['local.should_save_fn']
+  with _build(tmp_path, m, abstract, options) as mngr:
+    assert type(mngr) is orbax_emergency.stock_class()
+
+
+# ----------------------------------------------------------------------------------------------
+# Several processes, one slice each.
+
+
+def _save(tmp_path, copies):
+  env = {'ORBAX_PATHWAYS_LOCAL_COPIES': str(copies)}
+  res = run_processes(WORKER, 4, 2, args=['save'], shared_dir=str(tmp_path), timeout=300,
+                      env=env)
+  for r in res:
+    (out,) = r.results
+    assert out['class'] == 'EmergencyCheckpointManager'
+    assert out['saved'] == [True] * 7 and out['steps'] == [0, 4, 6], out
+
+
+def _restart(tmp_path, nodes, copies):
+  env = {'ORBAX_PATHWAYS_LOCAL_COPIES': str(copies), 'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': '5'}
+  res = run_processes(WORKER, len(nodes), 2, args=['restart'], shared_dir=str(tmp_path),
+                      timeout=300, env=env, per_process_env=[{'NODE': str(n)} for n in nodes])
+  return [(r.results[0], r.stderr_tail) for r in res]
+
+
+@pytest.mark.multiprocess
+def test_a_lost_node_resumes_the_local_only_step_on_fewer_slices_from_partner_copies(tmp_path):
+  """Saved on 4 slices with partner copies; node 3 and its local directory gone; restarted on
+  3 slices: every process resumes step 6 (a local-only step) exactly, the dataset with it,
+  with no byte read from storage (node 3's quarter of 'w' from node 0's partner copy)."""
+  _save(tmp_path, copies=2)
+  for out, tail in _restart(tmp_path, [0, 1, 2], copies=2):
+    assert out['step'] == 6 and out['exact'], (out, tail[-2000:])
+    assert out['dataset'] == {'step': 6}
+    assert out['bytes_by_source'].get('storage', 0) == 0, out['bytes_by_source']
+    assert sum(out['bytes_by_source'].values()) > 0
+
+
+@pytest.mark.multiprocess
+def test_without_a_partner_copy_a_lost_node_passes_the_local_step_over(tmp_path):
+  """The same with one copy: node 3's quarter of step 6 is in no live tier; every process
+  passes step 6 over (one log line naming it) and resumes from storage's step 4, exactly."""
+  _save(tmp_path, copies=1)
+  outs = _restart(tmp_path, [0, 1, 2], copies=1)
+  for out, _ in outs:
+    assert out['step'] == 4 and out['exact'] and out['dataset'] == {'step': 4}, out
+    assert out['steps'] == [0, 4]  # the step that could not be completed is deleted
+  # Node 3's quarter of step 4 comes from storage (the others from the survivors' tiers).
+  assert sum(out['bytes_by_source'].get('storage', 0) for out, _ in outs) > 0
+  logs = ''.join(tail for _, tail in outs)
+  assert 'local-only step 6 cannot be restored' in logs, logs[-3000:]
