@@ -183,6 +183,7 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):
     interval is saved local-only (``manager/local_steps.py``). True when either happened."""
     self._started = True
     self._probed = None
+    self._passed_over.pop(step, None)  # saved again (a rollback): a new step of that number
     kwargs = {} if custom_metadata is None else {'custom_metadata': custom_metadata}
     saved = bool(self._mngr.save(step, args=args, force=force, **kwargs))
     return saved or self._local_due(step)

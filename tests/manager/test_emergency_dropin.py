@@ -131,6 +131,12 @@ def test_a_damaged_local_only_step_is_passed_over_for_the_newest_storage_step(tm
     with _build(tmp_path, m, abstract) as fresh:
       assert fresh.latest_step() == 2
       _assert_step(fresh.restore(2)['state'], m, 2)
+      assert list(fresh.all_steps()) == [0, 2]  # step 3 deleted: never resumed from later
+      # Training goes on from step 2 (a rollback): step 3 is saved again, and it is the new one.
+      assert fresh.save(3, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, 33))))
+      fresh.wait_until_finished()
+      assert fresh.latest_step() == 3
+      _assert_step(fresh.restore(3)['state'], m, 33)
   assert 'local-only step 3 cannot be restored' in caplog.text, caplog.text
 
 
