@@ -50,6 +50,7 @@ from orbax_pathways.tier import assigned as tier_assigned
 log = logging.getLogger('orbax_pathways')
 
 STATE = 'state'
+PROCESS_METADATA = 'process_metadata'  # reserved by Orbax's class
 
 
 def unsupported(options: Any) -> list[str]:
@@ -139,9 +140,16 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):
     return [s for s in steps if s not in self._passed_over]
 
   def all_steps(self, read: bool | None = None) -> Sequence[int]:
-    """Storage steps and committed local-only steps, ascending."""
+    """Storage steps and the local-only steps Orbax's class would list, ascending: its local
+    manager saves every step on the local interval (storage steps too) and keeps the newest
+    ``local.max_to_keep`` of them, so a local-only step is listed while it is among the newest
+    ``max_to_keep`` steps on the local interval."""
     del read
-    return sorted(set(self._mngr.all_steps()) | set(self._local_steps()))
+    stored = set(self._mngr.all_steps())
+    local = self._local_steps()
+    on_interval = sorted(set(local) | {s for s in stored if self._local_due(s)}, reverse=True)
+    kept = set(on_interval[:self._options.local.max_to_keep])
+    return sorted(stored | {s for s in local if s in kept})
 
   def latest_step(self) -> int | None:
     """The newest step: before this manager's first save or restore (a restart), the newest
@@ -182,6 +190,14 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):
            custom_metadata: dict[str, Any] | None = None) -> bool:
     """Orbax's persistent policy decides a storage save; a declined step on the local
     interval is saved local-only (``manager/local_steps.py``). True when either happened."""
+    keys = list(args.keys()) if isinstance(args, ocp.args.Composite) else None
+    if keys is None:  # Orbax's class checks these first, with these errors
+      raise ValueError(f'Expected args must be a Composite object, but got {type(args)}.')
+    if STATE not in keys:
+      raise ValueError(f'{STATE} is a required key and should be specified by the user.')
+    if PROCESS_METADATA in keys:
+      raise ValueError(f'{PROCESS_METADATA} is a reserved key and should not be specified by '
+                       'the user.')
     self._started = True
     self._probed = None
     self._passed_over.pop(step, None)  # saved again (a rollback): a new step of that number

@@ -158,6 +158,30 @@ def test_stock_orbax_reads_the_persistent_steps(tmp_path):
   _assert_step(got['state'], m, 2)
 
 
+def test_listing_and_argument_checks_are_orbaxs(tmp_path):
+  """Orbax's own test_save case: local every 3 (2 kept), persistent every 5 (3 kept), steps
+  0..16 list [5, 10, 12, 15] (Orbax's local manager counts step 15, also a persistent step,
+  among its 2); and Orbax's argument errors."""
+  m = make_mesh((2, 4), ('replica', 'data'))
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
+  options = em.CheckpointManagerOptions(
+      local=em.LocalCheckpointOptions(save_interval_steps=3, max_to_keep=2),
+      persistent=em.PersistentCheckpointOptions(save_interval_steps=5, max_to_keep=3))
+  state = _state(m, 0)
+  with _build(tmp_path, m, abstract, options) as mngr:
+    for s in range(17):
+      mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [5, 10, 12, 15]
+    with pytest.raises(ValueError, match='process_metadata is a reserved key'):
+      mngr.save(18, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
+                                            process_metadata=ocp.args.JsonSave({})))
+    with pytest.raises(ValueError, match='state is a required key'):
+      mngr.save(18, args=ocp.args.Composite(other=ocp.args.PyTreeSave(state)))
+    with pytest.raises(ValueError, match='must be a Composite'):
+      mngr.save(18, args=ocp.args.PyTreeSave(state))
+
+
 def test_options_the_drop_in_does_not_map_keep_orbaxs_own_class(tmp_path):
   m = make_mesh((1, 8), ('replica', 'data'))
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
