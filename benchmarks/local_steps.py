@@ -4,6 +4,9 @@ every process is killed, and what a save costs the training loop.
 
     .venv/bin/python benchmarks/local_steps.py                      # 32 MiB per process
     .venv/bin/python benchmarks/local_steps.py --mib 64 --json-out /tmp/local_steps.json
+    .venv/bin/python benchmarks/local_steps.py --lose-node --modes multi_tier,multi_tier_copies
+    .venv/bin/python benchmarks/local_steps.py --train-only --modes multi_tier,multi_tier_copies \
+        --mib 256 --step-s 1 --local-every 1 --storage-every 1000 --steps 12   # the overhead
 
 Storage is fake-gcs-server (in memory) behind ``tests/support/fault_proxy.py`` with its bandwidth
 cap (all connections together), so storage is slower than node-local memory as in production.
@@ -11,11 +14,13 @@ cap (all connections together), so storage is slower than node-local memory as i
 state sharded over all 8 devices (``--mib`` per process) for ``--steps`` steps of ``--step-s``
 seconds each (a sleep: the CPU stays free for the background commits), with an unchanged
 ``CheckpointManager`` saving to storage every ``--storage-every`` steps, and then stop without
-a final save (every process killed at the same step). Each run is made twice, interleaved:
+a final save (every process killed at the same step). Each mode of ``--modes`` is run in turn:
 
 - ``storage_only``: ``local_save_interval_steps=0`` and no node-local tier (``local_dir='off'``):
   every restore reads storage, as stock Orbax does;
-- ``multi_tier``: ``local_save_interval_steps=--local-every``, a tier per process.
+- ``multi_tier``: ``local_save_interval_steps=--local-every``, a tier per process;
+- ``multi_tier_copies``: the same with ``local_copies=2`` (each process a slice: process i's
+  share also kept by process i+1).
 
 Then 4 fresh processes (3 with ``--lose-node``: the 4th node and its tier gone) run
 ``preemption.resume`` and one training step. ``--layout replicated`` splits the state over
@@ -24,6 +29,12 @@ step resumed from and the steps lost, seconds from the resume call to the end of
 after it (slowest process, between barriers), bytes read from storage, and the training loop's
 mean step time against the step time with no checkpointing (``--steps`` steps, measured in the
 same processes before the saving runs).
+
+``--train-only``: no restart; the table is the overhead of saving on the training loop: the
+step time with saves minus the bare step time (each step: the sleep, then the step's new state
+built on the devices), in the steady state (steps 3 on: Orbax's policy saves the first step to
+storage), against the issue's goal (the device-to-host snapshot, measured as the mean time
+``save()`` blocks, plus 5% of the bare step).
 
 Timings are wall clock on a shared machine; compare within one run. The resumed state is checked
 against the values of the step it came from in every process.
@@ -45,6 +56,7 @@ from benchlib import storage as benchlib_storage  # noqa: E402  pylint: disable=
 REPO = os.path.dirname(HERE)
 TESTS = os.path.join(REPO, 'tests')
 MiB = 1 << 20
+MODES = ('storage_only', 'multi_tier', 'multi_tier_copies')
 
 WORKER = r'''
 import json, os, sys, time
@@ -60,6 +72,7 @@ P = jax.sharding.PartitionSpec
 mode, root, mib, steps, step_s, storage_every, layout = (
     sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]),
     int(sys.argv[6]), sys.argv[7])
+train_only = sys.argv[8] == 'train_only'  # steps 1.., no storage save; the last save's stats
 n = jax.device_count()
 rows = max(24, int(mib * (1 << 20) * 4 / 4 / 1024) // 24 * 24)  # the state saved on 4 processes
 mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n // 2, 2), ('x', 'y'))
@@ -78,23 +91,35 @@ if mode == 'train':
   t0 = time.perf_counter()
   for step in range(steps):  # no checkpointing: the reference step time
     time.sleep(step_s)
+    s = state(step)
+    jax.block_until_ready(s)
   bare = (time.perf_counter() - t0) / steps
   with ocp.CheckpointManager(root, options=opts) as m:
     multihost_utils.sync_global_devices('train')
     t0 = time.perf_counter()
     blocking = []
-    for step in range(steps):
+    last, ends = {}, []
+    for step in range(1, steps + 1) if train_only else range(steps):
       time.sleep(step_s)
       s = state(step)  # the step's new state (its values identify the step)
+      jax.block_until_ready(s)
       b0 = time.perf_counter()
       m.save(step, args=ocp.args.StandardSave(s))
       blocking.append(time.perf_counter() - b0)
+      ends.append(time.perf_counter())
     loop = (time.perf_counter() - t0) / steps
+    if train_only:  # the steady state: after the first save (Orbax's initial save, to storage)
+      loop = (ends[-1] - ends[1]) / (len(ends) - 2)
+      blocking = blocking[2:]
+    if train_only:  # the last local-only save's own phases, once it committed
+      m.wait_until_finished()
+      st = stats.last_save()
+      last = {'snapshot_s': st.blocking_s, 'write_s': st.write_s, 'commit_s': st.commit_s}
     # Killed here: no final save, and whatever is still committing in the background is lost
     # (os._exit below never waits for it).
     multihost_utils.sync_global_devices('killed')
   mp_worker.emit({'bare_step_s': bare, 'step_s': loop, 'blocking_max_s': max(blocking),
-                  'blocking_mean_s': sum(blocking) / len(blocking)})
+                  'blocking_mean_s': sum(blocking) / len(blocking), 'last': last})
   sys.stdout.flush()
   os._exit(0)
 else:
@@ -128,6 +153,12 @@ def parse_args(argv=None):
                  help="the state: split over every device, or over each slice's devices")
   p.add_argument('--lose-node', action='store_true',
                  help='restart on 3 processes, the 4th node (and its tier) gone')
+  p.add_argument('--modes', default='storage_only,multi_tier',
+                 help='comma-separated: storage_only, multi_tier, multi_tier_copies '
+                      '(multi_tier with local_copies=2: a partner of another slice keeps a '
+                      'second copy of each share)')
+  p.add_argument('--train-only', action='store_true',
+                 help='no restart: the training loop\'s step time only (the overhead run)')
   p.add_argument('--json-out', default=None)
   p.add_argument('--timeout', type=float, default=900, help='seconds per multi-process run')
   return p.parse_args(argv)
@@ -136,7 +167,8 @@ def parse_args(argv=None):
 def _run(run_processes, args, mode, root, env, tiers):
   res = run_processes(WORKER, len(tiers), 2, timeout=args.timeout, init_timeout=300, env=env,
                       args=[mode, root, str(args.mib), str(args.steps), str(args.step_s),
-                            str(args.storage_every), args.layout],
+                            str(args.storage_every), args.layout,
+                            'train_only' if args.train_only else 'restart'],
                       per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': t} for t in tiers])
   return [r.result for r in res]
 
@@ -146,37 +178,63 @@ def one_mode(mode, args, bucket, run_processes) -> dict:
   tiers = [tempfile.mkdtemp(prefix=f'orbax-pathways-bench-{mode}-{i}-',
                             dir='/dev/shm' if os.access('/dev/shm', os.W_OK) else None)
            for i in range(4)]
-  env = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS':
-         str(args.local_every if mode == 'multi_tier' else 0)}
-  per_tier = list(tiers) if mode == 'multi_tier' else ['off'] * 4  # storage only: no tier at all
+  tiered = mode != 'storage_only'
+  env = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': str(args.local_every if tiered else 0),
+         'ORBAX_PATHWAYS_LOCAL_COPIES': '2' if mode == 'multi_tier_copies' else '1'}
+  per_tier = list(tiers) if tiered else ['off'] * 4  # storage only: no tier at all
   try:
     train = _run(run_processes, args, 'train', root, env, per_tier)
-    resume = _run(run_processes, args, 'resume', root, env,
-                  per_tier[:3] if args.lose_node else per_tier)
+    resume = [] if args.train_only else _run(run_processes, args, 'resume', root, env,
+                                              per_tier[:3] if args.lose_node else per_tier)
   finally:
     for t in tiers:
       shutil.rmtree(t, ignore_errors=True)
-  steps = {r['step'] for r in resume}
-  assert len(steps) == 1, steps
-  step = steps.pop()
-  return {
-      'mode': mode, 'resumed_step': step,
-      'steps_lost': (args.steps - 1) - (step if step is not None else -1),
-      'resume_s': max(r['resume_s'] for r in resume),
-      'storage_bytes': sum(r['bytes_by_source'].get('storage', 0) for r in resume),
+  out = {
+      'mode': mode,
       'step_s': max(t['step_s'] for t in train), 'bare_step_s': max(t['bare_step_s'] for t in train),
       'blocking_max_s': max(t['blocking_max_s'] for t in train),
+      'blocking_mean_s': max(t['blocking_mean_s'] for t in train),
+      'last_save': train[0].get('last') or {},  # process 0's last save: snapshot, write, commit
   }
+  if resume:
+    steps = {r['step'] for r in resume}
+    assert len(steps) == 1, steps
+    step = steps.pop()
+    out.update({
+        'resumed_step': step,
+        'steps_lost': (args.steps - 1) - (step if step is not None else -1),
+        'resume_s': max(r['resume_s'] for r in resume),
+        'storage_bytes': sum(r['bytes_by_source'].get('storage', 0) for r in resume)})
+  return out
 
 
 def table(results, args) -> str:
   lines = [f'4 processes x 2 CPU devices, {args.mib:g} MiB per process ({args.layout}), '
            f'{args.steps} steps of {args.step_s:g} s, storage every {args.storage_every}, local '
-           f'every {args.local_every}, gs:// at {args.bandwidth_mib:g} MiB/s; restart on '
-           f'{3 if args.lose_node else 4} processes' + (' (node 4 lost)' if args.lose_node else ''),
-           '',
-           '| mode | resumed from | steps lost | resume to first step (s) | storage bytes read '
-           '| step time / bare | save() blocking max (s) |', '|---|---:|---:|---:|---:|---:|---:|']
+           f'every {args.local_every}, gs:// at {args.bandwidth_mib:g} MiB/s; '
+           + ('no restart' if args.train_only else
+              f'restart on {3 if args.lose_node else 4} processes'
+              + (' (node 4 lost)' if args.lose_node else '')), '']
+  if args.train_only:
+    lines += ['| mode | bare step (s) | step with saves (s) | overhead (s) | save() blocking mean '
+              '/ max (s) | goal: blocking mean + 5% of bare (s) | met |',
+              '|---|---:|---:|---:|---:|---:|---|']
+    for r in results:
+      over = r['step_s'] - r['bare_step_s']
+      goal = r['blocking_mean_s'] + 0.05 * r['bare_step_s']
+      lines.append(f"| {r['mode']} | {r['bare_step_s']:.3f} | {r['step_s']:.3f} | {over:.3f} | "
+                   f"{r['blocking_mean_s']:.3f} / {r['blocking_max_s']:.3f} | {goal:.3f} | "
+                   f"{'yes' if over <= goal else 'no'} |")
+    lines.append('')
+    for r in results:
+      last = r.get('last_save') or {}
+      if last:
+        lines.append(f"{r['mode']}, process 0's last save: snapshot (save()'s own part) "
+                     f"{last['snapshot_s']:.3f} s, background write {last['write_s']:.3f} s, "
+                     f"save() called -> committed {last['commit_s'] or 0:.3f} s")
+    return '\n'.join(lines)
+  lines += ['| mode | resumed from | steps lost | resume to first step (s) | storage bytes read '
+            '| step time / bare | save() blocking max (s) |', '|---|---:|---:|---:|---:|---:|---:|']
   for r in results:
     lines.append(f"| {r['mode']} | {r['resumed_step']} | {r['steps_lost']} | "
                  f"{r['resume_s']:.2f} | {r['storage_bytes'] / MiB:.1f} MiB | "
@@ -195,7 +253,9 @@ def main(argv=None) -> int:
   from support.mp_harness import run_processes  # pylint: disable=import-outside-toplevel
   with benchlib_storage.capped_gcs(args.bandwidth_mib * MiB) as (server, _):
     results = []
-    for mode in ('storage_only', 'multi_tier'):
+    for mode in args.modes.split(','):
+      if mode not in MODES:
+        raise SystemExit(f'--modes: {mode!r} is none of {", ".join(MODES)}')
       t0 = time.perf_counter()
       results.append(one_mode(mode, args, server.new_bucket('local'), run_processes))
       print(f'{mode}: {time.perf_counter() - t0:.0f} s', file=sys.stderr, flush=True)
