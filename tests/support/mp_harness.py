@@ -184,8 +184,8 @@ def run_processes(
   Args:
     script_path_or_source: path of a worker script (``support/workers/<name>.py``), or the
       worker's Python source (anything that is not an existing file path; it is dedented and
-      written to a temp file). Source is left for the manager side's tests whose workers have
-      not moved to ``support/workers/`` yet; a new test writes a worker module.
+      written to a temp file). Every test's worker is a module of ``support/workers/``; source
+      is for the benchmarks' own workers (``benchmarks/local_steps.py``).
     num_processes: N; worker i gets process_id i, process 0 hosts the coordinator.
     devices_per_process: forced host CPU devices per worker (global = N * this).
     args: argv for every worker (after the script path).
