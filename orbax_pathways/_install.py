@@ -144,8 +144,13 @@ def _install_manager_side() -> None:
   # a process that dies mid-save is named by the others, who raise and exit (coord/liveness.py)
   orbax_liveness.install(_save_round, liveness.lost_error)
   if options_lib.env_value('ORBAX_PATHWAYS_EMERGENCY') == 'pathways':
-    from orbax_pathways.manager import emergency  # pylint: disable=g-import-not-at-top
-    orbax_emergency.install(emergency.EmergencyCheckpointManager)
+    try:  # Orbax's experimental module: an Orbax that cannot import it keeps working without it
+      from orbax_pathways.manager import emergency  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+      log.warning('orbax_pathways: Orbax\'s emergency CheckpointManager cannot be imported (%s: '
+                  '%s); its drop-in is not installed.', type(e).__name__, e)
+    else:
+      orbax_emergency.install(emergency.EmergencyCheckpointManager)
 
 
 def _installed_options() -> options_lib.Options:
