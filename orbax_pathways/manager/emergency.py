@@ -64,7 +64,7 @@ def unsupported(options: Any) -> list[str]:
   return out
 
 
-class EmergencyCheckpointManager(orbax_emergency.stock_class()):
+class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore[misc]
   """Orbax's emergency ``CheckpointManager`` API on one ``CheckpointManager`` with local-only
   steps (module docstring). Orbax's own class is built instead (with one log line naming why)
   for options this one does not map (``unsupported``)."""
