@@ -1,8 +1,10 @@
 """A save or restore that fails leaves no task of its event loop behind (issue 26, item 13).
 
-SUPPORTED: orbax-checkpoint ``supported.ORBAX`` (written against 0.12.8; a release without
-``asyncio_utils._run_sync_via_new_loop`` runs its coroutines with ``asyncio.run``, which already
-cancels what is left, and is left alone).
+SUPPORTED: orbax-checkpoint ``supported.ORBAX`` (written against 0.12.8). A release without
+``asyncio_utils._run_sync_via_new_loop`` (0.12.4) runs its coroutines with ``asyncio.run``, which
+cancels what is left but closes the loop at once, so a tensorstore request of a cancelled task
+still answers into a closed loop; there ``run_sync`` itself is patched to run as 0.12.8's does
+(a fresh loop, ``run_until_complete``), with the same teardown as below.
 
 Orbax 0.12.8 runs a handler's coroutine (``run_sync``: every ``restore``, a save's background
 commit) in a fresh loop with ``run_until_complete`` and then closes the loop, without the
@@ -137,27 +139,71 @@ def _run_event_loop(loop):
         pass
 
 
+_original_run_sync: Callable[..., Any] | None = None
+_UNSET = object()
+
+
+def _run_sync(coro):
+  """``run_sync`` of an Orbax that runs coroutines with ``asyncio.run`` (0.12.4): with no loop
+  running in this thread, as 0.12.8's ``run_sync`` does (the thread's ``loop`` and ``main_task``
+  set while it runs, then put back; a fresh loop, ``_run_sync_via_new_loop`` above); with one
+  running, Orbax's own."""
+  try:
+    asyncio.get_running_loop()
+  except RuntimeError:
+    pass
+  else:
+    assert _original_run_sync is not None
+    return _original_run_sync(coro)
+
+  async def registered():
+    thread = threading.current_thread()
+    previous = {name: getattr(thread, name, _UNSET) for name in ('loop', 'main_task')}
+    thread.loop = asyncio.get_running_loop()  # type: ignore[attr-defined]
+    thread.main_task = asyncio.current_task()  # type: ignore[attr-defined]
+    try:
+      return await coro
+    finally:
+      for name, value in previous.items():
+        if value is _UNSET:
+          try:
+            delattr(thread, name)
+          except AttributeError:
+            pass
+        else:
+          setattr(thread, name, value)
+
+  return _run_sync_via_new_loop(registered())
+
+
 def install() -> None:
-  global _original, _original_loop_runner
+  global _original, _original_loop_runner, _original_run_sync
   with _lock:
     if _original is None and hasattr(_asyncio_utils, '_run_sync_via_new_loop'):
       _original = _asyncio_utils._run_sync_via_new_loop  # pylint: disable=protected-access
       _asyncio_utils._run_sync_via_new_loop = _run_sync_via_new_loop  # pylint: disable=protected-access
+    elif (_original is None and _original_run_sync is None
+          and hasattr(_asyncio_utils, 'run_sync')):
+      _original_run_sync = _asyncio_utils.run_sync
+      _asyncio_utils.run_sync = _run_sync
     if _original_loop_runner is None and hasattr(_asyncio_utils, '_run_event_loop'):
       _original_loop_runner = _asyncio_utils._run_event_loop  # pylint: disable=protected-access
       _asyncio_utils._run_event_loop = _run_event_loop  # pylint: disable=protected-access
 
 
 def uninstall() -> None:
-  global _original, _original_loop_runner
+  global _original, _original_loop_runner, _original_run_sync
   with _lock:
     if _original is not None:
       _asyncio_utils._run_sync_via_new_loop = _original  # pylint: disable=protected-access
       _original = None
+    if _original_run_sync is not None:
+      _asyncio_utils.run_sync = _original_run_sync
+      _original_run_sync = None
     if _original_loop_runner is not None:
       _asyncio_utils._run_event_loop = _original_loop_runner  # pylint: disable=protected-access
       _original_loop_runner = None
 
 
 def installed() -> bool:
-  return _original is not None
+  return _original is not None or _original_run_sync is not None

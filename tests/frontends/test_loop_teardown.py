@@ -2,7 +2,8 @@
 
 Orbax restores an item's jax.Array, np.ndarray and scalar leaves through three handlers at once
 (ours, all three) and gathers them without ``return_exceptions``. When one fails (here: a
-damaged chunk of a jax.Array), Orbax 0.12.8 closed its event loop while the other handlers'
+damaged chunk of a jax.Array), Orbax 0.12.8 (and 0.12.4, through ``asyncio.run``, whose
+teardown cancels the tasks but closes the loop at once) closed its event loop while the other handlers'
 reads were still in flight: their tasks were destroyed pending, and their tensorstore reads
 answered into the closed loop, which the suite saw as "Event loop is closed" unraisable
 exceptions and "coroutine ... was never awaited" from ``storage/reader.py``
