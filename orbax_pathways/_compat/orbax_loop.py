@@ -54,6 +54,8 @@ _asyncio_utils = src.orbax('asyncio_utils')
 _lock = threading.Lock()
 _original: Callable[..., Any] | None = None
 _original_loop_runner: Callable[..., Any] | None = None
+_original_run_sync: Callable[..., Any] | None = None  # Orbax 0.12.4's run_sync, while patched
+_UNSET = object()
 log = logging.getLogger('orbax_pathways')
 
 
@@ -137,10 +139,6 @@ def _run_event_loop(loop):
         _close(loop, linger)
       except Exception:  # pylint: disable=broad-except
         pass
-
-
-_original_run_sync: Callable[..., Any] | None = None
-_UNSET = object()
 
 
 def _run_sync(coro):

@@ -96,7 +96,7 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
     if self._slice_count <= 0:
       raise ValueError(f'Slice count must be positive, but got {self._slice_count} for mesh '
                        f'{global_mesh}.')
-    self._non_replicated_directory = persistent_non_replicated_directory
+    del persistent_non_replicated_directory  # the dataset is saved in the step (docs/format.md)
     # Orbax's class creates the root itself before its managers; create=True does the same.
     mngr_options = dataclasses.replace(
         orbax_emergency.persistent_options(options, ocp.options.MultiprocessingOptions()),

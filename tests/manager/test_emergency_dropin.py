@@ -54,6 +54,17 @@ def _build(tmp_path, m, abstract, options=None):
                               options=options or _options())
 
 
+def _saved(tmp_path, steps):
+  """Steps ``0..steps-1`` saved through a drop-in manager on 2 slices (local every step,
+  persistent every 2), closed; returns (mesh, abstract state)."""
+  m = make_mesh((2, 4), ('replica', 'data'))
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
+  with _build(tmp_path, m, abstract) as mngr:
+    for s in range(steps):
+      mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s))))
+  return m, abstract
+
+
 def _assert_step(restored, m, step):
   for k, v in _state(m, step).items():
     np.testing.assert_array_equal(np.asarray(restored[k]), np.asarray(v))
@@ -96,11 +107,7 @@ def test_maxtexts_construction_saves_local_every_step_and_persistent_every_two(t
 
 
 def test_a_fresh_manager_resumes_from_the_newest_local_only_step(tmp_path):
-  m = make_mesh((2, 4), ('replica', 'data'))
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
-  with _build(tmp_path, m, abstract) as mngr:
-    for s in range(4):
-      mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s))))
+  m, abstract = _saved(tmp_path, 4)
   with _build(tmp_path, m, abstract) as fresh:
     step = fresh.latest_step()
     assert step == 3
@@ -111,11 +118,7 @@ def test_a_damaged_local_only_step_is_passed_over_for_the_newest_storage_step(tm
   """Every tier chunk of step 3 flipped: the fresh manager's ``latest_step()`` tries it, passes
   it over with one warning naming it, answers 2, and restores 2 exactly; asking for 3 itself
   raises naming the step."""
-  m = make_mesh((2, 4), ('replica', 'data'))
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
-  with _build(tmp_path, m, abstract) as mngr:
-    for s in range(4):
-      mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s))))
+  m, abstract = _saved(tmp_path, 4)
   flipped = 0
   for d, _, fs in os.walk(tmp_path / 'local'):
     for f in fs:
@@ -141,11 +144,7 @@ def test_a_damaged_local_only_step_is_passed_over_for_the_newest_storage_step(tm
 
 
 def test_stock_orbax_reads_the_persistent_steps(tmp_path):
-  m = make_mesh((2, 4), ('replica', 'data'))
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
-  with _build(tmp_path, m, abstract) as mngr:
-    for s in range(3):
-      mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s))))
+  m, abstract = _saved(tmp_path, 3)
   # Orbax's own PyTree handler and ArrayHandler, not ours: stock bytes read stock's way.
   registry = ocp.type_handlers.create_type_handler_registry(
       (jax.Array, ocp.type_handlers.ArrayHandler()))
