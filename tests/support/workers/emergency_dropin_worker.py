@@ -79,8 +79,7 @@ def main() -> None:
     mp_worker.emit({'saved': saved, 'steps': list(mngr.all_steps()),
                     'class': type(mngr).__name__})
     multihost_utils.sync_global_devices('saved')
-    sys.stdout.flush()
-    os._exit(0)  # pylint: disable=protected-access  (stopped, not closed: a preempted job)
+    mp_worker.stop_all_now()  # stopped, not closed: a preempted job
   step = mngr.latest_step()
   got = mngr.restore(step, args=ocp.args.Composite(dataset=ocp.args.JsonRestore()))
   want = values(step)
