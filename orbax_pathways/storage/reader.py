@@ -23,6 +23,7 @@ from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import restore as restore_plan
 from orbax_pathways.storage import cast as cast_lib
 from orbax_pathways.storage import hedge
+from orbax_pathways.storage import pages
 
 Box = boxes_lib.Box
 
@@ -112,7 +113,7 @@ def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
   dtype = np.dtype(dtype)
   nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
   if nbytes >= MAPPED_BYTES and alignment <= mmap.PAGESIZE:
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
+    return pages.anonymous(shape, dtype)  # a tier chunk may be mapped into it (``pages``)
   raw = np.empty(nbytes + alignment, np.uint8)
   offset = (-raw.ctypes.data) % alignment
   return raw[offset:offset + nbytes].view(dtype).reshape(shape)

@@ -3,8 +3,9 @@
 Who calls what, on which host: the restore's source chain (``tier/chain.SourceChain``, on the
 reading host, in the restore's executor threads, one region at a time) makes a ``Place`` for each
 chunk a source serves. ``tier/chain.LocalSource.read_into`` fills it from this node's tier file
-(``fill_from_file``: the kernel copies the file's bytes straight into the region buffer: no
-intermediate array, no conversion); a source that returns an array (a peer, the relay) goes in
+(``fill_from_file``: a chunk that is one page-aligned run of a mapped region buffer is the tier
+file's own pages, mapped there privately by ``storage/pages``; any other, the kernel copies the
+file's bytes straight into the region buffer: no intermediate array, no conversion); a source that returns an array (a peer, the relay) goes in
 bit for bit (``fill_from_array``). The chain then compares ``crc32c``, computed over the bytes as
 they lie in the region buffer, with the committed record.
 
@@ -30,6 +31,7 @@ import numpy as np
 
 from orbax_pathways.format import checksum
 from orbax_pathways.plan import boxes as boxes_lib
+from orbax_pathways.storage import pages
 
 Box = boxes_lib.Box
 MIN_RUN_BYTES = 4096
@@ -134,6 +136,13 @@ class Place:
     if self.nbytes == 0:
       self.crc32c = 0
       return
+    if self._count == 1:
+      # A chunk that is one page-aligned run of a mapped region buffer: the tier file's own
+      # pages, mapped privately in place (``storage/pages``), checked as they lie there.
+      mapped = pages.map_file(self.region, self._first, self.nbytes, fd)
+      if mapped is not None:
+        self.crc32c = _crc32c.crc32c(mapped)
+        return
     bufs = self._in_place()
     if bufs is not None:
       _readv_exact(fd, list(bufs), self.nbytes, path)

@@ -332,6 +332,11 @@ def test_a_large_region_is_read_in_groups_and_a_bad_chunk_in_one_falls_back(tmp_
   assert st.bytes_by_source['local'] == host['big'].nbytes - big.nbytes[last]
   lines = _chain_lines(caplog)
   assert len(lines) == 1 and 'damaged' in lines[0], lines
+  # Its chunks were mapped into the region buffer (``storage/pages``), the damaged one too,
+  # before storage's bytes went over it: that write stayed private to the buffer.
+  with open(os.path.join(entry.path, big.files[last]), 'rb') as f:
+    f.seek(100)
+    assert f.read(1)[0] == byte[0] ^ 1
 
 
 def test_groups_cut_a_region_s_chunks_in_order():
