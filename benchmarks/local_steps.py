@@ -34,7 +34,8 @@ same processes before the saving runs).
 step time with saves minus the bare step time (each step: the sleep, then the step's new state
 built on the devices), in the steady state (steps 3 on: Orbax's policy saves the first step to
 storage), against the issue's goal (the device-to-host snapshot, measured as the mean time
-``save()`` blocks, plus 5% of the bare step).
+``save()`` blocks, plus 5% of the bare step), and process 0's Orbax duration events over the
+saving loop (``jax.monitoring``: where ``save()`` and the background commit spend their time).
 
 Timings are wall clock on a shared machine; compare within one run. The resumed state is checked
 against the values of the step it came from in every process.
@@ -94,8 +95,16 @@ if mode == 'train':
     s = state(step)
     jax.block_until_ready(s)
   bare = (time.perf_counter() - t0) / steps
+  events = {}  # Orbax's own duration events during the saving loop: where save() spends time
+
+  def on_event(name, secs, **kwargs):
+    e = events.setdefault(name, [0.0, 0])
+    e[0] += secs
+    e[1] += 1
+
   with ocp.CheckpointManager(root, options=opts) as m:
     multihost_utils.sync_global_devices('train')
+    jax.monitoring.register_event_duration_secs_listener(on_event)
     t0 = time.perf_counter()
     blocking = []
     last, ends = {}, []
@@ -119,9 +128,9 @@ if mode == 'train':
     # (os._exit below never waits for it).
     multihost_utils.sync_global_devices('killed')
   mp_worker.emit({'bare_step_s': bare, 'step_s': loop, 'blocking_max_s': max(blocking),
-                  'blocking_mean_s': sum(blocking) / len(blocking), 'last': last})
-  sys.stdout.flush()
-  os._exit(0)
+                  'blocking_mean_s': sum(blocking) / len(blocking), 'last': last,
+                  'events': events})
+  mp_worker.stop_all_now()
 else:
   target = {'w': jax.ShapeDtypeStruct(base.shape, base.dtype, sharding=sharding)}
   with ocp.CheckpointManager(root, options=opts) as m:
@@ -195,6 +204,8 @@ def one_mode(mode, args, bucket, run_processes) -> dict:
       'blocking_max_s': max(t['blocking_max_s'] for t in train),
       'blocking_mean_s': max(t['blocking_mean_s'] for t in train),
       'last_save': train[0].get('last') or {},  # process 0's last save: snapshot, write, commit
+      # process 0's Orbax duration events over the saving loop: {name: [total s, count]}
+      'events': train[0].get('events') or {},
   }
   if resume:
     steps = {r['step'] for r in resume}
@@ -232,6 +243,10 @@ def table(results, args) -> str:
         lines.append(f"{r['mode']}, process 0's last save: snapshot (save()'s own part) "
                      f"{last['snapshot_s']:.3f} s, background write {last['write_s']:.3f} s, "
                      f"save() called -> committed {last['commit_s'] or 0:.3f} s")
+      ev = sorted((r.get('events') or {}).items(), key=lambda kv: -kv[1][0])[:8]
+      if ev:
+        lines.append(f"{r['mode']}, process 0's Orbax duration events over the loop (total s / "
+                     'count): ' + ', '.join(f'`{k}` {v[0]:.2f}/{v[1]}' for k, v in ev))
     return '\n'.join(lines)
   lines += ['| mode | resumed from | steps lost | resume to first step (s) | storage bytes read '
             '| step time / bare | save() blocking max (s) |', '|---|---:|---:|---:|---:|---:|---:|']
