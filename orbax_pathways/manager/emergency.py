@@ -105,6 +105,11 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
       handlers = item_handlers
     else:  # Orbax gives a single handler to its non-replicated manager: the dataset's
       handlers = {'dataset': item_handlers}
+    if handlers is not None and STATE not in handlers:
+      # Orbax's class gives these to the data iterator's manager only and handles the state
+      # itself; one manager here holds both, and a dict of handlers confines it to its keys.
+      # The state's handler is the one its args (PyTreeSave) name, built as Orbax builds it.
+      handlers = {**handlers, STATE: ocp.PyTreeCheckpointHandler()}
     self._mngr = ocp.CheckpointManager(persistent_directory, options=mngr_options,
                                        metadata=metadata, logger=logger, item_handlers=handlers,
                                        handler_registry=handler_registry)

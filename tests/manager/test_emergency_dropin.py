@@ -106,6 +106,32 @@ def test_maxtexts_construction_saves_local_every_step_and_persistent_every_two(t
   assert oct(os.stat(tmp_path / 'local').st_mode & 0o777) in ('0o700', '0o755')
 
 
+@pytest.mark.parametrize('handlers', ['dict', 'single'])
+def test_item_handlers_without_a_state_handler_keep_the_state_s_own(tmp_path, handlers):
+  """MaxText passes ``item_handlers`` for the data iterator only (Orbax gives them to its
+  non-replicated manager): a dict without 'state', or one handler (the dataset's). The state's
+  handler still comes from its args; both items come back, a local-only step and a storage
+  step alike."""
+  m = make_mesh((2, 4), ('replica', 'data'))
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
+  given = ({'dataset': ocp.JsonCheckpointHandler()} if handlers == 'dict'
+           else ocp.JsonCheckpointHandler())
+  (tmp_path / 'local').mkdir()
+  (tmp_path / 'persistent').mkdir()
+  with em.CheckpointManager(tmp_path / 'local', tmp_path / 'persistent', m, abstract,
+                            options=_options(), item_handlers=given) as mngr:
+    assert type(mngr) is dropin.EmergencyCheckpointManager
+    for s in range(4):
+      assert mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s)),
+                                                  dataset=ocp.args.JsonSave({'pos': s})))
+    mngr.wait_until_finished()
+    for step in (3, 2):  # local-only, then storage
+      got = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(),
+                                                       dataset=ocp.args.JsonRestore()))
+      _assert_step(got['state'], m, step)
+      assert got['dataset'] == {'pos': step}
+
+
 def test_a_fresh_manager_resumes_from_the_newest_local_only_step(tmp_path):
   m, abstract = _saved(tmp_path, 4)
   with _build(tmp_path, m, abstract) as fresh:
