@@ -339,7 +339,7 @@ class Options:
     directory on gs:// (or a network filesystem), a job of several processes, or Pathways
     workers (colocated transport). A one-process job saving to this machine's own disk gets no
     tier by default: the page cache already serves its restart, and a copy would hold node
-    memory for a day (``tier.store.default_applies``). The default leaves 64 MiB free on its
+    memory for a day (``tier.config.default_applies``). The default leaves 64 MiB free on its
     filesystem. ``'off'``: no tier. The directory must be this user's and not writable by
     other users (created ``0700``, files ``0600``, no symlink followed); another user's is
     refused with one warning. A tier that would not fit (after dropping this checkpoint

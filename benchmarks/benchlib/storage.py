@@ -58,10 +58,11 @@ def _drop_tier(path: str) -> None:
   again; left there, every rep would keep a copy of the state in /dev/shm, i.e. in RAM)."""
   try:
     from orbax_pathways.tier import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+    from orbax_pathways.tier import config as tier_config
     from orbax_pathways.tier import store
   except ImportError:
     return
-  local_dir = store.resolve(os.environ.get(store.ENV) or None)
+  local_dir = tier_config.resolve(os.environ.get(tier_config.ENV) or None)
   if local_dir is not None:
     store.flush()  # a copy still being written would land after the removal
     shutil.rmtree(os.path.join(local_dir.local_dir, manifest_lib.root_key(path)), ignore_errors=True)

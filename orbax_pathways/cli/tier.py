@@ -38,12 +38,13 @@ from orbax_pathways.tier import chain
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import gc as gc_lib
 from orbax_pathways.tier import manifest as manifest_lib
+from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store
 
 
 def default_dir() -> str | None:
   """``ORBAX_PATHWAYS_LOCAL_DIR`` if set (None if 'off'), else the /dev/shm default."""
-  cfg = store.resolve(os.environ.get(store.ENV) or None)
+  cfg = tier_config.resolve(os.environ.get(tier_config.ENV) or None)
   return cfg.local_dir if cfg is not None else None
 
 

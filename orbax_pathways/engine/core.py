@@ -59,6 +59,7 @@ from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.tier import assigned as tier_assigned
 from orbax_pathways.tier import manifest as tier_layout
 from orbax_pathways.tier import partners as tier_partners
+from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store as tier_store
 from orbax_pathways.transports import base as transports
 from orbax_pathways.transports import registry
@@ -301,35 +302,35 @@ class Engine:
   def transport_name(self) -> str:
     return runtime.choose_transport(requested=self.options.transport).value
 
-  def tier(self, directory: Any = None) -> tier_store.TierConfig | None:
+  def tier(self, directory: Any = None) -> tier_config.TierConfig | None:
     """This node's tier for a save or restore of the item ``directory`` (None: off), on the
     process that calls ``save``/``restore``. A directory an emergency manager assigned to the
     item's checkpoint directory (``tier/assigned.py``) comes first. ``Options.local_dir=None`` takes
     ``ORBAX_PATHWAYS_LOCAL_DIR`` as the node has it set (where a node keeps its RAM disk is the
     node's setting, so it holds for ``Options(...)`` built in code too), then the /dev/shm
-    default, kept only where it saves a storage read (``tier_store.default_applies``: remote
+    default, kept only where it saves a storage read (``tier_config.default_applies``: remote
     storage, several processes, Pathways workers; said once in the log otherwise). An explicit
     directory is always used. Under the local transport this process is the host that owns
-    the directory: one that is there must pass the private-root check (``tier_store.usable``:
+    the directory: one that is there must pass the private-root check (``tier_config.usable``:
     else one warning, tier off on this process, its peer server included); one that cannot be
     made is warned about and its copies skipped, while restores still read other hosts' tiers.
     Worker hosts check their own (``tier_store.write_entry`` / ``entries``)."""
     o = self.options
     local_dir, keep = o.local_dir, o.local_keep
     if local_dir is None:
-      local_dir = os.environ.get(tier_store.ENV) or None
+      local_dir = os.environ.get(tier_config.ENV) or None
     root = tier_layout.split_item_dir(directory)[0] if directory is not None else None
     assigned = tier_assigned.lookup(root)  # an emergency manager's local_directory
     if assigned is not None:
       local_dir, keep = assigned
-    cfg = tier_store.resolve(local_dir, keep, o.local_max_age_s, o.local_max_bytes)
+    cfg = tier_config.resolve(local_dir, keep, o.local_max_age_s, o.local_max_bytes)
     if cfg is None:
       return None
     local = self.transport_name() == 'local'
     if not cfg.explicit:
-      remote = root is not None and tier_store.storage_is_remote(root)
+      remote = root is not None and tier_config.storage_is_remote(root)
       # A local-only step's bytes go nowhere else: the default always applies to it.
-      if (not tier_store.default_applies(remote, jax.process_count(), not local)
+      if (not tier_config.default_applies(remote, jax.process_count(), not local)
           and not format_lib.is_local_only(directory)):
         said.once(logging.INFO, ('tier-default-off',),
                    'orbax_pathways: no node-local tier for %s: the checkpoint directory is on '
@@ -339,7 +340,7 @@ class Engine:
                    'ORBAX_PATHWAYS_LOCAL_DIR (Options.local_dir) to a tmpfs directory to keep '
                    'a copy in node memory anyway.', root)
         return None
-    return tier_store.usable(cfg, missing_ok=True) if local else cfg
+    return tier_config.usable(cfg, missing_ok=True) if local else cfg
 
   def _partner(self, directory: Any) -> int | None:
     """The process that keeps this process's second copy of a local-only step

@@ -49,6 +49,7 @@ from orbax_pathways.tier import manifest as manifest_lib
 from orbax_pathways.tier import peer as tier_peer
 from orbax_pathways.tier import peer_server as tier_server
 from orbax_pathways.tier import relay as tier_relay
+from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store
 from orbax_pathways.tier import wire as tier_wire
 
@@ -343,7 +344,7 @@ def _writers_held(usable: Sequence[store.Entry], committed: Any) -> dict[str, li
   return {w: sorted(t) for w, t in out.items()}
 
 
-def for_restore(cfg: store.TierConfig | None, item_dir: str,
+def for_restore(cfg: tier_config.TierConfig | None, item_dir: str,
                 save_ids: Mapping[str, str] | str | None = None,
                 peers: tier_exchange.Exchange | None = None,
                 relay_targets: Mapping[str, tier_relay.Target] | None = None

@@ -57,6 +57,7 @@ from orbax_pathways._util import said
 from orbax_pathways.format import names as format_lib
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
+from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store
 
 log = logging.getLogger('orbax_pathways')
@@ -289,7 +290,7 @@ _last: dict[str, tuple[str, str]] = {}  # tier directory -> (root key, step) las
 _lock = threading.Lock()
 
 
-def after_write(cfg: store.TierConfig, path: str) -> Result | None:
+def after_write(cfg: tier_config.TierConfig, path: str) -> Result | None:
   """After this process wrote entry ``path`` (the tier's background thread): cleans the tier
   up once per save (the first copy of each root and step; later items or device groups of
   the same save skip). Logs what it dropped; never raises (one warning per process)."""

@@ -40,6 +40,7 @@ from orbax_pathways.tier import exchange as exchange_lib
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
 from orbax_pathways.tier import peer_server
+from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store
 from orbax_pathways.tier import wire
 
@@ -51,7 +52,7 @@ _published: set[tuple[int, int, str]] = set()  # (id of the client, process, add
 _lock = threading.Lock()
 
 
-def ready(tier: store.TierConfig, client: Any, me: int, timeout_s: float) -> None:
+def ready(tier: tier_config.TierConfig, client: Any, me: int, timeout_s: float) -> None:
   """This process's server takes partner copies into ``tier``, and its address is published
   (once per process, key-value client and address). ``wire.PeerError`` if the job's secret
   cannot be read."""

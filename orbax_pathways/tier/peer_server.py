@@ -316,7 +316,7 @@ class _Server(socketserver.ThreadingTCPServer):
   def __init__(self, address: tuple[str, int], local_dir: str, secret: bytes,
                limits: wire.Limits = wire.LIMITS):
     self.local_dir, self.secret, self.limits = local_dir, secret, limits
-    self.tier: Any = None  # tier.store.TierConfig: set when it takes partner copies (``serve``)
+    self.tier: Any = None  # tier.config.TierConfig: set when it takes partner copies (``serve``)
     self.manifests = _Manifests(local_dir)
     self._slots = threading.BoundedSemaphore(limits.max_connections)
     super().__init__(address, _Handler)

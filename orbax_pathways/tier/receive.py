@@ -35,6 +35,7 @@ import crc32c as _crc32c
 
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
+from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store
 from orbax_pathways.tier import wire
 
@@ -51,7 +52,7 @@ def _part(value: Any, what: str) -> str:
   return value
 
 
-def check(req: Mapping[str, Any], tier: store.TierConfig | None) -> tuple[tuple[str, str, str], str, str, int, int]:
+def check(req: Mapping[str, Any], tier: tier_config.TierConfig | None) -> tuple[tuple[str, str, str], str, str, int, int]:
   """The put's (item parts, entry, file, size, crc32c), or ``Refused`` saying why not. Pure
   but for this node's free space and whether the entry is already whole."""
   if tier is None:
@@ -101,7 +102,7 @@ def _body(sock: socket.socket, fd: int, size: int, idle_s: float) -> int:
   return crc
 
 
-def receive(sock: socket.socket, req: Mapping[str, Any], tier: store.TierConfig | None,
+def receive(sock: socket.socket, req: Mapping[str, Any], tier: tier_config.TierConfig | None,
             idle_s: float) -> bytes:
   """One put: the body into this node's tier; returns the (empty) answer, or raises
   ``Refused`` (nothing of the body read: the caller closes the connection) or ``OSError`` /
@@ -128,7 +129,7 @@ def receive(sock: socket.socket, req: Mapping[str, Any], tier: store.TierConfig 
   return b''
 
 
-def _commit(tier: store.TierConfig, parts: tuple[str, str, str], entry: str, path: str,
+def _commit(tier: tier_config.TierConfig, parts: tuple[str, str, str], entry: str, path: str,
             part: str) -> None:
   """The manifest arrived: it must describe this entry and name only files that are here
   whole; then it replaces nothing (atomic rename) and the entry is marked committed with its

@@ -19,14 +19,12 @@ Who calls what, on which host:
   front door without that hook (``ocp.v1.save``, a bare ``Checkpointer``) leaves entries
   unmarked; a restore still uses an unmarked entry whose save id the committed index records,
   and each new write drops all but the newest ``local_keep + 1`` unmarked steps.
-- ``resolve`` turns ``Options.local_dir`` into a directory (or None: off); ``default_applies``
-  says whether the /dev/shm default is worth it for a save or restore (``engine.tier``);
-  ``usable`` checks, before the first write, that the directory is this uid's and private
-  (``tier/fsafe.private_root``; once per process and directory, again if it was made anew),
-  else turns the tier off with one warning; ``entries`` lists a node's tier (the restore's
-  source chain, ``orbax-pathways tier``), never one that fails that check, never through a
-  symlink, and refuses an entry whose manifest names a file that is not a regular file;
-  ``touch`` marks an entry a restore reads as in use.
+- Which directory is the tier and whether this uid may use it is ``tier/config.py``
+  (``resolve``, ``default_applies``, ``usable``); ``write_entry`` checks ``usable`` before its
+  first write. ``entries`` lists a node's tier (the restore's source chain, ``orbax-pathways
+  tier``), never one that fails that check, never through a symlink, and refuses an entry whose
+  manifest names a file that is not a regular file; ``touch`` marks an entry a restore reads as
+  in use.
 - ``prune`` sees only the checkpoint directory being saved; entries of other directories (old
   jobs, a test loop's fresh directories) are dropped by ``tier/gc.py`` (age, size cap, gone
   from storage), which the tier's background thread runs once per save after ``write_entry``.
@@ -47,7 +45,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import os
 import shutil
@@ -59,190 +56,20 @@ import numpy as np
 
 from orbax_pathways._util import said
 from orbax_pathways.format import names as format_lib
-from orbax_pathways import options
 from orbax_pathways import version
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.storage import cast as cast_lib
+from orbax_pathways.tier import config as config_lib
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
 
 log = logging.getLogger('orbax_pathways')
-OFF = 'off'
-ENV = 'ORBAX_PATHWAYS_LOCAL_DIR'  # also the default of Options.local_dir=None (engine.tier)
 # Room left on the tier's filesystem after an entry: a node-local tmpfs is also the node's RAM.
 MARGIN_BYTES = 64 << 20
-MAX_AGE_S = options.LOCAL_MAX_AGE_S  # Options.local_max_age_s's default (24 h)
-
-
-@dataclasses.dataclass(frozen=True)
-class TierConfig:
-  """A resolved tier: its directory, how many committed steps it keeps, whether the user chose
-  the directory (``explicit``) or it is the /dev/shm default, and the node-level clean-up of
-  other checkpoint directories' entries (``tier/gc.py``): their longest idle time, and the
-  tier's size cap (None: half its filesystem)."""
-
-  local_dir: str
-  keep: int = 1
-  explicit: bool = True
-  max_age_s: float = MAX_AGE_S
-  max_bytes: int | None = None
-
-
-def _fs_type(path: str) -> str:
-  """The type of the filesystem ``path`` is on (its longest mount point in /proc/mounts; ''
-  when unknown). ``path`` need not exist yet."""
-  try:
-    with open('/proc/mounts', encoding='utf-8') as f:
-      mounts = [line.split() for line in f]
-  except OSError:
-    return ''
-  best, fstype = '', ''
-  real = os.path.realpath(path)
-  for parts in mounts:
-    if len(parts) < 3:
-      continue
-    point = parts[1].replace('\\040', ' ')
-    if (real == point or real.startswith(point.rstrip('/') + '/')) and len(point) >= len(best):
-      best, fstype = point, parts[2]
-  return fstype
-
-
-def _is_tmpfs(path: str) -> bool:
-  return _fs_type(path) == 'tmpfs'
-
-
-def default_dir() -> str | None:
-  """``/dev/shm/orbax-pathways-<uid>`` when /dev/shm is a tmpfs, else None (no tier)."""
-  if not os.path.isdir(manifest_lib.DEFAULT_SHM) or not _is_tmpfs(manifest_lib.DEFAULT_SHM):
-    return None
-  return os.path.join(manifest_lib.DEFAULT_SHM, f'orbax-pathways-{os.getuid()}')
-
-
-# Filesystems whose reads cross the network: a checkpoint directory there is storage a restart
-# pays for, as gs:// is (a local path on them is no page-cache read).
-NETWORK_FS = ('nfs', 'nfs4', 'cifs', 'smb3', 'smbfs', 'ceph', 'glusterfs', 'lustre', 'gpfs',
-              'beegfs', 'afs', 'fuse.gcsfuse', 'fuse.s3fs', 'fuse.sshfs', 'fuse.rclone',
-              'fuse.juicefs', 'fuse.ceph-fuse', 'fuse.glusterfs')
-
-
-@functools.lru_cache(maxsize=64)
-def storage_is_remote(root: str) -> bool:
-  """Whether a checkpoint directory is storage a restart pays for: a URL (``gs://``, any
-  scheme but ``file://``) or a local path on a network filesystem (``NETWORK_FS``)."""
-  if '://' in root:
-    return not root.startswith('file://')
-  return _fs_type(root) in NETWORK_FS
-
-
-def default_applies(remote_storage: bool, processes: int, workers: bool) -> bool:
-  """Whether the /dev/shm default tier (``Options.local_dir`` unset) is kept for a save or
-  restore (pure; ``engine.tier`` asks): only where it saves a storage read on a restart. A
-  checkpoint directory on this machine's own disk, written by one process, is read back from
-  the page cache (or a local disk at its own speed): a copy in node memory buys nothing there
-  and costs RAM for a day (a notebook's, a test run's throwaway checkpoints). It does buy a
-  read for ``remote_storage`` (gs://, NFS), for jobs of several processes (a restarted process
-  reads its share from its own node's memory and the survivors' tiers, not from storage: the
-  job's directory is shared storage), and for Pathways workers (``workers``: the colocated
-  transport's worker hosts). An explicit ``local_dir`` is always used."""
-  return remote_storage or processes > 1 or workers
-
-
-@functools.lru_cache(maxsize=64)
-def resolve(local_dir: str | None, keep: int = 1, max_age_s: float = MAX_AGE_S,
-            max_bytes: int | None = None) -> TierConfig | None:
-  """``Options.local_dir`` as a ``TierConfig``: None picks the /dev/shm default (None when
-  /dev/shm is not a tmpfs), ``'off'`` turns the tier off."""
-  if local_dir is not None and local_dir.strip().lower() == OFF:
-    return None
-  if local_dir is None or not local_dir.strip():
-    d = default_dir()
-    return TierConfig(d, keep, False, max_age_s, max_bytes) if d else None
-  return TierConfig(os.path.abspath(os.path.expanduser(local_dir.strip())), keep, True,
-                    max_age_s, max_bytes)
-
-
-_ADVICE = ('Free space there, point ORBAX_PATHWAYS_LOCAL_DIR (Options.local_dir) elsewhere, or '
-           'set it to "off" to silence this.')
-
-
-def _warn(cfg: TierConfig, reason: str, detail: str, advice: str = _ADVICE) -> None:
-  said.once(logging.WARNING, ('tier', cfg.local_dir, reason),
-             'orbax_pathways: node-local tier skipped (%s): %s. Saves go on to storage as '
-             'before; restores read storage. %s', cfg.local_dir, detail, advice)
-
-
-# Tier directories that passed the private-root check in this process: path -> the lstat
-# fields that passed (device, inode, owner, mode). One lstat per use then; a directory removed
-# and made again (by anyone), chown'ed or chmod'ed is checked again.
-_roots: dict[str, tuple[int, int, int, int]] = {}
-_used: set[str] = set()  # tier directories this process saved into or read (forget_step)
-
-
-def _root_key_of(st: os.stat_result) -> tuple[int, int, int, int]:
-  return st.st_dev, st.st_ino, st.st_uid, st.st_mode
-
-
-def root_problem(local_dir: str, *, create: bool) -> str:
-  """Why ``local_dir`` must not be used as this uid's tier ('' when it may): ``create`` makes
-  it ``0700`` if missing (``fsafe.private_root``, before a write), else it is only inspected
-  (``fsafe.root_problem``, before a read). Cheap: once per process and directory."""
-  try:
-    st: os.stat_result | None = os.lstat(local_dir)
-  except OSError:
-    st = None
-  if st is not None and _roots.get(local_dir) == _root_key_of(st):
-    return ''
-  why = fsafe.private_root(local_dir) if create else fsafe.root_problem(local_dir)
-  if not why:
-    try:
-      st = os.lstat(local_dir)
-    except OSError as e:
-      return f'cannot inspect {local_dir}: {e}'
-    with _lock:
-      _roots[local_dir] = _root_key_of(st)
-      _used.add(local_dir)
-  return why
-
-
-_UNSAFE_ADVICE = ('Nothing in it was read, written or removed. Remove it if you did not make it, '
-                  'or point ORBAX_PATHWAYS_LOCAL_DIR (Options.local_dir) at a directory of your '
-                  'own, or set it to "off".')
-
-
-def usable(cfg: TierConfig | None, *, missing_ok: bool = False) -> TierConfig | None:
-  """``cfg`` when its directory is (or is now made) a private tier directory of this uid, else
-  None with one warning per process naming what is wrong (another user's directory, one others
-  can write into, a symlink, one that cannot be created). Called before the first write of each
-  save (``write_entry`` on a writer host) and by ``engine.tier`` on the saving or restoring
-  process, with ``missing_ok``: a directory that cannot be made (nothing is there, so nobody
-  else's either) still gives ``cfg`` (its copies are skipped, warned; a restore still reads the
-  other hosts' tiers), one that is there but is not a private one of this uid gives None (the
-  tier is off on this process: nothing in it is read, served or written)."""
-  if cfg is None:
-    return None
-  why = root_problem(cfg.local_dir, create=True)
-  if why:
-    _warn(cfg, 'unsafe:' + why, why, _UNSAFE_ADVICE)
-    return cfg if missing_ok and not fsafe.exists(cfg.local_dir) else None
-  return cfg
-
-
-def _readable(local_dir: str) -> bool:
-  """Whether a listing may read ``local_dir``: it exists and passes ``fsafe.root_problem``
-  (one warning per process otherwise: a planted tier is never read)."""
-  if not fsafe.exists(local_dir):
-    return False
-  why = root_problem(local_dir, create=False)
-  if why:
-    said.once(logging.WARNING, ('tier-read', local_dir, why),
-               'orbax_pathways: node-local tier %s not read: %s. Restores read storage. %s',
-               local_dir, why, _UNSAFE_ADVICE)
-    return False
-  return True
 
 
 # Entries this process wrote and has not seen committed: (root, step name) -> [(dir, config)].
-_pending: dict[tuple[str, str], list[tuple[str, TierConfig]]] = {}
+_pending: dict[tuple[str, str], list[tuple[str, config_lib.TierConfig]]] = {}
 # Steps seen committed (root, step), newest last: a copy that lands after its step's commit is
 # marked at once (the copy runs in the background, so the commit can come first).
 _committed: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
@@ -302,7 +129,7 @@ def _chunks(leaf_shape: Sequence[int], chunk_shape: Sequence[int], stored: np.dt
       yield region.start, data[region.relative_to(piece.box)]
 
 
-def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
+def write_entry(cfg: config_lib.TierConfig, item_dir: str, writer: str, save_id: str,
                 leaves: Sequence[Any], plans: Sequence[Any], pieces: Sequence[Sequence[Any]],
                 crcs: dict[str, dict[tuple[int, ...], int]]) -> str | None:
   """Writes this writer's chunks of one item into the tier (the manifest last); returns the
@@ -312,7 +139,7 @@ def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
   for the same writer and save (the next device group of a colocated save) adds its arrays.
   The directory must pass the private-root check first (``usable``); nothing is created when
   the copy does not fit."""
-  if usable(cfg) is None:
+  if config_lib.usable(cfg) is None:
     return None
   root, step_name, item_name = manifest_lib.split_item_dir(item_dir)
   key = manifest_lib.root_key(root)
@@ -359,19 +186,19 @@ def write_entry(cfg: TierConfig, item_dir: str, writer: str, save_id: str,
   except OSError as e:  # fsafe.UnsafeError too: a symlink or another user's directory inside
     if made:
       remove(path)
-    _warn(cfg, type(e).__name__, f'writing {path} failed: {e}')
+    config_lib.warn(cfg, type(e).__name__, f'writing {path} failed: {e}')
     return None
   adopt(cfg, path, root, step_name)
   return path
 
 
-def adopt(cfg: TierConfig, path: str, root: str, step_name: str) -> None:
+def adopt(cfg: config_lib.TierConfig, path: str, root: str, step_name: str) -> None:
   """A complete entry this process wrote (``write_entry``) or received (a partner copy:
   ``tier/receive.py``) is marked committed when its step commits (``on_commit``), at once if it
   already did; then the tier is pruned."""
   parsed = format_lib.parse_step_name(step_name)
   with _lock:
-    _used.add(cfg.local_dir)
+    config_lib.used.add(cfg.local_dir)
     committed = parsed is not None and (manifest_lib.normalize_root(root), parsed[0]) in _committed
     if not committed:
       _pending.setdefault((root, step_name), []).append((path, cfg))
@@ -393,7 +220,8 @@ def _older(found: Sequence[Entry], step_name: str) -> list[Entry]:
   return [e for e in found if e.step is not None and e.step < parsed[0]]
 
 
-def _make_room(cfg: TierConfig, root: str, step_name: str, total: int, item_dir: str) -> bool:
+def _make_room(cfg: config_lib.TierConfig, root: str, step_name: str, total: int,
+               item_dir: str) -> bool:
   """Whether a copy of ``total`` bytes fits (leaving ``MARGIN_BYTES`` free on the default
   tier's filesystem, node memory). When it does not, this directory's older steps are dropped
   first: a newer copy replaces them anyway, and a tier with room for one copy then keeps the
@@ -419,8 +247,8 @@ def _make_room(cfg: TierConfig, root: str, step_name: str, total: int, item_dir:
           else 'an explicit directory leaves no safety margin')
   after = ('after dropping this directory\'s older steps' if dropped
            else 'and this directory has no older step to drop')
-  _warn(cfg, 'full', f'this host\'s share of {item_dir} is {total} bytes; {free} bytes are free '
-                     f'{after}; {kept}')
+  config_lib.warn(cfg, 'full', f'this host\'s share of {item_dir} is {total} bytes; {free} bytes '
+                  f'are free {after}; {kept}')
   return False
 
 
@@ -512,7 +340,7 @@ def entries(local_dir: str, root: str | None = None, step_name: str | None = Non
   """Every entry under ``local_dir``, narrowed to one checkpoint directory / step / item.
   Nothing when the directory fails the private-root check (one warning): a tier another user
   made is never read. Only real directories are descended into."""
-  if not _readable(local_dir):
+  if not config_lib.readable(local_dir):
     return []
   out = []
   keys = [manifest_lib.root_key(root)] if root is not None else fsafe.subdirs(local_dir)
@@ -576,14 +404,14 @@ def on_commit(root: Any, step: int) -> None:
       _mark_committed(path, cfg, root)
 
 
-def _mark_committed(path: str, cfg: TierConfig, root: str) -> None:
+def _mark_committed(path: str, cfg: config_lib.TierConfig, root: str) -> None:
   """Marks one complete entry committed, drops this writer's other saves of the step, prunes."""
   if not _is_regular(os.path.join(path, manifest_lib.MANIFEST)):
     return
   try:
     fsafe.write_file(os.path.join(path, manifest_lib.COMMITTED))
   except OSError as e:
-    _warn(cfg, 'commit', f'marking {path} committed failed: {e}')
+    config_lib.warn(cfg, 'commit', f'marking {path} committed failed: {e}')
     return
   here = os.path.basename(path)
   writer = (manifest_lib.parse_entry_name(here) or (here, ''))[0]
@@ -619,7 +447,7 @@ def _newest_mtime(step_dir: str) -> float:
               for e in fsafe.subdirs(os.path.join(step_dir, i))), default=0.0)
 
 
-def prune(cfg: TierConfig, root: str) -> None:
+def prune(cfg: config_lib.TierConfig, root: str) -> None:
   """Drops the steps of ``root`` older than what ``manifest_lib.keep_steps`` keeps. Directories
   whose name is no step number (``ocp.v1.save(path)`` saves into any directory) are kept by
   age: the newest ``keep + 1`` of them.
@@ -628,7 +456,7 @@ def prune(cfg: TierConfig, root: str) -> None:
   writes one entry per worker of the node): it reads no manifest, only the step directories'
   names and, newest first, the commit markers of the steps it must tell apart; once the
   newest ``keep`` committed steps are found, every older step is dropped unlooked-at."""
-  if not _readable(cfg.local_dir):
+  if not config_lib.readable(cfg.local_dir):
     return
   kdir = os.path.join(cfg.local_dir, manifest_lib.root_key(root))
   numbered: list[tuple[int, str]] = []
@@ -672,9 +500,9 @@ def forget_step(step_dir: Any) -> None:
     parent, _, name = text.rpartition('/')
     root, step_name = manifest_lib.normalize_root(parent or '.'), format_lib.final_name(name)
     with _lock:
-      dirs = set(_used)
+      dirs = set(config_lib.used)
       _pending.pop((root, step_name), None)
-    node = resolve(os.environ.get(ENV) or None)
+    node = config_lib.resolve(os.environ.get(config_lib.ENV) or None)
     if node is not None and fsafe.is_dir(node.local_dir):
       dirs.add(node.local_dir)
     removed = 0

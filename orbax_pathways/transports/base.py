@@ -45,7 +45,7 @@ class SaveConfig:
   is_primary: bool  # this process writes the zarr metadata and the shardings (local transport)
   ocdbt_process_id: int | str | None  # Orbax's ocdbt.process_<id> suffix for this process
   context: Any = None  # Orbax's tensorstore context for this item (local transport only)
-  tier: Any = None  # tier.store.TierConfig: this node's tier (None: off); set by the engine
+  tier: Any = None  # tier.config.TierConfig: this node's tier (None: off); set by the engine
   tier_scope: str = 'written'  # Options.local_scope: 'written' or 'held' (every chunk it holds)
   peer_timeout_s: float = 60.0  # a wait on workers beyond their work (Options.peer_timeout_s)
   # A local-only step's second copy (Options.local_copies=2): the process that keeps it (None:
@@ -59,7 +59,7 @@ class ReadConfig:
   verify: bool
   context: Any = None  # Orbax's tensorstore context (local transport only)
   max_inflight_bytes: int | None = None  # host bytes read before going to devices (None: all)
-  tier: Any = None  # tier.store.TierConfig: read this node's tier first (None: storage only)
+  tier: Any = None  # tier.config.TierConfig: read this node's tier first (None: storage only)
   tier_peer_timeout_s: float = 20.0  # each wait on another host's tier (Options.tier_peer_timeout_s)
   peer_timeout_s: float = 60.0  # a wait on workers beyond their work (Options.peer_timeout_s)
 

@@ -181,7 +181,7 @@ class WorkerSaveTask:
   plan: values.PlanSettings
   max_inflight_bytes: int
   crc_width: int
-  tier: Any = None  # tier.store.TierConfig: each worker host copies its chunks to its node's tier
+  tier: Any = None  # tier.config.TierConfig: each worker host copies its chunks to its node's tier
   save_id: str = ''  # this save's id (every worker's; the controller's index records it)
   call_id: str = ''  # the call's progress, where the controller waits in this process
 
@@ -338,7 +338,7 @@ class WorkerReadTask:
   targets: tuple[values.ReadTarget, ...]
   verify: bool
   per_device_hosts: bool
-  tier: Any = None  # tier.store.TierConfig: read the worker node's tier first
+  tier: Any = None  # tier.config.TierConfig: read the worker node's tier first
   # The committed save id: a colocated save gives every worker one id, so one string travels
   # (a per-writer map would grow with the fleet); '' when the index records several (no tier).
   save_id: str = ''

@@ -30,6 +30,7 @@ from orbax_pathways.storage import meta_io
 from orbax_pathways.storage import reader as reader_lib
 from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.tier import gc as tier_gc
+from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store as tier_store
 
 Box = boxes_lib.Box
@@ -127,7 +128,7 @@ async def write_share(writer: str, transport: str, item: values.Item,
                       leaves: Sequence[values.SaveLeaf], plans: Sequence[save_plan.ArrayWritePlan],
                       pieces: Sequence[Sequence[writer_lib.Piece]], *, creates: Sequence[bool],
                       process_id: int | str | None, with_sharding: bool, max_inflight_bytes: int,
-                      context: Any = None, tier: tier_store.TierConfig | None = None,
+                      context: Any = None, tier: tier_config.TierConfig | None = None,
                       save_id: str = '',
                       # Options.local_scope='held': the tier gets these (``pieces`` and whole
                       # chunks of replicas other hosts write) instead of ``pieces``.
@@ -158,7 +159,7 @@ async def write_tier_only(writer: str, transport: str, item: values.Item,
                           plans: Sequence[save_plan.ArrayWritePlan],
                           pieces: Sequence[Sequence[writer_lib.Piece]], *,
                           creates: Sequence[bool], process_id: int | str | None,
-                          with_sharding: bool, tier: tier_store.TierConfig | None, save_id: str,
+                          with_sharding: bool, tier: tier_config.TierConfig | None, save_id: str,
                           context: Any = None,
                           tier_pieces: Sequence[Sequence[writer_lib.Piece]] | None = None,
                           copy: Callable[[str], None] | None = None,
@@ -180,7 +181,7 @@ async def tier_only_pieces(writer: str, item: values.Item, leaves: Sequence[valu
                            plans: Sequence[save_plan.ArrayWritePlan],
                            pieces: Sequence[Sequence[writer_lib.Piece]], *,
                            creates: Sequence[bool], process_id: int | str | None,
-                           tier: tier_store.TierConfig | None, save_id: str, context: Any = None,
+                           tier: tier_config.TierConfig | None, save_id: str, context: Any = None,
                            tier_pieces: Sequence[Sequence[writer_lib.Piece]] | None = None,
                            copy: Callable[[str], None] | None = None,
                            ) -> tuple[values.WriterOutcome, dict[str, list[records_lib.ChunkRecord]]]:
@@ -227,7 +228,7 @@ async def tier_only_pieces(writer: str, item: values.Item, leaves: Sequence[valu
   return outcome, chunks
 
 
-def write_tier(tier: tier_store.TierConfig, item: values.Item, writer: str, save_id: str,
+def write_tier(tier: tier_config.TierConfig, item: values.Item, writer: str, save_id: str,
                leaves: Sequence[values.SaveLeaf], plans: Sequence[save_plan.ArrayWritePlan],
                pieces: Sequence[Sequence[writer_lib.Piece]],
                chunks: dict[str, list[records_lib.ChunkRecord]]) -> None:

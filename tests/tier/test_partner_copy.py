@@ -37,6 +37,7 @@ from orbax_pathways.tier import manifest as manifest_lib
 from orbax_pathways.tier import partner_copy
 from orbax_pathways.tier import partners
 from orbax_pathways.tier import peer_server
+from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store as tier_store
 from orbax_pathways.tier import wire
 
@@ -99,7 +100,7 @@ def saved(tmp_path_factory):
 def receiver(tmp_path):
   """A partner's server that takes copies into its (empty, private) tier."""
   local = tmp_path / 'partner_tier'
-  cfg = tier_store.usable(tier_store.resolve(str(local), 1))
+  cfg = tier_config.usable(tier_config.resolve(str(local), 1))
   assert cfg is not None
   address = peer_server.serve(cfg.local_dir, SECRET, FAST, tier=cfg)
   yield address, cfg
@@ -146,7 +147,7 @@ def test_a_client_without_the_secret_writes_nothing(saved, receiver):
 
 def test_a_server_started_for_restores_only_takes_no_copy(saved, tmp_path):
   local = tmp_path / 'restore_only'
-  cfg = tier_store.usable(tier_store.resolve(str(local), 1))
+  cfg = tier_config.usable(tier_config.resolve(str(local), 1))
   address = peer_server.serve(cfg.local_dir, SECRET, FAST)
   try:
     why = partner_copy.send_to(saved.path, address, SECRET, 10)

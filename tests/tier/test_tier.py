@@ -28,6 +28,7 @@ from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import meta_io
 from orbax_pathways.tier import manifest as tier_layout
+from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store as tier_store
 from support import procs
 
@@ -466,19 +467,19 @@ def test_a_tier_others_can_write_into_is_not_used(tmp_path, caplog, mode):
 
 
 def test_the_default_tier_is_kept_only_where_it_saves_a_storage_read(tmp_path):
-  assert not tier_store.default_applies(False, 1, False)  # local disk, one process
-  assert tier_store.default_applies(True, 1, False)  # gs:// or network storage
-  assert tier_store.default_applies(False, 2, False)  # a job of several processes
-  assert tier_store.default_applies(False, 1, True)  # Pathways workers
-  assert tier_store.storage_is_remote('gs://bucket/run')
-  assert not tier_store.storage_is_remote('file:///tmp/run')
-  assert not tier_store.storage_is_remote(str(tmp_path / 'ckpt'))
+  assert not tier_config.default_applies(False, 1, False)  # local disk, one process
+  assert tier_config.default_applies(True, 1, False)  # gs:// or network storage
+  assert tier_config.default_applies(False, 2, False)  # a job of several processes
+  assert tier_config.default_applies(False, 1, True)  # Pathways workers
+  assert tier_config.storage_is_remote('gs://bucket/run')
+  assert not tier_config.storage_is_remote('file:///tmp/run')
+  assert not tier_config.storage_is_remote(str(tmp_path / 'ckpt'))
 
 
 def test_no_default_tier_for_a_local_directory_of_one_process(tmp_path, monkeypatch, caplog):
   """Options.local_dir unset, ORBAX_PATHWAYS_LOCAL_DIR unset: a one-process save into a local
   directory gets no tier (said once); an explicit directory or 'off' mean what they say."""
-  monkeypatch.delenv(tier_store.ENV, raising=False)
+  monkeypatch.delenv(tier_config.ENV, raising=False)
   caplog.set_level(logging.INFO, logger='orbax_pathways')
   item = str(tmp_path / 'ckpt' / '1' / 'default')
   assert engine.Engine(orbax_pathways.Options()).tier(item) is None
@@ -488,7 +489,7 @@ def test_no_default_tier_for_a_local_directory_of_one_process(tmp_path, monkeypa
   explicit = engine.Engine(orbax_pathways.Options(local_dir=str(tmp_path / 't'))).tier(item)
   assert explicit is not None and explicit.local_dir == str(tmp_path / 't')
   assert engine.Engine(orbax_pathways.Options(local_dir='off')).tier(item) is None
-  monkeypatch.setenv(tier_store.ENV, str(tmp_path / 'node'))
+  monkeypatch.setenv(tier_config.ENV, str(tmp_path / 'node'))
   assert engine.Engine(orbax_pathways.Options()).tier(item).local_dir == str(tmp_path / 'node')
 
 

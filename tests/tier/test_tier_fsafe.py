@@ -221,6 +221,7 @@ def test_a_chunk_that_is_a_symlink_fifo_or_device_is_never_read(tmp_path, caplog
   import orbax_pathways  # pylint: disable=g-import-not-at-top
   from orbax_pathways import stats  # pylint: disable=g-import-not-at-top
   from orbax_pathways.cli import main as cli  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.tier import config as tier_config  # pylint: disable=g-import-not-at-top
   from orbax_pathways.tier import store  # pylint: disable=g-import-not-at-top
 
   tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
@@ -284,6 +285,7 @@ def test_symlinks_inside_the_tier_are_never_followed(tmp_path, caplog):
   from orbax_pathways.storage import writer as writer_lib  # pylint: disable=g-import-not-at-top
   from orbax_pathways.tier import gc  # pylint: disable=g-import-not-at-top
   from orbax_pathways.tier import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.tier import config as tier_config  # pylint: disable=g-import-not-at-top
   from orbax_pathways.tier import store  # pylint: disable=g-import-not-at-top
 
   tier, ckpt, private = tmp_path / 'tier', tmp_path / 'ckpt', tmp_path / 'private'
@@ -297,7 +299,7 @@ def test_symlinks_inside_the_tier_are_never_followed(tmp_path, caplog):
   os.symlink(private, tier / manifest_lib.root_key(str(ckpt)))  # this directory's own root key
   os.symlink(private, tier / 'other-0123456789abcdef')
   (ckpt / '1').mkdir(parents=True)
-  cfg = store.resolve(str(tier))
+  cfg = tier_config.resolve(str(tier))
   leaf = values.SaveLeaf('w', (16,), np.dtype(np.uint8), np.dtype(np.uint8), False, 1 << 20)
   plan = save_plan.ArrayWritePlan((16,), (16,), ())
   piece = writer_lib.Piece(boxes.Box((0,), (16,)), np.arange(16, dtype=np.uint8))
@@ -321,6 +323,7 @@ def test_a_manifest_naming_other_files_is_damaged(tmp_path, files, problem):
   """A manifest may name only the chunk files of its own entry: one naming a path out of it
   (or a file twice) makes the entry damaged, so no reader ever opens that path."""
   from orbax_pathways.tier import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.tier import config as tier_config  # pylint: disable=g-import-not-at-top
   from orbax_pathways.tier import store  # pylint: disable=g-import-not-at-top
   tier = tmp_path / 'tier'
   assert fsafe.private_root(str(tier)) == ''

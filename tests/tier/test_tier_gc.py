@@ -34,6 +34,7 @@ from orbax_pathways.plan import save as save_plan
 from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.tier import gc as tier_gc
 from orbax_pathways.tier import manifest as tier_layout
+from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store as tier_store
 from support import procs
 
@@ -46,7 +47,7 @@ def _write(tier, root, step, nbytes=64 * KiB, commit=True, keep=1):
   """One real entry of ``root``'s ``step`` (one array of ``nbytes``), through the store; the
   step's directory exists on storage (an entry of a step that does not is gone: see below)."""
   os.makedirs(os.path.join(root, str(step)), exist_ok=True)
-  cfg = tier_store.resolve(str(tier), keep)
+  cfg = tier_config.resolve(str(tier), keep)
   leaf = values.SaveLeaf('w', (nbytes,), np.dtype(np.uint8), np.dtype(np.uint8), False, 1 << 20)
   plan = save_plan.ArrayWritePlan((nbytes,), (nbytes,), ())
   piece = writer_lib.Piece(boxes_lib.Box((0,), (nbytes,)), np.full(nbytes, step, np.uint8))
@@ -197,14 +198,14 @@ def test_the_size_cap_drops_oldest_first_never_the_newest_committed_step(tmp_pat
     _age(_write(tier, cur, s, keep=2), (5 - s) * HOUR)
   assert _tree(tier) == {str(tmp_path / n): ['1'] for n in 'abc'} | {str(cur): ['1', '2']}
   # Room for four entries of 64 KiB: the two oldest other directories go.
-  cfg = tier_store.resolve(str(tier), 2, max_bytes=4 * 64 * KiB)
+  cfg = tier_config.resolve(str(tier), 2, max_bytes=4 * 64 * KiB)
   just = _write(tier, cur, 3, commit=False, keep=2)
   result = tier_gc.after_write(cfg, just)
   assert [d.reason for d in result.dropped] == ['cap', 'cap']
   assert _tree(tier) == {str(tmp_path / 'c'): ['1'], str(cur): ['1', '2', '3']}
   # No room at all: everything idle goes except the newest committed step (2) and the entry
   # just written (3, not committed yet); older steps of the saving directory go last.
-  cfg = tier_store.resolve(str(tier), 2, max_bytes=0)
+  cfg = tier_config.resolve(str(tier), 2, max_bytes=0)
   just = _write(tier, cur, 4, commit=False, keep=2)
   _age(just, 60)
   tier_gc.after_write(cfg, just)
@@ -357,7 +358,7 @@ def test_no_room_names_the_safety_margin_and_leaves_nothing(tmp_path, caplog):
   _mount_tmpfs(tier, '16m')
   try:
     caplog.set_level(logging.INFO, logger='orbax_pathways')
-    cfg = tier_store.TierConfig(str(tier), explicit=False)  # what the default resolves to
+    cfg = tier_config.TierConfig(str(tier), explicit=False)  # what the default resolves to
     leaf = values.SaveLeaf('w', (1 << 20,), np.dtype(np.uint8), np.dtype(np.uint8), False, 1 << 20)
     plan = save_plan.ArrayWritePlan((1 << 20,), (1 << 20,), ())
     piece = writer_lib.Piece(boxes_lib.Box((0,), (1 << 20,)), np.zeros(1 << 20, np.uint8))
