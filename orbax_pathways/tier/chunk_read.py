@@ -5,8 +5,8 @@ reading host, in the restore's executor threads, one region at a time) makes a `
 chunk a source serves. ``tier/chain.LocalSource.read_into`` fills it from this node's tier file
 (``fill_from_file``: a chunk that is one page-aligned run of a mapped region buffer is the tier
 file's own pages, mapped there privately by ``storage/pages``; any other, the kernel copies the
-file's bytes straight into the region buffer: no intermediate array, no conversion); a source that returns an array (a peer, the relay) goes in
-bit for bit (``fill_from_array``). The chain then compares ``crc32c``, computed over the bytes as
+file's bytes straight into the region buffer: no intermediate array, no conversion); a source
+that returns an array (a peer, the relay) goes in bit for bit (``fill_from_array``). The chain then compares ``crc32c``, computed over the bytes as
 they lie in the region buffer, with the committed record.
 
 Where a chunk lies in a C-ordered region buffer is pure arithmetic (``runs``): equally long

@@ -199,17 +199,25 @@ def log(*args: Any) -> None:
   print(f'[p{os.environ.get(ENV_PROCESS_ID, "?")}]', *args, file=sys.stderr, flush=True)
 
 
-def stop_all_now(timeout_s: float = 60.0) -> None:
-  """Every process of the job stops at once without closing anything (a preempted job), and the
-  coordination service's host (process 0) last, so that no peer sees the service vanish first.
+def stop_all_now(timeout_s: float = 60.0, *, kill: bool = False) -> None:
+  """Every process of the job stops at once without closing anything (a preempted job; with
+  ``kill``, SIGKILLed), and the coordination service's host (process 0) last, so that no peer
+  sees the service vanish first and is aborted by jax instead.
 
-  Call it on every process after a barrier. Process i > 0 writes ``stopped.<i>`` into its
-  results directory and ``os._exit(0)``s at once; process 0 waits for every marker (at most
-  ``timeout_s``), gives the others a moment to be gone, and exits too. Measured without the
-  order: process 0's exit right after ``sync_global_devices`` aborted a peer in 1 of 7 runs here; with it, 0 of 25
-  ("Terminating process because the JAX distributed service detected fatal errors").
+  Call it on every process at the point where it is to stop. Process i > 0 writes
+  ``stopped.<i>`` into its results directory and ends at once; process 0 waits for every marker
+  (at most ``timeout_s``), gives the others a moment to be gone, and ends too. Measured without
+  the order: process 0's exit right after ``sync_global_devices`` aborted a peer in 1 of 7 runs
+  here; with it, 0 of 25 ("Terminating process because the JAX distributed service detected
+  fatal errors").
   """
+  import signal  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
+
+  def end():
+    if kill:
+      os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(0)  # pylint: disable=protected-access
 
   sys.stdout.flush()
   sys.stderr.flush()
@@ -217,10 +225,10 @@ def stop_all_now(timeout_s: float = 60.0) -> None:
   me, n = process_id(), num_processes()
   if me:
     open(os.path.join(folder, f'stopped.{me}'), 'w').close()
-    os._exit(0)  # pylint: disable=protected-access
+    end()
   deadline = time.monotonic() + timeout_s
   while time.monotonic() < deadline and not all(
       os.path.exists(os.path.join(folder, f'stopped.{p}')) for p in range(1, n)):
     time.sleep(0.02)
   time.sleep(0.5)
-  os._exit(0)  # pylint: disable=protected-access
+  end()

@@ -46,7 +46,6 @@ def main() -> None:
   from orbax_pathways import stats  # pylint: disable=g-import-not-at-top
 
   if os.environ.get('KILL_AT'):
-    import signal  # pylint: disable=g-import-not-at-top
     from orbax_pathways.tier import store as tier_store  # pylint: disable=g-import-not-at-top
     write_entry, kill_at = tier_store.write_entry, os.environ['KILL_AT']
 
@@ -54,21 +53,8 @@ def main() -> None:
       out = write_entry(cfg, item_dir, *a, **k)
       if '.orbax-pathways-local' in str(item_dir) and tier_store.manifest_lib.split_item_dir(
           item_dir)[1] == kill_at:
-        # The coordination service's host (process 0) dies last: a peer still writing when
-        # the service vanished was aborted by jax instead of reaching its own kill (CI, 1 run).
-        import time  # pylint: disable=g-import-not-at-top
         from support import mp_worker  # pylint: disable=g-import-not-at-top
-        folder = os.path.dirname(mp_worker.results_path())
-        me, n = mp_worker.process_id(), mp_worker.num_processes()
-        if me == 0:
-          deadline = time.monotonic() + 120
-          while time.monotonic() < deadline and not all(
-              os.path.exists(os.path.join(folder, f'killed.{p}')) for p in range(1, n)):
-            time.sleep(0.02)
-          time.sleep(0.5)
-        else:
-          open(os.path.join(folder, f'killed.{me}'), 'w').close()
-        os.kill(os.getpid(), signal.SIGKILL)
+        mp_worker.stop_all_now(120, kill=True)  # process 0 last (CI: a peer aborted by jax)
       return out
 
     tier_store.write_entry = write_then_die
