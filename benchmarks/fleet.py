@@ -38,7 +38,7 @@ the record of how the colocated cost grows (the state's bytes are the same at ev
 
 The colocated transport treats each CPU device as its own worker host (``w<id>``); on the CPU
 backend colocated Python runs in this process, with the simulated hosts of one call run
-concurrently (bounded by ``colocated.MAX_CONCURRENT_HOSTS``). Timings are wall clock on a
+concurrently (bounded by ``colocated_worker.MAX_CONCURRENT_HOSTS``). Timings are wall clock on a
 shared machine: compare ratios within one run. Values read back are checked against the saved
 ones. The tables go to stdout; ``--json-out`` writes everything.
 """

@@ -28,6 +28,7 @@ import pytest
 
 from orbax_pathways import errors
 from orbax_pathways.transports import colocated
+from orbax_pathways.transports import colocated_worker
 
 from support.arrays import abstract, assert_trees_equal, mesh, put, random_state
 from support.ckpt import options
@@ -172,7 +173,7 @@ def test_slow_call_that_keeps_progressing_outlives_its_deadline(faulty_gcs, monk
   longer than its deadline, but its hosts keep finishing well within it. It must succeed."""
   state = _one_call_state()
   path = faulty_gcs.path('ckpt')
-  monkeypatch.setattr(colocated, 'MAX_CONCURRENT_HOSTS', 1)
+  monkeypatch.setattr(colocated_worker, 'MAX_CONCURRENT_HOSTS', 1)
   delay_s = DELAY_S[phase]
   with options(transport='colocated', peer_timeout_s=PROGRESS_TIMEOUT_S, local_dir='off',
                **SLOW_STORAGE):

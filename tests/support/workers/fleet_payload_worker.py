@@ -5,7 +5,7 @@
     python -m support.workers.fleet_payload_worker CKPT
 
 Saves a state with a fixed share per host through the colocated transport and restores it with
-a target (values checked); ``colocated.make_worker_save`` / ``make_worker_restore`` are wrapped
+a target (values checked); ``colocated_worker.make_worker_save`` / ``make_worker_restore`` are wrapped
 to measure what colocated Python pickles and ships to every worker. Prints the sizes (task,
 function, payload row), the writers and readers, the chunks verified and the restore's
 metadata reads (index, records).
@@ -29,6 +29,7 @@ def main() -> None:
   import orbax_pathways  # pylint: disable=g-import-not-at-top
   from orbax_pathways.storage import meta_io  # pylint: disable=g-import-not-at-top
   from orbax_pathways.transports import colocated  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.transports import colocated_worker  # pylint: disable=g-import-not-at-top
 
   ckpt = sys.argv[1]
   n = jax.device_count()
@@ -49,7 +50,7 @@ def main() -> None:
     return len(ser((fn, specs))) - len(ser((None, specs)))
 
   got = {}
-  make_save, make_restore = colocated.make_worker_save, colocated.make_worker_restore
+  make_save, make_restore = colocated_worker.make_worker_save, colocated_worker.make_worker_restore
 
   def save_hook(task):
     fn = make_save(task)
@@ -66,7 +67,7 @@ def main() -> None:
     got['restore_chunks_in_call'] = sum(len(t.chunks) for t in task.targets)
     return fn
 
-  colocated.make_worker_save, colocated.make_worker_restore = save_hook, restore_hook
+  colocated_worker.make_worker_save, colocated_worker.make_worker_restore = save_hook, restore_hook
 
   orbax_pathways.install(orbax_pathways.Options(transport='colocated'))
   with ocp.CheckpointManager(ckpt) as mngr:
