@@ -30,8 +30,8 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
   ``CheckpointManager.close`` (public) calls the hooks' ``close`` once it returned or raised
   (the lease is released). A save Orbax's policy declined calls the hooks' ``save_declined``
   with the save's arguments (a local-only step may be saved); ``wait_until_finished`` (public)
-  then calls the hooks' ``wait``. ``local_manager`` builds the hidden manager of a manager's
-  local-only steps (``manager/local_steps.py``).
+  then calls the hooks' ``wait``. (``orbax_manager_state.local_manager`` builds the hidden
+  manager of a manager's local-only steps, ``manager/local_steps.py``.)
 - ``CheckpointManager.reload`` / ``restore`` (public): drop gcsfs's listing cache first; a restore
   of a step the manager listed when it began, which fails because the step was deleted meanwhile
   (another process's retention), says so (``StepDeletedError``); any other failure (a step never
@@ -52,7 +52,9 @@ what a listing hides, what is refused, is the hooks' (``manager/``, ``preemption
 restore rules still live here, next to the Orbax protocol they follow: ``StepDeletedError`` for
 a step deleted while it was restored, and a failed restore joining its peers' barrier.
 
-Next door: ``jax_distributed.py`` (process count and index, jax's key-value client, whether its
+Next door: ``orbax_manager_state.py`` (what the package reads of a manager: its options,
+participants, step paths and listings; the hidden manager of its local-only steps),
+``jax_distributed.py`` (process count and index, jax's key-value client, whether its
 preemption service runs) and ``orbax_policies.py`` (whether a manager's save decision policy can
 save for preemption).
 """
@@ -65,7 +67,6 @@ from orbax_pathways._compat import supported
 
 import dataclasses
 import functools
-import json
 import threading
 import time
 from typing import Any, Callable
@@ -78,12 +79,10 @@ import orbax.checkpoint as ocp
 _checkpointer = src.orbax('checkpointers.checkpointer')
 _multihost = src.orbax('multihost.multihost')
 _deleter = src.orbax('path.deleter')
-_gcs_utils = src.orbax('path.gcs_utils')
 _step_lib = src.orbax('path.step')
-_temporary_paths = src.orbax('path.temporary_paths')
 
 from orbax_pathways.format import names as format_lib
-from orbax_pathways.coord import participants as participants_lib
+from orbax_pathways._compat import orbax_manager_state as _state
 
 SUPPORTED = supported.ORBAX
 
@@ -285,7 +284,7 @@ def _wrap_reached_preemption(original):
     if not _hooks:
       return original(self, step)
     stock = lambda: original(self, step)  # pylint: disable=unnecessary-lambda-assignment
-    answer = _first('reached_preemption', self, step, stock, manager_participants(self))
+    answer = _first('reached_preemption', self, step, stock, _state.manager_participants(self))
     return stock() if answer is None else answer
   return reached_preemption
 
@@ -395,7 +394,7 @@ def _wrap_restore(original):
       from orbax_pathways import errors  # pylint: disable=g-import-not-at-top
       raise errors.keeping_type(
           errors.StepDeletedError, e,
-          f'Step {step} ({manager_step_path(self, step)}) was deleted while it was being restored '
+          f'Step {step} ({_state.manager_step_path(self, step)}) was deleted while it was being restored '
           '(by the retention of a process saving into this directory, e.g. max_to_keep) and is '
           f'no longer listed: {type(e).__name__}: {str(e)[:500]}. Restore a step that is still '
           'listed (mngr.reload(); mngr.latest_step()).') from e
@@ -414,7 +413,7 @@ def _step_vanished(mngr, step: int) -> bool:
   """True if no complete step ``step`` is in ``mngr.directory`` now (read from storage)."""
   try:
     invalidate_gcs_listings()
-    return step not in [s for s, _ in manager_steps_on_disk(mngr)]
+    return step not in [s for s, _ in _state.manager_steps_on_disk(mngr)]
   except Exception:  # pylint: disable=broad-except
     return False
 
@@ -494,138 +493,3 @@ def uninstall_manager_hooks() -> None:
             'orbax_pathways: %s.%s was re-patched by someone else after us; restoring the '
             'Orbax original anyway.', patch.owner.__qualname__, patch.attr)
       setattr(patch.owner, patch.attr, patch.original)
-
-
-# ---------------------------------------------------------------------------------------------
-# Small accessors for private state / helpers.
-
-
-def is_gcs_path(path: epath.PathLike) -> bool:
-  return _gcs_utils.is_gcs_path(epath.Path(path))
-
-
-def is_local_path(path: epath.PathLike) -> bool:
-  return _deleter._is_local_path(epath.Path(path))  # pylint: disable=protected-access
-
-
-def manager_read_only(mngr: ocp.CheckpointManager) -> bool:
-  """Whether the manager was built with ``CheckpointManagerOptions(read_only=True)``."""
-  options = getattr(mngr, '_options', None)  # pylint: disable=protected-access
-  return bool(options is not None and options.read_only)
-
-
-def manager_primary_host(mngr: ocp.CheckpointManager) -> int | None:
-  return mngr._multiprocessing_options.primary_host  # pylint: disable=protected-access
-
-
-_PARTICIPANTS = '_orbax_pathways_participants'
-
-
-def manager_participants(mngr: ocp.CheckpointManager) -> participants_lib.Participants:
-  """The processes that call ``mngr`` (its ``MultiprocessingOptions``: ``active_processes``,
-  ``primary_host``, ``barrier_sync_key_prefix``), built once per manager. A manager without
-  Orbax's options (a stand-in) counts as every process, primary host 0."""
-  found = mngr.__dict__.get(_PARTICIPANTS)
-  if found is None:
-    options = getattr(mngr, '_multiprocessing_options', None)  # pylint: disable=protected-access
-    found = participants_lib.Participants.of(
-        getattr(options, 'active_processes', None), getattr(options, 'primary_host', 0),
-        getattr(options, 'barrier_sync_key_prefix', None))
-    mngr.__dict__[_PARTICIPANTS] = found
-  return found
-
-
-def process_index() -> int:
-  """This process's index as Orbax numbers processes in ``active_processes`` and
-  ``primary_host`` (jax.distributed's process id under
-  ``experimental_orbax_use_distributed_process_id``, else ``jax.process_index()``)."""
-  return _multihost.process_index()
-
-
-def is_primary_host(primary_host: int | None) -> bool:
-  return _multihost.is_primary_host(primary_host)
-
-
-def manager_step_path(mngr: ocp.CheckpointManager, step: int) -> epath.Path:
-  """The final (committed) directory of ``step`` for this manager's name format."""
-  return _step_lib.build_step_path(mngr.directory, mngr._step_name_format, step)  # pylint: disable=protected-access
-
-
-def manager_steps_on_disk(mngr: ocp.CheckpointManager) -> list[tuple[int, epath.Path]]:
-  """(step, path) for every step the manager's name format lists right now, read from storage."""
-  return sorted(
-      (m.step, epath.Path(m.path))
-      for m in mngr._step_name_format.find_all(mngr.directory))  # pylint: disable=protected-access
-
-
-def read_commit_timestamp_nsecs(step_path: epath.Path) -> int | None:
-  """``commit_timestamp_nsecs`` from ``<step>/_CHECKPOINT_METADATA``, or None if absent/unreadable."""
-  try:
-    data = json.loads((step_path / STEP_METADATA_FILE).read_text())
-  except (OSError, ValueError):
-    return None
-  value = data.get('commit_timestamp_nsecs') if isinstance(data, dict) else None
-  return value if isinstance(value, int) else None
-
-
-def temporary_step_paths(directory: epath.PathLike) -> list[epath.Path]:
-  """Orbax's uncommitted steps in ``directory``: ``*.orbax-checkpoint-tmp`` locally, step
-  directories without ``commit_success.txt`` on gs:// (Orbax's own rule)."""
-  asyncio_utils = src.orbax('asyncio_utils')
-  paths = asyncio_utils.run_sync(_temporary_paths.all_temporary_paths(directory))
-  return sorted(epath.Path(p.get()) for p in paths)
-
-
-def forget_step(mngr: ocp.CheckpointManager, step: int) -> None:
-  """Drops ``step`` from ``mngr``'s cached listing (nothing on storage changes): ``should_save``
-  and ``save`` then treat it as absent, and saving that step again replaces it."""
-  mngr._checkpoints.delete_if(lambda info: info.step == step)  # pylint: disable=protected-access
-
-
-def is_proxy_pathways_backend() -> bool:
-  return _multihost.is_proxy_pathways_backend()
-
-
-# ---- the hidden manager of a manager's local-only steps (manager/local_steps.py) ---------------
-
-_LOCAL = '_orbax_pathways_local_manager'  # on a manager: the hidden manager of its local steps
-_LOCAL_OF = '_orbax_pathways_local_of'  # on a hidden manager: the manager it serves
-
-
-def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike,
-                  keep: int) -> ocp.CheckpointManager:
-  """The hidden manager of ``mngr``'s local-only steps (built at its first local save, then
-  kept): ``directory``, one step per save it is asked for, the newest ``keep`` kept, the same
-  processes (``MultiprocessingOptions``, with barrier names of its own), async mode, step
-  names and read-only mode as ``mngr``. Its saves go through Orbax's own save and commit; only
-  the array handler knows the directory is a local-only one (``format.names.is_local_only``)."""
-  found = mngr.__dict__.get(_LOCAL)
-  if found is not None:
-    return found
-  options = mngr._options  # pylint: disable=protected-access
-  inner_options = ocp.CheckpointManagerOptions(
-      save_interval_steps=1, max_to_keep=keep, create=not options.read_only,
-      read_only=options.read_only,
-      enable_async_checkpointing=options.enable_async_checkpointing,
-      # Its own barrier names: its barriers never meet the manager's.
-      multiprocessing_options=dataclasses.replace(
-          options.multiprocessing_options,
-          barrier_sync_key_prefix=(options.multiprocessing_options.barrier_sync_key_prefix
-                                   or '') + 'orbax_pathways_local'),
-      step_name_format=options.step_name_format,
-      async_options=options.async_options)
-  # Handlers come from the save's arguments, as for a manager built without item handlers.
-  inner = ocp.CheckpointManager(directory, options=inner_options)
-  inner.__dict__[_LOCAL_OF] = mngr
-  mngr.__dict__[_LOCAL] = inner
-  return inner
-
-
-def existing_local_manager(mngr: ocp.CheckpointManager) -> ocp.CheckpointManager | None:
-  """``mngr``'s hidden manager if a local save built one, else None."""
-  return mngr.__dict__.get(_LOCAL)
-
-
-def is_local_manager(mngr: Any) -> bool:
-  """Whether ``mngr`` is a hidden manager of local-only steps."""
-  return _LOCAL_OF in getattr(mngr, '__dict__', {})

@@ -60,7 +60,6 @@ from orbax_pathways.tier import assigned as tier_assigned
 from orbax_pathways.tier import manifest as tier_layout
 from orbax_pathways.tier import partners as tier_partners
 from orbax_pathways.tier import config as tier_config
-from orbax_pathways.tier import store as tier_store
 from orbax_pathways.transports import base as transports
 from orbax_pathways.transports import registry
 

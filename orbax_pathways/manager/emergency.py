@@ -42,7 +42,7 @@ import orbax.checkpoint as ocp
 
 from orbax_pathways import errors
 from orbax_pathways._compat import orbax_emergency
-from orbax_pathways._compat import orbax_manager as _om
+from orbax_pathways._compat import orbax_manager_state as _oms
 from orbax_pathways.manager import local_steps
 from orbax_pathways.preemption import recovery
 from orbax_pathways.tier import assigned as tier_assigned
@@ -132,7 +132,7 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
   def in_primary_slice(self) -> bool:
     if self._slice_count == 1:
       return True
-    return orbax_emergency.in_primary_replica(_om.process_index(), self._global_mesh,
+    return orbax_emergency.in_primary_replica(_oms.process_index(), self._global_mesh,
                                               self._replica_axis_index)
 
   @property

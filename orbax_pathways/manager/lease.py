@@ -65,6 +65,7 @@ from orbax_pathways import version
 from orbax_pathways.coord import rounds
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager as _om
+from orbax_pathways._compat import orbax_manager_state as _oms
 from orbax_pathways.manager import lease_policy as plan
 from orbax_pathways.storage import meta_io
 
@@ -356,8 +357,8 @@ def before_save(mngr, step: int) -> None:
   if not options_lib.env_value(ENABLE_ENV):
     return
   directory = directory_key(mngr.directory)
-  part = _om.manager_participants(mngr)
-  me, count = _om.process_index(), jax_distributed.process_count()
+  part = _oms.manager_participants(mngr)
+  me, count = _oms.process_index(), jax_distributed.process_count()
   error: Exception | None = None
   if part.writes(me):
     try:

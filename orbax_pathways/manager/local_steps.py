@@ -38,6 +38,7 @@ from orbax_pathways.format import names as format_names
 from orbax_pathways.manager import hooks as hooks_lib
 from orbax_pathways._compat import orbax_manager as _om
 
+from orbax_pathways._compat import orbax_manager_state as _oms
 log = logging.getLogger('orbax_pathways')
 
 
@@ -81,12 +82,12 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     """A storage save starts once the local-only save before it committed: one save in the
     background per process at a time (Orbax's own rule within one manager; two managers'
     background threads would share Orbax's process-wide operation ids and barrier order)."""
-    if not _om.is_local_manager(mngr):
+    if not _oms.is_local_manager(mngr):
       self.wait(mngr)
 
   def save_declined(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> None:
     every = self.policy(mngr).interval
-    if every <= 0 or step % every or _om.is_local_manager(mngr):
+    if every <= 0 or step % every or _oms.is_local_manager(mngr):
       return
     self._save(mngr, step, args, kwargs)
 
@@ -94,7 +95,7 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     """The preemption save goes to memory first: its local-only copy is saved and committed
     (the tiers and the small records: seconds) before Orbax's storage save of the step begins,
     so a job whose grace period ends before the storage commit still resumes from it."""
-    if (self.policy(mngr).interval <= 0 or _om.is_local_manager(mngr)
+    if (self.policy(mngr).interval <= 0 or _oms.is_local_manager(mngr)
         or not mngr.reached_preemption(step)):  # latched per step: the save asks it next
       return
     if self._save(mngr, step, args, kwargs):
@@ -103,7 +104,7 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
                'storage save starts now.', step)
 
   def _save(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> bool:
-    inner = _om.local_manager(mngr, directory_of(mngr), self.policy(mngr).keep)
+    inner = _oms.local_manager(mngr, directory_of(mngr), self.policy(mngr).keep)
     kwargs = {k: v for k, v in kwargs.items() if k not in ('force', 'metrics')}
     try:
       mngr.wait_until_finished()  # the storage save before it, as before_save above
@@ -115,7 +116,7 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
       return False
 
   def wait(self, mngr: Any) -> None:
-    inner = _om.existing_local_manager(mngr)
+    inner = _oms.existing_local_manager(mngr)
     if inner is None:
       return
     try:
@@ -126,7 +127,7 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
                   directory_of(mngr), type(e).__name__, e)
 
   def close(self, mngr: Any) -> None:
-    inner = _om.existing_local_manager(mngr)
+    inner = _oms.existing_local_manager(mngr)
     if inner is not None:
       self.wait(mngr)
       inner.close()
@@ -136,15 +137,15 @@ def local_manager(mngr: Any) -> Any | None:
   """The hidden manager of ``mngr``'s local-only steps, or None when there are none (no hook
   registered, or no such directory: ``preemption.resume`` of a restarted job builds it to read
   them)."""
-  if _om.is_local_manager(mngr):
+  if _oms.is_local_manager(mngr):
     return None
-  inner = _om.existing_local_manager(mngr)
+  inner = _oms.existing_local_manager(mngr)
   if inner is not None:
     return inner
   hook = next((h for h in _om.registered() if isinstance(h, LocalStepHooks)), None)
   if hook is None or not directory_of(mngr).exists():
     return None
-  return _om.local_manager(mngr, directory_of(mngr), hook.policy(mngr).keep)
+  return _oms.local_manager(mngr, directory_of(mngr), hook.policy(mngr).keep)
 
 
 def newer_steps(mngr: Any, than: int | None) -> tuple[Any | None, list[int]]:
@@ -165,7 +166,7 @@ def drop_newer(mngr: Any, step: int | None, listed: Iterable[int]) -> None:
   listing made now could miss a step the primary host already deleted in this very call, and
   that process would skip a collective the others make."""
   inner = local_manager(mngr)
-  if inner is None or _om.manager_read_only(mngr):  # an evaluator's resume deletes nothing
+  if inner is None or _oms.manager_read_only(mngr):  # an evaluator's resume deletes nothing
     return
   for s in sorted(listed):
     if step is None or s > step:

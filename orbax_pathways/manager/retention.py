@@ -59,12 +59,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import functools
-import hashlib
 import os
 import re
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -77,6 +74,7 @@ from etils import epath
 from orbax_pathways.manager import hooks as hooks_lib
 from orbax_pathways.manager import processes as proc_lib
 from orbax_pathways._compat import orbax_manager as _om
+from orbax_pathways._compat import orbax_manager_state as _oms
 from orbax_pathways.tier import store as tier_store
 
 DELETING_MARKER = '.orbax-pathways-deleting-'
@@ -105,9 +103,9 @@ def is_step_complete(step_path: epath.PathLike) -> bool:
     return False
   if (step_path / _om.COMMIT_SUCCESS_FILE).exists():
     return True
-  if _om.is_gcs_path(step_path):
+  if _oms.is_gcs_path(step_path):
     return False  # On gs:// the commit marker is the only proof of a commit.
-  if _om.read_commit_timestamp_nsecs(step_path) is not None:
+  if _oms.read_commit_timestamp_nsecs(step_path) is not None:
     return True
   if _current.accept_unmarked and not (step_path / _om.STEP_METADATA_FILE).exists():
     return True
@@ -193,7 +191,7 @@ def _ignore_missing(func, path, exc):
 
 def _rmtree_missing_ok(path: epath.Path) -> None:
   """rmtree that skips entries removed meanwhile by someone else."""
-  if _om.is_local_path(path):
+  if _oms.is_local_path(path):
     if sys.version_info >= (3, 12):
       shutil.rmtree(os.fspath(path), onexc=_ignore_missing)  # pylint: disable=unexpected-keyword-arg,line-too-long
     else:
@@ -241,7 +239,7 @@ def safe_delete_step(step_path: epath.PathLike, remove_tree_fn=None) -> None:
   if _om.TMP_DIR_SUFFIX in step_path.name or DELETING_MARKER in step_path.name:
     remove_tree(step_path, remove_tree_fn)  # never listed anyway
     return
-  if _om.is_local_path(step_path):
+  if _oms.is_local_path(step_path):
     target = step_path.parent / deleting_name(step_path.name)
     with _active_lock:
       _active.add(str(target))  # before the rename: this process's own cleanup leaves it alone
@@ -325,7 +323,7 @@ def cleanup_leftovers(directory: epath.PathLike, *,
 def _newest_mtime(path: epath.Path) -> float | None:
   """Newest modification time (Unix seconds) of ``path`` and everything under it; None if it
   is gone."""
-  if _om.is_local_path(path):
+  if _oms.is_local_path(path):
     newest = None
     for root, dirs, files in os.walk(os.fspath(path)):
       for name in [''] + dirs + files:
@@ -352,7 +350,7 @@ def cleanup_abandoned_temporary_steps(directory: epath.PathLike, *,
   lease = _current.abandoned_after_s if abandoned_after_s is None else abandoned_after_s
   removed = []
   now = time.time()
-  for path in _om.temporary_step_paths(directory):
+  for path in _oms.temporary_step_paths(directory):
     newest = _newest_mtime(path)
     if newest is None:
       continue
@@ -389,9 +387,9 @@ class RetentionHooks(hooks_lib.ManagerHooks):
     """Leftovers of earlier processes go, on the manager's primary host (never fails the
     construction)."""
     try:
-      if _om.manager_read_only(mngr):
+      if _oms.manager_read_only(mngr):
         return
-      if _om.is_primary_host(_om.manager_primary_host(mngr)):
+      if _oms.is_primary_host(_oms.manager_primary_host(mngr)):
         cleanup_leftovers(mngr.directory)
     except Exception as e:  # pylint: disable=broad-except
       logging.warning('orbax_pathways: leftover cleanup in %s failed: %s', mngr.directory, e)

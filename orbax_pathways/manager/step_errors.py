@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from orbax_pathways import errors
-from orbax_pathways._compat import orbax_manager as _om
+from orbax_pathways._compat import orbax_manager_state as _oms
 from orbax_pathways.manager import hooks
 
 STEP_ATTR = 'orbax_pathways_step'  # on a SaveError: the step it belongs to
@@ -37,7 +37,7 @@ class StepErrors(hooks.ManagerHooks):
       return None  # an earlier step's commit error (named already), or not a storage error
     return errors.keeping_type(
         errors.SaveError, error,
-        f'Saving step {step} to {_om.manager_step_path(mngr, step)} failed in storage: '
+        f'Saving step {step} to {_oms.manager_step_path(mngr, step)} failed in storage: '
         f'{type(error).__module__}.{type(error).__name__}: {error}. Earlier steps are '
         'untouched; the step is not committed.')
 
@@ -48,7 +48,7 @@ class StepErrors(hooks.ManagerHooks):
     where = 'in storage' if is_storage_error(e) else 'in the background'
     err = errors.keeping_type(
         errors.SaveError, e,
-        f'Step {step} ({_om.manager_step_path(mngr, step)}) was not committed: its background '
+        f'Step {step} ({_oms.manager_step_path(mngr, step)}) was not committed: its background '
         f'commit failed {where}: {type(e).__module__}.{type(e).__name__}: '
         f'{str(e).rstrip(".")}. Orbax reports this from the next save() or '
         f'wait_until_finished(); earlier steps are untouched, and step {step} is not listed.')

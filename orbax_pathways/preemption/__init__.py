@@ -79,6 +79,7 @@ from typing import Any, Callable, ClassVar
 from orbax_pathways import options as options_lib
 from orbax_pathways.manager import hooks as hooks_lib
 from orbax_pathways._compat import orbax_manager as _om
+from orbax_pathways._compat import orbax_manager_state as _oms
 from orbax_pathways.preemption import decision
 from orbax_pathways.preemption import notice
 from orbax_pathways.preemption import recovery
@@ -137,12 +138,12 @@ class PreemptionHooks(hooks_lib.ManagerHooks):
 
   def reached_preemption(self, mngr: Any, step: int, stock: Callable[[], bool],
                          participants: Any) -> bool:
-    if _om.is_local_manager(mngr):  # the manager it serves decides (manager/local_steps.py)
+    if _oms.is_local_manager(mngr):  # the manager it serves decides (manager/local_steps.py)
       return False
     return decision.reached_preemption(step, stock, participants, self.agreement)
 
   def after_save(self, mngr: Any, step: int, saved: bool) -> None:
-    if not _om.is_local_manager(mngr):  # its saves never consume the notice
+    if not _oms.is_local_manager(mngr):  # its saves never consume the notice
       decision.after_save(mngr, step, saved)
 
 

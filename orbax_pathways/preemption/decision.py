@@ -31,8 +31,7 @@ from orbax_pathways.coord import rounds
 from orbax_pathways.coord import participants as participants_lib
 from orbax_pathways.preemption import notice
 from orbax_pathways._compat import jax_distributed
-from orbax_pathways._compat import orbax_manager as _om
-
+from orbax_pathways._compat import orbax_manager_state as _oms
 @dataclasses.dataclass(frozen=True)
 class Agreement:
   """How the processes of a manager agree on a preemption step (``preemption.install``'s
@@ -112,7 +111,7 @@ def _kv_agreement(step: int, part: participants_lib.Participants,
   if step % agreement.interval != 0:
     return False
   client = jax_distributed.distributed_client()
-  n, me = jax_distributed.process_count(), _om.process_index()
+  n, me = jax_distributed.process_count(), _oms.process_index()
   if client is None or not part.includes(me, n) or part.size(n) <= 1:
     return _remember(decided, step, notice.pending())
   # One round per (notice generation, step): every member derives the same key.

@@ -18,13 +18,13 @@ from orbax_pathways.manager import local_steps
 from orbax_pathways.manager import retention
 from orbax_pathways.coord import rounds
 from orbax_pathways._compat import jax_distributed
-from orbax_pathways._compat import orbax_manager as _om
+from orbax_pathways._compat import orbax_manager_state as _oms
 from orbax_pathways.preemption import decision
 
 
 def latest_complete_step(mngr, exclude=()) -> int | None:
   """Newest step in ``mngr.directory`` that is complete per ``retention.is_step_complete``."""
-  steps = _om.manager_steps_on_disk(mngr)
+  steps = _oms.manager_steps_on_disk(mngr)
   for step, path in reversed(steps):
     if step not in exclude and retention.is_step_complete(path):
       return step
@@ -35,8 +35,8 @@ def all_processes_ok(mngr, ok: bool, step: int) -> bool:
   """Whether every process that calls ``mngr`` (its ``active_processes``) restored ``step``
   (one KV round among them)."""
   client = jax_distributed.distributed_client()
-  part = _om.manager_participants(mngr)
-  n, me = jax_distributed.process_count(), _om.process_index()
+  part = _oms.manager_participants(mngr)
+  n, me = jax_distributed.process_count(), _oms.process_index()
   if client is None or n <= 1 or part.size(n) <= 1 or not part.includes(me, n):
     return ok
   name = part.name('resume')
@@ -55,7 +55,7 @@ def all_processes_ok(mngr, ok: bool, step: int) -> bool:
 
 def _still_complete(mngr, step: int) -> bool:
   return any(s == step and retention.is_step_complete(p)
-             for s, p in _om.manager_steps_on_disk(mngr))
+             for s, p in _oms.manager_steps_on_disk(mngr))
 
 
 def _damaged_warning(step: int, path, error: BaseException | None, fallback_step: int) -> str:
@@ -121,7 +121,7 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
   """
 
   mngr.wait_until_finished()
-  if _om.is_primary_host(_om.manager_primary_host(mngr)) and not _om.manager_read_only(mngr):
+  if _oms.is_primary_host(_oms.manager_primary_host(mngr)) and not _oms.manager_read_only(mngr):
     retention.cleanup_leftovers(mngr.directory)
     retention.cleanup_abandoned_temporary_steps(mngr.directory)
   mngr.reload()
@@ -143,14 +143,14 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
                         for s, p, e in damaged)) from damaged[0][2]
       local_steps.drop_newer(mngr, None, listed)
       return None, init_fn()
-    path = _om.manager_step_path(mngr, step)
+    path = _oms.manager_step_path(mngr, step)
     state, error = _try_restore(mngr, step, abstract_state)
     if all_processes_ok(mngr, error is None, step):
       for s, p, err in damaged:
         message = _damaged_warning(s, p, err, step)
         logging.error(message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
-        _om.forget_step(mngr, s)
+        _oms.forget_step(mngr, s)
       local_steps.drop_newer(mngr, step, listed)
       return step, state
     if error is not None and not _still_complete(mngr, step):

@@ -17,6 +17,7 @@ from etils import epath
 from orbax_pathways.manager import processes as proc_lib
 from orbax_pathways.manager import retention
 from orbax_pathways._compat import orbax_manager as om
+from orbax_pathways._compat import orbax_manager_state as oms
 from support import procs
 from support.workers import retention_gc_worker, retention_torn_worker
 
@@ -162,7 +163,7 @@ def test_markers_first_when_not_local(tmp_path, ours, monkeypatch):
   mngr = _save_steps(tmp_path, [7])
   mngr.close()
   step_dir = epath.Path(tmp_path / '7')
-  monkeypatch.setattr(om, 'is_local_path', lambda p: False)
+  monkeypatch.setattr(oms, 'is_local_path', lambda p: False)
   seen = {}
 
   def remove_tree(p):

@@ -31,7 +31,7 @@ from orbax_pathways.preemption import notice
 from orbax_pathways.preemption import recovery
 from orbax_pathways.tier import exchange
 from orbax_pathways._compat import jax_distributed
-from orbax_pathways._compat import orbax_manager as _om
+from orbax_pathways._compat import orbax_manager_state as _oms
 
 FLEETS = (4, 64, 1024)
 LATE_S = 0.4
@@ -118,7 +118,7 @@ def as_process(monkeypatch):
   def become(client: FakeKV):
     monkeypatch.setattr(jax_distributed, 'distributed_client', lambda: client)
     monkeypatch.setattr(jax_distributed, 'process_count', lambda: client.n)
-    monkeypatch.setattr(_om, 'process_index', lambda: client.me)
+    monkeypatch.setattr(_oms, 'process_index', lambda: client.me)
   yield become
   decision.reset()
 

@@ -1,0 +1,159 @@
+"""What the package reads of an Orbax ``CheckpointManager`` and its directory (private state,
+step paths and listings), and the hidden manager of its local-only steps.
+
+SUPPORTED = ``supported.ORBAX``, as ``orbax_manager.py`` (the patches that run the package's
+hooks inside Orbax's ``CheckpointManager``): both reach Orbax's private ``_src`` modules only
+through ``src.py``. Callers: ``manager/`` (retention, the writer lease, local-only steps, the
+emergency manager), ``preemption/`` and ``orbax_manager.py``'s own wrappers, on every process
+that calls the manager; nothing here writes to storage or changes the manager's behaviour,
+except ``forget_step`` (the manager's cached listing) and ``local_manager`` (builds the hidden
+manager once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from etils import epath
+import orbax.checkpoint as ocp
+
+from orbax_pathways._compat import src
+from orbax_pathways.coord import participants as participants_lib
+from orbax_pathways.format import names as format_lib
+
+_deleter = src.orbax('path.deleter')
+_gcs_utils = src.orbax('path.gcs_utils')
+_multihost = src.orbax('multihost.multihost')
+_step_lib = src.orbax('path.step')
+_temporary_paths = src.orbax('path.temporary_paths')
+
+STEP_METADATA_FILE: str = format_lib.CHECKPOINT_METADATA_FILE
+
+
+def is_gcs_path(path: epath.PathLike) -> bool:
+  return _gcs_utils.is_gcs_path(epath.Path(path))
+
+
+def is_local_path(path: epath.PathLike) -> bool:
+  return _deleter._is_local_path(epath.Path(path))  # pylint: disable=protected-access
+
+
+def manager_read_only(mngr: ocp.CheckpointManager) -> bool:
+  """Whether the manager was built with ``CheckpointManagerOptions(read_only=True)``."""
+  options = getattr(mngr, '_options', None)  # pylint: disable=protected-access
+  return bool(options is not None and options.read_only)
+
+
+def manager_primary_host(mngr: ocp.CheckpointManager) -> int | None:
+  return mngr._multiprocessing_options.primary_host  # pylint: disable=protected-access
+
+
+_PARTICIPANTS = '_orbax_pathways_participants'
+
+
+def manager_participants(mngr: ocp.CheckpointManager) -> participants_lib.Participants:
+  """The processes that call ``mngr`` (its ``MultiprocessingOptions``: ``active_processes``,
+  ``primary_host``, ``barrier_sync_key_prefix``), built once per manager. A manager without
+  Orbax's options (a stand-in) counts as every process, primary host 0."""
+  found = mngr.__dict__.get(_PARTICIPANTS)
+  if found is None:
+    options = getattr(mngr, '_multiprocessing_options', None)  # pylint: disable=protected-access
+    found = participants_lib.Participants.of(
+        getattr(options, 'active_processes', None), getattr(options, 'primary_host', 0),
+        getattr(options, 'barrier_sync_key_prefix', None))
+    mngr.__dict__[_PARTICIPANTS] = found
+  return found
+
+
+def process_index() -> int:
+  """This process's index as Orbax numbers processes in ``active_processes`` and
+  ``primary_host`` (jax.distributed's process id under
+  ``experimental_orbax_use_distributed_process_id``, else ``jax.process_index()``)."""
+  return _multihost.process_index()
+
+
+def is_primary_host(primary_host: int | None) -> bool:
+  return _multihost.is_primary_host(primary_host)
+
+
+def manager_step_path(mngr: ocp.CheckpointManager, step: int) -> epath.Path:
+  """The final (committed) directory of ``step`` for this manager's name format."""
+  return _step_lib.build_step_path(mngr.directory, mngr._step_name_format, step)  # pylint: disable=protected-access
+
+
+def manager_steps_on_disk(mngr: ocp.CheckpointManager) -> list[tuple[int, epath.Path]]:
+  """(step, path) for every step the manager's name format lists right now, read from storage."""
+  return sorted(
+      (m.step, epath.Path(m.path))
+      for m in mngr._step_name_format.find_all(mngr.directory))  # pylint: disable=protected-access
+
+
+def read_commit_timestamp_nsecs(step_path: epath.Path) -> int | None:
+  """``commit_timestamp_nsecs`` from ``<step>/_CHECKPOINT_METADATA``, or None if absent/unreadable."""
+  try:
+    data = json.loads((step_path / STEP_METADATA_FILE).read_text())
+  except (OSError, ValueError):
+    return None
+  value = data.get('commit_timestamp_nsecs') if isinstance(data, dict) else None
+  return value if isinstance(value, int) else None
+
+
+def temporary_step_paths(directory: epath.PathLike) -> list[epath.Path]:
+  """Orbax's uncommitted steps in ``directory``: ``*.orbax-checkpoint-tmp`` locally, step
+  directories without ``commit_success.txt`` on gs:// (Orbax's own rule)."""
+  asyncio_utils = src.orbax('asyncio_utils')
+  paths = asyncio_utils.run_sync(_temporary_paths.all_temporary_paths(directory))
+  return sorted(epath.Path(p.get()) for p in paths)
+
+
+def forget_step(mngr: ocp.CheckpointManager, step: int) -> None:
+  """Drops ``step`` from ``mngr``'s cached listing (nothing on storage changes): ``should_save``
+  and ``save`` then treat it as absent, and saving that step again replaces it."""
+  mngr._checkpoints.delete_if(lambda info: info.step == step)  # pylint: disable=protected-access
+
+
+# ---- the hidden manager of a manager's local-only steps (manager/local_steps.py) ---------------
+
+_LOCAL = '_orbax_pathways_local_manager'  # on a manager: the hidden manager of its local steps
+_LOCAL_OF = '_orbax_pathways_local_of'  # on a hidden manager: the manager it serves
+
+
+def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike,
+                  keep: int) -> ocp.CheckpointManager:
+  """The hidden manager of ``mngr``'s local-only steps (built at its first local save, then
+  kept): ``directory``, one step per save it is asked for, the newest ``keep`` kept, the same
+  processes (``MultiprocessingOptions``, with barrier names of its own), async mode, step
+  names and read-only mode as ``mngr``. Its saves go through Orbax's own save and commit; only
+  the array handler knows the directory is a local-only one (``format.names.is_local_only``)."""
+  found = mngr.__dict__.get(_LOCAL)
+  if found is not None:
+    return found
+  options = mngr._options  # pylint: disable=protected-access
+  inner_options = ocp.CheckpointManagerOptions(
+      save_interval_steps=1, max_to_keep=keep, create=not options.read_only,
+      read_only=options.read_only,
+      enable_async_checkpointing=options.enable_async_checkpointing,
+      # Its own barrier names: its barriers never meet the manager's.
+      multiprocessing_options=dataclasses.replace(
+          options.multiprocessing_options,
+          barrier_sync_key_prefix=(options.multiprocessing_options.barrier_sync_key_prefix
+                                   or '') + 'orbax_pathways_local'),
+      step_name_format=options.step_name_format,
+      async_options=options.async_options)
+  # Handlers come from the save's arguments, as for a manager built without item handlers.
+  inner = ocp.CheckpointManager(directory, options=inner_options)
+  inner.__dict__[_LOCAL_OF] = mngr
+  mngr.__dict__[_LOCAL] = inner
+  return inner
+
+
+def existing_local_manager(mngr: ocp.CheckpointManager) -> ocp.CheckpointManager | None:
+  """``mngr``'s hidden manager if a local save built one, else None."""
+  return mngr.__dict__.get(_LOCAL)
+
+
+def is_local_manager(mngr: Any) -> bool:
+  """Whether ``mngr`` is a hidden manager of local-only steps."""
+  return _LOCAL_OF in getattr(mngr, '__dict__', {})
