@@ -20,6 +20,10 @@ from orbax_pathways.format import records as records_lib
 
 COMPLETE, PARTIAL, CORRUPT = 'complete', 'partial', 'corrupt'  # Step.state
 CHECKSUM, DECODE = 'checksum', 'decode'  # how verify checks an item
+# Why verify leaves a local-only step's jax.Array chunks unchecked (render counts them apart).
+LOCAL_ONLY = ('a local-only step: its chunks are in the node-local tiers of the hosts that wrote '
+              'them, not in storage (on each node, `orbax-pathways tier` checks them against '
+              'these records)')
 
 
 @dataclasses.dataclass(frozen=True)

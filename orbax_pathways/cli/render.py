@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence, TextIO
 
-from orbax_pathways.cli.model import CHECKSUM, CORRUPT, Item, Leaf, Step
+from orbax_pathways.cli.model import CHECKSUM, CORRUPT, LOCAL_ONLY, Item, Leaf, Step
 
 
 def human_bytes(n: float) -> str:
@@ -212,7 +212,10 @@ def verify_text(report) -> str:
   summary = (f'{report.arrays} arrays, {report.chunks} chunks ({report.chunks_checksummed} '
              f'checksummed), {_H(report.bytes_read)} in {report.seconds:.2f} s')
   n, m = len(report.problems), len(report.unchecked)
-  unchecked = f'{m} value{"" if m == 1 else "s"} without a checksum (decoded only); ' if m else ''
+  k = sum(1 for u in report.unchecked if u.reason == LOCAL_ONLY)
+  parts = ([f'{m - k} value{"" if m - k == 1 else "s"} without a checksum (decoded only)']
+           if m - k else []) + ([f'{k} array{"" if k == 1 else "s"} in node-local tiers only (not checked here)'] if k else [])
+  unchecked = '; '.join(parts) + '; ' if parts else ''
   verdict = {'ok': 'OK: ', 'unchecked': f'UNCHECKED: no damage found, but {unchecked}',
              'failed': f'FAILED: {n} problem{"" if n == 1 else "s"}; {unchecked}'}
   lines.append(verdict[report.verdict] + summary)

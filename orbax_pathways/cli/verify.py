@@ -18,7 +18,10 @@ damaged ``_pathways/index.msgpack`` is a ``metadata`` problem; the chunks are th
 against the writer records beside it (what a restore falls back to).
 
 What it reads: storage only, never a node-local tier (``orbax-pathways tier`` checks those
-copies). A restore that the tier serves takes those chunks from node memory, checked against
+copies). A local-only step (``<directory>/.orbax-pathways-local/<step>``, docs/multi_tier.md)
+holds its jax.Array chunks in the writers' tiers only: their records, zarr metadata and every
+other leaf are checked here, the chunks themselves are ``unchecked`` (exit 3), naming the
+command that checks them on each node. A restore that the tier serves takes those chunks from node memory, checked against
 the committed crc32c, and does not read their copies on storage: damage there stays unseen
 until this command (or a restore from storage) reads them. The restore says so in its log
 (``engine.Engine.restore``, once per restore).
@@ -46,7 +49,7 @@ from orbax_pathways.format import records as records_lib
 from orbax_pathways.cli import arrays
 from orbax_pathways.cli import paths
 from orbax_pathways.cli import steps
-from orbax_pathways.cli.model import CHECKSUM, DECODE, PARTIAL, Item, Leaf, Step, np_dtype
+from orbax_pathways.cli.model import CHECKSUM, DECODE, LOCAL_ONLY, PARTIAL, Item, Leaf, Step, np_dtype
 from orbax_pathways.storage import meta_io
 
 
@@ -327,7 +330,11 @@ def _item_tasks(item: Item, report: Report) -> list[_Task]:
     arrays.fill_from_store(leaf, store)
     assert leaf.shape is not None and leaf.chunk_shape is not None, 'fill_from_store sets both'
     if leaf.record is not None and leaf.key not in item.checksumless:
-      tasks += _record_tasks(item, leaf, store, report)
+      recorded = _record_tasks(item, leaf, store, report)  # the records checked either way
+      if fmt.is_local_only(item.path) and leaf.is_jax_array:
+        report.unchecked.append(Unchecked(item.name, leaf.key, LOCAL_ONLY))
+      else:
+        tasks += recorded
       continue
     why = _why_unrecorded(item, leaf)
     lost = why is None

@@ -252,6 +252,35 @@ def test_the_tier_command_lists_and_checks_a_local_only_steps_entries(sharded):
   assert all(e['status'] == 'ok' for e in local), local
 
 
+def test_verify_of_a_local_only_step_checks_storage_s_part_and_names_the_tiers(sharded, tmp_path):
+  """``orbax-pathways verify`` of a local-only step: its records, Orbax's metadata and the numpy
+  leaf are checked; the jax.Array chunks, which storage does not hold, are ``unchecked`` (exit
+  3) with the command that checks them, never read errors. A writer record lost from it is
+  still a failure."""
+  root, _ = sharded
+  step = root / '.orbax-pathways-local' / '20'
+  out = procs.run_cli('verify', step, '--json', timeout=120)
+  doc = json.loads(out.stdout)
+  assert out.returncode == 3 and doc['verdict'] == 'unchecked', out.stdout[-3000:]
+  assert doc['problems'] == [], doc['problems']
+  assert sorted(u['key'] for u in doc['unchecked']) == ['r', 'w'], doc['unchecked']
+  assert all('orbax-pathways tier' in u['reason'] for u in doc['unchecked']), doc['unchecked']
+  assert doc['chunks_checksummed'] >= 1  # the numpy leaf 'n', from storage
+  text = procs.run_cli('verify', step, timeout=120).stdout
+  assert 'UNCHECKED: no damage found, but 2 arrays in node-local tiers only' in text, text
+
+  copy = tmp_path / 'ckpt' / '.orbax-pathways-local' / '20'
+  shutil.copytree(step, copy)
+  records = sorted((copy / 'default' / '_pathways').glob('p*.msgpack'))
+  assert len(records) == 3, records
+  records[1].unlink()
+  (copy / 'default' / '_pathways' / 'index.msgpack').unlink()
+  out = procs.run_cli('verify', copy, '--json', timeout=120)
+  doc = json.loads(out.stdout)
+  assert out.returncode == 1 and doc['verdict'] == 'failed', out.stdout[-3000:]
+  assert any(p['kind'] == 'missing_record' and p['array'] == 'w' for p in doc['problems']), doc
+
+
 def test_the_preemption_save_is_local_committed_before_its_storage_save(tmp_path):
   """After a notice, the preemption step's local-only copy commits before Orbax's storage save
   of it begins (``save()`` returns with it listed); a job killed before that storage save
