@@ -7,7 +7,9 @@ both steps recorded in ``_pathways`` on the same chunk grid are compared by thei
 without reading any data. Arrays both steps recorded whose checksums cannot decide (another chunk
 grid, e.g. saved on another mesh or with another ``max_chunk_bytes``; or records missing chunks)
 are read and compared by value like ``--values`` (``compared.values_read`` lists them). Leaves
-compared neither way (no checksums on one side) are listed as not compared.
+compared neither way (no checksums on one side) are listed as not compared. A jax.Array of a
+local-only step (``DIR/.orbax-pathways-local/N``) has no bytes on storage: it is compared by its
+recorded checksums, with ``--values`` too, or listed as not compared, saying so.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from orbax_pathways.format import names as fmt
 from orbax_pathways.cli import arrays
-from orbax_pathways.cli.model import Item, Leaf, Step
+from orbax_pathways.cli.model import TIER_ONLY, Item, Leaf, Step
 from orbax_pathways.cli.paths import CliError
 
 STRUCTURE = ('value_type', 'dtype', 'shape', 'sharding')
@@ -40,7 +42,10 @@ def diff_steps(a: Step, b: Step, *, values: bool) -> dict[str, Any]:
       read.append(f'{k[0]}/{k[1]}')
     if basis is None and _has_value(la[k][1]) and 'shape' not in (entry or {}).get('changes', {}):
       not_compared.append(f'{k[0]}/{k[1]}')
-      why[f'{k[0]}/{k[1]}'] = 'unreadable' if values else why_not_by_checksums(la[k][1], lb[k][1])
+      why[f'{k[0]}/{k[1]}'] = (
+          TIER_ONLY + '; ' + why_not_by_checksums(la[k][1], lb[k][1])
+          if _tier_only(la[k], lb[k])
+          else 'unreadable' if values else why_not_by_checksums(la[k][1], lb[k][1]))
     if entry:
       changed.append(entry)
     else:
@@ -57,6 +62,12 @@ def diff_steps(a: Step, b: Step, *, values: bool) -> dict[str, Any]:
 
 def _leaf_map(step: Step) -> dict[tuple[str, str], tuple[Item, Leaf]]:
   return {(i.name, l.key): (i, l) for i in step.items for l in i.leaves}
+
+
+def _tier_only(*sides: tuple[Item, Leaf]) -> bool:
+  """Whether either side is a jax.Array of a local-only step: no bytes on storage to read, only
+  its recorded checksums."""
+  return any(fmt.is_local_only(item.path) and leaf.is_jax_array for item, leaf in sides)
 
 
 def _has_value(leaf: Leaf) -> bool:
@@ -81,13 +92,16 @@ def _compare(k, a, b, *, values: bool) -> tuple[dict[str, Any] | None, str | Non
     changes['sharding'] = [la.sharding.describe() if la.sharding else None,
                            lb.sharding.describe() if lb.sharding else None]
   max_abs, basis, chunks = None, None, None
-  crc = None if values else compare_checksums(la, lb)
+  tier_only = _tier_only(a, b)  # nothing to read: the checksums decide, or nothing does
+  crc = compare_checksums(la, lb) if tier_only or not values else None
   if crc is not None:
     basis = CRC32C
     differing, compared = crc
     if differing:
       changes['values'] = 'differ'
       chunks = [differing, compared]
+  elif tier_only:
+    pass
   elif 'shape' not in changes and (values or (la.record is not None and lb.record is not None)):
     # --values, or both sides recorded but their checksums cannot decide (another chunk grid,
     # or chunks without a record): read both.

@@ -24,6 +24,8 @@ CHECKSUM, DECODE = 'checksum', 'decode'  # how verify checks an item
 LOCAL_ONLY = ('a local-only step: its chunks are in the node-local tiers of the hosts that wrote '
               'them, not in storage (on each node, `orbax-pathways tier` checks them against '
               'these records)')
+# Why diff cannot read a local-only step's jax.Array values (its checksums may still decide).
+TIER_ONLY = "a local-only step's array bytes are in the node-local tiers, not in storage"
 
 
 @dataclasses.dataclass(frozen=True)

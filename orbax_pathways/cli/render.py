@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence, TextIO
 
-from orbax_pathways.cli.model import CHECKSUM, CORRUPT, LOCAL_ONLY, Item, Leaf, Step
+from orbax_pathways.cli.model import CHECKSUM, CORRUPT, LOCAL_ONLY, TIER_ONLY, Item, Leaf, Step
 
 
 def human_bytes(n: float) -> str:
@@ -244,7 +244,11 @@ def diff_text(obj: dict[str, Any]) -> str:
   c = obj['compared']
   skipped = c['values_not_compared']
   read = c.get('values_read', [])
-  how = ('values read and compared (--values)' if c['values'] == 'read' else
+  by_crc = c['values_by_crc32c']
+  how = ('values read and compared (--values)' + (
+             f'; of {by_crc} array{"" if by_crc == 1 else "s"} of a local-only step by recorded '
+             'crc32c (their bytes are in node-local tiers)' if by_crc else '')
+         if c['values'] == 'read' else
          f'values of {c["values_by_crc32c"]} array{"" if c["values_by_crc32c"] == 1 else "s"} '
          'by recorded crc32c' + (
              f', of {len(read)} read and compared (their chunk grids differ: '
@@ -261,7 +265,9 @@ def diff_text(obj: dict[str, Any]) -> str:
                '; '.join(f'{r}: {n}' for r, n in counts.items()))
     lines.append(f'values not compared ({len(skipped)}): {", ".join(skipped[:8])}'
                  f'{" ..." if len(skipped) > 8 else ""}'
-                 + ('' if c['values'] == 'read' else f' ({reasons}; --values reads them)'))
+                 + (f' ({reasons})' if c['values'] == 'read' or all(
+                     r.startswith(TIER_ONLY) for r in counts) else
+                    f' ({reasons}; --values reads them)'))
   if not obj['identical']:
     lines.append(f'{len(obj["added"])} added, {len(obj["removed"])} removed, '
                  f'{len(obj["changed"])} changed, {obj["unchanged"]} unchanged')

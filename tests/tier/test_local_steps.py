@@ -281,6 +281,27 @@ def test_verify_of_a_local_only_step_checks_storage_s_part_and_names_the_tiers(s
   assert any(p['kind'] == 'missing_record' and p['array'] == 'w' for p in doc['problems']), doc
 
 
+def test_diff_against_a_local_only_step_compares_its_arrays_by_their_checksums(sharded):
+  """``orbax-pathways diff`` of storage's step 0 and local-only step 20, with and without
+  ``--values``: the jax.Arrays of step 20 (no bytes on storage) are compared by their recorded
+  crc32c, never reported unreadable; the numpy leaf is read with ``--values``."""
+  root, _ = sharded
+  a, b = root / '0', root / '.orbax-pathways-local' / '20'
+  for flags in ((), ('--values',)):
+    out = procs.run_cli('diff', a, b, '--json', *flags, timeout=120)
+    doc = json.loads(out.stdout)
+    assert out.returncode == 1, out.stdout[-3000:]  # values differ between steps 0 and 20
+    changed = {e['key']: e for e in doc['changed']}
+    assert set(changed) == {'w', 'r', 'n'}, doc['changed']
+    for key in ('w', 'r'):
+      assert changed[key]['changes'] == {'values': 'differ'}, changed[key]
+      assert changed[key]['values_basis'] == 'crc32c', changed[key]
+    assert doc['compared']['values_not_compared'] == [], doc['compared']
+    assert changed['n']['values_basis'] == ('read' if flags else 'crc32c'), changed['n']
+  text = procs.run_cli('diff', a, b, '--values', timeout=120).stdout
+  assert 'unreadable' not in text and 'of 2 arrays of a local-only step by recorded crc32c' in text, text
+
+
 def test_the_preemption_save_is_local_committed_before_its_storage_save(tmp_path):
   """After a notice, the preemption step's local-only copy commits before Orbax's storage save
   of it begins (``save()`` returns with it listed); a job killed before that storage save
