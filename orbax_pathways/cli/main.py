@@ -181,8 +181,10 @@ def cmd_ls(args, out: TextIO) -> int:
   steps = [steps_lib.read_step(d) for d in steps_lib.list_step_dirs(root)]
   for s in steps:
     s.bytes = paths.dir_size(s.path)
-  _emit(out, args, {'path': str(root), 'steps': [render.ls_json(s) for s in steps]},
-        render.ls_text(steps))
+  local = steps_lib.local_only_steps(root)
+  _emit(out, args, {'path': str(root), 'steps': [render.ls_json(s) for s in steps],
+                    'local_only_steps': local},
+        render.ls_text(steps, local, root))
   return 0
 
 

@@ -10,6 +10,7 @@ import time
 from typing import Any, Sequence, TextIO
 
 from orbax_pathways.cli.model import CHECKSUM, CORRUPT, LOCAL_ONLY, TIER_ONLY, Item, Leaf, Step
+from orbax_pathways.format.names import LOCAL_STEPS_DIR
 
 
 def human_bytes(n: float) -> str:
@@ -93,7 +94,7 @@ class Progress:
 # ---- ls --------------------------------------------------------------------------------------
 
 
-def ls_text(steps: Sequence[Step]) -> str:
+def ls_text(steps: Sequence[Step], local_only: Sequence[int] = (), root: Any = None) -> str:
   rows, notes = [], []
   for s in steps:
     slices, devices = s.saved_with()
@@ -104,6 +105,10 @@ def ls_text(steps: Sequence[Step]) -> str:
       notes += [f'step {s.step}: {p}' for p in s.problems]
   text = table(['STEP', 'STATE', 'COMMITTED', 'SIZE', 'ARRAYS', 'SLICES', 'DEVICES', 'NAME'],
                rows)
+  if local_only:
+    notes.append(f'local-only steps (array bytes in node-local tiers): '
+                 f'{", ".join(map(str, local_only))}; `orbax-pathways ls '
+                 f'{root}/{LOCAL_STEPS_DIR}` lists them')
   if notes:
     text += '\n\n' + '\n'.join(notes)
   return text

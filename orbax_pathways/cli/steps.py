@@ -96,6 +96,15 @@ def list_step_dirs(root: epath.Path) -> list[epath.Path]:
   return [p for _, p in sorted(steps, key=lambda t: (t[0][0], t[0][1], t[1].name))]
 
 
+def local_only_steps(root: epath.Path) -> list[int]:
+  """Step numbers of the committed-or-not step directories under ``root``'s local-only steps
+  (``<root>/.orbax-pathways-local``, docs/multi_tier.md); [] when there are none."""
+  local = root / fmt.LOCAL_STEPS_DIR
+  if not (paths.exists(local) and paths.is_dir(local)):
+    return []
+  return sorted({n for (n, _), _ in _step_children(local)})
+
+
 def resolve_step(path: str | os.PathLike[str], step: int | None = None) -> epath.Path:
   """``DIR/STEP`` or ``DIR`` + ``--step N`` -> the step directory. Raises CliError."""
   p = paths.to_path(path)

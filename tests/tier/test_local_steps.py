@@ -281,6 +281,17 @@ def test_verify_of_a_local_only_step_checks_storage_s_part_and_names_the_tiers(s
   assert any(p['kind'] == 'missing_record' and p['array'] == 'w' for p in doc['problems']), doc
 
 
+def test_ls_names_the_local_only_steps_beside_the_storage_steps(sharded):
+  root, _ = sharded
+  out = procs.run_cli('ls', root, '--json', timeout=120)
+  doc = json.loads(out.stdout)
+  assert out.returncode == 0 and [s['step'] for s in doc['steps']] == [0], out.stdout[-3000:]
+  assert doc['local_only_steps'] == [20], doc
+  text = procs.run_cli('ls', root, timeout=120).stdout
+  assert ('local-only steps (array bytes in node-local tiers): 20; `orbax-pathways ls '
+          f'{root}/.orbax-pathways-local` lists them') in text, text
+
+
 def test_diff_against_a_local_only_step_compares_its_arrays_by_their_checksums(sharded):
   """``orbax-pathways diff`` of storage's step 0 and local-only step 20, with and without
   ``--values``: the jax.Arrays of step 20 (no bytes on storage) are compared by their recorded
