@@ -111,11 +111,12 @@ def resolve_step(path: str | os.PathLike[str], step: int | None = None) -> epath
   if step is None:
     if not paths.exists(p):
       parent = p.parent
-      if parse_step_name(p.name) and paths.exists(parent):
+      parsed = parse_step_name(p.name)
+      if parsed and paths.exists(parent):
         present = _step_numbers(parent)
         raise CliError(
             f'step directory {p} does not exist; steps in {parent}: {present or "none"}.'
-        )
+            + _local_hint(parent, parsed[0]))
       raise CliError(f'{p} does not exist: pass a checkpoint step directory (DIR/STEP).')
     if is_step_dir(p):
       return p
@@ -128,7 +129,8 @@ def resolve_step(path: str | os.PathLike[str], step: int | None = None) -> epath
       d for d in list_step_dirs(p) if (parse_step_name(d.name) or (None,))[0] == step
   ]
   if not candidates:
-    raise CliError(f'step {step} not found in {p}; steps present: {_step_numbers(p)}.')
+    raise CliError(f'step {step} not found in {p}; steps present: {_step_numbers(p)}.'
+                   + _local_hint(p, step))
   final = [d for d in candidates if not fmt.is_tmp(d.name)]
   return (final or candidates)[0]
 
@@ -139,6 +141,14 @@ def resolve_root_or_step(path: str | os.PathLike[str]) -> list[epath.Path]:
   if paths.exists(p) and is_step_dir(p):
     return [p]
   return list_step_dirs(p)
+
+
+def _local_hint(root: epath.Path, step: int) -> str:
+  """' Step N is a local-only step: <its path>.' when it is one of ``root``'s, else ''."""
+  if step not in local_only_steps(root):
+    return ''
+  found = sorted(d for (n, _), d in _step_children(root / fmt.LOCAL_STEPS_DIR) if n == step)
+  return f' Step {step} is a local-only step (array bytes in node-local tiers): {found[0]}.'
 
 
 def _step_numbers(root: epath.Path) -> str:

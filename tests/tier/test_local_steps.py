@@ -290,6 +290,10 @@ def test_ls_names_the_local_only_steps_beside_the_storage_steps(sharded):
   text = procs.run_cli('ls', root, timeout=120).stdout
   assert ('local-only steps (array bytes in node-local tiers): 20; `orbax-pathways ls '
           f'{root}/.orbax-pathways-local` lists them') in text, text
+  out = procs.run_cli('show', root, '--step', '20', timeout=120)
+  assert out.returncode == 2 and (
+      f'Step 20 is a local-only step (array bytes in node-local tiers): '
+      f'{root}/.orbax-pathways-local/20.') in out.stderr, out.stderr
 
 
 def test_diff_against_a_local_only_step_compares_its_arrays_by_their_checksums(sharded):
