@@ -218,8 +218,10 @@ def verify_text(report) -> str:
              f'checksummed), {_H(report.bytes_read)} in {report.seconds:.2f} s')
   n, m = len(report.problems), len(report.unchecked)
   k = sum(1 for u in report.unchecked if u.reason == LOCAL_ONLY)
-  parts = ([f'{m - k} value{"" if m - k == 1 else "s"} without a checksum (decoded only)']
-           if m - k else []) + ([f'{k} array{"" if k == 1 else "s"} in node-local tiers only (not checked here)'] if k else [])
+  parts = [f'{m - k} value{"" if m - k == 1 else "s"} without a checksum (decoded only)'] \
+      if m - k else []
+  if k:  # a local-only step's arrays: checked by `orbax-pathways tier` on each node
+    parts.append(f'{k} array{"" if k == 1 else "s"} in node-local tiers only (not checked here)')
   unchecked = '; '.join(parts) + '; ' if parts else ''
   verdict = {'ok': 'OK: ', 'unchecked': f'UNCHECKED: no damage found, but {unchecked}',
              'failed': f'FAILED: {n} problem{"" if n == 1 else "s"}; {unchecked}'}

@@ -18,13 +18,14 @@ damaged ``_pathways/index.msgpack`` is a ``metadata`` problem; the chunks are th
 against the writer records beside it (what a restore falls back to).
 
 What it reads: storage only, never a node-local tier (``orbax-pathways tier`` checks those
-copies). A local-only step (``<directory>/.orbax-pathways-local/<step>``, docs/multi_tier.md)
-holds its jax.Array chunks in the writers' tiers only: their records, zarr metadata and every
-other leaf are checked here, the chunks themselves are ``unchecked`` (exit 3), naming the
-command that checks them on each node. A restore that the tier serves takes those chunks from node memory, checked against
+copies). A restore that the tier serves takes those chunks from node memory, checked against
 the committed crc32c, and does not read their copies on storage: damage there stays unseen
 until this command (or a restore from storage) reads them. The restore says so in its log
-(``engine.Engine.restore``, once per restore).
+(``engine.Engine.restore``, once per restore). A local-only step
+(``<directory>/.orbax-pathways-local/<step>``, docs/multi_tier.md) holds its jax.Array chunks
+in the writers' tiers only: their records, zarr metadata and every other leaf are checked
+here; the chunks themselves are ``unchecked`` (exit 3), naming the command that checks them on
+each node.
 
 Verdict (``Report.verdict``, the exit status of ``orbax-pathways verify``):
   ok         every value was checked against a recorded crc32c and matched (exit 0);

@@ -314,7 +314,8 @@ def test_diff_against_a_local_only_step_compares_its_arrays_by_their_checksums(s
     assert doc['compared']['values_not_compared'] == [], doc['compared']
     assert changed['n']['values_basis'] == ('read' if flags else 'crc32c'), changed['n']
   text = procs.run_cli('diff', a, b, '--values', timeout=120).stdout
-  assert 'unreadable' not in text and 'of 2 arrays of a local-only step by recorded crc32c' in text, text
+  assert 'unreadable' not in text, text
+  assert 'of 2 arrays of a local-only step by recorded crc32c' in text, text
 
 
 def test_the_preemption_save_is_local_committed_before_its_storage_save(tmp_path):
