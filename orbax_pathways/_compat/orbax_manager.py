@@ -394,10 +394,10 @@ def _wrap_restore(original):
       from orbax_pathways import errors  # pylint: disable=g-import-not-at-top
       raise errors.keeping_type(
           errors.StepDeletedError, e,
-          f'Step {step} ({_state.manager_step_path(self, step)}) was deleted while it was being restored '
-          '(by the retention of a process saving into this directory, e.g. max_to_keep) and is '
-          f'no longer listed: {type(e).__name__}: {str(e)[:500]}. Restore a step that is still '
-          'listed (mngr.reload(); mngr.latest_step()).') from e
+          f'Step {step} ({_state.manager_step_path(self, step)}) was deleted while it was being '
+          'restored (by the retention of a process saving into this directory, e.g. '
+          f'max_to_keep) and is no longer listed: {type(e).__name__}: {str(e)[:500]}. Restore a '
+          'step that is still listed (mngr.reload(); mngr.latest_step()).') from e
   return restore
 
 

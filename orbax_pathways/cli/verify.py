@@ -50,7 +50,8 @@ from orbax_pathways.format import records as records_lib
 from orbax_pathways.cli import arrays
 from orbax_pathways.cli import paths
 from orbax_pathways.cli import steps
-from orbax_pathways.cli.model import CHECKSUM, DECODE, LOCAL_ONLY, PARTIAL, Item, Leaf, Step, np_dtype
+from orbax_pathways.cli.model import (CHECKSUM, DECODE, LOCAL_ONLY, PARTIAL, Item, Leaf, Step,
+                                      np_dtype)
 from orbax_pathways.storage import meta_io
 
 

@@ -19,11 +19,12 @@ order in ``transports/base.py``):
   run concurrently (at most ``colocated_worker.MAX_CONCURRENT_HOSTS``).
 - Restore: the controller resolves targets and sends each CPU device, as one row of a sharded
   uint8 argument, only the checksums of the chunks that device needs (the call itself carries
-  the targets without their chunk index). ``worker_restore`` (``colocated_worker``) reads exactly the boxes its devices
-  need, verifies them and returns CPU arrays plus its counters; the controller moves them to the
-  accelerators with ``device_put`` (again worker-local). A real worker reads once for all its
-  devices; in the CPU simulation (the "accelerators" are CPU devices, every one a simulated host)
-  each simulated host reads its own boxes, concurrently, bounded like the writes.
+  the targets without their chunk index). ``worker_restore`` (``colocated_worker``) reads
+  exactly the boxes its devices need, verifies them and returns CPU arrays plus its counters;
+  the controller moves them to the accelerators with ``device_put`` (again worker-local). A
+  real worker reads once for all its devices; in the CPU simulation (the "accelerators" are CPU
+  devices, every one a simulated host) each simulated host reads its own boxes, concurrently,
+  bounded like the writes.
 
 On the CPU backend colocated Python runs in this process, so the same code runs in the tests.
 """
@@ -96,7 +97,8 @@ def _simulated(devices: Sequence[Any]) -> bool:
 
 
 def _rows_spec(devices: Sequence[Any], width: int, dtype) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct((len(devices), width), dtype, sharding=worker_lib.row_sharding(devices))
+  return jax.ShapeDtypeStruct((len(devices), width), dtype,
+                              sharding=worker_lib.row_sharding(devices))
 
 
 def _groups(shardings: Sequence[jax.sharding.Sharding]) -> list[list[int]]:
@@ -302,9 +304,9 @@ class ColocatedTransport:
       cpu_targets = tuple(dataclasses.replace(t, chunks={}) for t in full)
       call_id = colocated_calls.new_call_id()
       fn = _colocated().colocated_python(
-          worker_lib.make_worker_restore(worker_lib.WorkerReadTask(item, cpu_targets, cfg.verify, simulated,
-                                             tier=cfg.tier if save_id else None,
-                                             save_id=save_id, call_id=call_id))).specialize(
+          worker_lib.make_worker_restore(worker_lib.WorkerReadTask(
+              item, cpu_targets, cfg.verify, simulated, tier=cfg.tier if save_id else None,
+              save_id=save_id, call_id=call_id))).specialize(
               out_specs_fn=lambda p, ct=cpu_targets, gd=group_devices: tuple(
                   jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=t.sharding) for t in ct)
               + (_rows_spec(gd, 3, np.int64),))

@@ -12,10 +12,10 @@ Signs of progress (``waits.Progress``, one per call, registered here under the c
 which the call's task carries to its workers):
 
 - a worker host starting, moving bytes (each array read or written) and finishing its share:
-  the worker code (``colocated_worker.make_worker_save`` / ``make_worker_restore``) reports them with
-  ``progress(call_id)``, which finds this registry where the worker runs in the controller's
-  process (the CPU backend; the test suite and ``benchmarks/fleet.py``). A remote Pathways
-  worker runs in its own process: ``progress`` is None there and it reports nothing;
+  the worker code (``colocated_worker.make_worker_save`` / ``make_worker_restore``) reports
+  them with ``progress(call_id)``, which finds this registry where the worker runs in the
+  controller's process (the CPU backend; the test suite and ``benchmarks/fleet.py``). A remote
+  Pathways worker runs in its own process: ``progress`` is None there and it reports nothing;
 - a worker's results becoming ready (asynchronous dispatch: the controller polls the call's
   outputs), wherever it runs.
 
