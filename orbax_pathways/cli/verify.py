@@ -331,9 +331,10 @@ def _item_tasks(item: Item, report: Report) -> list[_Task]:
     report.arrays += 1
     arrays.fill_from_store(leaf, store)
     assert leaf.shape is not None and leaf.chunk_shape is not None, 'fill_from_store sets both'
+    in_tiers = fmt.is_local_only(item.path) and leaf.is_jax_array  # no bytes on storage
     if leaf.record is not None and leaf.key not in item.checksumless:
       recorded = _record_tasks(item, leaf, store, report)  # the records checked either way
-      if fmt.is_local_only(item.path) and leaf.is_jax_array:
+      if in_tiers:
         report.unchecked.append(Unchecked(item.name, leaf.key, LOCAL_ONLY))
       else:
         tasks += recorded
@@ -345,7 +346,8 @@ def _item_tasks(item: Item, report: Report) -> list[_Task]:
     for origin in fmt.chunk_origins(leaf.shape, leaf.chunk_shape):
       if lost:
         report.problems.append(_missing_record(item, leaf, origin))
-      tasks.append(_Task(item, leaf, store, origin, leaf.chunk_shape, None))
+      if not in_tiers:
+        tasks.append(_Task(item, leaf, store, origin, leaf.chunk_shape, None))
   return tasks
 
 
@@ -369,11 +371,14 @@ def _why_unrecorded(item: Item, leaf: Leaf) -> str | None:
 
 
 def _missing_record(item: Item, leaf: Leaf, origin: tuple[int, ...]) -> Problem:
+  what = ('its bytes, in the node-local tiers of a local-only step, cannot be checked against '
+          'anything' if fmt.is_local_only(item.path) and leaf.is_jax_array else
+          'it was decoded but its checksum could not be checked')
   return Problem(
       'missing_record', path=arrays.chunk_location(item, leaf, origin), item=item.name,
       array=leaf.key, origin=origin,
       error=f'no writer in {item.path / fmt.PATHWAYS_DIR} recorded this chunk (a writer file is '
-      'missing or incomplete): it was decoded but its checksum could not be checked')
+      f'missing or incomplete): {what}')
 
 
 def _record_tasks(item: Item, leaf: Leaf, store: Any, report: Report) -> list[_Task]:
