@@ -67,7 +67,7 @@ def _leaf_map(step: Step) -> dict[tuple[str, str], tuple[Item, Leaf]]:
 def _tier_only(*sides: tuple[Item, Leaf]) -> bool:
   """Whether either side is a jax.Array of a local-only step: no bytes on storage to read, only
   its recorded checksums."""
-  return any(fmt.is_local_only(item.path) and leaf.is_jax_array for item, leaf in sides)
+  return any(item.in_tiers_only(leaf) for item, leaf in sides)
 
 
 def _has_value(leaf: Leaf) -> bool:

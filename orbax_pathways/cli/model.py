@@ -124,6 +124,11 @@ class Item:
   pathways: item_lib.ItemMetadata | None = None
   problems: list[str] = dataclasses.field(default_factory=list)
 
+  def in_tiers_only(self, leaf: Leaf) -> bool:
+    """Whether ``leaf``'s bytes are in node-local tiers, not here: a jax.Array of an item of a
+    local-only step (``DIR/.orbax-pathways-local/N``); only its records are on storage."""
+    return leaf.is_jax_array and fmt.is_local_only(self.path)
+
   @property
   def arrays(self) -> list[Leaf]:
     return [l for l in self.leaves if l.is_array]

@@ -96,13 +96,18 @@ def list_step_dirs(root: epath.Path) -> list[epath.Path]:
   return [p for _, p in sorted(steps, key=lambda t: (t[0][0], t[0][1], t[1].name))]
 
 
-def local_only_steps(root: epath.Path) -> list[int]:
-  """Step numbers of the committed-or-not step directories under ``root``'s local-only steps
-  (``<root>/.orbax-pathways-local``, docs/multi_tier.md); [] when there are none."""
+def _local_only_dirs(root: epath.Path) -> list[tuple[int, epath.Path]]:
+  """(step, directory) of every step directory, committed or not, of ``root``'s local-only
+  steps (``<root>/.orbax-pathways-local``, docs/multi_tier.md), sorted; [] when none."""
   local = root / fmt.LOCAL_STEPS_DIR
   if not (paths.exists(local) and paths.is_dir(local)):
     return []
-  return sorted({n for (n, _), _ in _step_children(local)})
+  return sorted((n, d) for (n, _), d in _step_children(local))
+
+
+def local_only_steps(root: epath.Path) -> list[int]:
+  """The step numbers of ``root``'s local-only steps (``_local_only_dirs``)."""
+  return sorted({n for n, _ in _local_only_dirs(root)})
 
 
 def resolve_step(path: str | os.PathLike[str], step: int | None = None) -> epath.Path:
@@ -145,9 +150,9 @@ def resolve_root_or_step(path: str | os.PathLike[str]) -> list[epath.Path]:
 
 def _local_hint(root: epath.Path, step: int) -> str:
   """' Step N is a local-only step: <its path>.' when it is one of ``root``'s, else ''."""
-  if step not in local_only_steps(root):
+  found = [d for n, d in _local_only_dirs(root) if n == step]
+  if not found:
     return ''
-  found = sorted(d for (n, _), d in _step_children(root / fmt.LOCAL_STEPS_DIR) if n == step)
   return f' Step {step} is a local-only step (array bytes in node-local tiers): {found[0]}.'
 
 

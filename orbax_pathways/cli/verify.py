@@ -331,7 +331,7 @@ def _item_tasks(item: Item, report: Report) -> list[_Task]:
     report.arrays += 1
     arrays.fill_from_store(leaf, store)
     assert leaf.shape is not None and leaf.chunk_shape is not None, 'fill_from_store sets both'
-    in_tiers = fmt.is_local_only(item.path) and leaf.is_jax_array  # no bytes on storage
+    in_tiers = item.in_tiers_only(leaf)  # no bytes on storage
     if leaf.record is not None and leaf.key not in item.checksumless:
       recorded = _record_tasks(item, leaf, store, report)  # the records checked either way
       if in_tiers:
@@ -372,7 +372,7 @@ def _why_unrecorded(item: Item, leaf: Leaf) -> str | None:
 
 def _missing_record(item: Item, leaf: Leaf, origin: tuple[int, ...]) -> Problem:
   what = ('its bytes, in the node-local tiers of a local-only step, cannot be checked against '
-          'anything' if fmt.is_local_only(item.path) and leaf.is_jax_array else
+          'anything' if item.in_tiers_only(leaf) else
           'it was decoded but its checksum could not be checked')
   return Problem(
       'missing_record', path=arrays.chunk_location(item, leaf, origin), item=item.name,
