@@ -23,7 +23,8 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
   ``PreemptionCheckpointingPolicy`` in the default policy) and ``save``'s own preemption logging;
   the hook gets the manager's participants (``manager_participants``), so an agreement runs
   among the processes that call this manager only.
-- ``CheckpointManager.save`` (public): the hooks' ``before_save`` (one that raises refuses the
+- ``CheckpointManager.save`` (public): for a step Orbax's policy takes (``force`` or
+  ``should_save``), the hooks' ``before_save`` (one that raises refuses the
   save: the writer lease, if another job saves into the directory), ``save_error`` when Orbax's
   save raised (the step's name on a storage error), the start time of each step for the commit
   log line, and ``after_save`` (preemption: the notice is consumed once its save started).
@@ -297,8 +298,13 @@ def _wrap_save(original):
   def save(self, step, *args, **kwargs):
     if not _hooks:
       return original(self, step, *args, **kwargs)
-    _each('before_save', self, step)  # a hook that refuses the save raises: nothing written
-    _each('save_args', self, step, args, kwargs)
+    # Orbax's own decision first (it asks it again inside: the preemption answer is latched
+    # per step): a step it declines writes nothing, so the hooks that guard a write (the
+    # writer lease's round, the wait for a local-only save) do not run for it.
+    force = kwargs.get('force', args[3] if len(args) > 3 else False)
+    if force or (not _state.manager_read_only(self) and self.should_save(step)):
+      _each('before_save', self, step)  # a hook that refuses the save raises: nothing written
+      _each('save_args', self, step, args, kwargs)
     self.__dict__.setdefault(_SAVE_STARTS, {})[step] = time.perf_counter()
     try:
       saved = original(self, step, *args, **kwargs)

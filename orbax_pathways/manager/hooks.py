@@ -17,9 +17,10 @@ that calls the manager (multi-controller JAX); under Pathways that is the one co
    answers ``True`` / ``False`` decides; ``None`` passes to the next; if none answers, Orbax's
    own ``stock()``.
 3. ``before_save(mngr, step)``: every process, in the training loop's thread, before Orbax
-   writes anything of the step. Raising refuses the save: nothing is written, the step is not
-   listed. Each hook in ``ORDER``. Then ``save_args(mngr, step, args, kwargs)`` with the save's
-   arguments (the preemption save's local-only copy first: ``manager/local_steps.py``).
+   writes anything of a step its policy takes (``force`` or ``should_save``; a declined step
+   writes nothing and skips this call). Raising refuses the save: nothing is written, the step
+   is not listed. Each hook in ``ORDER``. Then ``save_args(mngr, step, args, kwargs)`` with the
+   save's arguments (the preemption save's local-only copy first: ``manager/local_steps.py``).
 4. ``save_error(mngr, step, error)``: when Orbax's ``save`` raised. The first hook that returns
    an exception has it raised in place of ``error`` (``None``: next; none: ``error`` itself).
 5. ``after_save(mngr, step, saved)``: every process, once Orbax's ``save`` returned ``saved``

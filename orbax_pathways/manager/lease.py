@@ -11,7 +11,8 @@ gone is taken over with one warning.
 Who calls what, on which host:
 
 - ``before_save`` (``LeaseHooks.before_save``, at the start of every
-  ``CheckpointManager.save`` on every process that calls the manager): the manager's
+  ``CheckpointManager.save`` that Orbax's policy takes, on every process that calls the
+  manager; a declined step writes nothing and costs no round): the manager's
   lease-writing process (its primary host) takes the lease at the job's first save into the
   directory, and at each later save checks that it still holds it (renewing it when due). Under
   multi-controller JAX the other processes *that call this manager* (its ``active_processes``,
