@@ -26,6 +26,7 @@ from orbax_pathways.sharding import layout
 from orbax_pathways.coord import liveness
 from orbax_pathways.frontends import orbax_v0 as handler_lib
 from orbax_pathways import options as options_lib
+from orbax_pathways.engine import runtime
 from orbax_pathways import preemption
 from orbax_pathways.manager import hooks as manager_hooks
 from orbax_pathways.manager import local_steps
@@ -127,7 +128,15 @@ def _manager_hooks() -> list[manager_hooks.ManagerHooks]:
   """What the package does around every CheckpointManager, in ``manager/hooks.ORDER``."""
   return [_Checks(), step_errors.StepErrors(), _TierCommit(),
           local_steps.LocalStepHooks(lambda: _installed_options().local_save_interval_steps,
-                                     lambda: _installed_options().local_keep)]
+                                     lambda: _installed_options().local_keep,
+                                     background=_local_saves_in_background)]
+
+
+def _local_saves_in_background() -> bool:
+  """Local-only saves run on a background thread where this process holds its own shards
+  (the local transport); under Pathways the bytes stay on the workers."""
+  requested = _installed_options().transport
+  return runtime.choose_transport(requested=requested) is options_lib.TransportName.LOCAL
 
 
 def _install_manager_side() -> None:

@@ -17,6 +17,7 @@ import json
 from typing import Any
 
 from etils import epath
+import jax
 import orbax.checkpoint as ocp
 
 from orbax_pathways._compat import src
@@ -124,22 +125,33 @@ def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike,
                   keep: int) -> ocp.CheckpointManager:
   """The hidden manager of ``mngr``'s local-only steps (built at its first local save, then
   kept): ``directory``, one step per save it is asked for, the newest ``keep`` kept, the same
-  processes (``MultiprocessingOptions``, with barrier names of its own), async mode, step
+  processes (``MultiprocessingOptions``, with barrier names of its own, the processes named so
+  that its barriers are key-value ones: ``manager/local_steps.py`` runs its saves on a
+  background thread), async mode, step
   names and read-only mode as ``mngr``. Its saves go through Orbax's own save and commit; only
   the array handler knows the directory is a local-only one (``format.names.is_local_only``)."""
   found = mngr.__dict__.get(_LOCAL)
   if found is not None:
     return found
   options = mngr._options  # pylint: disable=protected-access
+  mp = options.multiprocessing_options
+  active = mp.active_processes
+  if active is None and jax.process_count() > 1:
+    # Every process, named: Orbax's barriers are then the key-value store's (not a collective
+    # over the devices, which only the training loop's thread may launch), so its saves can
+    # run on a background thread. Orbax creates no root directory for named processes.
+    active = set(range(jax.process_count()))
+  if active is not None and not options.read_only:
+    epath.Path(directory).mkdir(parents=True, exist_ok=True)
   inner_options = ocp.CheckpointManagerOptions(
-      save_interval_steps=1, max_to_keep=keep, create=not options.read_only,
+      save_interval_steps=1, max_to_keep=keep,
+      create=not options.read_only and active is None,
       read_only=options.read_only,
       enable_async_checkpointing=options.enable_async_checkpointing,
       # Its own barrier names: its barriers never meet the manager's.
       multiprocessing_options=dataclasses.replace(
-          options.multiprocessing_options,
-          barrier_sync_key_prefix=(options.multiprocessing_options.barrier_sync_key_prefix
-                                   or '') + 'orbax_pathways_local'),
+          mp, active_processes=active,
+          barrier_sync_key_prefix=(mp.barrier_sync_key_prefix or '') + 'orbax_pathways_local'),
       step_name_format=options.step_name_format,
       async_options=options.async_options)
   # Handlers come from the save's arguments, as for a manager built without item handlers.

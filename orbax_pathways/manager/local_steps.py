@@ -9,8 +9,15 @@ Who calls what, on which host (every process that calls the manager):
 - ``LocalStepHooks.save_args`` (call 3, before Orbax's save of a preemption step): the step's
   local-only copy first, committed before the storage save begins.
 - ``LocalStepHooks.save_declined`` (``manager/hooks.py`` call 5, in the training loop's thread,
-  right after Orbax declined the step): the hidden manager's ``save`` of the same arguments:
-  Orbax's own save, which blocks for the device-to-host copy and commits in the background. A
+  right after Orbax declined the step): the hidden manager's ``save`` of the same arguments.
+  With the local transport (multi-controller JAX) and arguments ``local_detach`` can copy, the
+  loop's thread takes only the snapshot (``transports/snapshots.take``: this process's shards
+  to host; numpy leaves and JSON copied) and a background thread per manager runs the hidden
+  manager's whole save: Orbax's barriers (key-value ones: the hidden manager names its
+  processes), the writes into the tiers, the commit. One such save is in flight per manager: the
+  next local save waits for it (every process saves every local step, in order, so the
+  barriers always meet). Otherwise (a data iterator, a custom handler, Pathways' colocated
+  transport) Orbax's own save runs in the loop's thread and commits in the background. A
   local save that fails is logged (one warning) and never fails training: the previous
   local-only or storage step stays the newest to resume from.
 - ``LocalStepHooks.wait`` / ``close`` (calls 11): the user's ``wait_until_finished`` and
@@ -29,6 +36,7 @@ on it too (the writer lease, retention, the tier's commit); this module's hooks 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Callable, Iterable, NamedTuple
 import weakref
 
@@ -36,6 +44,8 @@ from etils import epath
 
 from orbax_pathways.format import names as format_names
 from orbax_pathways.manager import hooks as hooks_lib
+from orbax_pathways.manager import local_detach
+from orbax_pathways.transports import snapshots
 from orbax_pathways._compat import orbax_manager as _om
 
 from orbax_pathways._compat import orbax_manager_state as _oms
@@ -63,16 +73,32 @@ def assign(mngr: Any, interval: int, keep: int) -> None:
   _assigned[mngr] = Policy(int(interval), int(keep))
 
 
+# Manager -> the thread running its local-only save in the background (at most one).
+_running: 'weakref.WeakKeyDictionary[Any, threading.Thread]' = weakref.WeakKeyDictionary()
+_in_background = threading.local()  # .active on a background save's own thread
+
+
+def join(mngr: Any) -> None:
+  """Waits for ``mngr``'s background local-only save (committed or failed and logged); a no-op
+  on that save's own thread."""
+  thread = _running.get(mngr)
+  if thread is not None and not getattr(_in_background, 'active', False):
+    thread.join()
+
+
 class LocalStepHooks(hooks_lib.ManagerHooks):
   """Saves declined steps on the local interval through the hidden manager. ``interval`` and
   ``keep`` are read at each save (the installed handler's ``Options``) unless the manager's
-  builder assigned its own (``assign``)."""
+  builder assigned its own (``assign``); ``background()``: whether the saves may run on a
+  background thread (the transport is the local one)."""
 
   name = 'local_steps'
 
-  def __init__(self, interval: Callable[[], int], keep: Callable[[], int]):
+  def __init__(self, interval: Callable[[], int], keep: Callable[[], int],
+               background: Callable[[], bool] = lambda: False):
     self._interval = interval
     self._keep = keep
+    self._background = background
 
   def policy(self, mngr: Any) -> Policy:
     found = _assigned.get(mngr)
@@ -89,7 +115,43 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     every = self.policy(mngr).interval
     if every <= 0 or step % every or _oms.is_local_manager(mngr):
       return
-    self._save(mngr, step, args, kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ('force', 'metrics')}
+    detached = local_detach.detach(args, kwargs) if self._background() else None
+    if detached is None:
+      self._save(mngr, step, args, kwargs)
+    else:
+      self._start(mngr, step, detached)
+
+  def _start(self, mngr: Any, step: int, detached: local_detach.Detached) -> None:
+    """The loop's part of a background local-only save: the previous one finished, the
+    snapshot taken, the thread started."""
+    join(mngr)
+    try:
+      inner = _oms.local_manager(mngr, directory_of(mngr), self.policy(mngr).keep)
+      taken = snapshots.take(detached.arrays)
+    except Exception as e:  # pylint: disable=broad-except  (never fails the training step)
+      _warn_failed(mngr, step, e)
+      return
+    thread = threading.Thread(target=self._run, args=(mngr, inner, step, detached, taken),
+                              name=f'orbax_pathways-local-save-{step}', daemon=True)
+    _running[mngr] = thread
+    thread.start()
+
+  @staticmethod
+  def _run(mngr: Any, inner: Any, step: int, detached: local_detach.Detached,
+           taken: snapshots.Taken) -> None:
+    """The background thread: the storage save before it committed, then the hidden
+    manager's save from the host copies, then its commit."""
+    _in_background.active = True
+    try:
+      try:
+        mngr.wait_until_finished()  # one save commits per process at a time (before_save)
+        inner.save(step, *detached.args, force=True, **detached.kwargs)
+      finally:
+        taken.release()
+      inner.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except  (logged; training goes on)
+      _warn_failed(mngr, step, e)
 
   def save_args(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> None:
     """The preemption save goes to memory first: its local-only copy is saved and committed
@@ -110,12 +172,11 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
       mngr.wait_until_finished()  # the storage save before it, as before_save above
       return bool(inner.save(step, *args, force=True, **kwargs))
     except Exception as e:  # pylint: disable=broad-except  (never fails the training step)
-      log.warning('orbax_pathways: local-only save of step %d into %s failed (%s: %s); the '
-                  'newest committed step stays the one to resume from.', step,
-                  directory_of(mngr), type(e).__name__, e)
+      _warn_failed(mngr, step, e)
       return False
 
   def wait(self, mngr: Any) -> None:
+    join(mngr)
     inner = _oms.existing_local_manager(mngr)
     if inner is None:
       return
@@ -133,6 +194,12 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
       inner.close()
 
 
+def _warn_failed(mngr: Any, step: int, e: BaseException) -> None:
+  log.warning('orbax_pathways: local-only save of step %d into %s failed (%s: %s); the newest '
+              'committed step stays the one to resume from.', step, directory_of(mngr),
+              type(e).__name__, e)
+
+
 def local_manager(mngr: Any) -> Any | None:
   """The hidden manager of ``mngr``'s local-only steps, or None when there are none (no hook
   registered, or no such directory: ``preemption.resume`` of a restarted job builds it to read
@@ -141,6 +208,7 @@ def local_manager(mngr: Any) -> Any | None:
     return None
   inner = _oms.existing_local_manager(mngr)
   if inner is not None:
+    join(mngr)  # a local-only save still running: listed once committed
     return inner
   hook = next((h for h in _om.registered() if isinstance(h, LocalStepHooks)), None)
   if hook is None or not directory_of(mngr).exists():

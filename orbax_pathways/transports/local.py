@@ -36,6 +36,7 @@ from orbax_pathways.tier import partner_copy
 from orbax_pathways.tier import relay as tier_relay
 from orbax_pathways.tier import wire as tier_wire
 from orbax_pathways.transports import share
+from orbax_pathways.transports import snapshots
 
 NAME = options_lib.TransportName.LOCAL.value
 Box = boxes_lib.Box
@@ -71,8 +72,24 @@ def pinned_available(arrays: Sequence[jax.Array]) -> bool:
     return False
 
 
+def _device_data(arr: jax.Array) -> dict[Any, Any]:
+  """Device -> what it holds of ``arr``: the host copy taken before a background save
+  (``snapshots.take``), else the device shard itself."""
+  taken = snapshots.device_data(arr)
+  return taken if taken is not None else {s.device: s.data for s in arr.addressable_shards}
+
+
+def _start_copy(data: Any) -> None:
+  """Starts the device-to-host copy of a shard (nothing to do for a host copy)."""
+  if not isinstance(data, np.ndarray):
+    data.copy_to_host_async()
+
+
 def use_pinned(arrays: Sequence[jax.Array], mode: str) -> bool:
-  """``Options.snapshot`` resolved for these arrays ('auto': pinned where available)."""
+  """``Options.snapshot`` resolved for these arrays ('auto': pinned where available); never
+  for arrays already copied to host (``snapshots.take``)."""
+  if any(snapshots.device_data(a) is not None for a in arrays):
+    return False
   if mode == 'auto':
     return pinned_available(arrays)
   return mode == 'pinned'
@@ -92,12 +109,12 @@ def snapshot(arrays: Sequence[jax.Array], plans: Sequence[save_plan.ArrayWritePl
   """
   pending = []
   for arr, plan in zip(arrays, plans):
-    shards = {s.device.id: s for s in arr.addressable_shards}
+    shards = {d.id: data for d, data in _device_data(arr).items()}
     mine = []
     for w in plan.for_host(host):
       parts = []
       for src in w.sources:
-        data = shards[src.device_id].data
+        data = shards[src.device_id]
         if len(w.sources) == 1 and w.box != src.shard_box:
           data, box = data[w.box.relative_to(src.shard_box)], w.box
         else:
@@ -117,7 +134,7 @@ def snapshot(arrays: Sequence[jax.Array], plans: Sequence[save_plan.ArrayWritePl
       if pinned and len(parts) == 1:
         continue
       for _, data in parts:
-        data.copy_to_host_async()
+        _start_copy(data)
   out = []
   for mine in pending:
     pieces = []
@@ -143,7 +160,7 @@ def held_pieces(arrays: Sequence[jax.Array], plans: Sequence[save_plan.ArrayWrit
     wanted: list[tuple[Box, list[tuple[Box, Any]]]] = []
     if tuple(arr.shape) == tuple(plan.global_shape):
       taken = {c.start for c in share.host_chunks(plan, host)}
-      data = {s.device: s.data for s in arr.addressable_shards}
+      data = _device_data(arr)
       by_box: dict[Box, Any] = {}
       for device, box in layout.device_boxes(arr.sharding, arr.shape,
                                              addressable_only=True).items():
@@ -165,7 +182,7 @@ def held_pieces(arrays: Sequence[jax.Array], plans: Sequence[save_plan.ArrayWrit
     for _, parts in wanted:
       for _, d in parts:
         if id(d) not in copies:
-          d.copy_to_host_async()
+          _start_copy(d)
           copies[id(d)] = d
   out = []
   for wanted in pending:

@@ -93,6 +93,17 @@ def test_a_restart_on_the_same_nodes_resumes_from_the_local_only_step(sharded, t
   assert left == ['20']
 
 
+def test_a_loop_that_donates_its_state_right_after_save_resumes_the_values_saved(tmp_path):
+  """The local-only save runs in the background from the snapshot ``save()`` took: the loop
+  donating the arrays and overwriting the numpy leaf right after ``save()`` changes nothing in
+  the step (the resume checks every shard and the numpy leaf against step 20's values)."""
+  root, tiers = _save(tmp_path, 'sharded', env={'DONATE': '1'})
+  out, left = _resume(root, tiers, 'sharded', tmp_path)
+  for step, by_source, _ in out:
+    assert step == 20 and by_source.get('storage', 0) == 0, (step, by_source)
+  assert left == ['20']
+
+
 def test_a_lost_node_of_sharded_state_passes_the_local_step_over_for_storage(sharded, tmp_path):
   """Node 2 is gone: its rows of 'w' of step 20 are in no survivor's tier. The restart on two
   processes passes step 20 over (one log line naming it and the missing chunk) and resumes

@@ -15,6 +15,8 @@ bytes by source. Both end in a barrier.
 
 ``KILL_AT=S``: every process SIGKILLs itself once its share of local-only step ``S`` is in its
 tier, in the middle of that step's commit (no process finishes it).
+``DONATE=1``: right after each ``save()`` the step's arrays are donated to a jitted step and
+its numpy leaf is overwritten in place (what a training loop does next).
 ``PARTNER_GONE=1`` (with ``ORBAX_PATHWAYS_LOCAL_COPIES=2``): this process's tier server is gone
 once it published its address (a partner whose process went away): its senders' copies fail.
 """
@@ -87,8 +89,20 @@ def main() -> None:
   options = ocp.CheckpointManagerOptions(save_interval_steps=100)
   with ocp.CheckpointManager(root, options=options) as m:
     if mode == 'save':
+      own = jax.jit(lambda t: jax.tree.map(lambda x: x + 0, t))  # buffers jax owns
+      spoil = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 - 1, t), donate_argnums=0)
       for step in range(26):
-        m.save(step, args=ocp.args.StandardSave(state(step)))
+        st = state(step)
+        if os.environ.get('DONATE'):
+          st = {**own({k: st[k] for k in shard}), 'n': st['n']}
+        m.save(step, args=ocp.args.StandardSave(st))
+        if os.environ.get('DONATE'):
+          # The loop goes on at once: the arrays donated to the next step, the numpy leaf
+          # overwritten in place, while the local-only save runs in the background.
+          # (On CPU jax declines to donate a buffer that a host view holds: the save's
+          # snapshot. Without one, the arrays are deleted here.)
+          spoil({k: st[k] for k in shard})
+          st['n'][...] = -1
       m.wait_until_finished()
       mp_worker.emit({'steps': m.all_steps()})
     else:

@@ -1,0 +1,81 @@
+"""A save's arguments detached from the training loop, so the save can run in the background
+(``manager/local_steps.py``): what the loop may change or donate after ``save()`` returns is
+copied now, everything else is kept as it is.
+
+Pure over the arguments' structure (no I/O, no device): ``detach`` returns the arguments to save
+later and the ``jax.Array`` leaves whose shards ``transports/snapshots.take`` must copy to host
+before ``save()`` returns; or ``None`` when some item is of a kind this module cannot copy
+without running its handler (a data iterator, whose handler reads the iterator's position when
+it saves; a custom handler's arguments): such a save runs in the loop's thread, as Orbax's own.
+
+What is detached: ``args.Composite`` of the items below; ``StandardSave`` / ``PyTreeSave`` /
+``ArraySave`` trees of ``jax.Array`` (kept: their host copies are taken), numpy arrays (copied),
+numpy and Python scalars, strings, bytes and ``None`` (immutable); ``JsonSave`` (a deep copy);
+``custom_metadata`` (a deep copy).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+_TREES = (ocp.args.StandardSave, ocp.args.PyTreeSave, ocp.args.ArraySave)
+_IMMUTABLE = (np.generic, int, float, complex, bool, str, bytes, type(None))
+
+
+class Detached(NamedTuple):
+  args: tuple  # the save's positional arguments after the step, detached
+  kwargs: dict  # its keyword arguments, detached
+  arrays: list  # the jax.Array leaves whose shards must be copied to host now
+
+
+class _Unsupported(Exception):
+  pass
+
+
+def _leaf(x: Any, arrays: list) -> Any:
+  if isinstance(x, jax.Array):
+    arrays.append(x)
+    return x
+  if isinstance(x, np.ndarray):
+    return x.copy()
+  if isinstance(x, _IMMUTABLE):
+    return x
+  raise _Unsupported(type(x).__name__)
+
+
+def _item(a: Any, arrays: list) -> Any:
+  if isinstance(a, ocp.args.Composite):
+    return type(a)(**{k: _item(v, arrays) for k, v in a.items()})
+  if isinstance(a, _TREES):
+    tree = jax.tree.map(lambda x: _leaf(x, arrays), a.item)
+    out = dataclasses.replace(a, item=tree)
+    if getattr(a, 'custom_metadata', None) is not None:
+      out = dataclasses.replace(out, custom_metadata=copy.deepcopy(a.custom_metadata))
+    return out
+  if isinstance(a, ocp.args.JsonSave):
+    return dataclasses.replace(a, item=copy.deepcopy(a.item))
+  raise _Unsupported(type(a).__name__)
+
+
+def detach(args: tuple, kwargs: dict) -> Detached | None:
+  """``CheckpointManager.save(step, *args, **kwargs)``'s arguments, detached (None: some item
+  cannot be; run the save in the loop's thread)."""
+  unknown = set(kwargs) - {'args', 'custom_metadata'}
+  if unknown or len(args) > 1 or (args and 'args' in kwargs):
+    return None  # the legacy ``items=`` / ``save_kwargs=`` forms
+  arrays: list = []
+  try:
+    out_args = tuple(_item(a, arrays) for a in args)
+    out_kwargs = {k: (_item(v, arrays) if k == 'args' else copy.deepcopy(v))
+                  for k, v in kwargs.items()}
+  except _Unsupported:
+    return None
+  if not out_args and out_kwargs.get('args') is None:
+    return None
+  return Detached(out_args, out_kwargs, arrays)

@@ -1,0 +1,81 @@
+"""Host copies of arrays taken before the save that writes them (a local-only save run in the
+background: ``manager/local_steps.py``).
+
+Who calls what, on which host (multi-controller JAX, every process, its own devices only):
+
+- ``take(arrays)``: the training loop's thread, inside ``CheckpointManager.save()``: copies each
+  distinct shard this process's devices hold to host memory (all copies in flight at once) and
+  registers them for the arrays. This is the save's whole device-to-host snapshot: the loop
+  may then donate or drop the arrays. (On the CPU backend the host copy is a view of the
+  device buffer, as in every save's snapshot; jax does not donate a buffer a view holds, it
+  allocates a new one.)
+- ``device_data(arr)``: the local transport's ``snapshot`` and ``held_pieces`` (in the hidden
+  manager's save, on the background thread): device -> the host copy of what it holds, or None
+  when nothing was taken for ``arr`` (then they read ``arr.addressable_shards`` as usual).
+- ``Taken.release()``: once the save that used them returned (its pieces keep what they need).
+
+Only the arrays' metadata (shape, dtype, sharding) is read after ``take``: a donated array keeps
+it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from orbax_pathways.sharding import layout
+
+_lock = threading.Lock()
+# id(array) -> (the array, device -> host copy): the array is kept so its id is not reused.
+_taken: dict[int, tuple[jax.Array, dict[Any, np.ndarray]]] = {}
+
+
+class Taken:
+  """The host copies of one save's arrays, registered until ``release``."""
+
+  def __init__(self, ids: Sequence[int], nbytes: int):
+    self._ids = tuple(ids)
+    self.nbytes = nbytes  # host bytes copied (each distinct shard once)
+
+  def release(self) -> None:
+    with _lock:
+      for i in self._ids:
+        _taken.pop(i, None)
+
+
+def _copy(arr: jax.Array) -> dict[Any, np.ndarray]:
+  """Device -> a host copy of its shard of ``arr``; devices holding the same box share one."""
+  boxes = layout.device_boxes(arr.sharding, arr.shape, addressable_only=True)
+  distinct: dict[Any, Any] = {}
+  for s in arr.addressable_shards:
+    if boxes[s.device] not in distinct:
+      distinct[boxes[s.device]] = s.data
+      s.data.copy_to_host_async()
+  host = {box: np.asarray(data) for box, data in distinct.items()}
+  return {d: host[b] for d, b in boxes.items()}
+
+
+def take(arrays: Sequence[jax.Array]) -> Taken:
+  """Copies ``arrays``' shards on this process's devices to host and registers them."""
+  ids, nbytes = [], 0
+  copies = []
+  for arr in arrays:
+    if id(arr) in _taken or any(arr is a for a, _ in copies):
+      continue
+    copies.append((arr, _copy(arr)))
+  with _lock:
+    for arr, host in copies:
+      _taken[id(arr)] = (arr, host)
+      ids.append(id(arr))
+      nbytes += sum({id(h): h.nbytes for h in host.values()}.values())
+  return Taken(ids, nbytes)
+
+
+def device_data(arr: Any) -> dict[Any, np.ndarray] | None:
+  """Device -> the host copy ``take`` made of its shard of ``arr`` (None: not taken)."""
+  with _lock:
+    found = _taken.get(id(arr))
+  return None if found is None or found[0] is not arr else found[1]
