@@ -89,12 +89,13 @@ if mode == 'train':
   s = state(0)
   jax.block_until_ready(s)
   multihost_utils.sync_global_devices('bare')
-  t0 = time.perf_counter()
+  t0, c0 = time.perf_counter(), time.process_time()
   for step in range(steps):  # no checkpointing: the reference step time
     time.sleep(step_s)
     s = state(step)
     jax.block_until_ready(s)
   bare = (time.perf_counter() - t0) / steps
+  bare_cpu = (time.process_time() - c0) / steps  # this process's CPU per step (all threads)
   events = {}  # Orbax's own duration events during the saving loop: where save() spends time
 
   def on_event(name, secs, **kwargs):
@@ -117,6 +118,7 @@ if mode == 'train':
       blocking.append(time.perf_counter() - b0)
       if train_only and step == 1:
         m.wait_until_finished()  # Orbax's initial save (to storage) committed: not timed
+        cpu0 = time.process_time()
       ends.append(time.perf_counter())
     loop = (time.perf_counter() - t0) / steps
     if train_only:  # the steady state: every step after the first save
@@ -124,6 +126,7 @@ if mode == 'train':
       blocking = blocking[1:]
     if train_only:  # the last local-only save's own phases, once it committed
       m.wait_until_finished()
+      cpu = (time.process_time() - cpu0) / (len(ends) - 1)  # the saves' background work too
       st = stats.last_save()
       last = {'snapshot_s': st.blocking_s, 'write_s': st.write_s, 'commit_s': st.commit_s}
     # Killed here: no final save, and whatever is still committing in the background is lost
@@ -131,7 +134,8 @@ if mode == 'train':
     multihost_utils.sync_global_devices('killed')
   mp_worker.emit({'bare_step_s': bare, 'step_s': loop, 'blocking_max_s': max(blocking),
                   'blocking_mean_s': sum(blocking) / len(blocking), 'last': last,
-                  'events': events})
+                  'events': events, 'bare_cpu_s': bare_cpu,
+                  'cpu_s': cpu if train_only else None})
   mp_worker.stop_all_now()
 else:
   target = {'w': jax.ShapeDtypeStruct(base.shape, base.dtype, sharding=sharding)}
@@ -208,6 +212,10 @@ def one_mode(mode, args, bucket, run_processes) -> dict:
       'last_save': train[0].get('last') or {},  # process 0's last save: snapshot, write, commit
       # process 0's Orbax duration events over the saving loop: {name: [total s, count]}
       'events': train[0].get('events') or {},
+      # CPU seconds per step and process (user + system, every thread), mean over processes
+      'bare_cpu_s': sum(t['bare_cpu_s'] for t in train) / len(train),
+      'cpu_s': (sum(t['cpu_s'] for t in train) / len(train)
+                if all(t.get('cpu_s') is not None for t in train) else None),
   }
   if resume:
     steps = {r['step'] for r in resume}
@@ -239,6 +247,12 @@ def table(results, args) -> str:
                    f"{r['blocking_mean_s']:.3f} / {r['blocking_max_s']:.3f} | {goal:.3f} | "
                    f"{'yes' if over <= goal else 'no'} |")
     lines.append('')
+    for r in results:
+      if r.get('cpu_s') is not None:
+        lines.append(f"{r['mode']}: CPU per step and process (user + system, every thread, mean "
+                     f"of 4): bare {r['bare_cpu_s']:.3f} s, with saves {r['cpu_s']:.3f} s "
+                     f"(+{r['cpu_s'] - r['bare_cpu_s']:.3f} s; this machine has "
+                     f"{os.cpu_count()} cores for the 4 processes)")
     for r in results:
       last = r.get('last_save') or {}
       if last:

@@ -60,8 +60,9 @@ def _copy(arr: jax.Array) -> dict[Any, np.ndarray]:
 
 def take(arrays: Sequence[jax.Array]) -> Taken:
   """Copies ``arrays``' shards on this process's devices to host and registers them."""
-  ids, nbytes = [], 0
-  copies = []
+  ids: list[int] = []
+  nbytes = 0
+  copies: list[tuple[jax.Array, dict[Any, np.ndarray]]] = []
   for arr in arrays:
     if id(arr) in _taken or any(arr is a for a, _ in copies):
       continue
