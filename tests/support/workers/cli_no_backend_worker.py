@@ -1,5 +1,5 @@
 """The CLI's ``show`` and ``verify`` of a step, in-process in a fresh interpreter without
-``JAX_PLATFORMS``, for ``tests/cli/test_cli.py`` (``test_cli_never_initializes_a_backend``,
+``JAX_PLATFORMS``, for ``tests/cli/test_cli_process.py`` (``test_cli_never_initializes_a_backend``,
 ``procs.run_worker``).
 
     python -m support.workers.cli_no_backend_worker STEP_DIR

@@ -1,5 +1,5 @@
 """The ``orbax-pathways`` console script's entry point (``orbax_pathways_cli.main``) run
-in-process, for ``tests/cli/test_cli.py`` (``test_the_console_script_loads_no_jax``,
+in-process, for ``tests/cli/test_cli_process.py`` (``test_the_console_script_loads_no_jax``,
 ``procs.run_worker``): it imports the package without installing the handler.
 
     python -m support.workers.console_script_worker CKPT
