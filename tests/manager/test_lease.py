@@ -189,6 +189,27 @@ def test_a_lease_deleted_while_held_stops_saving_there_and_says_so(tmp_path):
     assert again.all_steps() == [0, 1]
 
 
+def test_a_step_orbax_declines_checks_no_lease_and_the_next_written_one_does(tmp_path):
+  """A declined ``save()`` writes nothing, so it costs no lease check (every training step
+  calls ``save()``); a lost lease is refused at the first step Orbax would write, before any of
+  it is written."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  mngr = ocp.CheckpointManager(
+      tmp_path, options=ocp.CheckpointManagerOptions(save_interval_steps=10))
+  mngr.save(0, args=ocp.args.StandardSave({'a': np.arange(4)}))
+  mngr.wait_until_finished()
+  (tmp_path / lease.LEASE_FILE).unlink()
+  lease._leases[lease.directory_key(tmp_path)].renew()  # pylint: disable=protected-access
+  for step in range(1, 10):
+    assert mngr.save(step, args=ocp.args.StandardSave({'a': np.arange(4) + step})) is False
+  with pytest.raises(errors.WriterLeaseError) as info:
+    mngr.save(10, args=ocp.args.StandardSave({'a': np.arange(4) + 10}))
+  assert 'the lease was deleted while this job held it' in str(info.value)
+  assert mngr.all_steps() == [0] and sorted(p.name for p in tmp_path.iterdir()) == ['0']
+  mngr.close()
+
+
 def test_lease_off(tmp_path, monkeypatch):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
