@@ -113,7 +113,8 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
 
   def save_declined(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> None:
     every = self.policy(mngr).interval
-    if every <= 0 or step % every or _oms.is_local_manager(mngr):
+    if (every <= 0 or step % every or _oms.is_local_manager(mngr)
+        or _oms.manager_read_only(mngr)):  # an evaluator's save() writes nothing anywhere
       return
     kwargs = {k: v for k, v in kwargs.items() if k not in ('force', 'metrics')}
     detached = local_detach.detach(args, kwargs) if self._background() else None
