@@ -29,8 +29,9 @@ import numpy as np
 from orbax_pathways.sharding import layout
 
 _lock = threading.Lock()
-# id(array) -> (the array, device -> host copy): the array is kept so its id is not reused.
-_taken: dict[int, tuple[jax.Array, dict[Any, np.ndarray]]] = {}
+# id(array) -> [the array, device -> host copy, saves using it]: the array is kept so its id is
+# not reused; two saves of one array (two managers) share the copy until both released it.
+_taken: dict[int, list[Any]] = {}
 
 
 class Taken:
@@ -43,7 +44,12 @@ class Taken:
   def release(self) -> None:
     with _lock:
       for i in self._ids:
-        _taken.pop(i, None)
+        entry = _taken.get(i)
+        if entry is not None:
+          entry[2] -= 1
+          if entry[2] <= 0:
+            del _taken[i]
+    self._ids = ()
 
 
 def _copy(arr: jax.Array) -> dict[Any, np.ndarray]:
@@ -64,14 +70,20 @@ def take(arrays: Sequence[jax.Array]) -> Taken:
   nbytes = 0
   copies: list[tuple[jax.Array, dict[Any, np.ndarray]]] = []
   for arr in arrays:
-    if id(arr) in _taken or any(arr is a for a, _ in copies):
+    if device_data(arr) is not None or any(arr is a for a, _ in copies):
       continue
     copies.append((arr, _copy(arr)))
   with _lock:
+    for arr in {id(a): a for a in arrays}.values():  # each array once per save
+      entry = _taken.get(id(arr))
+      if entry is not None and entry[0] is arr:
+        entry[2] += 1
+        ids.append(id(arr))
     for arr, host in copies:
-      _taken[id(arr)] = (arr, host)
-      ids.append(id(arr))
-      nbytes += sum({id(h): h.nbytes for h in host.values()}.values())
+      if id(arr) not in _taken:
+        _taken[id(arr)] = [arr, host, 1]
+        ids.append(id(arr))
+        nbytes += sum({id(h): h.nbytes for h in host.values()}.values())
   return Taken(ids, nbytes)
 
 

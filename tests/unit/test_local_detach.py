@@ -83,3 +83,14 @@ def test_a_replicated_array_is_copied_once_for_all_its_devices():
     assert taken.nbytes == a.nbytes
   finally:
     taken.release()
+
+
+def test_two_saves_of_one_array_share_its_copy_until_both_released():
+  from orbax_pathways.transports import snapshots  # pylint: disable=g-import-not-at-top
+  a = jax.device_put(jnp.arange(8.0))
+  first, second = snapshots.take([a]), snapshots.take([a])  # two managers' local saves
+  assert first.nbytes == a.nbytes and second.nbytes == 0  # copied once
+  first.release()
+  assert snapshots.device_data(a) is not None  # the second save still reads it
+  second.release()
+  assert snapshots.device_data(a) is None
