@@ -92,8 +92,10 @@ def anonymous(shape: Any, dtype: Any) -> np.ndarray:
   own (page-aligned)."""
   dtype = np.dtype(dtype)
   nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-  return np.frombuffer(Pages(-1, max(nbytes, 1)), dtype=dtype, count=nbytes // dtype.itemsize
-                       ).reshape(shape)
+  # Private: Python's default (shared) makes the mapping shmem, whose first touch costs ~1.4x a
+  # private page's here (``benchmarks/RESULTS.md``), and nothing else ever maps these pages.
+  buf = Pages(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
+  return np.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize).reshape(shape)
 
 
 def owner(arr: np.ndarray) -> Pages | None:
