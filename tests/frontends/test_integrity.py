@@ -1,6 +1,7 @@
 """Damaged checkpoints fail restore with an error naming the array, the chunk and the path."""
 
 import os
+import threading
 import warnings
 
 import crc32c
@@ -149,10 +150,15 @@ def test_reregistration_is_detected_at_the_next_save(tmp_path):
   assert orbax_pathways.installed() is not None
 
 
+@pytest.mark.parametrize('block', [1 << 20, 96, 8])
 @pytest.mark.parametrize('dtype', [np.float32, ml_dtypes.bfloat16, np.int8, np.bool_])
-def test_checksum_of_strided_views_equals_checksum_of_their_bytes(dtype):
+def test_checksum_of_strided_views_equals_checksum_of_their_bytes(dtype, block, monkeypatch):
   """Chunks are hashed in place inside larger read buffers (column blocks, strided leading
-  axes, transposes): the crc must be that of the chunk's own C-order bytes (docs/format.md)."""
+  axes, transposes): the crc must be that of the chunk's own C-order bytes (docs/format.md).
+  ``block``: the scratch slab (``checksum.BLOCK_BYTES``) holding all of a view, a few rows of
+  it, or less than one row (runs hashed one by one, or slabs of a sub-view)."""
+  monkeypatch.setattr(checksum, 'BLOCK_BYTES', block)
+  monkeypatch.setattr(checksum, '_scratch', threading.local())
   base = np.random.default_rng(1).standard_normal((8, 16, 32)) > 0 if dtype is np.bool_ else (
       np.random.default_rng(1).standard_normal((8, 16, 32)).astype(dtype))
   views = [base, base[:, :, :16], base[:, 2:10], base[::2, :, :16], base[:, :1, 3:9],
