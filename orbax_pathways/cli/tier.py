@@ -32,9 +32,11 @@ from orbax_pathways.format import checksum
 from orbax_pathways.format import grid as grid_lib
 from orbax_pathways.format import records as records_lib
 from orbax_pathways import options
+from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.storage import meta_io
 from orbax_pathways.cli import paths
 from orbax_pathways.tier import chain
+from orbax_pathways.tier import chunk_read
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import gc as gc_lib
 from orbax_pathways.tier import manifest as manifest_lib
@@ -70,6 +72,19 @@ def _read_exact(path: str, nbytes: int) -> np.ndarray:
       parts.append(part)
       got += len(part)
   return np.frombuffer(b''.join(parts), np.uint8)
+
+
+def _read_from_band(path: str, band: tuple[tuple[int, ...], tuple[int, ...]],
+                    a: manifest_lib.TierArray, origin: Sequence[int]) -> np.ndarray:
+  """The bytes of the chunk at ``origin`` out of the band file at ``path``, which must be a
+  regular file of exactly the band's size (``tier/manifest.py``: bands)."""
+  dtype = chain.layout_dtype(a.dtype)
+  box = boxes_lib.clip(boxes_lib.Box(tuple(origin), tuple(o + c for o, c in zip(
+      origin, a.chunk_shape))), a.shape)
+  out = np.empty(box.shape, dtype)
+  with fsafe.open_regular(path, math.prod(band[1]) * dtype.itemsize) as f:
+    chunk_read.Place(out, box, box).fill_from_band(f.fileno(), *band)
+  return out
 
 
 def _layout_problems(a: manifest_lib.TierArray, rec: records_lib.ArrayRecord) -> list[str]:
@@ -118,6 +133,7 @@ def _check(e: store.Entry, root: str | None) -> tuple[str, list[str]]:
       problems.append(f'array {a.name!r}: {"; ".join(differs)}')
       continue
     index = grid_lib.chunk_index([rec])
+    bands = manifest_lib.band_boxes(a)
     for origin, name, n in zip(a.origins, a.files, a.nbytes):
       want = index.get(tuple(origin))
       path = os.path.join(e.path, name)
@@ -130,8 +146,11 @@ def _check(e: store.Entry, root: str | None) -> tuple[str, list[str]]:
                         f'bytes, the committed step {want.nbytes} ({path})')
         continue
       try:
-        data = _read_exact(path, want.nbytes)
-      except OSError as ex:  # fsafe.UnsafeError too: what was found instead of a chunk
+        if name in bands:
+          data = _read_from_band(path, bands[name], a, origin)
+        else:
+          data = _read_exact(path, want.nbytes)
+      except (OSError, ValueError) as ex:  # fsafe.UnsafeError too: what was found instead
         problems.append(f'array {a.name!r} chunk {list(origin)}: {ex}')
         continue
       crc = checksum.of_array(data)

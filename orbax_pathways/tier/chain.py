@@ -30,9 +30,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
+import weakref
 from typing import Any, Container, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -42,6 +44,7 @@ from orbax_pathways.format import names as format_names
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import meta_io
+from orbax_pathways.storage import pages
 from orbax_pathways.tier import chunk_read
 from orbax_pathways.tier import exchange as tier_exchange
 from orbax_pathways.tier import fsafe
@@ -82,6 +85,7 @@ class _Held:
   shape: tuple[int, ...]
   chunk_shape: tuple[int, ...]
   files: dict[tuple[int, ...], str]
+  bands: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # band file -> (origin, shape)
 
 
 class LocalSource:
@@ -91,7 +95,14 @@ class LocalSource:
   chunk shape are the committed record's (``held``), its dtype is the one storage stores (the
   region buffer's, ``read_into``), and each chunk file is a regular file (never a symlink, FIFO
   or device: ``fsafe.open_regular``, which cannot block) of exactly the committed chunk's
-  ``nbytes``. Its bytes go straight into the region buffer as raw bits (``chunk_read``)."""
+  ``nbytes``. Its bytes go straight into the region buffer as raw bits (``chunk_read``).
+
+  A chunk stored in a band (``tier/manifest.py``) is read from the band file, which must be
+  exactly the band's size: where the band is one page-aligned run of the region buffer, the
+  first of its chunks to be read maps the whole band there (``storage/pages``), once, under a
+  lock, before any chunk of it is filled (so a later fallback's bytes are never mapped over),
+  and each of its chunks is then checked where it lies; elsewhere each chunk is copied out of
+  the band."""
 
   name = 'local'
 
@@ -101,7 +112,11 @@ class LocalSource:
       assert e.manifest is not None
       for a in e.manifest.arrays:
         self._arrays.setdefault(a.name, []).append(
-            _Held(e.path, a.dtype, a.shape, a.chunk_shape, dict(zip(a.origins, a.files))))
+            _Held(e.path, a.dtype, a.shape, a.chunk_shape, dict(zip(a.origins, a.files)),
+                  manifest_lib.band_boxes(a)))
+    self._lock = threading.Lock()
+    # Region buffer -> {band path: mapped there}: each band is mapped at most once per buffer.
+    self._mapped: weakref.WeakKeyDictionary[Any, dict[str, bool]] = weakref.WeakKeyDictionary()
 
   def _matching(self, read: Any) -> list[_Held]:
     return [h for h in self._arrays.get(read.name, ())
@@ -114,8 +129,10 @@ class LocalSource:
       out.update(h.files)
     return out
 
-  def _file(self, read: Any, chunk: Box, dtype: np.dtype) -> str:
-    """The path of the chunk's file, once its entry's dtype is the committed one."""
+  def _file(self, read: Any, chunk: Box, dtype: np.dtype
+            ) -> tuple[str, tuple[tuple[int, ...], tuple[int, ...]] | None]:
+    """The path of the chunk's file and, for a band file, the band's (origin, shape), once its
+    entry's dtype is the committed one."""
     for h in self._matching(read):
       name = h.files.get(chunk.start)
       if name is None:
@@ -130,21 +147,48 @@ class LocalSource:
       if found != dtype:
         raise SourceError(f'{h.path}: array {read.name!r} is {h.dtype} in this copy\'s manifest, '
                           f'{dtype} in the committed step; the copy is not used')
-      return os.path.join(h.path, name)
+      return os.path.join(h.path, name), h.bands.get(name)
     raise SourceError(f'no file for chunk {list(chunk.start)} of {read.name!r}')
 
   def read_into(self, read: Any, chunk: Box, place: chunk_read.Place) -> None:
     """Reads the chunk's file into its place in the region buffer (``SourceError`` if the copy
     is not the committed one's layout, or its file is missing, unsafe or of the wrong size)."""
-    path = self._file(read, chunk, place.dtype)
+    path, band = self._file(read, chunk, place.dtype)
     record = read.chunks.get(chunk.start)
     size = record.nbytes if record is not None else place.nbytes
     try:
+      if band is not None:
+        size = math.prod(band[1]) * place.dtype.itemsize
+        if self._in_mapped_band(place, path, band, size):
+          place.checksum_in_place()
+          return
+        with fsafe.open_regular(path, size) as f:
+          place.fill_from_band(f.fileno(), *band)
+        return
       with fsafe.open_regular(path, size) as f:
         place.fill_from_file(f.fileno(), path)
     except OSError as e:  # fsafe.UnsafeError too: a symlink, a FIFO, another size
       what = e.strerror or str(e)
       raise SourceError(what if path in what else f'{path}: {what}') from e
+    except (ValueError, BufferError) as e:  # a mapping that cannot be made: never a crash
+      raise SourceError(f'{path}: {e}') from e
+
+  def _in_mapped_band(self, place: chunk_read.Place, path: str,
+                      band: tuple[tuple[int, ...], tuple[int, ...]], size: int) -> bool:
+    """Whether the band at ``path`` is mapped over its run of ``place``'s region buffer: mapped
+    by the first of its chunks to ask (``storage/pages.map_file``), once per buffer."""
+    owner = pages.owner(place.region)
+    if owner is None:
+      return False
+    offset = chunk_read.band_run(place.region, place.region_box, *band)
+    if offset is None:
+      return False
+    with self._lock:
+      done = self._mapped.setdefault(owner, {})
+      if path not in done:
+        with fsafe.open_regular(path, size) as f:
+          done[path] = pages.map_file(place.region, offset, size, f.fileno()) is not None
+      return done[path]
 
   def read_chunk(self, read: Any, chunk: Box, dtype: np.dtype) -> np.ndarray:
     """The chunk's bytes as a new array in the stored ``dtype`` (the ``Source`` protocol; the
@@ -154,9 +198,7 @@ class LocalSource:
     return out
 
 
-def layout_dtype(name: str) -> np.dtype:
-  import ml_dtypes  # pylint: disable=g-import-not-at-top,unused-import  (registers bfloat16 & co.)
-  return np.dtype(name)
+layout_dtype = manifest_lib.dtype_of
 
 
 class SourceChain:

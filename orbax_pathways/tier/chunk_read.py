@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import math
+import mmap
 import os
 from typing import Sequence
 
@@ -104,6 +105,7 @@ class Place:
 
   def __init__(self, region: np.ndarray, region_box: Box, chunk: Box):
     self.region = region
+    self.region_box = region_box
     self.chunk = chunk
     # ``...`` keeps a 0-d region a view (``region[()]`` would be a scalar copy).
     self.view = region[chunk.relative_to(region_box)] if region.ndim else region[...]
@@ -146,10 +148,7 @@ class Place:
     bufs = self._in_place()
     if bufs is not None:
       _readv_exact(fd, list(bufs), self.nbytes, path)
-      crc = 0
-      for b in bufs:
-        crc = _crc32c.crc32c(b, crc)
-      self.crc32c = crc
+      self.checksum_in_place()
       return
     staging = np.empty(self.nbytes, np.uint8)
     _readv_exact(fd, [staging.data], self.nbytes, path)
@@ -163,7 +162,14 @@ class Place:
       raise ValueError(f'{data.dtype} {list(data.shape)} where the committed step stores '
                        f'{self.dtype} {list(self.view.shape)}')
     np.copyto(self.view, data, casting='no')
-    bufs = self._in_place()
+    self.checksum_in_place()
+
+  def checksum_in_place(self) -> None:
+    """Sets ``crc32c`` from the chunk's bytes as they lie in the region buffer now (after a
+    fill, or where its band was mapped: ``map_band``)."""
+    # One run, or runs long enough to hash one by one; else ``checksum`` hashes the view slab by
+    # slab (thousands of short runs would each be a Python call holding the GIL).
+    bufs = self._in_place() if self._count == 1 or self._run >= checksum.BLOCK_BYTES else None
     if bufs is None:
       self.crc32c = checksum.of_array(self.view)
       return
@@ -171,3 +177,38 @@ class Place:
     for b in bufs:
       crc = _crc32c.crc32c(b, crc)
     self.crc32c = crc
+
+  def fill_from_band(self, fd: int, band_start: Sequence[int], band_shape: Sequence[int]) -> None:
+    """Copies the chunk's bytes out of a band file (``fd``: C order of a box of ``band_shape``
+    at ``band_start``, the region's dtype; the caller opened it with exactly that size) into its
+    place, as bits; sets ``crc32c``. The file is mapped read-only for the copy (no staging
+    buffer), and unmapped before this returns."""
+    if self.nbytes == 0:
+      self.crc32c = 0
+      return
+    nbytes = math.prod(int(x) for x in band_shape) * self.dtype.itemsize
+    rel = tuple(slice(a - b, a - b + n) for a, b, n in zip(self.chunk.start, band_start,
+                                                          self.chunk.shape))
+    with mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as m:
+      band = np.frombuffer(m, self.dtype, math.prod(int(x) for x in band_shape)).reshape(
+          tuple(int(x) for x in band_shape))
+      try:
+        np.copyto(self.view, band[rel], casting='no')
+      finally:
+        del band  # the mapping closes only once no array looks at it
+    self.checksum_in_place()
+
+
+def band_run(region: np.ndarray, region_box: Box, band_start: Sequence[int],
+             band_shape: Sequence[int]) -> int | None:
+  """The byte offset in ``region`` (C-contiguous, holding ``region_box``) where a band of
+  ``band_shape`` at ``band_start`` lies as one contiguous run, or None (it is not inside the
+  region, or not one run of it). Pure."""
+  if region_box.ndim == 0 or not region.flags.c_contiguous:
+    return None
+  if any(b < r0 or b + n > r1 for b, n, r0, r1 in zip(band_start, band_shape, region_box.start,
+                                                      region_box.stop)):
+    return None
+  rel = tuple(b - r0 for b, r0 in zip(band_start, region_box.start))
+  first, _, count = runs(region.shape, rel, band_shape, region.dtype.itemsize)
+  return first if count == 1 else None

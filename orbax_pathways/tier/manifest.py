@@ -5,7 +5,18 @@ An entry is one writer's chunks of one item of one save::
     <local_dir>/<root key>/<step name>/<item name>/<writer>.<save id>/
         manifest.msgpack   written last (atomic rename): the entry is whole once it exists
         COMMITTED          created after the step committed (the manager's after_commit hook)
-        <a>.<c>.bin        raw bytes of chunk c of array a (stored dtype, C order, clipped)
+        <a>.<c>.bin        raw bytes of chunk c of array a (stored dtype, C order, clipped),
+                           or of a band that begins with chunk c (below)
+
+A *band* (schema 2) is the part of one writer piece that spans one chunk row: the rows of a
+chunk grid cell along the first dimension, the piece's whole extent along every other one. Where
+the chunk grid cuts a piece along a later dimension (column blocks), the chunks of one row are
+stored side by side as one file, in C order of the band, because that is how they lie in a
+same-mesh restore's region buffer: the band file is mapped there whole (``storage/pages``), and
+each chunk's crc32c is computed over its rows where they lie. A chunk that spans its piece's
+trailing dimensions is its own band and keeps a file of its own, as in schema 1. An array lists
+its multi-chunk bands in ``bands`` (file, origin, shape); a chunk whose ``files`` entry names a
+band lies inside it.
 
 ``root key`` names the checkpoint directory (the manager's root, local path or gs://) by a
 readable tail and a hash, so two jobs or directories on one node never share entries; the step
@@ -18,11 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 import re
 from typing import Any, Sequence
 
 import msgpack
+import numpy as np
 
 from orbax_pathways.format import names as format_lib
 
@@ -30,7 +43,7 @@ MANIFEST = 'manifest.msgpack'
 COMMITTED = 'COMMITTED'
 ROOT_FILE = 'root.txt'
 KIND = 'orbax-pathways-tier'
-SCHEMA = 1
+SCHEMA = 2  # 2: bands (a schema-1 manifest reads as one without)
 DEFAULT_SHM = '/dev/shm'
 
 
@@ -84,29 +97,87 @@ def chunk_file(array_index: int, chunk_index: int) -> str:
 CHUNK_FILE_RE = re.compile(r'^[0-9]+\.[0-9]+\.bin$')  # chunk_file's names, nothing else
 
 
+def _int_tuple(x: Any) -> bool:
+  return isinstance(x, tuple) and all(isinstance(v, int) and v >= 0 for v in x)
+
+
 def manifest_problem(m: Manifest) -> str:
   """What makes a decoded manifest unusable ('' when nothing): an array whose per-chunk lists
   differ in length, or a file name that is not one ``chunk_file`` makes (a path such as
-  ``../x`` or ``/etc/passwd`` must never be opened), or a file named twice. Pure; the files
-  themselves are checked by ``store.read_entry``."""
-  total = 0
-  names: set[str] = set()
+  ``../x`` or ``/etc/passwd`` must never be opened), a chunk file named twice, a band outside
+  its array or a chunk outside the band it names. Pure; the files themselves are checked by
+  ``store.read_entry``."""
+  names: set[str] = set()  # every file named so far, chunk or band, across arrays
   for a in m.arrays:
     n = len(a.origins)
     if not len(a.files) == len(a.crc32c) == len(a.nbytes) == n:
       return (f'array {a.name!r}: {n} origins, {len(a.files)} files, {len(a.nbytes)} sizes, '
               f'{len(a.crc32c)} checksums')
-    names.update(a.files)
-    total += n
     bad = next((x for x in a.files if not isinstance(x, str) or not CHUNK_FILE_RE.match(x)), None)
     if bad is not None:
       return f'array {a.name!r}: {bad!r} is not a chunk file name'
     size = next((x for x in a.nbytes if not isinstance(x, int) or x < 0), None)
     if size is not None:
       return f'array {a.name!r}: a chunk has size {size!r}'
-  if len(names) != total:
-    return 'a chunk file is named twice'
+    if not a.bands:
+      if names.intersection(a.files) or len(set(a.files)) != n:
+        return 'a chunk file is named twice'
+      names.update(a.files)
+      continue
+    if not (_int_tuple(a.shape) and _int_tuple(a.chunk_shape)
+            and len(a.chunk_shape) == len(a.shape)
+            and all(_int_tuple(o) and len(o) == len(a.shape) for o in a.origins)):
+      return f'array {a.name!r}: its shapes or origins are not {len(a.shape)}-d'
+    try:
+      itemsize = dtype_of(a.dtype).itemsize
+    except TypeError:
+      return f'array {a.name!r}: {a.dtype!r} is not a dtype'
+    bands: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for band in a.bands:
+      if (len(band) != 3 or not isinstance(band[0], str) or not CHUNK_FILE_RE.match(band[0])
+          or band[0] in bands or band[0] in names
+          or not (_int_tuple(band[1]) and _int_tuple(band[2]))
+          or not len(band[1]) == len(band[2]) == len(a.shape)
+          or any(o + s > d for o, s, d in zip(band[1], band[2], a.shape))):
+        return f'array {a.name!r}: {str(band)[:80]} is not a band of {list(a.shape)}'
+      bands[band[0]] = (band[1], band[2])
+    filled = dict.fromkeys(bands, 0)
+    for origin, f, nbytes in zip(a.origins, a.files, a.nbytes):
+      if f in bands:
+        start, shape = bands[f]
+        stop = [min(o + c, d) for o, c, d in zip(origin, a.chunk_shape, a.shape)]
+        if any(o < b or e > b + s for o, e, b, s in zip(origin, stop, start, shape)):
+          return f'array {a.name!r}: chunk {list(origin)} lies outside its band {f}'
+        filled[f] += nbytes
+      elif f in names:
+        return 'a chunk file is named twice'
+      names.add(f)
+    for f, (_, shape) in bands.items():
+      if filled[f] != math.prod(shape) * itemsize:
+        return (f'array {a.name!r}: band {f} holds {math.prod(shape) * itemsize} bytes, its '
+                f'chunks {filled[f]}')
   return ''
+
+
+def dtype_of(name: str) -> np.dtype:
+  """``name`` as a numpy dtype (bfloat16 & co. included); TypeError if it is none."""
+  import ml_dtypes  # pylint: disable=g-import-not-at-top,unused-import  (registers bfloat16 & co.)
+  return np.dtype(name)
+
+
+def file_sizes(m: Manifest) -> dict[str, int]:
+  """Every file ``m`` names, with the size it must have: a chunk file its chunk's ``nbytes``, a
+  band file the sum of its chunks' (they tile it). Pure; ``m`` passed ``manifest_problem``."""
+  out: dict[str, int] = {}
+  for a in m.arrays:
+    for f, n in zip(a.files, a.nbytes):
+      out[f] = out.get(f, 0) + int(n)
+  return out
+
+
+def band_boxes(a: TierArray) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+  """Band file -> (origin, shape) of ``a``'s multi-chunk bands. Pure."""
+  return {f: (tuple(o), tuple(s)) for f, o, s in a.bands}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +194,8 @@ class TierArray:
   crc32c: tuple[int, ...]
   nbytes: tuple[int, ...]
   files: tuple[str, ...]
+  # (file, origin, shape) of each multi-chunk band (schema 2; see the module docstring).
+  bands: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +224,9 @@ def encode(m: Manifest) -> bytes:
       'arrays': {a.name: {'dtype': a.dtype, 'shape': list(a.shape),
                           'chunk_shape': list(a.chunk_shape),
                           'origins': [list(o) for o in a.origins], 'crc32c': list(a.crc32c),
-                          'nbytes': list(a.nbytes), 'files': list(a.files)}
+                          'nbytes': list(a.nbytes), 'files': list(a.files),
+                          **({'bands': [[f, list(o), list(sh)] for f, o, sh in a.bands]}
+                             if a.bands else {})}
                  for a in m.arrays}}, use_bin_type=True)
 
 
@@ -165,7 +240,8 @@ def decode(data: bytes) -> Manifest:
         TierArray(name=n, dtype=a['dtype'], shape=tuple(a['shape']),
                   chunk_shape=tuple(a['chunk_shape']),
                   origins=tuple(tuple(x) for x in a['origins']), crc32c=tuple(a['crc32c']),
-                  nbytes=tuple(a['nbytes']), files=tuple(a['files']))
+                  nbytes=tuple(a['nbytes']), files=tuple(a['files']),
+                  bands=tuple((f, tuple(o), tuple(sh)) for f, o, sh in a.get('bands', ())))
         for n, a in o['arrays'].items())
     return Manifest(root=o['root'], step_name=o['step'], item=o['item'], writer=o['writer'],
                     save_id=o['save_id'], arrays=arrays,

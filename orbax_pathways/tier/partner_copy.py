@@ -67,7 +67,7 @@ def ready(tier: tier_config.TierConfig, client: Any, me: int, timeout_s: float) 
 
 
 def _files(m: manifest_lib.Manifest) -> list[tuple[str, int]]:
-  return [(f, int(n)) for a in m.arrays for f, n in zip(a.files, a.nbytes)]
+  return sorted(manifest_lib.file_sizes(m).items())
 
 
 def _crc_of(path: str, size: int) -> int:

@@ -248,7 +248,8 @@ class _Holding:
 
   def __init__(self, dtype: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...]):
     self.dtype, self.shape, self.chunk_shape = dtype, shape, chunk_shape
-    self.files: dict[tuple[int, ...], tuple[_Peer, str, str]] = {}
+    # origin -> (peer, entry, file, whether the file is a band: a get then names the chunk)
+    self.files: dict[tuple[int, ...], tuple[_Peer, str, str, bool]] = {}
 
 
 class _Lazy(Container):
@@ -473,7 +474,7 @@ class PeerSource:
     where = h.files.get(chunk.start) if h is not None else None
     if h is None or where is None:
       raise wire.PeerError(f'no peer holds chunk {list(chunk.start)} of {read.name!r}')
-    peer, entry, file = where
+    peer, entry, file, band = where
     stored = np.dtype(dtype)
     if h.dtype != stored.name:
       raise wire.PeerError(f'{peer} holds {read.name!r} as {h.dtype}; the committed record says '
@@ -487,8 +488,11 @@ class PeerSource:
     out = np.empty(chunk.shape, stored)
     budget.take(out.nbytes)
     try:
-      peer.request({'op': 'get', 'item': list(self.item_parts), 'entry': entry, 'file': file},
-                   f'chunk {list(chunk.start)} of {read.name!r}', into=out)
+      req: dict[str, Any] = {'op': 'get', 'item': list(self.item_parts), 'entry': entry,
+                             'file': file}
+      if band:  # one chunk of a band file: the server sends only its rows
+        req['chunk'] = [list(chunk.start), list(chunk.shape)]
+      peer.request(req, f'chunk {list(chunk.start)} of {read.name!r}', into=out)
     finally:
       budget.give(out.nbytes)
     return out
@@ -517,7 +521,9 @@ def _parse_listing(peer: _Peer, answer: Any) -> list[tuple[str, str, dict[str, _
         if len(origins) != len(files) or not all(isinstance(f, str) and wire.FILE_RE.match(f)
                                                  for f in files):
           raise ValueError(f'array {str(name)[:64]!r}: origins and files do not match')
-        h.files = {tuple(int(x) for x in o): (peer, entry, f) for o, f in zip(origins, files)}
+        bands = {str(b[0]) for b in a.get('bands', ())}
+        h.files = {tuple(int(x) for x in o): (peer, entry, f, f in bands)
+                   for o, f in zip(origins, files)}
         held[str(name)] = h
       out.append((e['writer'], str(e['save_id']), held))
   except (AttributeError, KeyError, TypeError, ValueError) as e:

@@ -16,7 +16,8 @@ Who calls what, on which host (multi-controller JAX, every process):
   through a symlink (``tier/fsafe.py``). Error answers name paths relative to the tier.
 - The requests come from the other processes' restores (``tier/peer.py``'s ``_Peer``): ``list``
   (the complete entries of one item: writer, save id and per array the chunks and their files)
-  and ``get`` (one chunk file, streamed with ``sendfile``), and the kinds registered with
+  and ``get`` (one chunk file, streamed with ``sendfile``; or, with ``chunk``, one chunk of a
+  band file: its rows sent from a read-only mapping of the band), and the kinds registered with
   ``register_op`` (``tier/relay.py``: ``relay``, a chunk answered from memory). From the
   processes whose partner this one is (``Options.local_copies=2``, ``tier/partner_copy.py``):
   ``put``, one file of a partner copy, written into this node's tier (``tier/receive.py``).
@@ -35,6 +36,7 @@ import collections
 import dataclasses
 import logging
 import math
+import mmap
 import os
 import socket
 import socketserver
@@ -47,6 +49,7 @@ import msgpack
 import numpy as np
 
 from orbax_pathways import stats
+from orbax_pathways.tier import chunk_read
 from orbax_pathways.tier import exchange as exchange_lib
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
@@ -129,6 +132,9 @@ class _Listed:
   save_id: str
   arrays: dict[str, Any]
   sizes: dict[str, int]
+  # band file -> (origin, shape, itemsize, the chunk boxes (origin, shape) it holds)
+  bands: dict[str, tuple[tuple[int, ...], tuple[int, ...], int, frozenset]] = dataclasses.field(
+      default_factory=dict)
 
 
 class _Manifests:
@@ -182,23 +188,31 @@ def _described(m: manifest_lib.Manifest, parts: tuple[str, str, str], entry: str
   id, checkpoint directory, step and item) and names only chunk files, each once, with a size."""
   try:
     if (manifest_lib.entry_name(m.writer, m.save_id) != entry or m.step_name != parts[1]
-        or m.item != parts[2] or manifest_lib.root_key(m.root) != parts[0]):
+        or m.item != parts[2] or manifest_lib.root_key(m.root) != parts[0]
+        or manifest_lib.manifest_problem(m)):
       return None
-    sizes: dict[str, int] = {}
-    arrays = {}
+    sizes = manifest_lib.file_sizes(m)
+    arrays, bands = {}, {}
     for a in m.arrays:
-      if not len(a.files) == len(a.origins) == len(a.nbytes):
+      if any(not wire.FILE_RE.match(f) for f in a.files):
         return None
-      for f, n in zip(a.files, a.nbytes):
-        if not isinstance(f, str) or not wire.FILE_RE.match(f) or f in sizes or int(n) < 0:
-          return None
-        sizes[f] = int(n)
       arrays[a.name] = {'dtype': a.dtype, 'shape': list(a.shape),
                         'chunk_shape': list(a.chunk_shape),
                         'origins': [list(o) for o in a.origins], 'files': list(a.files)}
+      if a.bands:
+        arrays[a.name]['bands'] = [[f, list(o), list(sh)] for f, o, sh in a.bands]
+        itemsize = manifest_lib.dtype_of(a.dtype).itemsize
+        boxes = manifest_lib.band_boxes(a)
+        held: dict[str, set] = {f: set() for f in boxes}
+        for o, f in zip(a.origins, a.files):
+          if f in held:
+            held[f].add((tuple(o), tuple(min(c, d - x) for x, c, d in zip(o, a.chunk_shape,
+                                                                           a.shape))))
+        for f, (o, sh) in boxes.items():
+          bands[f] = (o, sh, itemsize, frozenset(held[f]))
   except (TypeError, ValueError):
     return None
-  return _Listed(m.writer, m.save_id, arrays, sizes)
+  return _Listed(m.writer, m.save_id, arrays, sizes, bands)
 
 
 def _item(req: Mapping[str, Any]) -> tuple[str, str, str]:
@@ -266,6 +280,12 @@ class _Handler(socketserver.BaseRequestHandler):
     elif isinstance(found, np.ndarray):
       sock.sendall(wire.ANSWER.pack(0, found.nbytes))
       sock.sendall(found.reshape(-1).view(np.uint8).data)
+    elif isinstance(found, _BandChunk):
+      try:
+        sock.sendall(wire.ANSWER.pack(0, found.nbytes))
+        found.send(sock)
+      finally:
+        found.close()
     else:
       f, size = found
       with f:
@@ -276,8 +296,9 @@ class _Handler(socketserver.BaseRequestHandler):
 
   def prepare(self, req: Mapping[str, Any]) -> Any:
     """A ``list``'s payload (bytes), a registered op's array (``register_op``: answered from
-    memory), or a ``get``'s (open chunk file, size): only a regular file that a complete
-    entry's manifest names, of the size it records, opened without following a symlink."""
+    memory), or a ``get``'s (open chunk file, size), or one chunk of a band (``_BandChunk``):
+    only a regular file that a complete entry's manifest names, of the size it records, opened
+    without following a symlink; only a chunk box the manifest places in that band."""
     op = req.get('op')
     if isinstance(op, str) and op in _ops:
       return np.ascontiguousarray(_ops[op](req))
@@ -296,6 +317,9 @@ class _Handler(socketserver.BaseRequestHandler):
     size = listed.sizes.get(file)
     if size is None:
       raise FileNotFoundError(f'{where}: its manifest names no {file}')
+    chunk = req.get('chunk')
+    if chunk is not None:  # one chunk of a band file; without it, the whole file
+      return self._band_chunk(where, parts, entry, file, size, listed.bands.get(file), chunk)
     try:
       return fsafe.open_regular(os.path.join(self.server.local_dir, *parts, entry, file), size), size
     except fsafe.UnsafeError as e:
@@ -303,6 +327,58 @@ class _Handler(socketserver.BaseRequestHandler):
                               ) from None
     except OSError as e:
       raise OSError(e.errno, f'{where}/{file}: {e.strerror}') from None
+
+
+  def _band_chunk(self, where: str, parts: tuple[str, str, str], entry: str, file: str,
+                  size: int, band: Any, chunk: Any) -> '_BandChunk':
+    """A ``get`` of one chunk of a band file (``chunk``: [origin, shape], one of the chunks the
+    manifest places in that band): the band mapped read-only, the chunk's rows sent from it."""
+    try:
+      box = (tuple(int(x) for x in chunk[0]), tuple(int(x) for x in chunk[1]))
+    except (TypeError, ValueError, IndexError):
+      box = None
+    if band is None or box is None or box not in band[3]:
+      raise ValueError(f'{where}/{file}: {str(chunk)[:80]} is not a chunk its manifest places '
+                       'in that file')
+    path = os.path.join(self.server.local_dir, *parts, entry, file)
+    try:
+      f = fsafe.open_regular(path, size)
+      try:
+        return _BandChunk(f, size, band[0], band[1], band[2], box)
+      except BaseException:
+        f.close()
+        raise
+    except fsafe.UnsafeError as e:
+      raise fsafe.UnsafeError(e.errno, f'{where}/{file} refused: {self.server.scrub(str(e))}'
+                              ) from None
+    except OSError as e:
+      raise OSError(e.errno, f'{where}/{file}: {e.strerror}') from None
+
+
+class _BandChunk:
+  """One chunk of a band file, as the runs of its bytes in the band's C order (``answer`` sends
+  them in order: the chunk's own C order). Closes the file and its mapping when done."""
+
+  def __init__(self, f: Any, size: int, band_start: tuple[int, ...], band_shape: tuple[int, ...],
+               itemsize: int, box: tuple[tuple[int, ...], tuple[int, ...]]):
+    self.f = f
+    self.map = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    rel = tuple(o - b for o, b in zip(box[0], band_start))
+    self.offsets = chunk_read.run_offsets(band_shape, rel, box[1], itemsize)
+    _, self.run, _ = chunk_read.runs(band_shape, rel, box[1], itemsize)
+    self.nbytes = math.prod(box[1]) * itemsize
+
+  def send(self, sock: socket.socket) -> None:
+    view = memoryview(self.map)
+    try:
+      for o in self.offsets:
+        sock.sendall(view[o:o + self.run])
+    finally:
+      view.release()
+
+  def close(self) -> None:
+    self.map.close()
+    self.f.close()
 
 
 class _Server(socketserver.ThreadingTCPServer):

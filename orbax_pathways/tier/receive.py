@@ -147,14 +147,11 @@ def _commit(tier: tier_config.TierConfig, parts: tuple[str, str, str], entry: st
   if not why and manifest_lib.root_key(m.root) != parts[0]:
     why = f'its checkpoint directory {m.root} is not the one the entry is filed under'
   if not why:
-    for a in m.arrays:
-      for f, n in zip(a.files, a.nbytes):
-        try:
-          fsafe.open_regular(os.path.join(path, f), int(n)).close()
-        except OSError as e:
-          why = f'{f} did not arrive whole ({e})'
-          break
-      if why:
+    for f, n in manifest_lib.file_sizes(m).items():
+      try:
+        fsafe.open_regular(os.path.join(path, f), n).close()
+      except OSError as e:
+        why = f'{f} did not arrive whole ({e})'
         break
   if why:
     _unlink(part)

@@ -116,17 +116,25 @@ def flush(timeout: float | None = None) -> bool:
   return not not_done
 
 
-def _chunks(leaf_shape: Sequence[int], chunk_shape: Sequence[int], stored: np.dtype,
-            pieces: Sequence[Any]) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
-  """(origin, bytes in the stored dtype) of every chunk of ``pieces``, in the writer's
-  checksum order (``storage/writer.chunk_records``)."""
+def _bands(leaf_shape: Sequence[int], chunk_shape: Sequence[int], stored: np.dtype,
+           pieces: Sequence[Any]) -> Iterator[tuple[boxes_lib.Box, np.ndarray, list[Any]]]:
+  """(band box, its bytes in the stored dtype: C-contiguous, its chunks' boxes) of every band of
+  ``pieces`` (``tier/manifest.py``): the chunks of one chunk row of a piece, whose bytes are one
+  contiguous run of a C-ordered piece, so a band is written as it lies, with no copy (a piece
+  that is a strided view is copied one band at a time). Pure."""
   for piece in pieces:
     data = cast_lib.convert(piece.data, stored, what='a tier chunk')  # as storage holds it
+    rows: dict[tuple[int, int], list[Any]] = {}
     for cell in boxes_lib.chunk_grid(piece.box, chunk_shape):
       region = boxes_lib.clip(cell, leaf_shape).intersect(piece.box)
       if region is None or region.size == 0:
         continue
-      yield region.start, data[region.relative_to(piece.box)]
+      key = (region.start[0], region.stop[0]) if region.ndim else (0, 0)
+      rows.setdefault(key, []).append(region)
+    for (r0, r1), chunks in rows.items():
+      band = chunks[0] if not piece.box.ndim else boxes_lib.Box(
+          (r0,) + tuple(piece.box.start[1:]), (r1,) + tuple(piece.box.stop[1:]))
+      yield band, np.ascontiguousarray(data[band.relative_to(piece.box)]), chunks
 
 
 def write_entry(cfg: config_lib.TierConfig, item_dir: str, writer: str, save_id: str,
@@ -163,20 +171,26 @@ def write_entry(cfg: config_lib.TierConfig, item_dir: str, writer: str, save_id:
     first = len(arrays)
     for a, (leaf, plan, ps) in enumerate(zip(leaves, plans, pieces), start=first):
       stored = np.dtype(leaf.stored_dtype)
-      origins, sums, sizes, files = [], [], [], []
-      for c, (origin, chunk) in enumerate(_chunks(leaf.shape, plan.chunk_shape, stored, ps)):
-        fname = manifest_lib.chunk_file(a, c)
-        flat = np.ascontiguousarray(chunk)
+      origins: list[tuple[int, ...]] = []
+      sums: list[int] = []
+      sizes: list[int] = []
+      files: list[str] = []
+      bands: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+      for band, data, chunks in _bands(leaf.shape, plan.chunk_shape, stored, ps):
+        fname = manifest_lib.chunk_file(a, len(origins))
         fsafe.write_file(os.path.join(path, fname),
-                         flat.tobytes() if flat.ndim == 0 else flat.reshape(-1).view(np.uint8).data)
-        origins.append(tuple(origin))
-        sums.append(int(crcs.get(leaf.name, {}).get(tuple(origin), 0)))
-        sizes.append(int(chunk.nbytes))
-        files.append(fname)
+                         data.tobytes() if data.ndim == 0 else data.reshape(-1).view(np.uint8).data)
+        if len(chunks) > 1 or chunks[0] != band:
+          bands.append((fname, tuple(band.start), tuple(band.shape)))
+        for chunk in chunks:
+          origins.append(tuple(chunk.start))
+          sums.append(int(crcs.get(leaf.name, {}).get(tuple(chunk.start), 0)))
+          sizes.append(chunk.size * stored.itemsize)
+          files.append(fname)
       arrays.append(manifest_lib.TierArray(
           name=leaf.name, dtype=stored.name, shape=tuple(leaf.shape),
           chunk_shape=tuple(plan.chunk_shape), origins=tuple(origins), crc32c=tuple(sums),
-          nbytes=tuple(sizes), files=tuple(files)))
+          nbytes=tuple(sizes), files=tuple(files), bands=tuple(bands)))
     manifest = manifest_lib.Manifest(root=root, step_name=step_name, item=item_name, writer=writer,
                                save_id=save_id, arrays=tuple(arrays),
                                library_version=version.VERSION)

@@ -44,6 +44,7 @@ from support import procs
 from support.mp_harness import run_processes
 from support.workers import peer_secret_worker, peer_server_worker
 from orbax_pathways.tier import exchange
+from orbax_pathways.tier import manifest as manifest_lib
 from orbax_pathways.tier import peer
 from orbax_pathways.tier import peer_server
 from orbax_pathways.tier import store as tier_store
@@ -201,8 +202,8 @@ def test_a_request_with_a_wrong_mac_is_closed_unread(server, tier):
 
 def test_a_chunk_replaced_by_a_symlink_to_another_file_is_never_sent(server, tier, tmp_path):
   tier_dir, parts, entry_dir, manifest = tier
-  a = manifest.arrays[0]
-  file, size = a.files[0], a.nbytes[0]
+  file = manifest.arrays[0].files[0]
+  size = manifest_lib.file_sizes(manifest)[file]
   victim = tmp_path / 'victim_private'
   victim.write_bytes(b'S' * size)  # the recorded size: only the symlink check can refuse it
   os.chmod(victim, 0o600)
@@ -220,18 +221,19 @@ def test_a_chunk_replaced_by_a_symlink_to_another_file_is_never_sent(server, tie
 
 def test_a_fifo_or_a_file_of_another_size_is_refused_without_blocking(server, tier):
   _, parts, entry_dir, manifest = tier
-  a = manifest.arrays[0]
+  sizes = manifest_lib.file_sizes(manifest)  # the chunks of one row share a band file
+  f0, f1 = list(dict.fromkeys(manifest.arrays[0].files))[:2]
   entry = os.path.basename(entry_dir)
-  os.remove(os.path.join(entry_dir, a.files[0]))
-  os.mkfifo(os.path.join(entry_dir, a.files[0]))
-  with open(os.path.join(entry_dir, a.files[1]), 'ab') as f:
+  os.remove(os.path.join(entry_dir, f0))
+  os.mkfifo(os.path.join(entry_dir, f0))
+  with open(os.path.join(entry_dir, f1), 'ab') as f:
     f.write(b'x')
   c = _client(server)
   with pytest.raises(wire.PeerError, match='a FIFO'):
-    c.request(_get(parts, entry, a.files[0]), 'a chunk', into=np.empty(a.nbytes[0], np.uint8))
-  with pytest.raises(wire.PeerError, match=f'holds {a.nbytes[1] + 1} bytes; its record says '
-                                           f'{a.nbytes[1]}'):
-    c.request(_get(parts, entry, a.files[1]), 'a chunk', into=np.empty(a.nbytes[1], np.uint8))
+    c.request(_get(parts, entry, f0), 'a chunk', into=np.empty(sizes[f0], np.uint8))
+  with pytest.raises(wire.PeerError, match=f'holds {sizes[f1] + 1} bytes; its record says '
+                                           f'{sizes[f1]}'):
+    c.request(_get(parts, entry, f1), 'a chunk', into=np.empty(sizes[f1], np.uint8))
   with pytest.raises(wire.PeerError, match='its manifest names no 9.9.bin'):
     c.request(_get(parts, entry, '9.9.bin'), 'a chunk', into=np.empty(4, np.uint8))
   assert not c.failed  # error answers: the peer is still asked for its other chunks
@@ -432,3 +434,30 @@ def test_every_process_of_a_job_reads_the_same_secret_once():
   assert all(g['n'] == 32 and g['cached'] for g in got), got
   assert len({g['sha'] for g in got}) == 1, got
   assert got[0]['sha'] != hashlib.sha256(bytes(32)).hexdigest()
+
+
+def test_a_get_of_one_chunk_of_a_band_sends_that_chunk_s_rows_only(server, tier):
+  """The saved 'w' is stored in column blocks, so each chunk row is one band file: a peer asks
+  for one chunk of it and gets exactly that chunk's bytes in its own C order; a box the
+  manifest does not place in that band is refused, nothing sent."""
+  _, parts, entry_dir, manifest = tier
+  (w,) = manifest.arrays
+  assert w.bands, 'w should be stored in bands'
+  f, band_start, band_shape = w.bands[0]
+  band = np.fromfile(os.path.join(entry_dir, f), np.float32).reshape(band_shape)
+  entry = os.path.basename(entry_dir)
+  c = _client(server)
+  chunks = [(o, n) for o, g, n in zip(w.origins, w.files, w.nbytes) if g == f]
+  assert len(chunks) > 1
+  for origin, nbytes in chunks:
+    shape = [min(s, d - o) for s, o, d in zip(w.chunk_shape, origin, w.shape)]
+    out = np.empty(shape, np.float32)
+    c.request({**_get(parts, entry, f), 'chunk': [list(origin), shape]}, 'a chunk', into=out)
+    rel = tuple(slice(o - b, o - b + s) for o, b, s in zip(origin, band_start, shape))
+    np.testing.assert_array_equal(out, band[rel])
+    assert out.nbytes == nbytes
+  other = next(o for o, g in zip(w.origins, w.files) if g != f)
+  with pytest.raises(wire.PeerError, match='is not a chunk its manifest places in that file'):
+    c.request({**_get(parts, entry, f), 'chunk': [list(other), list(w.chunk_shape)]}, 'a chunk',
+              into=np.empty(w.chunk_shape, np.float32))
+  assert not c.failed
