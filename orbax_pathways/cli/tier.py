@@ -42,6 +42,7 @@ from orbax_pathways.tier import gc as gc_lib
 from orbax_pathways.tier import manifest as manifest_lib
 from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store
+from orbax_pathways.tier import spares
 
 
 def default_dir() -> str | None:
@@ -179,8 +180,10 @@ def report(local_dir: str) -> dict[str, Any]:
         'problems': problems, 'path': e.path})
   out.sort(key=lambda x: (str(x['root']), x['step'] if x['step'] is not None else -1,
                           x['item'], x['writer']))
+  files, nbytes = spares.pooled(local_dir)
   return {'local_dir': local_dir, 'entries': out,
-          'ok': all(x['status'] == 'ok' for x in out)}
+          'ok': all(x['status'] == 'ok' for x in out),
+          'spares': {'files': files, 'bytes': nbytes}}
 
 
 def text(obj: dict[str, Any]) -> str:
@@ -194,6 +197,10 @@ def text(obj: dict[str, Any]) -> str:
     lines += [f'    {p}' for p in x['problems'][:5]]
     if len(x['problems']) > 5:
       lines.append(f'    (+{len(x["problems"]) - 5} more)')
+  held = obj.get('spares') or {}
+  if held.get('files'):
+    lines.append(f'  spares: {held["files"]} files {held["bytes"] / 2**20:.1f} MiB (a replaced '
+                 "step's files, kept for the next save to write over)")
   return '\n'.join(lines)
 
 

@@ -59,6 +59,7 @@ from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
 from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store
+from orbax_pathways.tier import spares
 
 log = logging.getLogger('orbax_pathways')
 IDLE_S = 300.0
@@ -279,6 +280,7 @@ def collect(local_dir: str, *, max_age_s: float, max_bytes: int | None = None,
   now = time.time() if now is None else now
   drops = plan(seen, now, max_age_s, cap, current, keep)
   if not dry_run:
+    spares.expire(local_dir, now)  # a stopped job's spares (``tier/spares.py``)
     for d in drops:
       store.remove(d.seen.path)
     for key in sorted({d.seen.root_key for d in drops} - {current}):

@@ -54,6 +54,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from orbax_pathways._util import priority
 from orbax_pathways._util import said
 from orbax_pathways.format import names as format_lib
 from orbax_pathways import version
@@ -62,6 +63,7 @@ from orbax_pathways.storage import cast as cast_lib
 from orbax_pathways.tier import config as config_lib
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
+from orbax_pathways.tier import spares
 
 log = logging.getLogger('orbax_pathways')
 # Room left on the tier's filesystem after an entry: a node-local tmpfs is also the node's RAM.
@@ -79,19 +81,6 @@ _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _queued: list[concurrent.futures.Future] = []
 
 
-TIER_THREAD_NICE = 10  # the copy yields the cores to training, restores and storage writes
-
-
-def _lower_priority() -> None:
-  """On the tier's thread: a lower CPU priority for this thread only (Linux: a thread's nice
-  value is its own), so a copy into node memory never competes on equal terms with the work
-  that needs the cores now. Best effort: elsewhere it runs at normal priority."""
-  try:
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TIER_THREAD_NICE)
-  except (AttributeError, OSError):
-    pass
-
-
 def submit(fn: Any, *args: Any) -> None:
   """Runs ``fn(*args)`` on the tier's background thread (one, FIFO: a colocated save's device
   groups land in order) and returns at once. ``fn`` must not raise (``share.write_tier`` logs).
@@ -100,7 +89,8 @@ def submit(fn: Any, *args: Any) -> None:
   with _lock:
     if _executor is None:
       _executor = concurrent.futures.ThreadPoolExecutor(
-          max_workers=1, thread_name_prefix='orbax_pathways_tier', initializer=_lower_priority)
+          max_workers=1, thread_name_prefix='orbax_pathways_tier',
+          initializer=priority.lower_this_thread)
     _queued[:] = [f for f in _queued if not f.done()]
     _queued.append(_executor.submit(fn, *args))
 
@@ -166,6 +156,8 @@ def write_entry(cfg: config_lib.TierConfig, item_dir: str, writer: str, save_id:
         fsafe.write_file(root_file, (root + '\n').encode(), exclusive=True)
       except FileExistsError:
         pass  # another process of this node wrote it meanwhile
+    spares.note_writer(writer)
+    pool = spares.Pool(cfg.local_dir, writer)  # a dropped step's files, written over
     # A colocated save writes one device group per call: later groups add to the entry.
     arrays = list(_existing(path, save_id))
     first = len(arrays)
@@ -178,8 +170,8 @@ def write_entry(cfg: config_lib.TierConfig, item_dir: str, writer: str, save_id:
       bands: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
       for band, data, chunks in _bands(leaf.shape, plan.chunk_shape, stored, ps):
         fname = manifest_lib.chunk_file(a, len(origins))
-        fsafe.write_file(os.path.join(path, fname),
-                         data.tobytes() if data.ndim == 0 else data.reshape(-1).view(np.uint8).data)
+        _write_band(pool, os.path.join(path, fname),
+                    data.tobytes() if data.ndim == 0 else data.reshape(-1).view(np.uint8).data)
         if len(chunks) > 1 or chunks[0] != band:
           bands.append((fname, tuple(band.start), tuple(band.shape)))
         for chunk in chunks:
@@ -204,6 +196,19 @@ def write_entry(cfg: config_lib.TierConfig, item_dir: str, writer: str, save_id:
     return None
   adopt(cfg, path, root, step_name)
   return path
+
+
+def _write_band(pool: spares.Pool, path: str, data: bytes | memoryview) -> None:
+  """One band file of a new entry: over a spare's pages when one of its size is free
+  (``tier/spares.py``), else a new file."""
+  fd = pool.claim(len(memoryview(data).cast('B')), path)
+  if fd is None:
+    fsafe.write_file(path, data)
+    return
+  try:
+    spares.write(fd, data)
+  finally:
+    spares.release(fd)
 
 
 def adopt(cfg: config_lib.TierConfig, path: str, root: str, step_name: str) -> None:
@@ -244,6 +249,8 @@ def _make_room(cfg: config_lib.TierConfig, root: str, step_name: str, total: int
   margin = 0 if cfg.explicit else MARGIN_BYTES
   free = _free_bytes(cfg.local_dir)
   dropped = 0
+  if free < total + margin and spares.drop(cfg.local_dir):  # spares go first
+    free = _free_bytes(cfg.local_dir)
   if free < total + margin:
     for e in _older(entries(cfg.local_dir, root), step_name):
       remove(e.path)
@@ -357,7 +364,8 @@ def entries(local_dir: str, root: str | None = None, step_name: str | None = Non
   if not config_lib.readable(local_dir):
     return []
   out = []
-  keys = [manifest_lib.root_key(root)] if root is not None else fsafe.subdirs(local_dir)
+  keys = ([manifest_lib.root_key(root)] if root is not None
+          else [k for k in fsafe.subdirs(local_dir) if k != spares.POOL])
   for key in keys:
     kdir = os.path.join(local_dir, key)
     for s in ([step_name] if step_name is not None else fsafe.subdirs(kdir)):
@@ -491,14 +499,20 @@ def prune(cfg: config_lib.TierConfig, root: str) -> None:
   by_age = sorted(named, key=lambda n: -_newest_mtime(os.path.join(kdir, n)))
   for step, name in numbered:
     if step not in kept:
-      remove_step(os.path.join(kdir, name))
+      remove_step(os.path.join(kdir, name), retire=True)
   for name in by_age[cfg.keep + 1:]:
     remove_step(os.path.join(kdir, name))
 
 
-def remove_step(step_dir: str) -> None:
+def remove_step(step_dir: str, retire: bool = False) -> None:
   """Deletes one step directory of a checkpoint directory's tier entries (never following a
-  symlink in it)."""
+  symlink in it); ``retire``: a newer step replaced it, so its big files may first become
+  spares for the next save (``tier/spares.py``)."""
+  if retire:
+    local_dir = os.path.dirname(os.path.dirname(step_dir))
+    for item in fsafe.subdirs(step_dir):
+      for e in fsafe.subdirs(os.path.join(step_dir, item)):
+        spares.retire(local_dir, os.path.join(step_dir, item, e))
   fsafe.remove_tree(step_dir)
 
 
@@ -522,6 +536,7 @@ def forget_step(step_dir: Any) -> None:
     removed = 0
     for local_dir in sorted(dirs):
       for e in entries(local_dir, root, step_name):
+        spares.retire(local_dir, e.path)  # a newer step replaced it: maybe a spare
         remove(e.path)
         removed += 1
     if removed:

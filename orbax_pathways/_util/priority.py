@@ -1,0 +1,22 @@
+"""A lower CPU priority for one background thread (Linux: a thread's nice value is its own, and
+threads it starts inherit it).
+
+Who calls it: the tier's copy thread (``tier/store.submit``'s initializer) and a background
+local-only save's thread (``manager/local_steps.py``), each on itself, first thing: their work
+then takes the cores the training loop leaves idle rather than sharing them with it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+BACKGROUND_NICE = 10  # CFS weight 110 against the loop's 1024 at nice 0
+
+
+def lower_this_thread(nice: int = BACKGROUND_NICE) -> None:
+  """Sets the calling thread's nice value. Best effort: elsewhere it keeps its priority."""
+  try:
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+  except (AttributeError, OSError):
+    pass
