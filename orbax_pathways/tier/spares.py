@@ -93,10 +93,12 @@ def retire(local_dir: str, entry: str, now: float | None = None) -> int:
   writer's pool; returns how many. Best effort: anything unexpected leaves the file where it
   is, for the caller's removal."""
   parsed = manifest_lib.parse_entry_name(os.path.basename(entry))
-  with _lock:
-    ours = parsed is not None and parsed[0] in _ours
-  if not ours:
+  if parsed is None:
     return 0
+  writer = parsed[0]
+  with _lock:
+    if writer not in _ours:
+      return 0
   now = time.time() if now is None else now
   try:
     written = os.lstat(os.path.join(entry, manifest_lib.MANIFEST)).st_mtime
@@ -112,14 +114,14 @@ def retire(local_dir: str, entry: str, now: float | None = None) -> int:
         st = os.lstat(os.path.join(entry, name))
         if st.st_size >= MIN_BYTES and _own_file(st):
           found.append((name, st.st_size))
-    pool = os.path.join(local_dir, POOL, _slot(parsed[0]))
+    pool = os.path.join(local_dir, POOL, _slot(writer))
     for name in fsafe.names(pool):  # the spares an earlier retire left and no save took
       p = _parse(name)
       if p is None or p[1] != gen:
         fsafe.remove_tree(os.path.join(pool, name))
     if not found:
       return 0
-    fsafe.private_dirs(local_dir, POOL, _slot(parsed[0]))
+    fsafe.private_dirs(local_dir, POOL, _slot(writer))
     for name, size in found:
       dst = os.path.join(pool, f'{size}.{gen}.{secrets.token_hex(8)}')
       os.rename(os.path.join(entry, name), dst)
@@ -198,7 +200,7 @@ class Pool:
     return None
 
 
-def write(fd: int, data: memoryview) -> None:
+def write(fd: int, data: bytes | memoryview) -> None:
   """Writes all of ``data`` over a claimed spare from offset 0 (the same size)."""
   view, offset = memoryview(data).cast('B'), 0
   while offset < len(view):
