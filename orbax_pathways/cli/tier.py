@@ -32,7 +32,6 @@ from orbax_pathways.format import checksum
 from orbax_pathways.format import grid as grid_lib
 from orbax_pathways.format import records as records_lib
 from orbax_pathways import options
-from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.storage import meta_io
 from orbax_pathways.cli import paths
 from orbax_pathways.tier import chain
@@ -80,8 +79,7 @@ def _read_from_band(path: str, band: tuple[tuple[int, ...], tuple[int, ...]],
   """The bytes of the chunk at ``origin`` out of the band file at ``path``, which must be a
   regular file of exactly the band's size (``tier/manifest.py``: bands)."""
   dtype = chain.layout_dtype(a.dtype)
-  box = boxes_lib.clip(boxes_lib.Box(tuple(origin), tuple(o + c for o, c in zip(
-      origin, a.chunk_shape))), a.shape)
+  box = manifest_lib.chunk_box(a, origin)
   out = np.empty(box.shape, dtype)
   with fsafe.open_regular(path, math.prod(band[1]) * dtype.itemsize) as f:
     chunk_read.Place(out, box, box).fill_from_band(f.fileno(), *band)

@@ -38,6 +38,7 @@ import msgpack
 import numpy as np
 
 from orbax_pathways.format import names as format_lib
+from orbax_pathways.plan import boxes as boxes_lib
 
 MANIFEST = 'manifest.msgpack'
 COMMITTED = 'COMMITTED'
@@ -145,8 +146,8 @@ def manifest_problem(m: Manifest) -> str:
     for origin, f, nbytes in zip(a.origins, a.files, a.nbytes):
       if f in bands:
         start, shape = bands[f]
-        stop = [min(o + c, d) for o, c, d in zip(origin, a.chunk_shape, a.shape)]
-        if any(o < b or e > b + s for o, e, b, s in zip(origin, stop, start, shape)):
+        box = chunk_box(a, origin)
+        if any(o < b or e > b + s for o, e, b, s in zip(box.start, box.stop, start, shape)):
           return f'array {a.name!r}: chunk {list(origin)} lies outside its band {f}'
         filled[f] += nbytes
       elif f in names:
@@ -157,6 +158,14 @@ def manifest_problem(m: Manifest) -> str:
         return (f'array {a.name!r}: band {f} holds {math.prod(shape) * itemsize} bytes, its '
                 f'chunks {filled[f]}')
   return ''
+
+
+def chunk_box(a: 'TierArray', origin: Sequence[int]) -> boxes_lib.Box:
+  """The box of ``a``'s chunk at ``origin``: its chunk shape, clipped to the array (what the
+  chunk's file, or its part of a band, holds). Pure."""
+  origin = tuple(int(o) for o in origin)
+  return boxes_lib.clip(boxes_lib.Box(origin, tuple(o + c for o, c in zip(origin, a.chunk_shape))),
+                        a.shape)
 
 
 def dtype_of(name: str) -> np.dtype:

@@ -206,8 +206,7 @@ def _described(m: manifest_lib.Manifest, parts: tuple[str, str, str], entry: str
         held: dict[str, set] = {f: set() for f in boxes}
         for o, f in zip(a.origins, a.files):
           if f in held:
-            held[f].add((tuple(o), tuple(min(c, d - x) for x, c, d in zip(o, a.chunk_shape,
-                                                                           a.shape))))
+            held[f].add((tuple(o), manifest_lib.chunk_box(a, o).shape))
         for f, (o, sh) in boxes.items():
           bands[f] = (o, sh, itemsize, frozenset(held[f]))
   except (TypeError, ValueError):
