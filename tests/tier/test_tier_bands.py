@@ -20,12 +20,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-import orbax_pathways
 from orbax_pathways import stats
 from orbax_pathways.cli import tier as cli_tier
 from orbax_pathways.storage import pages
 from orbax_pathways.tier import manifest as manifest_lib
 from orbax_pathways.tier import store as tier_store
+from support import ckpt
 
 P = jax.sharding.PartitionSpec
 ROWS, COLS = 1024, 4096  # 16 MiB of float32; 4 row blocks of 4 MiB, one per 'x' index
@@ -35,19 +35,13 @@ def _save(tier, root):
   """'big' sharded over 'x' (4 row blocks of 256 x 4096, each on 2 devices): each block is
   stored in 4 column chunks of 256 x 1024 (the chunk shape keeps chunks within 4x square), so
   a block is one band of 4 chunks. 'small' has chunks that span its rows: files of their own."""
-  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier), coalesce_bytes=0))
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('x', 'y'))
   rng = np.random.default_rng(7)
   host = {'big': rng.standard_normal((ROWS, COLS)).astype(np.float32),
           'small': rng.standard_normal((64, 16)).astype(np.float32)}
   state = {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, P('x', None)))
            for k, v in host.items()}
-  with ocp.CheckpointManager(root) as m:
-    m.save(1, args=ocp.args.StandardSave(state))
-    m.wait_until_finished()
-  tier_store.flush()
-  (entry,) = tier_store.entries(str(tier), str(root))
-  return state, host, entry
+  return state, host, ckpt.save_tier_entry(tier, root, state)
 
 
 def _restore(root, target):

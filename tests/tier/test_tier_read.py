@@ -26,6 +26,7 @@ from orbax_pathways.tier import chain as tier_chain
 from orbax_pathways.tier import chunk_read
 from orbax_pathways.tier import manifest as tier_layout
 from orbax_pathways.tier import store as tier_store
+from support import ckpt
 
 P = jax.sharding.PartitionSpec
 HANG_S = 120.0  # a restore of a few KiB takes ~1 s here, even on a loaded machine
@@ -49,14 +50,8 @@ def _state():
 
 def _save(tier, root):
   # coalesce_bytes=0: small arrays are chunked per shard, so 'w' has one chunk per device box.
-  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier), coalesce_bytes=0))
   state, host = _state()
-  with ocp.CheckpointManager(root) as m:
-    m.save(1, args=ocp.args.StandardSave(state))
-    m.wait_until_finished()
-  tier_store.flush()
-  (entry,) = tier_store.entries(str(tier), str(root))
-  return state, host, entry
+  return state, host, ckpt.save_tier_entry(tier, root, state)
 
 
 def _bounded(fn, on_timeout=lambda: None):
