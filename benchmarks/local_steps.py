@@ -46,9 +46,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -118,7 +120,7 @@ if mode == 'train':
       blocking.append(time.perf_counter() - b0)
       if train_only and step == 1:
         m.wait_until_finished()  # Orbax's initial save (to storage) committed: not timed
-        cpu0 = time.process_time()
+        cpu0, wall0 = time.process_time(), time.time()
       ends.append(time.perf_counter())
     loop = (time.perf_counter() - t0) / steps
     if train_only:  # the steady state: every step after the first save
@@ -127,6 +129,7 @@ if mode == 'train':
     if train_only:  # the last local-only save's own phases, once it committed
       m.wait_until_finished()
       cpu = (time.process_time() - cpu0) / (len(ends) - 1)  # the saves' background work too
+      steady = (wall0, time.time(), len(ends) - 1)  # for the storage emulation's CPU
       st = stats.last_save()
       last = {'snapshot_s': st.blocking_s, 'write_s': st.write_s, 'commit_s': st.commit_s}
     # Killed here: no final save, and whatever is still committing in the background is lost
@@ -135,7 +138,8 @@ if mode == 'train':
   mp_worker.emit({'bare_step_s': bare, 'step_s': loop, 'blocking_max_s': max(blocking),
                   'blocking_mean_s': sum(blocking) / len(blocking), 'last': last,
                   'events': events, 'bare_cpu_s': bare_cpu,
-                  'cpu_s': cpu if train_only else None})
+                  'cpu_s': cpu if train_only else None,
+                  'steady': steady if train_only else None})
   mp_worker.stop_all_now()
 else:
   target = {'w': jax.ShapeDtypeStruct(base.shape, base.dtype, sharding=sharding)}
@@ -179,6 +183,47 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
+class _StorageCpu:
+  """Samples, every 0.2 s, the CPU time (user + system) of the storage emulation that runs on
+  this machine's cores beside the training processes: fake-gcs-server's process and this
+  process (the bandwidth-capped proxy's threads). ``between(t0, t1)``: its CPU in that wall
+  window (the workers' steady state)."""
+
+  def __init__(self, server_pid: int | None):
+    self._pid = server_pid
+    self._samples: list[tuple[float, float]] = []
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._loop, daemon=True)
+
+  def _now(self) -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = ru.ru_utime + ru.ru_stime
+    if self._pid:
+      try:
+        with open(f'/proc/{self._pid}/stat', encoding='ascii') as f:
+          fields = f.read().rsplit(')', 1)[1].split()
+        cpu += (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+      except (OSError, IndexError, ValueError):
+        pass
+    return cpu
+
+  def _loop(self) -> None:
+    while not self._stop.wait(0.2):
+      self._samples.append((time.time(), self._now()))
+
+  def __enter__(self) -> '_StorageCpu':
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._stop.set()
+    self._thread.join()
+
+  def between(self, t0: float, t1: float) -> float | None:
+    inside = [c for t, c in self._samples if t0 <= t <= t1]
+    return inside[-1] - inside[0] if len(inside) >= 2 else None
+
+
 def _run(run_processes, args, mode, root, env, tiers):
   res = run_processes(WORKER, len(tiers), 2, timeout=args.timeout, init_timeout=300, env=env,
                       args=[mode, root, str(args.mib), str(args.steps), str(args.step_s),
@@ -188,7 +233,7 @@ def _run(run_processes, args, mode, root, env, tiers):
   return [r.result for r in res]
 
 
-def one_mode(mode, args, bucket, run_processes) -> dict:
+def one_mode(mode, args, bucket, run_processes, server_pid=None) -> dict:
   root = f'gs://{bucket}/{mode}'
   tiers = [tempfile.mkdtemp(prefix=f'orbax-pathways-bench-{mode}-{i}-',
                             dir='/dev/shm' if os.access('/dev/shm', os.W_OK) else None)
@@ -198,7 +243,8 @@ def one_mode(mode, args, bucket, run_processes) -> dict:
          'ORBAX_PATHWAYS_LOCAL_COPIES': '2' if mode == 'multi_tier_copies' else '1'}
   per_tier = list(tiers) if tiered else ['off'] * 4  # storage only: no tier at all
   try:
-    train = _run(run_processes, args, 'train', root, env, per_tier)
+    with _StorageCpu(server_pid) as storage_cpu:
+      train = _run(run_processes, args, 'train', root, env, per_tier)
     resume = [] if args.train_only else _run(run_processes, args, 'resume', root, env,
                                               per_tier[:3] if args.lose_node else per_tier)
   finally:
@@ -217,6 +263,12 @@ def one_mode(mode, args, bucket, run_processes) -> dict:
       'cpu_s': (sum(t['cpu_s'] for t in train) / len(train)
                 if all(t.get('cpu_s') is not None for t in train) else None),
   }
+  windows = [t.get('steady') for t in train]
+  if all(windows):  # the steady state every process was in: fake-gcs-server and the proxy
+    t0, t1 = max(w[0] for w in windows), min(w[1] for w in windows)
+    used = storage_cpu.between(t0, t1)
+    steps = (t1 - t0) * min(w[2] / max(1e-9, w[1] - w[0]) for w in windows)
+    out['storage_cpu_s'] = used / steps if used is not None and steps > 0 else None
   if resume:
     steps = {r['step'] for r in resume}
     assert len(steps) == 1, steps
@@ -253,6 +305,10 @@ def table(results, args) -> str:
                      f"of 4): bare {r['bare_cpu_s']:.3f} s, with saves {r['cpu_s']:.3f} s "
                      f"(+{r['cpu_s'] - r['bare_cpu_s']:.3f} s; this machine has "
                      f"{os.cpu_count()} cores for the 4 processes)")
+      if r.get('storage_cpu_s') is not None:
+        lines.append(f"{r['mode']}: the storage emulation's CPU per step on the same cores "
+                     f"(fake-gcs-server and the bandwidth-capped proxy; remote on a real job): "
+                     f"{r['storage_cpu_s']:.3f} s")
     for r in results:
       last = r.get('last_save') or {}
       if last:
@@ -288,7 +344,8 @@ def main(argv=None) -> int:
       if mode not in MODES:
         raise SystemExit(f'--modes: {mode!r} is none of {", ".join(MODES)}')
       t0 = time.perf_counter()
-      results.append(one_mode(mode, args, server.new_bucket('local'), run_processes))
+      results.append(one_mode(mode, args, server.new_bucket('local'), run_processes,
+                              getattr(getattr(server, '_proc', None), 'pid', None)))
       print(f'{mode}: {time.perf_counter() - t0:.0f} s', file=sys.stderr, flush=True)
     print(table(results, args))
     if args.json_out:
