@@ -76,6 +76,14 @@ def _generation(entry: str) -> str:
   return hashlib.sha256(f'{key}/{os.path.basename(step_dir)}'.encode()).hexdigest()[:12]
 
 
+def _pool_dir(local_dir: str, writer: str) -> str | None:
+  """``writer``'s pool when it exists, each component a real directory (``lstat``: never
+  through a symlink), else None."""
+  top = os.path.join(local_dir, POOL)
+  pool = os.path.join(top, _slot(writer))
+  return pool if fsafe.is_dir(top) and fsafe.is_dir(pool) else None
+
+
 def _parse(name: str) -> tuple[int, str] | None:
   parts = name.split('.')
   if len(parts) != 3 or not parts[0].isdigit():
@@ -114,14 +122,14 @@ def retire(local_dir: str, entry: str, now: float | None = None) -> int:
         st = os.lstat(os.path.join(entry, name))
         if st.st_size >= MIN_BYTES and _own_file(st):
           found.append((name, st.st_size))
-    pool = os.path.join(local_dir, POOL, _slot(writer))
-    for name in fsafe.names(pool):  # the spares an earlier retire left and no save took
+    old = _pool_dir(local_dir, writer) or ''
+    for name in fsafe.names(old) if old else ():  # spares an earlier retire left, not taken
       p = _parse(name)
       if p is None or p[1] != gen:
-        fsafe.remove_tree(os.path.join(pool, name))
+        fsafe.remove_tree(os.path.join(old, name))
     if not found:
       return 0
-    fsafe.private_dirs(local_dir, POOL, _slot(writer))
+    pool = fsafe.private_dirs(local_dir, POOL, _slot(writer))  # refuses a symlink in the way
     for name, size in found:
       dst = os.path.join(pool, f'{size}.{gen}.{secrets.token_hex(8)}')
       os.rename(os.path.join(entry, name), dst)
@@ -164,10 +172,11 @@ class Pool:
   """This writer's spares, listed once per entry written (``store.write_entry``)."""
 
   def __init__(self, local_dir: str, writer: str, now: float | None = None):
-    self._dir = os.path.join(local_dir, POOL, _slot(writer))
+    found = _pool_dir(local_dir, writer)
+    self._dir = found or ''
     self._by_size: dict[int, list[str]] = {}
     now = time.time() if now is None else now
-    if not fsafe.is_dir(self._dir):
+    if not found:
       return
     for name in fsafe.names(self._dir):
       p = _parse(name)

@@ -210,3 +210,23 @@ def test_a_symlink_in_the_pool_is_never_followed(tier, tmp_path):
   assert spares.Pool(str(tier), 'p0').claim(2 << 20, str(tier / 'new.bin')) is None
   assert target.read_bytes() == b'\x00' * (2 << 20)
   assert not os.path.lexists(tier / 'new.bin') and os.listdir(pool_dir) == []
+
+
+def test_a_symlinked_pool_directory_is_never_gone_through(tier, tmp_path):
+  """``.spare`` itself a symlink to another directory: retiring never moves files there nor
+  deletes what is there (the entry's files stay for the caller's removal), and nothing is
+  claimed from it."""
+  elsewhere = tmp_path / 'elsewhere'
+  slot = elsewhere / spares._slot('p0')  # pylint: disable=protected-access
+  os.makedirs(slot, mode=0o700)
+  victim = slot / f'{2 << 20}.0000.0000'
+  victim.write_bytes(b'\x07' * (2 << 20))
+  os.chmod(victim, 0o600)
+  os.symlink(elsewhere, tier / spares.POOL)
+  entry = _entry(tier, 1, sizes=(2 << 20,))
+  assert spares.retire(str(tier), str(entry)) == 0
+  assert (entry / '0.0.bin').exists() and victim.read_bytes() == b'\x07' * (2 << 20)
+  assert spares.Pool(str(tier), 'p0').claim(2 << 20, str(tier / 'new.bin')) is None
+  assert victim.exists() and not (tier / 'new.bin').exists()
+  assert spares.pooled(str(tier)) == (0, 0) and spares.drop(str(tier)) == 0
+  assert victim.exists()
