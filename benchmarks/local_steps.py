@@ -267,8 +267,8 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None) -> dict:
   if all(windows):  # the steady state every process was in: fake-gcs-server and the proxy
     t0, t1 = max(w[0] for w in windows), min(w[1] for w in windows)
     used = storage_cpu.between(t0, t1)
-    steps = (t1 - t0) * min(w[2] / max(1e-9, w[1] - w[0]) for w in windows)
-    out['storage_cpu_s'] = used / steps if used is not None and steps > 0 else None
+    n_steps = (t1 - t0) * min(w[2] / max(1e-9, w[1] - w[0]) for w in windows)
+    out['storage_cpu_s'] = used / n_steps if used is not None and n_steps > 0 else None
   if resume:
     steps = {r['step'] for r in resume}
     assert len(steps) == 1, steps
@@ -345,7 +345,7 @@ def main(argv=None) -> int:
         raise SystemExit(f'--modes: {mode!r} is none of {", ".join(MODES)}')
       t0 = time.perf_counter()
       results.append(one_mode(mode, args, server.new_bucket('local'), run_processes,
-                              getattr(getattr(server, '_proc', None), 'pid', None)))
+                              server.pid))
       print(f'{mode}: {time.perf_counter() - t0:.0f} s', file=sys.stderr, flush=True)
     print(table(results, args))
     if args.json_out:

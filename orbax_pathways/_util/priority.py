@@ -1,9 +1,10 @@
 """A lower CPU priority for one background thread (Linux: a thread's nice value is its own, and
 threads it starts inherit it).
 
-Who calls it: the tier's copy thread (``tier/store.submit``'s initializer) and a background
-local-only save's thread (``manager/local_steps.py``), each on itself, first thing: their work
-then takes the cores the training loop leaves idle rather than sharing them with it.
+Who calls it: the tier's copy thread (``tier/store.submit``'s initializer), on itself, first
+thing: the copy into node memory then takes the cores the training loop leaves idle rather than
+sharing them with it. (A background local-only save at this priority was measured and not kept:
+``benchmarks/RESULTS.md``, "Tier spares".)
 """
 
 from __future__ import annotations

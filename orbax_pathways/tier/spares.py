@@ -47,11 +47,12 @@ import signal
 import stat
 import threading
 import time
+from typing import Callable, Iterator
 
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
 
-POOL = '.spare'  # <local_dir>/.spare/<slot>/: never a root key (they end in 16 hex digits)
+POOL = '.spare'  # <local_dir>/.spare/<slot>/<file>: a listing of root keys finds no entry in it
 MIN_BYTES = 1 << 20  # smaller files: a new one costs little more than the claim
 WINDOW_S = 120.0  # an entry written longer ago than this is freed, not kept as a spare
 
@@ -122,8 +123,8 @@ def retire(local_dir: str, entry: str, now: float | None = None) -> int:
         st = os.lstat(os.path.join(entry, name))
         if st.st_size >= MIN_BYTES and _own_file(st):
           found.append((name, st.st_size))
-    old = _pool_dir(local_dir, writer) or ''
-    for name in fsafe.names(old) if old else ():  # spares an earlier retire left, not taken
+    old = _pool_dir(local_dir, writer) or ''  # '' lists as empty
+    for name in fsafe.names(old):  # spares an earlier retire left and no save took
       p = _parse(name)
       if p is None or p[1] != gen:
         fsafe.remove_tree(os.path.join(old, name))
@@ -228,24 +229,25 @@ def expire(local_dir: str, now: float | None = None) -> int:
   return _remove(local_dir, lambda st: now - st.st_mtime > WINDOW_S)
 
 
-def _remove(local_dir: str, which) -> int:
+def _spares(local_dir: str) -> Iterator[tuple[str, os.stat_result]]:
+  """(path, lstat) of every spare of every writer under ``local_dir`` (never through a
+  symlink: ``.spare`` and each slot must be real directories)."""
   root = os.path.join(local_dir, POOL)
+  if fsafe.is_dir(root):
+    for slot in fsafe.subdirs(root):
+      yield from fsafe.walk_files(os.path.join(root, slot))
+
+
+def _remove(local_dir: str, which: Callable[[os.stat_result], bool]) -> int:
   freed = 0
-  if not fsafe.is_dir(root):
-    return 0
-  for slot in fsafe.subdirs(root):
-    for path, st in fsafe.walk_files(os.path.join(root, slot)):
-      if which(st):
-        fsafe.remove_tree(path)
-        freed += st.st_size
+  for path, st in _spares(local_dir):
+    if which(st):
+      fsafe.remove_tree(path)
+      freed += st.st_size
   return freed
 
 
 def pooled(local_dir: str) -> tuple[int, int]:
   """(spare files, their bytes) under ``local_dir`` (``orbax-pathways tier``)."""
-  root = os.path.join(local_dir, POOL)
-  if not fsafe.is_dir(root):
-    return 0, 0
-  found = [st.st_size for slot in fsafe.subdirs(root)
-           for _, st in fsafe.walk_files(os.path.join(root, slot))]
+  found = [st.st_size for _, st in _spares(local_dir)]
   return len(found), sum(found)

@@ -234,6 +234,11 @@ class FakeGcs:
   def running(self) -> bool:
     return self._proc is not None and self._proc.poll() is None
 
+  @property
+  def pid(self) -> int | None:
+    """The server process's id while it runs (benchmarks sample its CPU time)."""
+    return self._proc.pid if self.running else None
+
   # -- API -------------------------------------------------------------------------------
   def _request(self, method: str, path: str, body: bytes | None = None,
                timeout: float = 10.0) -> tuple[int, bytes]:
