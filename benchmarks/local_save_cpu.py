@@ -4,6 +4,7 @@ host's cores, with the node-local tier's spares (``tier/spares.py``) on and off,
 
     .venv/bin/python benchmarks/local_save_cpu.py                       # 256 MiB, local dir
     .venv/bin/python benchmarks/local_save_cpu.py --storage gcs         # gs:// on fake-gcs-server
+    .venv/bin/python benchmarks/local_save_cpu.py --storage gcs --latency-ms 30  # GCS-like round trips
 
 One process, 2 CPU devices, an unchanged ``CheckpointManager`` (storage every 1000 steps) with
 ``local_save_interval_steps=1`` and a tier directory on /dev/shm; each step's new state is a
@@ -13,7 +14,9 @@ fresh processes, alternating, ``--rounds`` each: ``spares`` (the default) and ``
 (``spares.WINDOW_S = 0``: no file is kept, each save writes new pages and frees the old ones, as
 before spares). Reported: the median over each variant's saves after the first two, and the
 ratio. ``--storage gcs``: the checkpoint directory is gs:// on fake-gcs-server (memory backend,
-no proxy), so Orbax's per-save metadata requests are in the number too.
+behind the test proxy), so Orbax's per-save metadata requests are in the number too; with
+``--latency-ms N`` the proxy holds every response N ms (a GCS round trip), and the wall time from
+``save()`` to committed shows what those requests cost a save's commit.
 """
 
 from __future__ import annotations
@@ -47,18 +50,19 @@ rows = int(mib * (1 << 20) / 4 / 1024) // 2 * 2
 step_fn = jax.jit(lambda w: w + 1, donate_argnums=0)
 w = jax.device_put(np.zeros((rows, 1024), np.float32), sharding)
 opts = ocp.CheckpointManagerOptions(save_interval_steps=1000, max_to_keep=2)
-cpu = []
+cpu, wall = [], []
 with ocp.CheckpointManager(root, options=opts) as m:
   m.save(0, args=ocp.args.StandardSave({'w': w}))  # Orbax's first save: to storage
   m.wait_until_finished()
   for step in range(1, saves + 1):
     w = step_fn(w)
     jax.block_until_ready(w)
-    c0 = time.process_time()
+    c0, t0 = time.process_time(), time.perf_counter()
     m.save(step, args=ocp.args.StandardSave({'w': w}))
     m.wait_until_finished()
     cpu.append(time.process_time() - c0)
-print(json.dumps({'cpu': cpu}))
+    wall.append(time.perf_counter() - t0)
+print(json.dumps({'cpu': cpu, 'wall': wall}))
 '''
 
 
@@ -69,11 +73,13 @@ def parse_args(argv=None):
   p.add_argument('--saves', type=int, default=12, help='local-only saves per process')
   p.add_argument('--rounds', type=int, default=2, help='processes per variant, alternating')
   p.add_argument('--storage', choices=('local', 'gcs'), default='local')
+  p.add_argument('--latency-ms', type=float, default=0.0,
+                 help='with --storage gcs: each storage response held this long (a round trip)')
   p.add_argument('--json-out', default=None)
   return p.parse_args(argv)
 
 
-def _one(variant: str, args, env: dict, root: str) -> list[float]:
+def _one(variant: str, args, env: dict, root: str) -> tuple[list[float], list[float]]:
   tier = tempfile.mkdtemp(prefix='orbax-pathways-bench-tier-',
                           dir='/dev/shm' if os.access('/dev/shm', os.W_OK) else None)
   try:
@@ -84,23 +90,32 @@ def _one(variant: str, args, env: dict, root: str) -> list[float]:
                          timeout=1200, check=False)
     if out.returncode:
       raise RuntimeError(f'{variant}: rc {out.returncode}\n{out.stderr[-3000:]}')
-    return json.loads(out.stdout.strip().splitlines()[-1])['cpu'][2:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return got['cpu'][2:], got['wall'][2:]
   finally:
     shutil.rmtree(tier, ignore_errors=True)
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.latency_ms and args.storage != 'gcs':
+    raise SystemExit('--latency-ms needs --storage gcs')
   results: dict[str, list[float]] = {'spares': [], 'no_spares': []}
+  walls: dict[str, list[float]] = {'spares': [], 'no_spares': []}
 
   def run_all(env, new_root):
     for r in range(args.rounds):
       for variant in (('no_spares', 'spares') if r % 2 == 0 else ('spares', 'no_spares')):
-        results[variant] += _one(variant, args, env, new_root())
+        cpu, wall = _one(variant, args, env, new_root())
+        results[variant] += cpu
+        walls[variant] += wall
 
   if args.storage == 'gcs':
     from benchlib import storage as benchlib_storage  # pylint: disable=import-outside-toplevel
-    with benchlib_storage.capped_gcs(None) as (server, _):
+    with benchlib_storage.capped_gcs(None) as (server, proxy):
+      if args.latency_ms:
+        proxy.delay_s = args.latency_ms / 1000
+        proxy.set_rate(1.0, ('delay',))
       run_all(dict(os.environ), lambda: f'gs://{server.new_bucket("cpu")}/ckpt')
   else:
     base = tempfile.mkdtemp(prefix='orbax-pathways-bench-ckpt-')
@@ -109,17 +124,22 @@ def main(argv=None) -> int:
     finally:
       shutil.rmtree(base, ignore_errors=True)
   med = {k: statistics.median(v) for k, v in results.items()}
+  med_wall = {k: statistics.median(v) for k, v in walls.items()}
+  latency = f', {args.latency_ms:g} ms per storage request' if args.latency_ms else ''
   print(f'one process, {args.mib:g} MiB of state, a local-only save every step, storage '
-        f'{args.storage}; CPU per save (whole process, save() to committed), median of '
-        f'{len(results["spares"])} saves per variant over {args.rounds} processes each\n')
-  print('| variant | CPU per save, median (s) | min / max (s) |')
-  print('|---|---:|---:|')
+        f'{args.storage}{latency}; CPU per save (whole process, save() to committed) and wall '
+        f'time save() to committed, medians of {len(results["spares"])} saves per variant over '
+        f'{args.rounds} processes each\n')
+  print('| variant | CPU per save, median (s) | min / max (s) | save() to committed, median (s) |')
+  print('|---|---:|---:|---:|')
   for k in ('no_spares', 'spares'):
-    print(f'| {k} | {med[k]:.3f} | {min(results[k]):.3f} / {max(results[k]):.3f} |')
+    print(f'| {k} | {med[k]:.3f} | {min(results[k]):.3f} / {max(results[k]):.3f} '
+          f'| {med_wall[k]:.3f} |')
   print(f'\nspares / no_spares: {med["spares"] / med["no_spares"]:.2f}')
   if args.json_out:
     with open(args.json_out, 'w', encoding='utf-8') as f:
-      json.dump({'args': vars(args), 'cpu': results, 'median': med}, f, indent=1)
+      json.dump({'args': vars(args), 'cpu': results, 'wall': walls, 'median': med,
+                 'median_wall': med_wall}, f, indent=1)
   return 0
 
 

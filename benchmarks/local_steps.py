@@ -76,6 +76,7 @@ mode, root, mib, steps, step_s, storage_every, layout = (
     sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]),
     int(sys.argv[6]), sys.argv[7])
 train_only = sys.argv[8] == 'train_only'  # steps 1.., no storage save; the last save's stats
+update = sys.argv[9]  # 'host': numpy + a transfer per step; 'device': a jitted add on the devices
 n = jax.device_count()
 rows = max(24, int(mib * (1 << 20) * 4 / 4 / 1024) // 24 * 24)  # the state saved on 4 processes
 mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n // 2, 2), ('x', 'y'))
@@ -85,6 +86,13 @@ base = np.arange(rows * 1024, dtype=np.float32).reshape(rows, 1024)
 
 def state(step):
   return {'w': jax.make_array_from_callback(base.shape, sharding, lambda i: base[i] + step)}
+
+if update == 'device':  # the same values, computed where a training step computes: on the devices
+  _base = state(0)['w']
+  _add = jax.jit(lambda b, k: b + k, out_shardings=sharding)
+
+  def state(step):  # pylint: disable=function-redefined
+    return {'w': _add(_base, np.float32(step))}
 
 opts = ocp.CheckpointManagerOptions(save_interval_steps=storage_every, max_to_keep=2)
 if mode == 'train':
@@ -178,6 +186,11 @@ def parse_args(argv=None):
                       'second copy of each share)')
   p.add_argument('--train-only', action='store_true',
                  help='no restart: the training loop\'s step time only (the overhead run)')
+  p.add_argument('--update', choices=('device', 'host'), default='host',
+                 help="how each step builds its new state: 'host' (numpy on the host, then a "
+                 "transfer to the devices: host CPU an accelerator host does not spend) or "
+                 "'device' (a jitted add on the devices, as a training step's update); the same "
+                 'values either way')
   p.add_argument('--json-out', default=None)
   p.add_argument('--timeout', type=float, default=900, help='seconds per multi-process run')
   return p.parse_args(argv)
@@ -228,7 +241,7 @@ def _run(run_processes, args, mode, root, env, tiers):
   res = run_processes(WORKER, len(tiers), 2, timeout=args.timeout, init_timeout=300, env=env,
                       args=[mode, root, str(args.mib), str(args.steps), str(args.step_s),
                             str(args.storage_every), args.layout,
-                            'train_only' if args.train_only else 'restart'],
+                            'train_only' if args.train_only else 'restart', args.update],
                       per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': t} for t in tiers])
   return [r.result for r in res]
 
@@ -283,7 +296,7 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None) -> dict:
 
 def table(results, args) -> str:
   lines = [f'4 processes x 2 CPU devices, {args.mib:g} MiB per process ({args.layout}), '
-           f'{args.steps} steps of {args.step_s:g} s, storage every {args.storage_every}, local '
+           f'{args.steps} steps of {args.step_s:g} s (state update on the {args.update}), storage every {args.storage_every}, local '
            f'every {args.local_every}, gs:// at {args.bandwidth_mib:g} MiB/s; '
            + ('no restart' if args.train_only else
               f'restart on {3 if args.lose_node else 4} processes'
