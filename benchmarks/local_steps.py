@@ -9,7 +9,8 @@ every process is killed, and what a save costs the training loop.
         --mib 256 --step-s 1 --local-every 1 --storage-every 1000 --steps 12   # the overhead
 
 Storage is fake-gcs-server (in memory) behind ``tests/support/fault_proxy.py`` with its bandwidth
-cap (all connections together), so storage is slower than node-local memory as in production.
+cap (all connections together), so storage is slower than node-local memory as in production;
+``--latency-ms`` also holds every response that long (a GCS round trip; 0: loopback's).
 4 ``jax.distributed`` processes (2 CPU devices each, one node-local tier directory each) train a
 state sharded over all 8 devices (``--mib`` per process) for ``--steps`` steps of ``--step-s``
 seconds each (a sleep: the CPU stays free for the background commits), with an unchanged
@@ -186,6 +187,8 @@ def parse_args(argv=None):
                       'second copy of each share)')
   p.add_argument('--train-only', action='store_true',
                  help='no restart: the training loop\'s step time only (the overhead run)')
+  p.add_argument('--latency-ms', type=float, default=0.0,
+                 help='each storage response held this long by the proxy (a GCS round trip)')
   p.add_argument('--update', choices=('device', 'host'), default='host',
                  help="how each step builds its new state: 'host' (numpy on the host, then a "
                  "transfer to the devices: host CPU an accelerator host does not spend) or "
@@ -297,7 +300,8 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None) -> dict:
 def table(results, args) -> str:
   lines = [f'4 processes x 2 CPU devices, {args.mib:g} MiB per process ({args.layout}), '
            f'{args.steps} steps of {args.step_s:g} s (state update on the {args.update}), storage every {args.storage_every}, local '
-           f'every {args.local_every}, gs:// at {args.bandwidth_mib:g} MiB/s; '
+           f'every {args.local_every}, gs:// at {args.bandwidth_mib:g} MiB/s'
+           + (f' and {args.latency_ms:g} ms per request' if args.latency_ms else '') + '; '
            + ('no restart' if args.train_only else
               f'restart on {3 if args.lose_node else 4} processes'
               + (' (node 4 lost)' if args.lose_node else '')), '']
@@ -351,7 +355,10 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   sys.path.insert(0, TESTS)
   from support.mp_harness import run_processes  # pylint: disable=import-outside-toplevel
-  with benchlib_storage.capped_gcs(args.bandwidth_mib * MiB) as (server, _):
+  with benchlib_storage.capped_gcs(args.bandwidth_mib * MiB) as (server, proxy):
+    if args.latency_ms:
+      proxy.delay_s = args.latency_ms / 1000
+      proxy.set_rate(1.0, ('delay',))
     results = []
     for mode in args.modes.split(','):
       if mode not in MODES:
