@@ -148,6 +148,10 @@ if mode == 'train':
                   'blocking_mean_s': sum(blocking) / len(blocking), 'last': last,
                   'events': events, 'bare_cpu_s': bare_cpu,
                   'cpu_s': cpu if train_only else None,
+                  # steps saved local-only after the first (with local_save_when_busy='skip'
+                  # some are skipped while the previous one commits)
+                  'local_saves': sum(1 for k in range(2, steps + 1)
+                                     if stats.saves_for_step(k)) if train_only else None,
                   'steady': steady if train_only else None})
   mp_worker.stop_all_now()
 else:
@@ -189,6 +193,9 @@ def parse_args(argv=None):
                  help='no restart: the training loop\'s step time only (the overhead run)')
   p.add_argument('--latency-ms', type=float, default=0.0,
                  help='each storage response held this long by the proxy (a GCS round trip)')
+  p.add_argument('--when-busy', choices=('wait', 'skip'), default='wait',
+                 help='Options.local_save_when_busy: a local save due while the previous one '
+                 'still commits waits for it or is skipped')
   p.add_argument('--update', choices=('device', 'host'), default='host',
                  help="how each step builds its new state: 'host' (numpy on the host, then a "
                  "transfer to the devices: host CPU an accelerator host does not spend) or "
@@ -256,7 +263,8 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None) -> dict:
            for i in range(4)]
   tiered = mode != 'storage_only'
   env = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': str(args.local_every if tiered else 0),
-         'ORBAX_PATHWAYS_LOCAL_COPIES': '2' if mode == 'multi_tier_copies' else '1'}
+         'ORBAX_PATHWAYS_LOCAL_COPIES': '2' if mode == 'multi_tier_copies' else '1',
+         'ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY': args.when_busy}
   per_tier = list(tiers) if tiered else ['off'] * 4  # storage only: no tier at all
   try:
     with _StorageCpu(server_pid) as storage_cpu:
@@ -278,6 +286,7 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None) -> dict:
       'bare_cpu_s': sum(t['bare_cpu_s'] for t in train) / len(train),
       'cpu_s': (sum(t['cpu_s'] for t in train) / len(train)
                 if all(t.get('cpu_s') is not None for t in train) else None),
+      'local_saves': train[0].get('local_saves'),  # process 0's (every process skips alike)
   }
   windows = [t.get('steady') for t in train]
   if all(windows):  # the steady state every process was in: fake-gcs-server and the proxy
@@ -322,6 +331,10 @@ def table(results, args) -> str:
                      f"of 4): bare {r['bare_cpu_s']:.3f} s, with saves {r['cpu_s']:.3f} s "
                      f"(+{r['cpu_s'] - r['bare_cpu_s']:.3f} s; this machine has "
                      f"{os.cpu_count()} cores for the 4 processes)")
+      if r.get('local_saves') is not None and args.local_every and r['mode'] != 'storage_only':
+        due = len([k for k in range(2, args.steps + 1) if k % args.local_every == 0])
+        lines.append(f"{r['mode']}: steps 2-{args.steps} saved local-only: {r['local_saves']} of "
+                     f"the {due} due (local_save_when_busy={args.when_busy!r})")
       if r.get('storage_cpu_s') is not None:
         lines.append(f"{r['mode']}: the storage emulation's CPU per step on the same cores "
                      f"(fake-gcs-server and the bandwidth-capped proxy; remote on a real job): "

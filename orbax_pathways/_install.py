@@ -129,7 +129,8 @@ def _manager_hooks() -> list[manager_hooks.ManagerHooks]:
   return [_Checks(), step_errors.StepErrors(), _TierCommit(),
           local_steps.LocalStepHooks(lambda: _installed_options().local_save_interval_steps,
                                      lambda: _installed_options().local_keep,
-                                     background=_local_saves_in_background)]
+                                     background=_local_saves_in_background,
+                                     when_busy=lambda: _installed_options().local_save_when_busy)]
 
 
 def _local_saves_in_background() -> bool:

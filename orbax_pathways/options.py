@@ -41,6 +41,7 @@ SNAPSHOTS = ('auto', 'pinned', 'host')
 DIVISIBILITIES = ('replicate', 'strict')
 COMPRESSIONS = ('auto', 'zstd', 'none')
 LOCAL_SCOPES = ('written', 'held')
+LOCAL_WHEN_BUSY = ('wait', 'skip')
 LOCAL_MAX_AGE_S = 24 * 3600.0  # Options.local_max_age_s
 
 _TRUE = ('1', 'true', 'yes', 'y', 'on', 't')
@@ -179,6 +180,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar('ORBAX_PATHWAYS_LOCAL_SCOPE', 'choice', 'written',
            "what the node-local tier keeps: the chunks this host wrote, or every chunk its "
            'devices hold', LOCAL_SCOPES),
+    EnvVar('ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY', 'choice', 'wait',
+           'a local-only save due while the previous one still commits: wait for it, or skip '
+           'the step (every process alike)', LOCAL_WHEN_BUSY),
     EnvVar('ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S', 'float', 20.0,
            "longest wait on another host's node-local tier before its chunks come from storage",
            minimum=0.001, unit='seconds'),
@@ -207,6 +211,7 @@ FIELD_ENV: dict[str, str] = {
     'local_keep': 'ORBAX_PATHWAYS_LOCAL_KEEP',
     'local_save_interval_steps': 'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS',
     'local_scope': 'ORBAX_PATHWAYS_LOCAL_SCOPE',
+    'local_save_when_busy': 'ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY',
     'local_copies': 'ORBAX_PATHWAYS_LOCAL_COPIES',
     'local_max_age_s': 'ORBAX_PATHWAYS_LOCAL_MAX_AGE_S',
     'local_max_bytes': 'ORBAX_PATHWAYS_LOCAL_MAX_BYTES',
@@ -357,7 +362,16 @@ class Options:
     or in storage, that the live processes can complete. Needs the tier (``local_dir``). Each
     local-only save still runs Orbax's save protocol for those small files (about 146 storage
     requests, most in sequence: about 2.5 s to commit at 30 ms a request), and a local save due
-    while the previous one commits waits for it: pick an interval whose steps take longer.
+    while the previous one commits waits for it (``local_save_when_busy``).
+  local_save_when_busy: a local-only save due while this manager's previous one still commits
+    in the background (``ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY``). ``'wait'`` (default): ``save()``
+    waits for it, as Orbax's ``save()`` waits for a previous async save. ``'skip'``: the step is
+    not saved local-only and ``save()`` returns at once; under multi-controller JAX the primary
+    host decides for every process (one key-value round per local-only step: every process
+    skips the same steps). For a local interval shorter than a local save's commit (storage
+    round trips: about 2.5 s at 30 ms a request): the loop never waits, and local-only steps
+    land as often as they can commit. Only where local-only saves run in the background (the
+    local transport, arguments the save can copy); otherwise every due step is saved.
   local_copies: copies of each host's share of a local-only step (``ORBAX_PATHWAYS_LOCAL_COPIES``,
     1). ``2``: each process also sends its share, in the save's background part, to a partner
     process of another slice (``tier/partners.py``), which keeps it in its node's tier, so the
@@ -431,6 +445,7 @@ class Options:
   local_keep: int = _default('local_keep')
   local_save_interval_steps: int = _default('local_save_interval_steps')
   local_scope: str = _default('local_scope')
+  local_save_when_busy: str = _default('local_save_when_busy')
   local_copies: int = _default('local_copies')
   local_max_age_s: float = _default('local_max_age_s')
   local_max_bytes: int | None = _default('local_max_bytes')
@@ -459,7 +474,8 @@ class Options:
 
   def __post_init__(self):
     for name, allowed in (('divisibility', DIVISIBILITIES), ('compression', COMPRESSIONS),
-                          ('snapshot', SNAPSHOTS), ('local_scope', LOCAL_SCOPES)):
+                          ('snapshot', SNAPSHOTS), ('local_scope', LOCAL_SCOPES),
+                          ('local_save_when_busy', LOCAL_WHEN_BUSY)):
       if getattr(self, name) not in allowed:
         quoted = [repr(a) for a in allowed]
         raise ValueError(f'{name}={getattr(self, name)!r}: use {", ".join(quoted[:-1])} or '

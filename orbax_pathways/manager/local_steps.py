@@ -17,7 +17,9 @@ Who calls what, on which host (every process that calls the manager):
   processes), the writes into the tiers, the commit. One such save is in flight per manager: the
   next local save waits for it (every process saves every local step, in order, so the
   barriers always meet). Otherwise (a data iterator, a custom handler, Pathways' colocated
-  transport) Orbax's own save runs in the loop's thread and commits in the background. A
+  transport) Orbax's own save runs in the loop's thread and commits in the background. With
+  ``Options.local_save_when_busy='skip'``, a background local save due while the previous one
+  still runs is skipped instead, on every process alike (``manager/local_busy.py``). A
   local save that fails is logged (one warning) and never fails training: the previous
   local-only or storage step stays the newest to resume from.
 - ``LocalStepHooks.wait`` / ``close`` (calls 11): the user's ``wait_until_finished`` and
@@ -43,7 +45,9 @@ import weakref
 from etils import epath
 
 from orbax_pathways.format import names as format_names
+from orbax_pathways._util import said
 from orbax_pathways.manager import hooks as hooks_lib
+from orbax_pathways.manager import local_busy
 from orbax_pathways.manager import local_detach
 from orbax_pathways.transports import snapshots
 from orbax_pathways._compat import orbax_manager as _om
@@ -78,6 +82,12 @@ _running: 'weakref.WeakKeyDictionary[Any, threading.Thread]' = weakref.WeakKeyDi
 _in_background = threading.local()  # .active on a background save's own thread
 
 
+def _busy(mngr: Any) -> bool:
+  """Whether ``mngr``'s previous background local-only save still runs."""
+  thread = _running.get(mngr)
+  return thread is not None and thread.is_alive()
+
+
 def join(mngr: Any) -> None:
   """Waits for ``mngr``'s background local-only save (committed or failed and logged); a no-op
   on that save's own thread."""
@@ -95,10 +105,12 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
   name = 'local_steps'
 
   def __init__(self, interval: Callable[[], int], keep: Callable[[], int],
-               background: Callable[[], bool] = lambda: False):
+               background: Callable[[], bool] = lambda: False,
+               when_busy: Callable[[], str] = lambda: 'wait'):
     self._interval = interval
     self._keep = keep
     self._background = background
+    self._when_busy = when_busy
 
   def policy(self, mngr: Any) -> Policy:
     found = _assigned.get(mngr)
@@ -120,6 +132,11 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     detached = local_detach.detach(args, kwargs) if self._background() else None
     if detached is None:
       self._save(mngr, step, args, kwargs)
+    elif self._when_busy() == 'skip' and not local_busy.go(mngr, step, _busy(mngr)):
+      said.once(logging.INFO, ('local-busy', directory_of(mngr)),
+                'orbax_pathways: local-only step %d of %s skipped: the previous local-only save '
+                'still commits (Options.local_save_when_busy=%r; later skips are not logged).',
+                step, directory_of(mngr), 'skip')
     else:
       self._start(mngr, step, detached)
 

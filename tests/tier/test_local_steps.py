@@ -408,3 +408,37 @@ def test_a_tier_that_cannot_take_the_step_costs_the_local_save_only(tmp_path, ca
   with ocp.CheckpointManager(root, options=options) as m:
     step, got = preemption.resume(m, lambda: None)
   assert step == 0 and np.array_equal(np.asarray(got['x']), np.arange(64, dtype=np.float32))
+
+
+
+def _busy_run(root, tiers, env):
+  res = run_processes(WORKER, 3, 2, args=['save', str(root), 'sharded'], timeout=400,
+                      env={'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '5',
+                           'ORBAX_PATHWAYS_LOCAL_KEEP': '10',
+                           'ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY': 'skip', **env},
+                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+  return [r.results for r in res], [r.stderr_tail[-1500:] for r in res]
+
+
+def test_every_process_skips_the_same_busy_local_steps(tmp_path):
+  """``ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY=skip``, local-only saves every 5 steps: the primary
+  host is slow to commit step 5 (its index merge waits until its step-10 ``save()`` returned),
+  so its save of step 5 still runs when step 10 is due. Its answer is every process's: all three
+  skip step 10, save 15, 20 and 25, and the resume takes step 25 from the tiers."""
+  root, tiers = tmp_path / 'ckpt', [tmp_path / f'node{i}' for i in range(3)]
+  results, tails = _busy_run(root, tiers, {'BUSY_AT': '5'})
+  assert results == [[{'steps': [0], 'local_steps': [5, 15, 20, 25]}]] * 3, (results, tails)
+  out, left = _resume(root, tiers, 'sharded', tmp_path / 'run')
+  for step, by_source, _ in out:
+    assert step == 25 and by_source.get('storage', 0) == 0, (step, by_source)
+  assert left == ['15', '20', '25', '5'], left  # nothing newer than step 25 to delete
+
+
+def test_a_busy_process_that_is_not_the_primary_waits_instead_of_skipping(tmp_path):
+  """The same with process 1 slow to finish its save of step 5 after the commit (its thread
+  still runs at step 10) and the primary host's done: the primary says go, so process 1 waits for its save
+  and saves step 10 with the others. Deciding alone, it would skip step 10 and leave the other
+  two waiting in the hidden manager's barriers."""
+  root, tiers = tmp_path / 'ckpt', [tmp_path / f'node{i}' for i in range(3)]
+  results, tails = _busy_run(root, tiers, {'SLOW_AFTER': '5'})
+  assert results == [[{'steps': [0], 'local_steps': [5, 10, 15, 20, 25]}]] * 3, (results, tails)

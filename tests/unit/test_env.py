@@ -98,6 +98,7 @@ def test_options_reject_bad_values_directly():
       ({'storage_retries': -1}, r'Options.storage_retries=-1: must be an integer >= 0'),
       ({'transport': 'bogus'}, r"Options.transport='bogus': use one of \['local', 'colocated', "
                                r"'persistence'\], or None to detect"),
+      ({'local_save_when_busy': 'drop'}, r"local_save_when_busy='drop': use 'wait' or 'skip'"),
   ]:
     with pytest.raises(ValueError, match=message):
       options_lib.Options(**kwargs)

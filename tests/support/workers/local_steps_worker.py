@@ -19,6 +19,15 @@ tier, in the middle of that step's commit (no process finishes it).
 its numpy leaf is overwritten in place (what a training loop does next).
 ``PARTNER_GONE=1`` (with ``ORBAX_PATHWAYS_LOCAL_COPIES=2``): this process's tier server is gone
 once it published its address (a partner whose process went away): its senders' copies fail.
+``BUSY_AT=S`` (with ``ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY=skip``): the primary host's commit of
+local-only step ``S`` (its index merge, after every process's writes) waits until its loop's
+``save()`` of step ``2 S`` returned (a primary host slow to commit: storage round trips), so that
+save still runs on process 0 only when step ``2 S`` is due; from step ``2 S`` on the loop waits
+for each save, so no other step finds one running. Emits the local-only steps listed too.
+``SLOW_AFTER=S`` (with ``BUSY_AT``'s loop): process 1 only is slow to finish its background
+save of local-only step ``S`` once it committed (its thread sleeps 3 s more: a loaded host), so
+that save still runs there when step ``2 S`` is due, while the other processes waited for
+theirs after ``save()`` of step ``S``.
 """
 
 from __future__ import annotations
@@ -71,6 +80,34 @@ def main() -> None:
 
     partner_copy.ready = ready_then_gone
 
+  busy_at = int(os.environ.get('BUSY_AT') or os.environ.get('SLOW_AFTER') or '0')
+  released = None
+  if busy_at:
+    import threading  # pylint: disable=g-import-not-at-top
+    from orbax_pathways.storage import index  # pylint: disable=g-import-not-at-top
+    from orbax_pathways.tier import manifest  # pylint: disable=g-import-not-at-top
+    merge_item, released = index.merge_item, threading.Event()
+
+    def merge_when_released(item_dir, *a, **k):
+      if (os.environ.get('BUSY_AT') and '.orbax-pathways-local' in str(item_dir)
+          and manifest.split_item_dir(item_dir)[1] == str(busy_at)):
+        assert released.wait(300), 'step 2 S was never saved'
+      return merge_item(item_dir, *a, **k)
+
+    index.merge_item = merge_when_released
+  slow_after = int(os.environ.get('SLOW_AFTER', '0'))
+  if slow_after and jax.process_index() == 1:
+    import time  # pylint: disable=g-import-not-at-top
+    from orbax_pathways.manager import local_steps  # pylint: disable=g-import-not-at-top
+    run = local_steps.LocalStepHooks._run  # pylint: disable=protected-access
+
+    def slow_run(mngr, inner, step, *a, **k):
+      run(mngr, inner, step, *a, **k)
+      if step == slow_after:
+        time.sleep(3)  # far longer than this loop takes to reach step 2 S
+
+    local_steps.LocalStepHooks._run = staticmethod(slow_run)  # pylint: disable=protected-access
+
   P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
   mode, root, layout = sys.argv[1], sys.argv[2], sys.argv[3]
   n = jax.device_count()
@@ -103,8 +140,18 @@ def main() -> None:
           # snapshot. Without one, the arrays are deleted here.)
           spoil({k: st[k] for k in shard})
           st['n'][...] = -1
+        if slow_after and step == slow_after and jax.process_index() != 1:
+          m.wait_until_finished()  # here the save of S is done by step 2 S; process 1's is not
+        if busy_at and step == 2 * busy_at:
+          released.set()
+        if busy_at and step >= 2 * busy_at:
+          m.wait_until_finished()
       m.wait_until_finished()
-      mp_worker.emit({'steps': m.all_steps()})
+      out = {'steps': m.all_steps()}
+      if busy_at:
+        out['local_steps'] = sorted(int(p) for p in os.listdir(os.path.join(
+            root, '.orbax-pathways-local')) if p.isdigit())
+      mp_worker.emit(out)
     else:
       target = {k: jax.ShapeDtypeStruct(values(0)[k].shape, values(0)[k].dtype, sharding=shard[k])
                 for k in shard}

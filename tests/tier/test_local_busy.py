@@ -1,0 +1,99 @@
+"""``Options.local_save_when_busy`` (``manager/local_busy.py``): a local-only save due while the
+previous one still commits waits for it (``'wait'``, the default, as Orbax's ``save()`` waits
+for a previous async save) or is skipped (``'skip'``).
+
+Real Orbax ``CheckpointManager`` on gs:// (fake-gcs-server behind the project's fault proxy),
+real node-local tier. The proxy holds the request that writes local-only step 1's commit marker,
+so that save is still committing, for certain, when step 2 is due. Under multi-controller JAX the
+same decision is one key-value round, the primary host's answer taken by every process:
+``tests/tier/test_local_steps.py::test_every_process_skips_the_same_busy_local_steps``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from urllib.parse import unquote
+
+import pytest
+
+pytestmark = pytest.mark.gcs
+
+HOLD_WAIT_S = 60.0  # far above one local save here; only a hang reaches it
+
+
+def _commit_marker_of_step_1(method: str, target: str) -> bool:
+  return (method == 'POST'
+          and '.orbax-pathways-local/1/commit_success.txt' in unquote(target))
+
+
+def _wait_held(proxy) -> None:
+  deadline = time.monotonic() + HOLD_WAIT_S
+  while not proxy.held():
+    assert time.monotonic() < deadline, 'local-only step 1 never wrote its commit marker'
+    time.sleep(0.05)
+
+
+@pytest.mark.parametrize('when_busy', ['skip', 'wait'])
+def test_a_local_save_due_while_the_previous_one_commits(faulty_gcs, tmp_path, caplog,
+                                                         when_busy):
+  """``'skip'``: step 2's ``save()`` returns while step 1 still commits, step 2 is never saved
+  (one log line says why), and step 3, due once step 1 committed, is. ``'wait'``: step 2's
+  ``save()`` returns only once step 1 committed (the hold released from another thread), and
+  every step is saved. Either way a resume restores the newest local-only step exactly, from
+  the tier."""
+  import threading  # pylint: disable=g-import-not-at-top
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  from orbax_pathways import preemption, stats  # pylint: disable=g-import-not-at-top
+
+  orbax_pathways.install(orbax_pathways.Options(
+      local_dir=str(tmp_path / 'tier'), local_save_interval_steps=1, local_keep=3,
+      local_save_when_busy=when_busy))
+  root = faulty_gcs.path('ckpt')
+  base = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+  options = ocp.CheckpointManagerOptions(save_interval_steps=100)
+  caplog.set_level(logging.INFO, logger='orbax_pathways')
+  released = []
+  try:
+    with ocp.CheckpointManager(root, options=options) as m:
+      m.save(0, args=ocp.args.StandardSave({'w': jax.device_put(base)}))
+      m.wait_until_finished()
+      faulty_gcs.proxy.hold(_commit_marker_of_step_1)
+      m.save(1, args=ocp.args.StandardSave({'w': jax.device_put(base + 1)}))
+      _wait_held(faulty_gcs.proxy)
+      # Released from another thread: 'wait' blocks step 2's save() until then ('skip' must
+      # return long before; if it did not, the release ends the wait and the assert fails).
+      timer = threading.Timer(1.0 if when_busy == 'wait' else HOLD_WAIT_S,
+                              lambda: (released.append(1), faulty_gcs.proxy.release()))
+      timer.start()
+      m.save(2, args=ocp.args.StandardSave({'w': jax.device_put(base + 2)}))
+      timer.cancel()
+      assert released == ([1] if when_busy == 'wait' else []), released
+      faulty_gcs.proxy.release()  # the held request is reset; gcsfs retries it
+      m.wait_until_finished()
+      m.save(3, args=ocp.args.StandardSave({'w': jax.device_put(base + 3)}))
+      m.wait_until_finished()
+      assert m.all_steps() == [0]  # Orbax's listing: storage steps only
+      local = sorted(int(p.name) for p in (epath.Path(root) / '.orbax-pathways-local').iterdir()
+                     if p.name.isdigit())
+  finally:
+    faulty_gcs.proxy.release()
+  skipped = [r.getMessage() for r in caplog.records if 'skipped' in r.getMessage()]
+  if when_busy == 'skip':
+    assert local == [1, 3], local
+    assert len(skipped) == 1 and 'local-only step 2' in skipped[0], skipped
+    assert "local_save_when_busy='skip'" in skipped[0], skipped
+  else:
+    assert local == [1, 2, 3], local
+    assert not skipped, skipped
+  with ocp.CheckpointManager(root, options=options) as m:
+    target = {'w': jax.ShapeDtypeStruct(base.shape, base.dtype,
+                                        sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+    step, got = preemption.resume(m, lambda: None, abstract_state=target)
+  assert step == 3
+  np.testing.assert_array_equal(np.asarray(got['w']), base + 3)
+  assert stats.last_restore().bytes_by_source.get('storage', 0) == 0
