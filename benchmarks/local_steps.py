@@ -308,7 +308,8 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None) -> dict:
 
 def table(results, args) -> str:
   lines = [f'4 processes x 2 CPU devices, {args.mib:g} MiB per process ({args.layout}), '
-           f'{args.steps} steps of {args.step_s:g} s (state update on the {args.update}), storage every {args.storage_every}, local '
+           f'{args.steps} steps of {args.step_s:g} s (state update on the {args.update}), '
+           f'storage every {args.storage_every}, local '
            f'every {args.local_every}, gs:// at {args.bandwidth_mib:g} MiB/s'
            + (f' and {args.latency_ms:g} ms per request' if args.latency_ms else '') + '; '
            + ('no restart' if args.train_only else

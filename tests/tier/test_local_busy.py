@@ -91,8 +91,8 @@ def test_a_local_save_due_while_the_previous_one_commits(faulty_gcs, tmp_path, c
     assert local == [1, 2, 3], local
     assert not skipped, skipped
   with ocp.CheckpointManager(root, options=options) as m:
-    target = {'w': jax.ShapeDtypeStruct(base.shape, base.dtype,
-                                        sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {'w': jax.ShapeDtypeStruct(base.shape, base.dtype, sharding=one)}
     step, got = preemption.resume(m, lambda: None, abstract_state=target)
   assert step == 3
   np.testing.assert_array_equal(np.asarray(got['w']), base + 3)

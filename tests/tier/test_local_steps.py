@@ -410,7 +410,6 @@ def test_a_tier_that_cannot_take_the_step_costs_the_local_save_only(tmp_path, ca
   assert step == 0 and np.array_equal(np.asarray(got['x']), np.arange(64, dtype=np.float32))
 
 
-
 def _busy_run(root, tiers, env):
   res = run_processes(WORKER, 3, 2, args=['save', str(root), 'sharded'], timeout=400,
                       env={'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '5',
@@ -436,9 +435,10 @@ def test_every_process_skips_the_same_busy_local_steps(tmp_path):
 
 def test_a_busy_process_that_is_not_the_primary_waits_instead_of_skipping(tmp_path):
   """The same with process 1 slow to finish its save of step 5 after the commit (its thread
-  still runs at step 10) and the primary host's done: the primary says go, so process 1 waits for its save
-  and saves step 10 with the others. Deciding alone, it would skip step 10 and leave the other
-  two waiting in the hidden manager's barriers."""
+  still runs at step 10) and the other processes' saves done: the primary host says go, so
+  process 1 waits for its save and saves step 10 with the others. Deciding alone, it would skip
+  step 10 and leave the other two waiting in the hidden manager's barriers (checked: the run
+  then hangs there)."""
   root, tiers = tmp_path / 'ckpt', [tmp_path / f'node{i}' for i in range(3)]
   results, tails = _busy_run(root, tiers, {'SLOW_AFTER': '5'})
   assert results == [[{'steps': [0], 'local_steps': [5, 10, 15, 20, 25]}]] * 3, (results, tails)

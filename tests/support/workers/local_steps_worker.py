@@ -22,8 +22,9 @@ once it published its address (a partner whose process went away): its senders' 
 ``BUSY_AT=S`` (with ``ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY=skip``): the primary host's commit of
 local-only step ``S`` (its index merge, after every process's writes) waits until its loop's
 ``save()`` of step ``2 S`` returned (a primary host slow to commit: storage round trips), so that
-save still runs on process 0 only when step ``2 S`` is due; from step ``2 S`` on the loop waits
-for each save, so no other step finds one running. Emits the local-only steps listed too.
+save still runs when step ``2 S`` is due (on every process: the others wait in its commit's
+barriers); from step ``2 S`` on the loop waits for each save, so no other step finds one
+running. Emits the local-only steps listed too.
 ``SLOW_AFTER=S`` (with ``BUSY_AT``'s loop): process 1 only is slow to finish its background
 save of local-only step ``S`` once it committed (its thread sleeps 3 s more: a loaded host), so
 that save still runs there when step ``2 S`` is due, while the other processes waited for
