@@ -191,3 +191,15 @@ def test_numpy_handler_settings_carry_over():
   ours = orbax_v0.ProxyNumpyHandler(**compat.numpy_handler_constructor_kwargs(h))
   assert compat.numpy_handler_deepcopies(ours) == settings.get('deepcopy_host_arrays', True)
   assert compat.numpy_handler_ocdbt_process_id(ours) == 'pwcontroller'
+
+
+def test_the_installed_gcsfs_lists_an_object_created_on_a_whole_second():
+  """GCS and fake-gcs-server send ``timeCreated`` without a fraction for an object created on a
+  whole second; gcsfs before 2024.12.0 (gcsfs#649) raised IndexError listing it, which failed
+  an Orbax save's finalize in CI. ``pyproject.toml``'s floor keeps those releases out."""
+  import datetime  # pylint: disable=g-import-not-at-top
+  import gcsfs  # pylint: disable=g-import-not-at-top
+  parse = gcsfs.GCSFileSystem._parse_timestamp  # pylint: disable=protected-access
+  assert parse(None, '2026-12-04T21:08:00Z') == datetime.datetime(
+      2026, 12, 4, 21, 8, tzinfo=datetime.timezone.utc)
+  assert parse(None, '2026-12-04T21:08:00.5Z').microsecond == 500000

@@ -68,7 +68,7 @@ CASES: tuple[Case, ...] = (
          "the issue's held-out request: the restore's third object GET", nth=3),
     Case('bucket_lookup', 'restore', 'GET', r'^/storage/v1/b/{b}\?', 'google-cloud-storage',
          "Orbax's bucket lookup before it lists steps (hierarchical namespace check)"),
-    # gcsfs 2026.10 pages by 1000, 2024.2 (the oldest CI pins) by 5000
+    # gcsfs 2026.10 pages by 1000, some older releases by 5000
     Case('step_listing', 'restore', 'GET', _O + r'\?(?=.*[?&]prefix=ckpt/(&|$))(?=.*maxResults=\d+)',
          'gcsfs', "Orbax's listing of the steps"),
     Case('commit_success_stat', 'restore', 'GET', _O + rf'/{_STEP}/commit_success\.txt$', 'gcsfs',
@@ -104,7 +104,8 @@ CASES: tuple[Case, ...] = (
     Case('save_listing', 'save', 'GET', _O + rf'\?(?=.*[?&]prefix={_STEP}/)', 'gcsfs',
          'a one-entry listing (is_dir) inside the step'),
     Case('save_upload_start', 'save', 'POST',
-         # gcsfs 2026.10 names the object in the start's query, 2024.2 only in its JSON body
+         # gcsfs 2026.10 names the object in the start's query, some older releases only in its
+         # JSON body
          # (the save's first resumable start is _CHECKPOINT_METADATA's either way)
          _U + rf'(?=.*uploadType=resumable)(?!.*upload_id)(?!.*name=(?!{_STEP}/_CHECKPOINT_METADATA(&|$)))',
          'gcsfs', 'the start of the _CHECKPOINT_METADATA upload'),
