@@ -112,10 +112,7 @@ def main(argv=None) -> int:
 
   if args.storage == 'gcs':
     from benchlib import storage as benchlib_storage  # pylint: disable=import-outside-toplevel
-    with benchlib_storage.capped_gcs(None) as (server, proxy):
-      if args.latency_ms:
-        proxy.delay_s = args.latency_ms / 1000
-        proxy.set_rate(1.0, ('delay',))
+    with benchlib_storage.capped_gcs(None, args.latency_ms / 1000) as (server, _):
       run_all(dict(os.environ), lambda: f'gs://{server.new_bucket("cpu")}/ckpt')
   else:
     base = tempfile.mkdtemp(prefix='orbax-pathways-bench-ckpt-')

@@ -149,9 +149,10 @@ if mode == 'train':
                   'events': events, 'bare_cpu_s': bare_cpu,
                   'cpu_s': cpu if train_only else None,
                   # steps saved local-only after the first (with local_save_when_busy='skip'
-                  # some are skipped while the previous one commits)
-                  'local_saves': sum(1 for k in range(2, steps + 1)
-                                     if stats.saves_for_step(k)) if train_only else None,
+                  # some are skipped while the previous one commits); stats keeps the last 64
+                  # saves, so longer runs report none
+                  'local_saves': sum(1 for k in range(2, steps + 1) if stats.saves_for_step(k))
+                                 if train_only and steps < 64 else None,
                   'steady': steady if train_only else None})
   mp_worker.stop_all_now()
 else:
@@ -369,10 +370,7 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   sys.path.insert(0, TESTS)
   from support.mp_harness import run_processes  # pylint: disable=import-outside-toplevel
-  with benchlib_storage.capped_gcs(args.bandwidth_mib * MiB) as (server, proxy):
-    if args.latency_ms:
-      proxy.delay_s = args.latency_ms / 1000
-      proxy.set_rate(1.0, ('delay',))
+  with benchlib_storage.capped_gcs(args.bandwidth_mib * MiB, args.latency_ms / 1000) as (server, _):
     results = []
     for mode in args.modes.split(','):
       if mode not in MODES:

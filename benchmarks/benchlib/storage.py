@@ -103,9 +103,10 @@ def ts_bytes_read() -> tuple[int, list[str]]:
 
 
 @contextlib.contextmanager
-def capped_gcs(bandwidth_bytes: float | None = None):
+def capped_gcs(bandwidth_bytes: float | None = None, latency_s: float = 0.0):
   """fake-gcs-server (memory backend) behind ``tests/support/fault_proxy.py``, with its
-  bandwidth cap (all connections together; None: uncapped), this process's environment (and its
+  bandwidth cap (all connections together; None: uncapped) and, when ``latency_s`` > 0, every
+  response held that long (a round trip to GCS), this process's environment (and its
   children's) pointed at the proxy. Yields ``(server, proxy)``; both stop at the end."""
   gcs_mod, why = import_gcs_server()
   if gcs_mod is None:
@@ -113,6 +114,9 @@ def capped_gcs(bandwidth_bytes: float | None = None):
   from support.fault_proxy import FaultProxy  # pylint: disable=import-outside-toplevel
   server = gcs_mod.FakeGcs(backend='memory').start()
   proxy = FaultProxy(server.url, rate=0.0, bandwidth=bandwidth_bytes).start()
+  if latency_s > 0:
+    proxy.delay_s = latency_s
+    proxy.set_rate(1.0, ('delay',))
   try:
     for k, v in server.env(proxy.url).items():
       os.environ[k] = v
