@@ -246,6 +246,34 @@ def test_every_process_killed_during_a_local_only_commit_never_uses_that_step(tm
     assert step == 10 and by_source.get('storage', 0) == 0, (step, by_source)
 
 
+def test_one_node_whose_tier_cannot_take_the_step_costs_the_local_saves_not_a_hang(tmp_path):
+  """Node 1's tier directory cannot be made (a file is in its way): its every local-only save
+  fails on its own host while the other processes wait in Orbax's barriers. Each save still
+  ends on every process within the peer deadline, not at Orbax's 20-minute barrier timeout
+  (the run's limit is 300 s), every process logs the failure naming process 1, no local-only
+  step is committed, training goes on, and the restart resumes storage's step 0."""
+  base = tmp_path / 'save'
+  root, tiers = base / 'ckpt', [base / f'node{i}' for i in range(3)]
+  (base / 'a_file').parent.mkdir(parents=True)
+  (base / 'a_file').write_text('not a directory')
+  tiers[1] = base / 'a_file' / 'tier'
+  res = run_processes(WORKER, 3, 2, args=['save', str(root), 'sharded'], timeout=300,
+                      env=LOCAL, per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)}
+                                                  for t in tiers])
+  assert [r.results for r in res] == [[{'steps': [0]}]] * 3
+  for i, r in enumerate(res):
+    named = 'process 1 failed its writes' if i != 1 else 'host p1 could not write its share'
+    assert 'Step 20 (' in r.stderr_tail and 'was not committed' in r.stderr_tail, (
+        i, r.stderr_tail[-3000:])
+    assert named in r.stderr_tail, (
+        i, r.stderr_tail[-3000:])
+  assert not [n for n in os.listdir(root / '.orbax-pathways-local') if n.isdigit()]
+  tiers[1] = base / 'node1'  # the restart's node 1 has an empty tier
+  tiers[1].mkdir(mode=0o700)
+  out, _ = _resume(root, tiers, 'sharded', tmp_path / 'run')
+  assert [step for step, _, _ in out] == [0, 0, 0], out  # values checked exact by the worker
+
+
 def test_stock_orbax_fails_loudly_on_a_local_only_step_instead_of_reading_zeros(sharded):
   root, _ = sharded
   item = root / '.orbax-pathways-local' / '20' / 'default'
