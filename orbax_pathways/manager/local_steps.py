@@ -187,7 +187,10 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     inner = _oms.local_manager(mngr, directory_of(mngr), self.policy(mngr).keep)
     kwargs = {k: v for k, v in kwargs.items() if k not in ('force', 'metrics')}
     try:
-      mngr.wait_until_finished()  # the storage save before it, as before_save above
+      # The storage save before it, as before_save above, and (this manager's wait hook) the
+      # previous local-only save, whose finalize reads the hidden manager's checkpointer.
+      mngr.wait_until_finished()
+      _oms.follow_v1_checkpointer(mngr, inner, kwargs.get('args'))  # Orbax v1's arguments
       return bool(inner.save(step, *args, force=True, **kwargs))
     except Exception as e:  # pylint: disable=broad-except  (never fails the training step)
       _warn_failed(mngr, step, e)

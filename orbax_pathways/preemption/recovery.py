@@ -68,16 +68,23 @@ def _damaged_warning(step: int, path, error: BaseException | None, fallback_step
           'instead.')
 
 
-def _try_restore(mngr, step: int, abstract_state: Any) -> tuple[Any, BaseException | None]:
-  """``mngr.restore(step)`` with ``abstract_state``: (state, None), or (None, the error)."""
+def _try_restore(mngr, step: int, abstract_state: Any,
+                 v1: Any = None) -> tuple[Any, BaseException | None]:
+  """``mngr.restore(step)`` with ``abstract_state``: (state, None), or (None, the error).
+  ``v1``: the Orbax v1 ``training.Checkpointer`` whose manager (or hidden manager of local-only
+  steps) ``mngr`` is; its steps are read as v1 saved them (the ``pytree`` checkpointable)."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   try:
-    return mngr.restore(step, args=ocp.args.StandardRestore(abstract_state)), None
+    if v1 is None:
+      return mngr.restore(step, args=ocp.args.StandardRestore(abstract_state)), None
+    with _oms.v1_context(v1):
+      return ocp.v1.load(_oms.manager_step_path(mngr, step), abstract_state), None
   except Exception as e:  # pylint: disable=broad-except
     return None, e
 
 
-def _from_local_step(mngr, abstract_state: Any, newest_storage: int | None, listed: list[int]):
+def _from_local_step(mngr, abstract_state: Any, newest_storage: int | None, listed: list[int],
+                     v1: Any = None):
   """``(step, state)`` of the newest local-only step of ``listed`` newer than ``newest_storage``
   that every process restored (one agreement round per step tried, as for storage steps), or
   None. A step that cannot be completed (a chunk in no live process's tier:
@@ -87,7 +94,7 @@ def _from_local_step(mngr, abstract_state: Any, newest_storage: int | None, list
   if inner is None:
     return None
   for step in [s for s in listed if newest_storage is None or s > newest_storage]:
-    state, error = _try_restore(inner, step, abstract_state)
+    state, error = _try_restore(inner, step, abstract_state, v1)
     if all_processes_ok(mngr, error is None, step):
       logging.info('orbax_pathways.preemption.resume: resumed from local-only step %d (newer '
                    'than the newest storage step, %s).', step, newest_storage)
@@ -118,7 +125,12 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
   On the primary host, provably abandoned leftovers of interrupted deletes and saves are removed
   first (see ``retention``); work in progress of other processes (a trainer saving into this
   directory while an evaluator resumes) is left alone.
+
+  ``mngr`` may also be Orbax v1's ``training.Checkpointer``: its steps (storage and local-only)
+  are read as v1's ``load_pytree`` reads them, ``abstract_state`` being its
+  ``abstract_pytree``.
   """
+  mngr, v1 = _oms.v0_manager_of(mngr)
 
   mngr.wait_until_finished()
   if _oms.is_primary_host(_oms.manager_primary_host(mngr)) and not _oms.manager_read_only(mngr):
@@ -127,7 +139,7 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
   mngr.reload()
   # The local-only steps, listed once before any agreement round (local_steps.drop_newer).
   _, listed = local_steps.newer_steps(mngr, None)
-  found = _from_local_step(mngr, abstract_state, latest_complete_step(mngr), listed)
+  found = _from_local_step(mngr, abstract_state, latest_complete_step(mngr), listed, v1)
   if found is not None:
     return found
   damaged: list[tuple[int, Any, BaseException | None]] = []
@@ -144,7 +156,7 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
       local_steps.drop_newer(mngr, None, listed)
       return None, init_fn()
     path = _oms.manager_step_path(mngr, step)
-    state, error = _try_restore(mngr, step, abstract_state)
+    state, error = _try_restore(mngr, step, abstract_state, v1)
     if all_processes_ok(mngr, error is None, step):
       for s, p, err in damaged:
         message = _damaged_warning(s, p, err, step)

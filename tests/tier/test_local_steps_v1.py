@@ -1,0 +1,93 @@
+"""Local-only steps under Orbax v1's ``training.Checkpointer`` (what MaxText saves with): with
+``Options.local_save_interval_steps``, a step v1's policy declines but that falls on the local
+interval is saved to the node-local tier only, and ``preemption.resume`` takes a v1 Checkpointer
+and restores the newest step the tiers can complete, else storage's.
+
+v1 replaces its manager's checkpointer before each save with one whose handlers know v1's
+arguments; the hidden manager of local-only steps saves the same arguments through a
+checkpointer of that kind (``_compat/orbax_manager_state.follow_v1_checkpointer``). Without it
+every local-only save failed ("Unable to find registered CheckpointHandler"). One process, real
+Orbax v1, real tier directories; multi-process local-only steps: ``test_local_steps.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+import orbax_pathways
+from orbax_pathways import preemption
+from orbax_pathways import stats
+from support.arrays import mesh
+
+v1 = ocp.v1
+
+
+def _state(step: int, sharding) -> dict:
+  w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + step
+  return {'w': jax.device_put(w, sharding), 'n': np.full((3,), step, np.int64)}
+
+
+def _abstract(sharding) -> dict:
+  return {'w': jax.ShapeDtypeStruct((64, 32), np.float32, sharding=sharding),
+          'n': np.zeros((3,), np.int64)}
+
+
+def _save_run(root, tier, caplog) -> jax.sharding.Sharding:
+  """Steps 0..7 through a v1 Checkpointer saving to storage every 10 steps, with local-only
+  steps every 2 (the newest 2 kept)."""
+  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier), local_save_interval_steps=2,
+                                                local_keep=2))
+  sharding = jax.sharding.NamedSharding(mesh(), jax.sharding.PartitionSpec('data', 'model'))
+  policy = v1.training.save_decision_policies.FixedIntervalPolicy(10)
+  caplog.set_level(logging.WARNING, logger='orbax_pathways')
+  with v1.training.Checkpointer(root, save_decision_policy=policy) as ckptr:
+    for step in range(8):
+      ckptr.save(step, _state(step, sharding))
+    ckptr.wait()
+    assert [c.step for c in ckptr.checkpoints] == [0]  # v1's listing: storage steps only
+  failed = [r.getMessage() for r in caplog.records if 'local-only' in r.getMessage()]
+  assert not failed, failed
+  return sharding
+
+
+def test_a_v1_checkpointer_saves_local_only_steps_and_resumes_the_newest(tmp_path, caplog):
+  root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
+  sharding = _save_run(root, tier, caplog)
+  local = root / '.orbax-pathways-local'
+  assert sorted(os.listdir(local)) == ['4', '6']  # committed (no temporary name), 2 kept
+  (item,) = [p for p in (local / '6').iterdir() if p.is_dir()]  # v1's one checkpointable
+  sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(item) for f in fs]
+  assert sum(sizes) < 16 << 10, sorted(sizes)  # Orbax's files and ours: no chunk of 'w' (8 KiB)
+  assert (item / '_pathways' / 'index.msgpack').exists()
+
+  with v1.training.Checkpointer(root) as ckptr:
+    step, got = preemption.resume(ckptr, lambda: None, abstract_state=_abstract(sharding))
+  want = _state(6, sharding)
+  assert step == 6
+  np.testing.assert_array_equal(np.asarray(got['w']), np.asarray(want['w']))
+  np.testing.assert_array_equal(got['n'], want['n'])
+  by_source = stats.last_restore().bytes_by_source
+  assert by_source.get('storage', 0) == 0 and by_source.get('local', 0) > 0, by_source
+
+
+def test_a_v1_checkpointer_whose_tier_is_gone_resumes_storage_s_step(tmp_path, caplog):
+  """The node's tier is lost (a restart on a new node: an empty tier): local-only steps 6 and 4
+  cannot be completed, each passed over with one log line naming it, and storage's step 0 is
+  resumed, exact."""
+  root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
+  sharding = _save_run(root, tier, caplog)
+  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tmp_path / 'new_tier'),
+                                                local_save_interval_steps=2, local_keep=2))
+  caplog.clear()
+  with v1.training.Checkpointer(root) as ckptr:
+    step, got = preemption.resume(ckptr, lambda: None, abstract_state=_abstract(sharding))
+  assert step == 0
+  np.testing.assert_array_equal(np.asarray(got['w']), np.asarray(_state(0, sharding)['w']))
+  np.testing.assert_array_equal(got['n'], _state(0, sharding)['n'])
+  passed = [r.getMessage() for r in caplog.records if 'cannot be restored' in r.getMessage()]
+  assert [m.split('local-only step ')[1].split(' ')[0] for m in passed] == ['6', '4'], passed
