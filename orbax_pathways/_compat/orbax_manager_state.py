@@ -6,8 +6,8 @@ hooks inside Orbax's ``CheckpointManager``): both reach Orbax's private ``_src``
 through ``src.py``. Callers: ``manager/`` (retention, the writer lease, local-only steps, the
 emergency manager), ``preemption/`` and ``orbax_manager.py``'s own wrappers, on every process
 that calls the manager; nothing here writes to storage or changes the manager's behaviour,
-except ``forget_step`` (the manager's cached listing), ``local_manager`` (builds the hidden
-manager once) and ``follow_v1_checkpointer`` (the hidden manager's checkpointer for one save).
+except ``forget_step`` (the manager's cached listing) and ``local_manager`` (builds the hidden
+manager once). Orbax v1's ``training.Checkpointer``: ``orbax_v1_training.py``.
 """
 
 from __future__ import annotations
@@ -159,60 +159,6 @@ def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike,
   inner.__dict__[_LOCAL_OF] = mngr
   mngr.__dict__[_LOCAL] = inner
   return inner
-
-
-def v0_manager_of(target: Any) -> tuple[Any, Any]:
-  """``(manager, None)`` for a v0 ``CheckpointManager``; for Orbax v1's
-  ``training.Checkpointer``, ``(the v0 CheckpointManager it saves through, the Checkpointer)``."""
-  if isinstance(target, ocp.v1.training.Checkpointer):
-    return target._manager, target  # pylint: disable=protected-access
-  return target, None
-
-
-def v1_context(checkpointer: Any) -> Any:
-  """The v1 ``Context`` that Orbax v1's ``training.Checkpointer`` reads under (the active one,
-  else the Checkpointer's own, as its ``load_pytree`` chooses), to enter as ``with``."""
-  own = checkpointer._context  # pylint: disable=protected-access
-  return src.orbax_v1('context.context').get_context(own)
-
-
-def _is_v1_args(args: Any) -> bool:
-  """Whether ``args`` are what Orbax v1's ``training.Checkpointer`` hands its manager: a
-  ``CompositeArgs`` of v1 compatibility ``Args``, one per checkpointable."""
-  compat = src.orbax_v1('handlers.compatibility').Args
-  return isinstance(args, ocp.args.Composite) and any(
-      isinstance(a, compat) for a in args.values())
-
-
-def follow_v1_checkpointer(mngr: ocp.CheckpointManager, inner: ocp.CheckpointManager,
-                           args: Any) -> bool:
-  """Orbax v1's ``training.Checkpointer`` saves through a v0 ``CheckpointManager`` whose
-  checkpointer it replaces before each save: one made for that save's checkpointables, whose
-  composite handler knows v1's compatibility ``Args`` (the manager's own checkpointer does not).
-  When ``args`` are such, the hidden manager ``inner`` gets, for its save of the same ``args``,
-  a checkpointer of the same class (v1's memory regulation included) over that same handler,
-  with ``inner``'s own options: its barrier names, async options and metadata store. The
-  caller has waited for ``inner``'s previous save (its finalize reads the checkpointer).
-  Returns whether it did (False: v0 arguments, which ``inner``'s own checkpointer saves)."""
-  if not _is_v1_args(args):
-    return False
-  made = mngr.__dict__['_checkpointer']  # set by v1 for this very save, which Orbax declined
-  options = inner._options  # pylint: disable=protected-access
-  kwargs = dict(
-      multiprocessing_options=options.multiprocessing_options,
-      async_options=options.async_options or ocp.AsyncOptions(),
-      file_options=options.file_options or ocp.options.FileOptions(),
-      atomicity_options=options.atomicity_options,
-      checkpoint_metadata_store=inner._non_blocking_metadata_store,  # pylint: disable=protected-access
-      temporary_path_class=options.temporary_path_class)
-  if getattr(made, '_context', None) is not None:  # v1's _RegulatedAsyncCheckpointer (>= 0.12.5)
-    kwargs['context'] = made._context  # pylint: disable=protected-access
-  if not isinstance(made, ocp.AsyncCheckpointer) or not options.enable_async_checkpointing:
-    raise TypeError(f'orbax_pathways: a local-only save of Orbax v1 arguments needs an async '
-                    f'checkpointer; found {type(made).__name__} (enable_async_checkpointing='
-                    f'{options.enable_async_checkpointing}).')
-  inner.__dict__['_checkpointer'] = type(made)(made.handler, **kwargs)
-  return True
 
 
 def existing_local_manager(mngr: ocp.CheckpointManager) -> ocp.CheckpointManager | None:

@@ -11,7 +11,9 @@ it saves; a custom handler's arguments): such a save runs in the loop's thread, 
 What is detached: ``args.Composite`` of the items below; ``StandardSave`` / ``PyTreeSave`` /
 ``ArraySave`` trees of ``jax.Array`` (kept: their host copies are taken), numpy arrays (copied),
 numpy and Python scalars, strings, bytes and ``None`` (immutable); ``JsonSave`` (a deep copy);
-``custom_metadata`` (a deep copy).
+``custom_metadata`` (a deep copy); Orbax v1's compatibility ``Args`` (what its
+``training.Checkpointer`` passes, one per checkpointable) whose checkpointable is a tree of the
+leaves above (a data iterator or another v1 ``Checkpointable`` object is not).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from orbax_pathways._compat import orbax_v1_training as _v1
 
 _TREES = (ocp.args.StandardSave, ocp.args.PyTreeSave, ocp.args.ArraySave)
 _IMMUTABLE = (np.generic, int, float, complex, bool, str, bytes, type(None))
@@ -60,6 +64,8 @@ def _item(a: Any, arrays: list) -> Any:
     return out
   if isinstance(a, ocp.args.JsonSave):
     return dataclasses.replace(a, item=copy.deepcopy(a.item))
+  if isinstance(a, _v1.v1_args_type()):  # Orbax v1's training.Checkpointer: one per checkpointable
+    return type(a)(jax.tree.map(lambda x: _leaf(x, arrays), a.checkpointable))
   raise _Unsupported(type(a).__name__)
 
 

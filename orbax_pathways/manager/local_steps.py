@@ -14,7 +14,9 @@ Who calls what, on which host (every process that calls the manager):
   loop's thread takes only the snapshot (``transports/snapshots.take``: this process's shards
   to host; numpy leaves and JSON copied) and a background thread per manager runs the hidden
   manager's whole save: Orbax's barriers (key-value ones: the hidden manager names its
-  processes), the writes into the tiers, the commit. One such save is in flight per manager: the
+  processes), the writes into the tiers, the commit (Orbax v1's ``training.Checkpointer``: the
+  checkpointer v1 made for the step, ``_compat/orbax_v1_training``, and the loop's context
+  variables, v1's ``Context``, go with it). One such save is in flight per manager: the
   next local save waits for it (every process saves every local step, in order, so the
   barriers always meet). Otherwise (a data iterator, a custom handler, Pathways' colocated
   transport) Orbax's own save runs in the loop's thread and commits in the background. With
@@ -37,6 +39,7 @@ on it too (the writer lease, retention, the tier's commit); this module's hooks 
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 from typing import Any, Callable, Iterable, NamedTuple
@@ -53,6 +56,7 @@ from orbax_pathways.transports import snapshots
 from orbax_pathways._compat import orbax_manager as _om
 
 from orbax_pathways._compat import orbax_manager_state as _oms
+from orbax_pathways._compat import orbax_v1_training as _v1
 log = logging.getLogger('orbax_pathways')
 
 
@@ -146,11 +150,16 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     join(mngr)
     try:
       inner = _oms.local_manager(mngr, directory_of(mngr), self.policy(mngr).keep)
+      _v1.follow_v1_checkpointer(mngr, inner, detached.kwargs.get('args'))  # Orbax v1's
       taken = snapshots.take(detached.arrays)
     except Exception as e:  # pylint: disable=broad-except  (never fails the training step)
       _warn_failed(mngr, step, e)
       return
-    thread = threading.Thread(target=self._run, args=(mngr, inner, step, detached, taken),
+    # The loop's context variables go with the save (Orbax v1's Context, which its handlers
+    # read when they save).
+    context = contextvars.copy_context()
+    thread = threading.Thread(target=context.run,
+                              args=(self._run, mngr, inner, step, detached, taken),
                               name=f'orbax_pathways-local-save-{step}', daemon=True)
     _running[mngr] = thread
     thread.start()
@@ -190,7 +199,7 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
       # The storage save before it, as before_save above, and (this manager's wait hook) the
       # previous local-only save, whose finalize reads the hidden manager's checkpointer.
       mngr.wait_until_finished()
-      _oms.follow_v1_checkpointer(mngr, inner, kwargs.get('args'))  # Orbax v1's arguments
+      _v1.follow_v1_checkpointer(mngr, inner, kwargs.get('args'))  # Orbax v1's arguments
       return bool(inner.save(step, *args, force=True, **kwargs))
     except Exception as e:  # pylint: disable=broad-except  (never fails the training step)
       _warn_failed(mngr, step, e)

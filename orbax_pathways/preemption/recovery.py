@@ -19,6 +19,7 @@ from orbax_pathways.manager import retention
 from orbax_pathways.coord import rounds
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager_state as _oms
+from orbax_pathways._compat import orbax_v1_training as _v1
 from orbax_pathways.preemption import decision
 
 
@@ -72,13 +73,12 @@ def _try_restore(mngr, step: int, abstract_state: Any,
                  v1: Any = None) -> tuple[Any, BaseException | None]:
   """``mngr.restore(step)`` with ``abstract_state``: (state, None), or (None, the error).
   ``v1``: the Orbax v1 ``training.Checkpointer`` whose manager (or hidden manager of local-only
-  steps) ``mngr`` is; its steps are read as v1 saved them (the ``pytree`` checkpointable)."""
+  steps) ``mngr`` is; its steps are read as v1's ``load`` reads them."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   try:
     if v1 is None:
       return mngr.restore(step, args=ocp.args.StandardRestore(abstract_state)), None
-    with _oms.v1_context(v1):
-      return ocp.v1.load(_oms.manager_step_path(mngr, step), abstract_state), None
+    return _v1.load(v1, _oms.manager_step_path(mngr, step), abstract_state), None
   except Exception as e:  # pylint: disable=broad-except
     return None, e
 
@@ -130,7 +130,7 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
   are read as v1's ``load_pytree`` reads them, ``abstract_state`` being its
   ``abstract_pytree``.
   """
-  mngr, v1 = _oms.v0_manager_of(mngr)
+  mngr, v1 = _v1.v0_manager_of(mngr)
 
   mngr.wait_until_finished()
   if _oms.is_primary_host(_oms.manager_primary_host(mngr)) and not _oms.manager_read_only(mngr):

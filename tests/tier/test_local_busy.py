@@ -97,3 +97,61 @@ def test_a_local_save_due_while_the_previous_one_commits(faulty_gcs, tmp_path, c
   assert step == 3
   np.testing.assert_array_equal(np.asarray(got['w']), base + 3)
   assert stats.last_restore().bytes_by_source.get('storage', 0) == 0
+
+
+def test_a_v1_checkpointer_s_busy_local_save_is_skipped_and_its_loop_goes_on(faulty_gcs,
+                                                                            tmp_path, caplog):
+  """Orbax v1's ``training.Checkpointer``'s local-only saves run in the background as v0's do
+  (its arguments detached, the save in v1's ``Context``): with ``'skip'``, step 2's ``save()``
+  returns while step 1 still commits (the proxy holds its commit marker), step 2 is never saved,
+  step 3 is, and the resume through the v1 Checkpointer restores step 3 exactly from the tier.
+  Before, v1's local-only saves ran in the loop's thread, where Orbax's ``save()`` waited for
+  step 1's commit."""
+  import threading  # pylint: disable=g-import-not-at-top
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  from orbax_pathways import preemption, stats  # pylint: disable=g-import-not-at-top
+
+  orbax_pathways.install(orbax_pathways.Options(
+      local_dir=str(tmp_path / 'tier'), local_save_interval_steps=1, local_keep=3,
+      local_save_when_busy='skip'))
+  root = faulty_gcs.path('ckpt')
+  base = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+  policy = ocp.v1.training.save_decision_policies.FixedIntervalPolicy(100)
+  caplog.set_level(logging.INFO, logger='orbax_pathways')
+  released = []
+  try:
+    with ocp.v1.training.Checkpointer(root, save_decision_policy=policy) as ckptr:
+      ckptr.save(0, {'w': jax.device_put(base)})
+      ckptr.wait()
+      faulty_gcs.proxy.hold(_commit_marker_of_step_1)
+      ckptr.save(1, {'w': jax.device_put(base + 1)})
+      _wait_held(faulty_gcs.proxy)
+      timer = threading.Timer(HOLD_WAIT_S, lambda: (released.append(1),
+                                                    faulty_gcs.proxy.release()))
+      timer.start()
+      ckptr.save(2, {'w': jax.device_put(base + 2)})  # returns at once: skipped
+      timer.cancel()
+      assert not released, 'save(2) waited for step 1 to commit'
+      faulty_gcs.proxy.release()
+      ckptr.wait()
+      ckptr.save(3, {'w': jax.device_put(base + 3)})
+      ckptr.wait()
+      assert [c.step for c in ckptr.checkpoints] == [0]
+      local = sorted(int(p.name) for p in (epath.Path(root) / '.orbax-pathways-local').iterdir()
+                     if p.name.isdigit())
+  finally:
+    faulty_gcs.proxy.release()
+  assert local == [1, 3], local
+  skipped = [r.getMessage() for r in caplog.records if 'skipped' in r.getMessage()]
+  assert len(skipped) == 1 and 'local-only step 2' in skipped[0], skipped
+  with ocp.v1.training.Checkpointer(root) as ckptr:
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {'w': jax.ShapeDtypeStruct(base.shape, base.dtype, sharding=one)}
+    step, got = preemption.resume(ckptr, lambda: None, abstract_state=target)
+  assert step == 3
+  np.testing.assert_array_equal(np.asarray(got['w']), base + 3)
+  assert stats.last_restore().bytes_by_source.get('storage', 0) == 0

@@ -5,8 +5,10 @@ and restores the newest step the tiers can complete, else storage's.
 
 v1 replaces its manager's checkpointer before each save with one whose handlers know v1's
 arguments; the hidden manager of local-only steps saves the same arguments through a
-checkpointer of that kind (``_compat/orbax_manager_state.follow_v1_checkpointer``). Without it
-every local-only save failed ("Unable to find registered CheckpointHandler"). One process, real
+checkpointer of that kind (``_compat/orbax_v1_training.py``). Without it
+every local-only save failed ("Unable to find registered CheckpointHandler"). Its saves run in
+the background from the snapshot, as v0's do (``test_local_busy.py`` shows ``save()`` not
+waiting for the previous local save's commit). One process, real
 Orbax v1, real tier directories; multi-process local-only steps: ``test_local_steps.py``.
 """
 
@@ -18,11 +20,16 @@ import os
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 import orbax_pathways
 from orbax_pathways import preemption
 from orbax_pathways import stats
 from support.arrays import mesh
+from support.mp_harness import run_processes
+from support.workers import local_steps_v1_worker
+
+WORKER = local_steps_v1_worker.__file__
 
 v1 = ocp.v1
 
@@ -91,3 +98,61 @@ def test_a_v1_checkpointer_whose_tier_is_gone_resumes_storage_s_step(tmp_path, c
   np.testing.assert_array_equal(got['n'], _state(0, sharding)['n'])
   passed = [r.getMessage() for r in caplog.records if 'cannot be restored' in r.getMessage()]
   assert [m.split('local-only step ')[1].split(' ')[0] for m in passed] == ['6', '4'], passed
+
+
+def test_a_v1_loop_that_donates_its_state_right_after_save_resumes_the_values_saved(tmp_path):
+  """v1's local-only saves run in the background from the snapshot ``save()`` took: the loop
+  donates its arrays to the next step and overwrites its numpy leaf in place as soon as
+  ``save()`` returns, and the resume still reads step 6's values."""
+  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tmp_path / 'tier'),
+                                                local_save_interval_steps=2, local_keep=2))
+  sharding = jax.sharding.NamedSharding(mesh(), jax.sharding.PartitionSpec('data', 'model'))
+  own = jax.jit(lambda t: jax.tree.map(lambda x: x + 0, t))  # buffers jax owns, donatable
+  spoil = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 - 1, t), donate_argnums=0)
+  policy = v1.training.save_decision_policies.FixedIntervalPolicy(10)
+  with v1.training.Checkpointer(tmp_path / 'ckpt', save_decision_policy=policy) as ckptr:
+    for step in range(7):
+      state = _state(step, sharding)
+      state['w'] = own(state['w'])
+      ckptr.save(step, state)
+      spoil({'w': state['w']})
+      state['n'][...] = -1
+    ckptr.wait()
+  with v1.training.Checkpointer(tmp_path / 'ckpt') as ckptr:
+    step, got = preemption.resume(ckptr, lambda: None, abstract_state=_abstract(sharding))
+  assert step == 6
+  np.testing.assert_array_equal(np.asarray(got['w']), np.asarray(_state(6, sharding)['w']))
+  np.testing.assert_array_equal(got['n'], _state(6, sharding)['n'])
+  assert stats.last_restore().bytes_by_source.get('storage', 0) == 0
+
+
+@pytest.mark.multiprocess
+def test_three_processes_save_through_v1_and_resume_from_the_tiers_then_on_two(tmp_path):
+  """Three ``jax.distributed`` processes (nodes 0..2, two devices each) save steps 0..25 through
+  v1 Checkpointers (storage every 100, local-only every 10; the loop donates and overwrites its
+  state right after each ``save()``): only storage's step 0 is v1's, local-only step 20 is
+  committed. A restart on the same three nodes resumes step 20 from the tiers alone, exact. A
+  later restart on nodes 0 and 1 only (node 2 gone, with its tier) cannot complete step 20 ('w'
+  is split over every device: node 2's rows are nowhere else). Process 1, whose devices now
+  need them, fails that read; process 0 reads its part and waits in the barrier that ends v1's
+  ``load``, which process 1 joins before it raises (without that, process 0 waited there until
+  v1's timeout). Every process passes step 20 over, storage's step 0 is resumed, and step 20,
+  newer than the step resumed from, is deleted."""
+  root, tiers = tmp_path / 'ckpt', [tmp_path / f'node{i}' for i in range(3)]
+  env = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '10', 'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': '5'}
+  res = run_processes(WORKER, 3, 2, args=['save', str(root)], timeout=400, env=env,
+                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+  assert [r.results for r in res] == [[{'steps': [0]}]] * 3
+  assert sorted(os.listdir(root / '.orbax-pathways-local')) == ['20']
+  res = run_processes(WORKER, 3, 2, args=['resume', str(root)], timeout=400, env=env,
+                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+  for r in res:
+    (one,) = r.results
+    assert one['step'] == 20 and one['exact'], one
+    assert one['bytes_by_source'].get('storage', 0) == 0, one
+  res = run_processes(WORKER, 2, 2, args=['resume', str(root)], timeout=400, env=env,
+                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers[:2]])
+  for r in res:
+    (one,) = r.results
+    assert one['step'] == 0 and one['exact'], one
+  assert not [n for n in os.listdir(root / '.orbax-pathways-local') if n.isdigit()]

@@ -1,0 +1,85 @@
+"""One ``jax.distributed`` process of ``tests/tier/test_local_steps_v1.py`` (``mp_harness``): a
+simulated node with its own tier directory (``ORBAX_PATHWAYS_LOCAL_DIR``, set by the test),
+saving through Orbax v1's ``training.Checkpointer``.
+
+    local_steps_v1_worker.py save|resume CKPT
+
+``save``: a v1 Checkpointer saving to storage every 100 steps saves steps 0..25 (local-only
+steps every ``ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS``, set by the test): 'w' split over every
+device, 'r' replicated, the numpy leaf 'n'; right after each ``save()`` the arrays are donated
+to a jitted step and 'n' is overwritten in place (the loop goes on while the local-only save
+runs in the background). Emits v1's storage steps. ``resume``: ``preemption.resume`` through a
+v1 Checkpointer onto the current processes (a mesh of however many there are), checks every
+addressable shard against the step it returned, emits the step and the bytes by source.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def values(step: int):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  return {'w': np.arange(96 * 64, dtype=np.float32).reshape(96, 64) * 0.5 + step,
+          'r': np.arange(40, dtype=np.float32) - step,
+          'n': np.full((3,), step, np.int64)}
+
+
+def main() -> None:
+  from support import mp_worker  # pylint: disable=g-import-not-at-top
+
+  mp_worker.init()
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  import orbax_pathways  # pylint: disable=g-import-not-at-top,unused-import
+  from orbax_pathways import preemption  # pylint: disable=g-import-not-at-top
+  from orbax_pathways import stats  # pylint: disable=g-import-not-at-top
+
+  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
+  mode, root = sys.argv[1], sys.argv[2]
+  n = jax.device_count()
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n // 2, 2), ('x', 'y'))
+  shard = {'w': jax.sharding.NamedSharding(mesh, P('x', 'y')),
+           'r': jax.sharding.NamedSharding(mesh, P())}
+
+  def state(step):
+    host = values(step)
+    out = {k: jax.make_array_from_callback(host[k].shape, shard[k], lambda i, k=k: host[k][i])
+           for k in shard}
+    out['n'] = host['n']
+    return out
+
+  policy = ocp.v1.training.save_decision_policies.FixedIntervalPolicy(100)
+  if mode == 'save':
+    own = jax.jit(lambda t: jax.tree.map(lambda x: x + 0, t))  # buffers jax owns
+    spoil = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 - 1, t), donate_argnums=0)
+    with ocp.v1.training.Checkpointer(root, save_decision_policy=policy) as ckptr:
+      for step in range(26):
+        st = state(step)
+        st = {**own({k: st[k] for k in shard}), 'n': st['n']}
+        ckptr.save(step, st)
+        spoil({k: st[k] for k in shard})
+        st['n'][...] = -1
+      ckptr.wait()
+      mp_worker.emit({'steps': [c.step for c in ckptr.checkpoints]})
+  else:
+    target = {k: jax.ShapeDtypeStruct(values(0)[k].shape, values(0)[k].dtype, sharding=shard[k])
+              for k in shard}
+    target['n'] = np.zeros((3,), np.int64)
+    with ocp.v1.training.Checkpointer(root, save_decision_policy=policy) as ckptr:
+      step, got = preemption.resume(ckptr, lambda: None, abstract_state=target)
+    want = values(step)
+    for k in shard:
+      for s in got[k].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(s.data), want[k][s.index])
+    np.testing.assert_array_equal(got['n'], want['n'])
+    mp_worker.emit({'step': step, 'exact': True,
+                    'bytes_by_source': stats.last_restore().bytes_by_source})
+  multihost_utils.sync_global_devices('done')
+
+
+if __name__ == '__main__':
+  main()
