@@ -33,7 +33,8 @@ same processes before the saving runs).
 
 ``--train-only``: no restart; the table is the overhead of saving on the training loop: the
 step time with saves minus the bare step time (each step: the sleep, then the step's new state
-built on the devices), in the steady state (steps 2 on: Orbax's policy saves the first step to
+built on the devices; ``--api v1``: saved through Orbax v1's ``training.Checkpointer`` instead of
+a v0 ``CheckpointManager``), in the steady state (steps 2 on: Orbax's policy saves the first step to
 storage, and the loop waits for that save's commit, untimed, before step 2), against the issue's goal (the device-to-host snapshot, measured as the mean time
 ``save()`` blocks, plus 5% of the bare step), and process 0's Orbax duration events over the
 saving loop (``jax.monitoring``: where ``save()`` and the background commit spend their time).
@@ -95,7 +96,26 @@ if update == 'device':  # the same values, computed where a training step comput
   def state(step):  # pylint: disable=function-redefined
     return {'w': _add(_base, np.float32(step))}
 
+api = sys.argv[10]  # 'v0': an unchanged CheckpointManager; 'v1': Orbax v1's training.Checkpointer
 opts = ocp.CheckpointManagerOptions(save_interval_steps=storage_every, max_to_keep=2)
+
+def manager():
+  if api == 'v0':
+    return ocp.CheckpointManager(root, options=opts)
+  policies = ocp.v1.training.save_decision_policies
+  return ocp.v1.training.Checkpointer(
+      root, save_decision_policy=policies.AnySavePolicy(
+          [policies.InitialSavePolicy(), policies.FixedIntervalPolicy(storage_every)]),
+      preservation_policy=ocp.v1.training.preservation_policies.LatestN(2))
+
+def save(m, step, s):
+  if api == 'v0':
+    m.save(step, args=ocp.args.StandardSave(s))
+  else:
+    m.save(step, s)
+
+def wait(m):
+  m.wait_until_finished() if api == 'v0' else m.wait()
 if mode == 'train':
   s = state(0)
   jax.block_until_ready(s)
@@ -114,7 +134,7 @@ if mode == 'train':
     e[0] += secs
     e[1] += 1
 
-  with ocp.CheckpointManager(root, options=opts) as m:
+  with manager() as m:
     multihost_utils.sync_global_devices('train')
     jax.monitoring.register_event_duration_secs_listener(on_event)
     t0 = time.perf_counter()
@@ -125,10 +145,10 @@ if mode == 'train':
       s = state(step)  # the step's new state (its values identify the step)
       jax.block_until_ready(s)
       b0 = time.perf_counter()
-      m.save(step, args=ocp.args.StandardSave(s))
+      save(m, step, s)
       blocking.append(time.perf_counter() - b0)
       if train_only and step == 1:
-        m.wait_until_finished()  # Orbax's initial save (to storage) committed: not timed
+        wait(m)  # Orbax's initial save (to storage) committed: not timed
         cpu0, wall0 = time.process_time(), time.time()
       ends.append(time.perf_counter())
     loop = (time.perf_counter() - t0) / steps
@@ -136,7 +156,7 @@ if mode == 'train':
       loop = (ends[-1] - ends[0]) / (len(ends) - 1)
       blocking = blocking[1:]
     if train_only:  # the last local-only save's own phases, once it committed
-      m.wait_until_finished()
+      wait(m)
       cpu = (time.process_time() - cpu0) / (len(ends) - 1)  # the saves' background work too
       steady = (wall0, time.time(), len(ends) - 1)  # for the storage emulation's CPU
       st = stats.last_save()
@@ -157,7 +177,7 @@ if mode == 'train':
   mp_worker.stop_all_now()
 else:
   target = {'w': jax.ShapeDtypeStruct(base.shape, base.dtype, sharding=sharding)}
-  with ocp.CheckpointManager(root, options=opts) as m:
+  with manager() as m:
     multihost_utils.sync_global_devices('before')
     t0 = time.perf_counter()
     step, got = preemption.resume(m, lambda: state(0), abstract_state=target)
@@ -202,6 +222,8 @@ def parse_args(argv=None):
                  "transfer to the devices: host CPU an accelerator host does not spend) or "
                  "'device' (a jitted add on the devices, as a training step's update); the same "
                  'values either way')
+  p.add_argument('--api', choices=('v0', 'v1'), default='v0',
+                 help="v0: an unchanged CheckpointManager; v1: Orbax v1's training.Checkpointer")
   p.add_argument('--json-out', default=None)
   p.add_argument('--timeout', type=float, default=900, help='seconds per multi-process run')
   return p.parse_args(argv)
@@ -252,7 +274,8 @@ def _run(run_processes, args, mode, root, env, tiers):
   res = run_processes(WORKER, len(tiers), 2, timeout=args.timeout, init_timeout=300, env=env,
                       args=[mode, root, str(args.mib), str(args.steps), str(args.step_s),
                             str(args.storage_every), args.layout,
-                            'train_only' if args.train_only else 'restart', args.update],
+                            'train_only' if args.train_only else 'restart', args.update,
+                            args.api],
                       per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': t} for t in tiers])
   return [r.result for r in res]
 
@@ -309,6 +332,7 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None) -> dict:
 
 def table(results, args) -> str:
   lines = [f'4 processes x 2 CPU devices, {args.mib:g} MiB per process ({args.layout}), '
+           + ("Orbax v1's training.Checkpointer, " if args.api == 'v1' else '') +
            f'{args.steps} steps of {args.step_s:g} s (state update on the {args.update}), '
            f'storage every {args.storage_every}, local '
            f'every {args.local_every}, gs:// at {args.bandwidth_mib:g} MiB/s'

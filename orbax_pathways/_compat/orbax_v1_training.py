@@ -58,28 +58,30 @@ def follow_v1_checkpointer(mngr: ocp.CheckpointManager, inner: ocp.CheckpointMan
   composite handler knows v1's compatibility ``Args`` (the manager's own checkpointer does not).
   When ``args`` are such, the hidden manager ``inner`` gets, for its save of the same ``args``,
   a checkpointer of the same class (v1's memory regulation included) over the same item
-  handlers, with ``inner``'s own options: its barrier names, async options and metadata store. Waits
-  for ``inner``'s previous save first (its finalize reads the checkpointer). Returns whether it
-  did (False: v0 arguments, which ``inner``'s own checkpointer saves). Called in the training
-  loop's thread, inside v1's ``save`` (the checkpointer v1 set is this step's)."""
+  handlers, with ``inner``'s own options: its processes and barrier names, async options and
+  metadata store. Waits for ``inner``'s previous save first (its finalize reads the
+  checkpointer). Returns whether it did (False: v0 arguments, which ``inner``'s own
+  checkpointer saves). Called in the training loop's thread, inside v1's ``save`` (the
+  checkpointer v1 set is this step's)."""
   if not _is_v1_args(args):
     return False
+  made = mngr.__dict__['_checkpointer']  # set by v1 for this very save
+  # pylint: disable=protected-access
+  options, store = inner._options, inner._non_blocking_metadata_store
+  if not isinstance(made, ocp.AsyncCheckpointer) or not options.enable_async_checkpointing:
+    raise TypeError(f'orbax_pathways: a local-only save of Orbax v1 arguments needs an async '
+                    f'checkpointer; found {type(made).__name__} (enable_async_checkpointing='
+                    f'{options.enable_async_checkpointing}).')
   inner.wait_until_finished()
-  made = mngr.__dict__['_checkpointer']  # set by v1 for this very save, which Orbax declined
-  options = inner._options  # pylint: disable=protected-access
   kwargs = dict(
       multiprocessing_options=options.multiprocessing_options,
       async_options=options.async_options or ocp.AsyncOptions(),
       file_options=options.file_options or ocp.options.FileOptions(),
       atomicity_options=options.atomicity_options,
-      checkpoint_metadata_store=inner._non_blocking_metadata_store,  # pylint: disable=protected-access
+      checkpoint_metadata_store=store,
       temporary_path_class=options.temporary_path_class)
-  if getattr(made, '_context', None) is not None:  # v1's _RegulatedAsyncCheckpointer (>= 0.12.5)
+  if getattr(made, '_context', None) is not None:  # _RegulatedAsyncCheckpointer: 0.12.8, not 0.12.4
     kwargs['context'] = made._context  # pylint: disable=protected-access
-  if not isinstance(made, ocp.AsyncCheckpointer) or not options.enable_async_checkpointing:
-    raise TypeError(f'orbax_pathways: a local-only save of Orbax v1 arguments needs an async '
-                    f'checkpointer; found {type(made).__name__} (enable_async_checkpointing='
-                    f'{options.enable_async_checkpointing}).')
   inner.__dict__['_checkpointer'] = type(made)(_with_processes(made.handler, options), **kwargs)
   return True
 
@@ -115,7 +117,8 @@ def load(checkpointer: Any, path: Any, abstract_state: Any) -> Any:
   sync = src.orbax_v1('synchronization.synchronization')
   multihost = src.orbax_v1('synchronization.multihost')
   asyncio_utils = src.orbax('asyncio_utils')
-  with context_mod.get_context(checkpointer._context) as context:  # pylint: disable=protected-access
+  own = checkpointer._context  # pylint: disable=protected-access
+  with context_mod.get_context(own) as context:
     before = sync.get_operation_id()
     try:
       return ocp.v1.load(path, abstract_state)

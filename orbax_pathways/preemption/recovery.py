@@ -127,8 +127,8 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
   directory while an evaluator resumes) is left alone.
 
   ``mngr`` may also be Orbax v1's ``training.Checkpointer``: its steps (storage and local-only)
-  are read as v1's ``load_pytree`` reads them, ``abstract_state`` being its
-  ``abstract_pytree``.
+  are read as its ``load`` reads them (``abstract_state`` is ``load``'s), under its
+  ``Context``.
   """
   mngr, v1 = _v1.v0_manager_of(mngr)
 

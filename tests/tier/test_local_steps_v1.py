@@ -139,7 +139,8 @@ def test_three_processes_save_through_v1_and_resume_from_the_tiers_then_on_two(t
   v1's timeout). Every process passes step 20 over, storage's step 0 is resumed, and step 20,
   newer than the step resumed from, is deleted."""
   root, tiers = tmp_path / 'ckpt', [tmp_path / f'node{i}' for i in range(3)]
-  env = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '10', 'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': '5'}
+  env = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '10',
+         'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': '5'}
   res = run_processes(WORKER, 3, 2, args=['save', str(root)], timeout=400, env=env,
                       per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
   assert [r.results for r in res] == [[{'steps': [0]}]] * 3
