@@ -8,7 +8,8 @@ saving through Orbax v1's ``training.Checkpointer``.
 steps every ``ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS``, set by the test): 'w' split over every
 device, 'r' replicated, the numpy leaf 'n'; right after each ``save()`` the arrays are donated
 to a jitted step and 'n' is overwritten in place (the loop goes on while the local-only save
-runs in the background). Emits v1's storage steps. ``resume``: ``preemption.resume`` through a
+runs in the background). Emits v1's storage steps. The values and layout are
+``local_steps_worker.py``'s (``sharded``). ``resume``: ``preemption.resume`` through a
 v1 Checkpointer onto the current processes (a mesh of however many there are), checks every
 addressable shard against the step it returned, emits the step and the bytes by source.
 """
@@ -16,13 +17,6 @@ addressable shard against the step it returned, emits the step and the bytes by 
 from __future__ import annotations
 
 import sys
-
-
-def values(step: int):
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  return {'w': np.arange(96 * 64, dtype=np.float32).reshape(96, 64) * 0.5 + step,
-          'r': np.arange(40, dtype=np.float32) - step,
-          'n': np.full((3,), step, np.int64)}
 
 
 def main() -> None:
@@ -38,19 +32,14 @@ def main() -> None:
   from orbax_pathways import preemption  # pylint: disable=g-import-not-at-top
   from orbax_pathways import stats  # pylint: disable=g-import-not-at-top
 
-  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
+  from support.workers import local_steps_worker as same  # pylint: disable=g-import-not-at-top
+  shardings, state_of, values = same.shardings, same.state_of, same.values
+
   mode, root = sys.argv[1], sys.argv[2]
-  n = jax.device_count()
-  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n // 2, 2), ('x', 'y'))
-  shard = {'w': jax.sharding.NamedSharding(mesh, P('x', 'y')),
-           'r': jax.sharding.NamedSharding(mesh, P())}
+  shard = shardings('sharded')
 
   def state(step):
-    host = values(step)
-    out = {k: jax.make_array_from_callback(host[k].shape, shard[k], lambda i, k=k: host[k][i])
-           for k in shard}
-    out['n'] = host['n']
-    return out
+    return state_of(step, shard)
 
   policy = ocp.v1.training.save_decision_policies.FixedIntervalPolicy(100)
   if mode == 'save':

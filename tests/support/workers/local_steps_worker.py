@@ -44,6 +44,28 @@ def values(step: int):
           'n': np.full((3,), step, np.int64)}
 
 
+def shardings(layout: str) -> dict:
+  """'w' and 'r' over a mesh of (devices / 2, 2) of every process's devices (``LAYOUT``)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
+  n = jax.device_count()
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n // 2, 2), ('x', 'y'))
+  w_spec = P('x', 'y') if layout == 'sharded' else P(None, 'y')
+  return {'w': jax.sharding.NamedSharding(mesh, w_spec),
+          'r': jax.sharding.NamedSharding(mesh, P())}
+
+
+def state_of(step: int, shard: dict) -> dict:
+  """Step ``step``'s values: 'w' and 'r' placed as ``shard`` says, 'n' a numpy leaf."""
+  import jax  # pylint: disable=g-import-not-at-top
+  host = values(step)
+  out = {k: jax.make_array_from_callback(host[k].shape, shard[k], lambda i, k=k: host[k][i])
+         for k in shard}
+  out['n'] = host['n']
+  return out
+
+
 def main() -> None:
   from support import mp_worker  # pylint: disable=g-import-not-at-top
 
@@ -109,20 +131,11 @@ def main() -> None:
 
     local_steps.LocalStepHooks._run = staticmethod(slow_run)  # pylint: disable=protected-access
 
-  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
   mode, root, layout = sys.argv[1], sys.argv[2], sys.argv[3]
-  n = jax.device_count()
-  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n // 2, 2), ('x', 'y'))
-  w_spec = P('x', 'y') if layout == 'sharded' else P(None, 'y')
-  shard = {'w': jax.sharding.NamedSharding(mesh, w_spec),
-           'r': jax.sharding.NamedSharding(mesh, P())}
+  shard = shardings(layout)
 
   def state(step):
-    host = values(step)
-    out = {k: jax.make_array_from_callback(host[k].shape, shard[k], lambda i, k=k: host[k][i])
-           for k in shard}
-    out['n'] = host['n']
-    return out
+    return state_of(step, shard)
 
   options = ocp.CheckpointManagerOptions(save_interval_steps=100)
   with ocp.CheckpointManager(root, options=options) as m:
