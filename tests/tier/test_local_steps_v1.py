@@ -157,3 +157,35 @@ def test_three_processes_save_through_v1_and_resume_from_the_tiers_then_on_two(t
     (one,) = r.results
     assert one['step'] == 0 and one['exact'], one
   assert not [n for n in os.listdir(root / '.orbax-pathways-local') if n.isdigit()]
+
+
+def test_a_v1_preemption_save_is_local_committed_before_its_storage_save(tmp_path, caplog):
+  """On the notice, v1's preemption step goes to memory first (``docs/multi_tier.md`` piece 6):
+  its local-only copy commits (one log line says so) before v1's storage save of the same step
+  begins; both are then there, and the resume reads it (the storage step, the newest)."""
+  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tmp_path / 'tier'),
+                                                local_save_interval_steps=10))
+  sharding = jax.sharding.NamedSharding(mesh(), jax.sharding.PartitionSpec('data', 'model'))
+  policies = v1.training.save_decision_policies
+  policy = policies.AnySavePolicy([policies.FixedIntervalPolicy(100),
+                                   policies.PreemptionCheckpointingPolicy()])
+  root = tmp_path / 'ckpt'
+  caplog.set_level(logging.INFO, logger='orbax_pathways')
+  try:
+    with v1.training.Checkpointer(root, save_decision_policy=policy) as ckptr:
+      for step in range(14):
+        if step == 13:
+          preemption.notify_preemption('test')
+        if ckptr.should_save(step):
+          ckptr.save(step, _state(step, sharding))
+      ckptr.wait()
+      assert [c.step for c in ckptr.checkpoints] == [0, 13]
+  finally:
+    preemption.clear_notice()
+  said = [r.getMessage() for r in caplog.records]
+  assert any('preemption step 13 is local-committed' in m for m in said), said
+  assert sorted(os.listdir(root / '.orbax-pathways-local')) == ['13']
+  with v1.training.Checkpointer(root) as ckptr:
+    step, got = preemption.resume(ckptr, lambda: None, abstract_state=_abstract(sharding))
+  assert step == 13
+  np.testing.assert_array_equal(np.asarray(got['w']), np.asarray(_state(13, sharding)['w']))
