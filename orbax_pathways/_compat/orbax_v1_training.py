@@ -52,7 +52,7 @@ def _is_v1_args(args: Any) -> bool:
 
 
 def follow_v1_checkpointer(mngr: ocp.CheckpointManager, inner: ocp.CheckpointManager,
-                           args: Any) -> bool:
+                           args: Any) -> None:
   """Orbax v1's ``training.Checkpointer`` saves through a v0 ``CheckpointManager`` whose
   checkpointer it replaces before each save: one made for that save's checkpointables, whose
   composite handler knows v1's compatibility ``Args`` (the manager's own checkpointer does not).
@@ -60,11 +60,11 @@ def follow_v1_checkpointer(mngr: ocp.CheckpointManager, inner: ocp.CheckpointMan
   a checkpointer of the same class (v1's memory regulation included) over the same item
   handlers, with ``inner``'s own options: its processes and barrier names, async options and
   metadata store. Waits for ``inner``'s previous save first (its finalize reads the
-  checkpointer). Returns whether it did (False: v0 arguments, which ``inner``'s own
-  checkpointer saves). Called in the training loop's thread, inside v1's ``save`` (the
-  checkpointer v1 set is this step's)."""
+  checkpointer). v0 arguments: nothing done (``inner``'s own checkpointer saves them). Called
+  in the training loop's thread, inside v1's ``save`` (the checkpointer v1 set is this
+  step's)."""
   if not _is_v1_args(args):
-    return False
+    return
   made = mngr.__dict__['_checkpointer']  # set by v1 for this very save
   # pylint: disable=protected-access
   options, store = inner._options, inner._non_blocking_metadata_store
@@ -83,7 +83,6 @@ def follow_v1_checkpointer(mngr: ocp.CheckpointManager, inner: ocp.CheckpointMan
   if getattr(made, '_context', None) is not None:  # _RegulatedAsyncCheckpointer: 0.12.8, not 0.12.4
     kwargs['context'] = made._context  # pylint: disable=protected-access
   inner.__dict__['_checkpointer'] = type(made)(_with_processes(made.handler, options), **kwargs)
-  return True
 
 
 def _with_processes(handler: Any, options: Any) -> Any:

@@ -66,12 +66,31 @@ def state_of(step: int, shard: dict) -> dict:
   return out
 
 
+def target_of(shard: dict) -> dict:
+  """The resume's abstract state: 'w' and 'r' placed as ``shard`` says, 'n' a numpy leaf."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  host = values(0)
+  out = {k: jax.ShapeDtypeStruct(host[k].shape, host[k].dtype, sharding=shard[k]) for k in shard}
+  out['n'] = np.zeros((3,), np.int64)
+  return out
+
+
+def assert_step(got: dict, step: int) -> None:
+  """Every addressable shard of ``got`` and its numpy leaf hold step ``step``'s values."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  want = values(step)
+  for k in ('w', 'r'):
+    for s in got[k].addressable_shards:
+      np.testing.assert_array_equal(np.asarray(s.data), want[k][s.index])
+  np.testing.assert_array_equal(got['n'], want['n'])
+
+
 def main() -> None:
   from support import mp_worker  # pylint: disable=g-import-not-at-top
 
   mp_worker.init()
   import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
@@ -167,15 +186,8 @@ def main() -> None:
             root, '.orbax-pathways-local')) if p.isdigit())
       mp_worker.emit(out)
     else:
-      target = {k: jax.ShapeDtypeStruct(values(0)[k].shape, values(0)[k].dtype, sharding=shard[k])
-                for k in shard}
-      target['n'] = np.zeros((3,), np.int64)
-      step, got = preemption.resume(m, lambda: None, abstract_state=target)
-      want = values(step)
-      for k in shard:
-        for s in got[k].addressable_shards:
-          np.testing.assert_array_equal(np.asarray(s.data), want[k][s.index])
-      np.testing.assert_array_equal(got['n'], want['n'])
+      step, got = preemption.resume(m, lambda: None, abstract_state=target_of(shard))
+      assert_step(got, step)
       st = stats.last_restore()
       mp_worker.emit({'step': step, 'exact': True, 'bytes_by_source': st.bytes_by_source,
                       'storage_steps': m.all_steps()})
