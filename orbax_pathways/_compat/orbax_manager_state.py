@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import queue
+import threading
 from typing import Any
 
 from etils import epath
@@ -156,9 +159,85 @@ def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike,
       async_options=options.async_options)
   # Handlers come from the save's arguments, as for a manager built without item handlers.
   inner = ocp.CheckpointManager(directory, options=inner_options)
+  inner._checkpoint_deleter = _TrailingDeleter(  # pylint: disable=protected-access
+      inner._checkpoint_deleter, epath.Path(directory))  # pylint: disable=protected-access
   inner.__dict__[_LOCAL_OF] = mngr
   mngr.__dict__[_LOCAL] = inner
   return inner
+
+
+class _TrailingDeleter:
+  """The hidden manager's deleter, around the one Orbax built for it (its primary host, step
+  names and ``PathDeleter``; the package's retention hooks inside, markers first).
+
+  Retention's deletions (Orbax's ``_finalize`` hands ``delete_steps`` the steps past
+  ``max_to_keep`` once a local-only step committed) run one after another on a thread of this
+  deleter's, after the commit instead of inside it: on gs:// at 30 ms a request, deleting the
+  previous step took 0.8 s of a 2.6 s local-only commit, and the next local-only save waits for
+  the commit. An explicit ``delete(step)`` (``CheckpointManager.delete``:
+  ``local_steps.drop_newer``) first waits for those and then deletes at once, on the caller's
+  thread, so a step number deleted there can be saved again right away; ``wait()``
+  (``local_steps``: the user's ``wait_until_finished``, a resume's listing) and ``close()`` wait
+  for them too. A deletion that fails is logged and the others go on (the step stays until a
+  later listing's retention)."""
+
+  def __init__(self, inner: Any, directory: epath.Path):
+    self._inner = inner
+    self._directory = directory
+    self._queue: 'queue.Queue[int]' = queue.Queue()
+    self._thread: threading.Thread | None = None
+    self._lock = threading.Lock()
+
+  def delete_steps(self, steps: Any) -> None:
+    steps = list(steps)
+    if not steps:
+      return
+    with self._lock:
+      for step in steps:
+        self._queue.put(step)
+      if self._thread is None or not self._thread.is_alive():
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name='orbax_pathways-local-retention')
+        self._thread.start()
+
+  def _run(self) -> None:
+    while True:
+      with self._lock:
+        try:
+          step = self._queue.get_nowait()
+        except queue.Empty:
+          self._thread = None  # the next delete_steps starts another
+          return
+      try:
+        self._inner.delete(step)
+      except Exception as e:  # pylint: disable=broad-except
+        logging.getLogger('orbax_pathways').warning(
+            'orbax_pathways: deleting local-only step %d of %s (retention) failed (%s: %s); it '
+            'stays until a later retention deletes it.', step, self._directory,
+            type(e).__name__, e)
+
+  def wait(self) -> None:
+    """Returns once every deletion handed to ``delete_steps`` so far has run."""
+    with self._lock:
+      thread = self._thread
+    if thread is not None and thread is not threading.current_thread():
+      thread.join()
+
+  def delete(self, step: int) -> None:
+    self.wait()
+    self._inner.delete(step)
+
+  def close(self) -> None:
+    self.wait()
+    self._inner.close()
+
+
+def wait_local_deletions(inner: Any) -> None:
+  """Waits for the retention deletions of ``inner`` (a hidden manager) still running after
+  its commits (``_TrailingDeleter``); a no-op for any other manager."""
+  deleter = getattr(inner, '_checkpoint_deleter', None)  # pylint: disable=protected-access
+  if isinstance(deleter, _TrailingDeleter):
+    deleter.wait()
 
 
 def existing_local_manager(mngr: ocp.CheckpointManager) -> ocp.CheckpointManager | None:

@@ -25,9 +25,12 @@ Who calls what, on which host (every process that calls the manager):
   local save that fails is logged (one warning) and never fails training: the previous
   local-only or storage step stays the newest to resume from.
 - ``LocalStepHooks.wait`` / ``close`` (calls 11): the user's ``wait_until_finished`` and
-  ``close`` also wait for (and close) the hidden manager; ``before_save`` (call 3) waits for a
-  local-only save still committing, and a local-only save first waits for the storage save
-  before it: one save commits in the background per process at a time.
+  ``close`` also wait for (and close) the hidden manager, its retention deletions included
+  (they run after each local-only commit on a thread of their own,
+  ``orbax_manager_state._TrailingDeleter``, and the next local-only save does not wait for
+  them); ``before_save`` (call 3) waits for a local-only save still committing, and a
+  local-only save first waits for the storage save before it: one save commits in the
+  background per process at a time.
 - ``newer_steps(mngr, than)`` and ``drop_newer(mngr, step, listed)`` (``preemption.resume``
   and the emergency manager's restart, every process): the committed local-only steps newer than the newest storage step, newest first,
   restored through the hidden manager; after the resume, those newer than the step it chose
@@ -125,7 +128,7 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     background per process at a time (Orbax's own rule within one manager; two managers'
     background threads would share Orbax's process-wide operation ids and barrier order)."""
     if not _oms.is_local_manager(mngr):
-      self.wait(mngr)
+      self._wait_saves(mngr)
 
   def save_declined(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> None:
     every = self.policy(mngr).interval
@@ -206,6 +209,16 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
       return False
 
   def wait(self, mngr: Any) -> None:
+    """The user's ``wait_until_finished``: the local-only save and then the hidden manager's
+    retention deletions after its commit (not on the background save's own thread: the next
+    local-only save does not wait for the previous one's deletions)."""
+    self._wait_saves(mngr)
+    inner = _oms.existing_local_manager(mngr)
+    if inner is not None and not getattr(_in_background, 'active', False):
+      _oms.wait_local_deletions(inner)
+
+  @staticmethod
+  def _wait_saves(mngr: Any) -> None:
     join(mngr)
     inner = _oms.existing_local_manager(mngr)
     if inner is None:
@@ -239,6 +252,7 @@ def local_manager(mngr: Any) -> Any | None:
   inner = _oms.existing_local_manager(mngr)
   if inner is not None:
     join(mngr)  # a local-only save still running: listed once committed
+    _oms.wait_local_deletions(inner)  # and a deleted step not listed again by a reload
     return inner
   hook = next((h for h in _om.registered() if isinstance(h, LocalStepHooks)), None)
   if hook is None or not directory_of(mngr).exists():
