@@ -41,6 +41,7 @@ from orbax_pathways._compat import orbax_liveness
 from orbax_pathways._compat import orbax_loop
 from orbax_pathways._compat import orbax_manager
 from orbax_pathways._compat import orbax_signals
+from orbax_pathways._compat import orbax_step_metadata
 from orbax_pathways._compat import orbax_v1_seams as compat_v1
 from orbax_pathways._compat import storage_clients
 from orbax_pathways.frontends import orbax_v1
@@ -151,6 +152,7 @@ def _install_manager_side() -> None:
   # the _pathways index, written before commit; v1 partial saves' parts joined at finalize
   orbax_finalize.install(_merge_item, _merge_pending)
   orbax_signals.install()  # a failed step directory releases its waiters (no hang at exit)
+  orbax_step_metadata.install()  # a local-only save's own step metadata read from memory
   # a process that dies mid-save is named by the others, who raise and exit (coord/liveness.py)
   orbax_liveness.install(_save_round, liveness.lost_error)
   if options_lib.env_value('ORBAX_PATHWAYS_EMERGENCY') == 'pathways':
@@ -322,6 +324,7 @@ def uninstall() -> None:
     compat_v1.uninstall()
     orbax_finalize.uninstall()
     orbax_signals.uninstall()
+    orbax_step_metadata.uninstall()
     orbax_liveness.uninstall()
     orbax_emergency.uninstall()
     storage_clients.uninstall()  # gcsfs / google-cloud-storage deadlines (set by the Engine)

@@ -203,3 +203,40 @@ def test_the_installed_gcsfs_lists_an_object_created_on_a_whole_second():
   assert parse(None, '2026-12-04T21:08:00Z') == datetime.datetime(
       2026, 12, 4, 21, 8, tzinfo=datetime.timezone.utc)
   assert parse(None, '2026-12-04T21:08:00.5Z').microsecond == 500000
+
+
+def test_step_metadata_memory_is_installed_only_with_the_package_and_given_back_exactly(tmp_path):
+  """``_compat/orbax_step_metadata.py`` wraps Orbax's metadata store's ``write`` / ``read`` and
+  ``_sanitize_metadata_path``; ``uninstall`` puts back the very same functions. Installed, a
+  step directory registered with ``remembering`` has its ``_CHECKPOINT_METADATA`` read from
+  what this process wrote; outside the block (and for any other directory) a read is Orbax's
+  own, from the file."""
+  import json  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src.metadata import checkpoint as ck  # pylint: disable=g-import-not-at-top
+  from orbax_pathways._compat import orbax_step_metadata as osm  # pylint: disable=g-import-not-at-top
+  seams = [(ck._MetadataStoreImpl, 'write'), (ck._MetadataStoreImpl, 'read'),  # pylint: disable=protected-access
+           (ck, '_sanitize_metadata_path')]
+  assert osm.installed()
+  orbax_pathways.uninstall()
+  try:
+    originals = [vars(m)[n] for m, n in seams]
+    assert not osm.installed()
+    orbax_pathways.install()
+    assert all(vars(m)[n] is not o for (m, n), o in zip(seams, originals))
+    step = tmp_path / '7'
+    step.mkdir()
+    other = tmp_path / '8'
+    other.mkdir()
+    store = ck.metadata_store(enable_write=True, blocking_write=True)
+    with osm.remembering(step):
+      for d in (step, other):
+        store.write(ck.step_metadata_file_path(d), {'a': 1})
+        (d / ck._STEP_METADATA_FILENAME).write_text(json.dumps({'a': 2}))  # pylint: disable=protected-access  # changed behind the store's back
+      assert store.read(ck.step_metadata_file_path(step)) == {'a': 1}  # what this save wrote
+      assert store.read(ck.step_metadata_file_path(other)) == {'a': 2}  # not registered: the file
+    assert store.read(ck.step_metadata_file_path(step)) == {'a': 2}  # the block ended: the file
+    orbax_pathways.uninstall()
+    assert [vars(m)[n] for m, n in seams] == originals
+  finally:
+    orbax_pathways.install()

@@ -1,0 +1,157 @@
+"""A local-only save's own ``_CHECKPOINT_METADATA``, remembered while that save runs.
+
+SUPPORTED: orbax-checkpoint ``supported.ORBAX`` (written against 0.12.8).
+
+Orbax's save protocol reads back the step metadata file it has just written three times a save
+(the composite handler's metadata at the commit, and the read-modify-write of each of two
+updates: the item handlers and metrics, then the commit timestamp), each read an existence
+check, a stat and a download; and four times it checks that the step directory is not a file
+(an existence and a directory check). On gs:// at 30 ms a request that is about 17 round trips
+one after another, 0.5 s of a local-only save's 1.5 s commit (``benchmarks/RESULTS.md``,
+2026-12-05), and a local save every step waits for the previous one's commit.
+
+Patches, installed by ``install()`` and restored exactly (the very same function objects) by
+``uninstall()``; both idempotent:
+
+- ``metadata.checkpoint._MetadataStoreImpl.write`` / ``read`` (under Orbax's blocking and
+  non-blocking metadata stores): for a file directly inside a step directory registered with
+  ``remembering(step_dir)``, a write that succeeded is remembered (a copy of its JSON), and a
+  read returns a copy of what was remembered without a request; an update (Orbax's read, then
+  write) then costs its write only. Any other file: Orbax's own, untouched.
+- ``metadata.checkpoint._sanitize_metadata_path(path)``: a registered step directory is
+  returned as it is, without the existence and directory checks (it is a directory this save
+  made).
+
+Who registers what: ``manager/local_steps.py``'s background thread, on every process, registers
+``<directory>/.orbax-pathways-local/<step>`` for the hidden manager's save and commit of that
+step, and unregisters it when they end, committed or failed; its remembered file goes then.
+Nothing else is registered: storage saves, restores, listings and every other reader read
+storage as Orbax does. Why it cannot return stale metadata: while a local-only step is saved,
+the only writer of its ``_CHECKPOINT_METADATA`` is this save, on the manager's primary host
+(Orbax's protocol), and no reader of that step runs (it is not committed, so not listed); a
+process that did not write the file (every other process) finds nothing remembered and reads
+storage. On a local disk Orbax saves into a temporary directory and renames it, so the
+registered final path matches nothing: this matters on gs://, where Orbax writes in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import threading
+from typing import Any, Callable, Iterator
+
+from etils import epath
+
+from orbax_pathways._compat import src
+from orbax_pathways._compat import supported
+
+_checkpoint = src.orbax('metadata.checkpoint')
+
+SUPPORTED = supported.ORBAX
+
+_lock = threading.Lock()
+_originals: dict[str, Callable[..., Any]] = {}  # patched name -> Orbax's own
+_scopes: dict[str, int] = {}  # registered step directory -> how many registrations
+_remembered: dict[str, str] = {}  # metadata file in a registered directory -> its JSON
+
+
+def _key(path: Any) -> str:
+  return str(epath.Path(path))
+
+
+def _registered_file(file_path: Any) -> str | None:
+  """``file_path``'s key when it lies directly in a registered step directory, else None."""
+  if not _scopes:
+    return None
+  path = epath.Path(file_path)
+  return str(path) if str(path.parent) in _scopes else None
+
+
+def _wrap_write(original):
+  @functools.wraps(original)
+  def write(self, file_path, metadata):
+    out = original(self, file_path, metadata)
+    key = _registered_file(file_path)
+    if key is not None:
+      with _lock:
+        if str(epath.Path(key).parent) in _scopes:
+          _remembered[key] = json.dumps(metadata)
+    return out
+  return write
+
+
+def _wrap_read(original):
+  @functools.wraps(original)
+  def read(self, file_path):
+    key = _registered_file(file_path)
+    if key is not None:
+      with _lock:
+        found = _remembered.get(key)
+      if found is not None:
+        return json.loads(found)
+    return original(self, file_path)
+  return read
+
+
+def _wrap_sanitize(original):
+  @functools.wraps(original)
+  def _sanitize_metadata_path(path):
+    if _scopes and _key(path) in _scopes:
+      return epath.Path(path)
+    return original(path)
+  return _sanitize_metadata_path
+
+
+def _targets() -> list[tuple[Any, str, Callable[[Any], Any]]]:
+  impl = _checkpoint._MetadataStoreImpl  # pylint: disable=protected-access
+  return [(impl, 'write', _wrap_write), (impl, 'read', _wrap_read),
+          (_checkpoint, '_sanitize_metadata_path', _wrap_sanitize)]
+
+
+def install() -> None:
+  """Installs the three wrappers (once). An Orbax without one of them is left as it is (every
+  read then goes to storage, as stock)."""
+  with _lock:
+    if _originals:
+      return
+    targets = _targets()
+    if not all(name in vars(owner) for owner, name, _ in targets):
+      return
+    for owner, name, wrap in targets:
+      _originals[name] = vars(owner)[name]
+      setattr(owner, name, wrap(_originals[name]))
+
+
+def uninstall() -> None:
+  """Puts Orbax's own functions back (idempotent)."""
+  with _lock:
+    for owner, name, _ in _targets():
+      if name in _originals:
+        setattr(owner, name, _originals[name])
+    _originals.clear()
+
+
+def installed() -> bool:
+  return bool(_originals)
+
+
+@contextlib.contextmanager
+def remembering(step_dir: epath.PathLike) -> Iterator[None]:
+  """Within this block, ``step_dir``'s ``_CHECKPOINT_METADATA`` as this process last wrote it
+  is read from memory (see the module docstring); at its end it is forgotten."""
+  key = _key(step_dir)
+  with _lock:
+    _scopes[key] = _scopes.get(key, 0) + 1
+  try:
+    yield
+  finally:
+    with _lock:
+      left = _scopes[key] - 1
+      if left:
+        _scopes[key] = left
+      else:
+        del _scopes[key]
+        for name in [n for n in _remembered if str(epath.Path(n).parent) == key]:
+          del _remembered[name]

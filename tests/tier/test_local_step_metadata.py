@@ -1,0 +1,83 @@
+"""A local-only save's reads of the ``_CHECKPOINT_METADATA`` it writes come from memory
+(``_compat/orbax_step_metadata.py``): on gs:// Orbax reads that file back three times a save and
+checks four times that the step directory is not a file, about 17 round trips one after another.
+
+Real Orbax ``CheckpointManager`` on gs:// (fake-gcs-server behind the project's fault proxy,
+whose request log says which requests a save sent), real node-local tier.
+"""
+
+from __future__ import annotations
+
+import json
+from urllib.parse import unquote
+
+import pytest
+
+pytestmark = pytest.mark.gcs
+
+
+def _metadata_reads(log, step_dir: str) -> list[str]:
+  """The GETs (stat or download) of ``<step_dir>/_CHECKPOINT_METADATA`` in the proxy's log."""
+  name = f'{step_dir}/_CHECKPOINT_METADATA'
+  return [t for m, t, _ in log if m == 'GET' and unquote(t.split('?')[0]).endswith(name)]
+
+
+def test_a_local_only_save_reads_back_no_step_metadata_and_writes_all_of_it(faulty_gcs,
+                                                                          tmp_path):
+  """Local-only step 2's save sends no read of its ``_CHECKPOINT_METADATA`` (a storage save,
+  step 0, reads its own back as stock Orbax does), and the file on storage holds everything
+  Orbax wrote into it in three writes: the same fields as the storage step's, the item handler
+  and the commit time. The step resumes exactly from the tier. Afterwards nothing is served
+  from memory: a change made to the file on storage is what Orbax's reader returns."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  from orbax_pathways import preemption, stats  # pylint: disable=g-import-not-at-top
+
+  orbax_pathways.install(orbax_pathways.Options(
+      local_dir=str(tmp_path / 'tier'), local_save_interval_steps=1, local_keep=2))
+  root = faulty_gcs.path('ckpt')
+  base = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+  options = ocp.CheckpointManagerOptions(save_interval_steps=100)
+  proxy = faulty_gcs.proxy
+  with ocp.CheckpointManager(root, options=options) as m:
+    proxy.reset_stats()
+    m.save(0, args=ocp.args.StandardSave({'w': jax.device_put(base)}))
+    m.wait_until_finished()
+    storage_log = proxy.log()
+    m.save(1, args=ocp.args.StandardSave({'w': jax.device_put(base + 1)}))
+    m.wait_until_finished()
+    proxy.reset_stats()
+    m.save(2, args=ocp.args.StandardSave({'w': jax.device_put(base + 2)}))
+    m.wait_until_finished()
+    local_log = proxy.log()
+  assert _metadata_reads(storage_log, 'ckpt/0'), 'the storage save read its metadata back'
+  assert _metadata_reads(local_log, 'ckpt/.orbax-pathways-local/2') == []
+  assert any(m == 'POST' and '_CHECKPOINT_METADATA' in unquote(t) for m, t, _ in local_log)
+
+  def read(name):
+    from etils import epath  # pylint: disable=g-import-not-at-top
+    return json.loads((epath.Path(root) / name / '_CHECKPOINT_METADATA').read_text())
+
+  stored, local = read('0'), read('.orbax-pathways-local/2')
+  assert set(local) == set(stored), (sorted(local), sorted(stored))
+  assert local['item_handlers'] == stored['item_handlers']
+  assert isinstance(local['commit_timestamp_nsecs'], int)
+  assert local['commit_timestamp_nsecs'] >= local['init_timestamp_nsecs'] > 0
+
+  with ocp.CheckpointManager(root, options=options) as m:
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {'w': jax.ShapeDtypeStruct(base.shape, base.dtype, sharding=one)}
+    step, got = preemption.resume(m, lambda: None, abstract_state=target)
+  assert step == 2
+  np.testing.assert_array_equal(np.asarray(got['w']), base + 2)
+  assert stats.last_restore().bytes_by_source.get('storage', 0) == 0
+
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  changed = dict(local, custom_metadata={'changed': 'on storage'})
+  (epath.Path(root) / '.orbax-pathways-local/2/_CHECKPOINT_METADATA').write_text(
+      json.dumps(changed))
+  hidden = ocp.CheckpointManager(f'{root}/.orbax-pathways-local',
+                                 options=ocp.CheckpointManagerOptions(read_only=True))
+  assert hidden.metadata(2).custom_metadata == {'changed': 'on storage'}
