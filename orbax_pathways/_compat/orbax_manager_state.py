@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import collections
 import logging
-import queue
 import threading
 from typing import Any
 
@@ -184,18 +184,14 @@ class _TrailingDeleter:
   def __init__(self, inner: Any, directory: epath.Path):
     self._inner = inner
     self._directory = directory
-    self._queue: 'queue.Queue[int]' = queue.Queue()
+    self._pending: collections.deque[int] = collections.deque()
     self._thread: threading.Thread | None = None
     self._lock = threading.Lock()
 
   def delete_steps(self, steps: Any) -> None:
-    steps = list(steps)
-    if not steps:
-      return
     with self._lock:
-      for step in steps:
-        self._queue.put(step)
-      if self._thread is None or not self._thread.is_alive():
+      self._pending.extend(steps)
+      if self._pending and (self._thread is None or not self._thread.is_alive()):
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name='orbax_pathways-local-retention')
         self._thread.start()
@@ -203,11 +199,10 @@ class _TrailingDeleter:
   def _run(self) -> None:
     while True:
       with self._lock:
-        try:
-          step = self._queue.get_nowait()
-        except queue.Empty:
+        if not self._pending:
           self._thread = None  # the next delete_steps starts another
           return
+        step = self._pending.popleft()
       try:
         self._inner.delete(step)
       except Exception as e:  # pylint: disable=broad-except

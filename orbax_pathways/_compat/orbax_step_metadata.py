@@ -61,23 +61,25 @@ def _key(path: Any) -> str:
   return str(epath.Path(path))
 
 
-def _registered_file(file_path: Any) -> str | None:
-  """``file_path``'s key when it lies directly in a registered step directory, else None."""
+def _registered_file(file_path: Any) -> tuple[str, str] | None:
+  """(``file_path``'s key, its directory's) when it lies directly in a registered step
+  directory, else None."""
   if not _scopes:
     return None
   path = epath.Path(file_path)
-  return str(path) if str(path.parent) in _scopes else None
+  directory = str(path.parent)
+  return (str(path), directory) if directory in _scopes else None
 
 
 def _wrap_write(original):
   @functools.wraps(original)
   def write(self, file_path, metadata):
     out = original(self, file_path, metadata)
-    key = _registered_file(file_path)
-    if key is not None:
+    found = _registered_file(file_path)
+    if found is not None:
       with _lock:
-        if str(epath.Path(key).parent) in _scopes:
-          _remembered[key] = json.dumps(metadata)
+        if found[1] in _scopes:  # still registered once the write returned
+          _remembered[found[0]] = json.dumps(metadata)
     return out
   return write
 
@@ -85,12 +87,12 @@ def _wrap_write(original):
 def _wrap_read(original):
   @functools.wraps(original)
   def read(self, file_path):
-    key = _registered_file(file_path)
-    if key is not None:
+    found = _registered_file(file_path)
+    if found is not None:
       with _lock:
-        found = _remembered.get(key)
-      if found is not None:
-        return json.loads(found)
+        text = _remembered.get(found[0])
+      if text is not None:
+        return json.loads(text)
     return original(self, file_path)
   return read
 

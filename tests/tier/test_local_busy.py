@@ -17,6 +17,8 @@ from urllib.parse import unquote
 
 import pytest
 
+from support import local_resume
+
 pytestmark = pytest.mark.gcs
 
 HOLD_WAIT_S = 60.0  # far above one local save here; only a hang reaches it
@@ -32,20 +34,6 @@ def _wait_held(proxy) -> None:
   while not proxy.held():
     assert time.monotonic() < deadline, 'local-only step 1 never wrote its commit marker'
     time.sleep(0.05)
-
-
-def _assert_resumes_step_3_from_the_tier(manager, base) -> None:
-  """``preemption.resume`` through ``manager`` (a v0 manager or a v1 Checkpointer) restores
-  local-only step 3 (``base + 3``) exactly, with no storage byte read."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from orbax_pathways import preemption, stats  # pylint: disable=g-import-not-at-top
-  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = {'w': jax.ShapeDtypeStruct(base.shape, base.dtype, sharding=one)}
-  step, got = preemption.resume(manager, lambda: None, abstract_state=target)
-  assert step == 3
-  np.testing.assert_array_equal(np.asarray(got['w']), base + 3)
-  assert stats.last_restore().bytes_by_source.get('storage', 0) == 0
 
 
 @pytest.mark.parametrize('when_busy', ['skip', 'wait'])
@@ -104,7 +92,7 @@ def test_a_local_save_due_while_the_previous_one_commits(faulty_gcs, tmp_path, c
     assert local == [1, 2, 3], local
     assert not skipped, skipped
   with ocp.CheckpointManager(root, options=options) as m:
-    _assert_resumes_step_3_from_the_tier(m, base)
+    local_resume.assert_resumes_from_the_tier(m, base, 3)
 
 
 def test_a_v1_checkpointer_s_busy_local_save_is_skipped_and_its_loop_goes_on(faulty_gcs,
@@ -156,4 +144,4 @@ def test_a_v1_checkpointer_s_busy_local_save_is_skipped_and_its_loop_goes_on(fau
   skipped = [r.getMessage() for r in caplog.records if 'skipped' in r.getMessage()]
   assert len(skipped) == 1 and 'local-only step 2' in skipped[0], skipped
   with ocp.v1.training.Checkpointer(root) as ckptr:
-    _assert_resumes_step_3_from_the_tier(ckptr, base)
+    local_resume.assert_resumes_from_the_tier(ckptr, base, 3)

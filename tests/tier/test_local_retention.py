@@ -17,6 +17,8 @@ from urllib.parse import unquote
 
 import pytest
 
+from support import local_resume
+
 pytestmark = pytest.mark.gcs
 
 WAIT_S = 60.0  # far above one local save here; only a hang reaches it
@@ -55,7 +57,6 @@ def test_local_saves_commit_while_the_previous_step_is_still_being_deleted(fault
   import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   import orbax_pathways  # pylint: disable=g-import-not-at-top
-  from orbax_pathways import preemption, stats  # pylint: disable=g-import-not-at-top
 
   orbax_pathways.install(orbax_pathways.Options(
       local_dir=str(tmp_path / 'tier'), local_save_interval_steps=1, local_keep=1))
@@ -88,12 +89,7 @@ def test_local_saves_commit_while_the_previous_step_is_still_being_deleted(fault
   assert not [r for r in caplog.records if r.levelno >= logging.WARNING
               and 'local-only' in r.getMessage()], caplog.text
   with ocp.CheckpointManager(root, options=options) as m:
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = {'w': jax.ShapeDtypeStruct(base.shape, base.dtype, sharding=one)}
-    step, got = preemption.resume(m, lambda: None, abstract_state=target)
-  assert step == 3
-  np.testing.assert_array_equal(np.asarray(got['w']), base + 3)
-  assert stats.last_restore().bytes_by_source.get('storage', 0) == 0
+    local_resume.assert_resumes_from_the_tier(m, base, 3)
 
 
 def test_a_failed_retention_deletion_is_logged_and_the_saves_go_on(faulty_gcs, tmp_path,
@@ -101,12 +97,11 @@ def test_a_failed_retention_deletion_is_logged_and_the_saves_go_on(faulty_gcs, t
   """Every request that deletes local-only step 1 fails (the proxy answers 503, gcsfs retries
   and gives up) on the retention thread: one error names the step, the saves after it commit
   (step 2 is deleted after step 3's commit), step 1 stays with its commit marker, and the
-  resume restores the newest local-only step, 3, exactly."""
+  resume restores the newest local-only step, 3, exactly, from the tier."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   import orbax_pathways  # pylint: disable=g-import-not-at-top
-  from orbax_pathways import preemption  # pylint: disable=g-import-not-at-top
 
   orbax_pathways.install(orbax_pathways.Options(
       local_dir=str(tmp_path / 'tier'), local_save_interval_steps=1, local_keep=1))
@@ -129,8 +124,4 @@ def test_a_failed_retention_deletion_is_logged_and_the_saves_go_on(faulty_gcs, t
             if 'garbage collection of old step 1 ' in r.getMessage()]
   assert len(failed) == 1 and '.orbax-pathways-local/1' in failed[0], caplog.text
   with ocp.CheckpointManager(root, options=options) as m:
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = {'w': jax.ShapeDtypeStruct(base.shape, base.dtype, sharding=one)}
-    step, got = preemption.resume(m, lambda: None, abstract_state=target)
-  assert step == 3
-  np.testing.assert_array_equal(np.asarray(got['w']), base + 3)
+    local_resume.assert_resumes_from_the_tier(m, base, 3)

@@ -13,6 +13,8 @@ from urllib.parse import unquote
 
 import pytest
 
+from support import local_resume
+
 pytestmark = pytest.mark.gcs
 
 
@@ -33,7 +35,6 @@ def test_a_local_only_save_reads_back_no_step_metadata_and_writes_all_of_it(faul
   import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   import orbax_pathways  # pylint: disable=g-import-not-at-top
-  from orbax_pathways import preemption, stats  # pylint: disable=g-import-not-at-top
 
   orbax_pathways.install(orbax_pathways.Options(
       local_dir=str(tmp_path / 'tier'), local_save_interval_steps=1, local_keep=2))
@@ -67,12 +68,7 @@ def test_a_local_only_save_reads_back_no_step_metadata_and_writes_all_of_it(faul
   assert local['commit_timestamp_nsecs'] >= local['init_timestamp_nsecs'] > 0
 
   with ocp.CheckpointManager(root, options=options) as m:
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = {'w': jax.ShapeDtypeStruct(base.shape, base.dtype, sharding=one)}
-    step, got = preemption.resume(m, lambda: None, abstract_state=target)
-  assert step == 2
-  np.testing.assert_array_equal(np.asarray(got['w']), base + 2)
-  assert stats.last_restore().bytes_by_source.get('storage', 0) == 0
+    local_resume.assert_resumes_from_the_tier(m, base, 2)
 
   from etils import epath  # pylint: disable=g-import-not-at-top
   changed = dict(local, custom_metadata={'changed': 'on storage'})
