@@ -470,3 +470,21 @@ def test_a_busy_process_that_is_not_the_primary_waits_instead_of_skipping(tmp_pa
   root, tiers = tmp_path / 'ckpt', [tmp_path / f'node{i}' for i in range(3)]
   results, tails = _busy_run(root, tiers, {'SLOW_AFTER': '5'})
   assert results == [[{'steps': [0], 'local_steps': [5, 10, 15, 20, 25]}]] * 3, (results, tails)
+
+
+def test_after_wait_until_finished_no_process_lists_a_step_the_primary_host_still_deletes(
+    tmp_path):
+  """Local-only saves every 5 steps, the newest 2 kept; the primary host's retention takes 2 s
+  a deletion (its own thread, after each commit). Once ``wait_until_finished()`` returned,
+  every process lists the same local-only steps, the kept ones only, as after stock Orbax's
+  save (its deletion comes before the save's closing barrier). Before, the other processes
+  returned at once and listed steps the primary host was still deleting (a resume's listing
+  then failed on a step gone under it: CI of 2026-12-05)."""
+  root, tiers = tmp_path / 'ckpt', [tmp_path / f'node{i}' for i in range(3)]
+  res = run_processes(WORKER, 3, 2, args=['save', str(root), 'sharded'], timeout=400,
+                      env={'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '5',
+                           'ORBAX_PATHWAYS_LOCAL_KEEP': '2', 'SLOW_RETENTION': '1'},
+                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+  results = [r.results for r in res]
+  assert results == [[{'steps': [0], 'local_steps': [20, 25]}]] * 3, (
+      results, [r.stderr_tail[-1500:] for r in res])

@@ -25,6 +25,9 @@ local-only step ``S`` (its index merge, after every process's writes) waits unti
 save still runs when step ``2 S`` is due (on every process: the others wait in its commit's
 barriers); from step ``2 S`` on the loop waits for each save, so no other step finds one
 running. Emits the local-only steps listed too.
+``SLOW_RETENTION=1``: the primary host (process 0) waits 2 s before each deletion of a
+local-only step (a deletion taking long on storage), and every process emits the local-only
+steps it lists once its ``wait_until_finished()`` returned.
 ``SLOW_AFTER=S`` (with ``BUSY_AT``'s loop): process 1 only is slow to finish its background
 save of local-only step ``S`` once it committed (its thread sleeps 3 s more: a loaded host), so
 that save still runs there when step ``2 S`` is due, while the other processes waited for
@@ -150,6 +153,19 @@ def main() -> None:
 
     local_steps.LocalStepHooks._run = staticmethod(slow_run)  # pylint: disable=protected-access
 
+  slow_retention = bool(os.environ.get('SLOW_RETENTION'))
+  if slow_retention and jax.process_index() == 0:
+    import time  # pylint: disable=g-import-not-at-top
+    from orbax.checkpoint._src.path import deleter  # pylint: disable=g-import-not-at-top
+    delete = deleter.StandardCheckpointDeleter.delete
+
+    def slow_delete(self, step):
+      if '.orbax-pathways-local' in str(self._directory):  # pylint: disable=protected-access
+        time.sleep(2)
+      return delete(self, step)
+
+    deleter.StandardCheckpointDeleter.delete = slow_delete
+
   mode, root, layout = sys.argv[1], sys.argv[2], sys.argv[3]
   shard = shardings(layout)
 
@@ -181,7 +197,7 @@ def main() -> None:
           m.wait_until_finished()
       m.wait_until_finished()
       out = {'steps': m.all_steps()}
-      if busy_at:
+      if busy_at or slow_retention:
         out['local_steps'] = sorted(int(p) for p in os.listdir(os.path.join(
             root, '.orbax-pathways-local')) if p.isdigit())
       mp_worker.emit(out)
