@@ -249,10 +249,8 @@ class _TrailingDeleter:
             'orbax_pathways: deleting local-only step %d of %s (retention) failed (%s: %s); it '
             'stays until a later retention deletes it.', step, self._directory,
             type(e).__name__, e)
-      with self._lock:
-        self._ran += 1
-        ran = self._ran
-      self._publish(ran)
+      self._ran += 1  # only this thread (one at a time) counts
+      self._publish(self._ran)
 
   def _publish(self, ran: int) -> None:
     if self._client is None:
