@@ -180,21 +180,68 @@ async def write_array(write: ArrayWrite, *, context: ts.Context) -> list[records
     ) from e
 
 
+def _marker(write: ArrayWrite) -> tuple[dict, str] | None:
+  """The kvstore spec and key of ``write``'s empty chunk marker; None without OCDBT (no marker
+  needed: ``write_empty_chunk_marker``)."""
+  spec = write.tspec['base'] if write.tspec.get('driver') == 'cast' else write.tspec
+  kv = dict(spec['kvstore'])
+  if kv.get('driver') != 'ocdbt':
+    return None
+  rank = len(write.global_shape)
+  key = format_lib.chunk_key((0,) * rank, (1,) * rank, zarr3=spec['driver'] == 'zarr3')
+  kv['path'] = kv.get('path', '').rstrip('/') + '/'
+  return kv, key
+
+
 async def write_empty_chunk_marker(write: ArrayWrite, context: ts.Context) -> None:
   """A zero-size array has no chunks, but Orbax's post-merge OCDBT validation requires every
   param to own at least one chunk key. We write one empty value under the first chunk key; no
   reader ever fetches it (the array's domain is empty). An array of a local-only step, whose
-  bytes are in the node-local tiers only, gets the same marker (``transports/share``): a
-  reader of storage fails on it loudly instead of reading zeros. Documented in docs/format.md."""
-  spec = write.tspec['base'] if write.tspec.get('driver') == 'cast' else write.tspec
-  kv = dict(spec['kvstore'])
-  if kv.get('driver') != 'ocdbt':
+  bytes are in the node-local tiers only, gets the same marker (``write_metadata_and_markers``):
+  a reader of storage fails on it loudly instead of reading zeros. Documented in docs/format.md."""
+  where = _marker(write)
+  if where is None:
     return
-  rank = len(write.global_shape)
-  key = format_lib.chunk_key((0,) * rank, (1,) * rank, zarr3=spec['driver'] == 'zarr3')
-  kv['path'] = kv.get('path', '').rstrip('/') + '/'
-  store = await ts.KvStore.open(kv, context=context)
-  await store.write(key, b'')
+  store = await ts.KvStore.open(where[0], context=context)
+  await store.write(where[1], b'')
+
+
+async def write_metadata_and_markers(writes: Sequence[ArrayWrite], *,
+                                     context: ts.Context) -> None:
+  """The zarr metadata and the empty chunk marker of every array in ``writes`` (arrays whose
+  bytes go elsewhere: a local-only step's, ``transports/share.tier_only_pieces``), all in one
+  tensorstore transaction: on OCDBT one commit of the database for all of them, a few round
+  trips whatever the number of arrays, where an open and a marker per array were a commit each.
+  Called on the host that creates the arrays' metadata. Hedged as a whole (``storage/hedge``):
+  a later attempt writes everything again through a fresh context into its own database
+  (``retry_spec``), which Orbax's finalize merges like any other."""
+  if not writes:
+    return
+  names = ', '.join(repr(w.name) for w in writes[:3]) + (', ...' if len(writes) > 3 else '')
+
+  async def attempt(n: int) -> None:
+    ctx = hedge.fresh_context(context, n) if n else context
+    txn = ts.Transaction()
+    for w in writes:
+      spec = ts.Spec(retry_spec(w.tspec, n) if n else w.tspec)
+      await ts.open(spec, create=True, open=True, context=ctx, transaction=txn)
+    for w in writes:
+      where = _marker(dataclasses.replace(w, tspec=retry_spec(w.tspec, n)) if n else w)
+      if where is not None:
+        store = await ts.KvStore.open(where[0], context=ctx)
+        await store.with_transaction(txn).write(where[1], b'')
+    await txn.commit_async()
+
+  try:
+    await hedge.run(attempt, nbytes=0, kind='write',
+                    what=f'metadata of {len(writes)} array(s) ({names}) at {writes[0].path}')
+  except Exception as e:
+    raise errors.keeping_type(
+        errors.SaveError, e,
+        f'Writing the metadata of {len(writes)} array(s) ({names}) to {writes[0].path} failed: '
+        f'{type(e).__name__}: {e}. Earlier checkpoints are untouched; this step will not be '
+        'committed. Check the storage path, credentials and free space, then save again.'
+    ) from e
 
 
 def host_pieces(write: ArrayWrite) -> ArrayWrite:

@@ -204,13 +204,8 @@ async def tier_only_pieces(writer: str, item: values.Item, leaves: Sequence[valu
   await asyncio.to_thread(tier_store.flush)
   writes = array_writes(item, leaves, plans, pieces, creates=creates, process_id=process_id)
   chunks = {w.name: writer_lib.chunk_records(w) for w in writes}
-  metadata_only = [dataclasses.replace(w, pieces=()) for w in writes if w.create]
-  if metadata_only:
-    ctx = context_for(item, context)
-    await writer_lib.write_arrays(metadata_only, context=ctx, max_inflight_bytes=1 << 30)
-    for w in metadata_only:
-      if 0 not in w.global_shape:  # a zero-size array got its marker from write_arrays
-        await writer_lib.write_empty_chunk_marker(w, ctx)
+  await writer_lib.write_metadata_and_markers([w for w in writes if w.create],
+                                              context=context_for(item, context))
   outcome = values.WriterOutcome(writer, sum(w.nbytes for w in writes),
                                  sum(len(c) for c in chunks.values()))
   crcs = {name: {c.origin: c.crc32c for c in cs} for name, cs in chunks.items()}
