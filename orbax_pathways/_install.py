@@ -32,6 +32,7 @@ from orbax_pathways.manager import hooks as manager_hooks
 from orbax_pathways.manager import local_steps
 from orbax_pathways.manager import retention
 from orbax_pathways.manager import step_errors
+from orbax_pathways.manager import step_metadata
 from orbax_pathways import stats as stats_lib
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax as compat
@@ -127,7 +128,7 @@ class _TierCommit(manager_hooks.ManagerHooks):
 
 def _manager_hooks() -> list[manager_hooks.ManagerHooks]:
   """What the package does around every CheckpointManager, in ``manager/hooks.ORDER``."""
-  return [_Checks(), step_errors.StepErrors(), _TierCommit(),
+  return [step_metadata.StepMetadata(), _Checks(), step_errors.StepErrors(), _TierCommit(),
           local_steps.LocalStepHooks(lambda: _installed_options().local_save_interval_steps,
                                      lambda: _installed_options().local_keep,
                                      background=_local_saves_in_background,
@@ -152,7 +153,7 @@ def _install_manager_side() -> None:
   # the _pathways index, written before commit; v1 partial saves' parts joined at finalize
   orbax_finalize.install(_merge_item, _merge_pending)
   orbax_signals.install()  # a failed step directory releases its waiters (no hang at exit)
-  orbax_step_metadata.install()  # a local-only save's own step metadata read from memory
+  orbax_step_metadata.install()  # a manager save's own step metadata read from memory
   # a process that dies mid-save is named by the others, who raise and exit (coord/liveness.py)
   orbax_liveness.install(_save_round, liveness.lost_error)
   if options_lib.env_value('ORBAX_PATHWAYS_EMERGENCY') == 'pathways':

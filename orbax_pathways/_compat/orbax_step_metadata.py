@@ -1,4 +1,4 @@
-"""A local-only save's own ``_CHECKPOINT_METADATA``, remembered while that save runs.
+"""A manager save's own ``_CHECKPOINT_METADATA``, remembered while that save runs.
 
 SUPPORTED: orbax-checkpoint ``supported.ORBAX`` (written against 0.12.8).
 
@@ -22,12 +22,15 @@ Patches, installed by ``install()`` and restored exactly (the very same function
   returned as it is, without the existence and directory checks (it is a directory this save
   made).
 
-Who registers what: ``manager/local_steps.py``'s background thread, on every process, registers
-``<directory>/.orbax-pathways-local/<step>`` for the hidden manager's save and commit of that
-step, and unregisters it when they end, committed or failed; its remembered file goes then.
-Nothing else is registered: storage saves, restores, listings and every other reader read
-storage as Orbax does. Why it cannot return stale metadata: while a local-only step is saved,
-the only writer of its ``_CHECKPOINT_METADATA`` is this save, on the manager's primary host
+Who registers what: ``manager/step_metadata.py``'s hook, on every process, registers the step
+directory of every ``CheckpointManager`` save Orbax's policy takes (storage steps and the hidden
+manager's local-only ones) from just before Orbax writes anything of it until its commit ended
+(committed or failed: Orbax's ``_finalize`` runs either way), or until its ``save`` raised or
+was declined; ``manager/local_steps.py``'s background thread also registers
+``<directory>/.orbax-pathways-local/<step>`` around the hidden manager's save and commit.
+Nothing else is registered: restores, listings, ``ocp.v1.save_pytree`` and every other reader
+read storage as Orbax does. Why it cannot return stale metadata: while a step is saved, the
+only writer of its ``_CHECKPOINT_METADATA`` is this save, on the manager's primary host
 (Orbax's protocol), and no reader of that step runs (it is not committed, so not listed); a
 process that did not write the file (every other process) finds nothing remembered and reads
 storage. On a local disk Orbax saves into a temporary directory and renames it, so the
@@ -139,21 +142,40 @@ def installed() -> bool:
   return bool(_originals)
 
 
-@contextlib.contextmanager
-def remembering(step_dir: epath.PathLike) -> Iterator[None]:
-  """Within this block, ``step_dir``'s ``_CHECKPOINT_METADATA`` as this process last wrote it
-  is read from memory (see the module docstring); at its end it is forgotten."""
+def begin(step_dir: epath.PathLike) -> str:
+  """Registers ``step_dir``: from now on its ``_CHECKPOINT_METADATA`` as this process last wrote
+  it is read from memory (see the module docstring). Returns the key ``end`` takes.
+  Registrations of one directory nest (each ``begin`` needs its own ``end``)."""
   key = _key(step_dir)
   with _lock:
     _scopes[key] = _scopes.get(key, 0) + 1
+  return key
+
+
+def end(key: str) -> None:
+  """Ends one ``begin(step_dir)`` (its returned ``key``); at the last one, what was remembered
+  of the directory is forgotten."""
+  with _lock:
+    left = _scopes.get(key, 0) - 1
+    if left > 0:
+      _scopes[key] = left
+      return
+    _scopes.pop(key, None)
+    for name in [n for n in _remembered if str(epath.Path(n).parent) == key]:
+      del _remembered[name]
+
+
+def registered() -> list[str]:
+  """The step directories registered now (for tests: none once every save ended)."""
+  with _lock:
+    return sorted(_scopes)
+
+
+@contextlib.contextmanager
+def remembering(step_dir: epath.PathLike) -> Iterator[None]:
+  """``begin(step_dir)`` for the block, ``end`` at its end."""
+  key = begin(step_dir)
   try:
     yield
   finally:
-    with _lock:
-      left = _scopes[key] - 1
-      if left:
-        _scopes[key] = left
-      else:
-        del _scopes[key]
-        for name in [n for n in _remembered if str(epath.Path(n).parent) == key]:
-          del _remembered[name]
+    end(key)

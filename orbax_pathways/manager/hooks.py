@@ -56,8 +56,10 @@ from typing import Any, Callable, ClassVar
 # The order of the hooks at every call above: a concern later in the tuple sees what earlier ones
 # did (the slices check refuses a manager before retention cleans its directory; the writer lease
 # refuses a save before anything else about it runs; the tier's commit and the commit log run
-# last).
+# last). The step metadata memory is first so that its save_error / commit_error, which only
+# pass, always run; it begins in save_args, once every before_save let the save go ahead.
 ORDER = (
+    'step_metadata',  # manager/step_metadata.py: a save's own step metadata read from memory
     'checks',       # _install: num_slices against the devices, our handler still registered
     'lease',        # manager/lease.py: one saving job per directory
     'retention',    # manager/retention.py: never a torn step listed or left behind

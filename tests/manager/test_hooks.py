@@ -131,3 +131,24 @@ def test_a_hook_hides_a_step_from_listings_and_restores(tmp_path, swap):
   swap(HideTwo())
   reader = ocp.CheckpointManager(tmp_path / 'ckpt')
   assert reader.all_steps() == [1] and reader.latest_step() == 1
+
+
+def test_a_saves_step_metadata_registration_ends_however_the_save_ends(tmp_path):
+  """``manager/step_metadata.py`` remembers a save's ``_CHECKPOINT_METADATA`` only while that
+  save runs: nothing stays registered after a committed save, a declined one, one Orbax's
+  ``save`` raised for, or a close."""
+  from orbax_pathways._compat import orbax_step_metadata as osm  # pylint: disable=g-import-not-at-top
+  options = ocp.CheckpointManagerOptions(save_interval_steps=2)
+  with ocp.CheckpointManager(tmp_path / 'ckpt', options=options) as m:
+    assert m.save(0, args=ocp.args.StandardSave({'w': jnp.arange(8.0)}))
+    m.wait_until_finished()
+    assert osm.registered() == []  # committed
+    assert not m.save(1, args=ocp.args.StandardSave({'w': jnp.arange(8.0)}))
+    assert osm.registered() == []  # declined by Orbax's policy
+    with pytest.raises(Exception):
+      m.save(2, args=ocp.args.StandardSave({'w': object()}))
+    assert osm.registered() == []  # Orbax's save raised
+    assert m.save(4, args=ocp.args.StandardSave({'w': jnp.arange(8.0)}))
+  assert osm.registered() == []  # closed
+  np.testing.assert_array_equal(
+      ocp.CheckpointManager(tmp_path / 'ckpt').restore(4)['w'], np.arange(8.0))

@@ -1,6 +1,7 @@
-"""A local-only save's reads of the ``_CHECKPOINT_METADATA`` it writes come from memory
-(``_compat/orbax_step_metadata.py``): on gs:// Orbax reads that file back three times a save and
-checks four times that the step directory is not a file, about 17 round trips one after another.
+"""A manager save's reads of the ``_CHECKPOINT_METADATA`` it writes come from memory
+(``_compat/orbax_step_metadata.py``, ``manager/step_metadata.py``), for storage and local-only
+steps alike: on gs:// Orbax reads that file back three times a save and checks four times that
+the step directory is not a file, about 17 round trips one after another.
 
 Real Orbax ``CheckpointManager`` on gs:// (fake-gcs-server behind the project's fault proxy,
 whose request log says which requests a save sent), real node-local tier.
@@ -24,12 +25,12 @@ def _metadata_reads(log, step_dir: str) -> list[str]:
   return [t for m, t, _ in log if m == 'GET' and unquote(t.split('?')[0]).endswith(name)]
 
 
-def test_a_local_only_save_reads_back_no_step_metadata_and_writes_all_of_it(faulty_gcs,
-                                                                          tmp_path):
-  """Local-only step 2's save sends no read of its ``_CHECKPOINT_METADATA`` (a storage save,
-  step 0, reads its own back as stock Orbax does), and the file on storage holds everything
-  Orbax wrote into it in three writes: the same fields as the storage step's, the item handler
-  and the commit time. The step resumes exactly from the tier. Afterwards nothing is served
+def test_a_managers_saves_read_back_no_step_metadata_and_write_all_of_it(faulty_gcs,
+                                                                         tmp_path):
+  """Neither storage step 0's save nor local-only step 2's sends a read of its
+  ``_CHECKPOINT_METADATA`` (stock Orbax reads it back three times), and each file on storage
+  holds everything Orbax wrote into it in three writes: the same fields in both, the item
+  handler and the commit time. The step resumes exactly from the tier. Afterwards nothing is served
   from memory: a change made to the file on storage is what Orbax's reader returns."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -53,8 +54,12 @@ def test_a_local_only_save_reads_back_no_step_metadata_and_writes_all_of_it(faul
     m.save(2, args=ocp.args.StandardSave({'w': jax.device_put(base + 2)}))
     m.wait_until_finished()
     local_log = proxy.log()
-  assert _metadata_reads(storage_log, 'ckpt/0'), 'the storage save read its metadata back'
+  assert _metadata_reads(storage_log, 'ckpt/0') == []
+  assert any(m == 'POST' and 'ckpt/0/_CHECKPOINT_METADATA' in unquote(t)
+             for m, t, _ in storage_log)
   assert _metadata_reads(local_log, 'ckpt/.orbax-pathways-local/2') == []
+  from orbax_pathways._compat import orbax_step_metadata  # pylint: disable=g-import-not-at-top
+  assert orbax_step_metadata.registered() == []  # every save's registration ended
   assert any(m == 'POST' and '_CHECKPOINT_METADATA' in unquote(t) for m, t, _ in local_log)
 
   def read(name):
@@ -64,8 +69,9 @@ def test_a_local_only_save_reads_back_no_step_metadata_and_writes_all_of_it(faul
   stored, local = read('0'), read('.orbax-pathways-local/2')
   assert set(local) == set(stored), (sorted(local), sorted(stored))
   assert local['item_handlers'] == stored['item_handlers']
-  assert isinstance(local['commit_timestamp_nsecs'], int)
-  assert local['commit_timestamp_nsecs'] >= local['init_timestamp_nsecs'] > 0
+  for written in (stored, local):
+    assert isinstance(written['commit_timestamp_nsecs'], int), written
+    assert written['commit_timestamp_nsecs'] >= written['init_timestamp_nsecs'] > 0, written
 
   with ocp.CheckpointManager(root, options=options) as m:
     local_resume.assert_resumes_from_the_tier(m, base, 2)

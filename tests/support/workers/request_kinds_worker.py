@@ -112,8 +112,8 @@ CASES: tuple[Case, ...] = (
     Case('save_upload_data', 'save', 'POST', _U + rf'(?=.*name={_ITEM}/_METADATA(&|$))(?=.*upload_id=)',
          'gcsfs', "the bytes of the item's _METADATA"),
     Case('save_delete', 'save', 'DELETE', _O + '/', 'gcsfs', 'a delete before an overwrite'),
-    Case('save_checkpoint_metadata_read', 'save', 'GET', _D + rf'/{_STEP}/_CHECKPOINT_METADATA\?',
-         'gcsfs', "the finalize's read of _CHECKPOINT_METADATA"),
+    # No read of _CHECKPOINT_METADATA: a CheckpointManager save reads the one it wrote from
+    # memory (manager/step_metadata.py), and ocp.v1.save_pytree reads none back.
     Case('save_sharding_write', 'save', 'POST', _U + rf'.*name={_ITEM}/_sharding(&|$)', 'tensorstore',
          "Orbax's _sharding file"),
     Case('save_merged_manifest_write', 'save', 'POST', _U + rf'.*name={_ITEM}/manifest\.ocdbt(&|$)',
