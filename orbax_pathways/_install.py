@@ -42,6 +42,7 @@ from orbax_pathways._compat import orbax_liveness
 from orbax_pathways._compat import orbax_loop
 from orbax_pathways._compat import orbax_manager
 from orbax_pathways._compat import orbax_signals
+from orbax_pathways._compat import orbax_small_writes
 from orbax_pathways._compat import orbax_step_metadata
 from orbax_pathways._compat import orbax_v1_seams as compat_v1
 from orbax_pathways._compat import storage_clients
@@ -154,6 +155,8 @@ def _install_manager_side() -> None:
   orbax_finalize.install(_merge_item, _merge_pending)
   orbax_signals.install()  # a failed step directory releases its waiters (no hang at exit)
   orbax_step_metadata.install()  # a manager save's own step metadata read from memory
+  # and its small files written in one request each on gs://
+  orbax_small_writes.install(orbax_step_metadata.inside_registered)
   # a process that dies mid-save is named by the others, who raise and exit (coord/liveness.py)
   orbax_liveness.install(_save_round, liveness.lost_error)
   if options_lib.env_value('ORBAX_PATHWAYS_EMERGENCY') == 'pathways':
@@ -326,6 +329,7 @@ def uninstall() -> None:
     orbax_finalize.uninstall()
     orbax_signals.uninstall()
     orbax_step_metadata.uninstall()
+    orbax_small_writes.uninstall()
     orbax_liveness.uninstall()
     orbax_emergency.uninstall()
     storage_clients.uninstall()  # gcsfs / google-cloud-storage deadlines (set by the Engine)

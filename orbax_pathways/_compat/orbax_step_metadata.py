@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator
 
 from etils import epath
 
+from orbax_pathways._compat import orbax_small_writes
 from orbax_pathways._compat import src
 from orbax_pathways._compat import supported
 
@@ -77,14 +78,32 @@ def _registered_file(file_path: Any) -> tuple[str, str] | None:
 def _wrap_write(original):
   @functools.wraps(original)
   def write(self, file_path, metadata):
-    out = original(self, file_path, metadata)
     found = _registered_file(file_path)
+    # A save's own file on gs://: one multipart upload, not a resumable one (two requests);
+    # elsewhere Orbax's write (orbax_small_writes.py).
+    if found is None or not orbax_small_writes.put(file_path, json.dumps(metadata).encode()):
+      out = original(self, file_path, metadata)
+    else:
+      out = None
     if found is not None:
       with _lock:
         if found[1] in _scopes:  # still registered once the write returned
           _remembered[found[0]] = json.dumps(metadata)
     return out
   return write
+
+
+def inside_registered(file_path: Any) -> bool:
+  """Whether ``file_path`` lies at most three levels under a registered step directory (the
+  step's files, its items' and their ``array_metadatas``'): a file of a save in progress."""
+  if not _scopes:
+    return False
+  parent = epath.Path(file_path).parent
+  for _ in range(3):
+    if str(parent) in _scopes:
+      return True
+    parent = parent.parent
+  return False
 
 
 def _wrap_read(original):

@@ -3,8 +3,8 @@ previous one still commits waits for it (``'wait'``, the default, as Orbax's ``s
 for a previous async save) or is skipped (``'skip'``).
 
 Real Orbax ``CheckpointManager`` on gs:// (fake-gcs-server behind the project's fault proxy),
-real node-local tier. The proxy holds the request that writes local-only step 1's commit marker,
-so that save is still committing, for certain, when step 2 is due. Under multi-controller JAX the
+real node-local tier. The proxy holds the request that writes local-only step 1's index (in its
+commit), so that save is still committing, for certain, when step 2 is due. Under multi-controller JAX the
 same decision is one key-value round, the primary host's answer taken by every process:
 ``tests/tier/test_local_steps.py::test_every_process_skips_the_same_busy_local_steps``.
 """
@@ -12,6 +12,7 @@ same decision is one key-value round, the primary host's answer taken by every p
 from __future__ import annotations
 
 import logging
+import re
 import time
 from urllib.parse import unquote
 
@@ -22,17 +23,21 @@ from support import local_resume
 pytestmark = pytest.mark.gcs
 
 HOLD_WAIT_S = 60.0  # far above one local save here; only a hang reaches it
+# v0's item is 'default', v1's 'state'
+_INDEX_OF_STEP_1 = re.compile(r'name=ckpt/\.orbax-pathways-local/1/[^/&]+/_pathways/index\.msgpack')
 
 
-def _commit_marker_of_step_1(method: str, target: str) -> bool:
-  return (method == 'POST'
-          and '.orbax-pathways-local/1/commit_success.txt' in unquote(target))
+def _index_of_step_1(method: str, target: str) -> bool:
+  """The upload of local-only step 1's ``_pathways`` index, written in its commit (tensorstore
+  names the object in the URL; the commit marker's upload, one gcsfs multipart request, names
+  it in the body only)."""
+  return method == 'POST' and _INDEX_OF_STEP_1.search(unquote(target)) is not None
 
 
 def _wait_held(proxy) -> None:
   deadline = time.monotonic() + HOLD_WAIT_S
   while not proxy.held():
-    assert time.monotonic() < deadline, 'local-only step 1 never wrote its commit marker'
+    assert time.monotonic() < deadline, 'local-only step 1 never wrote its index'
     time.sleep(0.05)
 
 
@@ -63,7 +68,7 @@ def test_a_local_save_due_while_the_previous_one_commits(faulty_gcs, tmp_path, c
     with ocp.CheckpointManager(root, options=options) as m:
       m.save(0, args=ocp.args.StandardSave({'w': jax.device_put(base)}))
       m.wait_until_finished()
-      faulty_gcs.proxy.hold(_commit_marker_of_step_1)
+      faulty_gcs.proxy.hold(_index_of_step_1)
       m.save(1, args=ocp.args.StandardSave({'w': jax.device_put(base + 1)}))
       _wait_held(faulty_gcs.proxy)
       # Released from another thread: 'wait' blocks step 2's save() until then ('skip' must
@@ -99,7 +104,7 @@ def test_a_v1_checkpointer_s_busy_local_save_is_skipped_and_its_loop_goes_on(fau
                                                                             tmp_path, caplog):
   """Orbax v1's ``training.Checkpointer``'s local-only saves run in the background as v0's do
   (its arguments detached, the save in v1's ``Context``): with ``'skip'``, step 2's ``save()``
-  returns while step 1 still commits (the proxy holds its commit marker), step 2 is never saved,
+  returns while step 1 still commits (the proxy holds its index), step 2 is never saved,
   step 3 is, and the resume through the v1 Checkpointer restores step 3 exactly from the tier.
   Before, v1's local-only saves ran in the loop's thread, where Orbax's ``save()`` waited for
   step 1's commit."""
@@ -122,7 +127,7 @@ def test_a_v1_checkpointer_s_busy_local_save_is_skipped_and_its_loop_goes_on(fau
     with ocp.v1.training.Checkpointer(root, save_decision_policy=policy) as ckptr:
       ckptr.save(0, {'w': jax.device_put(base)})
       ckptr.wait()
-      faulty_gcs.proxy.hold(_commit_marker_of_step_1)
+      faulty_gcs.proxy.hold(_index_of_step_1)
       ckptr.save(1, {'w': jax.device_put(base + 1)})
       _wait_held(faulty_gcs.proxy)
       timer = threading.Timer(HOLD_WAIT_S, lambda: (released.append(1),

@@ -240,3 +240,37 @@ def test_step_metadata_memory_is_installed_only_with_the_package_and_given_back_
     assert [vars(m)[n] for m, n in seams] == originals
   finally:
     orbax_pathways.install()
+
+
+def test_small_writes_seam_is_installed_only_with_the_package_and_given_back_exactly(tmp_path):
+  """``_compat/orbax_small_writes.py`` wraps Orbax's ``async_path.write_text``; ``uninstall``
+  puts back the very same function. Installed, a file of a registered step directory that is
+  not on gs:// (here a local disk) is still written by Orbax's own code, with its text, and
+  ``inside_registered`` covers the step's files down to an item's ``array_metadatas``."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src.path import async_path  # pylint: disable=g-import-not-at-top
+  from orbax_pathways._compat import orbax_small_writes as osw  # pylint: disable=g-import-not-at-top
+  from orbax_pathways._compat import orbax_step_metadata as osm  # pylint: disable=g-import-not-at-top
+  assert osw.installed()
+  orbax_pathways.uninstall()
+  try:
+    original = vars(async_path)['write_text']
+    assert not osw.installed()
+    orbax_pathways.install()
+    assert vars(async_path)['write_text'] is not original
+    step = tmp_path / '3'
+    (step / 'default' / 'array_metadatas').mkdir(parents=True)
+    with osm.remembering(step):
+      assert osm.inside_registered(step / 'commit_success.txt')
+      assert osm.inside_registered(step / 'default' / 'array_metadatas' / 'process_0')
+      assert not osm.inside_registered(tmp_path / '4' / 'commit_success.txt')
+      assert not osm.inside_registered(step / 'a' / 'b' / 'c' / 'd')
+      asyncio.run(async_path.write_text(step / 'default' / '_METADATA', '{"x": 1}'))
+    assert (step / 'default' / '_METADATA').read_text() == '{"x": 1}'
+    assert not osw.put(step / 'default' / '_METADATA', b'{}')  # not gs://: nothing written
+    assert (step / 'default' / '_METADATA').read_text() == '{"x": 1}'
+    orbax_pathways.uninstall()
+    assert vars(async_path)['write_text'] is original
+  finally:
+    orbax_pathways.install()

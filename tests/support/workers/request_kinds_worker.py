@@ -103,15 +103,25 @@ CASES: tuple[Case, ...] = (
          "Orbax's existence check of the step directory"),
     Case('save_listing', 'save', 'GET', _O + rf'\?(?=.*[?&]prefix={_STEP}/)', 'gcsfs',
          'a one-entry listing (is_dir) inside the step'),
-    Case('save_upload_start', 'save', 'POST',
+    # A CheckpointManager save writes a step's small files in one multipart upload each
+    # (_compat/orbax_small_writes.py): the first (_CHECKPOINT_METADATA, in save()) and the
+    # seventh (the step's commit_success.txt, in the finalize thread). ocp.v1.save_pytree is no
+    # manager save: its small files are Orbax's delete and resumable upload.
+    Case('save_small_file_upload', 'save', 'POST', _U + r'(?=.*uploadType=multipart)', 'gcsfs',
+         "a small file's one-request upload: the first, _CHECKPOINT_METADATA's"),
+    Case('save_commit_file_upload', 'save', 'POST', _U + r'(?=.*uploadType=multipart)', 'gcsfs',
+         "a small file's one-request upload: the step's commit_success.txt", nth=7),
+    Case('v1_save_upload_start', 'save', 'POST',
          # gcsfs 2026.10 names the object in the start's query, some older releases only in its
          # JSON body
          # (the save's first resumable start is _CHECKPOINT_METADATA's either way)
          _U + rf'(?=.*uploadType=resumable)(?!.*upload_id)(?!.*name=(?!{_STEP}/_CHECKPOINT_METADATA(&|$)))',
-         'gcsfs', 'the start of the _CHECKPOINT_METADATA upload'),
-    Case('save_upload_data', 'save', 'POST', _U + rf'(?=.*name={_ITEM}/_METADATA(&|$))(?=.*upload_id=)',
-         'gcsfs', "the bytes of the item's _METADATA"),
-    Case('save_delete', 'save', 'DELETE', _O + '/', 'gcsfs', 'a delete before an overwrite'),
+         'gcsfs', 'ocp.v1.save_pytree: the start of the _CHECKPOINT_METADATA upload', api='v1'),
+    Case('v1_save_upload_data', 'save', 'POST',
+         _U + rf'(?=.*name={_STEP}/state/_METADATA(&|$))(?=.*upload_id=)',
+         'gcsfs', "ocp.v1.save_pytree: the bytes of the item's _METADATA", api='v1'),
+    Case('v1_save_delete', 'save', 'DELETE', _O + '/', 'gcsfs',
+         'ocp.v1.save_pytree: a delete before an overwrite', api='v1'),
     # No read of _CHECKPOINT_METADATA: a CheckpointManager save reads the one it wrote from
     # memory (manager/step_metadata.py), and ocp.v1.save_pytree reads none back.
     Case('save_sharding_write', 'save', 'POST', _U + rf'.*name={_ITEM}/_sharding(&|$)', 'tensorstore',
