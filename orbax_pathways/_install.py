@@ -155,8 +155,8 @@ def _install_manager_side() -> None:
   orbax_finalize.install(_merge_item, _merge_pending)
   orbax_signals.install()  # a failed step directory releases its waiters (no hang at exit)
   orbax_step_metadata.install()  # a manager save's own step metadata read from memory
-  # and its small files written in one request each on gs://
-  orbax_small_writes.install(orbax_step_metadata.inside_registered)
+  # and its small files written in one request each on gs://, read back from memory
+  orbax_small_writes.install(orbax_step_metadata)
   # a process that dies mid-save is named by the others, who raise and exit (coord/liveness.py)
   orbax_liveness.install(_save_round, liveness.lost_error)
   if options_lib.env_value('ORBAX_PATHWAYS_EMERGENCY') == 'pathways':

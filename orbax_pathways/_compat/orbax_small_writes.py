@@ -1,4 +1,4 @@
-"""A manager save's small files on gs://, one request each.
+"""A manager save's small files on gs://, one request each, and read back from memory.
 
 SUPPORTED: orbax-checkpoint ``supported.ORBAX`` (written against 0.12.8).
 
@@ -11,15 +11,25 @@ in progress is written with gcsfs's ``pipe_file`` instead: one multipart upload,
 the object in one request with the same bytes (``put``). ``_compat/orbax_step_metadata.py``
 writes the step's ``_CHECKPOINT_METADATA`` the same way.
 
-Patch, installed by ``install(inside)`` and restored exactly (the very same function object)
-by ``uninstall()``; both idempotent:
+Patches, installed by ``install(memory)`` and restored exactly (the very same function
+objects) by ``uninstall()``; both idempotent. ``memory`` is ``orbax_step_metadata``: a file
+"of a save in progress" lies at most three levels under the step directory of a
+``CheckpointManager`` save running on this process (``inside_registered``).
 
-- ``path.async_path.write_text(path, text)``: when ``inside(path)`` (a file at most three levels
-  under the step directory of a ``CheckpointManager`` save in progress on this process:
-  ``orbax_step_metadata.inside_registered``) and the path is on gs:// through etils' fsspec
-  backend, ``put``; anything else (local disks, ``ocp.v1.save_pytree``, other files): Orbax's
-  own. Orbax's modules call ``async_path.write_text`` by attribute, so patching the module
-  reaches every caller.
+- ``path.async_path.write_text(path, text)``: a file of a save in progress on gs:// through
+  etils' fsspec backend: ``put``; elsewhere Orbax's own; either way the text is remembered
+  (``remember_file``) until the save ends.
+- ``path.async_path.read_text(path)``: what this process wrote to that file during the save
+  in progress (Orbax reads its ``array_metadatas/process_<i>`` back to extend and to validate
+  it), else Orbax's own.
+- ``path.async_path.exists(path)``: ``True`` without a request when this process wrote, during
+  the save in progress, that file or a file under that directory; else Orbax's own.
+
+Anything else (restores, listings, ``ocp.v1.save_pytree``, other processes' files, files this
+save did not write): Orbax's own, from storage. Why nothing stale is returned: a save's files
+have one writer, the process that saves them (``array_metadatas/process_<i>`` is process i's),
+and no reader of an uncommitted step runs. Orbax's modules call these functions by attribute on
+``async_path``, so patching the module reaches every caller.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from etils import epath
 
@@ -39,7 +49,7 @@ _async_path = src.orbax('path.async_path')
 SUPPORTED = supported.ORBAX
 
 _lock = threading.Lock()
-_original: list[Callable[..., Any]] = []  # Orbax's own write_text, while installed
+_originals: dict[str, Callable[..., Any]] = {}  # Orbax's own functions, while installed
 
 
 def put(path: Any, data: bytes) -> bool:
@@ -61,33 +71,67 @@ def put(path: Any, data: bytes) -> bool:
   return True
 
 
-def _wrap_write_text(original, inside: Callable[[Any], bool]):
+class Memory(Protocol):
+  """What a save in progress remembers of its own files (``orbax_step_metadata``)."""
+
+  def inside_registered(self, file_path: Any) -> bool: ...
+  def remember_file(self, file_path: Any, text: str) -> None: ...
+  def recall_file(self, file_path: Any) -> str | None: ...
+  def holds_files_under(self, path: Any) -> bool: ...
+
+
+def _wrap_write_text(original, memory: Memory):
   @functools.wraps(original)
   async def write_text(path, text):
-    if inside(path):
-      data = text.encode('utf-8')
-      if await asyncio.to_thread(put, path, data):
-        return len(text)
-    return await original(path, text)
+    if not memory.inside_registered(path):
+      return await original(path, text)
+    if await asyncio.to_thread(put, path, text.encode('utf-8')):
+      out = len(text)
+    else:
+      out = await original(path, text)
+    memory.remember_file(path, text)
+    return out
   return write_text
 
 
-def install(inside: Callable[[Any], bool]) -> None:
-  """Wraps ``async_path.write_text`` (once); ``inside(path)`` says which files are a save's.
-  An Orbax without it is left as it is."""
+def _wrap_read_text(original, memory: Memory):
+  @functools.wraps(original)
+  async def read_text(path):
+    text = memory.recall_file(path)
+    return text if text is not None else await original(path)
+  return read_text
+
+
+def _wrap_exists(original, memory: Memory):
+  @functools.wraps(original)
+  async def exists(path):
+    return True if memory.holds_files_under(path) else await original(path)
+  return exists
+
+
+_WRAPS = (('write_text', _wrap_write_text), ('read_text', _wrap_read_text),
+          ('exists', _wrap_exists))
+
+
+def install(memory: Memory) -> None:
+  """Wraps ``async_path.write_text``, ``read_text`` and ``exists`` (once); ``memory`` says which
+  files are a save's and remembers what it wrote. An Orbax without one of them is left as it
+  is."""
   with _lock:
-    if _original or 'write_text' not in vars(_async_path):
+    if _originals or not all(name in vars(_async_path) for name, _ in _WRAPS):
       return
-    _original.append(vars(_async_path)['write_text'])
-    _async_path.write_text = _wrap_write_text(_original[0], inside)
+    for name, wrap in _WRAPS:
+      _originals[name] = vars(_async_path)[name]
+      setattr(_async_path, name, wrap(_originals[name], memory))
 
 
 def uninstall() -> None:
-  """Puts Orbax's own ``write_text`` back (idempotent)."""
+  """Puts Orbax's own functions back (idempotent)."""
   with _lock:
-    if _original:
-      _async_path.write_text = _original.pop()
+    for name, original in _originals.items():
+      setattr(_async_path, name, original)
+    _originals.clear()
 
 
 def installed() -> bool:
-  return bool(_original)
+  return bool(_originals)

@@ -22,6 +22,12 @@ Patches, installed by ``install()`` and restored exactly (the very same function
   returned as it is, without the existence and directory checks (it is a directory this save
   made).
 
+The same memory serves ``orbax_small_writes.py`` (the ``Memory`` it is installed with): the
+other small files a save writes through ``async_path.write_text`` at most three levels under a
+registered directory (``inside_registered``) are remembered (``remember_file``), read back
+(``recall_file``) and known to exist, with the directories above them (``holds_files_under``),
+until the registration ends.
+
 Who registers what: ``manager/step_metadata.py``'s hook, on every process, registers the step
 directory of every ``CheckpointManager`` save Orbax's policy takes (storage steps and the hidden
 manager's local-only ones) from just before Orbax writes anything of it until its commit ended
@@ -93,17 +99,50 @@ def _wrap_write(original):
   return write
 
 
+def remember_file(file_path: Any, text: str) -> None:
+  """Remembers ``text`` as what this process just wrote to ``file_path`` (a save's small file,
+  ``inside_registered``: ``orbax_small_writes``), while its step directory stays registered."""
+  key = _key(file_path)
+  with _lock:
+    if _scope_of(key) is not None:
+      _remembered[key] = text
+
+
+def recall_file(file_path: Any) -> str | None:
+  """What this process wrote to ``file_path`` during the save in progress, or None (not
+  registered, or not written by this process: read storage)."""
+  if not _scopes:
+    return None
+  with _lock:
+    return _remembered.get(_key(file_path))
+
+
+def holds_files_under(path: Any) -> bool:
+  """Whether this process wrote, during a save in progress, a file at or under ``path`` (so it
+  exists, a directory on gs:// included, without asking storage)."""
+  if not _scopes:
+    return False
+  key = _key(path)
+  with _lock:
+    return any(n == key or n.startswith(key + '/') for n in _remembered)
+
+
+def _scope_of(key: str) -> str | None:
+  """The registered step directory ``key`` (a path) lies in (at most three levels down)."""
+  parent = epath.Path(key).parent
+  for _ in range(3):
+    if str(parent) in _scopes:
+      return str(parent)
+    parent = parent.parent
+  return None
+
+
 def inside_registered(file_path: Any) -> bool:
   """Whether ``file_path`` lies at most three levels under a registered step directory (the
   step's files, its items' and their ``array_metadatas``'): a file of a save in progress."""
   if not _scopes:
     return False
-  parent = epath.Path(file_path).parent
-  for _ in range(3):
-    if str(parent) in _scopes:
-      return True
-    parent = parent.parent
-  return False
+  return _scope_of(_key(file_path)) is not None
 
 
 def _wrap_read(original):
@@ -180,7 +219,7 @@ def end(key: str) -> None:
       _scopes[key] = left
       return
     _scopes.pop(key, None)
-    for name in [n for n in _remembered if str(epath.Path(n).parent) == key]:
+    for name in [n for n in _remembered if n.startswith(key + '/')]:
       del _remembered[name]
 
 

@@ -465,11 +465,11 @@ def test_request_count_of_a_20_array_save(faulty_gcs, monkeypatch):
   assert len(save_reqs) < 10 * len(state), len(save_reqs)
   # What the bound really rests on: the cost is a fixed ~100 requests of Orbax's step protocol
   # over gcsfs (exists = stat + list; each small file of a manager save one multipart upload,
-  # _compat/orbax_small_writes.py, where stock Orbax sends a delete and a 2-request resumable
-  # upload; markers; _CHECKPOINT_METADATA written three times), while all arrays share one OCDBT database (a few data
-  # files + manifests). Measured: 1 array 57, 20 arrays 72 (2026-12-05; ~97 and ~105 before the
-  # step metadata came from memory and the small files took one request each; stock Orbax:
-  # 92 / 113). A per-array round trip would add >= 19 requests over the 1-array save.
+  # never read back, _compat/orbax_small_writes.py, where stock Orbax sends a delete and a
+  # 2-request resumable upload and reads some back; _CHECKPOINT_METADATA written three times), while all arrays share one OCDBT database (a few data
+  # files + manifests). Measured: 1 array 43, 20 arrays 55 (2026-12-05; ~97 and ~105 before a
+  # save's own small files took one request each and were read back from memory; stock
+  # Orbax: 92 / 113). A per-array round trip would add >= 19 requests over the 1-array save.
   assert len(save_reqs) - len(base_reqs) < 1.5 * (len(state) - 1), (len(save_reqs), len(base_reqs))
 
 

@@ -89,9 +89,13 @@ _SMALL_FILES = ('_CHECKPOINT_METADATA', 'commit_success.txt', 'default/_METADATA
 def _uploads(log) -> dict[str, int]:
   """Counts of gcsfs's requests by kind in the proxy's log: multipart uploads, resumable upload
   starts, deletes."""
-  out = {'multipart': 0, 'resumable_start': 0, 'delete': 0}
+  out = {'multipart': 0, 'resumable_start': 0, 'delete': 0, 'own_file_downloads': 0}
   for method, target, _ in log:
-    if method == 'POST' and 'uploadType=multipart' in target:
+    if method == 'GET' and target.startswith('/download/') and (
+        'array_metadatas/process_0' in unquote(target)
+        or '_CHECKPOINT_METADATA' in unquote(target)):
+      out['own_file_downloads'] += 1
+    elif method == 'POST' and 'uploadType=multipart' in target:
       out['multipart'] += 1
     elif method == 'POST' and 'uploadType=resumable' in target and 'upload_id' not in target:
       out['resumable_start'] += 1
@@ -103,9 +107,10 @@ def _uploads(log) -> dict[str, int]:
 def test_a_saves_small_files_are_one_request_each_and_equal_stock_orbaxs(faulty_gcs):
   """A storage step's small files (``_CHECKPOINT_METADATA``, the item's ``_METADATA`` and
   ``array_metadatas``, ``commit_success.txt``) are written in one multipart upload each, as many
-  as stock Orbax's resumable uploads of the same save, with none of its deletes before them
-  (``_compat/orbax_small_writes.py``); every file holds what stock's does (timestamps aside),
-  and stock Orbax restores the step exactly."""
+  as stock Orbax's resumable uploads of the same save, with none of its deletes before them,
+  and the save downloads none of the files it wrote, where stock reads its step metadata and
+  array metadata back (``_compat/orbax_small_writes.py``); every file holds what stock's does
+  (timestamps aside), and stock Orbax restores the step exactly."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
@@ -129,8 +134,9 @@ def test_a_saves_small_files_are_one_request_each_and_equal_stock_orbaxs(faulty_
       m.wait_until_finished()
       logs[impl] = _uploads(proxy.log())
   assert logs['stock']['resumable_start'] >= len(_SMALL_FILES), logs
+  assert logs['stock']['own_file_downloads'] >= 2, logs  # its step metadata, array metadata
   assert logs['ours'] == {'multipart': logs['stock']['resumable_start'], 'resumable_start': 0,
-                          'delete': 0}, logs
+                          'delete': 0, 'own_file_downloads': 0}, logs
 
   def files(impl):
     out = {}

@@ -243,34 +243,51 @@ def test_step_metadata_memory_is_installed_only_with_the_package_and_given_back_
 
 
 def test_small_writes_seam_is_installed_only_with_the_package_and_given_back_exactly(tmp_path):
-  """``_compat/orbax_small_writes.py`` wraps Orbax's ``async_path.write_text``; ``uninstall``
-  puts back the very same function. Installed, a file of a registered step directory that is
-  not on gs:// (here a local disk) is still written by Orbax's own code, with its text, and
+  """``_compat/orbax_small_writes.py`` wraps Orbax's ``async_path.write_text``, ``read_text`` and
+  ``exists``; ``uninstall`` puts back the very same functions. Installed, a file of a registered
+  step directory that is not on gs:// (here a local disk) is still written by Orbax's own code,
+  with its text; while the directory stays registered, reading it back and asking whether it
+  (or a directory above it) exists are answered from what this process wrote, even after the
+  file changed or went behind its back; once the block ends, from the disk again.
   ``inside_registered`` covers the step's files down to an item's ``array_metadatas``."""
   import asyncio  # pylint: disable=g-import-not-at-top
   import orbax_pathways  # pylint: disable=g-import-not-at-top
   from orbax.checkpoint._src.path import async_path  # pylint: disable=g-import-not-at-top
   from orbax_pathways._compat import orbax_small_writes as osw  # pylint: disable=g-import-not-at-top
   from orbax_pathways._compat import orbax_step_metadata as osm  # pylint: disable=g-import-not-at-top
+  names = ('write_text', 'read_text', 'exists')
   assert osw.installed()
   orbax_pathways.uninstall()
   try:
-    original = vars(async_path)['write_text']
+    originals = [vars(async_path)[n] for n in names]
     assert not osw.installed()
     orbax_pathways.install()
-    assert vars(async_path)['write_text'] is not original
+    assert all(vars(async_path)[n] is not o for n, o in zip(names, originals))
     step = tmp_path / '3'
     (step / 'default' / 'array_metadatas').mkdir(parents=True)
+    mine = step / 'default' / 'array_metadatas' / 'process_0'
+    other = tmp_path / '4' / 'x'
+    other.parent.mkdir()
+    run = asyncio.run
     with osm.remembering(step):
       assert osm.inside_registered(step / 'commit_success.txt')
-      assert osm.inside_registered(step / 'default' / 'array_metadatas' / 'process_0')
+      assert osm.inside_registered(mine)
       assert not osm.inside_registered(tmp_path / '4' / 'commit_success.txt')
       assert not osm.inside_registered(step / 'a' / 'b' / 'c' / 'd')
-      asyncio.run(async_path.write_text(step / 'default' / '_METADATA', '{"x": 1}'))
-    assert (step / 'default' / '_METADATA').read_text() == '{"x": 1}'
-    assert not osw.put(step / 'default' / '_METADATA', b'{}')  # not gs://: nothing written
-    assert (step / 'default' / '_METADATA').read_text() == '{"x": 1}'
+      run(async_path.write_text(mine, '{"x": 1}'))
+      run(async_path.write_text(other, 'o'))
+      assert mine.read_text() == '{"x": 1}'  # Orbax's own write, on a local disk
+      mine.write_text('changed')  # behind the save's back
+      other.write_text('changed')
+      assert run(async_path.read_text(mine)) == '{"x": 1}'
+      assert run(async_path.read_text(other)) == 'changed'  # not registered: the disk
+      mine.unlink()
+      assert run(async_path.exists(mine)) and run(async_path.exists(step / 'default'))
+      assert not run(async_path.exists(step / 'default' / 'array_metadatas' / 'process_1'))
+    assert not run(async_path.exists(mine))  # the block ended: the disk
+    assert not osw.put(mine, b'{}')  # not gs://: nothing written
+    assert not mine.exists()
     orbax_pathways.uninstall()
-    assert vars(async_path)['write_text'] is original
+    assert [vars(async_path)[n] for n in names] == originals
   finally:
     orbax_pathways.install()
