@@ -24,7 +24,8 @@ a final save (every process killed at the same step). Each mode of ``--modes`` i
   share also kept by process i+1).
 
 Then 4 fresh processes (3 with ``--lose-node``: the 4th node and its tier gone) run
-``preemption.resume`` and one training step. ``--layout replicated`` splits the state over
+``preemption.resume`` and one training step. ``--leaves N`` splits the state's rows into N arrays (a model's leaves: per-array work on
+storage shows with many). ``--layout replicated`` splits the state over
 each slice's devices only (every slice holds all of it) instead of over every device. Reported per mode: the
 step resumed from and the steps lost, seconds from the resume call to the end of the first step
 after it (slowest process, between barriers), bytes read from storage, and the training loop's
@@ -79,22 +80,28 @@ mode, root, mib, steps, step_s, storage_every, layout = (
     int(sys.argv[6]), sys.argv[7])
 train_only = sys.argv[8] == 'train_only'  # steps 1.., no storage save; the last save's stats
 update = sys.argv[9]  # 'host': numpy + a transfer per step; 'device': a jitted add on the devices
+n_leaves = int(sys.argv[11])  # the state's rows split into this many arrays ('w' when 1)
 n = jax.device_count()
-rows = max(24, int(mib * (1 << 20) * 4 / 4 / 1024) // 24 * 24)  # the state saved on 4 processes
+unit = 24 * n_leaves
+rows = max(unit, int(mib * (1 << 20) * 4 / 4 / 1024) // unit * unit)  # saved on 4 processes
 mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n // 2, 2), ('x', 'y'))
 # sharded: over every device; replicated: over each slice's 2 devices, every slice holding all
 sharding = jax.sharding.NamedSharding(mesh, P('x', 'y') if layout == 'sharded' else P(None, 'y'))
 base = np.arange(rows * 1024, dtype=np.float32).reshape(rows, 1024)
+part = rows // n_leaves
+bases = ({'w': base} if n_leaves == 1 else
+         {f'w{k:03d}': base[k * part:(k + 1) * part] for k in range(n_leaves)})
 
 def state(step):
-  return {'w': jax.make_array_from_callback(base.shape, sharding, lambda i: base[i] + step)}
+  return {name: jax.make_array_from_callback(b.shape, sharding, lambda i, b=b: b[i] + step)
+          for name, b in bases.items()}
 
 if update == 'device':  # the same values, computed where a training step computes: on the devices
-  _base = state(0)['w']
+  _base = state(0)
   _add = jax.jit(lambda b, k: b + k, out_shardings=sharding)
 
   def state(step):  # pylint: disable=function-redefined
-    return {'w': _add(_base, np.float32(step))}
+    return {name: _add(b, np.float32(step)) for name, b in _base.items()}
 
 api = sys.argv[10]  # 'v0': an unchanged CheckpointManager; 'v1': Orbax v1's training.Checkpointer
 opts = ocp.CheckpointManagerOptions(save_interval_steps=storage_every, max_to_keep=2)
@@ -176,7 +183,8 @@ if mode == 'train':
                   'steady': steady if train_only else None})
   mp_worker.stop_all_now()
 else:
-  target = {'w': jax.ShapeDtypeStruct(base.shape, base.dtype, sharding=sharding)}
+  target = {name: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding)
+            for name, b in bases.items()}
   with manager() as m:
     multihost_utils.sync_global_devices('before')
     t0 = time.perf_counter()
@@ -185,8 +193,9 @@ else:
     jax.block_until_ready(got)
     multihost_utils.sync_global_devices('after')
     wall = time.perf_counter() - t0
-  for sh in got['w'].addressable_shards:
-    np.testing.assert_array_equal(np.asarray(sh.data), base[sh.index] + step)
+  for name, b in bases.items():
+    for sh in got[name].addressable_shards:
+      np.testing.assert_array_equal(np.asarray(sh.data), b[sh.index] + step)
   st = stats.last_restore()
   mp_worker.emit({'step': step, 'resume_s': wall, 'bytes_by_source': st.bytes_by_source})
 '''
@@ -224,6 +233,9 @@ def parse_args(argv=None):
                  'values either way')
   p.add_argument('--api', choices=('v0', 'v1'), default='v0',
                  help="v0: an unchanged CheckpointManager; v1: Orbax v1's training.Checkpointer")
+  p.add_argument('--leaves', type=int, default=1,
+                 help="the state's rows split into this many arrays (a model's leaves): a "
+                 "local-only save's per-array work on storage shows with many")
   p.add_argument('--json-out', default=None)
   p.add_argument('--timeout', type=float, default=900, help='seconds per multi-process run')
   return p.parse_args(argv)
@@ -275,7 +287,7 @@ def _run(run_processes, args, mode, root, env, tiers):
                       args=[mode, root, str(args.mib), str(args.steps), str(args.step_s),
                             str(args.storage_every), args.layout,
                             'train_only' if args.train_only else 'restart', args.update,
-                            args.api],
+                            args.api, str(args.leaves)],
                       per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': t} for t in tiers])
   return [r.result for r in res]
 
@@ -331,7 +343,8 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None) -> dict:
 
 
 def table(results, args) -> str:
-  lines = [f'4 processes x 2 CPU devices, {args.mib:g} MiB per process ({args.layout}), '
+  lines = [f'4 processes x 2 CPU devices, {args.mib:g} MiB per process ({args.layout}'
+           + (f', {args.leaves} arrays' if args.leaves > 1 else '') + '), '
            + ("Orbax v1's training.Checkpointer, " if args.api == 'v1' else '') +
            f'{args.steps} steps of {args.step_s:g} s (state update on the {args.update}), '
            f'storage every {args.storage_every}, local '

@@ -222,14 +222,22 @@ async def write_metadata_and_markers(writes: Sequence[ArrayWrite], *,
   async def attempt(n: int) -> None:
     ctx = hedge.fresh_context(context, n) if n else context
     txn = ts.Transaction()
-    for w in writes:
-      spec = ts.Spec(retry_spec(w.tspec, n) if n else w.tspec)
-      await ts.open(spec, create=True, open=True, context=ctx, transaction=txn)
-    for w in writes:
-      where = _marker(dataclasses.replace(w, tspec=retry_spec(w.tspec, n)) if n else w)
+    specs = [retry_spec(w.tspec, n) if n else w.tspec for w in writes]
+
+    async def one(w: ArrayWrite, spec: dict) -> None:
+      # Every array at once: an open reads the database (whether the array exists), a round
+      # trip each that must not add up one after another.
+      await ts.open(ts.Spec(spec), create=True, open=True, context=ctx, transaction=txn)
+      where = _marker(dataclasses.replace(w, tspec=spec))
       if where is not None:
         store = await ts.KvStore.open(where[0], context=ctx)
         await store.with_transaction(txn).write(where[1], b'')
+
+    results = await asyncio.gather(*(one(w, spec) for w, spec in zip(writes, specs)),
+                                   return_exceptions=True)  # all settle before we raise
+    for r in results:
+      if isinstance(r, BaseException):
+        raise r
     await txn.commit_async()
 
   try:

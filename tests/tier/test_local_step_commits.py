@@ -84,3 +84,30 @@ def test_a_local_only_save_commits_all_its_arrays_markers_at_once_and_resumes(fa
     np.testing.assert_array_equal(np.asarray(got[k]), expected, err_msg=k)
     assert got[k].shape == v.shape and got[k].dtype == np.float32, k
   assert stats.last_restore().bytes_by_source.get('storage', 0) == 0, stats.last_restore()
+
+
+def test_a_local_only_saves_storage_requests_do_not_grow_with_its_arrays(faulty_gcs, tmp_path):
+  """The storage requests of a local-only save are about the same for 2 arrays and for 40:
+  nothing of it is sent per array (the arrays' metadata and markers are opened and written all
+  at once, in one commit). Before, each array's open read the database on its own, one after
+  another: one round trip more per array."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+
+  orbax_pathways.install(orbax_pathways.Options(
+      local_dir=str(tmp_path / 'tier'), local_save_interval_steps=1, local_keep=1))
+  options = ocp.CheckpointManagerOptions(save_interval_steps=100)
+  proxy = faulty_gcs.proxy
+  requests = {}
+  for n in (2, 40):
+    state = {f'a{i:02d}': np.full((16, 4), i, np.float32) for i in range(n)}
+    with ocp.CheckpointManager(faulty_gcs.path(f'ckpt{n}'), options=options) as m:
+      m.save(0, args=ocp.args.StandardSave({k: jax.device_put(v) for k, v in state.items()}))
+      m.wait_until_finished()
+      proxy.reset_stats()
+      m.save(1, args=ocp.args.StandardSave({k: jax.device_put(v) for k, v in state.items()}))
+      m.wait_until_finished()
+      requests[n] = proxy.stats()['requests']
+  assert requests[40] - requests[2] <= 8, requests
