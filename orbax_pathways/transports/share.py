@@ -11,7 +11,6 @@ host's devices need.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import uuid
 from typing import Any, Callable, Sequence
