@@ -132,8 +132,13 @@ def test_requests_per_step_exceed_stock_by_a_constant_per_host(fake_gcs):
     assert save['local']['requests'] <= save['stock']['requests'] + 8, save
     assert restore['local']['requests'] <= restore['stock']['requests'] + 18, restore
     # n writer hosts (colocated): each writes its own OCDBT database and reads its own boxes.
-    per_host[n] = ((save['colocated']['requests'] - save['stock']['requests']) / n,
-                   (restore['colocated']['requests'] - restore['stock']['requests']) / n)
-    assert per_host[n][0] <= 8 and per_host[n][1] <= 8, (n, per_host[n], counts)
+    assert save['colocated']['requests'] - save['stock']['requests'] <= 8 * n, (n, counts)
+    assert restore['colocated']['requests'] - restore['stock']['requests'] <= 8 * n, (n, counts)
+    # What the n writer hosts add over one writer of ours (the same step protocol: what the
+    # package saves per step whatever the fleet, below stock's since a save's own small files
+    # are one request each and never read back, cancels out), per host. Not against stock: a
+    # constant below stock's, divided by n, would grow with n and hide or fake a trend.
+    per_host[n] = ((save['colocated']['requests'] - save['local']['requests']) / n,
+                   (restore['colocated']['requests'] - restore['local']['requests']) / n)
   (s_small, r_small), (s_big, r_big) = per_host[FLEETS[0]], per_host[FLEETS[-1]]
   assert s_big <= s_small + 0.5 and r_big <= r_small + 0.5, per_host  # a constant per host
