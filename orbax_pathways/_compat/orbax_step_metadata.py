@@ -14,10 +14,11 @@ Patches, installed by ``install()`` and restored exactly (the very same function
 ``uninstall()``; both idempotent:
 
 - ``metadata.checkpoint._MetadataStoreImpl.write`` / ``read`` (under Orbax's blocking and
-  non-blocking metadata stores): for a file directly inside a step directory registered with
-  ``remembering(step_dir)``, a write that succeeded is remembered (a copy of its JSON), and a
-  read returns a copy of what was remembered without a request; an update (Orbax's read, then
-  write) then costs its write only. Any other file: Orbax's own, untouched.
+  non-blocking metadata stores): for a file inside a step directory registered with
+  ``begin(step_dir)`` (``inside_registered``), a write that succeeded is remembered (its JSON;
+  on gs:// it is one multipart upload, ``orbax_small_writes.put``), and a read returns a copy
+  of what was remembered without a request; an update (Orbax's read, then write) then costs its
+  write only. Any other file: Orbax's own, untouched.
 - ``metadata.checkpoint._sanitize_metadata_path(path)``: a registered step directory is
   returned as it is, without the existence and directory checks (it is a directory this save
   made).
@@ -32,9 +33,7 @@ Who registers what: ``manager/step_metadata.py``'s hook, on every process, regis
 directory of every ``CheckpointManager`` save Orbax's policy takes (storage steps and the hidden
 manager's local-only ones) from just before Orbax writes anything of it until its commit ended
 (committed or failed: Orbax's ``_finalize`` runs either way), or until its ``save`` raised or
-was declined; ``manager/local_steps.py``'s background thread also registers
-``<directory>/.orbax-pathways-local/<step>`` around the hidden manager's save and commit.
-Nothing else is registered: restores, listings, ``ocp.v1.save_pytree`` and every other reader
+was declined. Nothing else is registered: restores, listings, ``ocp.v1.save_pytree`` and every other reader
 read storage as Orbax does. Why it cannot return stale metadata: while a step is saved, the
 only writer of its ``_CHECKPOINT_METADATA`` is this save, on the manager's primary host
 (Orbax's protocol), and no reader of that step runs (it is not committed, so not listed); a
@@ -71,30 +70,17 @@ def _key(path: Any) -> str:
   return str(epath.Path(path))
 
 
-def _registered_file(file_path: Any) -> tuple[str, str] | None:
-  """(``file_path``'s key, its directory's) when it lies directly in a registered step
-  directory, else None."""
-  if not _scopes:
-    return None
-  path = epath.Path(file_path)
-  directory = str(path.parent)
-  return (str(path), directory) if directory in _scopes else None
-
-
 def _wrap_write(original):
   @functools.wraps(original)
   def write(self, file_path, metadata):
-    found = _registered_file(file_path)
+    if not inside_registered(file_path):
+      return original(self, file_path, metadata)
+    text = json.dumps(metadata)
     # A save's own file on gs://: one multipart upload, not a resumable one (two requests);
     # elsewhere Orbax's write (orbax_small_writes.py).
-    if found is None or not orbax_small_writes.put(file_path, json.dumps(metadata).encode()):
-      out = original(self, file_path, metadata)
-    else:
-      out = None
-    if found is not None:
-      with _lock:
-        if found[1] in _scopes:  # still registered once the write returned
-          _remembered[found[0]] = json.dumps(metadata)
+    out = None if orbax_small_writes.put(file_path, text.encode()) else original(
+        self, file_path, metadata)
+    remember_file(file_path, text)
     return out
   return write
 
@@ -148,13 +134,8 @@ def inside_registered(file_path: Any) -> bool:
 def _wrap_read(original):
   @functools.wraps(original)
   def read(self, file_path):
-    found = _registered_file(file_path)
-    if found is not None:
-      with _lock:
-        text = _remembered.get(found[0])
-      if text is not None:
-        return json.loads(text)
-    return original(self, file_path)
+    text = recall_file(file_path)
+    return json.loads(text) if text is not None else original(self, file_path)
   return read
 
 

@@ -59,7 +59,6 @@ from orbax_pathways.transports import snapshots
 from orbax_pathways._compat import orbax_manager as _om
 
 from orbax_pathways._compat import orbax_manager_state as _oms
-from orbax_pathways._compat import orbax_step_metadata as _osm
 from orbax_pathways._compat import orbax_v1_training as _v1
 log = logging.getLogger('orbax_pathways')
 
@@ -176,14 +175,13 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     _in_background.active = True
     try:
       mngr.wait_until_finished()  # one save commits per process at a time (before_save)
-      # Orbax's reads of the step metadata this save writes come from memory (gs://: about 17
-      # round trips a save fewer; _compat/orbax_step_metadata.py).
-      with _osm.remembering(_oms.manager_step_path(inner, step)):
-        try:
-          inner.save(step, *detached.args, force=True, **detached.kwargs)
-        finally:
-          taken.release()
-        inner.wait_until_finished()
+      # (Orbax's reads of the files this save writes come from memory, as for every manager
+      # save: manager/step_metadata.py.)
+      try:
+        inner.save(step, *detached.args, force=True, **detached.kwargs)
+      finally:
+        taken.release()
+      inner.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except  (logged; training goes on)
       _warn_failed(mngr, step, e)
 
