@@ -159,7 +159,8 @@ def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike,
           mp, active_processes=active,
           barrier_sync_key_prefix=(mp.barrier_sync_key_prefix or '') + 'orbax_pathways_local'),
       step_name_format=options.step_name_format,
-      async_options=options.async_options)
+      async_options=options.async_options,
+      file_options=_local_file_options(options.file_options))
   # Handlers come from the save's arguments, as for a manager built without item handlers.
   inner = ocp.CheckpointManager(directory, options=inner_options)
   timeout = getattr(options.async_options, 'timeout_secs', None) or _DEFAULT_TIMEOUT_S
@@ -169,6 +170,23 @@ def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike,
   inner.__dict__[_LOCAL_OF] = mngr
   mngr.__dict__[_LOCAL] = inner
   return inner
+
+
+def _local_file_options(user: Any) -> Any:
+  """The hidden manager's ``FileOptions``: the user's ``path_permission_mode``, and
+  ``skip_sync_file_validations`` where this Orbax has it. With it, Orbax's save does not ask
+  storage whether the step directory exists before it creates it (``force`` removing it if so);
+  its directory creation asks the same question a moment later and removes an unfinished
+  directory it finds (a rolled-back run's, a failed save's), and the hidden manager refuses a
+  step it lists, as any manager does. So the check is a repeat: on gs:// two round trips one
+  after another in every local-only save's commit, for nothing."""
+  fields = {f.name for f in dataclasses.fields(ocp.options.FileOptions)}
+  kwargs: dict[str, Any] = {}
+  if user is not None and getattr(user, 'path_permission_mode', None) is not None:
+    kwargs['path_permission_mode'] = user.path_permission_mode
+  if 'skip_sync_file_validations' in fields:
+    kwargs['skip_sync_file_validations'] = True
+  return ocp.options.FileOptions(**kwargs)
 
 
 _DEFAULT_TIMEOUT_S = 600.0  # Orbax's AsyncOptions.timeout_secs default

@@ -27,7 +27,9 @@ The same memory serves ``orbax_small_writes.py`` (the ``Memory`` it is installed
 other small files a save writes through ``async_path.write_text`` at most three levels under a
 registered directory (``inside_registered``) are remembered (``remember_file``), read back
 (``recall_file``) and known to exist, with the directories above them (``holds_files_under``),
-until the registration ends.
+until the registration ends; and which registered step directories this process's save created
+(``remember_created``, ``created_fresh``: ``orbax_small_writes`` then creates an item directory
+in one without asking storage whether it exists).
 
 Who registers what: ``manager/step_metadata.py``'s hook, on every process, registers the step
 directory of every ``CheckpointManager`` save Orbax's policy takes (storage steps and the hidden
@@ -64,6 +66,7 @@ _lock = threading.Lock()
 _originals: dict[str, Callable[..., Any]] = {}  # patched name -> Orbax's own
 _scopes: dict[str, int] = {}  # registered step directory -> how many registrations
 _remembered: dict[str, str] = {}  # metadata file in a registered directory -> its JSON
+_created: set[str] = set()  # registered step directories this process's save created
 
 
 def _key(path: Any) -> str:
@@ -111,6 +114,25 @@ def holds_files_under(path: Any) -> bool:
   key = _key(path)
   with _lock:
     return any(n == key or n.startswith(key + '/') for n in _remembered)
+
+
+def remember_created(directory: Any) -> None:
+  """Notes that this process's save just created ``directory`` (Orbax's directory creation
+  found nothing there, or removed what it found, then made it), if it is a registered step
+  directory; forgotten when the registration ends."""
+  key = _key(directory)
+  with _lock:
+    if key in _scopes:
+      _created.add(key)
+
+
+def created_fresh(directory: Any) -> bool:
+  """Whether ``directory`` is a registered step directory that this process's save created
+  (``remember_created``): nothing of another save lies under it."""
+  if not _scopes:
+    return False
+  with _lock:
+    return _key(directory) in _created
 
 
 def _scope_of(key: str) -> str | None:
@@ -200,6 +222,7 @@ def end(key: str) -> None:
       _scopes[key] = left
       return
     _scopes.pop(key, None)
+    _created.discard(key)
     for name in [n for n in _remembered if n.startswith(key + '/')]:
       del _remembered[name]
 

@@ -206,34 +206,67 @@ async def write_empty_chunk_marker(write: ArrayWrite, context: ts.Context) -> No
   await store.write(where[1], b'')
 
 
+async def metadata_files(tspecs: Sequence[dict]) -> list[dict[str, bytes]]:
+  """Per spec, the files tensorstore writes when it creates that array (zarr's ``.zarray``, or
+  zarr3's ``zarr.json``), keyed relative to the array's directory: made by creating the arrays
+  on an in-memory kvstore of a context of their own (no storage request), byte for byte what
+  creating them on storage writes. A ``cast`` spec's array is its base's."""
+  ctx = ts.Context()  # its own in-memory kvstore
+  mem = []
+  for i, spec in enumerate(tspecs):
+    spec = copy.deepcopy(spec)
+    inner = spec['base'] if spec.get('driver') == 'cast' else spec
+    inner['kvstore'] = {'driver': 'memory', 'path': f'{i}/'}
+    mem.append(spec)
+  await asyncio.gather(*(ts.open(ts.Spec(s), create=True, context=ctx) for s in mem))
+  store = await ts.KvStore.open({'driver': 'memory'}, context=ctx)
+  out: list[dict[str, bytes]] = [{} for _ in tspecs]
+  keys = [k.decode() for k in await store.list()]
+  values = await asyncio.gather(*(store.read(k) for k in keys))
+  for key, value in zip(keys, values):
+    index, _, rel = key.partition('/')
+    out[int(index)][rel] = bytes(value.value)
+  return out
+
+
 async def write_metadata_and_markers(writes: Sequence[ArrayWrite], *,
                                      context: ts.Context) -> None:
   """The zarr metadata and the empty chunk marker of every array in ``writes`` (arrays whose
   bytes go elsewhere: a local-only step's, ``transports/share.tier_only_pieces``), all in one
   tensorstore transaction: on OCDBT one commit of the database for all of them, a few round
   trips whatever the number of arrays, where an open and a marker per array were a commit each.
-  Called on the host that creates the arrays' metadata. Hedged as a whole (``storage/hedge``):
-  a later attempt writes everything again through a fresh context into its own database
-  (``retry_spec``), which Orbax's finalize merges like any other."""
+  The metadata goes in as the files tensorstore itself makes for the arrays
+  (``metadata_files``), written as plain values beside the markers: creating the arrays inside
+  the transaction instead costs a second commit of the fresh database (on gs://, seven round
+  trips one after another where this takes three). Called on the host that creates the
+  arrays' metadata. Hedged as a whole (``storage/hedge``): a later attempt writes everything
+  again through a fresh context into its own database (``retry_spec``), which Orbax's finalize
+  merges like any other. Without OCDBT (no database to commit) each array is created as
+  tensorstore does, in the transaction, with no marker."""
   if not writes:
     return
   names = ', '.join(repr(w.name) for w in writes[:3]) + (', ...' if len(writes) > 3 else '')
+  files = await metadata_files([w.tspec for w in writes])
 
   async def attempt(n: int) -> None:
     ctx = hedge.fresh_context(context, n) if n else context
     txn = ts.Transaction()
     specs = [retry_spec(w.tspec, n) if n else w.tspec for w in writes]
 
-    async def one(w: ArrayWrite, spec: dict) -> None:
-      # Every array at once: an open reads the database (whether the array exists), a round
-      # trip each that must not add up one after another.
-      await ts.open(ts.Spec(spec), create=True, open=True, context=ctx, transaction=txn)
+    async def one(w: ArrayWrite, spec: dict, made: dict[str, bytes]) -> None:
+      # Every array at once: opening a kvstore can read the database, a round trip each that
+      # must not add up one after another.
       where = _marker(dataclasses.replace(w, tspec=spec))
-      if where is not None:
-        store = await ts.KvStore.open(where[0], context=ctx)
-        await store.with_transaction(txn).write(where[1], b'')
+      if where is None:
+        await ts.open(ts.Spec(spec), create=True, open=True, context=ctx, transaction=txn)
+        return
+      store = (await ts.KvStore.open(where[0], context=ctx)).with_transaction(txn)
+      for key, value in made.items():
+        await store.write(key, value)
+      await store.write(where[1], b'')
 
-    results = await asyncio.gather(*(one(w, spec) for w, spec in zip(writes, specs)),
+    results = await asyncio.gather(*(one(w, spec, made)
+                                     for w, spec, made in zip(writes, specs, files)),
                                    return_exceptions=True)  # all settle before we raise
     for r in results:
       if isinstance(r, BaseException):

@@ -165,14 +165,18 @@ async def write_tier_only(writer: str, transport: str, item: values.Item,
                           ) -> values.WriterOutcome:
   """This host's share of a local-only step under the local transport: ``tier_only_pieces``,
   then the writer's record to storage, as for any save (the restore checks the tier's bytes
-  against it). ``copy``: called with the entry's directory once it landed (a partner copy:
-  ``tier/partner_copy.py``), before the record is written."""
-  outcome, chunks = await tier_only_pieces(
+  against it), at the same time as the tier entry and the markers. ``copy``: called with the
+  entry's directory once it landed (a partner copy: ``tier/partner_copy.py``)."""
+
+  def record(outcome: values.WriterOutcome,
+             chunks: dict[str, list[records_lib.ChunkRecord]]) -> None:
+    meta_io.write_record(item.directory, writer_record(
+        writer, transport, leaves, plans, chunks, with_sharding=with_sharding,
+        outcome=outcome, save_id=save_id))
+
+  outcome, _ = await tier_only_pieces(
       writer, item, leaves, plans, pieces, creates=creates, process_id=process_id, tier=tier,
-      save_id=save_id, context=context, tier_pieces=tier_pieces, copy=copy)
-  record = writer_record(writer, transport, leaves, plans, chunks, with_sharding=with_sharding,
-                         outcome=outcome, save_id=save_id)
-  await asyncio.to_thread(meta_io.write_record, item.directory, record)
+      save_id=save_id, context=context, tier_pieces=tier_pieces, copy=copy, record=record)
   return outcome
 
 
@@ -183,6 +187,9 @@ async def tier_only_pieces(writer: str, item: values.Item, leaves: Sequence[valu
                            tier: tier_config.TierConfig | None, save_id: str, context: Any = None,
                            tier_pieces: Sequence[Sequence[writer_lib.Piece]] | None = None,
                            copy: Callable[[str], None] | None = None,
+                           record: Callable[[values.WriterOutcome,
+                                             dict[str, list[records_lib.ChunkRecord]]],
+                                            None] | None = None,
                            ) -> tuple[values.WriterOutcome, dict[str, list[records_lib.ChunkRecord]]]:
   """This host's share of a local-only step (``docs/multi_tier.md``), on the host that holds the
   bytes (a multi-controller process, a Pathways worker): the chunks' checksums from the host
@@ -193,7 +200,14 @@ async def tier_only_pieces(writer: str, item: values.Item, leaves: Sequence[valu
   ``tier_store.flush`` first. The host that creates an array's metadata (``creates``) still
   writes it, and one empty chunk marker: Orbax's metadata reads (a restore without a target)
   open the array, its OCDBT validation wants a chunk key per array, and a stock reader of the
-  step fails on the marker instead of reading zeros."""
+  step fails on the marker instead of reading zeros.
+
+  Three things run at once, each on its own, once the checksums are known: the metadata and
+  markers (storage round trips: on gs:// one commit of a fresh OCDBT database, three one after
+  another), this node's tier entry then its partner copy (``copy``: local disk, then the peer
+  channel), and ``record(outcome, chunks)`` (the writer's record to storage, where the caller
+  writes one). All settle before the first failure is raised; the save's commit waits for all
+  of them, so none is needed before another."""
   if tier is None or not save_id:
     raise errors.SaveError(
         f'{item.directory} is a local-only step (Options.local_save_interval_steps), whose '
@@ -203,22 +217,32 @@ async def tier_only_pieces(writer: str, item: values.Item, leaves: Sequence[valu
   await asyncio.to_thread(tier_store.flush)
   writes = array_writes(item, leaves, plans, pieces, creates=creates, process_id=process_id)
   chunks = {w.name: writer_lib.chunk_records(w) for w in writes}
-  await writer_lib.write_metadata_and_markers([w for w in writes if w.create],
-                                              context=context_for(item, context))
   outcome = values.WriterOutcome(writer, sum(w.nbytes for w in writes),
                                  sum(len(c) for c in chunks.values()))
   crcs = {name: {c.origin: c.crc32c for c in cs} for name, cs in chunks.items()}
-  path = await asyncio.to_thread(
-      tier_store.write_entry, tier, item.directory, writer, save_id, leaves, plans,
-      pieces if tier_pieces is None else tier_pieces, crcs)
-  if path is None:
-    raise errors.SaveError(
-        f'the local-only step {item.directory}: host {writer} could not write its share '
-        f'({outcome.bytes_written} bytes) into the node-local tier {tier.local_dir} (the '
-        'warning above says why). The step is not committed; the previous local-only or '
-        'storage step stays the newest to resume from.')
-  if copy is not None:
-    await asyncio.to_thread(copy, path)
+
+  async def to_tier() -> None:
+    path = await asyncio.to_thread(
+        tier_store.write_entry, tier, item.directory, writer, save_id, leaves, plans,
+        pieces if tier_pieces is None else tier_pieces, crcs)
+    if path is None:
+      raise errors.SaveError(
+          f'the local-only step {item.directory}: host {writer} could not write its share '
+          f'({outcome.bytes_written} bytes) into the node-local tier {tier.local_dir} (the '
+          'warning above says why). The step is not committed; the previous local-only or '
+          'storage step stays the newest to resume from.')
+    if copy is not None:
+      await asyncio.to_thread(copy, path)
+
+  parts = [writer_lib.write_metadata_and_markers([w for w in writes if w.create],
+                                                 context=context_for(item, context)),
+           to_tier()]
+  if record is not None:
+    parts.append(asyncio.to_thread(record, outcome, chunks))
+  done = await asyncio.gather(*parts, return_exceptions=True)  # all settle before we raise
+  for d in done:
+    if isinstance(d, BaseException):
+      raise d
   return outcome, chunks
 
 

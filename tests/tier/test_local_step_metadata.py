@@ -25,6 +25,14 @@ def _metadata_reads(log, step_dir: str) -> list[str]:
   return [t for m, t, _ in log if m == 'GET' and unquote(t.split('?')[0]).endswith(name)]
 
 
+def _directory_checks(log, directory: str) -> int:
+  """The GETs of the object named ``directory`` (its name's end) in the proxy's log: how
+  gcsfs asks whether a directory exists (or is a file), with a listing beside."""
+  return sum(1 for m, t, _ in log
+             if m == 'GET' and t.startswith('/storage/') and 'alt=media' not in t
+             and unquote(t.split('?')[0]).endswith('/' + directory))
+
+
 def test_a_managers_saves_read_back_no_step_metadata_and_write_all_of_it(faulty_gcs,
                                                                          tmp_path):
   """Neither storage step 0's save nor local-only step 2's sends a read of its
@@ -56,6 +64,15 @@ def test_a_managers_saves_read_back_no_step_metadata_and_write_all_of_it(faulty_
     local_log = proxy.log()
   assert _metadata_reads(storage_log, 'ckpt/0') == []
   assert _metadata_reads(local_log, 'ckpt/.orbax-pathways-local/2') == []
+  # No save asks whether the item directory it makes inside its new step exists (stock: one
+  # existence check each), and a local-only save asks about its step directory once before
+  # making it (``skip_sync_file_validations`` on the hidden manager), where a storage save,
+  # with Orbax's options as the user set them, asks twice.
+  assert _directory_checks(storage_log, 'ckpt/0/default') == 0
+  assert _directory_checks(local_log, 'ckpt/.orbax-pathways-local/2/default') == 0
+  step_checks = (_directory_checks(storage_log, 'ckpt/0'),
+                 _directory_checks(local_log, 'ckpt/.orbax-pathways-local/2'))
+  assert 0 < step_checks[1] < step_checks[0], step_checks
   from orbax_pathways._compat import orbax_step_metadata  # pylint: disable=g-import-not-at-top
   assert orbax_step_metadata.registered() == []  # every save's registration ended
 
@@ -88,8 +105,10 @@ _SMALL_FILES = ('_CHECKPOINT_METADATA', 'commit_success.txt', 'default/_METADATA
 
 def _uploads(log) -> dict[str, int]:
   """Counts of gcsfs's requests by kind in the proxy's log: multipart uploads, resumable upload
-  starts, deletes."""
-  out = {'multipart': 0, 'resumable_start': 0, 'delete': 0, 'own_file_downloads': 0}
+  starts, deletes, downloads of the save's own small files, existence checks of step 1's item
+  directory."""
+  out = {'multipart': 0, 'resumable_start': 0, 'delete': 0, 'own_file_downloads': 0,
+         'item_directory_checks': _directory_checks(log, '1/default')}
   for method, target, _ in log:
     if method == 'GET' and target.startswith('/download/') and (
         'array_metadatas/process_0' in unquote(target)
@@ -107,9 +126,10 @@ def _uploads(log) -> dict[str, int]:
 def test_a_saves_small_files_are_one_request_each_and_equal_stock_orbaxs(faulty_gcs):
   """A storage step's small files (``_CHECKPOINT_METADATA``, the item's ``_METADATA`` and
   ``array_metadatas``, ``commit_success.txt``) are written in one multipart upload each, as many
-  as stock Orbax's resumable uploads of the same save, with none of its deletes before them,
-  and the save downloads none of the files it wrote, where stock reads its step metadata and
-  array metadata back (``_compat/orbax_small_writes.py``); every file holds what stock's does
+  as stock Orbax's resumable uploads of the same save, with none of its deletes before them;
+  the save downloads none of the files it wrote, where stock reads its step metadata and
+  array metadata back, and never asks whether the item directory it makes in the new step
+  exists (``_compat/orbax_small_writes.py``); every file holds what stock's does
   (timestamps aside), and stock Orbax restores the step exactly."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -135,8 +155,10 @@ def test_a_saves_small_files_are_one_request_each_and_equal_stock_orbaxs(faulty_
       logs[impl] = _uploads(proxy.log())
   assert logs['stock']['resumable_start'] >= len(_SMALL_FILES), logs
   assert logs['stock']['own_file_downloads'] >= 2, logs  # its step metadata, array metadata
+  assert logs['stock']['item_directory_checks'] >= 1, logs
   assert logs['ours'] == {'multipart': logs['stock']['resumable_start'], 'resumable_start': 0,
-                          'delete': 0, 'own_file_downloads': 0}, logs
+                          'delete': 0, 'own_file_downloads': 0,
+                          'item_directory_checks': 0}, logs
 
   def files(impl):
     out = {}

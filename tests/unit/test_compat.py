@@ -6,6 +6,7 @@ import tomllib
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
@@ -289,5 +290,49 @@ def test_small_writes_seam_is_installed_only_with_the_package_and_given_back_exa
     assert not mine.exists()
     orbax_pathways.uninstall()
     assert [vars(async_path)[n] for n in names] == originals
+  finally:
+    orbax_pathways.install()
+
+
+def test_an_item_directory_in_a_step_this_save_created_is_made_without_an_existence_check(
+    tmp_path, caplog):
+  """``_compat/orbax_small_writes.py`` wraps Orbax's ``atomicity._create_tmp_directory``: once
+  this process's save created a registered step directory, making an item directory in it asks
+  nobody whether it exists (on gs:// two round trips in every save's commit). Seen on a local
+  disk, where it shows: a directory planted behind the save's back is not found and removed
+  first, as Orbax's own code does outside a registered step; the make fails on it instead.
+  ``uninstall`` gives the very same function back."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  import logging  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src.path import async_path  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src.path import atomicity  # pylint: disable=g-import-not-at-top
+  from orbax_pathways._compat import orbax_step_metadata as osm  # pylint: disable=g-import-not-at-top
+
+  def create(path):
+    return asyncio.run(atomicity._create_tmp_directory(async_path.mkdir, path))  # pylint: disable=protected-access
+
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  step, other = epath.Path(tmp_path) / '7', epath.Path(tmp_path) / '8'
+  with osm.remembering(step):
+    assert not osm.created_fresh(step)
+    create(step)
+    assert osm.created_fresh(step) and step.is_dir()
+    (step / 'default' / 'planted').mkdir(parents=True)  # behind the save's back
+    with pytest.raises(FileExistsError):
+      create(step / 'default')  # no existence check: made at once, and it is there
+    create(other)  # not registered: Orbax's own
+    assert not osm.created_fresh(other)
+    (other / 'default' / 'planted').mkdir(parents=True)
+    with caplog.at_level(logging.WARNING):
+      create(other / 'default')  # Orbax's own: found, removed, made again
+    assert not (other / 'default' / 'planted').exists()
+    assert 'already exists' in caplog.text
+  assert not osm.created_fresh(step)  # the registration ended
+  wrapped = vars(atomicity)['_create_tmp_directory']
+  orbax_pathways.uninstall()
+  try:
+    assert vars(atomicity)['_create_tmp_directory'] is not wrapped
+    assert vars(atomicity)['_create_tmp_directory'] is wrapped.__wrapped__
   finally:
     orbax_pathways.install()
