@@ -118,13 +118,21 @@ def retry_spec(tspec: dict, attempt: int) -> dict:
   return out
 
 
-async def write_array(write: ArrayWrite, *, context: ts.Context) -> list[records_lib.ChunkRecord]:
+async def write_array(write: ArrayWrite, *, context: ts.Context,
+                      metadata: dict[str, bytes] | None = None) -> list[records_lib.ChunkRecord]:
   """Creates the array's metadata (if ``write.create``), writes every piece, returns checksums.
 
   Pieces are handed to tensorstore without a copy (``can_reference_source_data_indefinitely``):
   the caller keeps the snapshot alive and unchanged until the returned coroutine finishes.
+
+  ``metadata``: on OCDBT, the files creating the array writes (``metadata_files``). The array
+  is then opened without a storage request (``assume_metadata``) and those files are written
+  as values at the same time as the pieces, so the database commits them together: creating
+  the array first is a commit of its own before any piece can be written (on gs:// a fresh
+  database's first commit, four round trips one after another).
   """
   handles: dict[int, ts.TensorStore] = {}
+  creates = write.create and metadata is None
 
   async def handle(n: int) -> ts.TensorStore:
     """The handle of attempt ``n`` (0: the caller's context; later: one fresh context per
@@ -133,11 +141,24 @@ async def write_array(write: ArrayWrite, *, context: ts.Context) -> list[records
     if n not in handles:
       ctx = hedge.fresh_context(context, n) if n else context
       spec = ts.Spec(retry_spec(write.tspec, n) if n else write.tspec)
-      if write.create:  # The handle that created the metadata writes too: one open, not two.
+      if creates:  # The handle that created the metadata writes too: one open, not two.
         handles[n] = await ts.open(spec, create=True, open=True, context=ctx)
       else:
         handles[n] = await ts.open(spec, open=True, assume_metadata=True, context=ctx)
     return handles[n]
+
+  async def write_metadata(n: int) -> None:
+    """Attempt ``n`` of writing ``metadata`` (and a zero-size array's marker) into the database
+    of that attempt (``retry_spec``), through the same context as its pieces."""
+    ctx = hedge.fresh_context(context, n) if n else context
+    spec = retry_spec(write.tspec, n) if n else write.tspec
+    where = _marker(dataclasses.replace(write, tspec=spec))
+    assert where is not None and metadata is not None  # OCDBT: _metadata_as_values
+    store = await ts.KvStore.open(where[0], context=ctx)
+    files = dict(metadata)
+    if 0 in write.global_shape:
+      files[where[1]] = b''
+    await asyncio.gather(*(store.write(k, v) for k, v in files.items()))
 
   async def write_piece(p: Piece, n: int) -> None:
     dst = await handle(n)
@@ -156,7 +177,7 @@ async def write_array(write: ArrayWrite, *, context: ts.Context) -> list[records
     t = await hedge.run(handle, nbytes=0, what=f'array {write.name!r} at {write.path}',
                         kind='write')
     first = next(n for n, h in handles.items() if h is t)
-    if write.create and 0 in write.global_shape:
+    if creates and 0 in write.global_shape:
       await write_empty_chunk_marker(write, context)
     if write.nbytes <= INLINE_CHECKSUM_BYTES:  # A thread hop costs more than hashing a few KiB.
       crc_task = asyncio.get_running_loop().create_future()
@@ -164,8 +185,11 @@ async def write_array(write: ArrayWrite, *, context: ts.Context) -> list[records
     else:
       crc_task = asyncio.get_running_loop().run_in_executor(None, chunk_records, write)
     del t
-    results = await asyncio.gather(*(piece(p) for p in write.pieces if p.data.size),
-                                   return_exceptions=True)  # all settle before we raise
+    parts = [piece(p) for p in write.pieces if p.data.size]
+    if write.create and metadata is not None:
+      parts.append(hedge.run(lambda n: write_metadata(first + n), nbytes=0, kind='write',
+                             what=f'metadata of array {write.name!r} at {write.path}'))
+    results = await asyncio.gather(*parts, return_exceptions=True)  # all settle before we raise
     records = await crc_task
     for r in results:
       if isinstance(r, BaseException):
@@ -178,6 +202,12 @@ async def write_array(write: ArrayWrite, *, context: ts.Context) -> list[records
         'Earlier checkpoints are untouched; this step will not be committed. Check the storage '
         'path, credentials and free space, then save again.'
     ) from e
+
+
+def _metadata_as_values(write: ArrayWrite) -> bool:
+  """Whether ``write_arrays`` writes ``write``'s metadata as values beside its pieces (the
+  creating host of an array on OCDBT) instead of creating the array first."""
+  return write.create and _marker(write) is not None
 
 
 def _marker(write: ArrayWrite) -> tuple[dict, str] | None:
@@ -308,7 +338,10 @@ async def write_arrays(writes: Sequence[ArrayWrite], *, context: ts.Context,
     nonlocal batch, batch_bytes
     if any(not isinstance(p.data, np.ndarray) for w in batch for p in w.pieces):
       batch = await asyncio.to_thread(lambda: [host_pieces(w) for w in batch])  # noqa: B023
-    done = await asyncio.gather(*(write_array(w, context=context) for w in batch))
+    made = iter(await metadata_files([w.tspec for w in batch if _metadata_as_values(w)]))
+    done = await asyncio.gather(*(
+        write_array(w, context=context,
+                    metadata=next(made) if _metadata_as_values(w) else None) for w in batch))
     for w, records in zip(batch, done):
       results[w.name] = records
     batch, batch_bytes = [], 0

@@ -1,9 +1,12 @@
-"""A local-only save writes each array's zarr metadata as the very files tensorstore makes when
-it creates the array (``storage/writer.metadata_files``, rendered on an in-memory kvstore and
-written beside the chunk markers in one OCDBT commit): byte for byte the same, for zarr v2,
+"""A save writes each array's zarr metadata as the very files tensorstore makes when it creates
+the array (``storage/writer.metadata_files``, rendered on an in-memory kvstore and written as
+values: beside the chunk markers of a local-only save, beside the chunks of a storage save, so
+the process's OCDBT database commits them together): byte for byte the same, for zarr v2,
 zarr3, a saved cast and a zero-size array, and readable by tensorstore as that array.
 
-Real tensorstore, OCDBT on a local directory; Orbax's exact write specs (``_compat``).
+Real tensorstore, OCDBT on a local directory; Orbax's exact write specs (``_compat``); for the
+storage save, a real ``CheckpointManager`` on gs:// (fake-gcs-server behind the fault proxy,
+whose log counts the manifest uploads) and stock Orbax reading the step.
 """
 
 from __future__ import annotations
@@ -64,3 +67,41 @@ def test_the_metadata_written_is_what_creating_the_array_writes(tmp_path, name):
   assert len(markers) == 1 and got[markers[0]] == b'', markers  # the empty chunk marker
   opened = ts.open(ts.Spec(rendered), open=True, context=compat.ts_context(True)).result()
   assert tuple(opened.shape) == case['shape'] and opened.dtype.numpy_dtype == _F32
+
+
+def _manifest_uploads(log, step_dir: str) -> int:
+  """Uploads of a per-process OCDBT database's manifest under ``step_dir`` in the proxy's log
+  (tensorstore names the object in the upload URL)."""
+  from urllib.parse import unquote  # pylint: disable=g-import-not-at-top
+  return sum(1 for m, t, _ in log if m == 'POST' and f'name={step_dir}/' in unquote(t)
+             and '/ocdbt.process_' in unquote(t) and '/manifest.ocdbt' in unquote(t))
+
+
+@pytest.mark.gcs
+def test_a_storage_saves_arrays_and_their_metadata_go_in_few_commits(faulty_gcs, tmp_path):
+  """A storage save writes its arrays' metadata as values beside their chunks, so the
+  process's OCDBT database commits them together: a few manifest writes for 13 arrays (one of
+  them zero-size), where creating each array first made the metadata a commit of its own
+  before the chunks. Stock Orbax reads the step exactly."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+
+  orbax_pathways.install(orbax_pathways.Options(local_dir='off'))
+  state = {f'a{i:02d}': np.arange(64 * (i + 1), dtype=np.float32).reshape(-1, 4) + i
+           for i in range(12)}
+  state['empty'] = np.zeros((0, 4), np.float32)
+  proxy = faulty_gcs.proxy
+  root = faulty_gcs.path('ckpt')
+  with ocp.CheckpointManager(root) as m:
+    proxy.reset_stats()
+    m.save(0, args=ocp.args.StandardSave({k: jax.device_put(v) for k, v in state.items()}))
+    m.wait_until_finished()
+    uploads = _manifest_uploads(proxy.log(), 'ckpt/0')
+  # Measured: 2 (13 arrays, loopback; also with the cores busy). Creating each array first: 4.
+  assert 1 <= uploads <= 3, uploads
+  orbax_pathways.uninstall()
+  with ocp.CheckpointManager(root) as m:
+    got = m.restore(0)
+  for k, v in state.items():
+    np.testing.assert_array_equal(np.asarray(got[k]), v, err_msg=k)
