@@ -241,6 +241,8 @@ async def metadata_files(tspecs: Sequence[dict]) -> list[dict[str, bytes]]:
   zarr3's ``zarr.json``), keyed relative to the array's directory: made by creating the arrays
   on an in-memory kvstore of a context of their own (no storage request), byte for byte what
   creating them on storage writes. A ``cast`` spec's array is its base's."""
+  if not tspecs:
+    return []
   ctx = ts.Context()  # its own in-memory kvstore
   mem = []
   for i, spec in enumerate(tspecs):
