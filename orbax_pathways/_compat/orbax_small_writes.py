@@ -147,18 +147,18 @@ def _wrap_create_tmp_directory(original, memory: Memory):
 
 _WRAPS = ((_async_path, 'write_text', _wrap_write_text),
           (_async_path, 'read_text', _wrap_read_text),
-          (_async_path, 'exists', _wrap_exists),
-          (_atomicity, '_create_tmp_directory', _wrap_create_tmp_directory))
+          (_async_path, 'exists', _wrap_exists))
+_OPTIONAL = ((_atomicity, '_create_tmp_directory', _wrap_create_tmp_directory),)
 
 
 def install(memory: Memory) -> None:
-  """Wraps ``async_path.write_text``, ``read_text``, ``exists`` and
-  ``atomicity._create_tmp_directory`` (once); ``memory`` says which files are a save's and
-  remembers what it wrote. An Orbax without one of them is left as it is."""
+  """Wraps ``async_path.write_text``, ``read_text`` and ``exists`` (once), and
+  ``atomicity._create_tmp_directory`` where this Orbax has it; ``memory`` says which files are a
+  save's and remembers what it wrote. An Orbax without one of the three is left as it is."""
   with _lock:
     if _originals or not all(name in vars(owner) for owner, name, _ in _WRAPS):
       return
-    for owner, name, wrap in _WRAPS:
+    for owner, name, wrap in _WRAPS + tuple(o for o in _OPTIONAL if o[1] in vars(o[0])):
       _originals[name] = vars(owner)[name]
       setattr(owner, name, wrap(_originals[name], memory))
 
@@ -166,7 +166,7 @@ def install(memory: Memory) -> None:
 def uninstall() -> None:
   """Puts Orbax's own functions back (idempotent)."""
   with _lock:
-    for owner, name, _ in _WRAPS:
+    for owner, name, _ in _WRAPS + _OPTIONAL:
       if name in _originals:
         setattr(owner, name, _originals[name])
     _originals.clear()
