@@ -125,14 +125,18 @@ async def write_array(write: ArrayWrite, *, context: ts.Context,
   Pieces are handed to tensorstore without a copy (``can_reference_source_data_indefinitely``):
   the caller keeps the snapshot alive and unchanged until the returned coroutine finishes.
 
-  ``metadata``: on OCDBT, the files creating the array writes (``metadata_files``). The array
-  is then opened without a storage request (``assume_metadata``) and those files are written
-  as values at the same time as the pieces, so the database commits them together: creating
-  the array first is a commit of its own before any piece can be written (on gs:// a fresh
-  database's first commit, four round trips one after another).
+  On OCDBT the creating host writes the metadata as values (``metadata``: the files creating
+  the array writes, from ``metadata_files``; rendered here when not given), with a zero-size
+  array's chunk marker (``_marker``), at the same time as the pieces, and opens the array
+  without a storage request (``assume_metadata``): the database commits them together, where
+  creating the array first is a commit of its own before any piece can be written (on gs:// a
+  fresh database's first commit, four round trips one after another). Without OCDBT the
+  creating host creates the array (no marker needed).
   """
   handles: dict[int, ts.TensorStore] = {}
-  creates = write.create and metadata is None
+  if metadata is None and _metadata_as_values(write):
+    metadata = (await metadata_files([write.tspec]))[0]
+  creates = write.create and metadata is None  # without OCDBT
 
   async def handle(n: int) -> ts.TensorStore:
     """The handle of attempt ``n`` (0: the caller's context; later: one fresh context per
@@ -177,8 +181,6 @@ async def write_array(write: ArrayWrite, *, context: ts.Context,
     t = await hedge.run(handle, nbytes=0, what=f'array {write.name!r} at {write.path}',
                         kind='write')
     first = next(n for n, h in handles.items() if h is t)
-    if creates and 0 in write.global_shape:
-      await write_empty_chunk_marker(write, context)
     if write.nbytes <= INLINE_CHECKSUM_BYTES:  # A thread hop costs more than hashing a few KiB.
       crc_task = asyncio.get_running_loop().create_future()
       crc_task.set_result(chunk_records(write))
@@ -205,14 +207,18 @@ async def write_array(write: ArrayWrite, *, context: ts.Context,
 
 
 def _metadata_as_values(write: ArrayWrite) -> bool:
-  """Whether ``write_arrays`` writes ``write``'s metadata as values beside its pieces (the
+  """Whether ``write_array`` writes ``write``'s metadata as values beside its pieces (the
   creating host of an array on OCDBT) instead of creating the array first."""
   return write.create and _marker(write) is not None
 
 
 def _marker(write: ArrayWrite) -> tuple[dict, str] | None:
   """The kvstore spec and key of ``write``'s empty chunk marker; None without OCDBT (no marker
-  needed: ``write_empty_chunk_marker``)."""
+  needed). A zero-size array has no chunks, but Orbax's post-merge OCDBT validation requires
+  every param to own at least one chunk key: one empty value under the first chunk key, which
+  no reader fetches (the array's domain is empty). An array of a local-only step, whose bytes
+  are in the node-local tiers only, gets the same marker (``write_metadata_and_markers``): a
+  reader of storage fails on it loudly instead of reading zeros. Documented in docs/format.md."""
   spec = write.tspec['base'] if write.tspec.get('driver') == 'cast' else write.tspec
   kv = dict(spec['kvstore'])
   if kv.get('driver') != 'ocdbt':
@@ -221,19 +227,6 @@ def _marker(write: ArrayWrite) -> tuple[dict, str] | None:
   key = format_lib.chunk_key((0,) * rank, (1,) * rank, zarr3=spec['driver'] == 'zarr3')
   kv['path'] = kv.get('path', '').rstrip('/') + '/'
   return kv, key
-
-
-async def write_empty_chunk_marker(write: ArrayWrite, context: ts.Context) -> None:
-  """A zero-size array has no chunks, but Orbax's post-merge OCDBT validation requires every
-  param to own at least one chunk key. We write one empty value under the first chunk key; no
-  reader ever fetches it (the array's domain is empty). An array of a local-only step, whose
-  bytes are in the node-local tiers only, gets the same marker (``write_metadata_and_markers``):
-  a reader of storage fails on it loudly instead of reading zeros. Documented in docs/format.md."""
-  where = _marker(write)
-  if where is None:
-    return
-  store = await ts.KvStore.open(where[0], context=context)
-  await store.write(where[1], b'')
 
 
 async def metadata_files(tspecs: Sequence[dict]) -> list[dict[str, bytes]]:
