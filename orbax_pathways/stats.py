@@ -36,6 +36,11 @@ class SaveStats:
   arrays: int = 0
   snapshot: str = ''  # 'pinned' or 'host' (local transport): how save() copied to the host
   blocking_s: float = 0.0  # time save() spent in our serialize (planning + snapshot)
+  # A local-only save run in the background (manager/local_steps.py): the time the training
+  # loop's save() spent copying this process's shards to host (transports/snapshots.take),
+  # the save's whole part in the loop; its serialize (blocking_s) ran on the background thread.
+  # None for every other save, whose snapshot is inside blocking_s.
+  loop_snapshot_s: float | None = None
   d2h_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
   controller_tensor_bytes: int = 0  # tensor bytes that passed through the controller process
   step: int | None = None

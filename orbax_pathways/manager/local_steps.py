@@ -50,6 +50,7 @@ import weakref
 
 from etils import epath
 
+from orbax_pathways import stats
 from orbax_pathways.format import names as format_names
 from orbax_pathways._util import said
 from orbax_pathways.manager import hooks as hooks_lib
@@ -181,6 +182,8 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
         inner.save(step, *detached.args, force=True, **detached.kwargs)
       finally:
         taken.release()
+      for st in stats.saves_for_step(step, str(directory_of(mngr))):
+        st.loop_snapshot_s = taken.seconds  # the save's part in the loop (stats.SaveStats)
       inner.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except  (logged; training goes on)
       _warn_failed(mngr, step, e)

@@ -271,7 +271,12 @@ async def write_metadata_and_markers(writes: Sequence[ArrayWrite], *,
   if not writes:
     return
   names = ', '.join(repr(w.name) for w in writes[:3]) + (', ...' if len(writes) > 3 else '')
-  files = await metadata_files([w.tspec for w in writes])
+  # Rendered for the arrays on OCDBT only: without a database each is created as usual.
+  ocdbt = [i for i, w in enumerate(writes) if _marker(w) is not None]
+  rendered = await metadata_files([writes[i].tspec for i in ocdbt])
+  files: list[dict[str, bytes]] = [{} for _ in writes]
+  for i, made in zip(ocdbt, rendered):
+    files[i] = made
 
   async def attempt(n: int) -> None:
     ctx = hedge.fresh_context(context, n) if n else context

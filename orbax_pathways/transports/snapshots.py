@@ -21,6 +21,7 @@ it.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Sequence
 
 import jax
@@ -37,9 +38,10 @@ _taken: dict[int, list[Any]] = {}
 class Taken:
   """The host copies of one save's arrays, registered until ``release``."""
 
-  def __init__(self, ids: Sequence[int], nbytes: int):
+  def __init__(self, ids: Sequence[int], nbytes: int, seconds: float = 0.0):
     self._ids = tuple(ids)
     self.nbytes = nbytes  # host bytes copied (each distinct shard once)
+    self.seconds = seconds  # how long ``take`` ran (in the training loop's save())
 
   def release(self) -> None:
     with _lock:
@@ -66,6 +68,7 @@ def _copy(arr: jax.Array) -> dict[Any, np.ndarray]:
 
 def take(arrays: Sequence[jax.Array]) -> Taken:
   """Copies ``arrays``' shards on this process's devices to host and registers them."""
+  start = time.perf_counter()
   ids: list[int] = []
   nbytes = 0
   copies: list[tuple[jax.Array, dict[Any, np.ndarray]]] = []
@@ -84,7 +87,7 @@ def take(arrays: Sequence[jax.Array]) -> Taken:
         _taken[id(arr)] = [arr, host, 1]
         ids.append(id(arr))
         nbytes += sum({id(h): h.nbytes for h in host.values()}.values())
-  return Taken(ids, nbytes)
+  return Taken(ids, nbytes, time.perf_counter() - start)
 
 
 def device_data(arr: Any) -> dict[Any, np.ndarray] | None:

@@ -395,6 +395,16 @@ def test_one_process_and_pathways_workers_save_and_resume_a_local_only_step(tmp_
       m.save(step, args=ocp.args.StandardSave({'w': jax.device_put(base + step, sharding)}))
     m.wait_until_finished()
     assert m.all_steps() == [0]
+  # What the loop's save() spent on step 10: with the local transport the save ran in the
+  # background and the loop took only the host copy (reported apart from the serialize, which
+  # ran on the background thread); in the loop's thread (colocated), the serialize is all of it.
+  (local,) = stats.saves_for_step(10, str(root / '.orbax-pathways-local'))
+  (first,) = stats.saves_for_step(0, str(root))
+  assert first.loop_snapshot_s is None
+  if transport == 'local':
+    assert local.loop_snapshot_s is not None and 0 < local.loop_snapshot_s < local.commit_s
+  else:
+    assert local.loop_snapshot_s is None and local.blocking_s > 0
   item = root / '.orbax-pathways-local' / '10' / 'default'
   assert sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(item) for f in fs) < 8192
   with ocp.CheckpointManager(root, options=options) as m:
