@@ -30,6 +30,7 @@ from orbax_pathways._compat import src
 from orbax_pathways.coord import participants as participants_lib
 from orbax_pathways.format import names as format_lib
 
+_composite = src.orbax('handlers.composite_checkpoint_handler')
 _deleter = src.orbax('path.deleter')
 _gcs_utils = src.orbax('path.gcs_utils')
 _multihost = src.orbax('multihost.multihost')
@@ -134,7 +135,7 @@ def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike,
   processes (``MultiprocessingOptions``, with barrier names of its own, the processes named so
   that its barriers are key-value ones: ``manager/local_steps.py`` runs its saves on a
   background thread), async mode, step
-  names and read-only mode as ``mngr``. Its saves go through Orbax's own save and commit; only
+  names, read-only mode and handlers (``_handlers_of``) as ``mngr``. Its saves go through Orbax's own save and commit; only
   the array handler knows the directory is a local-only one (``format.names.is_local_only``)."""
   found = mngr.__dict__.get(_LOCAL)
   if found is not None:
@@ -161,8 +162,10 @@ def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike,
       step_name_format=options.step_name_format,
       async_options=options.async_options,
       file_options=_local_file_options(options.file_options))
-  # Handlers come from the save's arguments, as for a manager built without item handlers.
-  inner = ocp.CheckpointManager(directory, options=inner_options)
+  # The manager's own handlers (its settings, its custom handlers); the rest, as for a manager
+  # built without item handlers, from the save's arguments.
+  inner = ocp.CheckpointManager(directory, options=inner_options,
+                                handler_registry=_handlers_of(mngr))
   timeout = getattr(options.async_options, 'timeout_secs', None) or _DEFAULT_TIMEOUT_S
   inner._checkpoint_deleter = _TrailingDeleter(  # pylint: disable=protected-access
       inner._checkpoint_deleter, epath.Path(directory),  # pylint: disable=protected-access
@@ -170,6 +173,39 @@ def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike,
   inner.__dict__[_LOCAL_OF] = mngr
   mngr.__dict__[_LOCAL] = inner
   return inner
+
+
+_METRICS_ITEM = 'metrics'  # Orbax's CheckpointManager's own item (its metrics handler)
+
+
+def _handlers_of(mngr: ocp.CheckpointManager) -> Any:
+  """A handler registry holding the very handler objects ``mngr`` holds, per item and argument
+  type: those of its ``item_handlers`` or ``handler_registry``, and any Orbax registered for it
+  lazily before this call. So a local-only step is saved and restored by the handlers its
+  storage steps are: their settings (``StandardCheckpointHandler(use_ocdbt=False)``,
+  ``use_zarr3``) hold for it, and a custom handler whose arguments have no global registration
+  is found. Left out: Orbax's metrics item (the hidden manager makes its own) and legacy
+  wrappers of handlers without registered arguments. An item or argument type not in it is
+  resolved from the save's arguments, as for a manager built without item handlers.
+
+  The objects are shared, never used at once: a process runs one save at a time across the
+  manager and its hidden manager (``manager/local_steps.py``); Orbax's PyTree handlers hold no
+  barrier of their own (only the primary host's index); and arguments of a handler that
+  ``manager/local_detach.py`` cannot copy (a custom one) are saved in the training loop's
+  thread, not the background."""
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  checkpointer = getattr(mngr, '_checkpointer', None)  # pylint: disable=protected-access
+  composite = getattr(checkpointer, 'handler', None)
+  own = getattr(composite, '_handler_registry', None)  # pylint: disable=protected-access
+  if own is None:
+    return registry
+  legacy = tuple(t for t in (getattr(_composite, '_WrapperArgs', None),
+                             getattr(_composite, '_AsyncWrapperArgs', None)) if t is not None)
+  for (item, args_type), handler in own.get_all_entries().items():
+    if item == _METRICS_ITEM or (legacy and args_type in legacy) or handler is None:
+      continue
+    registry.add(item, args_type, handler)
+  return registry
 
 
 def _local_file_options(user: Any) -> Any:

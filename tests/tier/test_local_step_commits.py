@@ -116,11 +116,13 @@ def test_a_local_only_saves_storage_requests_do_not_grow_with_its_arrays(faulty_
 
 
 
-def test_a_v0_manager_without_ocdbt_saves_local_only_steps_in_ocdbt_and_resumes(tmp_path):
-  """``item_handlers=StandardCheckpointHandler(use_ocdbt=False)``: the storage steps follow it
-  (a directory per array); the hidden manager resolves handlers from the save's arguments
-  (``docs/format.md``, local-only steps: why it does not share the manager's), so the step's
-  storage part is OCDBT, and it resumes exactly from the tier with no storage byte read."""
+
+def test_a_manager_s_handler_settings_hold_for_its_local_only_steps(tmp_path):
+  """``item_handlers=StandardCheckpointHandler(use_ocdbt=False)``: the hidden manager saves with
+  the manager's own handler, so the local-only step is written like the storage step (a
+  directory per array, no OCDBT database; its metadata, no chunk), and it resumes exactly from
+  the tier with no storage byte read. Before, the hidden manager took Orbax's default handler
+  (OCDBT) whatever the manager's."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
@@ -144,7 +146,9 @@ def test_a_v0_manager_without_ocdbt_saves_local_only_steps_in_ocdbt_and_resumes(
     m.wait_until_finished()
   assert (root / '0' / 'default' / 'a00' / '.zarray').is_file()
   local = root / '.orbax-pathways-local' / '1' / 'default'
-  assert (local / 'manifest.ocdbt').is_file() and not (local / 'a00').exists()
+  assert (local / 'a00' / '.zarray').is_file(), sorted(p.name for p in local.iterdir())
+  assert not (local / 'manifest.ocdbt').exists() and not list(local.glob('ocdbt.process_*'))
+  assert not [f for f in os.listdir(local / 'a00') if f[0].isdigit()]  # no chunk in storage
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=one) for k, v in state.items()}
   with manager() as m:
@@ -154,6 +158,65 @@ def test_a_v0_manager_without_ocdbt_saves_local_only_steps_in_ocdbt_and_resumes(
     np.testing.assert_array_equal(np.asarray(got[k]), v + 1000, err_msg=k)
   assert stats.last_restore().bytes_by_source.get('storage', 0) == 0, stats.last_restore()
 
+
+def test_a_custom_handler_of_the_manager_saves_its_item_in_local_only_steps(tmp_path, caplog):
+  """A handler the manager knows only through its ``handler_registry`` (its arguments have no
+  global registration): every local-only save failed ("Unable to find registered
+  CheckpointHandler", one warning per step, an ``N.orbax-checkpoint-tmp`` left behind). Now the
+  hidden manager holds the manager's handlers: step 1 is committed local-only and restores both
+  items, the custom one by its own handler."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import logging  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.manager import local_steps  # pylint: disable=g-import-not-at-top
+
+  @dataclasses.dataclass
+  class NoteSave(ocp.args.CheckpointArgs):
+    note: dict
+
+  @dataclasses.dataclass
+  class NoteRestore(ocp.args.CheckpointArgs):
+    pass
+
+  class NoteHandler(ocp.JsonCheckpointHandler):
+    async def async_save(self, directory, args):
+      return await super().async_save(directory, args=ocp.args.JsonSave(args.note))
+
+    def save(self, directory, args):
+      return super().save(directory, args=ocp.args.JsonSave(args.note))
+
+    def restore(self, directory, args=None):
+      return super().restore(directory, args=ocp.args.JsonRestore())
+
+  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tmp_path / 'tier'),
+                                                local_save_interval_steps=1))
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  handler = NoteHandler()
+  registry.add('note', NoteSave, handler)
+  registry.add('note', NoteRestore, handler)
+  root = tmp_path / 'ckpt'
+  options = ocp.CheckpointManagerOptions(save_interval_steps=100)
+  caplog.set_level(logging.WARNING, logger='orbax_pathways')
+  w = np.arange(32, dtype=np.float32)
+  with ocp.CheckpointManager(root, options=options, handler_registry=registry) as m:
+    for step in (0, 1):  # 0: storage; 1: local-only
+      m.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({'w': jax.device_put(w + step)}),
+                                           note=NoteSave({'step': step})))
+    m.wait_until_finished()
+    failed = [r.getMessage() for r in caplog.records if 'local-only' in r.getMessage()]
+    assert not failed, failed
+    listed = os.listdir(root / '.orbax-pathways-local')
+    assert [n for n in listed if n[0].isdigit()] == ['1'], listed  # committed, no tmp left
+    inner = local_steps.local_manager(m)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    got = inner.restore(1, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore({'w': jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=one)}),
+        note=NoteRestore()))
+  assert got.note == {'step': 1}
+  np.testing.assert_array_equal(np.asarray(got.state['w']), w + 1)
 
 def test_a_v1_context_without_ocdbt_saves_and_resumes_a_local_only_step(tmp_path):
   """Orbax v1's ``Context`` with ``use_ocdbt=False`` goes with the background local-only save:

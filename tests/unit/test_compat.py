@@ -336,3 +336,17 @@ def test_an_item_directory_in_a_step_this_save_created_is_made_without_an_existe
     assert vars(atomicity)['_create_tmp_directory'] is wrapped.__wrapped__
   finally:
     orbax_pathways.install()
+
+
+def test_the_hidden_manager_takes_the_very_handlers_of_its_manager(tmp_path):
+  """``orbax_manager_state._handlers_of`` reads Orbax's private composite handler registry: the
+  manager's handler objects per item and argument type, save and restore, without Orbax's
+  metrics item; an empty registry for a manager built without handlers."""
+  from orbax_pathways._compat import orbax_manager_state  # pylint: disable=g-import-not-at-top
+  handler = ocp.StandardCheckpointHandler(use_ocdbt=False)
+  with ocp.CheckpointManager(tmp_path / 'a', item_handlers=handler) as m:
+    got = orbax_manager_state._handlers_of(m).get_all_entries()  # pylint: disable=protected-access
+  assert {k: v for k, v in got.items()} == {('default', ocp.args.StandardSave): handler,
+                                            ('default', ocp.args.StandardRestore): handler}, got
+  with ocp.CheckpointManager(tmp_path / 'b') as m:
+    assert not orbax_manager_state._handlers_of(m).get_all_entries()  # pylint: disable=protected-access
