@@ -189,7 +189,8 @@ if mode == 'train':
                   # per step 2..: the save's own part of the loop's save() (the snapshot) and
                   # background write (the local-only save's: the last of the step's saves)
                   'snapshot_s': [sum(_snapshot_s(x) for x in stats.saves_for_step(k))
-                                 for k in range(2, steps + 1)] if train_only and steps < 64 else None,
+                                 for k in range(2, steps + 1)]
+                                if train_only and steps < 64 else None,
                   'write_s': [[x.write_s for x in stats.saves_for_step(k)][-1:]
                               for k in range(2, steps + 1)] if train_only and steps < 64 else None,
                   'events': events, 'bare_cpu_s': bare_cpu,

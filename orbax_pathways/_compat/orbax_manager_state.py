@@ -134,9 +134,9 @@ def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike,
   kept): ``directory``, one step per save it is asked for, the newest ``keep`` kept, the same
   processes (``MultiprocessingOptions``, with barrier names of its own, the processes named so
   that its barriers are key-value ones: ``manager/local_steps.py`` runs its saves on a
-  background thread), async mode, step
-  names, read-only mode and handlers (``_handlers_of``) as ``mngr``. Its saves go through Orbax's own save and commit; only
-  the array handler knows the directory is a local-only one (``format.names.is_local_only``)."""
+  background thread), async mode, step names, read-only mode and handlers (``_handlers_of``)
+  as ``mngr``. Its saves go through Orbax's own save and commit; only the array handler knows
+  the directory is a local-only one (``format.names.is_local_only``)."""
   found = mngr.__dict__.get(_LOCAL)
   if found is not None:
     return found
@@ -190,9 +190,9 @@ def _handlers_of(mngr: ocp.CheckpointManager) -> Any:
 
   The objects are shared, never used at once: a process runs one save at a time across the
   manager and its hidden manager (``manager/local_steps.py``); Orbax's PyTree handlers hold no
-  barrier of their own (only the primary host's index); and arguments of a handler that
-  ``manager/local_detach.py`` cannot copy (a custom one) are saved in the training loop's
-  thread, not the background."""
+  barrier of their own (of their process options they read only the primary host); and
+  arguments of a handler that ``manager/local_detach.py`` cannot copy (a custom one) are saved
+  in the training loop's thread, not the background."""
   registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
   checkpointer = getattr(mngr, '_checkpointer', None)  # pylint: disable=protected-access
   composite = getattr(checkpointer, 'handler', None)

@@ -203,8 +203,9 @@ def test_a_custom_handler_of_the_manager_saves_its_item_in_local_only_steps(tmp_
   w = np.arange(32, dtype=np.float32)
   with ocp.CheckpointManager(root, options=options, handler_registry=registry) as m:
     for step in (0, 1):  # 0: storage; 1: local-only
-      m.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({'w': jax.device_put(w + step)}),
-                                           note=NoteSave({'step': step})))
+      m.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave({'w': jax.device_put(w + step)}),
+          note=NoteSave({'step': step})))
     m.wait_until_finished()
     failed = [r.getMessage() for r in caplog.records if 'local-only' in r.getMessage()]
     assert not failed, failed
@@ -213,7 +214,8 @@ def test_a_custom_handler_of_the_manager_saves_its_item_in_local_only_steps(tmp_
     inner = local_steps.local_manager(m)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     got = inner.restore(1, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore({'w': jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=one)}),
+        state=ocp.args.StandardRestore(
+            {'w': jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=one)}),
         note=NoteRestore()))
   assert got.note == {'step': 1}
   np.testing.assert_array_equal(np.asarray(got.state['w']), w + 1)

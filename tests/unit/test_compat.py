@@ -349,4 +349,5 @@ def test_the_hidden_manager_takes_the_very_handlers_of_its_manager(tmp_path):
   assert {k: v for k, v in got.items()} == {('default', ocp.args.StandardSave): handler,
                                             ('default', ocp.args.StandardRestore): handler}, got
   with ocp.CheckpointManager(tmp_path / 'b') as m:
-    assert not orbax_manager_state._handlers_of(m).get_all_entries()  # pylint: disable=protected-access
+    empty = orbax_manager_state._handlers_of(m)  # pylint: disable=protected-access
+    assert not empty.get_all_entries()
