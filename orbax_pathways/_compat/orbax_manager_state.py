@@ -116,6 +116,26 @@ def temporary_step_paths(directory: epath.PathLike) -> list[epath.Path]:
   return sorted(epath.Path(p.get()) for p in paths)
 
 
+def discard_unfinished_local_steps(inner: ocp.CheckpointManager) -> None:
+  """Removes the uncommitted step directories of the hidden manager ``inner`` (a failed
+  local-only save's ``<step>.orbax-checkpoint-tmp``, or on gs:// a step directory without
+  ``commit_success.txt``), with Orbax's own clean-up, on its primary host only (the one that
+  creates them). Called by ``manager/local_steps.py`` once a local-only save failed, while no
+  other save of ``inner`` runs (one at a time per process): without it every failed local
+  save (a tier refused on every node, say) left one in storage until the job's end. Best
+  effort: a failure to list or remove is logged at debug level and left to the next call."""
+  options = inner._options  # pylint: disable=protected-access
+  asyncio_utils = src.orbax('asyncio_utils')
+  try:
+    asyncio_utils.run_sync(_temporary_paths.cleanup_temporary_paths(
+        inner.directory, multiprocessing_options=options.multiprocessing_options,
+        temporary_path_cls=options.temporary_path_class,
+        atomicity_options=getattr(options, 'atomicity_options', None)))
+  except Exception as e:  # pylint: disable=broad-except  (best effort)
+    logging.getLogger('orbax_pathways').debug(
+        'orbax_pathways: removing unfinished local-only steps in %s failed: %s', inner.directory, e)
+
+
 def forget_step(mngr: ocp.CheckpointManager, step: int) -> None:
   """Drops ``step`` from ``mngr``'s cached listing (nothing on storage changes): ``should_save``
   and ``save`` then treat it as absent, and saving that step again replaces it."""

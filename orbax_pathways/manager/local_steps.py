@@ -234,6 +234,7 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
       log.warning('orbax_pathways: a local-only save into %s failed in the background (%s: '
                   '%s); the newest committed step stays the one to resume from.',
                   directory_of(mngr), type(e).__name__, e)
+      _oms.discard_unfinished_local_steps(inner)
 
   def close(self, mngr: Any) -> None:
     inner = _oms.existing_local_manager(mngr)
@@ -243,9 +244,15 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
 
 
 def _warn_failed(mngr: Any, step: int, e: BaseException) -> None:
+  """One warning for a failed local-only save, then its unfinished step directory removed
+  (``orbax_manager_state.discard_unfinished_local_steps``; called where no save of the hidden
+  manager runs: its own save raised, or its background thread's did)."""
   log.warning('orbax_pathways: local-only save of step %d into %s failed (%s: %s); the newest '
               'committed step stays the one to resume from.', step, directory_of(mngr),
               type(e).__name__, e)
+  inner = _oms.existing_local_manager(mngr)
+  if inner is not None:
+    _oms.discard_unfinished_local_steps(inner)
 
 
 def local_manager(mngr: Any) -> Any | None:

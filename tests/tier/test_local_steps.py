@@ -418,8 +418,8 @@ def test_one_process_and_pathways_workers_save_and_resume_a_local_only_step(tmp_
 
 def test_a_tier_that_cannot_take_the_step_costs_the_local_save_only(tmp_path, caplog):
   """The tier directory cannot be made (a file is in its way): the local-only save of step 10
-  fails with one warning naming the step, training goes on, nothing of step 10 is listed, and
-  resume takes storage's step 0."""
+  fails with one warning naming the step, training goes on, nothing of step 10 is listed or
+  left in storage, and resume takes storage's step 0."""
   import logging  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -441,8 +441,11 @@ def test_a_tier_that_cannot_take_the_step_costs_the_local_save_only(tmp_path, ca
     assert m.all_steps() == [0]
   failed = [r.getMessage() for r in caplog.records if 'local-only save' in r.getMessage()]
   assert failed and 'step 10' in failed[0], [r.getMessage() for r in caplog.records]
+  # Nothing of step 10 is left in storage either: its unfinished directory
+  # (10.orbax-checkpoint-tmp) is removed once the save failed, not left for every failed step.
   local = root / '.orbax-pathways-local'
-  assert not local.exists() or not [n for n in os.listdir(local) if n.isdigit()]
+  assert not local.exists() or not [n for n in os.listdir(local) if n[0].isdigit()], (
+      os.listdir(local))
   with ocp.CheckpointManager(root, options=options) as m:
     step, got = preemption.resume(m, lambda: None)
   assert step == 0 and np.array_equal(np.asarray(got['x']), np.arange(64, dtype=np.float32))
