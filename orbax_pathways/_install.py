@@ -43,6 +43,7 @@ from orbax_pathways._compat import orbax_loop
 from orbax_pathways._compat import orbax_manager
 from orbax_pathways._compat import orbax_signals
 from orbax_pathways._compat import orbax_small_writes
+from orbax_pathways._compat import orbax_tmp_cleanup
 from orbax_pathways._compat import orbax_step_metadata
 from orbax_pathways._compat import orbax_v1_seams as compat_v1
 from orbax_pathways._compat import storage_clients
@@ -157,6 +158,8 @@ def _install_manager_side() -> None:
   orbax_step_metadata.install()  # a manager save's own step metadata read from memory
   # and its small files written in one request each on gs://, read back from memory
   orbax_small_writes.install(orbax_step_metadata)
+  # Orbax's clean-up of unfinished steps (cleanup_tmp_directories) spares the local-only steps
+  orbax_tmp_cleanup.install()
   # a process that dies mid-save is named by the others, who raise and exit (coord/liveness.py)
   orbax_liveness.install(_save_round, liveness.lost_error)
   if options_lib.env_value('ORBAX_PATHWAYS_EMERGENCY') == 'pathways':
@@ -330,6 +333,7 @@ def uninstall() -> None:
     orbax_signals.uninstall()
     orbax_step_metadata.uninstall()
     orbax_small_writes.uninstall()
+    orbax_tmp_cleanup.uninstall()
     orbax_liveness.uninstall()
     orbax_emergency.uninstall()
     storage_clients.uninstall()  # gcsfs / google-cloud-storage deadlines (set by the Engine)

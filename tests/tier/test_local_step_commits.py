@@ -256,3 +256,35 @@ def test_a_v1_context_without_ocdbt_saves_and_resumes_a_local_only_step(tmp_path
   for k, v in state.items():
     np.testing.assert_array_equal(np.asarray(got[k]), v + 2000, err_msg=k)
   assert stats.last_restore().bytes_by_source.get('storage', 0) == 0, stats.last_restore()
+
+
+def test_orbax_s_clean_up_at_a_restart_on_gcs_keeps_the_local_only_steps(faulty_gcs, tmp_path):
+  """A job restarted with ``CheckpointManagerOptions(cleanup_tmp_directories=True)`` on gs://:
+  Orbax's clean-up removes every directory under the manager's without ``commit_success.txt``,
+  and ``.orbax-pathways-local`` is one, so every local-only step was gone before the resume
+  (it took storage's step 0). Now the clean-up leaves it, and the resume takes step 1."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  from orbax_pathways import preemption  # pylint: disable=g-import-not-at-top
+
+  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tmp_path / 'tier'),
+                                                local_save_interval_steps=1))
+  root = faulty_gcs.path('ckpt')
+  x = np.arange(64, dtype=np.float32)
+  with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
+      save_interval_steps=100)) as m:
+    for step in (0, 1):  # 0: storage; 1: local-only
+      m.save(step, args=ocp.args.StandardSave({'x': jax.device_put(x + step)}))
+    m.wait_until_finished()
+  # An unfinished storage step of the run that died (no commit_success.txt): Orbax's to remove.
+  (epath.Path(root) / '2' / 'default').mkdir(parents=True)
+  restart = ocp.CheckpointManagerOptions(save_interval_steps=100, cleanup_tmp_directories=True)
+  with ocp.CheckpointManager(root, options=restart) as m:
+    step, got = preemption.resume(m, lambda: None)
+  names = sorted(p.name for p in epath.Path(root).iterdir())
+  assert names == ['.orbax-pathways-local', '0'], names
+  assert step == 1, 'the local-only step was removed by the clean-up'
+  np.testing.assert_array_equal(np.asarray(got['x']), x + 1)

@@ -351,3 +351,29 @@ def test_the_hidden_manager_takes_the_very_handlers_of_its_manager(tmp_path):
   with ocp.CheckpointManager(tmp_path / 'b') as m:
     empty = orbax_manager_state._handlers_of(m)  # pylint: disable=protected-access
     assert not empty.get_all_entries()
+
+
+def test_the_clean_up_seam_spares_only_the_local_steps_directory_and_is_given_back(tmp_path):
+  """``_compat/orbax_tmp_cleanup.py`` wraps Orbax's ``temporary_paths.all_temporary_paths``
+  while the package is installed and gives back the very same function. Here (a local disk)
+  Orbax's own rule finds the ``.orbax-checkpoint-tmp`` step; the list never names
+  ``.orbax-pathways-local``; the gs:// case is ``tests/tier/test_local_step_commits.py``."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src.path import temporary_paths  # pylint: disable=g-import-not-at-top
+  from orbax_pathways._compat import orbax_tmp_cleanup  # pylint: disable=g-import-not-at-top
+  assert orbax_tmp_cleanup.installed()
+  wrapped = temporary_paths.all_temporary_paths
+  for name in ('3.orbax-checkpoint-tmp-1700000000', '.orbax-pathways-local', '2'):
+    (tmp_path / name).mkdir()
+  found = asyncio.run(temporary_paths.all_temporary_paths(tmp_path))
+  assert [p.get().name for p in found] == ['3.orbax-checkpoint-tmp-1700000000'], found
+  original = orbax_tmp_cleanup._original  # pylint: disable=protected-access
+  orbax_pathways.uninstall()
+  try:
+    assert temporary_paths.all_temporary_paths is original is not wrapped
+    assert not orbax_tmp_cleanup.installed()
+    orbax_tmp_cleanup.uninstall()  # idempotent
+  finally:
+    orbax_pathways.install()
+  assert temporary_paths.all_temporary_paths is not wrapped and orbax_tmp_cleanup.installed()
