@@ -156,12 +156,9 @@ async def write_array(write: ArrayWrite, *, context: ts.Context,
     of that attempt (``retry_spec``), through the same context as its pieces."""
     ctx = hedge.fresh_context(context, n) if n else context
     spec = retry_spec(write.tspec, n) if n else write.tspec
-    where = _marker(dataclasses.replace(write, tspec=spec))
-    assert where is not None and metadata is not None  # OCDBT: _metadata_as_values
-    store = await ts.KvStore.open(where[0], context=ctx)
-    files = dict(metadata)
-    if 0 in write.global_shape:
-      files[where[1]] = b''
+    assert metadata is not None  # OCDBT: _metadata_as_values
+    kv, files = _database_values(write, spec, metadata, marker=0 in write.global_shape)
+    store = await ts.KvStore.open(kv, context=ctx)
     await asyncio.gather(*(store.write(k, v) for k, v in files.items()))
 
   async def write_piece(p: Piece, n: int) -> None:
@@ -229,6 +226,20 @@ def _marker(write: ArrayWrite) -> tuple[dict, str] | None:
   return kv, key
 
 
+def _database_values(write: ArrayWrite, spec: dict, metadata: dict[str, bytes], *,
+                     marker: bool) -> tuple[dict, dict[str, bytes]]:
+  """Where and what the creating host writes as plain values for ``write`` on OCDBT, under the
+  attempt's ``spec`` (``retry_spec``): the kvstore spec of the database, and the array's
+  ``metadata`` files (``metadata_files``) plus, when ``marker``, its empty chunk marker
+  (``_marker``). Shared by ``write_array`` and ``write_metadata_and_markers``."""
+  where = _marker(dataclasses.replace(write, tspec=spec))
+  assert where is not None, f'array {write.name!r} at {write.path} is not on OCDBT'
+  files = dict(metadata)
+  if marker:
+    files[where[1]] = b''
+  return where[0], files
+
+
 async def metadata_files(tspecs: Sequence[dict]) -> list[dict[str, bytes]]:
   """Per spec, the files tensorstore writes when it creates that array (zarr's ``.zarray``, or
   zarr3's ``zarr.json``), keyed relative to the array's directory: made by creating the arrays
@@ -286,14 +297,13 @@ async def write_metadata_and_markers(writes: Sequence[ArrayWrite], *,
     async def one(w: ArrayWrite, spec: dict, made: dict[str, bytes]) -> None:
       # Every array at once: opening a kvstore can read the database, a round trip each that
       # must not add up one after another.
-      where = _marker(dataclasses.replace(w, tspec=spec))
-      if where is None:
+      if _marker(w) is None:
         await ts.open(ts.Spec(spec), create=True, open=True, context=ctx, transaction=txn)
         return
-      store = (await ts.KvStore.open(where[0], context=ctx)).with_transaction(txn)
-      for key, value in made.items():
+      kv, values = _database_values(w, spec, made, marker=True)
+      store = (await ts.KvStore.open(kv, context=ctx)).with_transaction(txn)
+      for key, value in values.items():
         await store.write(key, value)
-      await store.write(where[1], b'')
 
     results = await asyncio.gather(*(one(w, spec, made)
                                      for w, spec, made in zip(writes, specs, files)),

@@ -42,6 +42,23 @@ def _process_manifest_uploads(log, step_dir: str) -> list[str]:
   return out
 
 
+def _resumes_exactly_from_the_tiers(open_manager, state, step: int) -> None:
+  """A fresh manager from ``open_manager()`` resumes local-only ``step`` (saved as
+  ``state + 1000 * step``) onto one device: every value equal, no byte read from storage."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from orbax_pathways import preemption, stats  # pylint: disable=g-import-not-at-top
+
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=one) for k, v in state.items()}
+  with open_manager() as m:
+    got_step, got = preemption.resume(m, lambda: None, abstract_state=target)
+  assert got_step == step, f'the local-only step {step} was passed over for {got_step}'
+  for k, v in state.items():
+    np.testing.assert_array_equal(np.asarray(got[k]), v + 1000 * step, err_msg=k)
+  assert stats.last_restore().bytes_by_source.get('storage', 0) == 0, stats.last_restore()
+
+
 def test_a_local_only_save_commits_all_its_arrays_markers_at_once_and_resumes(faulty_gcs,
                                                                              tmp_path):
   import jax  # pylint: disable=g-import-not-at-top
@@ -115,8 +132,6 @@ def test_a_local_only_saves_storage_requests_do_not_grow_with_its_arrays(faulty_
   assert requests[40] - requests[2] <= 8, requests
 
 
-
-
 def test_a_manager_s_handler_settings_hold_for_its_local_only_steps(tmp_path):
   """``item_handlers=StandardCheckpointHandler(use_ocdbt=False)``: the hidden manager saves with
   the manager's own handler, so the local-only step is written like the storage step (a
@@ -124,10 +139,8 @@ def test_a_manager_s_handler_settings_hold_for_its_local_only_steps(tmp_path):
   the tier with no storage byte read. Before, the hidden manager took Orbax's default handler
   (OCDBT) whatever the manager's."""
   import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   import orbax_pathways  # pylint: disable=g-import-not-at-top
-  from orbax_pathways import preemption, stats  # pylint: disable=g-import-not-at-top
 
   orbax_pathways.install(orbax_pathways.Options(local_dir=str(tmp_path / 'tier'),
                                                 local_save_interval_steps=1))
@@ -149,14 +162,7 @@ def test_a_manager_s_handler_settings_hold_for_its_local_only_steps(tmp_path):
   assert (local / 'a00' / '.zarray').is_file(), sorted(p.name for p in local.iterdir())
   assert not (local / 'manifest.ocdbt').exists() and not list(local.glob('ocdbt.process_*'))
   assert not [f for f in os.listdir(local / 'a00') if f[0].isdigit()]  # no chunk in storage
-  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=one) for k, v in state.items()}
-  with manager() as m:
-    step, got = preemption.resume(m, lambda: None, abstract_state=target)
-  assert step == 1, 'the local-only step 1 was passed over'
-  for k, v in state.items():
-    np.testing.assert_array_equal(np.asarray(got[k]), v + 1000, err_msg=k)
-  assert stats.last_restore().bytes_by_source.get('storage', 0) == 0, stats.last_restore()
+  _resumes_exactly_from_the_tiers(manager, state, 1)
 
 
 def test_a_custom_handler_of_the_manager_saves_its_item_in_local_only_steps(tmp_path, caplog):
@@ -220,16 +226,15 @@ def test_a_custom_handler_of_the_manager_saves_its_item_in_local_only_steps(tmp_
   assert got.note == {'step': 1}
   np.testing.assert_array_equal(np.asarray(got.state['w']), w + 1)
 
+
 def test_a_v1_context_without_ocdbt_saves_and_resumes_a_local_only_step(tmp_path):
   """Orbax v1's ``Context`` with ``use_ocdbt=False`` goes with the background local-only save:
   no database to commit markers into, so each array is created in storage as tensorstore does
   (its zarr metadata, no chunk), and the step resumes exactly from the tier with no storage
   byte read."""
   import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   import orbax_pathways  # pylint: disable=g-import-not-at-top
-  from orbax_pathways import preemption, stats  # pylint: disable=g-import-not-at-top
 
   v1 = ocp.v1
   orbax_pathways.install(orbax_pathways.Options(local_dir=str(tmp_path / 'tier'),
@@ -248,14 +253,8 @@ def test_a_v1_context_without_ocdbt_saves_and_resumes_a_local_only_step(tmp_path
       sorted(p.name for p in item.iterdir()))
   assert not (item / 'manifest.ocdbt').exists()
   assert not [f for f in os.listdir(item / 'a00') if f[0].isdigit() or f == 'c']  # no chunk
-  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=one) for k, v in state.items()}
-  with v1.training.Checkpointer(root, context=context) as ckptr:
-    step, got = preemption.resume(ckptr, lambda: None, abstract_state=target)
-  assert step == 2, 'the local-only step 2 was passed over'
-  for k, v in state.items():
-    np.testing.assert_array_equal(np.asarray(got[k]), v + 2000, err_msg=k)
-  assert stats.last_restore().bytes_by_source.get('storage', 0) == 0, stats.last_restore()
+  _resumes_exactly_from_the_tiers(lambda: v1.training.Checkpointer(root, context=context),
+                                  state, 2)
 
 
 def test_orbax_s_clean_up_at_a_restart_on_gcs_keeps_the_local_only_steps(faulty_gcs, tmp_path):
