@@ -47,6 +47,20 @@ class SaveStats:
   step_dir: str = ''  # the step directory's final path (without Orbax's temporary suffix)
   write: WriteStats | None = None  # set once by the background write
   commit_s: float | None = None  # set once by the commit hook: save() called -> step committed
+  # Set when the background write finished or failed (``wait_written``).
+  _written: threading.Event = dataclasses.field(default_factory=threading.Event, init=False,
+                                                repr=False, compare=False)
+
+  def wait_written(self, timeout: float | None = None) -> bool:
+    """Waits until this save's background write (this process's bytes, the save's host
+    copies) finished or failed, not for its commit; True once it has. The next local-only
+    save's snapshot waits for this (``manager/local_steps.py``)."""
+    return self._written.wait(timeout)
+
+  def mark_written(self) -> None:
+    """Called once by the background write (``engine/core.PendingSave.write``), done or
+    failed."""
+    self._written.set()
 
   @property
   def written_bytes(self) -> dict[str, int]:

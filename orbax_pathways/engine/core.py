@@ -240,16 +240,26 @@ class PendingSave:
   async def write(self, *, extra_requests: int = 0) -> None:
     """Every writer host's share, then the stats and the log line. ``extra_requests`` counts the
     metadata objects the front door writes alongside (Orbax's array metadata file)."""
-    await self.ready()
-    t0 = time.perf_counter()
-    telemetry = compat.io_metrics_start('write')
-    outcomes = await self.transport.write(self.snapshot)
     st = self.stats
-    st.write = stats_lib.WriteStats(
-        written_bytes={o.writer: o.bytes_written for o in outcomes},
-        chunks_written={o.writer: o.chunks_written for o in outcomes},
-        write_s=time.perf_counter() - t0,
-        storage_requests=len(outcomes) + extra_requests)
+    try:
+      await self.ready()
+      t0 = time.perf_counter()
+      telemetry = compat.io_metrics_start('write')
+      try:
+        outcomes = await self.transport.write(self.snapshot)
+      finally:
+        # The host copies are written (or the write failed): let go of them now, not when
+        # Orbax lets go of this save's futures after its commit, so that the next save's
+        # snapshot (a local-only save may take it while this one commits:
+        # manager/local_steps.py) does not meet this one's copies in memory.
+        self.snapshot.state = None
+      st.write = stats_lib.WriteStats(
+          written_bytes={o.writer: o.bytes_written for o in outcomes},
+          chunks_written={o.writer: o.chunks_written for o in outcomes},
+          write_s=time.perf_counter() - t0,
+          storage_requests=len(outcomes) + extra_requests)
+    finally:
+      st.mark_written()
     total = st.total_written
     compat.io_metrics_end('write', telemetry, total, self.item.directory)
     log.info('orbax_pathways: saved %d arrays, %.1f MiB from %s (%s%s), save() blocked '

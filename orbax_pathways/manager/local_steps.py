@@ -16,8 +16,10 @@ Who calls what, on which host (every process that calls the manager):
   manager's whole save: Orbax's barriers (key-value ones: the hidden manager names its
   processes), the writes into the tiers, the commit (Orbax v1's ``training.Checkpointer``: the
   checkpointer v1 made for the step, ``_compat/orbax_v1_training``, and the loop's context
-  variables, v1's ``Context``, go with it). One such save is in flight per manager: the
-  next local save waits for it (every process saves every local step, in order, so the
+  variables, v1's ``Context``, go with it). One such save runs per manager at a time: the
+  next local save's ``save()`` waits until the previous one's writes on this process finished
+  (its host copies consumed), not for its commit, and its thread starts the hidden manager's
+  save once that commit is done (every process saves every local step, in order, so the
   barriers always meet). Otherwise (a data iterator, a custom handler, Pathways' colocated
   transport) Orbax's own save runs in the loop's thread and commits in the background. With
   ``Options.local_save_when_busy='skip'``, a background local save due while the previous one
@@ -85,23 +87,33 @@ def assign(mngr: Any, interval: int, keep: int) -> None:
   _assigned[mngr] = Policy(int(interval), int(keep))
 
 
-# Manager -> the thread running its local-only save in the background (at most one).
-_running: 'weakref.WeakKeyDictionary[Any, threading.Thread]' = weakref.WeakKeyDictionary()
+class _Background(NamedTuple):
+  """A local-only save running in the background."""
+
+  thread: threading.Thread
+  # Set once this process's writes of the save finished or failed (its host copies consumed),
+  # or the save ended: the next local-only snapshot may be taken from then on.
+  handed_off: threading.Event
+
+
+# Manager -> its newest background local-only save. At most two at a time: one committing,
+# and the next, whose snapshot is taken, waiting for that commit to start its own save.
+_running: 'weakref.WeakKeyDictionary[Any, _Background]' = weakref.WeakKeyDictionary()
 _in_background = threading.local()  # .active on a background save's own thread
 
 
 def _busy(mngr: Any) -> bool:
   """Whether ``mngr``'s previous background local-only save still runs."""
-  thread = _running.get(mngr)
-  return thread is not None and thread.is_alive()
+  found = _running.get(mngr)
+  return found is not None and found.thread.is_alive()
 
 
 def join(mngr: Any) -> None:
-  """Waits for ``mngr``'s background local-only save (committed or failed and logged); a no-op
-  on that save's own thread."""
-  thread = _running.get(mngr)
-  if thread is not None and not getattr(_in_background, 'active', False):
-    thread.join()
+  """Waits for ``mngr``'s background local-only saves (committed or failed and logged: the
+  newest joins the one before it); a no-op on such a save's own thread."""
+  found = _running.get(mngr)
+  if found is not None and not getattr(_in_background, 'active', False):
+    found.thread.join()
 
 
 class LocalStepHooks(hooks_lib.ManagerHooks):
@@ -149,32 +161,49 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
       self._start(mngr, step, detached)
 
   def _start(self, mngr: Any, step: int, detached: local_detach.Detached) -> None:
-    """The loop's part of a background local-only save: the previous one finished, the
-    snapshot taken, the thread started."""
-    join(mngr)
+    """The loop's part of a background local-only save: the previous one's writes finished
+    (its host copies consumed; it may still be committing), the snapshot taken, the thread
+    started. The loop never waits for the previous save's commit: this save starts once that
+    commit is done, on its own thread, so saves still commit one at a time and in order, and
+    no more than one save's host copies are held at once."""
+    previous = _running.get(mngr)
+    if previous is not None:
+      previous.handed_off.wait()
     try:
       inner = _oms.local_manager(mngr, directory_of(mngr), self.policy(mngr).keep)
       _v1.follow_v1_checkpointer(mngr, inner, detached.kwargs.get('args'))  # Orbax v1's
       taken = snapshots.take(detached.arrays)
     except Exception as e:  # pylint: disable=broad-except  (never fails the training step)
+      join(mngr)  # its clean-up below runs where no save of the hidden manager does
       _warn_failed(mngr, step, e)
       return
     # The loop's context variables go with the save (Orbax v1's Context, which its handlers
     # read when they save).
     context = contextvars.copy_context()
-    thread = threading.Thread(target=context.run,
-                              args=(self._run, mngr, inner, step, detached, taken),
-                              name=f'orbax_pathways-local-save-{step}', daemon=True)
-    _running[mngr] = thread
+    handed_off = threading.Event()
+    thread = threading.Thread(
+        target=context.run,
+        args=(self._run, mngr, inner, step, [detached], taken,
+              previous.thread if previous is not None else None, handed_off),
+        name=f'orbax_pathways-local-save-{step}', daemon=True)
+    _running[mngr] = _Background(thread, handed_off)
     thread.start()
 
   @staticmethod
-  def _run(mngr: Any, inner: Any, step: int, detached: local_detach.Detached,
-           taken: snapshots.Taken) -> None:
-    """The background thread: the storage save before it committed, then the hidden
-    manager's save from the host copies, then its commit."""
+  def _run(mngr: Any, inner: Any, step: int, holder: list[local_detach.Detached],
+           taken: snapshots.Taken, previous: threading.Thread | None,
+           handed_off: threading.Event) -> None:
+    """The background thread: the previous local-only save committed and the storage save
+    before it, then the hidden manager's save from the host copies (``handed_off`` once this
+    process's writes of it finished), then its commit. The save's arguments (the loop's
+    arrays, of which only the shape, dtype and sharding are read after the snapshot) are let
+    go of once the hidden manager's ``save()`` returned, not at the commit: a loop that does
+    not donate its state keeps no more of its old arrays on the devices than before."""
     _in_background.active = True
+    detached = holder.pop()
     try:
+      if previous is not None:
+        previous.join()
       mngr.wait_until_finished()  # one save commits per process at a time (before_save)
       # (Orbax's reads of the files this save writes come from memory, as for every manager
       # save: manager/step_metadata.py.)
@@ -182,11 +211,19 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
         inner.save(step, *detached.args, force=True, **detached.kwargs)
       finally:
         taken.release()
-      for st in stats.saves_for_step(step, str(directory_of(mngr))):
+        del detached
+      own = stats.saves_for_step(step, str(directory_of(mngr)))
+      for st in own:
         st.loop_snapshot_s = taken.seconds  # the save's part in the loop (stats.SaveStats)
+      for st in own:  # (a save whose write never ran: the commit's end hands off below)
+        while not st.wait_written(0.05) and inner.is_saving_in_progress():
+          pass
+      handed_off.set()
       inner.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except  (logged; training goes on)
       _warn_failed(mngr, step, e)
+    finally:
+      handed_off.set()
 
   def save_args(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> None:
     """The preemption save goes to memory first: its local-only copy is saved and committed

@@ -287,3 +287,62 @@ def test_orbax_s_clean_up_at_a_restart_on_gcs_keeps_the_local_only_steps(faulty_
   assert names == ['.orbax-pathways-local', '0'], names
   assert step == 1, 'the local-only step was removed by the clean-up'
   np.testing.assert_array_equal(np.asarray(got['x']), x + 1)
+
+
+def test_the_next_local_only_save_waits_for_the_previous_one_s_writes_not_its_commit(
+    faulty_gcs, tmp_path):
+  """A local interval about as long as a local-only save's commit (storage round trips): the
+  loop's ``save()`` of the next local step used to wait for the whole previous commit. Now it
+  waits only until the previous save's writes on this process are done (its host copies
+  consumed); the new save starts on its own thread once that commit is done, so the steps still
+  commit one at a time, in order. Here step 1's commit is held at its OCDBT merge (the merged
+  manifest's upload, unanswered) while the loop saves step 2: ``save(2)`` returns with step 1
+  still uncommitted, and once the upload goes through both steps commit and the newest resumes
+  exactly from the tier."""
+  import threading  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+
+  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tmp_path / 'tier'),
+                                                local_save_interval_steps=1, local_keep=2))
+  root = faulty_gcs.path('ckpt')
+  hidden = epath.Path(root) / '.orbax-pathways-local'
+  state = {k: v for k, v in _state(0).items() if k != 'empty'}
+  proxy = faulty_gcs.proxy
+
+  def manager():
+    return ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
+        save_interval_steps=100))
+
+  def save(m, step):
+    m.save(step, args=ocp.args.StandardSave(
+        {k: jax.device_put(v + 1000 * step) for k, v in state.items()}))
+
+  with manager() as m:
+    save(m, 0)  # storage
+    m.wait_until_finished()
+    proxy.hold(lambda method, target: method == 'POST' and unquote(target).endswith(
+        'name=ckpt/.orbax-pathways-local/1/default/manifest.ocdbt&ifGenerationMatch=0'),
+        forward=True)
+    try:
+      save(m, 1)  # local-only, in the background
+      deadline = time.monotonic() + 60
+      while not proxy.held() and time.monotonic() < deadline:
+        time.sleep(0.02)
+      assert proxy.held(), 'step 1 never reached its OCDBT merge'
+      returned = threading.Event()
+      loop = threading.Thread(target=lambda: (save(m, 2), returned.set()), daemon=True)
+      loop.start()
+      assert returned.wait(10), 'save(2) waited for step 1\'s commit'
+      assert not (hidden / '1' / 'commit_success.txt').exists()
+      assert len(proxy.held()) == 1
+    finally:
+      proxy.release()  # the held upload goes on to the server
+    m.wait_until_finished()
+  for step in (1, 2):
+    assert (hidden / str(step) / 'commit_success.txt').is_file(), sorted(
+        p.name for p in hidden.iterdir())
+  _resumes_exactly_from_the_tiers(manager, state, 2)
