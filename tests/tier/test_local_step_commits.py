@@ -294,13 +294,16 @@ def test_the_next_local_only_save_waits_for_the_previous_one_s_writes_not_its_co
   """A local interval about as long as a local-only save's commit (storage round trips): the
   loop's ``save()`` of the next local step used to wait for the whole previous commit. Now it
   waits only until the previous save's writes on this process are done (its host copies
-  consumed); the new save starts on its own thread once that commit is done, so the steps still
-  commit one at a time, in order. Here step 1's commit is held at its OCDBT merge (the merged
+  consumed), and the loop's arrays are let go of once the snapshot is saved, not at the commit;
+  the new save starts on its own thread once that commit is done, so the steps still commit one
+  at a time, in order. Here step 1's commit is held at its OCDBT merge (the merged
   manifest's upload, unanswered) while the loop saves step 2: ``save(2)`` returns with step 1
   still uncommitted, and once the upload goes through both steps commit and the newest resumes
   exactly from the tier."""
+  import gc  # pylint: disable=g-import-not-at-top
   import threading  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
+  import weakref  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   from etils import epath  # pylint: disable=g-import-not-at-top
@@ -318,8 +321,9 @@ def test_the_next_local_only_save_waits_for_the_previous_one_s_writes_not_its_co
         save_interval_steps=100))
 
   def save(m, step):
-    m.save(step, args=ocp.args.StandardSave(
-        {k: jax.device_put(v + 1000 * step) for k, v in state.items()}))
+    arrays = {k: jax.device_put(v + 1000 * step) for k, v in state.items()}
+    m.save(step, args=ocp.args.StandardSave(arrays))
+    return [weakref.ref(a) for a in arrays.values()]
 
   with manager() as m:
     save(m, 0)  # storage
@@ -328,11 +332,13 @@ def test_the_next_local_only_save_waits_for_the_previous_one_s_writes_not_its_co
         'name=ckpt/.orbax-pathways-local/1/default/manifest.ocdbt&ifGenerationMatch=0'),
         forward=True)
     try:
-      save(m, 1)  # local-only, in the background
+      step_1 = save(m, 1)  # local-only, in the background
       deadline = time.monotonic() + 60
       while not proxy.held() and time.monotonic() < deadline:
         time.sleep(0.02)
       assert proxy.held(), 'step 1 never reached its OCDBT merge'
+      gc.collect()  # a loop that does not donate its state: its old arrays are not kept
+      assert not [r for r in step_1 if r() is not None], 'step 1\'s committing save holds them'
       returned = threading.Event()
       loop = threading.Thread(target=lambda: (save(m, 2), returned.set()), daemon=True)
       loop.start()
