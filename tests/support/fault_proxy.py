@@ -215,7 +215,6 @@ class FaultProxy:
     self._conns: set[socket.socket] = set()
     self._hold_match: Callable[[str, str], bool] | None = None
     self._hold_left = 0
-    self._hold_forward = False
     self._held: list[tuple[str, str]] = []
     self._log: list[tuple[str, str, str]] = []
     self._release = threading.Event()
@@ -251,13 +250,10 @@ class FaultProxy:
       send(b)
     return relay
 
-  def hold(self, match: Callable[[str, str], bool], count: int = 1,
-           forward: bool = False) -> None:
-    """Hold the next ``count`` requests matching ``match(method, target)`` open, unanswered;
-    ``release()`` resets their connections, or with ``forward`` sends them on to the server
-    (a request that was only slow)."""
+  def hold(self, match: Callable[[str, str], bool], count: int = 1) -> None:
+    """Hold the next ``count`` requests matching ``match(method, target)`` open, unanswered."""
     with self._lock:
-      self._hold_match, self._hold_left, self._hold_forward = match, count, forward
+      self._hold_match, self._hold_left = match, count
       self._release.clear()
 
   def held(self) -> list[tuple[str, str]]:
@@ -265,22 +261,20 @@ class FaultProxy:
       return list(self._held)
 
   def release(self) -> None:
-    """Reset the connections of every held request (their clients see a connection error), or
-    send them on (``hold(..., forward=True)``)."""
+    """Reset the connections of every held request (their clients see a connection error)."""
     with self._lock:
       self._hold_match, self._hold_left = None, 0
     self._release.set()
 
-  def _take_hold(self, method: str, target: str) -> str:
-    """'' (not held), 'reset' or 'forward': what to do with the request once released."""
+  def _take_hold(self, method: str, target: str) -> bool:
     with self._lock:
       if self._hold_left <= 0 or self._hold_match is None:
-        return ''
+        return False
       if not self._hold_match(method, target):
-        return ''
+        return False
       self._hold_left -= 1
       self._held.append((method, target))
-      return 'forward' if self._hold_forward else 'reset'
+      return True
 
   def log(self) -> list[tuple[str, str, str]]:
     """(method, target, User-Agent) of every request received so far, in arrival order."""
@@ -395,10 +389,7 @@ class FaultProxy:
                             (_get(headers, b'user-agent') or b'').decode('latin-1')))
         client_close = _has_token(headers, b'connection', b'close') or version == 'HTTP/1.0'
         kind = self._choose(method, target)
-        held = self._take_hold(method, target)
-        if held == 'forward':
-          self._release.wait()  # then relayed as any other request, below
-        elif held:
+        if self._take_hold(method, target):
           if expect_continue:
             client.sendall(b'HTTP/1.1 100 Continue\r\n\r\n')
           _relay_body(cf, lambda b: None, headers, until_eof=False)

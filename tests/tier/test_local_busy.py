@@ -1,6 +1,7 @@
 """``Options.local_save_when_busy`` (``manager/local_busy.py``): a local-only save due while the
-previous one still commits waits for it (``'wait'``, the default, as Orbax's ``save()`` waits
-for a previous async save) or is skipped (``'skip'``).
+previous one still commits is saved once the previous one's writes on this process are done,
+committing after it (``'wait'``, the default: ``save()`` never waits for the previous commit),
+or is skipped (``'skip'``).
 
 Real Orbax ``CheckpointManager`` on gs:// (fake-gcs-server behind the project's fault proxy),
 real node-local tier. The proxy holds the request that writes local-only step 1's index (in its
@@ -44,12 +45,15 @@ def _wait_held(proxy) -> None:
 @pytest.mark.parametrize('when_busy', ['skip', 'wait'])
 def test_a_local_save_due_while_the_previous_one_commits(faulty_gcs, tmp_path, caplog,
                                                          when_busy):
-  """``'skip'``: step 2's ``save()`` returns while step 1 still commits, step 2 is never saved
-  (one log line says why), and step 3, due once step 1 committed, is. ``'wait'``: step 2's
-  ``save()`` returns only once step 1 committed (the hold released from another thread), and
-  every step is saved. Either way a resume restores the newest local-only step exactly, from
-  the tier."""
+  """Step 2's ``save()`` returns while step 1 still commits, and step 1's save no longer holds
+  the loop's arrays (a loop that does not donate its state keeps no old arrays on the devices).
+  ``'skip'``: step 2 is never saved (one log line says why), and step 3, due once step 1
+  committed, is. ``'wait'``: step 2's save waited only for step 1's writes, not its commit
+  (before, ``save()`` returned only once step 1 committed), and commits after it: every step is
+  saved. Either way a resume restores the newest local-only step exactly, from the tier."""
+  import gc  # pylint: disable=g-import-not-at-top
   import threading  # pylint: disable=g-import-not-at-top
+  import weakref  # pylint: disable=g-import-not-at-top
   from etils import epath  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -69,16 +73,21 @@ def test_a_local_save_due_while_the_previous_one_commits(faulty_gcs, tmp_path, c
       m.save(0, args=ocp.args.StandardSave({'w': jax.device_put(base)}))
       m.wait_until_finished()
       faulty_gcs.proxy.hold(_index_of_step_1)
-      m.save(1, args=ocp.args.StandardSave({'w': jax.device_put(base + 1)}))
+      step_1 = jax.device_put(base + 1)
+      m.save(1, args=ocp.args.StandardSave({'w': step_1}))
+      step_1 = weakref.ref(step_1)
       _wait_held(faulty_gcs.proxy)
-      # Released from another thread: 'wait' blocks step 2's save() until then ('skip' must
-      # return long before; if it did not, the release ends the wait and the assert fails).
-      timer = threading.Timer(1.0 if when_busy == 'wait' else HOLD_WAIT_S,
+      gc.collect()
+      assert step_1() is None, 'step 1\'s save, still committing, holds the loop\'s array'
+      # Released from another thread only if step 2's save() waited for step 1's commit: it
+      # must return long before (if it did not, the release ends the wait and the assert fails).
+      timer = threading.Timer(HOLD_WAIT_S,
                               lambda: (released.append(1), faulty_gcs.proxy.release()))
       timer.start()
       m.save(2, args=ocp.args.StandardSave({'w': jax.device_put(base + 2)}))
       timer.cancel()
-      assert released == ([1] if when_busy == 'wait' else []), released
+      assert released == [], 'step 2\'s save() waited for step 1\'s commit'
+      assert not (epath.Path(root) / '.orbax-pathways-local' / '1' / 'commit_success.txt').exists()
       faulty_gcs.proxy.release()  # the held request is reset; gcsfs retries it
       m.wait_until_finished()
       m.save(3, args=ocp.args.StandardSave({'w': jax.device_put(base + 3)}))
