@@ -11,7 +11,8 @@ process's previous local-only save of ``mngr`` still runs.
   host publishes ``go`` or ``skip`` (``skip`` when its own previous save still runs: it makes
   the commit, so it is the last to be done), and every other process reads that one key. So
   every process skips the same steps and the hidden manager's barriers always meet; a process
-  told ``go`` whose own previous save still runs waits for it, as with ``'wait'``.
+  told ``go`` whose own previous save still runs waits for that save's writes and commits after
+  it, as with ``'wait'``.
 - A process that gets no verdict within ``VERDICT_WAIT_S`` (the primary host stopped calling
   ``save()``) skips the step with one warning.
 
