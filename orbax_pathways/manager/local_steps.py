@@ -212,10 +212,9 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
       finally:
         taken.release()
         del detached
-      own = stats.saves_for_step(step, str(directory_of(mngr)))
-      for st in own:
+      for st in stats.saves_for_step(step, str(directory_of(mngr))):
         st.loop_snapshot_s = taken.seconds  # the save's part in the loop (stats.SaveStats)
-      for st in own:  # (a save whose write never ran: the commit's end hands off below)
+        # Its writes done (a save whose write never ran: the commit's end hands off below).
         while not st.wait_written(0.05) and inner.is_saving_in_progress():
           pass
       handed_off.set()
