@@ -222,7 +222,10 @@ def _marker(write: ArrayWrite) -> tuple[dict, str] | None:
     return None
   rank = len(write.global_shape)
   key = format_lib.chunk_key((0,) * rank, (1,) * rank, zarr3=spec['driver'] == 'zarr3')
-  kv['path'] = kv.get('path', '').rstrip('/') + '/'
+  # The array's keys sit below its path inside the database; a bare array saved as the whole
+  # tree has the empty name, and its keys sit at the database's root ('.zarray', not '/.zarray').
+  prefix = kv.get('path', '').rstrip('/')
+  kv['path'] = prefix + '/' if prefix else ''
   return kv, key
 
 
