@@ -169,7 +169,7 @@ def _install_manager_side() -> None:
       log.warning('orbax_pathways: Orbax\'s emergency CheckpointManager cannot be imported (%s: '
                   '%s); its drop-in is not installed.', type(e).__name__, e)
     else:
-      orbax_emergency.install(emergency.EmergencyCheckpointManager)
+      orbax_emergency.install(emergency.EmergencyCheckpointManager, emergency.accepts)
 
 
 def _installed_options() -> options_lib.Options:

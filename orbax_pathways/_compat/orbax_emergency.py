@@ -2,23 +2,27 @@
 its module that ours reuses, and the seam where ``import orbax_pathways`` puts ours
 (``manager/emergency.py``) in its place.
 
-MaxText builds the manager as ``checkpoint_manager.CheckpointManager(...)`` on the module
-``orbax.checkpoint.experimental.emergency.checkpoint_manager``, looked up at each call, so
-replacing that module attribute reaches unchanged code that imported the module (not code that
-bound the class itself before ``import orbax_pathways``). ``install`` / ``uninstall`` are called
-by ``orbax_pathways._install`` only, on the process that imports the package.
+MaxText binds Orbax's class to a name of its own when its module is imported
+(``emergency_checkpointing.CheckpointManager = emergency_checkpoint_manager.CheckpointManager``),
+which may happen before ``import orbax_pathways``. So the seam is the class itself, not the
+module attribute: while ours is installed, Orbax's class's ``__new__`` builds ours (a subclass,
+so ``isinstance`` checks against Orbax's class hold) wherever the class was bound and whatever
+the import order. ``install`` / ``uninstall`` are called by ``orbax_pathways._install`` only,
+on the process that imports the package.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Callable
 
 from orbax_pathways._compat import src
 
 MODULE = 'orbax.checkpoint.experimental.emergency.checkpoint_manager'
 
-_stock: Any = None  # Orbax's class while ours is installed
+_stock: Any = None  # Orbax's class while its construction builds ours
+_had_new = False  # whether Orbax's class defined __new__ itself (put back by uninstall)
+_saved_new: Any = None
 
 
 def module() -> Any:
@@ -28,7 +32,7 @@ def module() -> Any:
 
 def stock_class() -> type:
   """Orbax's own emergency ``CheckpointManager`` (also while ours is installed)."""
-  return _stock if _stock is not None else module().CheckpointManager
+  return module().CheckpointManager
 
 
 def persistent_options(options: Any, multiprocessing_options: Any) -> Any:
@@ -50,22 +54,49 @@ def in_primary_replica(process_index: int, mesh: Any, replica_axis_index: int) -
       process_index, mesh, replica_axis_index=replica_axis_index, replica_id=0)
 
 
-def install(cls: type) -> None:
-  """``cls`` (a subclass of Orbax's class) is what the module's ``CheckpointManager`` names."""
-  global _stock
-  m = module()
-  if _stock is None:
-    _stock = m.CheckpointManager
-  m.CheckpointManager = cls
+def build_stock(*args: Any, **kwargs: Any) -> Any:
+  """An instance of Orbax's own class, also while ours is installed (the construction the
+  redirect below would otherwise turn into ours)."""
+  stock = stock_class()
+  obj: Any = object.__new__(stock)
+  obj.__init__(*args, **kwargs)
+  return obj
+
+
+def install(cls: type, accepts: Callable[[dict[str, Any]], bool]) -> None:
+  """Building Orbax's class builds ``cls`` (a subclass of it) instead, for the keyword
+  arguments ``accepts`` takes: its ``__new__`` is replaced, so the redirect holds for every name
+  bound to the class, also one bound before ``import orbax_pathways`` (MaxText's
+  ``emergency_checkpointing.CheckpointManager``). Python then runs ``cls.__init__`` on the
+  instance, as for any subclass instance ``__new__`` returns."""
+  global _stock, _had_new, _saved_new
+  stock = module().CheckpointManager
+  if _stock is not None:
+    uninstall()
+    stock = module().CheckpointManager
+
+  def __new__(klass: type, *args: Any, **kwargs: Any) -> Any:
+    del args
+    if klass is stock and accepts(kwargs):
+      klass = cls
+    return object.__new__(klass)
+
+  _had_new = '__new__' in vars(stock)
+  _saved_new = vars(stock).get('__new__')
+  stock.__new__ = staticmethod(__new__)
+  _stock = stock
 
 
 def uninstall() -> None:
-  """Orbax's own class again."""
-  global _stock
+  """Orbax's own class builds itself again."""
+  global _stock, _had_new, _saved_new
   if _stock is not None:
-    module().CheckpointManager = _stock
-    _stock = None
+    if _had_new:
+      _stock.__new__ = _saved_new
+    else:
+      del _stock.__new__
+    _stock, _had_new, _saved_new = None, False, None
 
 
 def installed() -> bool:
-  return _stock is not None and module().CheckpointManager is not _stock
+  return _stock is not None

@@ -1,9 +1,11 @@
 """Orbax's emergency ``CheckpointManager`` as a drop-in on the package's multi-tier path
-(issue 27, item 5; ``docs/multi_tier.md``).
+(``docs/multi_tier.md``).
 
-``import orbax_pathways`` puts ``EmergencyCheckpointManager`` where Orbax's
-``experimental.emergency.checkpoint_manager.CheckpointManager`` was
-(``_compat/orbax_emergency.py``), so MaxText's construction, unchanged::
+While the package is installed, building Orbax's
+``experimental.emergency.checkpoint_manager.CheckpointManager`` builds
+``EmergencyCheckpointManager`` (a subclass of it) instead, through whatever name the class was
+bound to and whether that happened before or after ``import orbax_pathways``
+(``_compat/orbax_emergency.py``). So MaxText's construction, unchanged::
 
     CheckpointManager(local_directory, persistent_directory, global_mesh, abstract_state,
                       options=CheckpointManagerOptions(
@@ -11,14 +13,16 @@
                           persistent=PersistentCheckpointOptions(save_interval_steps=M)))
 
 builds one ordinary ``ocp.CheckpointManager`` over ``persistent_directory`` on every process
-(Orbax's persistent options, ``_get_persistent_options``), whose declined steps on the local
-interval are saved local-only (``manager/local_steps.py``), with ``local_directory`` as the
-node-local tier of every save and restore of it (``tier/assigned.py``). So every slice writes
-local (Orbax's slice 0 never does), the data iterator's state (any item of the ``Composite``
-beside ``state``) goes with each step at the local cadence, every chunk is checked against its
-crc32c, and a step restores onto any slice count, chunk by chunk, from the tiers the live
-processes hold (a lost node's share from a partner copy or a replica), never from storage for a
-local-only step. ``ORBAX_PATHWAYS_EMERGENCY=orbax`` keeps Orbax's own class.
+(Orbax's persistent options, ``_get_persistent_options``), with ``local_directory`` as the
+node-local tier of every save and restore of it (``tier/assigned.py``). On a mesh of several
+slices, its declined steps on the local interval are saved local-only
+(``manager/local_steps.py``): every slice writes local (Orbax's slice 0 never does), the data
+iterator's state (any item of the ``Composite`` beside ``state``) goes with each step at the
+local cadence, every chunk is checked against its crc32c, and a step restores onto any slice
+count, chunk by chunk, from the tiers the live processes hold (a lost node's share from a
+partner copy or a replica), never from storage for a local-only step. On one slice, as Orbax's
+class, it saves to storage on the persistent interval only and lists storage steps only.
+``ORBAX_PATHWAYS_EMERGENCY=orbax`` keeps Orbax's own class.
 
 Who calls what, on which host: every process that runs the job builds the manager and calls
 each method (as with Orbax's); the agreements (a local-only step restored everywhere or
@@ -27,7 +31,8 @@ nowhere) are one key-value round among them (``preemption/recovery.all_processes
 Differences from Orbax's class, each listed with its reason in ``docs/format.md``: the dataset
 item is saved in the step (not in ``persistent_non_replicated_directory``); ``latest_step()``
 before the first save restores the newest local-only step to know that it can be completed;
-``local_directory`` must be private to this uid (the tier's rule).
+``local_directory`` must be private to this uid (the tier's rule) and holds the tier's copies
+of storage steps, on one slice too.
 """
 
 from __future__ import annotations
@@ -53,6 +58,18 @@ STATE = 'state'
 PROCESS_METADATA = 'process_metadata'  # reserved by Orbax's class
 
 
+def accepts(kwargs: dict[str, Any]) -> bool:
+  """Whether a construction of Orbax's class with these keyword arguments builds ours; when
+  not, one log line names the options that keep Orbax's own class."""
+  options = kwargs.get('options')
+  why = unsupported(options) if options is not None else []
+  if why:
+    log.info('orbax_pathways: emergency CheckpointManager with %s: Orbax\'s own class is used '
+             '(its local manager, Orbax\'s handlers, same-topology local restores).',
+             ', '.join(why))
+  return not why
+
+
 def unsupported(options: Any) -> list[str]:
   """The emergency options this drop-in does not map (each keeps Orbax's own class)."""
   local = options.local
@@ -70,14 +87,9 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
   for options this one does not map (``unsupported``)."""
 
   def __new__(cls, *args: Any, **kwargs: Any):
-    options = kwargs.get('options')
-    why = unsupported(options) if options is not None else []
-    if why:
-      log.info('orbax_pathways: emergency CheckpointManager with %s: Orbax\'s own class is used '
-               '(its local manager, Orbax\'s handlers, same-topology local restores).',
-               ', '.join(why))
-      return orbax_emergency.stock_class()(*args, **kwargs)
-    return super().__new__(cls)
+    if not accepts(kwargs):
+      return orbax_emergency.build_stock(*args, **kwargs)
+    return object.__new__(cls)
 
   def __init__(self, local_directory: epath.PathLike, persistent_directory: epath.PathLike,
                global_mesh: jax.sharding.Mesh, abstract_state: Any, *, options: Any = None,
@@ -116,8 +128,11 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
     self._checkpoint_manager = self._mngr  # what Orbax's inherited helpers delegate to
     local = options.local
     tier_assigned.assign(self._mngr.directory, str(self._local_directory), local.max_to_keep)
-    local_steps.assign(self._mngr, local.save_interval_steps, local.max_to_keep)
-    self._interval = local.save_interval_steps
+    # Orbax's class on one slice is a plain manager over persistent storage: no local saves,
+    # none listed or restored. Its local steps exist only on several slices.
+    self._multislice = self._slice_count > 1
+    self._interval = local.save_interval_steps if self._multislice else 0
+    local_steps.assign(self._mngr, self._interval, local.max_to_keep)
     self._started = False  # a save or restore ran: latest_step() no longer probes
     self._probed: tuple[int, Any] | None = None  # (step, restored state) of the probe
     self._passed_over: dict[int, str] = {}  # local-only steps that could not be completed
@@ -140,7 +155,9 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
     return self._global_mesh
 
   def _local_steps(self) -> list[int]:
-    """Committed local-only steps, newest first (not those passed over)."""
+    """Committed local-only steps, newest first (not those passed over); none on one slice."""
+    if not self._multislice:
+      return []
     _, steps = local_steps.newer_steps(self._mngr, None)
     return [s for s in steps if s not in self._passed_over]
 
@@ -243,6 +260,8 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
     deleted (a rolled-back run's, or incomplete); else the newest storage step."""
     self._mngr.reload()
     newest_storage = self._mngr.latest_step()
+    if not self._multislice:
+      return newest_storage
     # Listed once, before any agreement round (local_steps.drop_newer says why).
     _, listed = local_steps.newer_steps(self._mngr, None)
     candidates = [s for s in listed if newest_storage is None or s > newest_storage]

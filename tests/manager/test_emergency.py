@@ -2,7 +2,7 @@
 ``ORBAX_PATHWAYS_EMERGENCY=orbax`` keeps (``import orbax_pathways`` otherwise puts the drop-in of
 ``manager/emergency.py`` in its place: ``test_emergency_dropin.py``), and the one that options the
 drop-in does not map fall back to. Here it is built as Orbax's class itself
-(``_compat.orbax_emergency.stock_class()``), and the workers run with the variable set.
+(``_compat.orbax_emergency.build_stock``), and the workers run with the variable set.
 
 In one process (8 CPU devices, local and persistent directories under tmp_path): with one slice
 it is a plain CheckpointManager over the persistent directory, so our handler writes the arrays
@@ -59,8 +59,8 @@ def _run(tmp_path, monkeypatch, slices: int):
       calls.append(_name)
       return await _original(*a, **k)
     monkeypatch.setattr(ours, name, spy)
-  with orbax_emergency.stock_class()(tmp_path / 'local', tmp_path / 'persistent', m, abstract,
-                                     options=options) as mngr:
+  with orbax_emergency.build_stock(tmp_path / 'local', tmp_path / 'persistent', m, abstract,
+                                   options=options) as mngr:
     for step in range(3):
       mngr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
     mngr.wait_until_finished()

@@ -28,8 +28,10 @@ from orbax_pathways._compat import orbax_emergency
 from orbax_pathways.manager import emergency as dropin
 from support.arrays import mesh as make_mesh
 from support.arrays import put
+from support import procs
 from support.mp_harness import run_processes
 from support.workers import emergency_dropin_worker
+from support.workers import emergency_import_order_worker
 
 WORKER = emergency_dropin_worker.__file__
 P = jax.sharding.PartitionSpec
@@ -263,3 +265,45 @@ def test_without_a_partner_copy_a_lost_node_passes_the_local_step_over(tmp_path)
   assert sum(out['bytes_by_source'].get('storage', 0) for out, _ in outs) > 0
   logs = ''.join(tail for _, tail in outs)
   assert 'local-only step 6 cannot be restored' in logs, logs[-3000:]
+
+
+@pytest.mark.parametrize('order', ['orbax_first', 'package_first'])
+def test_the_drop_in_holds_whatever_the_import_order(tmp_path, order):
+  """MaxText binds Orbax's class to a name of its own when its module is imported, which may
+  be before ``import orbax_pathways``: building through that name gives the drop-in either way
+  (local-only step 3 in the persistent directory's ``.orbax-pathways-local``, where Orbax's
+  class writes ``local_directory/3``), still an instance of the name's class."""
+  out = procs.worker_json(emergency_import_order_worker, order, tmp_path, timeout=240)
+  persistent = ['.orbax-pathways-local', '0', '2', 'orbax-pathways-lease.json']
+  assert out == {'class': 'EmergencyCheckpointManager', 'is_orbax_class': True,
+                 'steps': [0, 2, 3], 'persistent': persistent}, out
+
+
+def test_on_one_slice_it_saves_and_lists_what_orbaxs_class_does(tmp_path):
+  """Orbax's single-slice test case (local every 3, 2 kept; persistent every 5, 3 kept; steps
+  0..16) through the drop-in and through Orbax's own class: the same ``save`` answers, the same
+  steps listed ([5, 10, 15]: Orbax's class on one slice saves to storage only), the same step
+  directories, no local-only step; and the newest step restores."""
+  m = make_mesh((1, 8), ('replica', 'data'))
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
+  options = em.CheckpointManagerOptions(
+      local=em.LocalCheckpointOptions(save_interval_steps=3, max_to_keep=2),
+      persistent=em.PersistentCheckpointOptions(save_interval_steps=5, max_to_keep=3))
+  seen = {}
+  for name in ('ours', 'orbax'):
+    root = tmp_path / name
+    (root / 'local').mkdir(parents=True)
+    build = em.CheckpointManager if name == 'ours' else orbax_emergency.build_stock
+    with build(root / 'local', root / 'persistent', m, abstract, options=options) as mngr:
+      assert (type(mngr) is dropin.EmergencyCheckpointManager) == (name == 'ours')
+      should = [mngr.should_save(s) for s in range(17)]
+      saved = [mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s))))
+               for s in range(17)]
+      mngr.wait_until_finished()
+      seen[name] = (should, saved, list(mngr.all_steps()), mngr.latest_step())
+      _assert_step(mngr.restore(15)['state'], m, 15)
+    steps = sorted(p for p in os.listdir(root / 'persistent') if p.isdigit())
+    seen[name] += (steps,)
+  assert seen['ours'] == seen['orbax'], seen
+  assert seen['ours'][2] == [5, 10, 15]
+  assert not (tmp_path / 'ours' / 'persistent' / '.orbax-pathways-local').exists()
