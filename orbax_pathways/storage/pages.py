@@ -5,7 +5,8 @@ Who calls what, on which host: the reader (``storage/reader.aligned_empty``, on 
 host) allocates every region buffer of ``reader.MAPPED_BYTES`` or more with ``anonymous``; the
 restore's source chain (``tier/chunk_read.Place.fill_from_file``, in the restore's executor
 threads) asks ``map_file`` to put a chunk file of this node's tier where the chunk lies in such
-a buffer. No jax; numpy, ``mmap`` and one libc call.
+a buffer. Region buffers come from pages a freed buffer left where there are some
+(``page_pool``). No jax; numpy and libc's ``mmap``, ``munmap`` and ``madvise``.
 
 Why: a chunk that this node's tier holds is already in memory (tmpfs is page cache). Copying it
 into the region buffer costs the copy plus the first touch of the buffer's fresh pages; mapping
@@ -39,10 +40,12 @@ import mmap
 import os
 import sys
 import threading
+import time
 from typing import Any
-import weakref
 
 import numpy as np
+
+from orbax_pathways.storage import page_pool
 
 PAGE = mmap.PAGESIZE
 MIN_BYTES = 1 << 20
@@ -50,14 +53,42 @@ MAX_MAPPED = 16384
 ENV = 'ORBAX_PATHWAYS_MAP_TIER'
 
 _MAP_FIXED = 0x10  # Linux's value on every architecture it runs on
+_MADV_HUGEPAGE = 14
+_MADV_NOHUGEPAGE = 15
+HUGE = 2 << 20  # the transparent huge page size of x86-64 and of arm64 with 4 KiB pages
+HUGE_FAULT_S = 0.001  # a first huge-page fault slower than this: small pages for a while
+SMALL_PAGES_S = 1.0
+_small_until = 0.0  # monotonic time until which fresh mappings take small pages
 _MADV_POPULATE_READ = 22  # Linux 5.14; older kernels say EINVAL and the pages fault on first read
 
 
-class Pages(mmap.mmap):
-  """An anonymous private mapping that holds region buffers (``anonymous``), and tier chunk
-  files mapped into it (``map_file``). Given back, whole, when the last array on it goes."""
+class Pages:
+  """The page range one region buffer lies on (``anonymous``), and the tier chunk files mapped
+  into it (``map_file``). numpy arrays on it hold it as their base (``__array_interface__``);
+  when the last one goes, the range goes to ``page_pool`` (kept for the next buffers of this
+  process), or, with a tier file mapped into it, back to the system at once."""
 
-  mapped: list[int] | None = None  # [chunk files mapped into it], once there is one
+  __slots__ = ('addr', 'length', 'mapped', '__weakref__')
+
+  def __init__(self, addr: int, length: int):
+    self.addr = addr
+    self.length = length
+    self.mapped = 0  # chunk files mapped into it
+
+  @property
+  def __array_interface__(self) -> dict[str, Any]:
+    return {'version': 3, 'shape': (self.length,), 'typestr': '|u1',
+            'data': (self.addr, False)}
+
+  def __del__(self):
+    try:
+      if self.mapped:
+        _lib().munmap(self.addr, self.length)
+        _release(self.mapped)
+      else:
+        page_pool.give(self.addr, self.length)
+    except Exception:  # pylint: disable=broad-except
+      pass  # interpreter shutdown: the process's mappings go with it
 
 
 _libc: Any = None
@@ -66,16 +97,23 @@ _live = 0  # chunk files mapped into buffers still alive, this process
 _enabled: bool | None = None
 
 
-def _mmap_fn():
+def _lib() -> Any:
   global _libc
   if _libc is None:
     lib = ctypes.CDLL(None, use_errno=True)
-    fn = lib.mmap
-    fn.restype = ctypes.c_void_p
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_long]
-    _libc = fn
+    lib.mmap.restype = ctypes.c_void_p
+    lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                         ctypes.c_int, ctypes.c_long]
+    lib.munmap.restype = ctypes.c_int
+    lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.madvise.restype = ctypes.c_int
+    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _libc = lib
   return _libc
+
+
+def _mmap_fn():
+  return _lib().mmap
 
 
 def enabled() -> bool:
@@ -88,14 +126,49 @@ def enabled() -> bool:
 
 
 def anonymous(shape: Any, dtype: Any) -> np.ndarray:
-  """An uninitialized C-order array of ``shape`` and ``dtype`` on a fresh page mapping of its
-  own (page-aligned)."""
+  """An uninitialized C-order array of ``shape`` and ``dtype`` on page-aligned memory of its
+  own: pages a freed buffer of this process left (``page_pool``: already faulted in), else a
+  fresh private anonymous mapping."""
   dtype = np.dtype(dtype)
   nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-  # Private: Python's default (shared) makes the mapping shmem, whose first touch costs ~1.4x a
-  # private page's here (``benchmarks/RESULTS.md``), and nothing else ever maps these pages.
-  buf = Pages(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
-  return np.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize).reshape(shape)
+  length = -(-max(nbytes, 1) // PAGE) * PAGE
+  addr = page_pool.take(length)
+  if addr is None:
+    addr = _fresh(length)
+  buf = np.asarray(Pages(addr, length))
+  return buf[:nbytes].view(dtype).reshape(shape)
+
+
+def _fresh(length: int) -> int:
+  """A fresh private anonymous mapping of ``length`` bytes, with transparent huge pages where
+  they are cheap right now.
+
+  A huge page costs one fault for 2 MiB where small pages cost 512, so it is the cheaper way to
+  fill memory the system has at hand (this process's or another's freshly freed memory). But
+  its first touch can cost far more than those 512 faults: memory a VM's host has taken back
+  (this project's VMs: ~5 ms a huge page in a fresh process, 1.1 GiB restored in 4-5 s against
+  ~1 s on small pages), or direct compaction of fragmented memory. So the mapping asks for huge
+  pages and times the first one's fault: past ``HUGE_FAULT_S`` (about what its 512 small pages
+  cost here) the rest of the mapping, and every fresh mapping for ``SMALL_PAGES_S`` after it,
+  take small pages instead; then huge pages are tried again."""
+  global _small_until
+  # Private: a shared mapping is shmem, whose first touch costs ~1.4x a private page's here
+  # (``benchmarks/RESULTS.md``), and nothing else ever maps these pages.
+  lib = _lib()
+  addr = lib.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE,
+                  mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+  if addr is None or addr == ctypes.c_void_p(-1).value:
+    err = ctypes.get_errno()
+    raise MemoryError(f'mmap of {length} bytes for a region buffer failed: {os.strerror(err)}')
+  first = -(-addr // HUGE) * HUGE  # the first whole huge page inside the mapping
+  if first + HUGE <= addr + length and time.monotonic() >= _small_until:
+    if lib.madvise(addr, length, _MADV_HUGEPAGE) == 0:
+      t0 = time.perf_counter()
+      ctypes.memset(first, 0, 1)
+      if time.perf_counter() - t0 > HUGE_FAULT_S:
+        _small_until = time.monotonic() + SMALL_PAGES_S
+        lib.madvise(addr, length, _MADV_NOHUGEPAGE)
+  return addr
 
 
 def owner(arr: np.ndarray) -> Pages | None:
@@ -103,20 +176,14 @@ def owner(arr: np.ndarray) -> Pages | None:
   base: Any = arr
   while isinstance(base, np.ndarray):
     base = base.base
-  if isinstance(base, memoryview):
-    base = base.obj
   return base if isinstance(base, Pages) else None
 
 
 def _release(count: int) -> None:
+  """``count`` chunk files' mappings went (their ``Pages`` was unmapped whole)."""
   global _live
   with _lock:
     _live -= count
-
-
-def _release_all(mapped: list[int]) -> None:
-  """A ``Pages`` went (munmapped whole): its chunk mappings leave the budget."""
-  _release(mapped[0])
 
 
 def map_file(buffer: np.ndarray, offset: int, nbytes: int, fd: int) -> memoryview | None:
@@ -135,9 +202,9 @@ def map_file(buffer: np.ndarray, offset: int, nbytes: int, fd: int) -> memoryvie
   start = flat.ctypes.data + offset
   if start % PAGE or (nbytes % PAGE and offset + nbytes != flat.nbytes):
     return None
-  base = ctypes.addressof(ctypes.c_char.from_buffer(pages))
+  base = pages.addr
   length = -(-nbytes // PAGE) * PAGE
-  if not (base <= start and start + length <= base + -(-len(pages) // PAGE) * PAGE):
+  if not (base <= start and start + length <= base + pages.length):
     return None
   try:
     if os.fstat(fd).st_size < nbytes:  # a mapping past a file's end faults (SIGBUS) on read
@@ -161,15 +228,10 @@ def map_file(buffer: np.ndarray, offset: int, nbytes: int, fd: int) -> memoryvie
                     f'after a failed mapping of a tier file: {os.strerror(ctypes.get_errno())}')
     return None
   with _lock:
-    if pages.mapped is None:
-      pages.mapped = [0]
-      weakref.finalize(pages, _release_all, pages.mapped)  # holds the count, not the pages
-    pages.mapped[0] += 1
+    pages.mapped += 1  # the whole mapping is unmapped, never pooled, when its arrays go
   view = flat.data[offset:offset + nbytes]
-  try:
-    pages.madvise(_MADV_POPULATE_READ, start - base, length)
-  except (OSError, ValueError):
-    pass  # an older kernel: the pages fault on first read instead
+  # An older kernel says EINVAL: the pages then fault on first read instead.
+  _lib().madvise(start, length, _MADV_POPULATE_READ)
   return view
 
 

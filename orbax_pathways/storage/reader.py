@@ -103,16 +103,13 @@ def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
   On the CPU backend ``jax.device_put`` of a 64-byte-aligned array aliases it instead of copying,
   so regions read into such buffers reach the devices without another pass over the bytes.
 
-  A buffer of ``MAPPED_BYTES`` or more is an anonymous mapping of its own (page-aligned, given
-  back to the system when the last array using it goes), not numpy's allocation, which asks the
-  kernel for transparent huge pages on every large array (``MADV_HUGEPAGE``). On the VMs this
-  project is measured on, the first touch of fresh huge pages is what made the first restore of
-  a process slow: 1.1 GiB restored in a fresh process spent 4-5 s in the kernel for its ~500
-  huge-page faults (no compaction stalls counted; the hypervisor backing each fresh 2 MiB block
-  is the likely cost), against ~1 s with ordinary pages (``benchmarks/RESULTS.md``, issue 26). A
-  plain mapping follows the system's own huge-page policy. The price: ordinary pages fault 4 KiB
-  at a time, and a mapping is never reused by the next restore in the same process (numpy's
-  heap sometimes is).
+  A buffer of ``MAPPED_BYTES`` or more is a page mapping of its own (``storage/pages``), not
+  numpy's allocation, which asks the kernel for transparent huge pages on every large array
+  (``MADV_HUGEPAGE``). On the VMs this project is measured on, the first touch of fresh huge
+  pages is what made the first restore of a process slow: 1.1 GiB restored in a fresh process
+  spent 4-5 s in the kernel for its ~500 huge-page faults, against ~1 s with ordinary pages
+  (``benchmarks/RESULTS.md``). Ordinary pages fault 4 KiB at a time; the mappings' pool makes a
+  later restore in the same process reuse pages already faulted in, as numpy's heap did.
   """
   dtype = np.dtype(dtype)
   nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
