@@ -45,6 +45,11 @@ def main(argv=None) -> int:
       gcs_mod.configure_fsspec_anon()
     rss.rss_worker(args)
     return 0
+  if args.restore_worker:
+    if args.mode == 'gcs' and gcs_mod is not None:
+      gcs_mod.configure_fsspec_anon()
+    rss.restore_worker(args)
+    return 0
   if args.mode == 'gcs' and gcs_mod is None:
     print(f'--mode gcs: {gcs_note}; cannot run against fake-gcs-server.', file=sys.stderr)
     return 2
@@ -81,7 +86,7 @@ def run(args, store: storage.Storage, notes: list) -> dict:
       'half_mesh': dict(half.shape) if half is not None else None, 'root': store.root,
       'hostname': platform.node(), 'nproc': os.cpu_count(), 'versions': report.versions(),
       'order': 'alternating: per rep, stock then ours (main metrics), then stock then ours '
-               '(peak-RSS subprocesses)', 'warmup_rounds': args.warmup,
+               '(peak-RSS subprocess, then a restore of its step in another fresh process)', 'warmup_rounds': args.warmup,
       'state_build_s': t_build, 'notes': notes,
   }
   print(report.state_line(meta), flush=True)
@@ -111,6 +116,7 @@ def run(args, store: storage.Storage, notes: list) -> dict:
           samples[impl][k].append(r[k])
         samples[impl]['cold_save_blocking_s'].append(r['save_blocking_s'])
         samples[impl]['cold_commit_s'].append(r['commit_s'])
+        samples[impl]['cold_restore_s'].append(r['cold_restore_s'])
         print(report.rss_line(rep, impl, r), flush=True)
   meta['bench_s'] = time.perf_counter() - t_all
 

@@ -42,6 +42,8 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
   # private: one peak-RSS measurement in a fresh interpreter (benchlib.rss)
   p.add_argument('--_rss-worker', dest='rss_worker', choices=IMPLS, default=None,
                  help=argparse.SUPPRESS)
+  p.add_argument('--_restore-worker', dest='restore_worker', choices=IMPLS, default=None,
+                 help=argparse.SUPPRESS)
   p.add_argument('--_ckpt', dest='worker_ckpt', default=None, help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   if a.quick:

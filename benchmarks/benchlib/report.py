@@ -27,6 +27,7 @@ METRICS = (  # key, label, unit
     ('peak_rss_over_state', 'peak RSS / state dev bytes', 'x'),
     ('cold_save_blocking_s', 'save() blocking, 1st in process', 's'),
     ('cold_commit_s', 'save -> committed, 1st in process', 's'),
+    ('cold_restore_s', 'restore, 1st in a fresh process', 's'),
     ('tiny_save_commit_s', 'tiny ckpt save+commit', 's'),
     ('tiny_restore_s', 'tiny ckpt restore', 's'),
     ('tiny_floor_save_commit_s', 'no-array ckpt save+commit (floor)', 's'),
@@ -114,7 +115,7 @@ def rss_line(rep: int, impl: str, r: dict) -> str:
   return (f"# rep {rep} {impl:5s} rss: before {r['rss_before'] / GiB:.2f} GiB, "
           f"peak {r['rss_peak'] / GiB:.2f} GiB, delta {r['peak_rss_delta_bytes'] / MiB:.0f} MiB "
           f"(VmHWM delta {(r['vm_hwm_delta_bytes'] or 0) / MiB:.0f} MiB), "
-          f"{r['samples']} samples")
+          f"{r['samples']} samples; restore in a fresh process {r['cold_restore_s']:.3f} s")
 
 
 # --- the result -----------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Peak host memory (RSS) of one save+commit, each in a fresh interpreter.
+"""Peak host memory (RSS) of one save+commit, and the restore of that step, each in a fresh
+interpreter.
 
 The main process calls ``run_rss_subprocess`` per (handler, repetition): it runs
 ``bench.py --mode M --size-gb S --seed N --_rss-worker IMPL --_ckpt PATH`` (the same entry point,
@@ -6,7 +7,10 @@ the same environment) so the allocator holds nothing from earlier runs. That sub
 ``bench.py`` calls ``rss_worker``: build the same state, ``gc.collect()``, record the RSS, then
 save and wait for the commit while ``RssSampler`` reads ``psutil`` RSS every 5 ms; the kernel's
 ``VmHWM`` (reset through ``/proc/self/clear_refs``) cross-checks the sampler. The worker prints one
-``RSS_RESULT {json}`` line, which the parent parses.
+``RSS_RESULT {json}`` line, which the parent parses. Then ``bench.py ... --_restore-worker IMPL
+--_ckpt PATH`` restores that step as a restarted job does (``restore_worker``: a fresh
+interpreter, the target built from shapes alone, nothing else in memory) and prints
+``RESTORE_RESULT {json}`` with its seconds.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from benchlib import BENCH_PY
 from benchlib.cli import quiet_logs
 from benchlib.handlers import Served, use_handler
 from benchlib.measure import timed_save
-from benchlib.workloads import build_state, device_bytes, meshes
+from benchlib.workloads import abstract_state, build_state, device_bytes, meshes
 
 
 class RssSampler:
@@ -110,17 +114,46 @@ def rss_worker(args) -> None:
       'save_blocking_s': blocking, 'commit_s': commit}), flush=True)
 
 
+def restore_worker(args) -> None:
+  """The restore of step 1 at ``--_ckpt`` in this fresh interpreter, as a restarted job's:
+  the target from shapes alone (no state built first); prints a JSON line."""
+  import jax
+  import orbax.checkpoint as ocp
+  quiet_logs()
+  import orbax_pathways  # noqa: F401  (installs ours)
+  mesh, _ = meshes(args.mode)
+  target = abstract_state(mesh, args.size_gb, args.seed)
+  use_handler(args.restore_worker)
+  with ocp.CheckpointManager(args.worker_ckpt) as mngr:
+    rv = Served(args.restore_worker, 'restore')
+    t0 = time.perf_counter()
+    out = mngr.restore(1, args=ocp.args.StandardRestore(target))
+    jax.block_until_ready(out)
+    seconds = time.perf_counter() - t0
+    rv.check()
+  print('RESTORE_RESULT ' + json.dumps({'impl': args.restore_worker, 'restore_s': seconds}),
+        flush=True)
+
+
+def _worker(impl, args, path, flag, tag) -> dict:
+  cmd = [sys.executable, BENCH_PY, '--mode', args.mode, '--size-gb', str(args.size_gb),
+         '--seed', str(args.seed), flag, impl, '--_ckpt', path]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=dict(os.environ))
+  for line in proc.stdout.splitlines():
+    if line.startswith(tag + ' '):
+      return json.loads(line[len(tag) + 1:])
+  raise RuntimeError(f'{flag} worker ({impl}) failed rc={proc.returncode}:\n'
+                     f'{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}')
+
+
 def run_rss_subprocess(impl, args, storage, rep) -> dict:
-  """The worker's RSS_RESULT record for ``impl``; raises with its output if it failed."""
+  """The RSS worker's RSS_RESULT record for ``impl``, with ``cold_restore_s`` from the restore
+  worker that follows it on the same step; raises with a worker's output if it failed."""
   path = storage.new_dir(f'rss-{impl}-r{rep}')
-  cmd = [sys.executable, BENCH_PY, '--mode', args.mode, '--size-gb',
-         str(args.size_gb), '--seed', str(args.seed), '--_rss-worker', impl, '--_ckpt', path]
   try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=dict(os.environ))
+    out = _worker(impl, args, path, '--_rss-worker', 'RSS_RESULT')
+    out['cold_restore_s'] = _worker(impl, args, path, '--_restore-worker',
+                                    'RESTORE_RESULT')['restore_s']
   finally:
     storage.remove(path)
-  for line in proc.stdout.splitlines():
-    if line.startswith('RSS_RESULT '):
-      return json.loads(line[len('RSS_RESULT '):])
-  raise RuntimeError(f'rss worker ({impl}) failed rc={proc.returncode}:\n{proc.stdout[-2000:]}\n'
-                     f'{proc.stderr[-4000:]}')
+  return out

@@ -106,6 +106,43 @@ def build_state(mesh, size_gb: float, seed: int = 0):
   return state
 
 
+def abstract_state(mesh, size_gb: float, seed: int = 0):
+  """``build_state``'s tree as ShapeDtypeStructs (with their shardings on ``mesh``), built
+  without its values: what a restarted job restores into, with no memory of its own touched."""
+  import jax
+  import ml_dtypes
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  dtypes = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16}
+  total = size_gb * GiB
+  rows_mult = 8 * int(np.prod(mesh.devices.shape))
+  state: dict = {}
+
+  def put(path, value):
+    d = state
+    parts = path.split('.')
+    for p in parts[:-1]:
+      d = d.setdefault(p, {})
+    d[parts[-1]] = value
+
+  for name, frac, dt, spec in LAYOUT:
+    dtype = dtypes[dt]
+    itemsize = np.dtype(dtype).itemsize
+    rows = max(rows_mult, round(total * frac / (COLS * itemsize) / rows_mult) * rows_mult)
+    put(name, jax.ShapeDtypeStruct((rows, COLS), dtype, sharding=NamedSharding(mesh, P(*spec))))
+  rng = np.random.default_rng([seed, 999])
+  specs = [('data', 'model'), ('data', None), (None, 'model'), (None, None)]
+  for i in range(N_SMALL):
+    nbytes = int(2 ** rng.integers(10, 17))  # as build_state draws them
+    dtype = dtypes['float32' if i % 2 == 0 else 'bfloat16']
+    n = nbytes // np.dtype(dtype).itemsize
+    _fill(rng, n, dtype)  # the same draws as build_state, so the next leaf's size matches
+    put(f'small.s{i:02d}', jax.ShapeDtypeStruct((64, n // 64), dtype,
+                                                sharding=NamedSharding(mesh, P(*specs[i % 4]))))
+  state['step'] = 7
+  return state
+
+
 def tiny_state(mesh, seed: int = 0):
   """10 float32 arrays of 1 KiB (256 elements), 8-way sharded."""
   import jax

@@ -62,6 +62,18 @@ SUITES = [
     Suite('em_single_slice_checkpoint_manager_test',
           'experimental/emergency/single_slice_checkpoint_manager_test.py', 4),
     Suite('em_checkpoint_manager_test', 'experimental/emergency/checkpoint_manager_test.py', 4),
+    # The emergency manager's peers: Orbax's other multi-tier managers and their helpers, run
+    # with the package imported to show that its drop-in leaves them Orbax's.
+    Suite('em_mesh_consistency_test', 'experimental/emergency/mesh_consistency_test.py', 1),
+    Suite('em_replicator_checkpoint_manager_test',
+          'experimental/emergency/multi_tier_checkpointing/replicator_checkpoint_manager_test.py',
+          4),
+    Suite('em_p2p_checkpoint_manager_multiprocess_test',
+          'experimental/emergency/p2p/checkpoint_manager_multiprocess_test.py', 2),
+    Suite('em_p2p_local_multiprocess_test', 'experimental/emergency/p2p/local_multiprocess_test.py',
+          2),
+    Suite('em_p2p_persistent_multiprocess_test',
+          'experimental/emergency/p2p/persistent_multiprocess_test.py', 2),
     Suite('v1_pytree_handler_test', 'experimental/v1/_src/handlers/pytree_handler_test.py', 2),
     Suite('v1_pytree_handler_partial_save_test',
           'experimental/v1/_src/handlers/pytree_handler_partial_save_test.py', 2),
