@@ -8,7 +8,8 @@ runs first, as a user's program does, with the node-local tier off (as ``tests/c
 Shims for what Orbax's OSS tree does not ship as a module: ``multiprocess_test`` (upstream's
 ``_src/testing/multiprocess_test.py`` + ``oss/multiprocess_test.py`` at HEAD, inlined: a barrier
 and an operation-id sync per test, process 0 creates the temporary directory), ``grain`` (not
-installed; one v1 test uses it and fails alike in both modes), v1 ``partial/saving_test`` under its
+installed: a stand-in module, where one v1 test fails alike in both modes; ``run.py`` installs
+the real one into ``site/`` for the emergency p2p tests), v1 ``partial/saving_test`` under its
 package name (imported by ``saving_multihost_test``). Harness-only adjustments: the aggregate tests
 read Orbax's test data relative to the installed package; assertion messages are not shortened.
 """
@@ -88,7 +89,9 @@ for _name, _parent in (('orbax.checkpoint._src.testing.multiprocess_test', _test
 
 import chex  # noqa: E402,F401  (the real one, in site/)
 
-if 'grain' not in sys.modules:
+try:
+  import grain.python  # noqa: E402,F401  (the real one, in site/: the p2p tests save its state)
+except ImportError:
   _grain = types.ModuleType('grain')
   _grain.python = types.ModuleType('grain.python')
   sys.modules['grain'], sys.modules['grain.python'] = _grain, _grain.python

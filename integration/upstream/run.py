@@ -13,8 +13,9 @@ of each mode and every test whose result differs, and writes ``<work>/table.tsv`
 stock, package, the error's first line) and ``<work>/counts.tsv``. A test fails if it fails in
 any process. ``docs/upstream_tests.md`` has the last run's triage.
 
-chex (used by Orbax's test utilities, not a dependency of this project) is installed into
-``<work>/site`` with ``pip --target`` when the interpreter has none.
+chex (used by Orbax's test utilities) and grain (the emergency p2p tests), not dependencies of
+this project, are installed into ``<work>/site`` with ``pip --target`` when the interpreter has
+none.
 """
 
 from __future__ import annotations
@@ -61,13 +62,19 @@ SUITES = [
     Suite('v0_checkpoint_manager_slice_test', 'checkpoint_manager_slice_test.py', 4),
     Suite('em_single_slice_checkpoint_manager_test',
           'experimental/emergency/single_slice_checkpoint_manager_test.py', 4),
-    Suite('em_checkpoint_manager_test', 'experimental/emergency/checkpoint_manager_test.py', 4),
+    Suite('em_checkpoint_manager_test', 'experimental/emergency/checkpoint_manager_test.py', 4,
+          'not test_local_restore_by_broadcast',
+          'process 0 empties persistent_directory with no barrier while the others restore: with '
+          'the drop-in the processes then fail at different points and the file ends in '
+          'barrier time-outs (docs/upstream_tests.md, H)'),
     # The emergency manager's peers: Orbax's other multi-tier managers and their helpers, run
     # with the package imported to show that its drop-in leaves them Orbax's.
     Suite('em_mesh_consistency_test', 'experimental/emergency/mesh_consistency_test.py', 1),
     Suite('em_replicator_checkpoint_manager_test',
           'experimental/emergency/multi_tier_checkpointing/replicator_checkpoint_manager_test.py',
-          4),
+          4, 'not test_save_restore_single_slice',
+          'fails alike in both modes against Orbax 0.12.8 (a missing chunk in a process\'s local '
+          'directory), then stock hangs in its later tests\' barriers'),
     Suite('em_p2p_checkpoint_manager_multiprocess_test',
           'experimental/emergency/p2p/checkpoint_manager_multiprocess_test.py', 2),
     Suite('em_p2p_local_multiprocess_test', 'experimental/emergency/p2p/local_multiprocess_test.py',
@@ -139,6 +146,14 @@ def prepare(work: str, mirror: str, suites: list[Suite]) -> None:
   if not has_chex and not os.path.isdir(os.path.join(site, 'chex')):
     subprocess.run([sys.executable, '-m', 'pip', 'install', '--quiet', '--no-deps', '--target',
                     site, 'chex', 'toolz'], check=True)
+  # grain (the emergency p2p tests save a data iterator with it), with what it imports that the
+  # project's venv lacks; not a dependency of this project.
+  has_grain = subprocess.run([sys.executable, '-c', 'import grain.python'],
+                             capture_output=True).returncode == 0
+  if not has_grain and not os.path.isdir(os.path.join(site, 'grain')):
+    subprocess.run([sys.executable, '-m', 'pip', 'install', '--quiet', '--no-deps', '--target',
+                    site, 'grain', 'dm-tree', 'more-itertools', 'array-record', 'portpicker'],
+                   check=True)
 
 
 def _port() -> int:
