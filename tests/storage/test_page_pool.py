@@ -43,6 +43,25 @@ def _mapped(start: int, length: int) -> bool:
   return any(lo <= start and start + length <= hi for lo, hi in _maps_addresses())
 
 
+@pytest.fixture
+def unmapped(monkeypatch):
+  """The ranges the pool gives back to the system (its real munmap calls), as ``(start,
+  length)``: whether a range is still in /proc/self/maps says nothing once another thread of
+  the process may have mapped something new at the same addresses."""
+  gone = []
+  real = page_pool._munmap
+
+  def munmap(start, length):
+    gone.append((start, length))
+    real(start, length)
+  monkeypatch.setattr(page_pool, '_munmap', munmap)
+  return gone
+
+
+def _given_back(gone, start: int, length: int) -> bool:
+  return any(s <= start and start + length <= s + n for s, n in gone)
+
+
 def test_a_later_restore_s_buffers_lie_on_the_pages_of_freed_ones_of_other_sizes():
   first = [reader.aligned_empty((8 * MiB,), np.float32) for _ in range(2)]  # 32 MiB each
   for b in first:
@@ -68,7 +87,7 @@ def test_a_later_restore_s_buffers_lie_on_the_pages_of_freed_ones_of_other_sizes
   assert [float(b.min()) for b in second] == [float(b.max()) for b in second] == [0, 1, 2]
 
 
-def test_idle_pages_go_back_to_the_system():
+def test_idle_pages_go_back_to_the_system(unmapped):
   buf = reader.aligned_empty((2 * MiB,), np.float32)
   buf[:] = 1.0
   start, length = buf.ctypes.data, buf.nbytes
@@ -77,10 +96,10 @@ def test_idle_pages_go_back_to_the_system():
   page_pool.sweep(float('-inf'))  # nothing is old enough
   assert page_pool.kept_bytes() == length and _mapped(start, length)
   page_pool.sweep(float('inf'))  # what the pool's thread does SECONDS after they came back
-  assert page_pool.kept_bytes() == 0 and not _mapped(start, length)
+  assert page_pool.kept_bytes() == 0 and _given_back(unmapped, start, length)
 
 
-def test_the_pool_keeps_at_most_its_cap(monkeypatch):
+def test_the_pool_keeps_at_most_its_cap(monkeypatch, unmapped):
   monkeypatch.setattr(page_pool, 'MAX_BYTES', 24 * MiB)
   bufs = [reader.aligned_empty((4 * MiB,), np.float32) for _ in range(3)]  # 3 x 16 MiB
   spans = [(b.ctypes.data, b.nbytes) for b in bufs]
@@ -88,7 +107,7 @@ def test_the_pool_keeps_at_most_its_cap(monkeypatch):
   gc.collect()
   page_pool.take(page_pool.MAX_BYTES * 2)  # files what came back; fits nothing
   assert page_pool.kept_bytes() <= 24 * MiB
-  assert sum(_mapped(s, n) for s, n in spans) <= 1
+  assert sum(_given_back(unmapped, s, n) for s, n in spans) >= 2
 
 
 def test_a_buffer_with_a_tier_file_mapped_in_never_goes_to_the_pool(tmp_path):
