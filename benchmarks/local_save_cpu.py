@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""CPU per local-only save in one process (issue 27's overhead): what a save every step costs the
-host's cores, with the node-local tier's spares (``tier/spares.py``) on and off, side by side.
+"""CPU per local-only save in one process (the multi-tier overhead): what a save every step
+costs the host's cores, with the node-local tier's spares (``tier/spares.py``) on and off, side
+by side.
 
     .venv/bin/python benchmarks/local_save_cpu.py                       # 256 MiB, local dir
     .venv/bin/python benchmarks/local_save_cpu.py --storage gcs         # gs:// on fake-gcs-server

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Multi-tier checkpointing against storage-only (issue 27): steps lost and time to resume after
+"""Multi-tier checkpointing against storage-only: steps lost and time to resume after
 every process is killed, and what a save costs the training loop.
 
     .venv/bin/python benchmarks/local_steps.py                      # 32 MiB per process
@@ -35,7 +35,7 @@ same processes before the saving runs).
 ``--train-only``: no restart; the tables are the overhead of saving on the training loop: the
 step time with saves minus the bare step time (each step: the sleep, then the step's new state
 built on the devices; ``--api v1``: saved through Orbax v1's ``training.Checkpointer`` instead of
-a v0 ``CheckpointManager``), against the issue's goal: the device-to-host snapshot plus 5% of
+a v0 ``CheckpointManager``), against the overhead goal: the device-to-host snapshot plus 5% of
 the bare step. The snapshot is the save's own part of the loop's ``save()``
 (``stats.SaveStats.loop_snapshot_s`` for a local-only save in the background, the serialize's
 ``blocking_s`` otherwise), mean over processes; the rest of ``save()``'s blocking is waiting (for

@@ -1,5 +1,5 @@
 """Keys one restoring process reads to find the peers that hold the chunks it lacks, at 64, 1,024
-and 16,384 simulated processes (issue 27, item 6).
+and 16,384 simulated processes.
 
 What runs: the package's own ``tier/exchange.Exchange`` (publish, ``gather``, ``holders``)
 and ``tier/exchange.to_ask`` (which holders a reader lists), every simulated process publishing

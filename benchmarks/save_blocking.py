@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """``save()`` blocking with the node-local tier on against off, interleaved in one process
-(issue 20's bound: the tier may not make ``save()`` block more than 5% longer).
+(the tier's bound: it may not make ``save()`` block more than 5% longer).
 
     .venv/bin/python benchmarks/save_blocking.py                  # 512 MiB, 8 devices, 12 pairs
     .venv/bin/python benchmarks/save_blocking.py --mib 256 --pairs 20 --json-out /tmp/b.json

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Survivor-first restore against storage-only: 4 processes as 4 slices on gs://, one slice lost,
-restore onto 3 (issue 20).
+restore onto 3.
 
     .venv/bin/python benchmarks/tier.py                      # 48 MiB per state, 32 MiB/s storage
     .venv/bin/python benchmarks/tier.py --mib 96 --bandwidth-mib 64 --json-out /tmp/tier.json

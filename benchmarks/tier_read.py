@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A restore that the node-local tier serves, against the same restore from storage, stock
-Orbax's, and a plain memcpy of the same bytes, interleaved in one run (issue 26, item 9).
+Orbax's, and a plain memcpy of the same bytes, interleaved in one run.
 
     .venv/bin/python benchmarks/tier_read.py                     # 1.1 GiB, 8 CPU devices, 3 rounds
     .venv/bin/python benchmarks/tier_read.py --size-gb 0.25 --rounds 2 --fresh-rounds 1   # smoke

@@ -1,4 +1,4 @@
-"""A trainer and evaluators racing on one checkpoint directory (issue 15, item 2).
+"""A trainer and evaluators racing on one checkpoint directory.
 
 The trainer saves every step with unchanged ``CheckpointManager`` code (``max_to_keep`` 1 by
 default, so every save also deletes the previous step) for ``--seconds``. Meanwhile each evaluator

@@ -1,4 +1,4 @@
-"""Orbax's own upstream test suites, with and without ``import orbax_pathways`` (issue 26).
+"""Orbax's own upstream test suites, with and without ``import orbax_pathways``.
 
     python integration/upstream/run.py [--suite NAME ...] [--modes stock,pkg] [--work DIR]
                                        [--mirror GIT_DIR]

@@ -1,5 +1,5 @@
 """Orbax's background commit of a multi-process async save, with a liveness round before its
-barriers (issue 21, item 1). The round itself is ``orbax_pathways/liveness.py``.
+barriers. The round itself is ``orbax_pathways/liveness.py``.
 
 SUPPORTED: orbax-checkpoint ``supported.ORBAX`` (written against 0.12.8), like the other patches.
 

@@ -1,4 +1,4 @@
-"""A save or restore that fails leaves no task of its event loop behind (issue 26, item 13).
+"""A save or restore that fails leaves no task of its event loop behind.
 
 SUPPORTED: orbax-checkpoint ``supported.ORBAX`` (written against 0.12.8). A release without
 ``asyncio_utils._run_sync_via_new_loop`` (0.12.4) runs its coroutines with ``asyncio.run``, which

@@ -1,4 +1,4 @@
-"""A failed step of an async save releases the threads waiting for it (issue 21, item 8).
+"""A failed step of an async save releases the threads waiting for it.
 
 SUPPORTED: orbax-checkpoint ``supported.ORBAX`` (written against 0.12.8).
 

@@ -1,4 +1,4 @@
-"""Liveness of a multi-process save: who finished writing, who did not (issue 21, item 1).
+"""Liveness of a multi-process save: who finished writing, who did not.
 
 Called on every process of a multi-controller job, in Orbax's background commit thread of each
 async save, by ``_compat/orbax_liveness.py``, before Orbax's own barriers (which wait for a dead

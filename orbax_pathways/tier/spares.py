@@ -3,7 +3,7 @@
 Why: on tmpfs, writing a copy into fresh pages and freeing the previous step's pages costs about
 three times the copy itself (page allocation, memory-cgroup charging, LRU locking on ``write``;
 the same again on ``unlink``). A local-only save every step pays that on every host, on the cores
-the training loop uses (``benchmarks/RESULTS.md``, issue 27's overhead). Writing over the pages
+the training loop uses (``benchmarks/RESULTS.md``, the multi-tier overhead). Writing over the pages
 of a step that is being dropped anyway skips both.
 
 Who calls what, on which host (every writer host, its own node's tier):

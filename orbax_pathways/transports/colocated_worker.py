@@ -252,7 +252,7 @@ class _SharedSource:
   ``tier/chain.for_restore`` runs once per call (one listing of the node's tier, one manifest
   read per entry), not once per reader: in the CPU simulation every simulated host is a reader
   on the same node, so once per reader meant every entry's manifest read and touched once per
-  host (256 hosts: 65,536 of each; the restore's growth in issue 26 item 7). What the source
+  host (256 hosts: 65,536 of each: a restore that grew with the fleet). What the source
   holds of an array (``held``: the origins of every entry's chunks of it) is likewise worked
   out once per call and array. Each reader keeps its own ``SourceChain`` over these, so its
   counters stay its own. Everything else is the wrapped source's (``counted_as`` where it has

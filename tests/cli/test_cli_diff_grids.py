@@ -1,4 +1,4 @@
-"""``orbax-pathways diff`` says why values were not compared by checksum (issue 21, item 8): it
+"""``orbax-pathways diff`` says why values were not compared by checksum: it
 said "no orbax-pathways checksums on both sides" for steps that both had checksums. Steps on
 different chunk grids are now read and compared (``tests/cli/test_cli_diff.py``); what remains
 uncompared without ``--values`` gets its reason, per leaf."""

@@ -1,4 +1,4 @@
-"""Leaves saved with a dtype cast (issue 26 item 6): v0 ``SaveArgs(dtype=...)``, v1
+"""Leaves saved with a dtype cast: v0 ``SaveArgs(dtype=...)``, v1
 ``ArrayOptions.Saving.StorageOptions(dtype=...)`` and v1's ``scoped_storage_options_creator``.
 
 Orbax casts through tensorstore's ``cast`` driver, so what lands on disk is tensorstore's

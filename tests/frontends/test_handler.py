@@ -16,7 +16,7 @@ from support.arrays import assert_trees_equal, mesh, put, random_state
 from support.workers import handler_worker
 
 # An exception nobody could raise (a callback into a closed event loop) or a coroutine never
-# awaited fails the test (issue 26, item 13).
+# awaited fails the test.
 pytestmark = [pytest.mark.filterwarnings('error::pytest.PytestUnraisableExceptionWarning'),
               pytest.mark.filterwarnings('error:coroutine .* was never awaited:RuntimeWarning')]
 

@@ -1,4 +1,4 @@
-"""Bytes that come back unverified (issue 21 item 3): ``np.ndarray`` and scalar leaves carry
+"""No bytes come back unverified: ``np.ndarray`` and scalar leaves carry
 crc32c like arrays, and in an item orbax-pathways wrote an array without a record is an error,
 not an unchecked read.
 
@@ -24,7 +24,7 @@ from support import damage
 from support.arrays import host_leaf_state
 
 # An exception nobody could raise (an answer into a closed event loop) or a coroutine never
-# awaited fails the test (issue 26, item 13).
+# awaited fails the test.
 pytestmark = [pytest.mark.filterwarnings('error::pytest.PytestUnraisableExceptionWarning'),
               pytest.mark.filterwarnings('error:coroutine .* was never awaited:RuntimeWarning')]
 

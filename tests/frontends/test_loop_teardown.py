@@ -1,4 +1,4 @@
-"""A restore that fails leaves nothing running behind it (issue 26, item 13).
+"""A restore that fails leaves nothing running behind it.
 
 Orbax restores an item's jax.Array, np.ndarray and scalar leaves through three handlers at once
 (ours, all three) and gathers them without ``return_exceptions``. When one fails (here: a
@@ -30,7 +30,7 @@ from support import damage
 from support.arrays import abstract, mesh, put
 
 # An exception nobody could raise (a callback into a closed event loop) or a coroutine never
-# awaited fails the test (issue 26, item 13).
+# awaited fails the test.
 pytestmark = [pytest.mark.filterwarnings('error::pytest.PytestUnraisableExceptionWarning'),
               pytest.mark.filterwarnings('error:coroutine .* was never awaited:RuntimeWarning')]
 

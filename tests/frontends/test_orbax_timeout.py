@@ -1,5 +1,5 @@
 """Orbax's ``timeout_secs`` bounds a multi-process async save with the package imported, as it
-does in stock Orbax (issue 26: Orbax's upstream ``async_checkpointer_test``
+does in stock Orbax (Orbax's upstream ``async_checkpointer_test``
 ``test_async_save_overall_timeout`` cases ``host_long_commit`` and ``host_long_finalize``).
 
 Two real ``jax.distributed`` processes save with ``AsyncCheckpointer(timeout_secs=T)``; process 0

@@ -29,7 +29,7 @@ from support.arrays import assert_trees_equal, host_leaf_state, mesh, put, rando
 from support.workers import stock_v1_worker
 
 # An exception nobody could raise (an answer into a closed event loop) or a coroutine never
-# awaited fails the test (issue 26, item 13).
+# awaited fails the test.
 pytestmark = [pytest.mark.filterwarnings('error::pytest.PytestUnraisableExceptionWarning'),
               pytest.mark.filterwarnings('error:coroutine .* was never awaited:RuntimeWarning')]
 

@@ -1,5 +1,5 @@
 """Orbax v1 partial saves (``ocp.v1.partial.save`` / ``save_async`` / ``finalize``) through our
-engine (issue 21, item 2): each ``partial.save`` writes into a pending directory of its own with
+engine: each ``partial.save`` writes into a pending directory of its own with
 the same writer's ``_pathways/p0.msgpack``; finalize joins them (records and index) so the
 finalized checkpoint loads bit-exact with every chunk checksummed, the CLI verifies it, a
 failed finalize can be retried, and stock Orbax reads ours (and we read stock's)."""

@@ -1,4 +1,4 @@
-"""A trainer and evaluators on one directory (issue 15, item 2): ``integration/race.py`` for a
+"""A trainer and evaluators on one directory: ``integration/race.py`` for a
 bounded time, on local disk and on fake-gcs-server.
 
 The trainer saves every step with ``max_to_keep=1`` (each save deletes the previous step) while

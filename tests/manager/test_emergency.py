@@ -10,7 +10,7 @@ it is a plain CheckpointManager over the persistent directory, so our handler wr
 with explicit type-handler registries holding Orbax's own ArrayHandler, so our handler is never
 called: the README says so, and the second test fails the day that changes.
 
-On several ``jax.distributed`` processes (issue 26, item 5; ``support/workers/
+On several ``jax.distributed`` processes (``support/workers/
 emergency_worker.py``): built as MaxText builds it, on 2 processes x 4 devices and on 4 x 2
 (Orbax's own test layout), it saves, lists and restores from local and from persistent, as
 stock does. Each slice runs its own manager (the persistent one on the primary slice, a local
@@ -97,7 +97,7 @@ def test_multislice_emergency_manager_uses_orbax_handler_not_ours(tmp_path, monk
 
 
 # ----------------------------------------------------------------------------------------------
-# Several processes (issue 26, item 5).
+# Several processes.
 
 
 def _run_workers(mode, processes, devices, tmp_path, env=None):

@@ -1,5 +1,5 @@
-"""Orbax's emergency ``CheckpointManager`` as a drop-in on the multi-tier path (issue 27, item 5;
-``manager/emergency.py``): MaxText's construction, unchanged, with ``orbax_pathways`` imported,
+"""Orbax's emergency ``CheckpointManager`` as a drop-in on the multi-tier path
+(``manager/emergency.py``): MaxText's construction, unchanged, with ``orbax_pathways`` imported,
 builds one manager over the persistent directory whose declined steps on the local interval
 are saved local-only, with ``local_directory`` as each node's tier.
 

@@ -1,6 +1,5 @@
 """The manager hooks (``manager/hooks.py``): what is registered, in which order Orbax's calls reach
-them, and what an answer or an exception of a hook does to a real CheckpointManager on disk
-(issue 28, item 1)."""
+them, and what an answer or an exception of a hook does to a real CheckpointManager on disk."""
 
 from __future__ import annotations
 

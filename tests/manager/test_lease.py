@@ -1,4 +1,4 @@
-"""Two writers on one directory (issue 21, item 7): the writer lease.
+"""Two writers on one directory: the writer lease.
 
 Real processes saving through ordinary CheckpointManagers, on local disk and on fake-gcs-server:
 a second live writer is refused with an error naming both jobs; once the first is killed (or

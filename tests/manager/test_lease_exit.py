@@ -1,6 +1,6 @@
-"""A process whose writer lease cannot be released at exit still exits (issue 21, item 1: "the
-writer lease thread and our other background threads do not keep a failed process alive at
-exit").
+"""A process whose writer lease cannot be released at exit still exits: the writer
+lease thread and the package's other background threads do not keep a failed process alive at
+exit.
 
 Real Orbax CheckpointManager in a fresh interpreter, fake-gcs-server behind the project's fault
 proxy, which holds every request deleting the lease object open (storage that accepts and never

@@ -49,7 +49,7 @@ def test_notice_makes_should_save_and_reached_preemption_true(tmp_path, installe
   mngr.wait_until_finished()
   assert mngr.all_steps() == [0, 8]
   assert not mngr.should_save(8)  # never re-saves an existing step
-  # One preemption save per notice: later steps follow the save interval again (issue 15.5).
+  # One preemption save per notice: later steps follow the save interval again.
   assert not mngr.should_save(9) and not mngr.reached_preemption(9)
   assert preemption.preemption_noticed() and not preemption.preemption_pending()
   preemption.notify_preemption('again')  # ignored until clear_notice(): no save storm
@@ -116,7 +116,7 @@ def test_sigterm_ignored_or_no_sigterm_env_left_alone(tmp_path, installed, monke
 
 
 def test_which_save_decision_policies_make_sigterm_a_notice(tmp_path):
-  """SIGTERM becomes a notice only for a manager whose policy can save for it (issue 21.6)."""
+  """SIGTERM becomes a notice only for a manager whose policy can save for it."""
   p = ocp.v1.training.save_decision_policies
 
   class Custom:  # a policy Orbax does not define may read context.reached_preemption
@@ -200,7 +200,7 @@ def test_resume_skips_incomplete_and_cleans_only_abandoned_leftovers(tmp_path, i
 
 
 # ----------------------------------------------------------------------------------------------
-# resume() falls back past a damaged latest step instead of crash-looping (issue 15, item 6).
+# resume() falls back past a damaged latest step instead of crash-looping.
 
 
 def _w(step):

@@ -254,7 +254,7 @@ def _backdate(path, seconds):
 
 def test_leftover_cleanup_removes_only_provably_abandoned_ones(tmp_path, ours):
   """Readers (an evaluator's manager, resume in a second job) must never delete a trainer's
-  delete in progress (issue 15, item 2): only leftovers whose owner is provably gone."""
+  delete in progress: only leftovers whose owner is provably gone."""
   _save_steps(tmp_path, [9]).close()
   me = proc_lib.host_id()
   with procs.started([PY, '-c', 'import time; time.sleep(600)'], devices=None) as live:
@@ -428,7 +428,7 @@ def test_reader_listing_while_a_step_is_deleted(tmp_path, ours):
 
 
 # ----------------------------------------------------------------------------------------------
-# A failed restore's explanation (issue 26, item 14): "deleted while it was being restored" only
+# A failed restore's explanation: "deleted while it was being restored" only
 # for a step the manager listed when the restore began; otherwise Orbax's own error.
 
 

@@ -1,4 +1,4 @@
-"""A process that dies mid-save: the others raise, naming it, and exit (issue 21, item 1).
+"""A process that dies mid-save: the others raise, naming it, and exit.
 
 Real ``jax.distributed`` processes (``tests/support/mp_harness.py``), real Orbax
 CheckpointManager, real tensorstore on a shared local directory (the worker:

@@ -1,4 +1,4 @@
-"""SIGTERM in a multi-controller job running the README loop (issue 21, item 0).
+"""SIGTERM in a multi-controller job running the README loop.
 
 Real ``jax.distributed`` processes on 127.0.0.1 (CPU, gloo), each running the unchanged README
 loop (``support/workers/readme_loop_worker.py``: ``mngr.save(step, ...)``; ``if

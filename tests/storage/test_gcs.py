@@ -34,7 +34,7 @@ from support.procs import run_limited
 from support.workers import gcs_mp_worker, gcs_second_writer_worker
 
 # An exception nobody could raise (a callback into a closed event loop) or a coroutine never
-# awaited fails the test (issue 26, item 13).
+# awaited fails the test.
 pytestmark = [pytest.mark.gcs, pytest.mark.filterwarnings('error::pytest.PytestUnraisableExceptionWarning'),
               pytest.mark.filterwarnings('error:coroutine .* was never awaited:RuntimeWarning')]
 
@@ -461,7 +461,7 @@ def test_request_count_of_a_20_array_save(faulty_gcs, monkeypatch):
   print(f'[requests] save top objects: {by_obj.most_common(10)}')
   print(f'[requests] restore with target: {len(restore_reqs)} ({dict(by_cat_r.most_common())})')
   assert faulty_gcs.proxy.stats()['requests'] >= len(base_reqs) + len(save_reqs)
-  # The brief's bound: < 10 requests per array.
+  # The bound: < 10 requests per array.
   assert len(save_reqs) < 10 * len(state), len(save_reqs)
   # What the bound really rests on: the cost is a fixed ~100 requests of Orbax's step protocol
   # over gcsfs (exists = stat + list; each small file of a manager save one multipart upload,

@@ -1,4 +1,4 @@
-"""Storage requests with deadlines on gs:// (issue 21, item 1): one request that the server
+"""Storage requests with deadlines on gs://: one request that the server
 accepts and never answers must not hang a save or a restore.
 
 Real Orbax CheckpointManager, real tensorstore, fake-gcs-server behind the project's fault proxy
@@ -23,7 +23,7 @@ from support.ckpt import options
 from support.procs import run_limited
 
 # An exception nobody could raise (a callback into a closed event loop) or a coroutine never
-# awaited fails the test (issue 26, item 13).
+# awaited fails the test.
 pytestmark = [pytest.mark.gcs, pytest.mark.filterwarnings('error::pytest.PytestUnraisableExceptionWarning'),
               pytest.mark.filterwarnings('error:coroutine .* was never awaited:RuntimeWarning')]
 

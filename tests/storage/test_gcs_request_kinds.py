@@ -1,5 +1,5 @@
-"""Every kind of storage request a restore (and a save) makes on gs:// has a deadline
-(issue 26, item 8): one request that the server accepts and never answers, of each kind in turn,
+"""Every kind of storage request a restore (and a save) makes on gs:// has a deadline:
+one request that the server accepts and never answers, of each kind in turn,
 costs a bounded wait, never a hang.
 
 A restore reaches storage through three clients: etils.epath -> gcsfs (aiohttp) for Orbax's step
@@ -9,10 +9,10 @@ protocol (the listing of steps, existence checks, ``_CHECKPOINT_METADATA``, ``_M
 with the zarr metadata, chunk data). ``tests/support/workers/request_kinds_worker.py`` lists the
 cases: real Orbax (v0 ``CheckpointManager`` and ``ocp.v1``), real tensorstore and gcsfs,
 fake-gcs-server behind the project's fault proxy, which holds the case's request (the first of
-its kind for that checkpoint; the issue's held-out case: the third object GET of a fresh
+its kind for that checkpoint; in the first case, the third object GET of a fresh
 process) and answers nothing.
 
-The steps are saved by one fresh process and restored by another (the held-out check's setup),
+The steps are saved by one fresh process and restored by another (as a restarted job restores),
 with the node-local tier on (its chunks then come from the tier: only metadata reaches storage)
 except where a case needs the array data read from storage. The deadline floor is
 ``FLOOR_S`` (the option's default is 10 s), so a stall deadline is ``2 x FLOOR_S``: the same
@@ -33,7 +33,7 @@ from support import procs
 from support.workers import request_kinds_worker as worker
 
 # An exception nobody could raise (a callback into a closed event loop) or a coroutine never
-# awaited fails the test (issue 26, item 13).
+# awaited fails the test.
 pytestmark = [pytest.mark.gcs, pytest.mark.filterwarnings('error::pytest.PytestUnraisableExceptionWarning'),
               pytest.mark.filterwarnings('error:coroutine .* was never awaited:RuntimeWarning')]
 

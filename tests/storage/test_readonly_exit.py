@@ -1,5 +1,5 @@
 """A save that fails on a read-only directory: the error is raised, and the process exits
-promptly (issue 21, item 8). Stock Orbax leaves its commit threads waiting ~300 s for a
+promptly. Stock Orbax leaves its commit threads waiting ~300 s for a
 directory-creation signal that never comes, and the interpreter waits for them at exit."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Local-only steps (issue 27, ``docs/multi_tier.md``): with
+"""Local-only steps (``docs/multi_tier.md``): with
 ``ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS``, an unchanged ``CheckpointManager`` whose policy saves
 every 100 steps also saves every 10th step with Orbax's files and our records in storage and the
 array bytes in the writer hosts' node-local tiers only; ``preemption.resume`` restores the newest

@@ -1,4 +1,4 @@
-"""Partner copies on the peer channel (issue 27, item 2: ``Options.local_copies=2``): the
+"""Partner copies on the peer channel (``Options.local_copies=2``): the
 ``put`` requests a process sends its partner (``tier/partner_copy.py``) and what the partner's
 server writes into its tier (``tier/receive.py``). A real server of a real tier entry (saved by
 an unchanged ``ocp.CheckpointManager``), in this process; the receiving tier an empty private

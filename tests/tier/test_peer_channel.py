@@ -1,6 +1,5 @@
-"""The tier's peer channel under the red team's attacks (issue 26: item 1's server side, items 2
-and 3): a real server of a real tier (saved by an unchanged ``ocp.CheckpointManager``), a
-client outside the job, the job's own client, and a hostile peer.
+"""The tier's peer channel under attack: a real server of a real tier (saved by an unchanged
+``ocp.CheckpointManager``), a client outside the job, the job's own client, and a hostile peer.
 
 - Authentication: a client without the job's secret is closed after the server's hello with
   nothing it sent parsed: no list, no chunk, no relay; counted, one warning naming its address.
@@ -379,7 +378,7 @@ def _settle(measure, until, timeout=20.0):
 def test_two_connections_claiming_1_gib_requests_do_not_grow_the_server(server_process):
   proc, address, counts = server_process
   rss = proc.memory_info().rss
-  # The red team's attack as it was: a 4-byte header claiming 1 GiB, the connection held.
+  # A header-only attack: a 4-byte header claiming 1 GiB, the connection held.
   held = [_connect(address) for _ in range(2)]
   for s in held:
     s.sendall(struct.pack('!I', 1 << 30))

@@ -1,5 +1,5 @@
-"""Spare files (``tier/spares.py``, issue 27's overhead): the band files of a tier entry that a
-newer step replaced are kept, for a short while, for the next save to write over, instead of
+"""Spare files (``tier/spares.py``, for the multi-tier overhead): the band files of a tier entry
+that a newer step replaced are kept, for a short while, for the next save to write over, instead of
 freeing their pages and allocating new ones. Never a file someone still has open or mapped (a
 restored array lives on a tier file's pages): the kernel's write lease refuses it.
 

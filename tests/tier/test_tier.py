@@ -1,4 +1,4 @@
-"""The node-local tier (issue 20, phase 1): each save leaves this host's chunks in a node-local
+"""The node-local tier: each save leaves this host's chunks in a node-local
 directory; a restore of that committed step reads them first, checked against storage's
 checksums, and falls back to storage for anything missing, stale or damaged.
 
@@ -463,7 +463,7 @@ def test_a_tier_others_can_write_into_is_not_used(tmp_path, caplog, mode):
   assert len(warnings) == 1 and 'other users can write into it' in warnings[0], warnings
 
 
-# ---- the default (issue 26, item 15) ------------------------------------------------------------
+# ---- the default --------------------------------------------------------------------------------
 
 
 def test_the_default_tier_is_kept_only_where_it_saves_a_storage_read(tmp_path):
@@ -510,7 +510,7 @@ def test_the_default_tier_on_a_real_node(tmp_path, gcs_bucket):
   assert dirs == {0o700} and files == {0o600}, r['tree']
 
 
-# ---- what the tier must not hide (issue 26, items 4 and 12) -------------------------------------
+# ---- what the tier must not hide ----------------------------------------------------------------
 
 
 def test_cli_tier_says_damaged_when_a_manifest_records_another_dtype(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Bands (``tier/manifest.py``, issue 26 item 9): where the chunk grid cuts a writer's piece into
+"""Bands (``tier/manifest.py``): where the chunk grid cuts a writer's piece into
 column blocks, the tier keeps the chunks of one chunk row side by side in one file, as they lie
 in a same-mesh restore's region buffer, which then maps that file whole instead of copying each
 chunk's rows into fresh pages. Each chunk is still checked against the committed record where

@@ -168,7 +168,7 @@ def test_root_problem_inspects_without_changing(tmp_path):
 ATTACKER_UID = 4343
 
 def test_another_users_tier_directory_is_refused_and_nothing_of_the_victim_is_touched(tmp_path):
-  """The red team's takeover (issue 26, item 1): another uid pre-creates the default-named tier
+  """A takeover by another user: another uid pre-creates the default-named tier
   directory (777) with a symlink into the victim's private folder and a planted entry whose
   chunk links to the victim's 0600 file. The victim's saves warn once and go on without the
   tier; its restore reads storage; nothing in the victim's folder is deleted or created;

@@ -311,7 +311,7 @@ def test_variables_and_options_reach_the_tier(monkeypatch, tmp_path):
       orbax_pathways.Options(**kwargs)
 
 
-# ---- a tier with room for one copy (issue 26, item 10) -------------------------------------------
+# ---- a tier with room for one copy --------------------------------------------------------------
 
 
 def _mount_tmpfs(path, size):
@@ -375,7 +375,7 @@ def test_no_room_names_the_safety_margin_and_leaves_nothing(tmp_path, caplog):
     procs.run(['umount', tier], check=False, timeout=60)
 
 
-# ---- what was never cleaned (issue 26, item 11) --------------------------------------------------
+# ---- what was never cleaned ---------------------------------------------------------------------
 
 
 def test_delete_drops_the_tier_copy_of_the_step(tmp_path):

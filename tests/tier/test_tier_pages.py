@@ -1,5 +1,5 @@
 """A chunk of this node's tier mapped into its region buffer instead of copied there
-(``storage/pages``, issue 26 item 9): the bytes are the file's, checked where they lie; a write
+(``storage/pages``): the bytes are the file's, checked where they lie; a write
 into the buffer never reaches the tier's file; the mapping goes with the last array on it; a
 chunk that cannot be mapped is copied, bit for bit. Real files, real mappings
 (``/proc/self/maps`` is what is checked), real jax CPU buffers.

@@ -1,4 +1,4 @@
-"""Survivor-first restore (issue 20, phase 2): a chunk this node's tier lacks comes from another
+"""Survivor-first restore: a chunk this node's tier lacks comes from another
 process's tier over the peer channel (``tier/peer.py``) before storage.
 
 Real ``jax.distributed`` processes, one tier directory per simulated node, an unchanged
@@ -160,7 +160,7 @@ def _lost_own_and_node2(p0, p1):
 
 @pytest.mark.parametrize('fault', ['stall', 'refuse', 'die_mid_chunk', 'tib'])
 def test_a_peer_failing_during_the_restore_falls_back_to_storage(saved, tmp_path, fault):
-  """'tib': a peer whose answer claims 1 TiB (issue 26 item 3) costs a PeerError and its
+  """'tib': a peer whose answer claims 1 TiB costs a PeerError and its
   chunks from storage, never a MemoryError that fails the restore."""
   root, tiers = _nodes(saved, tmp_path)
   (p0, err0), (p1, _) = _restore(root, tiers, faults=('none', fault), timeout_s=3)

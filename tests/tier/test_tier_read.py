@@ -1,4 +1,4 @@
-"""The restore's read of this node's tier (issue 26, items 1 and 4): a tier copy is used only
+"""The restore's read of this node's tier: a tier copy is used only
 when its manifest's dtype, shape and chunk shape are the committed step's and each chunk file is
 a regular file of the committed size, read as raw bits into the region buffer; anything else is
 a damaged copy that storage serves, with one log line, and never blocks.
@@ -208,7 +208,7 @@ def test_a_chunk_file_swapped_after_the_listing_is_refused(tmp_path, caplog, mon
 
 
 def test_a_fifo_planted_in_place_of_a_chunk_never_blocks_a_restore(tmp_path, caplog):
-  """The issue's case as a user meets it: the FIFO is there before the restore starts."""
+  """The case as a user meets it: the FIFO is there before the restore starts."""
   tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
   state, host, entry = _save(tier, root)
   w = next(a for a in entry.manifest.arrays if a.name == 'w')

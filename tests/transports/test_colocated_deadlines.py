@@ -1,8 +1,6 @@
 """A colocated worker call's deadline measures silence, not total time: a call that does not
 answer raises within its deadline naming the worker that went silent; a call that is slow but
-keeps making progress runs past it and succeeds (issue 21, item 1: "every wait on ... the
-colocated calls has a deadline whose error names the ... worker that did not answer"; issue
-26, item 7: "a deadline measures silence, not total time").
+keeps making progress runs past it and succeeds.
 
 Real Orbax CheckpointManager, real tensorstore, the colocated transport (on the CPU backend
 colocated Python runs in this process), fake-gcs-server behind the project's fault proxy, which

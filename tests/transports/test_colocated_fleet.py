@@ -1,4 +1,4 @@
-"""A colocated save over 256 simulated workers, restored in a fresh process (issue 26, item 7).
+"""A colocated save over 256 simulated workers, restored in a fresh process.
 
 Two fresh interpreters (``support/workers/colocated_fleet_worker.py``) with 256 virtual CPU
 devices (``XLA_FLAGS``), the colocated transport chosen by ``ORBAX_PATHWAYS_TRANSPORT=colocated``,

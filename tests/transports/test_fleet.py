@@ -1,4 +1,4 @@
-"""Fleet scale (issue 14): what one host reads, and what one worker call carries, does not grow
+"""Fleet scale: what one host reads, and what one worker call carries, does not grow
 with the number of hosts.
 
 - Simulated fleets: one interpreter with 64 or 256 CPU devices
@@ -24,7 +24,7 @@ from support.mp_harness import run_processes
 from support.workers import fleet_payload_worker, fleet_requests_worker, fleet_worker
 
 # An exception nobody could raise (a callback into a closed event loop) or a coroutine never
-# awaited fails the test (issue 26, item 13).
+# awaited fails the test.
 pytestmark = [pytest.mark.filterwarnings('error::pytest.PytestUnraisableExceptionWarning'),
               pytest.mark.filterwarnings('error:coroutine .* was never awaited:RuntimeWarning')]
 
@@ -61,8 +61,8 @@ def payloads(tmp_path_factory):
 
 def test_worker_call_carries_the_same_bytes_at_any_fleet_size(payloads):
   small, big = payloads[FLEETS[0]], payloads[FLEETS[-1]]
-  # Before issue 14 the save call carried every host's plan (28 KB at 64 devices, 94 KB at 256,
-  # 366 KB at 1024) and the restore call every chunk's checksum (53 / 167 / 635 KB).
+  # With every host's plan in it, the save call carried 28 KB at 64 devices, 94 KB at 256 and
+  # 366 KB at 1024; with every chunk's checksum, the restore call 53 / 167 / 635 KB.
   for key in ('save_task', 'save_fn', 'restore_fn', 'restore_task_no_shardings', 'row'):
     assert big[key] <= small[key] + 16, (key, small[key], big[key])  # integer widths only
   assert small['save_fn'] < 16_000 and small['restore_fn'] < 16_000, small

@@ -24,7 +24,7 @@ from orbax_pathways._compat import orbax as compat
 from support.conformance import TransportConformance
 
 # An exception nobody could raise (a callback into a closed event loop) or a coroutine never
-# awaited fails the test (issue 26, item 13).
+# awaited fails the test.
 pytestmark = [pytest.mark.filterwarnings('error::pytest.PytestUnraisableExceptionWarning'),
               pytest.mark.filterwarnings('error:coroutine .* was never awaited:RuntimeWarning')]
 

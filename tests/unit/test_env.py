@@ -1,5 +1,5 @@
 """Every ORBAX_PATHWAYS_* variable is parsed at install (import) with an error naming the variable,
-the value and what is accepted (issue 15, items 4 and 7)."""
+the value and what is accepted."""
 
 from __future__ import annotations
 

@@ -188,7 +188,7 @@ def test_records_without_index_are_read_concurrently(faulty_gcs):
   assert (gaps < proxy.delay_s / 2).sum() >= n // 2, gaps
 
 
-# A damaged index costs nothing but reads (issue 21, item 4): the records beside it hold the same
+# A damaged index costs nothing but reads: the records beside it hold the same
 # checksums, so restore rebuilds it from them with one warning naming the file.
 
 DAMAGES = {

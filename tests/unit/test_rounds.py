@@ -1,4 +1,4 @@
-"""Every agreement of the package is one key-value round (``coord/rounds.py``, issue 28 item 2):
+"""Every agreement of the package is one key-value round (``coord/rounds.py``):
 what one process asks of jax's coordination service per round does not grow with the fleet
 (one directory read, then blocking reads only for the processes still missing), and a round
 that some processes never answer names them, the round and the deadline.

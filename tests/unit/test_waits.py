@@ -1,5 +1,5 @@
-"""Waits on other processes name who did not answer (issue 21 item 1), and their deadline
-measures silence, not total time (issue 26 item 7).
+"""Waits on other processes name who did not answer, and their deadline
+measures silence, not total time.
 
 Real ``jax.distributed`` processes (tests/support/mp_harness.py, the worker
 ``support/workers/gather_worker.py``): the gather of a key-value round (``coord/rounds.py``),

@@ -1,5 +1,5 @@
 """Worker for tests/storage/test_gcs_request_kinds.py: every kind of storage request a save or restore
-makes on gs://, held unanswered in turn (issue 26, item 8).
+makes on gs://, held unanswered in turn.
 
 Two fresh interpreters, started by the test with ``procs.run_worker``; both need 8 CPU devices
 and ``ORBAX_PATHWAYS_LOCAL_DIR`` set by the test (the node-local tier both share):
@@ -16,8 +16,8 @@ and ``ORBAX_PATHWAYS_LOCAL_DIR`` set by the test (the node-local tier both share
   save case the same way, into a fresh bucket, followed by a restore without any hold. Every
   case is the first of its kind for its bucket: its own bucket, step directory and objects, so
   no client cache (gcsfs's listings and object info, Orbax's bucket lookup, our index cache,
-  tensorstore's manifest cache) answers it. The first case, the held-out one of the issue (the
-  third object GET), is also the first of its kind in the process.
+  tensorstore's manifest cache) answers it. The first case (the third object GET) is also the
+  first of its kind in the process.
 
 Prints one JSON line per case: ``name``, ``held`` (the requests the proxy held), ``elapsed``,
 ``hung`` (still running at ``LIMIT_S``), ``error`` (text, or None), ``ok`` (values equal), and
@@ -65,7 +65,7 @@ _ITEM = 'ckpt/1/default'
 CASES: tuple[Case, ...] = (
     # -- restore in a fresh process (the step was saved by another one) --------------------------
     Case('third_object_get', 'restore', 'GET', r'^(/download)?/storage/v1/b/{b}/o/[^?]', 'any',
-         "the issue's held-out request: the restore's third object GET", nth=3),
+         "the restore's third object GET", nth=3),
     Case('bucket_lookup', 'restore', 'GET', r'^/storage/v1/b/{b}\?', 'google-cloud-storage',
          "Orbax's bucket lookup before it lists steps (hierarchical namespace check)"),
     # gcsfs 2026.10 pages by 1000, some older releases by 5000
