@@ -18,6 +18,7 @@ import os
 import subprocess
 import tempfile
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -279,6 +280,21 @@ class FakeGcs:
       token = doc.get('nextPageToken')
       if not token:
         return names
+
+  def read_object(self, bucket: str, name: str) -> bytes:
+    status, body = self._request(
+        'GET', f'/storage/v1/b/{bucket}/o/{urllib.parse.quote(name, safe="")}?alt=media')
+    if status != 200:
+      raise RuntimeError(f'read gs://{bucket}/{name}: HTTP {status} {body[:500]!r}')
+    return body
+
+  def write_object(self, bucket: str, name: str, data: bytes) -> None:
+    """Replaces an object's bytes (a damaged object, for the fault soak)."""
+    status, body = self._request(
+        'POST', f'/upload/storage/v1/b/{bucket}/o?uploadType=media&'
+        f'name={urllib.parse.quote(name, safe="")}', data)
+    if status != 200:
+      raise RuntimeError(f'write gs://{bucket}/{name}: HTTP {status} {body[:500]!r}')
 
   def env(self, url: str | None = None) -> dict[str, str]:
     """Environment variables that point every GCS client at this server (or at ``url``,

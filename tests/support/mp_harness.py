@@ -133,7 +133,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.kill()
 
 
-def _worker_env(
+def worker_env(
     base: Mapping[str, str],
     extra: Mapping[str, str] | None,
     *,
@@ -145,6 +145,8 @@ def _worker_env(
     shared_dir: str,
     init_timeout: float | None,
 ) -> dict[str, str]:
+  """Process ``pid``'s environment, as the module docstring lists it (also for a caller that
+  starts and signals the processes itself: ``integration/chaos.py``)."""
   env = child_env(base=base, devices=devices_per_process)
   env['JAX_CPU_COLLECTIVES_IMPLEMENTATION'] = 'gloo'
   env['PYTHONUNBUFFERED'] = '1'
@@ -234,7 +236,7 @@ def run_processes(
     killed: set[int] = set()
     try:
       for i in range(num_processes):
-        wenv = _worker_env(
+        wenv = worker_env(
             os.environ, env, pid=i, num_processes=num_processes,
             devices_per_process=devices_per_process, coordinator=coordinator,
             results_dir=results_dir, shared_dir=shared, init_timeout=init_timeout)

@@ -1,0 +1,680 @@
+"""Fault soak: a multi-tier training job hit by a seeded random schedule of faults, one at a time,
+each followed by a restart through ``preemption.resume`` and more training; counts recoveries.
+
+    python integration/chaos.py --faults 20 --seed 0 [--json-out F] [--keep]
+
+The job: 4 ``jax.distributed`` processes (2 CPU devices each; each process a node with its own
+node-local tier directory and its own slice), an unchanged ``CheckpointManager`` (storage every
+``--storage-every`` steps, ``max_to_keep=2``) with multi-tier on through the package's
+environment (a local-only save every ``--local-every`` steps, ``local_copies=2``), on
+fake-gcs-server behind ``tests/support/fault_proxy.py`` (started here, on loopback). The state
+is a deterministic function of the step (a sharded array and a replicated one, ``base + step``),
+so any restored value can be checked.
+
+Each fault of the schedule (``--seed``: the kinds, where each strikes, which process) is
+injected into a running job; then the job is restarted (on 3 processes after a lost node, back
+on 4 at the restart after that) and every process resumes, checks the values it restored
+against the step it resumed, and trains on until the next fault. A fault counts as recovered
+when every process of the restart resumed the same step with the right values and trained a
+step after it. Per fault: the steps lost (the last step the loop trained before the fault minus
+the step resumed), seconds from the restart's launch to its first trained step (every process,
+jax's start included), bytes read from storage. A wrong value, a restart that does not train, or
+a hang (past ``--deadline`` seconds) is a failure, printed with the seed and the fault's index:
+``--faults <index + 1> --seed <seed>`` replays the schedule up to it exactly (the faults are
+drawn in order from the seed; timing within a run still varies).
+
+The kinds (``KINDS``): SIGKILL of one process or of all, inside ``save()``, during a storage
+commit, during a local-only save and its partner copy, during the resume; a lost node (its tier
+gone; the restart on 3 processes); SIGTERM to one process or to all (the preemption save); 5%
+storage errors, stalled requests, dropped connections during saves and the next restore; a
+flipped byte in a tier chunk, in a partner copy, in a storage chunk, in a step's metadata.
+
+Ends with one line:
+``chaos: R/N recovered, W wrong values, H hangs, steps lost mean A max B, resume mean C s``.
+Exits 1 unless every fault recovered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+DEVICES = 2  # per process
+STEP_S = 0.2  # one training step (a sleep: the CPU stays free for the saves)
+
+KILLS = ('kill_all_in_save', 'kill_one_in_save', 'kill_all_storage_commit',
+         'kill_one_storage_commit', 'kill_all_local_save', 'kill_one_local_save',
+         'kill_all_in_resume', 'kill_one_in_resume')
+KINDS = KILLS + ('node_lost', 'sigterm_all', 'sigterm_one', 'storage_errors', 'storage_stall',
+                 'storage_dropped', 'flip_tier_chunk', 'flip_partner_copy',
+                 'flip_storage_chunk', 'flip_metadata')
+
+# --------------------------------------------------------------------------------------------
+# The job's process (--worker): resume, check, train, save; the plan says where it dies.
+# --------------------------------------------------------------------------------------------
+
+
+def worker(argv) -> None:
+  from support import mp_worker as w  # pylint: disable=g-import-not-at-top
+  w.init()
+  import threading  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top,unused-import
+  from orbax_pathways import preemption, stats  # pylint: disable=g-import-not-at-top
+  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
+
+  root, storage_every, local_every, rows = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+  plan = json.loads(argv[4])
+  me, n = w.process_id(), w.num_processes()
+  progress = open(os.path.join(w.shared_dir(), f'progress_{me}'), 'a', encoding='ascii')
+
+  def note(event: str, step) -> None:
+    progress.write(f'{event} {step} {time.time():.3f}\n')
+    progress.flush()
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n, DEVICES), ('x', 'y'))
+  shardings = {'w': jax.sharding.NamedSharding(mesh, P('x', 'y')),
+               'r': jax.sharding.NamedSharding(mesh, P())}
+  bases = {'w': np.arange(rows * 256, dtype=np.float32).reshape(rows, 256),
+           'r': np.arange(1024, dtype=np.float32)}
+  start_arrays = {k: jax.make_array_from_callback(b.shape, shardings[k], lambda i, b=b: b[i])
+                  for k, b in bases.items()}
+  add = jax.jit(lambda a, k: a + k)
+
+  def state(step: int):
+    return {k: add(a, np.float32(step)) for k, a in start_arrays.items()}
+
+  abstract = {k: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=shardings[k])
+              for k, b in bases.items()}
+  mine = me in plan.get('who', ())
+
+  def kill_after(delay: float) -> None:
+    t = threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    t.daemon = True
+    t.start()
+
+  mngr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
+      save_interval_steps=storage_every, max_to_keep=2))
+  if plan.get('when') == 'resume' and mine:
+    kill_after(plan['delay'])
+  t0 = time.time()
+  step, got = preemption.resume(mngr, lambda: state(0), abstract_state=abstract)
+  resume_s = time.time() - t0
+  ok = True
+  if step is not None:
+    for k, b in bases.items():
+      for shard in got[k].addressable_shards:
+        ok &= np.asarray(shard.data).tobytes() == (b[shard.index] + np.float32(step)).tobytes()
+  restore = stats.last_restore()
+  w.emit({'event': 'resumed', 'step': step, 'ok': bool(ok), 'resume_s': resume_s,
+          'bytes': dict(restore.bytes_by_source) if (restore and step is not None) else {}})
+  note('resumed', step)
+  first = 0 if step is None else step + 1
+  # A planned kill strikes at the first step of its sort at or after ``target`` and after the
+  # step the harness writes into the 'go' file once it has seen every process train a step
+  # after the resume (so that the kill never hides whether that restart recovered; one step
+  # for every process, as the processes' loops run in step).
+  target, armed, gate = first + plan.get('offset', 0), None, None
+  go = os.path.join(w.shared_dir(), 'go')
+
+  def due(k: int) -> bool:
+    nonlocal gate
+    if gate is None:
+      try:
+        with open(go, encoding='ascii') as f:
+          gate = int(f.read())
+      except (OSError, ValueError):
+        return False
+    if k < max(target, gate):
+      return False
+    if plan.get('at') == 'storage':  # a storage step: the kill lands in its commit
+      return k % storage_every == 0
+    if plan.get('at') == 'local':  # a local-only step: in its write or its partner copy
+      return k % local_every == 0 and k % storage_every != 0
+    return True
+
+  until = first + plan['steps'] if plan.get('steps') else 10**9
+  for k in range(first, until):
+    time.sleep(STEP_S)
+    s = state(k)
+    jax.block_until_ready(s)
+    if armed is None and mine and plan.get('when') in ('in_save', 'after_save') and due(k):
+      armed = k
+    if k == armed and plan['when'] == 'in_save':
+      kill_after(plan['delay'])
+    mngr.save(k, args=ocp.args.StandardSave(s))
+    if k == armed and plan['when'] == 'after_save':
+      kill_after(plan['delay'])
+    note('trained', k)
+    if mngr.reached_preemption(k):
+      w.emit({'event': 'preempted', 'step': k})
+      note('preempted', k)
+      preemption.exit_after_commit(mngr)
+  mngr.wait_until_finished()
+  mngr.close()
+  note('done', until)
+  w.stop_all_now()
+
+
+# --------------------------------------------------------------------------------------------
+# The harness: storage, nodes, the schedule, one job after another.
+# --------------------------------------------------------------------------------------------
+
+
+def _progress(shared: str, pid: int) -> list[tuple[str, int | None, float]]:
+  try:
+    with open(os.path.join(shared, f'progress_{pid}'), encoding='ascii') as f:
+      lines = f.read().splitlines()
+  except OSError:
+    return []
+  out = []
+  for line in lines:
+    parts = line.split()
+    if len(parts) == 3:
+      out.append((parts[0], None if parts[1] == 'None' else int(parts[1]), float(parts[2])))
+  return out
+
+
+class Job:
+  """One run of the training job: N processes of one ``jax.distributed`` job, each in its own
+  process group, with the node's tier directory; killed and reaped by ``stop``."""
+
+  def __init__(self, harness: 'Chaos', n: int, plan: dict):
+    from support import mp_harness, procs  # pylint: disable=g-import-not-at-top
+    self.n = n
+    self.dir = tempfile.mkdtemp(prefix='job-', dir=harness.base)
+    self.shared = os.path.join(self.dir, 'shared')
+    self.results = os.path.join(self.dir, 'results')
+    os.makedirs(self.shared)
+    os.makedirs(self.results)
+    coordinator = f'127.0.0.1:{procs.free_port()}'
+    self.procs = []
+    self.t0 = time.time()
+    for i in range(n):
+      env = mp_harness.worker_env(
+          os.environ, harness.env, pid=i, num_processes=n, devices_per_process=DEVICES,
+          coordinator=coordinator, results_dir=self.results, shared_dir=self.shared,
+          init_timeout=120)
+      env['ORBAX_PATHWAYS_LOCAL_DIR'] = harness.tier(i)
+      env.pop('ORBAX_PATHWAYS_NO_SIGTERM', None)  # a SIGTERM is the preemption notice
+      argv = [sys.executable, os.path.abspath(__file__), '--worker', harness.root,
+              str(harness.args.storage_every), str(harness.args.local_every),
+              str(harness.rows), json.dumps(plan)]
+      with open(os.path.join(self.dir, f'{i}.out'), 'wb') as out, \
+          open(os.path.join(self.dir, f'{i}.err'), 'wb') as err:
+        self.procs.append(subprocess.Popen(argv, env=env, cwd=REPO, stdin=subprocess.DEVNULL,
+                                           stdout=out, stderr=err, start_new_session=True))
+
+  def progress(self, pid: int):
+    return _progress(self.shared, pid)
+
+  def emitted(self, pid: int) -> list[dict]:
+    try:
+      with open(os.path.join(self.results, f'process_{pid}.jsonl'), encoding='utf-8') as f:
+        return [json.loads(line) for line in f if line.strip()]
+    except OSError:
+      return []
+
+  def resumed(self) -> list[dict] | None:
+    got = [[e for e in self.emitted(i) if e.get('event') == 'resumed'] for i in range(self.n)]
+    return [g[0] for g in got] if all(got) else None
+
+  def trained(self) -> list[int | None]:
+    """Per process, the last step its loop trained (its ``save()`` returned)."""
+    return [max((s for e, s, _ in self.progress(i) if e == 'trained'), default=None)
+            for i in range(self.n)]
+
+  def first_trained_at(self) -> float | None:
+    """Seconds from the launch until every process had trained its first step."""
+    times = [min((t for e, _, t in self.progress(i) if e == 'trained'), default=None)
+             for i in range(self.n)]
+    return None if None in times else max(times) - self.t0
+
+  def codes(self) -> list[int | None]:
+    return [p.poll() for p in self.procs]
+
+  def signal(self, sig: int, pids) -> None:
+    for i in pids:
+      try:
+        os.killpg(self.procs[i].pid, sig)
+      except ProcessLookupError:
+        pass
+
+  def stop(self) -> None:
+    self.signal(signal.SIGKILL, range(self.n))
+    for p in self.procs:
+      try:
+        p.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        pass
+
+  def tails(self) -> str:
+    out = []
+    for i in range(self.n):
+      try:
+        with open(os.path.join(self.dir, f'{i}.err'), errors='replace') as f:
+          out.append(f'--- process {i} (rc {self.procs[i].poll()}) ---\n' + f.read()[-3000:])
+      except OSError:
+        pass
+    return '\n'.join(out)
+
+
+class Hang(Exception):
+  """A phase of a run took longer than ``--deadline``."""
+
+
+class Chaos:
+  """The soak: fake-gcs-server behind the fault proxy, 4 node directories, the schedule."""
+
+  def __init__(self, args, gcs, proxy, bucket: str):
+    self.args = args
+    self.gcs, self.proxy, self.bucket = gcs, proxy, bucket
+    self.root = f'gs://{bucket}/ckpt'
+    self.env = dict(gcs.env(proxy.url))
+    self.env.update({
+        'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': str(args.local_every),
+        'ORBAX_PATHWAYS_LOCAL_COPIES': '2',
+    })
+    self.base = tempfile.mkdtemp(prefix='orbax-pathways-chaos-')
+    # rows of the sharded array: args.mib per process on 4 processes, divisible by 3 and 4
+    self.rows = 12 * max(1, round(args.mib * 2**20 * 4 / (256 * 4) / 12))
+    self.rng = random.Random(args.seed)
+    self.nodes = 4  # processes of the next run
+    self.records: list[dict] = []
+    # storage faults on until the next restart has resumed: its restore runs under them too
+    self.proxy_faults_until_resume = False
+
+  def tier(self, i: int) -> str:
+    return os.path.join(self.base, f'node{i}')
+
+  # -- waiting -------------------------------------------------------------------------
+  def _wait(self, until, what: str) -> None:
+    """Polls ``until()``; past ``--deadline`` seconds, raises ``Hang`` naming ``what``."""
+    end = time.monotonic() + self.args.deadline
+    while not until():
+      if time.monotonic() > end:
+        raise Hang(f'{what}: not after {self.args.deadline:.0f} s')
+      time.sleep(0.02)
+
+  def _wait_resumed(self, job: Job) -> list[dict] | None:
+    """The restart's resume on every process, or None when a process died first."""
+    def done():
+      return job.resumed() is not None or any(c is not None for c in job.codes())
+    self._wait(done, 'resume')
+    return job.resumed()
+
+  def _wait_trained(self, job: Job, step: int) -> bool:
+    """Until process 0's loop trained ``step``; False when a process ended first."""
+    def done():
+      last = job.trained()[0]
+      return (last is not None and last >= step) or any(c is not None for c in job.codes())
+    self._wait(done, f'training to step {step}')
+    return all(c is None for c in job.codes())
+
+  # -- one fault -------------------------------------------------------------------------
+  def _plan(self, kind: str) -> dict:
+    rng = self.rng
+    plan = {'kind': kind, 'offset': rng.randint(1, 2 * self.args.storage_every)}
+    if kind in KILLS:
+      who = (list(range(self.nodes)) if '_all_' in kind else [rng.randrange(self.nodes)])
+      plan['who'] = who
+      if kind.endswith('in_save'):
+        plan.update(when='in_save', delay=rng.uniform(0.0, 0.05))
+      elif kind.endswith('storage_commit'):
+        plan.update(when='after_save', at='storage', delay=rng.uniform(0.0, 0.6))
+      elif kind.endswith('local_save'):
+        plan.update(when='after_save', at='local', delay=rng.uniform(0.0, 0.2))
+      else:
+        plan.update(when='resume', delay=rng.uniform(0.0, 2.0))
+    elif kind == 'sigterm_one':
+      plan['who'] = [rng.randrange(self.nodes)]
+    elif kind == 'sigterm_all':
+      plan['who'] = list(range(self.nodes))
+    plan['pick'] = rng.random()  # which file a flip hits, which step a storage fault strikes
+    return plan
+
+  def run(self) -> list[dict]:
+    """Runs the schedule; returns the faults' records (``_report`` prints each)."""
+    kinds = self.args.kinds.split(',') if self.args.kinds else list(KINDS)
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+      raise SystemExit(f'chaos.py: unknown kinds {unknown}; the kinds are {", ".join(KINDS)}')
+    schedule = [self.rng.choice(kinds) for _ in range(self.args.faults)]
+    previous: dict | None = None  # the fault whose restart the next job is
+    for index, kind in enumerate(schedule + [None]):
+      record = self._episode(index, self._plan(kind) if kind else None, previous)
+      if previous is not None:
+        self.records.append(previous)
+        self._report(previous)
+      previous = record
+    return self.records
+
+  def _episode(self, index: int, plan: dict | None, previous: dict | None) -> dict | None:
+    """Starts the job on ``self.nodes`` processes. It is ``previous``'s restart (its outcome is
+    recorded into ``previous``); then it gets ``plan``'s fault (None: it trains 2 steps and
+    ends). Returns the new fault's record."""
+    n = self.nodes
+    # A kill during the resume strikes the restart after this job (_inject), not this one.
+    job_plan = (plan if plan is None or plan.get('when') != 'resume'
+                else {k: v for k, v in plan.items() if k not in ('who', 'when')})
+    job = Job(self, n, job_plan or {'steps': 2})
+    record = None if plan is None else {'index': index, 'kind': plan['kind'], 'processes': n,
+                                        'plan': plan}
+    try:
+      resumed = self._wait_resumed(job)
+      if self.proxy_faults_until_resume:
+        self.proxy.set_rate(0.0)
+        self.proxy_faults_until_resume = False
+      if previous is not None:
+        self._recovery(job, resumed, previous)
+      if resumed is None or len({r['step'] for r in resumed}) != 1:
+        return self._no_fault(record, 'not injected: its restart did not resume')
+      step = resumed[0]['step']
+      first = 0 if step is None else step + 1
+      if previous is None:
+        self._wait(lambda: all(s is not None for s in job.trained())
+                   or any(c is not None for c in job.codes()), 'the first step')
+      with open(os.path.join(job.shared, 'go.tmp'), 'w', encoding='ascii') as f:
+        f.write(str(max((s for s in job.trained() if s is not None), default=first) + 2))
+      os.replace(os.path.join(job.shared, 'go.tmp'), os.path.join(job.shared, 'go'))
+      if record is None:  # the last restart: trains its 2 steps and ends cleanly
+        self._wait(lambda: all(c is not None for c in job.codes()), 'the last run')
+        return None
+      self._inject(job, plan, first, record)
+      if record.get('last_trained') is None:
+        record['last_trained'] = max((s for s in job.trained() if s is not None),
+                                     default=None)
+      if record['last_trained'] is None and previous is not None:
+        record['last_trained'] = previous.get('last_trained')
+      if n == 3 and plan['kind'] != 'node_lost':
+        self.nodes = 4  # the lost node replaced: the next restart is on 4 again
+      return record
+    except Hang as e:
+      if previous is not None and 'recovered' not in previous:
+        previous.update(recovered=False, hang=True, detail=f'{e}\n{job.tails()}')
+        return self._no_fault(record, 'not injected: its restart hung')
+      if record is not None:
+        record.update(hang=True, detail=f'{e}\n{job.tails()}')
+      return record
+    finally:
+      job.stop()
+      self.proxy.release()
+
+  @staticmethod
+  def _no_fault(record, why: str):
+    if record is not None:
+      record.update(skipped=why)
+    return record
+
+  def _recovery(self, job: Job, resumed, previous: dict) -> None:
+    """Records the restart's outcome into the fault it followed."""
+    previous['resume_wall_s'] = None
+    if resumed is None:
+      codes = job.codes()
+      previous.update(recovered=False, detail=f'a process ended before resuming (codes '
+                      f'{codes})\n{job.tails()}')
+      return
+    steps = {r['step'] for r in resumed}
+    wrong = [i for i, r in enumerate(resumed) if not r['ok']]
+    previous['resumed'] = sorted(steps, key=lambda s: -1 if s is None else s)
+    previous['storage_bytes'] = sum(r['bytes'].get('storage', 0) for r in resumed)
+    previous['resume_call_s'] = max(r['resume_s'] for r in resumed)
+    if wrong:
+      previous.update(recovered=False, wrong=True,
+                      detail=f'processes {wrong} restored values other than step {steps}\'s')
+      return
+    if len(steps) != 1:
+      previous.update(recovered=False, detail=f'the processes resumed different steps: {steps}')
+      return
+    step = steps.pop()
+    # Recovered: every process trained a step after the resume.
+    first = 0 if step is None else step + 1
+    try:
+      self._wait(lambda: all(s is not None and s >= first for s in job.trained())
+                 or any(c not in (None, 0) for c in job.codes()), 'the first step after resume')
+    except Hang:
+      previous.update(recovered=False, hang=True,
+                      detail=f'no step trained after the resume\n{job.tails()}')
+      return
+    if not all(s is not None and s >= first for s in job.trained()):
+      previous.update(recovered=False, detail=f'a process ended before training a step after '
+                      f'resuming {step} (codes {job.codes()})\n{job.tails()}')
+      return
+    last = previous.get('last_trained')
+    lost = None if last is None else last - (-1 if step is None else step)
+    previous.update(recovered=True, resumed_step=step, steps_lost=lost,
+                    resume_wall_s=job.first_trained_at())
+
+  def _inject(self, job: Job, plan: dict, first: int, record: dict) -> None:
+    kind = plan['kind']
+    args = self.args
+    target = first + plan['offset']
+    if plan.get('when') == 'resume':
+      # The job is killed at a step, and its restart (on the same nodes) dies in the resume:
+      # the restart after that one recovers.
+      if not self._wait_trained(job, target):
+        record['detail'] = f'a process ended before the fault\n{job.tails()}'
+      job.stop()
+      record['last_trained'] = max((s for s in job.trained() if s is not None), default=None)
+      job = Job(self, job.n, plan)
+    if kind in KILLS:
+      # The worker kills itself (or all do); then the rest of the job is killed, as a
+      # scheduler restarts a job that lost a process.
+      try:
+        self._wait(lambda: any(c is not None for c in job.codes()), 'the planned kill')
+        time.sleep(self.rng.uniform(0.0, 1.0))
+        record['codes'] = job.codes()
+      finally:
+        job.stop()
+      return
+    if not self._wait_trained(job, target):
+      record['codes'] = job.codes()
+      record['detail'] = f'a process ended before the fault\n{job.tails()}'
+      return
+    if kind in ('sigterm_one', 'sigterm_all'):
+      job.signal(signal.SIGTERM, plan['who'])
+      self._wait(lambda: all(c is not None for c in job.codes()), 'the preemption save')
+      record['codes'] = job.codes()
+      pre = [e['step'] for i in range(job.n) for e in job.emitted(i)
+             if e.get('event') == 'preempted']
+      record['preempted_at'] = sorted(set(pre))
+      if record['codes'] != [0] * job.n:
+        record['detail'] = f'preempted job exited with {record["codes"]}\n{job.tails()}'
+      return
+    if kind.startswith('storage_'):
+      if kind == 'storage_errors':
+        self.proxy.set_rate(0.05, ('429', '503', 'delay'))
+      elif kind == 'storage_dropped':
+        self.proxy.set_rate(0.05, ('reset', 'reset_after'))
+      else:  # stalled: the next uploads hang unanswered for a while
+        self.proxy.hold(lambda method, target: method in ('POST', 'PUT'), count=3)
+      self.proxy_faults_until_resume = kind != 'storage_stall'
+      self._wait_trained(job, target + args.storage_every)
+      if kind == 'storage_stall':
+        time.sleep(self.rng.uniform(0.0, 2.0))
+      job.stop()
+      self.proxy.release()
+      record['codes'] = job.codes()
+      return
+    job.stop()  # everything else: the whole job killed, then the damage done
+    record['codes'] = job.codes()
+    if kind == 'node_lost':
+      lost = self.tier(self.nodes - 1)
+      shutil.rmtree(lost, ignore_errors=True)
+      self.nodes = 3
+      record['damaged'] = lost
+      return
+    record['damaged'] = self._flip(kind, plan['pick'])
+
+  def _flip(self, kind: str, pick: float) -> str:
+    """Flips one bit of one file of the newest step of ``kind``'s sort; returns its path."""
+    pick2 = (pick * 1000) % 1.0
+    if kind == 'flip_storage_chunk' or (kind == 'flip_metadata' and pick2 < 0.5):
+      return self._flip_object(kind, pick)
+    # The node-local store of one node: <store>/<step>/<item>/p<process>.<id>/<files>, both
+    # the tier's copy of storage steps and the local-only steps. flip_tier_chunk: a chunk of
+    # the node's own share; flip_partner_copy: of the share it keeps for another slice's
+    # process; flip_metadata: a share's manifest.
+    node_i = int(pick * self.nodes)
+    node = self.tier(node_i)
+    found: dict[int, list[str]] = {}
+    for dirpath, _, filenames in os.walk(node):
+      parts = os.path.relpath(dirpath, node).split(os.sep)
+      if len(parts) != 4 or not parts[1].isdigit() or not parts[3].startswith('p'):
+        continue
+      own = parts[3][1:].split('.')[0] == str(node_i)
+      for f in filenames:
+        if (f == 'manifest.msgpack' if kind == 'flip_metadata' else
+            f.endswith('.bin') and own == (kind == 'flip_tier_chunk')):
+          found.setdefault(int(parts[1]), []).append(os.path.join(dirpath, f))
+    if not found:
+      return f'nothing: no {kind[5:]} file under {node}'
+    files = sorted(found[max(found)])
+    path = files[int(pick2 * len(files))]
+    size = os.path.getsize(path)
+    with open(path, 'r+b') as f:
+      at = int(pick * 7919) % size
+      f.seek(at)
+      b = f.read(1)
+      f.seek(at)
+      f.write(bytes([b[0] ^ 0x01]))
+    return path
+
+  def _flip_object(self, kind: str, pick: float) -> str:
+    """Flips one bit of a chunk or metadata object of the newest step in storage."""
+    names = self.gcs.list_objects(self.bucket)
+    steps = sorted({int(n.split('/')[1]) for n in names
+                    if n.count('/') > 1 and n.split('/')[1].isdigit()})
+    if not steps:
+      return 'nothing: no storage step'
+    newest = f'ckpt/{steps[-1]}/'
+    if kind == 'flip_storage_chunk':
+      chosen = [n for n in names if n.startswith(newest) and '/d/' in n]
+    else:
+      chosen = [n for n in names if n.startswith(newest) and n.rsplit('/', 1)[-1] in
+                ('_METADATA', '_CHECKPOINT_METADATA', 'manifest.ocdbt', '_sharding')]
+    if not chosen:
+      return f'nothing: no such object in {newest}'
+    name = sorted(chosen)[int(pick * len(chosen))]
+    data = bytearray(self.gcs.read_object(self.bucket, name))
+    if not data:
+      return f'nothing: gs://{self.bucket}/{name} is empty'
+    data[int(pick * 7919) % len(data)] ^= 0x01
+    self.gcs.write_object(self.bucket, name, bytes(data))
+    return f'gs://{self.bucket}/{name}'
+
+  # -- report -----------------------------------------------------------------------------
+  def _report(self, r: dict) -> None:
+    ok = r.get('recovered')
+    line = (f'fault {r["index"]} {r["kind"]}: ' +
+            ('recovered' if ok else 'NOT recovered') +
+            f', resumed {r.get("resumed_step")} after trained {r.get("last_trained")}'
+            f' (lost {r.get("steps_lost")}), restart to first step '
+            f'{_fmt(r.get("resume_wall_s"))} s, storage {r.get("storage_bytes", 0)} B'
+            + (f', damaged {r["damaged"]}' if r.get('damaged') else '')
+            + (f', skipped: {r["skipped"]}' if r.get('skipped') else ''))
+    print(line, flush=True)
+    if not ok:
+      print(f'FAIL seed {self.args.seed} fault {r["index"]} ({r["kind"]}, plan {r["plan"]}); '
+            f'replay: integration/chaos.py --faults {r["index"] + 1} --seed {self.args.seed}\n'
+            f'{r.get("detail", "")}', flush=True)
+
+
+def _fmt(x) -> str:
+  return '-' if x is None else f'{x:.2f}'
+
+
+def summary(records: list[dict]) -> str:
+  n = len(records)
+  recovered = sum(1 for r in records if r.get('recovered'))
+  wrong = sum(1 for r in records if r.get('wrong'))
+  hangs = sum(1 for r in records if r.get('hang'))
+  lost = [r['steps_lost'] for r in records if r.get('steps_lost') is not None]
+  resume = [r['resume_wall_s'] for r in records if r.get('resume_wall_s') is not None]
+  return (f'chaos: {recovered}/{n} recovered, {wrong} wrong values, {hangs} hangs, '
+          f'steps lost mean {statistics.mean(lost) if lost else 0:.1f} max '
+          f'{max(lost) if lost else 0}, resume mean '
+          f'{statistics.mean(resume) if resume else 0:.1f} s')
+
+
+def by_kind(records: list[dict]) -> str:
+  """A markdown table: per kind, faults, recovered, steps lost (mean, max), seconds from the
+  restart's launch to its first trained step and of the resume call (means), storage bytes
+  read by the restart (mean)."""
+  rows = ['| fault | n | recovered | steps lost mean / max | restart to first step (s) | '
+          'resume call (s) | storage read (KiB) |', '|---|---|---|---|---|---|---|']
+  for kind in KINDS:
+    rs = [r for r in records if r['kind'] == kind]
+    if not rs:
+      continue
+    lost = [r['steps_lost'] for r in rs if r.get('steps_lost') is not None]
+    wall = [r['resume_wall_s'] for r in rs if r.get('resume_wall_s') is not None]
+    call = [r['resume_call_s'] for r in rs if r.get('resume_call_s') is not None]
+    read = [r.get('storage_bytes', 0) for r in rs if r.get('recovered')]
+    rows.append(f'| {kind} | {len(rs)} | {sum(1 for r in rs if r.get("recovered"))} | '
+                f'{statistics.mean(lost) if lost else 0:.1f} / {max(lost) if lost else "-"} | '
+                f'{statistics.mean(wall) if wall else 0:.1f} | '
+                f'{statistics.mean(call) if call else 0:.2f} | '
+                f'{statistics.mean(read) / 1024 if read else 0:.0f} |')
+  return '\n'.join(rows)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  p.add_argument('--faults', type=int, default=20)
+  p.add_argument('--seed', type=int, default=0)
+  p.add_argument('--json-out', default=None)
+  p.add_argument('--storage-every', type=int, default=6)
+  p.add_argument('--local-every', type=int, default=2)
+  p.add_argument('--mib', type=float, default=1.0, help='MiB of sharded state per process')
+  p.add_argument('--deadline', type=float, default=180.0,
+                 help='seconds any phase may take before it counts as a hang')
+  p.add_argument('--kinds', default='', help='comma-separated subset of the kinds (default all)')
+  p.add_argument('--keep', action='store_true',
+                 help="keep the nodes' directories and the jobs' logs (printed at the end)")
+  p.add_argument('--worker', nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.worker is not None:
+    worker(args.worker)
+    return 0
+  sys.path.insert(0, os.path.join(REPO, 'tests'))
+  from support import fault_proxy, gcs_server  # pylint: disable=g-import-not-at-top
+  t0 = time.time()
+  with gcs_server.FakeGcs(backend='memory') as gcs, \
+      fault_proxy.FaultProxy(gcs.url, seed=args.seed) as proxy:
+    chaos = Chaos(args, gcs, proxy, gcs.new_bucket('chaos'))
+    try:
+      records = chaos.run()
+    finally:
+      if args.keep:
+        print(f'chaos: the nodes and the jobs\' logs are in {chaos.base}', flush=True)
+      else:
+        shutil.rmtree(chaos.base, ignore_errors=True)
+  line = summary(records)
+  print(by_kind(records))
+  over = [r for r in records if (r.get('steps_lost') or 0) > args.local_every]
+  print(f'steps lost over the local interval ({args.local_every}): {len(over)} of '
+        f'{len(records)}' + (f' ({", ".join(sorted({r["kind"] for r in over}))})' if over else ''))
+  if args.json_out:
+    with open(args.json_out, 'w', encoding='utf-8') as f:
+      json.dump({'seed': args.seed, 'faults': records, 'summary': line,
+                 'elapsed_s': time.time() - t0}, f, indent=1, default=str)
+  print(line + f' ({time.time() - t0:.0f} s, seed {args.seed})', flush=True)
+  return 0 if all(r.get('recovered') for r in records) else 1
+
+
+if __name__ == '__main__':
+  sys.exit(main())
