@@ -189,6 +189,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar('ORBAX_PATHWAYS_PEER_ADDRESS', 'str', None,
            "the address other hosts reach this host's node-local tier server at",
            unset="this host name's address"),
+    EnvVar('ORBAX_PATHWAYS_MAP_TIER', 'bool', True,
+           "map the node-local tier's chunk files into restore buffers (0: copy them; "
+           'read by storage/pages.py)'),
     EnvVar('ORBAX_PATHWAYS_SLOW', 'bool', False, 'test suite only: run slow tests'),
 )}
 

@@ -3,6 +3,8 @@ the value and what is accepted."""
 
 from __future__ import annotations
 
+import pathlib
+import re
 import sys
 
 import jax
@@ -126,6 +128,19 @@ def test_near_miss_of_a_known_name_is_warned_about(monkeypatch, name):
 def test_other_programs_variables_are_not_ours(monkeypatch):
   for name in ('PATHWAYS_TRANSPORT', 'PATHWAYS_VERIFY', 'ORBAX_USE_OCDBT', 'JAX_PLATFORMS'):
     monkeypatch.setenv(name, 'x')
+  assert options_lib.unknown_env() == {}
+
+
+def test_every_variable_the_package_reads_is_known(monkeypatch):
+  """A variable the code reads outside ``Options`` (the tier's mapping switch, which the docs
+  tell users to set) is never reported as ignored."""
+  names = set()
+  root = pathlib.Path(orbax_pathways.__file__).parent
+  for path in root.rglob('*.py'):
+    names |= set(re.findall(r"'(ORBAX_PATHWAYS_[A-Z0-9_]+)'", path.read_text()))
+  assert names, root
+  for name in names:
+    monkeypatch.setenv(name, '0')
   assert options_lib.unknown_env() == {}
 
 
