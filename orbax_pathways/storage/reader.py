@@ -107,9 +107,12 @@ def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
   numpy's allocation, which asks the kernel for transparent huge pages on every large array
   (``MADV_HUGEPAGE``). On the VMs this project is measured on, the first touch of fresh huge
   pages is what made the first restore of a process slow: 1.1 GiB restored in a fresh process
-  spent 4-5 s in the kernel for its ~500 huge-page faults, against ~1 s with ordinary pages
-  (``benchmarks/RESULTS.md``). Ordinary pages fault 4 KiB at a time; the mappings' pool makes a
-  later restore in the same process reuse pages already faulted in, as numpy's heap did.
+  spent 4-5 s in the kernel (``benchmarks/RESULTS.md``, "Restore buffers: the restore rows,
+  2026-12-06"); on 2026-12-02 (a 2-core VM, ``benchmarks/tier_read.py --size-gb 1.1`` and a
+  /tmp instrumentation script) one such tier-served restore took 513 huge-page faults and
+  5.2-5.6 s of CPU, nearly all kernel, against 1.2 s with ordinary pages. Ordinary pages fault
+  4 KiB at a time; the mappings' pool makes a later restore in the same process reuse pages
+  already faulted in, as numpy's heap did.
   """
   dtype = np.dtype(dtype)
   nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize

@@ -3,8 +3,11 @@
 Why: on tmpfs, writing a copy into fresh pages and freeing the previous step's pages costs about
 three times the copy itself (page allocation, memory-cgroup charging, LRU locking on ``write``;
 the same again on ``unlink``). A local-only save every step pays that on every host, on the cores
-the training loop uses (``benchmarks/RESULTS.md``, the multi-tier overhead). Writing over the pages
-of a step that is being dropped anyway skips both.
+the training loop uses (``benchmarks/RESULTS.md``, "Multi-tier: the overhead on the training loop
+(`local_steps.py`)"). Writing over the pages of a step that is being dropped anyway skips both: a
+local-only save's CPU is 0.58x that without spares into a local directory, 0.65x on gs://
+(``benchmarks/RESULTS.md``, "Tier spares: CPU per local-only save (`local_save_cpu.py`)",
+2026-12-04).
 
 Who calls what, on which host (every writer host, its own node's tier):
 
