@@ -103,7 +103,7 @@ def _kv_agreement(step: int, part: participants_lib.Participants,
                   agreement: Agreement) -> bool:
   """Agreement on a preemption step among ``part`` through the coordination KV store."""
   name = part.name('preemption')
-  decided = _decided.setdefault(name, {})
+  decided = _since_restart(name, step)
   if step in decided:
     return decided[step]
   if name in _agreed_step:
@@ -134,6 +134,18 @@ def _kv_agreement(step: int, part: participants_lib.Participants,
   return answer
 
 
+def _since_restart(name: str, step: int) -> dict[int, bool]:
+  """The latched answers of round ``name``, forgotten (and its agreed step with them) when
+  ``step`` is older than the newest step answered: the loop's steps went back (a new run of a
+  manager in this process, a rollback), and an answer latched for the old run's step 13 must
+  not be the new run's answer at its step 13."""
+  decided = _decided.setdefault(name, {})
+  if decided and step < max(decided):
+    decided.clear()
+    _agreed_step.pop(name, None)
+  return decided
+
+
 def _remember(decided: dict[int, bool], step: int, answer: bool) -> bool:
   decided[step] = answer
   while len(decided) > 16:
@@ -148,7 +160,7 @@ def _single_controller(step: int, stock: Callable[[], bool]) -> bool:
   between the two must not make the second say True for a step that was not saved. The notice
   then counts from the next step on, until a save of a True step started (``after_save``).
   """
-  decided = _decided.setdefault('', {})
+  decided = _since_restart('', step)
   if step in decided:
     return decided[step]
   if notice.pending():

@@ -66,6 +66,29 @@ def test_notice_makes_should_save_and_reached_preemption_true(tmp_path, installe
   mngr.close()
 
 
+def test_a_new_run_in_the_same_process_saves_on_the_notice_at_a_step_an_old_run_answered(
+    tmp_path, installed):
+  """The per-step latch holds within a run; a run whose steps start over (a second manager in
+  a notebook, an evaluator's loop, a rollback) gets fresh answers, not the old run's."""
+  state = {'a': jax.numpy.ones(4)}
+  with ocp.CheckpointManager(tmp_path / 'first', options=ocp.CheckpointManagerOptions(
+      save_interval_steps=100)) as first:
+    for step in range(20):
+      if first.should_save(step):
+        first.save(step, args=ocp.args.StandardSave(state))
+    assert first.all_steps() == [0]
+  with ocp.CheckpointManager(tmp_path / 'second', options=ocp.CheckpointManagerOptions(
+      save_interval_steps=100)) as second:
+    for step in range(14):
+      if step == 13:
+        preemption.notify_preemption('test')
+      if second.should_save(step):
+        second.save(step, args=ocp.args.StandardSave(state))
+    second.wait_until_finished()
+    assert second.all_steps() == [0, 13]
+    assert second.reached_preemption(13)
+
+
 def test_sigterm_handler_chains_and_restores(tmp_path, installed, monkeypatch):
   preemption.uninstall()
   monkeypatch.setattr(preemption.notice._s, 'manager_seen', False)  # as in a fresh process
