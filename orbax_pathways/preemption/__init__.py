@@ -140,7 +140,7 @@ class PreemptionHooks(hooks_lib.ManagerHooks):
                          participants: Any) -> bool:
     if _oms.is_local_manager(mngr):  # the manager it serves decides (manager/local_steps.py)
       return False
-    return decision.reached_preemption(step, stock, participants, self.agreement)
+    return decision.reached_preemption(step, stock, participants, self.agreement, mngr)
 
   def after_save(self, mngr: Any, step: int, saved: bool) -> None:
     if not _oms.is_local_manager(mngr):  # its saves never consume the notice

@@ -21,7 +21,8 @@ called by the user's loop. The notice itself lives in ``notice``.
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Any, Callable
+import weakref
 
 import dataclasses
 
@@ -51,6 +52,11 @@ _EVERY_PROCESS = participants_lib.Participants(None, 0)
 # Per round name (one per set of participants, ``Participants.name``; '' for one controller):
 _agreed_step: dict[str, int] = {}  # the step from which its participants answer True
 _decided: dict[str, dict[int, bool]] = {}  # its latched answers, by step
+# A single controller's latched answers, per manager: a second manager of the process (a new
+# run in a notebook, an evaluator's loop) starts with none, so a step number the first one
+# was asked about is answered afresh. (Several processes agree per step in rounds instead,
+# all of them keeping the same answers: ``_decided``.)
+_decided_by_manager: 'weakref.WeakKeyDictionary[Any, dict[int, bool]]' = weakref.WeakKeyDictionary()
 
 
 def set_current(agreement: Agreement) -> None:
@@ -68,6 +74,7 @@ def reset() -> None:
   with notice.lock:
     _agreed_step.clear()
     _decided.clear()
+    _decided_by_manager.clear()
 
 
 def what_next() -> str:
@@ -94,8 +101,8 @@ def _consume(step: int) -> None:
 def after_save(mngr, step: int, saved: bool) -> None:
   """``PreemptionHooks.after_save`` (the loop's thread, every process): the notice is consumed once the save
   of a step answered as a preemption step started."""
-  del mngr
-  if saved and any(d.get(step) for d in _decided.values()):
+  mine = _decided_by_manager.get(mngr) if mngr is not None else None
+  if saved and (any(d.get(step) for d in _decided.values()) or (mine or {}).get(step)):
     _consume(step)
 
 
@@ -103,7 +110,7 @@ def _kv_agreement(step: int, part: participants_lib.Participants,
                   agreement: Agreement) -> bool:
   """Agreement on a preemption step among ``part`` through the coordination KV store."""
   name = part.name('preemption')
-  decided = _since_restart(name, step)
+  decided = _decided.setdefault(name, {})
   if step in decided:
     return decided[step]
   if name in _agreed_step:
@@ -134,18 +141,6 @@ def _kv_agreement(step: int, part: participants_lib.Participants,
   return answer
 
 
-def _since_restart(name: str, step: int) -> dict[int, bool]:
-  """The latched answers of round ``name``, forgotten (and its agreed step with them) when
-  ``step`` is older than the newest step answered: the loop's steps went back (a new run of a
-  manager in this process, a rollback), and an answer latched for the old run's step 13 must
-  not be the new run's answer at its step 13."""
-  decided = _decided.setdefault(name, {})
-  if decided and step < max(decided):
-    decided.clear()
-    _agreed_step.pop(name, None)
-  return decided
-
-
 def _remember(decided: dict[int, bool], step: int, answer: bool) -> bool:
   decided[step] = answer
   while len(decided) > 16:
@@ -153,14 +148,17 @@ def _remember(decided: dict[int, bool], step: int, answer: bool) -> bool:
   return answer
 
 
-def _single_controller(step: int, stock: Callable[[], bool]) -> bool:
+def _single_controller(step: int, stock: Callable[[], bool], mngr: Any = None) -> bool:
   """Latched per step: the first answer for ``step`` is the answer for every later call.
 
   ``save(step)`` asks before the user's own ``reached_preemption(step)``; a notice that lands
   between the two must not make the second say True for a step that was not saved. The notice
   then counts from the next step on, until a save of a True step started (``after_save``).
   """
-  decided = _since_restart('', step)
+  if mngr is None:
+    decided = _decided.setdefault('', {})
+  else:
+    decided = _decided_by_manager.setdefault(mngr, {})
   if step in decided:
     return decided[step]
   if notice.pending():
@@ -170,14 +168,15 @@ def _single_controller(step: int, stock: Callable[[], bool]) -> bool:
 
 def reached_preemption(step: int, stock: Callable[[], bool] | None = None,
                        participants: participants_lib.Participants | None = None,
-                       agreement: Agreement | None = None) -> bool:
+                       agreement: Agreement | None = None, mngr: Any = None) -> bool:
   """Our answer for ``CheckpointManager.reached_preemption(step)``; ``stock`` is Orbax's;
   ``participants``: the processes that call the manager (None: every process of the job);
-  ``agreement``: the calling hooks' (None: the registered one)."""
+  ``agreement``: the calling hooks' (None: the registered one); ``mngr``: the manager asked
+  (a single controller latches its answers per manager; None: per process)."""
   stock = stock or (lambda: False)
   if jax_distributed.process_count() <= 1:
     with notice.lock:
-      return _single_controller(step, stock)
+      return _single_controller(step, stock, mngr)
   if jax_distributed.jax_preemption_service_active():
     return bool(stock())
   with notice.lock:

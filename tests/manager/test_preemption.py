@@ -68,8 +68,8 @@ def test_notice_makes_should_save_and_reached_preemption_true(tmp_path, installe
 
 def test_a_new_run_in_the_same_process_saves_on_the_notice_at_a_step_an_old_run_answered(
     tmp_path, installed):
-  """The per-step latch holds within a run; a run whose steps start over (a second manager in
-  a notebook, an evaluator's loop, a rollback) gets fresh answers, not the old run's."""
+  """A single controller latches its answer per step and per manager: a second manager of the
+  process (a new run in a notebook, an evaluator's loop) gets fresh answers, not the first's."""
   state = {'a': jax.numpy.ones(4)}
   with ocp.CheckpointManager(tmp_path / 'first', options=ocp.CheckpointManagerOptions(
       save_interval_steps=100)) as first:
