@@ -112,7 +112,9 @@ def keeping_type(cls: type[OrbaxPathwaysError], cause: BaseException,
   except Exception:  # pylint: disable=broad-except  # a cause type with a custom constructor
     return cls(message)
   if isinstance(cause, OrbaxPathwaysError):  # its fields (``missing``, ``workers``) too
-    made.__dict__.update({k: v for k, v in vars(cause).items() if not k.startswith('__')})
+    for k, v in vars(cause).items():
+      if not k.startswith('__'):
+        setattr(made, k, v)
   return made
 
 

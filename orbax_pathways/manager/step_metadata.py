@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import threading
 from typing import Any
+import weakref
 
 from orbax_pathways._compat import orbax_manager_state as _oms
 from orbax_pathways._compat import orbax_step_metadata as _osm
 from orbax_pathways.manager import hooks
 
-_ATTR = '_orbax_pathways_step_metadata'  # {step: registration key} on the manager
+# Manager -> {step: registration key}: kept beside the manager, not on Orbax's object.
+_by_manager: 'weakref.WeakKeyDictionary[Any, dict[int, str]]' = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
 def _registrations(mngr: Any) -> dict[int, str]:
-  return mngr.__dict__.setdefault(_ATTR, {})
+  return _by_manager.setdefault(mngr, {})
 
 
 class StepMetadata(hooks.ManagerHooks):
