@@ -53,6 +53,7 @@ from etils import epath
 
 from orbax_pathways._compat import src
 from orbax_pathways._compat import supported
+from orbax_pathways.format import urls
 
 _async_path = src.orbax('path.async_path')
 _atomicity = src.orbax('path.atomicity')
@@ -72,7 +73,7 @@ def put(path: Any, data: bytes) -> bool:
   backend (gcsfs ``pipe_file``: a multipart upload, replacing any object there); returns
   False, having written nothing, for any other path (the caller writes it as Orbax does)."""
   path = epath.Path(path)
-  if not str(path).startswith('gs://'):
+  if not urls.is_gcs(path):
     return False
   backend: Any = getattr(path, '_backend', None)
   fs_of = getattr(backend, 'fs', None)

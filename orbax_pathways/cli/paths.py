@@ -15,6 +15,8 @@ from typing import Any, Iterator
 
 from etils import epath
 
+from orbax_pathways.format import urls
+
 
 class CliError(Exception):
   """A user error: printed as one line, exit code 2, no traceback."""
@@ -33,7 +35,7 @@ def to_path(s: str | os.PathLike[str]) -> epath.Path:
   text = os.fspath(s)
   if not text.strip():
     raise CliError('empty path: pass a checkpoint directory (use . for the current directory).')
-  if '://' not in text:
+  if not urls.is_url(text):
     text = os.path.abspath(text)
   path = epath.Path(text)
   preflight(path)
@@ -41,12 +43,13 @@ def to_path(s: str | os.PathLike[str]) -> epath.Path:
 
 
 def is_remote(path: epath.Path) -> bool:
-  return '://' in os.fspath(path)
+  """Written as a URL (``file://`` too): a path the CLI does not resolve on this machine."""
+  return urls.is_url(path)
 
 
 def preflight(path: epath.Path) -> None:
   """Fails fast, in one line, on gs:// without credentials (gcsfs would retry for a minute)."""
-  if not os.fspath(path).startswith('gs://') or os.environ.get('STORAGE_EMULATOR_HOST'):
+  if not urls.is_gcs(path) or os.environ.get('STORAGE_EMULATOR_HOST'):
     return
   try:
     import google.auth  # pylint: disable=g-import-not-at-top

@@ -25,6 +25,7 @@ import re
 from typing import Any, Iterator, Sequence
 
 from orbax_pathways.plan import boxes as boxes_lib
+from orbax_pathways.format import urls
 
 # ---- Orbax's step directory ------------------------------------------------------------------
 
@@ -135,7 +136,7 @@ def param_chunk_key(param: str, origin: Sequence[int], chunk_shape: Sequence[int
 
 
 def is_gcs(path: str) -> bool:
-  return os.fspath(path).startswith('gs://')
+  return urls.is_gcs(path)
 
 
 def _normalize(path: str) -> str:
@@ -143,8 +144,9 @@ def _normalize(path: str) -> str:
 
 
 def _gcs_kvstore(path: str, driver: str) -> dict[str, Any]:
-  bucket, _, rest = path[len('gs://'):].partition('/')
-  return {'driver': driver, 'bucket': bucket, 'path': rest}
+  found = urls.bucket_kvstore(path, gcs_driver=driver)
+  assert found is not None, path
+  return found
 
 
 _REMOTE_READ_COALESCING = {

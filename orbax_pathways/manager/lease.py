@@ -69,6 +69,7 @@ from orbax_pathways._compat import orbax_manager as _om
 from orbax_pathways._compat import orbax_manager_state as _oms
 from orbax_pathways.manager import lease_policy as plan
 from orbax_pathways.storage import meta_io
+from orbax_pathways.format import urls
 
 LEASE_FILE = 'orbax-pathways-lease.json'
 ENABLE_ENV = 'ORBAX_PATHWAYS_LEASE'
@@ -86,7 +87,7 @@ _leases: dict[str, Lease] = {}  # directory -> the lease this process holds ther
 def directory_key(directory) -> str:
   """The directory as one string (absolute for local paths) that names its lease."""
   d = os.fspath(directory).rstrip('/')
-  return d if '://' in d else os.path.abspath(d)
+  return d if urls.is_url(d) else os.path.abspath(d)
 
 
 def lease_path(directory) -> str:

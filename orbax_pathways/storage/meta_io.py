@@ -41,6 +41,7 @@ from orbax_pathways.format import item as item_lib
 from orbax_pathways.format import records as records_lib
 from orbax_pathways import version
 from orbax_pathways.storage import hedge
+from orbax_pathways.format import urls
 
 log = logging.getLogger('orbax_pathways')
 
@@ -69,15 +70,14 @@ def kvstore_spec(item_dir: Any) -> dict:
   """The tensorstore kvstore spec of ``<item_dir>/`` (a local path, ``file://``, ``gs://`` or
   ``s3://``)."""
   d = os.fspath(item_dir).rstrip('/')
-  scheme, sep, rest = d.partition('://')
-  if not sep:
+  scheme = urls.scheme(d)
+  if not scheme:
     return {'driver': 'file', 'path': os.path.abspath(d) + '/'}
   if scheme == 'file':
-    return {'driver': 'file', 'path': rest + '/'}
-  if scheme in ('gs', 's3'):
-    bucket, _, path = rest.partition('/')
-    return {'driver': 'gcs' if scheme == 'gs' else 's3', 'bucket': bucket,
-            'path': (path + '/') if path else ''}
+    return {'driver': 'file', 'path': d[len('file://'):] + '/'}
+  spec = urls.bucket_kvstore(d)
+  if spec is not None:
+    return dict(spec, path=(spec['path'] + '/') if spec['path'] else '')
   return ts.KvStore.Spec(d + '/').to_json()
 
 

@@ -30,6 +30,7 @@ from orbax_pathways._util import said
 from orbax_pathways import options
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
+from orbax_pathways.format import urls
 
 _lock = threading.Lock()
 OFF = 'off'
@@ -92,8 +93,8 @@ NETWORK_FS = ('nfs', 'nfs4', 'cifs', 'smb3', 'smbfs', 'ceph', 'glusterfs', 'lust
 def storage_is_remote(root: str) -> bool:
   """Whether a checkpoint directory is storage a restart pays for: a URL (``gs://``, any
   scheme but ``file://``) or a local path on a network filesystem (``NETWORK_FS``)."""
-  if '://' in root:
-    return not root.startswith('file://')
+  if urls.is_url(root):
+    return urls.is_remote(root)
   return _fs_type(root) in NETWORK_FS
 
 

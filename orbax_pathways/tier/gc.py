@@ -60,6 +60,7 @@ from orbax_pathways.tier import manifest as manifest_lib
 from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store
 from orbax_pathways.tier import spares
+from orbax_pathways.format import urls
 
 log = logging.getLogger('orbax_pathways')
 IDLE_S = 300.0
@@ -214,7 +215,7 @@ def gone_locally(found: Sequence[store.Entry], local_dir: str) -> dict[str, str]
   out = {}
   for e in found:
     root = entry_root(local_dir, e, roots)
-    if root is None or '://' in root:
+    if root is None or urls.is_url(root):
       continue
     if root not in listed:
       listed[root] = _local_steps(root)

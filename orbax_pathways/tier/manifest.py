@@ -38,6 +38,7 @@ import msgpack
 import numpy as np
 
 from orbax_pathways.format import names as format_lib
+from orbax_pathways.format import urls
 from orbax_pathways.plan import boxes as boxes_lib
 
 MANIFEST = 'manifest.msgpack'
@@ -51,7 +52,7 @@ DEFAULT_SHM = '/dev/shm'
 def normalize_root(root: Any) -> str:
   """The checkpoint directory as one string: gs:// kept, local paths absolute."""
   text = os.fspath(root).rstrip('/')
-  if '://' in text:
+  if urls.is_url(text):
     return text
   return os.path.abspath(text)
 
