@@ -47,7 +47,6 @@ from orbax_pathways import options as options_lib
 from orbax_pathways.engine import runtime
 from orbax_pathways import stats as stats_lib
 from orbax_pathways.transports import values
-from orbax_pathways import version
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways._compat import storage_clients
 from orbax_pathways.storage import cast as cast_lib
@@ -428,9 +427,8 @@ class Engine:
         raise r
     done = [r for r in records if not isinstance(r, BaseException)]
     written = sum(c.nbytes for r in done for c in r.chunks)  # in the stored dtypes
-    record = records_lib.WriterRecord(
-        writer=writer, transport='local', arrays=tuple(done), library_version=version.VERSION,
-        stats={'written_bytes': written, 'chunks': sum(len(r.chunks) for r in done)})
+    record = records_lib.writer_record(writer, 'local', done, written_bytes=written,
+                                       chunks=sum(len(r.chunks) for r in done))
     await asyncio.to_thread(meta_io.write_record, item.directory, record)
     log.debug('orbax_pathways: wrote %d host arrays (%d bytes) with checksums in %.2f s to %s',
               len(arrays), written, time.perf_counter() - t0, item.directory)

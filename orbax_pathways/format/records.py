@@ -29,6 +29,7 @@ import msgpack
 import numpy as np
 
 from orbax_pathways import errors
+from orbax_pathways import version
 from orbax_pathways.format import names as format_lib
 
 SCHEMA_VERSION = 2
@@ -106,6 +107,18 @@ class WriterRecord:
   # Identifies this writer's save of the step (random, per save): a node-local tier copy is
   # used only when it carries the save id the committed step records (``tier/chain.py``).
   save_id: str = ''
+
+
+def writer_record(writer: str, transport: str, arrays: Sequence[ArrayRecord] = (), *,
+                  written_bytes: int | None = None, chunks: int | None = None,
+                  save_id: str = '') -> WriterRecord:
+  """A writer's record as this library writes it (every writer host, every transport): this
+  library's version stamped, the write's stats when given (the persistence plugin's writes
+  report none) and the save's id."""
+  stats = {} if written_bytes is None else {'written_bytes': int(written_bytes),
+                                            'chunks': int(chunks or 0)}
+  return WriterRecord(writer=writer, transport=transport, arrays=tuple(arrays),
+                      library_version=version.VERSION, stats=stats, save_id=save_id)
 
 
 def _sharding_to_obj(s: ShardingRecord | None) -> Any:

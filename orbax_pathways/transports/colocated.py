@@ -274,8 +274,7 @@ class ColocatedTransport:
         records += _index_arrays([leaves[i] for i in idx], [plans[i] for i in idx], boxes,
                                  {h: row for h, (_, row) in rows.items()})
     writers = tuple(
-        records_lib.WriterRecord(writer=w, transport=NAME, arrays=(), library_version=version.VERSION,
-                              stats={'written_bytes': b, 'chunks': c}, save_id=save_id)
+        records_lib.writer_record(w, NAME, written_bytes=b, chunks=c, save_id=save_id)
         for w, (b, c) in sorted(outcomes.items()))
     with trace('index'):
       await asyncio.to_thread(meta_io.write_index, item.directory,

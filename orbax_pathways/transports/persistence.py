@@ -29,7 +29,6 @@ import numpy as np
 from orbax_pathways.format import records as records_lib
 from orbax_pathways.transports import values
 from orbax_pathways import options as options_lib
-from orbax_pathways import version
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways.storage import meta_io
 from orbax_pathways.transports import base
@@ -117,12 +116,11 @@ class PersistenceTransport:
     for f in futures:
       await asyncio.to_thread(f.result)
     # The plugin computes no checksums: the record carries the layout and shardings only.
-    record = records_lib.WriterRecord(
-        writer='controller', transport=NAME, library_version=version.VERSION, arrays=tuple(
-            records_lib.ArrayRecord(name=leaf.name, dtype=np.dtype(leaf.stored_dtype).name,
-                                 shape=leaf.shape, chunk_shape=plan.chunk_shape, chunks=(),
-                                 sharding=leaf.sharding)
-            for leaf, plan in zip(leaves, plans)))
+    record = records_lib.writer_record('controller', NAME, [
+        records_lib.ArrayRecord(name=leaf.name, dtype=np.dtype(leaf.stored_dtype).name,
+                                shape=leaf.shape, chunk_shape=plan.chunk_shape, chunks=(),
+                                sharding=leaf.sharding)
+        for leaf, plan in zip(leaves, plans)])
     await asyncio.to_thread(meta_io.write_record, item.directory, record)
     return []
 

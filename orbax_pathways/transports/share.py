@@ -21,7 +21,6 @@ from orbax_pathways import errors
 from orbax_pathways.sharding import layout
 from orbax_pathways.format import records as records_lib
 from orbax_pathways.transports import values
-from orbax_pathways import version
 from orbax_pathways._compat import orbax as compat
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
@@ -91,10 +90,9 @@ def writer_record(writer: str, transport: str, leaves: Sequence[values.SaveLeaf]
           chunk_shape=plan.chunk_shape, chunks=tuple(chunks.get(leaf.name, ())),
           sharding=leaf.sharding if with_sharding else None)
       for leaf, plan in zip(leaves, plans))
-  return records_lib.WriterRecord(
-      writer=writer, transport=transport, arrays=arrays, library_version=version.VERSION,
-      stats={'written_bytes': outcome.bytes_written, 'chunks': outcome.chunks_written},
-      save_id=save_id)
+  return records_lib.writer_record(writer, transport, arrays,
+                                   written_bytes=outcome.bytes_written,
+                                   chunks=outcome.chunks_written, save_id=save_id)
 
 
 async def write_pieces(writer: str, item: values.Item, leaves: Sequence[values.SaveLeaf],
