@@ -148,9 +148,7 @@ def test_writer_record_round_trips(record):
   assert records_lib.encode(back) == data  # one encoding per record
 
 
-@FAST
-@given(items())
-def test_every_writer_record_carries_the_library_version_and_its_stats(tmp_path):
+def test_every_writer_record_carries_the_library_version_and_its_stats():
   """What ``orbax-pathways show`` reports of a writer: the version that wrote it and what it
   wrote (the persistence plugin's writes report no stats)."""
   from orbax_pathways import version  # pylint: disable=g-import-not-at-top
@@ -161,6 +159,8 @@ def test_every_writer_record_carries_the_library_version_and_its_stats(tmp_path)
   assert records_lib.writer_record('controller', 'persistence').stats == {}
 
 
+@FAST
+@given(items())
 def test_index_round_trips(item):
   data = item_lib.encode_index(item)
   back = item_lib.decode_index(data, path=INDEX_PATH)
