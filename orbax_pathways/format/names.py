@@ -135,18 +135,8 @@ def param_chunk_key(param: str, origin: Sequence[int], chunk_shape: Sequence[int
 # ---- Where Orbax's tensorstore specs put an array (tensorstore_utils.build_kvstore_tspec) ----
 
 
-def is_gcs(path: str) -> bool:
-  return urls.is_gcs(path)
-
-
 def _normalize(path: str) -> str:
   return os.path.normpath(os.fspath(path)).replace('gs:/', 'gs://')
-
-
-def _gcs_kvstore(path: str, driver: str) -> dict[str, Any]:
-  found = urls.bucket_kvstore(path, gcs_driver=driver)
-  assert found is not None, path
-  return found
 
 
 _REMOTE_READ_COALESCING = {
@@ -166,19 +156,18 @@ def kvstore_spec(item_dir: str, param: str, *, ocdbt: bool, gcs_driver: str = 'g
   ``ocdbt.process_<id>`` base, file locking, OCDBT config) are not part of a read spec.
   """
   directory = _normalize(item_dir)
+  # gs:// only: Orbax's read specs name no other bucket scheme.
+  bucket = urls.bucket_kvstore(directory, gcs_driver=gcs_driver) if urls.is_gcs(directory) else None
   if ocdbt:
-    if is_gcs(directory):
-      base = _gcs_kvstore(directory, gcs_driver)
-    else:
-      base = {'driver': 'file', 'path': directory + '/'}
+    base = bucket if bucket is not None else {'driver': 'file', 'path': directory + '/'}
     spec: dict[str, Any] = {'driver': 'ocdbt', 'base': base, 'path': param,
                             'cache_pool': 'cache_pool#ocdbt'}
-    if is_gcs(directory):  # Orbax merges adjacent reads on remote storage.
+    if bucket is not None:  # Orbax merges adjacent reads on remote storage.
       spec.update(_REMOTE_READ_COALESCING)
     return spec
   path = f'{directory}/{param}'
-  if is_gcs(directory):
-    return _gcs_kvstore(path, gcs_driver)
+  if bucket is not None:
+    return urls.bucket_kvstore(path, gcs_driver=gcs_driver)
   return {'driver': 'file', 'path': path}
 
 
