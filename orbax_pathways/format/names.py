@@ -166,8 +166,9 @@ def kvstore_spec(item_dir: str, param: str, *, ocdbt: bool, gcs_driver: str = 'g
       spec.update(_REMOTE_READ_COALESCING)
     return spec
   path = f'{directory}/{param}'
-  if bucket is not None:
-    return urls.bucket_kvstore(path, gcs_driver=gcs_driver)
+  zarr_bucket = urls.bucket_kvstore(path, gcs_driver=gcs_driver) if bucket is not None else None
+  if zarr_bucket is not None:
+    return zarr_bucket
   return {'driver': 'file', 'path': path}
 
 
