@@ -1,7 +1,7 @@
 """Fault soak: a multi-tier training job hit by a seeded random schedule of faults, one at a time,
 each followed by a restart through ``preemption.resume`` and more training; counts recoveries.
 
-    python integration/chaos.py --faults 20 --seed 0 [--json-out F] [--keep]
+    python integration/chaos.py --faults 20 --seed 0 [--json-out F] [--keep] [--fast-start]
 
 The job: 4 ``jax.distributed`` processes (2 CPU devices each; each process a node with its own
 node-local tier directory and its own slice), an unchanged ``CheckpointManager`` (storage every
@@ -193,7 +193,7 @@ class Job:
   process group, with the node's tier directory; killed and reaped by ``stop``."""
 
   def __init__(self, harness: 'Chaos', n: int, plan: dict):
-    from support import mp_harness, procs  # pylint: disable=g-import-not-at-top
+    from support import mp_harness, procs, zygote  # pylint: disable=g-import-not-at-top
     self.n = n
     self.dir = tempfile.mkdtemp(prefix='job-', dir=harness.base)
     self.shared = os.path.join(self.dir, 'shared')
@@ -215,7 +215,8 @@ class Job:
               str(harness.rows), json.dumps(plan)]
       with open(os.path.join(self.dir, f'{i}.out'), 'wb') as out, \
           open(os.path.join(self.dir, f'{i}.err'), 'wb') as err:
-        self.procs.append(subprocess.Popen(argv, env=env, cwd=REPO, stdin=subprocess.DEVNULL,
+        popen = zygote.Popen if harness.args.fast_start else subprocess.Popen
+        self.procs.append(popen(argv, env=env, cwd=REPO, stdin=subprocess.DEVNULL,
                                            stdout=out, stderr=err, start_new_session=True))
 
   def progress(self, pid: int):
@@ -643,6 +644,10 @@ def main(argv=None) -> int:
   p.add_argument('--deadline', type=float, default=180.0,
                  help='seconds any phase may take before it counts as a hang')
   p.add_argument('--kinds', default='', help='comma-separated subset of the kinds (default all)')
+  p.add_argument('--fast-start', action='store_true',
+                 help="fork the jobs' processes from a process that has imported jax and Orbax "
+                      '(tests/support/zygote.py): the CI smoke\'s choice; the resume times then '
+                      'leave out those imports, so soak results are taken without it')
   p.add_argument('--keep', action='store_true',
                  help="keep the nodes' directories and the jobs' logs (printed at the end)")
   p.add_argument('--worker', nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

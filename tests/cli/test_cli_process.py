@@ -42,7 +42,7 @@ def test_cli_modules_import_no_jax():
   """Every module the CLI imports is jax-free: imported with the package's ``__init__`` skipped
   (it installs the handler, see the next test), nothing loads jax or Orbax."""
   proc = procs.run_worker(bare_import_worker, 'orbax_pathways.cli.main', 'jax,jaxlib,orbax',
-                          timeout=120, check=False)
+                          timeout=120, check=False, fresh=True)
   assert proc.returncode == 0, proc.stderr
 
 
@@ -51,7 +51,7 @@ def test_the_console_script_loads_no_jax(built):
   installing the handler: jax and Orbax never load (a plain ``import orbax_pathways`` installs,
   which needs both)."""
   proc = procs.run_worker(console_script_worker, built['stock'], base=cs.hermetic_env(),
-                          devices=None, timeout=120, check=False)
+                          devices=None, timeout=120, check=False, fresh=True)
   assert proc.returncode == 0, proc.stderr
   assert 'complete' in proc.stdout
 

@@ -53,7 +53,7 @@ def test_opt_out_environment_variable():
 
 
 def test_install_logs_what_it_installed():
-  proc = procs.run_worker(handler_worker, 'install_log')
+  proc = procs.run_worker(handler_worker, 'install_log', fresh=True)
   assert 'installed ProxyArrayHandler for jax.Array' in proc.stderr
 
 

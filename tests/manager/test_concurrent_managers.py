@@ -51,7 +51,9 @@ def _race(run: Background, timeout=900):
 def _check(fields, deleted):
   assert fields['lost'] == '0' and fields['stranded'] == '0'
   assert fields['wrong'] == '0' and fields['unexplained'] == '0'
-  assert int(fields['saves']) >= 20, fields  # the race actually happened
+  # The race actually happened (a floor, not a speed: on 2 loaded cores the trainer saved 17
+  # steps in its 15 s).
+  assert int(fields['saves']) >= 10, fields
   assert int(fields['eval_ok']) >= 5, fields
   # A reader that loses the race to retention is told so, not handed a cryptic storage error.
   assert all('was deleted while it was being restored' in m for m in deleted), deleted

@@ -273,7 +273,7 @@ def test_the_drop_in_holds_whatever_the_import_order(tmp_path, order):
   be before ``import orbax_pathways``: building through that name gives the drop-in either way
   (local-only step 3 in the persistent directory's ``.orbax-pathways-local``, where Orbax's
   class writes ``local_directory/3``), still an instance of the name's class."""
-  out = procs.worker_json(emergency_import_order_worker, order, tmp_path, timeout=240)
+  out = procs.worker_json(emergency_import_order_worker, order, tmp_path, timeout=240, fresh=True)
   persistent = ['.orbax-pathways-local', '0', '2', 'orbax-pathways-lease.json']
   assert out == {'class': 'EmergencyCheckpointManager', 'is_orbax_class': True,
                  'steps': [0, 2, 3], 'persistent': persistent}, out

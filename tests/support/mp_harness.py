@@ -58,6 +58,7 @@ from typing import Any, Mapping, Sequence
 from support import REPO
 from support import mp_worker as _w
 from support.procs import child_env, free_port
+from support import zygote
 
 
 @dataclasses.dataclass
@@ -249,7 +250,7 @@ def run_processes(
         err_path = os.path.join(workdir, f'process_{i}.stderr')
         logs.append((out_path, err_path))
         with open(out_path, 'wb') as out, open(err_path, 'wb') as err:
-          procs.append(subprocess.Popen(
+          procs.append(zygote.Popen(
               argv, env=wenv, cwd=os.fspath(cwd) if cwd else REPO,
               stdin=subprocess.DEVNULL, stdout=out, stderr=err,
               start_new_session=True))

@@ -18,6 +18,10 @@ What every child gets (``child_env``), whoever starts it:
   (``tests/conftest.py``), unless the caller asks for one (``extra`` sets it);
 - then the caller's ``extra`` (which wins), minus the names in ``unset``.
 
+A Python child is forked from a zygote that has imported jax, Orbax and tensorstore already
+(``support/zygote.py``: about 2.3 CPU-s saved per child), unless it asks for a ``fresh``
+interpreter (a test of what importing does).
+
 Every run is bounded (``timeout``: killed past it) and fails the test with the tails of the
 child's stdout and stderr when it exits non-zero (``check``) or runs past its time.
 """
@@ -37,6 +41,7 @@ import types
 from typing import Iterator, Mapping, Sequence
 
 from support import REPO, TESTS
+from support import zygote
 
 _DEVICE_COUNT_FLAG = re.compile(r'--xla_force_host_platform_device_count=\S*')
 TIER_ENV = 'ORBAX_PATHWAYS_LOCAL_DIR'
@@ -82,15 +87,20 @@ def output_tails(stdout, stderr) -> str:
 def run(argv: Sequence[object], *, env: Mapping[str, object] | None = None,
         devices: int | None = 8, base: Mapping[str, str] | None = None,
         unset: Sequence[str] = (), timeout: float = 180, check: bool = True,
-        cwd: object = REPO, input: str | None = None) -> subprocess.CompletedProcess:
+        cwd: object = REPO, input: str | None = None,
+        fresh: bool = False) -> subprocess.CompletedProcess:
   """Runs ``argv`` with ``child_env(env, devices=..., base=..., unset=...)`` in ``cwd`` (the
   repository root), its output captured as text. Past ``timeout`` s the child is killed and
-  the test fails with its output tails; so does a non-zero exit when ``check``."""
+  the test fails with its output tails; so does a non-zero exit when ``check``. A Python child
+  is forked from a zygote that imported jax, Orbax and tensorstore already
+  (``support/zygote.py``) unless ``fresh``: a child whose test is about what importing does
+  (the modules it loads, import order, logging set up at import) gets a new interpreter."""
   argv = [os.fspath(a) if isinstance(a, os.PathLike) else str(a) for a in argv]
   try:
-    proc = subprocess.run(argv, env=child_env(env, devices=devices, base=base, unset=unset),
-                          cwd=os.fspath(cwd), capture_output=True, text=True, timeout=timeout,
-                          input=input, check=False)
+    runner = subprocess.run if fresh else zygote.run
+    proc = runner(argv, env=child_env(env, devices=devices, base=base, unset=unset),
+                  cwd=os.fspath(cwd), capture_output=True, text=True, timeout=timeout,
+                  input=input, check=False)
   except subprocess.TimeoutExpired as e:
     raise AssertionError(f'{argv} did not finish within {timeout} s (killed)\n'
                          f'{output_tails(e.stdout, e.stderr)}') from None
@@ -116,7 +126,7 @@ def worker_argv(worker: types.ModuleType | str, *args: object) -> list[str]:
 
 def run_worker(worker: types.ModuleType | str, *args: object,
                **kwargs) -> subprocess.CompletedProcess:
-  """Runs a module of ``support/workers/`` with ``args`` in a fresh interpreter (``run``'s
+  """Runs a module of ``support/workers/`` with ``args`` in a child interpreter (``run``'s
   keywords: ``env``, ``devices``, ``timeout``, ``check``, ...)."""
   return run(worker_argv(worker, *args), **kwargs)
 
@@ -138,7 +148,7 @@ def start(argv: Sequence[object], *, env: Mapping[str, object] | None = None,
   """Starts ``argv`` with ``child_env(env, devices=..., unset=...)`` in ``cwd`` and returns its
   Popen (``popen``: Popen's pipes or files, ``text``); the caller kills and reaps it (a child
   that outlives one block: a test's job object). Within one block, ``started``."""
-  return subprocess.Popen([str(a) for a in argv],
+  return zygote.Popen([str(a) for a in argv],
                           env=child_env(env, devices=devices, unset=unset),
                           cwd=os.fspath(cwd), **popen)
 
@@ -183,7 +193,7 @@ class Background:
     self._out = os.path.join(log_dir, 'stdout')
     self._err = os.path.join(log_dir, 'stderr')
     with open(self._out, 'wb') as out, open(self._err, 'wb') as err:
-      self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+      self._proc = zygote.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                     env=None if env is None else dict(env), cwd=cwd)
 
   def wait(self, timeout: float) -> subprocess.CompletedProcess:

@@ -176,7 +176,7 @@ def _bare_import(module: str):
   handler, hence imports jax): what a jax-free module needs is then all that is loaded
   (``support/workers/bare_import_worker.py``)."""
   return procs.run_worker(bare_import_worker, module, 'jax,jaxlib,tensorstore,orbax',
-                          timeout=120, check=False)
+                          timeout=120, check=False, fresh=True)
 
 
 def test_format_imports_neither_jax_nor_tensorstore():

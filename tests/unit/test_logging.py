@@ -12,7 +12,7 @@ from support.workers import logging_probe_worker
 
 
 def _probe(import_us: bool) -> dict:
-  proc = procs.run_worker(logging_probe_worker, 'ours' if import_us else 'stock')
+  proc = procs.run_worker(logging_probe_worker, 'ours' if import_us else 'stock', fresh=True)
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
