@@ -124,15 +124,21 @@ class ProxyArrayHandler(compat.ArrayHandler):
   def _save_config(self, info: Any) -> transports.SaveConfig:
     settings = compat.handler_settings(self)
     orbax_limit = compat.limiter_bytes(getattr(info, 'byte_limiter', None))
+    # Orbax's "all hosts work with local storage" (``replica_id=None``, ``primary_host=None``):
+    # each host's save is complete for what it holds, so no chunk may span hosts (no small
+    # arrays coalesced, no replica split among hosts).
+    every_held = settings.replica_id is None and settings.primary_host is None
     return transports.SaveConfig(
         max_inflight_bytes=min(self.options.max_inflight_bytes, orbax_limit or self.options.max_inflight_bytes),
         plan=values.PlanSettings(
-            replica_parallel=self.options.replica_parallel and settings.use_replica_parallel,
-            coalesce_bytes=self.options.coalesce_bytes,
+            replica_parallel=(self.options.replica_parallel and settings.use_replica_parallel
+                              and not every_held),
+            coalesce_bytes=0 if every_held else self.options.coalesce_bytes,
             min_split_bytes=settings.min_slice_bytes_for_replica_parallel,
             max_replicas=settings.max_replicas_for_replica_parallel),
         snapshot_mode=self._snapshot_mode(info),
         is_primary=settings.primary_host is None or jax.process_index() == settings.primary_host,
+        every_held=every_held,
         ocdbt_process_id=compat.ocdbt_subdir_process_id(bool(info.is_ocdbt_checkpoint)),
         context=self._context(info))
 

@@ -45,6 +45,10 @@ class SaveConfig:
   is_primary: bool  # this process writes the zarr metadata and the shardings (local transport)
   ocdbt_process_id: int | str | None  # Orbax's ocdbt.process_<id> suffix for this process
   context: Any = None  # Orbax's tensorstore context for this item (local transport only)
+  # Every host writes every shard it holds, its first replica (Orbax's ``replica_id=None`` with
+  # ``primary_host=None``: each host saves into storage of its own, and its save alone is
+  # complete for what it holds); False: each distinct shard once, by the planner's choice.
+  every_held: bool = False
   tier: Any = None  # tier.config.TierConfig: this node's tier (None: off); set by the engine
   tier_scope: str = 'written'  # Options.local_scope: 'written' or 'held' (every chunk it holds)
   peer_timeout_s: float = 60.0  # a wait on workers beyond their work (Options.peer_timeout_s)

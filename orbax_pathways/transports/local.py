@@ -326,9 +326,12 @@ class LocalTransport:
       # A local-only step keeps what each host's devices hold ('held'): replicated state then
       # survives the loss of any host with no storage to fall back on.
       held = (held_pieces(arrays, plans, host)
-              if cfg.tier is not None and (cfg.tier_scope == 'held'
-                                           or format_names.is_local_only(item.directory))
+              if cfg.every_held or (cfg.tier is not None and (
+                  cfg.tier_scope == 'held' or format_names.is_local_only(item.directory)))
               else None)
+      if held is not None and cfg.every_held:  # storage gets them too: this host's save is
+        # complete for what it holds
+        pieces, held = [tuple(p) + h for p, h in zip(pieces, held)], None
     d2h = sum(p.data.nbytes for ps in pieces for p in ps)
     d2h += sum(p.data.nbytes for ps in held or () for p in ps)
     return base.Snapshot(
