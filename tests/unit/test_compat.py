@@ -377,3 +377,46 @@ def test_the_clean_up_seam_spares_only_the_local_steps_directory_and_is_given_ba
   finally:
     orbax_pathways.install()
   assert temporary_paths.all_temporary_paths is not wrapped and orbax_tmp_cleanup.installed()
+
+
+def test_a_save_alone_counts_and_signals_in_its_own_namespace_and_is_given_back():
+  """``_compat/orbax_process_local``: its four Orbax targets exist; inside ``alone()`` (and in
+  a commit thread Orbax starts from it) operation ids and the signalling client are the
+  namespace's, outside they are Orbax's, and ``uninstall()`` puts back the very originals."""
+  from orbax_pathways._compat import orbax_process_local as alone_lib  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src.futures import future, signaling_client, synchronization  # pylint: disable=g-import-not-at-top
+  assert alone_lib.missing() == []
+  gen = synchronization.OperationIdGenerator
+  originals = [vars(gen)['next_operation_id'], vars(gen)['get_current_operation_id'],
+               vars(signaling_client)['get_signaling_client'],
+               vars(future._SignalingThread)['__init__']]  # pylint: disable=protected-access
+  job_client = signaling_client.get_signaling_client()
+  try:
+    before = gen.get_current_operation_id()
+
+    def thread_sees():
+      seen = {}
+      t = future._SignalingThread(  # pylint: disable=protected-access
+          target=lambda: seen.update(id=gen.get_current_operation_id(),
+                                     client=signaling_client.get_signaling_client()),
+          send_signals=[], receive_signals=[])
+      t.start()
+      t.join()
+      return seen
+
+    with alone_lib.alone(7):
+      assert gen.next_operation_id() == 'alone-7-1'
+      assert gen.next_operation_id() == 'alone-7-2'
+      assert gen.get_current_operation_id() == 'alone-7-2'
+      own_client = signaling_client.get_signaling_client()
+      assert own_client is not job_client
+      assert thread_sees() == {'id': 'alone-7-2', 'client': own_client}
+      assert alone_lib.job_operation_id() == before
+    assert gen.get_current_operation_id() == before  # the job's counter never moved
+    assert signaling_client.get_signaling_client() is job_client
+    assert thread_sees() == {'id': before, 'client': job_client}
+  finally:
+    alone_lib.uninstall()
+  assert [vars(gen)['next_operation_id'], vars(gen)['get_current_operation_id'],
+          vars(signaling_client)['get_signaling_client'],
+          vars(future._SignalingThread)['__init__']] == originals  # pylint: disable=protected-access
