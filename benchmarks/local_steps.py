@@ -21,7 +21,9 @@ a final save (every process killed at the same step). Each mode of ``--modes`` i
   every restore reads storage, as stock Orbax does;
 - ``multi_tier``: ``local_save_interval_steps=--local-every``, a tier per process;
 - ``multi_tier_copies``: the same with ``local_copies=2`` (each process a slice: process i's
-  share also kept by process i+1).
+  share also kept by process i+1);
+- ``multi_tier_nodes``: ``multi_tier`` with ``local_steps_in='nodes'``: each process saves its
+  part of a local-only step alone into its node (no storage request, no barrier).
 
 Then 4 fresh processes (3 with ``--lose-node``: the 4th node and its tier gone) run
 ``preemption.resume`` and one training step. ``--leaves N`` splits the state's rows into N arrays (a model's leaves: per-array work on
@@ -68,7 +70,7 @@ from benchlib import storage as benchlib_storage  # noqa: E402  pylint: disable=
 REPO = os.path.dirname(HERE)
 TESTS = os.path.join(REPO, 'tests')
 MiB = 1 << 20
-MODES = ('storage_only', 'multi_tier', 'multi_tier_copies')
+MODES = ('storage_only', 'multi_tier', 'multi_tier_copies', 'multi_tier_nodes')
 
 WORKER = r'''
 import json, os, sys, time
@@ -238,7 +240,8 @@ def parse_args(argv=None):
   p.add_argument('--modes', default='storage_only,multi_tier',
                  help='comma-separated: storage_only, multi_tier, multi_tier_copies '
                       '(multi_tier with local_copies=2: a partner of another slice keeps a '
-                      'second copy of each share)')
+                      'second copy of each share), multi_tier_nodes (multi_tier with '
+                      "local_steps_in='nodes')")
   p.add_argument('--train-only', action='store_true',
                  help='no restart: the training loop\'s step time only (the overhead run)')
   p.add_argument('--latency-ms', type=float, default=0.0,
@@ -320,7 +323,8 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None) -> dict:
   tiered = mode != 'storage_only'
   env = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': str(args.local_every if tiered else 0),
          'ORBAX_PATHWAYS_LOCAL_COPIES': '2' if mode == 'multi_tier_copies' else '1',
-         'ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY': args.when_busy}
+         'ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY': args.when_busy,
+         'ORBAX_PATHWAYS_LOCAL_STEPS_IN': 'nodes' if mode == 'multi_tier_nodes' else 'storage'}
   per_tier = list(tiers) if tiered else ['off'] * 4  # storage only: no tier at all
   try:
     with _StorageCpu(server_pid) as storage_cpu:

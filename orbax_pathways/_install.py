@@ -134,7 +134,8 @@ def _manager_hooks() -> list[manager_hooks.ManagerHooks]:
           local_steps.LocalStepHooks(lambda: _installed_options().local_save_interval_steps,
                                      lambda: _installed_options().local_keep,
                                      background=_local_saves_in_background,
-                                     when_busy=lambda: _installed_options().local_save_when_busy)]
+                                     when_busy=lambda: _installed_options().local_save_when_busy,
+                                     options=_installed_options)]
 
 
 def _local_saves_in_background() -> bool:

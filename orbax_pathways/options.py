@@ -42,6 +42,7 @@ DIVISIBILITIES = ('replicate', 'strict')
 COMPRESSIONS = ('auto', 'zstd', 'none')
 LOCAL_SCOPES = ('written', 'held')
 LOCAL_WHEN_BUSY = ('wait', 'skip')
+LOCAL_STEPS_IN = ('storage', 'nodes')
 LOCAL_MAX_AGE_S = 24 * 3600.0  # Options.local_max_age_s
 
 _TRUE = ('1', 'true', 'yes', 'y', 'on', 't')
@@ -183,6 +184,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar('ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY', 'choice', 'wait',
            'a local-only save due while the previous one is busy: wait for its writes (it '
            'commits first), or skip the step (every process alike)', LOCAL_WHEN_BUSY),
+    EnvVar('ORBAX_PATHWAYS_LOCAL_STEPS_IN', 'choice', 'storage',
+           "where a local-only step's Orbax files and records go: storage (with the bytes in "
+           'the tiers), or each node alone (no storage request, no barrier)', LOCAL_STEPS_IN),
     EnvVar('ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S', 'float', 20.0,
            "longest wait on another host's node-local tier before its chunks come from storage",
            minimum=0.001, unit='seconds'),
@@ -215,6 +219,7 @@ FIELD_ENV: dict[str, str] = {
     'local_save_interval_steps': 'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS',
     'local_scope': 'ORBAX_PATHWAYS_LOCAL_SCOPE',
     'local_save_when_busy': 'ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY',
+    'local_steps_in': 'ORBAX_PATHWAYS_LOCAL_STEPS_IN',
     'local_copies': 'ORBAX_PATHWAYS_LOCAL_COPIES',
     'local_max_age_s': 'ORBAX_PATHWAYS_LOCAL_MAX_AGE_S',
     'local_max_bytes': 'ORBAX_PATHWAYS_LOCAL_MAX_BYTES',
@@ -378,6 +383,16 @@ class Options:
     than a local save's commit: the loop never waits, and local-only steps land as often as
     they can commit. Only where local-only saves run in the background (the local transport,
     arguments the save can copy); otherwise every due step is saved.
+  local_steps_in: where a local-only step's Orbax files and records go
+    (``ORBAX_PATHWAYS_LOCAL_STEPS_IN``). ``'storage'`` (default): as ``local_save_interval_steps``
+    says. ``'nodes'``: each process saves its part of the step alone into its node's tier
+    directory (``local_dir``, which must be named), every shard it holds, in Orbax's format
+    (``manager/node_steps.py``): no storage request, no barrier, and storage saves never wait
+    for it. ``preemption.resume`` restores the newest step every process's node holds, each
+    process from its own node. Only for background local-only saves of trees of ``jax.Array``,
+    numpy and scalar leaves, and JSON (the others keep ``'storage'``); a resume onto another process count or
+    after a node was lost passes these steps over; no partner copies yet
+    (``docs/multi_tier.md``).
   local_copies: copies of each host's share of a local-only step (``ORBAX_PATHWAYS_LOCAL_COPIES``,
     1). ``2``: each process also sends its share, in the save's background part, to a partner
     process of another slice (``tier/partners.py``), which keeps it in its node's tier, so the
@@ -452,6 +467,7 @@ class Options:
   local_save_interval_steps: int = _default('local_save_interval_steps')
   local_scope: str = _default('local_scope')
   local_save_when_busy: str = _default('local_save_when_busy')
+  local_steps_in: str = _default('local_steps_in')
   local_copies: int = _default('local_copies')
   local_max_age_s: float = _default('local_max_age_s')
   local_max_bytes: int | None = _default('local_max_bytes')
@@ -481,7 +497,8 @@ class Options:
   def __post_init__(self):
     for name, allowed in (('divisibility', DIVISIBILITIES), ('compression', COMPRESSIONS),
                           ('snapshot', SNAPSHOTS), ('local_scope', LOCAL_SCOPES),
-                          ('local_save_when_busy', LOCAL_WHEN_BUSY)):
+                          ('local_save_when_busy', LOCAL_WHEN_BUSY),
+                          ('local_steps_in', LOCAL_STEPS_IN)):
       if getattr(self, name) not in allowed:
         quoted = [repr(a) for a in allowed]
         raise ValueError(f'{name}={getattr(self, name)!r}: use {", ".join(quoted[:-1])} or '

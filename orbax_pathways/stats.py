@@ -96,7 +96,8 @@ class RestoreStats:
   step: int | None = None
   step_dir: str = ''
   # Per source ('local': this node's tier, 'peer': other hosts' tiers, 'relay': read from storage
-  # by another process that needed the same lost chunk, and passed on; 'storage'), over every
+  # by another process that needed the same lost chunk, and passed on; 'node': a node step's
+  # own directory on this node, manager/node_steps.py; 'storage'), over every
   # reading host of this process: bytes delivered, and seconds spent reading them (summed over
   # concurrent reads, so they may add up to more than ``read_s``).
   bytes_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -104,7 +105,7 @@ class RestoreStats:
 
   def sources_text(self) -> str:
     """'local 12.0 MiB in 0.01 s, storage 0.0 MiB in 0.00 s' for the restore's log line."""
-    order = ('local', 'peer', 'relay', 'storage')
+    order = ('local', 'node', 'peer', 'relay', 'storage')
     names = sorted(self.bytes_by_source, key=lambda n: (order.index(n) if n in order else 9, n))
     return ', '.join(f'{n} {self.bytes_by_source[n] / 2**20:.1f} MiB in '
                      f'{self.seconds_by_source.get(n, 0.0):.2f} s' for n in names) or 'storage'

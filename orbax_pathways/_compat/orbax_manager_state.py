@@ -388,6 +388,13 @@ def existing_local_manager(mngr: ocp.CheckpointManager) -> ocp.CheckpointManager
   return mngr.__dict__.get(_LOCAL)
 
 
+def mark_node_manager(node: ocp.CheckpointManager, served: ocp.CheckpointManager) -> None:
+  """``node`` keeps ``served``'s node steps on this process (``manager/node_steps.py``): the
+  package's hooks treat it as they treat a hidden manager (it saves no local-only steps of its
+  own and never consumes a preemption notice)."""
+  node.__dict__[_LOCAL_OF] = served
+
+
 def is_local_manager(mngr: Any) -> bool:
   """Whether ``mngr`` is a hidden manager of local-only steps."""
   return _LOCAL_OF in getattr(mngr, '__dict__', {})

@@ -323,6 +323,8 @@ class Engine:
     else one warning, tier off on this process, its peer server included); one that cannot be
     made is warned about and its copies skipped, while restores still read other hosts' tiers.
     Worker hosts check their own (``tier_store.write_entry`` / ``entries``)."""
+    if directory is not None and format_lib.is_node_step(directory):
+      return None  # a node step is in the node already (manager/node_steps.py): no copy of it
     o = self.options
     local_dir, keep = o.local_dir, o.local_keep
     if local_dir is None:

@@ -51,6 +51,14 @@ PATHWAYS_DIR = '_pathways'  # <item>/_pathways/<writer>.msgpack (metadata.DIRNAM
 # array bytes in the writers' node-local tiers only (docs/multi_tier.md). A dot name: Orbax's
 # step listing, which takes step-number names only, never lists it as a step.
 LOCAL_STEPS_DIR = '.orbax-pathways-local'
+# In a node's tier directory: the steps each process saves there alone (manager/node_steps.py).
+# A dot name: the tier's entries are under hex keys, and its listing skips dot names.
+NODE_STEPS_DIR = '.node-steps'
+
+
+def is_node_step(path: object) -> bool:
+  """Whether ``path`` is in a node's directory of node steps (``NODE_STEPS_DIR``)."""
+  return NODE_STEPS_DIR in str(path).split('/')
 
 
 def is_local_only(item_dir: object) -> bool:

@@ -373,6 +373,9 @@ class ProxyNumpyHandler(compat.NumpyHandler):
   """
 
   WRITER_KIND = 'numpy'
+  # Every process writes (not process 0 only): set on the handlers of a manager of one process
+  # (manager/node_steps.py), whose directory no other process writes to.
+  every_process = False
 
   def __init__(self, *, options: options_lib.Options | None = None,
                saved_type_in_infos: bool = True, **kwargs):
@@ -419,7 +422,7 @@ class ProxyNumpyHandler(compat.NumpyHandler):
           info, arg, value, metadata_key=compat.numpy_handler_metadata_key(self),
           ocdbt_process_id=compat.numpy_handler_ocdbt_process_id(self))
       arrays.append(engine_lib.HostArray(info.name, value, tspec))
-    if compat.primary_process_index() != 0 or not arrays:
+    if (compat.primary_process_index() != 0 and not self.every_process) or not arrays:
       return
     item = self._host_item(infos[0])
     await self.engine.save_host(

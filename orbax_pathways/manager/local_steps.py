@@ -38,6 +38,11 @@ Who calls what, on which host (every process that calls the manager):
   restored through the hidden manager; after the resume, those newer than the step it chose
   are deleted (a rolled-back run's).
 
+With ``Options.local_steps_in='nodes'``, a background local-only save of a tree or JSON
+(``node_steps.applies``) goes to this process's node instead (``node_steps.save``, on the same
+background thread, one at a time): no hidden manager, no storage request, no barrier, and a
+storage save does not wait for it (``before_save``); ``resume_on_nodes`` is its resume.
+
 The hidden manager is a ``CheckpointManager`` like any other, so the package's other hooks run
 on it too (the writer lease, retention, the tier's commit); this module's hooks skip it.
 """
@@ -58,6 +63,7 @@ from orbax_pathways._util import said
 from orbax_pathways.manager import hooks as hooks_lib
 from orbax_pathways.manager import local_busy
 from orbax_pathways.manager import local_detach
+from orbax_pathways.manager import node_steps
 from orbax_pathways.transports import snapshots
 from orbax_pathways._compat import orbax_manager as _om
 
@@ -94,6 +100,7 @@ class _Background(NamedTuple):
   # Set once this process's writes of the save finished or failed (its host copies consumed),
   # or the save ended: the next local-only snapshot may be taken from then on.
   handed_off: threading.Event
+  on_node: bool = False  # saved on this node alone (node_steps): no storage save waits for it
 
 
 # Manager -> its newest background local-only save. At most two at a time: one committing,
@@ -126,11 +133,13 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
 
   def __init__(self, interval: Callable[[], int], keep: Callable[[], int],
                background: Callable[[], bool] = lambda: False,
-               when_busy: Callable[[], str] = lambda: 'wait'):
+               when_busy: Callable[[], str] = lambda: 'wait',
+               options: Callable[[], Any] = lambda: None):
     self._interval = interval
     self._keep = keep
     self._background = background
     self._when_busy = when_busy
+    self.options = options  # the installed Options (Options.local_steps_in)
 
   def policy(self, mngr: Any) -> Policy:
     found = _assigned.get(mngr)
@@ -139,9 +148,17 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
   def before_save(self, mngr: Any, step: int) -> None:
     """A storage save starts once the local-only save before it committed: one save in the
     background per process at a time (Orbax's own rule within one manager; two managers'
-    background threads would share Orbax's process-wide operation ids and barrier order)."""
-    if not _oms.is_local_manager(mngr):
-      self._wait_saves(mngr)
+    background threads would share Orbax's process-wide operation ids and barrier order).
+    Except a node step (``node_steps``): saved by this process alone, in operation ids of its
+    own, it never meets a storage save, which starts at once."""
+    if _oms.is_local_manager(mngr):
+      return
+    found = _running.get(mngr)
+    inner = _oms.existing_local_manager(mngr)
+    if (found is not None and found.on_node
+        and (inner is None or not inner.is_saving_in_progress())):
+      return  # saved on this node alone: nothing of a storage save meets it (node_steps)
+    self._wait_saves(mngr)
 
   def save_declined(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> None:
     every = self.policy(mngr).interval
@@ -169,9 +186,14 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     previous = _running.get(mngr)
     if previous is not None:
       previous.handed_off.wait()
+    on_node = (mngr not in _assigned and not detached.args and set(detached.kwargs) == {'args'}
+               and node_steps.applies(mngr, self.options(), detached.kwargs['args']))
     try:
-      inner = _oms.local_manager(mngr, directory_of(mngr), self.policy(mngr).keep)
-      _v1.follow_v1_checkpointer(mngr, inner, detached.kwargs.get('args'))  # Orbax v1's
+      if on_node:
+        inner = None
+      else:
+        inner = _oms.local_manager(mngr, directory_of(mngr), self.policy(mngr).keep)
+        _v1.follow_v1_checkpointer(mngr, inner, detached.kwargs.get('args'))  # Orbax v1's
       taken = snapshots.take(detached.arrays)
     except Exception as e:  # pylint: disable=broad-except  (never fails the training step)
       join(mngr)  # its clean-up below runs where no save of the hidden manager does
@@ -181,13 +203,41 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     # read when they save).
     context = contextvars.copy_context()
     handed_off = threading.Event()
+    run = self._run if inner is not None else self._run_on_node
     thread = threading.Thread(
         target=context.run,
-        args=(self._run, mngr, inner, step, [detached], taken,
+        args=(run, mngr, inner, step, [detached], taken,
               previous.thread if previous is not None else None, handed_off),
         name=f'orbax_pathways-local-save-{step}', daemon=True)
-    _running[mngr] = _Background(thread, handed_off)
+    _running[mngr] = _Background(thread, handed_off, on_node=inner is None)
     thread.start()
+
+  def _run_on_node(self, mngr: Any, inner: None, step: int,
+                   holder: list[local_detach.Detached], taken: snapshots.Taken,
+                   previous: threading.Thread | None, handed_off: threading.Event) -> None:
+    """The background thread of a node step (``node_steps``): the previous local-only save
+    ended, then this process's save alone into its node, synchronous (its writes are its
+    commit). No storage save is waited for, and none waits for it."""
+    del inner
+    _in_background.active = True
+    detached = holder.pop()
+    try:
+      if previous is not None:
+        previous.join()
+      try:
+        node_steps.save(mngr, self.options(), step, detached.kwargs['args'],
+                        self.policy(mngr).keep)
+      finally:
+        taken.release()
+        del detached
+      for st in stats.saves_for_step(step, node_steps.directory_of(mngr)):
+        st.loop_snapshot_s = taken.seconds  # the save's part in the loop (stats.SaveStats)
+    except Exception as e:  # pylint: disable=broad-except  (logged; training goes on)
+      log.warning('orbax_pathways: local-only save of step %d of %s into this node failed '
+                  '(%s: %s); the newest committed step stays the one to resume from.', step,
+                  mngr.directory, type(e).__name__, e)
+    finally:
+      handed_off.set()
 
   @staticmethod
   def _run(mngr: Any, inner: Any, step: int, holder: list[local_detach.Detached],
@@ -277,6 +327,16 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     if inner is not None:
       self.wait(mngr)
       inner.close()
+    join(mngr)
+    node_steps.close(mngr)
+
+  def resume_on_nodes(self, mngr: Any, abstract_state: Any, newest_storage: int | None,
+                      **agreement: Any) -> tuple[int, Any] | None:
+    """``node_steps.resume`` with this manager's options and local policy."""
+    if mngr in _assigned:
+      return None
+    return node_steps.resume(mngr, self.options(), self.policy(mngr).keep, abstract_state,
+                             newest_storage, **agreement)
 
 
 def _warn_failed(mngr: Any, step: int, e: BaseException) -> None:
@@ -306,6 +366,19 @@ def local_manager(mngr: Any) -> Any | None:
   if hook is None or not directory_of(mngr).exists():
     return None
   return _oms.local_manager(mngr, directory_of(mngr), hook.policy(mngr).keep)
+
+
+def resume_on_nodes(mngr: Any, abstract_state: Any, newest_storage: int | None,
+                    **agreement: Any) -> tuple[int, Any] | None:
+  """``(step, state)`` from the newest node step (``node_steps``: ``Options.local_steps_in=
+  'nodes'``) newer than ``newest_storage`` that every process restored, or None
+  (``preemption.resume``, every process; ``agreement``: ``node_steps.resume``'s ``all_ok``
+  and ``timeout_s``)."""
+  hook = next((h for h in _om.registered() if isinstance(h, LocalStepHooks)), None)
+  if hook is None or _oms.is_local_manager(mngr):
+    return None
+  join(mngr)
+  return hook.resume_on_nodes(mngr, abstract_state, newest_storage, **agreement)
 
 
 def newer_steps(mngr: Any, than: int | None) -> tuple[Any | None, list[int]]:

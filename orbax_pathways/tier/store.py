@@ -364,7 +364,8 @@ def entries(local_dir: str, root: str | None = None, step_name: str | None = Non
   if not config_lib.readable(local_dir):
     return []
   out = []
-  keys = [manifest_lib.root_key(root)] if root is not None else fsafe.subdirs(local_dir)
+  keys = ([manifest_lib.root_key(root)] if root is not None else
+          [k for k in fsafe.subdirs(local_dir) if not k.startswith('.')])  # node steps' own
   for key in keys:
     kdir = os.path.join(local_dir, key)
     for s in ([step_name] if step_name is not None else fsafe.subdirs(kdir)):

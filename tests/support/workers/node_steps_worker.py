@@ -1,0 +1,96 @@
+"""One ``jax.distributed`` process of ``tests/tier/test_node_steps.py`` (``mp_harness``): a
+simulated node with its own tier directory (``ORBAX_PATHWAYS_LOCAL_DIR``), with
+``ORBAX_PATHWAYS_LOCAL_STEPS_IN=nodes`` and a local-only save every step (set by the test).
+
+    node_steps_worker.py save|resume CKPT LAST
+
+``save``: an unchanged ``CheckpointManager`` (``save_interval_steps=4``) saves steps 0..LAST
+of a state with a sharded ``jax.Array``, a replicated one and a numpy leaf; emits Orbax's
+storage steps and the steps this node holds. ``resume``: ``preemption.resume`` onto the current
+processes, checks every addressable shard against the step it returned, saves the next step,
+emits the step, where the restore read its bytes from, and the steps this node holds.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+
+faulthandler.dump_traceback_later(float(os.environ.get('DUMP_S', '150')), exit=False)
+
+from support import mp_worker as w  # pylint: disable=g-import-not-at-top
+
+w.init()
+
+import jax  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+import orbax_pathways  # pylint: disable=g-import-not-at-top
+from orbax_pathways import preemption  # pylint: disable=g-import-not-at-top
+from orbax_pathways._compat import jax_distributed  # pylint: disable=g-import-not-at-top
+from orbax_pathways.manager import node_steps  # pylint: disable=g-import-not-at-top
+
+P = jax.sharding.PartitionSpec
+MODE, CKPT, LAST = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+
+def values(step: int) -> dict:
+  return {'w': np.arange(64 * 16, dtype=np.float32).reshape(64, 16) + step,
+          'r': np.arange(24, dtype=np.float32) - step,
+          'n': np.full((3,), step, np.int64)}
+
+
+def shardings() -> dict:
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
+  return {'w': jax.sharding.NamedSharding(mesh, P('x', None)),
+          'r': jax.sharding.NamedSharding(mesh, P())}
+
+
+def state(step: int) -> dict:
+  v, sh = values(step), shardings()
+  out = {k: jax.make_array_from_callback(v[k].shape, sh[k], lambda i, k=k: v[k][i]) for k in sh}
+  out['n'] = v['n']
+  return out
+
+
+def equal(restored, step: int) -> bool:
+  v = values(step)
+  ok = np.array_equal(np.asarray(restored['n']), v['n'])
+  for k in ('w', 'r'):
+    ok &= all(np.array_equal(np.asarray(s.data), v[k][s.index])
+              for s in restored[k].addressable_shards)
+  return bool(ok)
+
+
+def node_steps_held(mngr) -> list[int]:
+  found = node_steps.directory_of(mngr)
+  if found is None:
+    return []
+  return sorted(int(n) for n in os.listdir(found) if n.isdigit())
+
+
+def main() -> None:
+  mngr = ocp.CheckpointManager(CKPT, options=ocp.CheckpointManagerOptions(
+      save_interval_steps=4, max_to_keep=3))
+  out: dict = {}
+  first = 0
+  if MODE == 'resume':
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state(0))
+    abstract['n'] = np.zeros((3,), np.int64)
+    step, restored = preemption.resume(mngr, lambda: state(0), abstract_state=abstract)
+    out.update(resumed=step, equal=equal(restored, step),
+               sources=orbax_pathways.stats.last_restore().bytes_by_source)
+    first = step + 1
+  for step in range(first, LAST + 1):
+    mngr.save(step, args=ocp.args.StandardSave(state(step)))
+  mngr.wait_until_finished()
+  out.update(storage_steps=list(mngr.all_steps()), node_steps=node_steps_held(mngr),
+             node_dir=node_steps.directory_of(mngr))
+  mngr.close()
+  w.emit(out)
+  jax_distributed.distributed_client().wait_at_barrier(f'node_steps_worker_{MODE}', 10 ** 6)
+
+
+main()
