@@ -78,3 +78,22 @@ def test_a_restart_on_fewer_processes_passes_node_steps_over(saved):
   for r in resumed:
     assert r.result is not None, r.stderr_tail
     assert r.result['resumed'] == 8 and r.result['equal'], r.result
+
+
+def test_a_flipped_byte_in_one_nodes_step_is_caught_and_passed_over(saved):
+  """A bit of node 1's step 9 flipped (its OCDBT data files): that process's restore fails its
+  checksum, no process uses step 9, and the restart resumes storage step 8 with the right
+  values."""
+  tmp_path, results = saved
+  data = [p for p in (tmp_path / 'node1').rglob('*') if p.is_file() and '/9/default/' in str(p)
+          and '/d/' in str(p)]
+  assert data, 'no OCDBT data file in node 1\'s step 9'
+  biggest = max(data, key=lambda p: p.stat().st_size)
+  raw = bytearray(biggest.read_bytes())
+  raw[len(raw) // 2] ^= 0x10
+  biggest.write_bytes(bytes(raw))
+  resumed = _run(tmp_path, 'resume', 8)
+  for r in resumed:
+    assert r.result is not None, r.stderr_tail
+    assert r.result['resumed'] == 8 and r.result['equal'], r.result
+  assert 'node step 9 cannot be restored' in resumed[1].stderr_tail
