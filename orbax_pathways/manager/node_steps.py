@@ -124,19 +124,21 @@ def applies(mngr: Any, options: Any, args: Any) -> bool:
   return True
 
 
-def _registry() -> Any:
+def _registry(options: Any) -> Any:
   """The node manager's handlers: Orbax's PyTree and JSON handlers for one process, whose
-  ``jax.Array`` handler writes every shard this process holds."""
+  ``jax.Array`` handler writes every shard this process holds (the package's handlers, with the
+  installed ``options``)."""
   from orbax_pathways.frontends import orbax_v0  # pylint: disable=g-import-not-at-top
   me = _oms.process_index()
   mp = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={me},
                                           barrier_sync_key_prefix=f'orbax_pathways_node_{me}')
-  numpy, scalar = orbax_v0.ProxyNumpyHandler(), orbax_v0.ProxyScalarHandler()
+  numpy = orbax_v0.ProxyNumpyHandler(options=options)
+  scalar = orbax_v0.ProxyScalarHandler(options=options)
   numpy.every_process = scalar.every_process = True
   types = ocp.type_handlers.create_type_handler_registry(
       (int, scalar), (float, scalar), (np.number, scalar), (np.ndarray, numpy),
-      (jax.Array, orbax_v0.ProxyArrayHandler(primary_host=None, replica_id=None,
-                                             use_replica_parallel=False)))
+      (jax.Array, orbax_v0.ProxyArrayHandler(options=options, primary_host=None,
+                                             replica_id=None, use_replica_parallel=False)))
   tree = ocp.PyTreeCheckpointHandler(multiprocessing_options=mp, type_handler_registry=types)
   json = ocp.JsonCheckpointHandler(multiprocessing_options=mp)
   registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
@@ -154,7 +156,7 @@ def manager(mngr: Any, options: Any, keep: int) -> Any | None:
   root = tier_root(options)
   if root is None:
     return None
-  registry, mp = _registry()
+  registry, mp = _registry(options)
   node = ocp.CheckpointManager(
       directory(mngr, root),
       options=ocp.CheckpointManagerOptions(
