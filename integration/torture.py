@@ -115,21 +115,43 @@ def check(directory: str, bases) -> tuple[list[int], list[str]]:
   return steps, problems
 
 
+_PARENT_ENV = 'TORTURE_PARENT_PID'
+
+
 def _die_with_parent():
-  """Linux: the child gets SIGKILL if this harness dies, so no child outlives a crashed run."""
+  """Linux, in the child: SIGKILL if the harness (``TORTURE_PARENT_PID``) dies, so no child
+  outlives a crashed run; exits at once if it already has."""
+  parent = os.environ.pop(_PARENT_ENV, None)
   try:
     import ctypes  # pylint: disable=g-import-not-at-top
     ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
   except OSError:
-    pass
+    return
+  if parent is not None and os.getppid() != int(parent):
+    os._exit(1)  # pylint: disable=protected-access
+
+
+def _popen():
+  """``subprocess.Popen``, or the test suite's zygote's (``tests/support/zygote.py``: the child
+  forked from a process that has imported jax and Orbax) where the tests are beside us."""
+  tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tests')
+  if tests not in sys.path:
+    sys.path.insert(0, tests)
+  try:
+    from support import zygote  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return subprocess.Popen
+  return zygote.Popen
 
 
 def _one_round(args, rnd: int, delay: float, directory: str, bases) -> tuple[list[str], int]:
   """Start a child, kill it after ``delay``, check the directory. Returns (problems, restored)."""
-  proc = subprocess.Popen(
+  proc = _popen()(
       [sys.executable, os.path.abspath(__file__), '--child', '--dir', directory, '--mib',
        str(args.mib)] + (['--stock'] if args.stock else []),
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      # JAX_PLATFORMS before the child's jax is imported (a zygote's import reads it).
+      env={'JAX_PLATFORMS': 'cpu', **os.environ, _PARENT_ENV: str(os.getpid())})
   try:
     ready = proc.stdout.readline()
     if not ready.startswith('READY'):
@@ -207,6 +229,7 @@ def main(argv=None) -> int:
   p.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child:
+    _die_with_parent()
     child(args.dir, args.stock, args.mib)
     return 0
   if args.fake_gcs:
