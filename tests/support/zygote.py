@@ -139,7 +139,7 @@ class Popen(subprocess.Popen):
   def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
                      startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite,
                      errread, errwrite, restore_signals, gid, gids, uid, umask,
-                     start_new_session, process_group=None):
+                     start_new_session, process_group):
     parsed = None
     if (os.environ.get(_ENV_SWITCH, '1') != '0' and not shell and preexec_fn is None
         and not pass_fds and executable is None and gid is None and gids is None
@@ -156,11 +156,10 @@ class Popen(subprocess.Popen):
              errwrite if errwrite != -1 else 2]
       pid = _spawn(parsed, child_env, fds)
     if pid is None:
-      extra = () if process_group is None and sys.version_info < (3, 11) else (process_group,)
       return super()._execute_child(
           args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
           creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
-          restore_signals, gid, gids, uid, umask, start_new_session, *extra)
+          restore_signals, gid, gids, uid, umask, start_new_session, process_group)
     self.pid = pid
     self._child_created = True
     self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
