@@ -10,8 +10,10 @@ client arrives as an object with ``key_value_set``, ``blocking_key_value_get``,
   publishes its answer first and the first member gathers them;
 - ``coord/liveness.SaveRound`` (Orbax's commit thread of each multi-process async save): every
   member publishes "my writes finished", the primary gathers and publishes the verdict;
-- ``preemption/decision.py`` (every ``agreement_interval`` steps) and ``preemption/recovery.py``
-  (each step ``resume`` tries): every member publishes a flag and gathers everyone's;
+- ``preemption/decision.py`` (every ``agreement_interval`` steps), ``preemption/recovery.py``
+  (each step ``resume`` tries) and ``manager/node_steps.py`` (the node steps every node holds,
+  once per resume): ``agree``, every member publishes its value and the leader publishes the
+  verdict;
 - ``tier/exchange.Exchange`` (each restore with the tier on): every process publishes what its
   node holds; a reader gathers the others' when it first needs a chunk, and takes whoever
   answered in time (``missing_ok``: a missing peer costs its chunks a storage read).
@@ -27,10 +29,10 @@ past them: who does it and how many rounds back is the caller's ``keep`` and ``w
 
 What a round costs each process, whatever the fleet: one set to publish; a gather reads the
 key-value directory of the round first (one request: every key already there), then blocks
-only on the processes still missing (one read each, answered when the key arrives) and reads
-the directory again after each ``SLICE_S`` without an arrival; a verdict is one set (its
-publisher) or one blocking read (the others). The publisher of a verdict and a gatherer hold
-one value per member; nothing else grows with the fleet.
+only on one process still missing at a time and reads the directory again after each arrival
+and each ``SLICE_S`` without one (requests count the waves of arrivals); a verdict is one set
+(its publisher) or one blocking read (the others). The publisher of a verdict and a gatherer
+read one value per member; nothing else grows with the fleet.
 
 The deadline of ``gather`` measures silence: it restarts whenever a key arrives, so a round
 whose keys keep arriving is never cut off; only a whole ``timeout_s`` without any arrival
@@ -45,10 +47,17 @@ import collections
 import os
 import threading
 import time
-from typing import Any, Iterable, Mapping, Sequence as Seq
+from typing import Any, Callable, Iterable, Mapping, Sequence as Seq
 
 ROOT = 'orbax_pathways'
 VERDICT = 'verdict'
+# ``agree``'s leader sets ``<round>/progress`` to the number of values it has gathered after
+# each wave of arrivals: a member waiting for the verdict tells a leader still gathering from
+# one that is gone.
+PROGRESS = 'progress'
+# The start of ``agree``'s verdict when its leader's gather timed out, then the missing members
+# (a verdict of ``decide`` never starts with it).
+MISSING = 'missing:'
 # How long one blocking key-value read of ``gather`` lasts before it reads the round's
 # directory for keys that arrived meanwhile (progress). Silence is measured to within this.
 SLICE_S = 1.0
@@ -235,13 +244,17 @@ class Round:
     return out
 
   def gather(self, timeout_s: float, *, processes: Seq[int] | None = None,
-             on_silence: bool = True, missing_ok: bool = False) -> dict[int, str]:
+             on_silence: bool = True, missing_ok: bool = False,
+             on_arrival: Callable[[int], None] | None = None) -> dict[int, str]:
     """The values of ``processes`` (default: every member), by process index in their order.
 
-    Reads the round's directory first, then blocks on each process still missing; a key that
-    arrives restarts the deadline (``on_silence``; else it is ``timeout_s`` in all, to within
-    ``SLICE_S``). Past it: ``PeerTimeoutError`` naming the processes that did not answer, or
-    (``missing_ok``) the values that came."""
+    Reads the round's directory first, then blocks on one process still missing; when its key
+    arrives, one more directory read takes every other key that came meanwhile (so the requests
+    count the waves of arrivals, not the processes). A key that arrives restarts the deadline
+    (``on_silence``; else it is ``timeout_s`` in all, to within ``SLICE_S``). Past it:
+    ``PeerTimeoutError`` naming the processes that did not answer, or (``missing_ok``) the
+    values that came. ``on_arrival(n)``: called after each wave with the number of values
+    gathered so far."""
     ids = list(self.members if processes is None else processes)
     began = time.monotonic()
     last = began  # the last sign of progress: a key that arrived
@@ -258,12 +271,18 @@ class Round:
         values[p] = self.client.blocking_key_value_get(f'{self.key}/{p}',
                                                        max(1, int(wait_s * 1000)))
         last = time.monotonic()
+        if len(values) < len(ids) - 1:  # the others that came meanwhile: one directory read
+          values.update(self._arrived([q for q in ids if q not in values], first=True))
+        if on_arrival is not None:
+          on_arrival(len(values))
       except Exception as e:  # pylint: disable=broad-except  (DEADLINE_EXCEEDED, a dead service)
         error = e
         got = self._arrived([q for q in ids if q not in values], first=False)
         if got:
           values.update(got)
           last = time.monotonic()
+          if on_arrival is not None:
+            on_arrival(len(values))
         elif time.monotonic() - asked < wait_s / 2:  # not a slice that ran out: the service failed
           break
     missing = [q for q in ids if q not in values]
@@ -296,19 +315,71 @@ class Round:
       found = self.read(VERDICT)
       return value if found is None else found
 
-  def await_verdict(self, timeout_s: float) -> str:
+  def await_verdict(self, timeout_s: float, *, while_progress: bool = False) -> str:
     """The verdict, once published (one blocking read); ``PeerTimeoutError`` naming the leader
-    if none came within ``timeout_s``."""
-    try:
-      return self.client.blocking_key_value_get(f'{self.key}/{VERDICT}',
-                                                max(1, int(timeout_s * 1000)))
-    except Exception as e:  # pylint: disable=broad-except  (DEADLINE_EXCEEDED, a dead service)
-      raise PeerTimeoutError(
-          f'{self.what}: process {self.leader}, which answers for this round, did not publish '
-          f'its verdict within {timeout_s:g}s (key {self.key}/{VERDICT}; {type(e).__name__}: '
-          f'{e})', [self.leader] if self.leader is not None else [], {}, self.key) from e
+    if none came within ``timeout_s``. ``while_progress``: the wait restarts while the leader's
+    ``<key>/progress`` changes between deadlines (one read each: the leader still gathers a
+    round whose keys keep arriving, as its own deadline measures silence)."""
+    seen = None
+    while True:
+      try:
+        return self.client.blocking_key_value_get(f'{self.key}/{VERDICT}',
+                                                  max(1, int(timeout_s * 1000)))
+      except Exception as e:  # pylint: disable=broad-except  (DEADLINE_EXCEEDED, a dead service)
+        error = e
+      now = self.read(PROGRESS) if while_progress else None
+      if now is None or now == seen:
+        break
+      seen = now
+    raise PeerTimeoutError(
+        f'{self.what}: process {self.leader}, which answers for this round, did not publish '
+        f'its verdict within {timeout_s:g}s (key {self.key}/{VERDICT}; {type(error).__name__}: '
+        f'{error})', [self.leader] if self.leader is not None else [], {}, self.key) from error
 
   # ---- clean-up ------------------------------------------------------------------------------
   def delete(self) -> None:
     """Deletes the whole round (one request), once every member is past it."""
     _quietly(self.client.key_value_delete, self.key)
+
+
+def agree(client: Any, seq: Sequence, key: str, *, me: int, members: Iterable[int], count: int,
+          leader: int | None, what: str, value: str, decide: Callable[[list[str]], str],
+          timeout_s: float) -> str:
+  """One round the leader decides, on every member: each member but the leader publishes
+  ``value`` and waits for the verdict (two requests, whatever the fleet); the leader gathers
+  theirs (``gather``: a directory read, then one blocking read and one directory read per wave
+  of arrivals, each wave also counted in ``<key>/progress``), publishes ``decide`` of every
+  member's value (its own first, then by process index), and retires the round of ``seq``
+  before (every member published this one, so all are past it). Returns the verdict. Silence
+  of ``timeout_s`` raises ``PeerTimeoutError`` naming the members that did not publish, on
+  the leader and (through its verdict) on every member; a member whose leader is gone raises
+  one naming the leader (its wait restarts while the leader still gathers). A member reads
+  one value, the leader one per member: what the coordination service carries per round
+  grows with the fleet once, not once per member.
+  The preemption agreement and the resume's agreements (on a step, on the node steps every
+  node holds) are this round."""
+  rnd = Round(client, key, me=me, members=members, count=count, what=what, leader=leader)
+  if not rnd.is_leader:
+    rnd.publish(value)
+    verdict = rnd.await_verdict(timeout_s, while_progress=True)
+    if verdict.startswith(MISSING):
+      missing = [int(p) for p in verdict[len(MISSING):].split(',') if p]
+      raise PeerTimeoutError(
+          f'{what}: process(es) {_shown(missing)} of {count} did not answer process '
+          f'{rnd.leader}, which answers for this round, within {timeout_s:g}s of the last '
+          f'process that did (key prefix {key}). Those processes are gone, stuck, or not '
+          'running the same code path: check their logs.', missing, {}, key)
+    return verdict
+  others = [p for p in rnd.members if p != me]
+
+  def progress(n: int) -> None:
+    _quietly(client.key_value_set, f'{key}/{PROGRESS}', str(n), True)
+
+  try:
+    values = rnd.gather(timeout_s, processes=others, on_arrival=progress) if others else {}
+  except PeerTimeoutError as e:  # the members learn who is missing now, not at their deadline
+    _quietly(rnd.publish_verdict, MISSING + ','.join(map(str, e.missing)))
+    raise
+  verdict = rnd.publish_verdict(decide([value, *values.values()]))
+  seq.retire(client, me, whole=True)
+  return verdict

@@ -202,17 +202,15 @@ def _agreed(mngr: Any, held: list[int], timeout_s: float) -> list[int]:
   if client is None or n <= 1 or part.size(n) <= 1 or not part.includes(me, n):
     return sorted(held, reverse=True)
   seq = rounds.sequence(part.name('node_steps'), keep=1)
-  rnd = rounds.Round(client, seq.next(), me=me, members=part.members(n), count=n,
-                     leader=part.leader(n),
-                     what=f'orbax_pathways: node steps every process holds, {part.describe(n)}')
-  rnd.publish(','.join(map(str, held)))
-  if rnd.is_leader:
-    lists = rnd.gather(timeout_s).values()
-    common = set.intersection(*({int(s) for s in v.split(',') if s} for v in lists))
-    verdict = rnd.publish_verdict(','.join(map(str, sorted(common, reverse=True))))
-    seq.retire(client, me, whole=True)
-  else:
-    verdict = rnd.await_verdict(timeout_s)
+
+  def common(lists: list[str]) -> str:
+    held_by_all = set.intersection(*({int(s) for s in v.split(',') if s} for v in lists))
+    return ','.join(map(str, sorted(held_by_all, reverse=True)))
+
+  verdict = rounds.agree(
+      client, seq, seq.next(), me=me, members=part.members(n), count=n, leader=part.leader(n),
+      value=','.join(map(str, held)), decide=common, timeout_s=timeout_s,
+      what=f'orbax_pathways: node steps every process holds, {part.describe(n)}')
   return [int(s) for s in verdict.split(',') if s]
 
 

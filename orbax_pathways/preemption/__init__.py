@@ -57,7 +57,8 @@ notice the loop does not stop for costs one extra save, not one per step. Furthe
   through the coordination service's key-value store. Every ``agreement_interval`` steps (default
   10; every process calls ``should_save`` each step, so they all reach the same check step), each
   process that calls the manager (its ``active_processes``; all by default) publishes whether it
-  holds an unconsumed notice and reads the others' (one small set + N gets to the coordinator, no
+  holds an unconsumed notice and the first of them publishes whether any does
+  (``coord.rounds.agree``: a set and a read per process, the first one reads every flag; no
   device collective); if any does, they all answer True from that step until the preemption
   save. A per-slice manager (Orbax's emergency manager) agrees within its slice only. Cost: one KV round per ``agreement_interval`` steps; reaction
   delay up to ``agreement_interval`` steps.

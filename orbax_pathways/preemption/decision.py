@@ -123,15 +123,13 @@ def _kv_agreement(step: int, part: participants_lib.Participants,
     return _remember(decided, step, notice.pending())
   # One round per (notice generation, step): every member derives the same key.
   seq = rounds.sequence(name, keep=1)
-  rnd = rounds.Round(client, seq.next(f'{notice.generation()}/{step}'), me=me,
-                     members=part.members(n), count=n, leader=part.leader(n),
-                     what=(f'orbax_pathways: preemption agreement at step {step} among '
-                           f'{part.describe(n)}'))
-  rnd.publish('1' if notice.pending() else '0')
-  flags = rnd.gather(agreement.timeout_s).values()
-  if rnd.is_leader:  # every member published this round: all are past the one before
-    seq.retire(client, me, whole=True)
-  answer = _remember(decided, step, any(f == '1' for f in flags))
+  verdict = rounds.agree(
+      client, seq, seq.next(f'{notice.generation()}/{step}'), me=me, members=part.members(n),
+      count=n, leader=part.leader(n), value='1' if notice.pending() else '0',
+      decide=lambda flags: '1' if any(f == '1' for f in flags) else '0',
+      timeout_s=agreement.timeout_s,
+      what=f'orbax_pathways: preemption agreement at step {step} among {part.describe(n)}')
+  answer = _remember(decided, step, verdict == '1')
   if answer:
     _agreed_step[name] = step
     if not notice.noticed():  # another process got the notice: this one saves once, too

@@ -40,18 +40,15 @@ def all_processes_ok(mngr, ok: bool, step: int) -> bool:
   n, me = jax_distributed.process_count(), _oms.process_index()
   if client is None or n <= 1 or part.size(n) <= 1 or not part.includes(me, n):
     return ok
-  name = part.name('resume')
-  seq = rounds.sequence(name, keep=1)
+  seq = rounds.sequence(part.name('resume'), keep=1)
   # The n-th resume round of these participants on this process, on the step it tried.
-  rnd = rounds.Round(client, seq.next(suffix=str(step)), me=me,
-                     members=part.members(n), count=n, leader=part.leader(n),
-                     what=(f'orbax_pathways: resume agreement on step {step} among '
-                           f'{part.describe(n)}'))
-  rnd.publish('1' if ok else '0')
-  flags = rnd.gather(decision.agreement_timeout_s()).values()
-  if rnd.is_leader:  # every member published this round: all are past the one before
-    seq.retire(client, me, whole=True)
-  return all(f == '1' for f in flags)
+  verdict = rounds.agree(
+      client, seq, seq.next(suffix=str(step)), me=me, members=part.members(n), count=n,
+      leader=part.leader(n), value='1' if ok else '0',
+      decide=lambda flags: '1' if all(f == '1' for f in flags) else '0',
+      timeout_s=decision.agreement_timeout_s(),
+      what=f'orbax_pathways: resume agreement on step {step} among {part.describe(n)}')
+  return verdict == '1'
 
 
 def _still_complete(mngr, step: int) -> bool:

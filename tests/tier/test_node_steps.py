@@ -55,6 +55,22 @@ def test_local_only_steps_live_on_the_nodes_alone_and_resume_from_them(saved):
     assert r.result['resumed'] == 9 and r.result['equal'], r.result
     assert r.result['sources'].get('storage', 0) == 0 and r.result['sources']['node'] > 0
     assert r.result['node_steps'] == [9, 10], r.result
+  # Two rounds (the steps every node holds, then the step restored): a member publishes its
+  # value and reads the verdict in each; the leader reads the others' and publishes.
+  leader, *members = (r.result['resume_kv_calls'] for r in resumed)
+  for calls in members:
+    assert calls == {'key_value_set': 2, 'blocking_key_value_get': 2}, calls
+  assert sum(leader.values()) <= 10 and 'key_value_try_get' not in leader, leader
+
+
+def test_local_only_saves_ask_nothing_of_the_key_value_store(tmp_path):
+  """Three local-only saves after a storage step: no process makes a single call to jax's
+  coordination service (no barrier, no key) while they run and commit."""
+  results = _run(tmp_path, 'count', 3)
+  for r in results:
+    assert r.result is not None, r.stderr_tail
+    assert r.result['kv_calls'] == {}, r.result
+    assert r.result['node_steps'] == [2, 3], r.result
 
 
 def test_a_step_one_node_never_finished_is_never_chosen(saved):

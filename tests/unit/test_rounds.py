@@ -9,7 +9,7 @@ other members have published their key of any round already (but ``late`` ones, 
 ``LATE_S`` after the first request, and ``silent`` ones, never), and whose leader has published
 its verdict when the process under test is not the leader. It counts the requests by kind.
 The agreements run as the package runs them: the preemption agreement, the resume agreement,
-the writer-lease round, the save liveness round and the tier's peer exchange.
+the resume's agreement on the node steps every node holds, the writer-lease round, the save liveness round and the tier's peer exchange.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from orbax_pathways.coord import liveness
 from orbax_pathways.coord import participants as participants_lib
 from orbax_pathways.coord import rounds
 from orbax_pathways.manager import lease
+from orbax_pathways.manager import node_steps
 from orbax_pathways.preemption import decision
 from orbax_pathways.preemption import notice
 from orbax_pathways.preemption import recovery
@@ -47,6 +48,7 @@ class FakeKV:
     self.verdict = verdict  # the leader's verdict, when this process waits for one
     self.stored: dict[str, str] = {}
     self.calls: collections.Counter[str] = collections.Counter()
+    self.values_read = 0  # the other processes' values this process was sent
     self.cond = threading.Condition()
     self.t0: float | None = None
 
@@ -83,6 +85,7 @@ class FakeKV:
     found = self._get(key)
     if found is None:
       raise RuntimeError(f'NOT_FOUND: {key}')
+    self.values_read += 1
     return found
 
   def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
@@ -91,6 +94,7 @@ class FakeKV:
     while True:
       found = self._get(key)
       if found is not None:
+        self.values_read += 1
         return found
       if time.monotonic() >= end:
         raise RuntimeError(f'DEADLINE_EXCEEDED: {key}')
@@ -100,7 +104,9 @@ class FakeKV:
     self._start('dir_get')
     base = prefix.rstrip('/')
     keys = {f'{base}/{p}' for p in range(self.n)} | {k for k in self.stored if k.startswith(prefix)}
-    return [(k, v) for k in sorted(keys) for v in [self._get(k)] if v is not None]
+    found = [(k, v) for k in sorted(keys) for v in [self._get(k)] if v is not None]
+    self.values_read += len(found)
+    return found
 
   def key_value_delete(self, key: str) -> None:
     self._start('delete')
@@ -125,12 +131,13 @@ def as_process(monkeypatch):
 
 def _bounded(client: FakeKV, late: int) -> None:
   """One directory read (again only once late keys arrived), blocking reads only for the late
-  ones, a few sets and deletes: nothing that grows with the fleet."""
+  ones, a few sets (a leader's progress, one per wave of arrivals) and deletes: nothing that
+  grows with the fleet."""
   assert client.calls['dir_get'] <= 2, client.calls
   assert client.calls['blocking_get'] <= late + (1 if client.verdict is not None else 0), \
       client.calls
   assert client.calls['try_get'] == 0, client.calls
-  assert client.requests() <= 4 + late, client.calls
+  assert client.requests() <= 4 + 2 * late, client.calls
 
 
 def _preemption(client: FakeKV, monkeypatch, step: int) -> bool:
@@ -144,20 +151,67 @@ def _resume(client: FakeKV, monkeypatch, step: int) -> bool:
   return recovery.all_processes_ok(types.SimpleNamespace(), True, step)
 
 
+def _node_steps(client: FakeKV, monkeypatch, step: int) -> list[int]:
+  del client, monkeypatch, step
+  return node_steps._agreed(types.SimpleNamespace(), [9, 7], timeout_s=30.0)  # pylint: disable=protected-access
+
+
 @pytest.mark.parametrize('n', FLEETS)
 @pytest.mark.parametrize('me', [0, 1])
 @pytest.mark.parametrize('late', [0, 2])
-@pytest.mark.parametrize('agreement', [_preemption, _resume])
+@pytest.mark.parametrize('agreement', [_preemption, _resume, _node_steps])
 def test_every_process_agreement_requests_do_not_grow(agreement, late, me, n, as_process,
                                                       monkeypatch):
+  """The leader (process 0) gathers the others' values and publishes the verdict; every other
+  process publishes its value and reads the verdict: two requests and one value, whatever the
+  fleet."""
   # No notice anywhere (a True answer would notify this process): all answer '0'; every
-  # process restored the step: all answer '1'.
-  flag = '0' if agreement is _preemption else '1'
-  client = FakeKV(me, n, lambda p: flag, late=range(n - late, n))
+  # process restored the step: all answer '1'; every node holds steps 9 and 7: '9,7'.
+  flag = {_preemption: '0', _resume: '1', _node_steps: '9,7'}[agreement]
+  client = FakeKV(me, n, lambda p: flag, late=range(n - late, n),
+                  verdict=None if me == 0 else flag)
   as_process(client)
-  assert agreement(client, monkeypatch, step=7 + n) is (flag == '1')
+  assert agreement(client, monkeypatch, step=7 + n) == {'0': False, '1': True}.get(flag, [9, 7])
   _bounded(client, late)
-  assert client.calls['set'] == 1
+  if me == 0:
+    assert client.values_read == n - 1, client.values_read
+    assert 1 <= client.calls['set'] <= 1 + late, client.calls  # the verdict, progress
+  else:
+    assert client.values_read == 1 and client.requests() == 2, client.calls
+
+
+def test_a_members_wait_names_the_processes_its_leader_missed(as_process):
+  """The leader's gather times out: it names the silent processes, and so does every member,
+  at once (from the leader's verdict), not at its own deadline."""
+  leader = FakeKV(0, 64, lambda p: '1', silent=[5, 9])
+  as_process(leader)
+  with pytest.raises(rounds.PeerTimeoutError) as e:
+    rounds.agree(leader, rounds.Sequence('test/agree', keep=1), 'orbax_pathways/test/agree/1',
+                 me=0, members=range(64), count=64, leader=0, what='orbax_pathways: test',
+                 value='1', decide=lambda v: '1', timeout_s=0.3)
+  assert e.value.missing == (5, 9)
+  verdict = leader.stored[f'orbax_pathways/test/agree/1/{rounds.VERDICT}']
+  member = FakeKV(1, 64, lambda p: '1', verdict=verdict)
+  began = time.monotonic()
+  with pytest.raises(rounds.PeerTimeoutError) as e:
+    rounds.agree(member, rounds.Sequence('test/agree', keep=1), 'orbax_pathways/test/agree/1',
+                 me=1, members=range(64), count=64, leader=0, what='orbax_pathways: test',
+                 value='1', decide=lambda v: '1', timeout_s=30.0)
+  assert time.monotonic() - began < 5
+  assert e.value.missing == (5, 9)
+  assert str(e.value).startswith('orbax_pathways: test: process(es) 5, 9 of 64 did not answer '
+                                 'process 0, which answers for this round'), str(e.value)
+
+
+def test_a_member_whose_leader_is_gone_names_it():
+  member = FakeKV(1, 8, lambda p: '1', silent=[0])
+  with pytest.raises(rounds.PeerTimeoutError) as e:
+    rounds.agree(member, rounds.Sequence('test/gone', keep=1), 'orbax_pathways/test/gone/1',
+                 me=1, members=range(8), count=8, leader=0, what='orbax_pathways: test',
+                 value='1', decide=lambda v: '1', timeout_s=0.3)
+  assert e.value.missing == (0,)
+  assert 'process 0, which answers for this round, did not publish its verdict within 0.3s' \
+      in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize('n', FLEETS)
@@ -241,6 +295,7 @@ class SharedKV:
   def __init__(self) -> None:
     self.store: dict[str, str] = {}
     self.calls: collections.Counter[str] = collections.Counter()
+    self.values_read = 0  # the other processes' values this process was sent
     self.keys = 0
     self.counting = False
 

@@ -2,17 +2,22 @@
 simulated node with its own tier directory (``ORBAX_PATHWAYS_LOCAL_DIR``), with
 ``ORBAX_PATHWAYS_LOCAL_STEPS_IN=nodes`` and a local-only save every step (set by the test).
 
-    node_steps_worker.py save|resume CKPT LAST
+    node_steps_worker.py save|resume|count CKPT LAST
 
 ``save``: an unchanged ``CheckpointManager`` (``save_interval_steps=4``) saves steps 0..LAST
 of a state with a sharded ``jax.Array``, a replicated one and a numpy leaf; emits Orbax's
 storage steps and the steps this node holds. ``resume``: ``preemption.resume`` onto the current
 processes, checks every addressable shard against the step it returned, saves the next step,
-emits the step, where the restore read its bytes from, and the steps this node holds.
+emits the step, where the restore read its bytes from, the steps this node holds, and what
+``preemption.resume`` asked of jax's key-value store (calls by method).
+``count``: as ``save``, but counts what this process asks of jax's key-value store (every
+method of its coordination-service client) while the loop saves its local-only steps (steps 1
+to LAST, none of them a storage step), and emits the counts by method.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
@@ -71,6 +76,49 @@ def node_steps_held(mngr) -> list[int]:
   return sorted(int(n) for n in os.listdir(found) if n.isdigit())
 
 
+class CountingClient:
+  """jax's coordination-service client, counting every call of each method by name (Orbax and
+  the package read the client from ``jax._src.distributed.global_state`` at each use)."""
+
+  def __init__(self, client):
+    self._client, self.calls = client, {}
+
+  def __getattr__(self, name):
+    target = getattr(self._client, name)
+    if not callable(target):
+      return target
+
+    def counted(*args, **kwargs):
+      self.calls[name] = self.calls.get(name, 0) + 1
+      return target(*args, **kwargs)
+    return counted
+
+
+@contextlib.contextmanager
+def counting_client():
+  """jax's client counting its calls for the block (installed where every caller finds it)."""
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  counting = CountingClient(distributed.global_state.client)
+  distributed.global_state.client = counting
+  try:
+    yield counting
+  finally:
+    distributed.global_state.client = counting._client  # pylint: disable=protected-access
+
+
+def count_local_only(mngr) -> dict:
+  """Storage step 0, then local-only steps 1..LAST with the client counting (``LAST`` below the
+  storage interval; ``wait_until_finished`` joins the background saves); the calls by
+  method."""
+  mngr.save(0, args=ocp.args.StandardSave(state(0)))
+  mngr.wait_until_finished()
+  with counting_client() as counting:
+    for step in range(1, LAST + 1):
+      mngr.save(step, args=ocp.args.StandardSave(state(step)))
+    mngr.wait_until_finished()
+  return {'kv_calls': counting.calls}
+
+
 def main() -> None:
   mngr = ocp.CheckpointManager(CKPT, options=ocp.CheckpointManagerOptions(
       save_interval_steps=4, max_to_keep=3))
@@ -79,12 +127,16 @@ def main() -> None:
   if MODE == 'resume':
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state(0))
     abstract['n'] = np.zeros((3,), np.int64)
-    step, restored = preemption.resume(mngr, lambda: state(0), abstract_state=abstract)
-    out.update(resumed=step, equal=equal(restored, step),
+    with counting_client() as counting:
+      step, restored = preemption.resume(mngr, lambda: state(0), abstract_state=abstract)
+    out.update(resumed=step, equal=equal(restored, step), resume_kv_calls=counting.calls,
                sources=orbax_pathways.stats.last_restore().bytes_by_source)
     first = step + 1
-  for step in range(first, LAST + 1):
-    mngr.save(step, args=ocp.args.StandardSave(state(step)))
+  if MODE == 'count':
+    out.update(count_local_only(mngr))
+  else:
+    for step in range(first, LAST + 1):
+      mngr.save(step, args=ocp.args.StandardSave(state(step)))
   mngr.wait_until_finished()
   out.update(storage_steps=list(mngr.all_steps()), node_steps=node_steps_held(mngr),
              node_dir=node_steps.directory_of(mngr))
