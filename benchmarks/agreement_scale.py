@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""What one process asks of jax's key-value store to resume from node steps and to agree on a
+preemption step, at 64, 1,024 and 16,384 simulated processes.
+
+What runs: the package's own agreements, unchanged: ``manager/node_steps._agreed`` (the node
+steps every node holds) and ``preemption/recovery.all_processes_ok`` (every process restored
+the step) — the two rounds of a resume from node steps — and
+``preemption/decision._kv_agreement`` (every ``agreement_interval`` steps with jax's preemption
+service off), against jax's real coordination service (``jax.distributed`` with one process on
+127.0.0.1). The process under test plays process ``me`` of ``N``; the other ``N - 1`` cannot
+run here, so their keys are written into the same service before the process under test first
+touches a round (uncounted), and, when ``me`` is not the leader, the leader's verdict too.
+Every call of the process under test is counted, with the values the service sent back.
+
+A local-only save on the nodes is not here: it makes no key-value call at all, at any fleet
+size (its manager is this process's alone; ``tests/tier/test_node_steps.py`` counts 0 calls
+on every process of a 4-process job).
+
+``gathered by all`` is the same round as every member gathering everyone's values (a
+``coord.rounds.Round`` publish and gather on each process), the way the preemption and resume
+agreements ran before ``coord.rounds.agree``: run side by side for the ratio.
+
+Run: ``python benchmarks/agreement_scale.py [--fleets 64,1024,16384] [--json-out F]``
+(about a minute on 2 cores; writes nothing else).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import socket
+import sys
+import time
+import types
+from typing import Any, Callable
+
+FLEETS = (64, 1024, 16384)
+
+
+class SimulatedFleet:
+  """jax's client as process ``me`` of ``n`` sees it: calls go to the real service and are
+  counted; the first touch of a round writes the other members' values (``value``) and, for a
+  member, the leader's verdict (the same value: every member agrees), uncounted."""
+
+  def __init__(self, client: Any, me: int, n: int, value: str, leader: int = 0):
+    self.client, self.me, self.n, self.value, self.leader = client, me, n, value, leader
+    self.calls: collections.Counter[str] = collections.Counter()
+    self.values_read = 0
+    self.fill_s = 0.0  # writing the simulated processes' keys: not the process under test's
+    self._filled: set[str] = set()
+
+  def _round(self, key: str) -> str:
+    head, _, last = key.rstrip('/').rpartition('/')
+    return head if (last.isdigit() or last in ('verdict', 'progress')) and key[-1:] != '/' \
+        else key.rstrip('/')
+
+  def _fill(self, key: str) -> None:
+    rnd = self._round(key)
+    if rnd in self._filled:
+      return
+    began = time.perf_counter()
+    self._filled.add(rnd)
+    for p in range(self.n):
+      if p != self.me:
+        self.client.key_value_set(f'{rnd}/{p}', self.value, allow_overwrite=True)
+    if self.me != self.leader:
+      self.client.key_value_set(f'{rnd}/verdict', self.value, allow_overwrite=True)
+    self.fill_s += time.perf_counter() - began
+
+  def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
+    self._fill(key)
+    self.calls['set'] += 1
+    self.client.key_value_set(key, value, allow_overwrite=allow_overwrite)
+
+  def key_value_try_get(self, key: str) -> str:
+    self._fill(key)
+    self.calls['try_get'] += 1
+    found = self.client.key_value_try_get(key)
+    self.values_read += 1
+    return found
+
+  def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+    self._fill(key)
+    self.calls['blocking_get'] += 1
+    found = self.client.blocking_key_value_get(key, timeout_ms)
+    self.values_read += 1
+    return found
+
+  def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
+    self._fill(prefix)
+    self.calls['dir_get'] += 1
+    found = self.client.key_value_dir_get(prefix)
+    self.values_read += len(found)
+    return found
+
+  def key_value_delete(self, key: str) -> None:
+    self.calls['delete'] += 1
+    self.client.key_value_delete(key)
+
+
+def _start_service() -> Any:
+  import jax  # pylint: disable=g-import-not-at-top
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  jax.distributed.initialize(f'127.0.0.1:{port}', num_processes=1, process_id=0)
+  from orbax_pathways._compat import jax_distributed  # pylint: disable=g-import-not-at-top
+  return jax_distributed.distributed_client()
+
+
+def _as_process(fleet: SimulatedFleet) -> None:
+  from orbax_pathways._compat import jax_distributed  # pylint: disable=g-import-not-at-top
+  from orbax_pathways._compat import orbax_manager_state as _oms  # pylint: disable=g-import-not-at-top
+  jax_distributed.distributed_client = lambda: fleet
+  jax_distributed.process_count = lambda: fleet.n
+  _oms.process_index = lambda: fleet.me
+
+
+def _cases() -> dict[str, tuple[str, Callable[[int], Any]]]:
+  from orbax_pathways.coord import rounds  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.manager import node_steps  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.preemption import decision  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.preemption import recovery  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.coord import participants  # pylint: disable=g-import-not-at-top
+  from orbax_pathways._compat import jax_distributed  # pylint: disable=g-import-not-at-top
+  from orbax_pathways._compat import orbax_manager_state as _oms  # pylint: disable=g-import-not-at-top
+  decision._current = decision.Agreement(timeout_s=60.0)  # pylint: disable=protected-access
+  mngr = types.SimpleNamespace()
+
+  def resume(n: int) -> Any:
+    steps = node_steps._agreed(mngr, [9, 7], timeout_s=60.0)  # pylint: disable=protected-access
+    return steps, recovery.all_processes_ok(mngr, True, 9)
+
+  def preemption(n: int) -> Any:
+    return decision._kv_agreement(  # pylint: disable=protected-access
+        1000 + 2 * n + _oms.process_index(), participants.Participants(None, 0), decision.Agreement(interval=1,
+                                                                         timeout_s=60.0))
+
+  def gathered_by_all(n: int) -> Any:
+    client = jax_distributed.distributed_client()
+    me = _oms.process_index()
+    out = []
+    for name in ('node_steps_all', 'resume_all'):  # the resume's two rounds
+      rnd = rounds.Round(client, rounds.round_key(f'bench/{name}/{me}', n), me=me,
+                         members=range(n), count=n, what='orbax_pathways: benchmark')
+      rnd.publish('1')
+      out.append(len(rnd.gather(60.0)))
+    return out
+
+  return {'resume (2 rounds)': ('1', resume), 'preemption agreement': ('0', preemption),
+          'resume, gathered by all': ('1', gathered_by_all)}
+
+
+def run(fleets: tuple[int, ...]) -> list[dict]:
+  from orbax_pathways.preemption import decision  # pylint: disable=g-import-not-at-top
+  client = _start_service()
+  rows = []
+  for name, (value, fn) in _cases().items():
+    for n in fleets:
+      for role, me in (('member', 1), ('leader', 0)):
+        fleet = SimulatedFleet(client, me, n, value)
+        _as_process(fleet)
+        decision.reset()  # no answer of an earlier case remembered
+        began = time.perf_counter()
+        fn(n)
+        rows.append({'case': name, 'n': n, 'role': role, 'requests': sum(fleet.calls.values()),
+                     'values_read': fleet.values_read, 'calls': dict(fleet.calls),
+                     'seconds': round(time.perf_counter() - began - fleet.fill_s, 4)})
+  return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  ap.add_argument('--fleets', default=','.join(map(str, FLEETS)))
+  ap.add_argument('--json-out')
+  a = ap.parse_args(argv)
+  rows = run(tuple(int(x) for x in a.fleets.split(',')))
+  print(f'{"case":26} {"N":>6} {"role":7} {"requests":>8} {"values read":>11} {"s":>7}')
+  for r in rows:
+    print(f'{r["case"]:26} {r["n"]:>6} {r["role"]:7} {r["requests"]:>8} '
+          f'{r["values_read"]:>11} {r["seconds"]:>7.3f}')
+  if a.json_out:
+    with open(a.json_out, 'w') as f:
+      json.dump(rows, f, indent=1)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
