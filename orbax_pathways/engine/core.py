@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 import time
 import warnings
 from typing import Any, Awaitable, Callable, Sequence
@@ -326,9 +325,7 @@ class Engine:
     if directory is not None and format_lib.is_node_step(directory):
       return None  # a node step is in the node already (manager/node_steps.py): no copy of it
     o = self.options
-    local_dir, keep = o.local_dir, o.local_keep
-    if local_dir is None:
-      local_dir = os.environ.get(tier_config.ENV) or None
+    local_dir, keep = tier_config.named_dir(o.local_dir), o.local_keep
     root = tier_layout.split_item_dir(directory)[0] if directory is not None else None
     assigned = tier_assigned.lookup(root)  # an emergency manager's local_directory
     if assigned is not None:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from typing import Any, Callable
 import weakref
 
@@ -64,8 +63,7 @@ _managers: 'weakref.WeakKeyDictionary[Any, Any]' = weakref.WeakKeyDictionary()
 def tier_root(options: Any) -> str | None:
   """This node's tier directory when the user named one (``Options.local_dir``, else
   ``ORBAX_PATHWAYS_LOCAL_DIR``) and it passes the private-root check; None otherwise."""
-  local_dir = options.local_dir or os.environ.get(tier_config.ENV) or None
-  cfg = tier_config.usable(tier_config.resolve(local_dir))
+  cfg = tier_config.usable(tier_config.resolve(tier_config.named_dir(options.local_dir)))
   return cfg.local_dir if cfg is not None and cfg.explicit else None
 
 
