@@ -410,7 +410,9 @@ class Options:
     while the tier holds more than ``local_max_bytes`` (``ORBAX_PATHWAYS_LOCAL_MAX_BYTES``; None:
     half the size of its filesystem), the oldest entries, other directories' first, then this
     directory's steps older than its newest committed one. An entry touched in the last 5
-    minutes (``tier.gc.IDLE_S``: a save or restore may be using it) is never dropped.
+    minutes (``tier.gc.IDLE_S``: a save or restore may be using it) is never dropped. Node
+    steps (``local_steps_in='nodes'``) count against the cap, which never drops them (their
+    manager keeps ``local_keep``); a stopped job's go after ``local_max_age_s``.
   local_scope: what the tier keeps (``ORBAX_PATHWAYS_LOCAL_SCOPE``). ``'written'`` (default): the
     chunks this host wrote, from the buffers the storage write used: no extra device-to-host
     bytes, ``save()`` blocking unchanged; a replica another host wrote is not kept, so a lost

@@ -228,6 +228,12 @@ def gc(local_dir: str, max_age_s: float | None, max_bytes: int | None,
   roots: dict[str, str | None] = {}
   removed = []
   for d in sorted(r.dropped, key=lambda d: (d.seen.mtime, d.seen.path)):
+    if d.seen.node_step:  # a stopped job's node step: no tier entry of it
+      removed.append({'node_step': d.seen.root_key, 'step': d.seen.step,
+                      'complete': d.seen.complete, 'bytes': d.seen.nbytes,
+                      'idle_s': round(r.now - d.seen.mtime, 3), 'reason': d.reason,
+                      'path': d.seen.path})
+      continue
     e = r.entries[d.seen.path]
     if e.root_key not in roots:
       roots[e.root_key] = store.root_of(local_dir, e.root_key)
@@ -310,8 +316,9 @@ def gc_text(obj: dict[str, Any]) -> str:
            f'{"none" if age is None else f"{age / 3600:g} h"}, cap {_mib(obj["max_bytes"])}']
   verb = 'would remove' if obj['dry_run'] else 'removed'
   for x in obj['removed']:
-    lines.append(f'  {verb}  {x["root"]}  step {x["step_name"]}  {x["item"]}  {x["writer"]}  '
-                 f'{_mib(x["bytes"])}  idle {x["idle_s"] / 3600:.1f} h  '
+    what = (f'node step {x["path"]}' if 'node_step' in x else
+            f'{x["root"]}  step {x["step_name"]}  {x["item"]}  {x["writer"]}')
+    lines.append(f'  {verb}  {what}  {_mib(x["bytes"])}  idle {x["idle_s"] / 3600:.1f} h  '
                  f'({gc_lib.REASONS[x["reason"]]})')
   n = len(obj['removed'])
   lines.append(f'  {verb} {_entries(n)} '

@@ -31,7 +31,11 @@ What is dropped, when (``plan``):
   directories only, one directory listing each, no storage request; a gs:// directory's
   entries are judged by ``orbax-pathways tier --gc`` (one listing per directory, one index read
   per step), or go by age.
-- ``cap``: while the tier's entries hold more than ``max_bytes`` bytes
+- Node steps (``manager/node_steps.py``, ``<local_dir>/.node-steps/``): their bytes count
+  against the cap, but the cap never drops one (its manager's retention keeps a job's newest
+  ``local_keep``); one idle for ``max_age_s`` goes (``age``: a job that stopped), and so does
+  an idle one Orbax never finalized (``incomplete``: a save cut short).
+- ``cap``: while the tier's entries and node steps hold more than ``max_bytes`` bytes
   (``Options.local_max_bytes``; default half the size of the tier's filesystem: /dev/shm is
   half the RAM by default, so a quarter of it, leaving room for the next copy and the other
   users of /dev/shm), idle entries, oldest first: other directories' entries first, then the
@@ -89,6 +93,7 @@ class Seen:
   nbytes: int
   mtime: float
   storage: str = ''
+  node_step: bool = False  # a step of ``manager/node_steps.py`` (``.node-steps/``), not an entry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +113,12 @@ def plan(seen: Sequence[Seen], now: float, max_age_s: float, max_bytes: int | No
   for e in seen:
     if not idle[e.path]:
       continue
+    if e.node_step:  # its manager's retention keeps its newest: only a stopped job's go here
+      if now - e.mtime > max_age_s:
+        drops[e.path] = Drop(e, AGE)
+      elif not e.complete:
+        drops[e.path] = Drop(e, INCOMPLETE)
+      continue
     if e.storage in (GONE, STALE):  # no restore can use it, whichever directory it is of
       drops[e.path] = Drop(e, e.storage)
       continue
@@ -124,7 +135,7 @@ def plan(seen: Sequence[Seen], now: float, max_age_s: float, max_bytes: int | No
                 and e.committed and e.complete), default=None)
 
   def may_go(e: Seen) -> bool:
-    if e.path in drops or not idle[e.path]:
+    if e.path in drops or not idle[e.path] or e.node_step:
       return False
     return e.root_key != current or (newest is not None and e.step is not None and e.step < newest)
 
@@ -148,9 +159,30 @@ def _incomplete_stat(path: str) -> tuple[float, int] | None:
   return mtime, nbytes
 
 
+def node_steps(local_dir: str) -> list[Seen]:
+  """The node steps under ``local_dir`` (``<local_dir>/.node-steps/<digest>/<step>``, Orbax's
+  step directories of ``manager/node_steps.py``) as ``plan`` sees them: root key
+  ``.node-steps/<digest>``, complete once Orbax finalized it (a step number for a name, its
+  ``_CHECKPOINT_METADATA`` there), its files' bytes and newest mtime."""
+  base = os.path.join(local_dir, format_lib.NODE_STEPS_DIR)
+  out = []
+  for digest in fsafe.subdirs(base):
+    for name in fsafe.subdirs(os.path.join(base, digest)):
+      path = os.path.join(base, digest, name)
+      got = _incomplete_stat(path)
+      if got is None:
+        continue
+      final = name.isdigit() and os.path.lexists(os.path.join(path, '_CHECKPOINT_METADATA'))
+      out.append(Seen(path, f'{format_lib.NODE_STEPS_DIR}/{digest}',
+                      int(name) if name.isdigit() else None, final, final, got[1], got[0],
+                      node_step=True))
+  return out
+
+
 def scan(local_dir: str, judge: Judge | None = None) -> tuple[list[Seen], dict[str, store.Entry]]:
-  """Every entry of the tier at ``local_dir`` as ``plan`` sees it, and the entries by path;
-  ``judge`` says which are gone from storage or stale (``gone_locally`` at a save)."""
+  """Every entry of the tier at ``local_dir`` as ``plan`` sees it, then the node steps beside
+  them (``node_steps``: their bytes count against the cap), and the entries by path; ``judge``
+  says which entries are gone from storage or stale (``gone_locally`` at a save)."""
   seen, by_path = [], {}
   for e in store.entries(local_dir):
     if e.manifest is not None:
@@ -168,7 +200,7 @@ def scan(local_dir: str, judge: Judge | None = None) -> tuple[list[Seen], dict[s
   if judge is not None and by_path:
     verdicts = judge(list(by_path.values()), local_dir)
     seen = [dataclasses.replace(s, storage=verdicts.get(s.path, '')) for s in seen]
-  return seen, by_path
+  return seen + node_steps(local_dir), by_path
 
 
 def entry_root(local_dir: str, e: store.Entry, roots: dict[str, str | None]) -> str | None:
@@ -283,7 +315,10 @@ def collect(local_dir: str, *, max_age_s: float, max_bytes: int | None = None,
   if not dry_run:
     spares.expire(local_dir, now)  # a stopped job's spares (``tier/spares.py``)
     for d in drops:
-      store.remove(d.seen.path)
+      if d.seen.node_step:
+        fsafe.remove_tree(d.seen.path)
+      else:
+        store.remove(d.seen.path)
     for key in sorted({d.seen.root_key for d in drops} - {current}):
       _remove_empty_root(local_dir, key)
   return Result(local_dir, max_age_s, cap, now, dry_run, tuple(seen), tuple(drops), by_path)

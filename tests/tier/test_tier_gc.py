@@ -83,12 +83,13 @@ def _tree(tier):
   return out
 
 
-def _save(root, steps, **options):
+def _save(root, steps, every=1, **options):
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('x', 'y'))
   w = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)
   state = {'w': jax.device_put(w, jax.sharding.NamedSharding(mesh, P('x', 'y')))}
   orbax_pathways.install(orbax_pathways.Options(**options))
-  with ocp.CheckpointManager(root) as m:
+  with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
+      save_interval_steps=every)) as m:
     for s in steps:
       m.save(s, args=ocp.args.StandardSave(state))
     m.wait_until_finished()
@@ -233,6 +234,51 @@ def test_a_failing_clean_up_never_fails_the_save_and_warns_once(tmp_path, monkey
   warnings = [r for r in caplog.records if 'cleaning up other checkpoint' in r.getMessage()]
   assert len(warnings) == 1 and 'PermissionError' in warnings[0].getMessage()
   assert _tree(tier) == {str(tmp_path / 'old'): ['1'], str(cur): ['2']}
+
+
+def _node_steps(tier):
+  return sorted(str(p.relative_to(tier)) for p in tier.glob('.node-steps/*/*'))
+
+
+def _age_tree(path, seconds):
+  """Makes ``path`` and everything below it look last touched ``seconds`` ago."""
+  t = time.time() - seconds
+  for p in [*path.rglob('*'), path]:
+    os.utime(p, (t, t))
+
+
+def test_node_steps_count_against_the_cap_and_only_a_stopped_jobs_go(tmp_path, capsys):
+  """A manager with ``local_steps_in='nodes'`` keeps local-only steps 2 and 3 in the node:
+  their bytes count against the tier's cap (an idle entry of another directory makes room for
+  them), the cap never drops one, and one idle longer than the max age (a job that stopped)
+  goes, by hand too."""
+  tier, cur, other = tmp_path / 'tier', tmp_path / 'cur', tmp_path / 'other'
+  _save(cur, [0, 1, 2, 3], every=4, local_dir=str(tier), local_save_interval_steps=1,
+        local_keep=2, local_steps_in='nodes')
+  held = _node_steps(tier)
+  assert [h.rpartition('/')[2] for h in held] == ['2', '3'], held
+  nbytes = sum(f.stat().st_size for f in (tier / held[1]).rglob('*') if f.is_file())
+  assert nbytes > 64 * KiB  # the step's 64 KiB array and Orbax's files
+  for h in held:
+    _age_tree(tier / h, 2 * HOUR)  # idle, younger than the max age
+  _age(_write(tier, other, 1), 3 * HOUR)
+  seen, _ = tier_gc.scan(str(tier))
+  on_node = [e for e in seen if e.node_step]
+  assert [(e.step, e.complete) for e in on_node] == [(2, True), (3, True)]
+  assert on_node[1].nbytes == nbytes
+  # Room for everything but the other directory's entry: it goes, for the node steps' bytes.
+  room = sum(e.nbytes for e in seen if e.root_key != tier_layout.root_key(str(other)))
+  result = tier_gc.collect(str(tier), max_age_s=24 * HOUR, max_bytes=room, current='x')
+  assert [(d.reason, d.seen.node_step) for d in result.dropped] == [('cap', False)]
+  assert str(other) not in _tree(tier)
+  tier_gc.collect(str(tier), max_age_s=24 * HOUR, max_bytes=0, current='x')
+  assert _node_steps(tier) == held  # the cap never drops a node step
+  for h in held:
+    _age_tree(tier / h, 25 * HOUR)
+  assert cli.main(['tier', str(tier), '--gc']) == 0
+  text = capsys.readouterr().out
+  assert f'removed  node step {tier / held[0]}' in text and 'idle longer than the max age' in text
+  assert _node_steps(tier) == []
 
 
 # ---- by hand -------------------------------------------------------------------------------------
