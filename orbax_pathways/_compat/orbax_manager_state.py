@@ -18,7 +18,6 @@ import collections
 import hashlib
 import logging
 import threading
-import time
 from typing import Any
 
 from etils import epath
@@ -28,6 +27,7 @@ import orbax.checkpoint as ocp
 from orbax_pathways._compat import jax_distributed as _jax_distributed
 from orbax_pathways._compat import src
 from orbax_pathways.coord import participants as participants_lib
+from orbax_pathways.coord import rounds
 from orbax_pathways.format import names as format_lib
 
 _composite = src.orbax('handlers.composite_checkpoint_handler')
@@ -246,7 +246,6 @@ def _local_file_options(user: Any) -> Any:
 
 
 _DEFAULT_TIMEOUT_S = 600.0  # Orbax's AsyncOptions.timeout_secs default
-_RETENTION_KEY = 'orbax_pathways/local_retention/{directory}/{instance}'
 _built: collections.Counter[str] = collections.Counter()  # hidden managers built, by directory
 _built_lock = threading.Lock()
 
@@ -291,8 +290,8 @@ class _TrailingDeleter:
     with _built_lock:
       _built[str(directory)] += 1
       instance = _built[str(directory)]
-    self._key = _RETENTION_KEY.format(
-        directory=hashlib.sha256(str(directory).encode()).hexdigest()[:16], instance=instance)
+    self._key = rounds.retention_key(hashlib.sha256(str(directory).encode()).hexdigest()[:16],
+                                     instance)
     self._timeout_s = timeout_s
     self._handed = 0  # deletions handed to delete_steps so far
     self._ran = 0  # deletions run so far (this process deletes)
@@ -330,17 +329,18 @@ class _TrailingDeleter:
     if self._client is None:
       return
     try:
-      self._client.key_value_set(self._key, str(ran), allow_overwrite=True)
+      rounds.put(self._client, self._key, str(ran))
     except Exception as e:  # pylint: disable=broad-except
       logging.getLogger('orbax_pathways').warning(
           'orbax_pathways: could not tell the other processes that %d retention deletion(s) of '
           '%s ran (%s: %s); their wait_until_finished waits for a later one.', ran,
           self._directory, type(e).__name__, e)
 
-  def _primary_ran(self, client: Any) -> int:
+  @staticmethod
+  def _ran_count(value: str | None) -> int:
     try:
-      return int(client.key_value_try_get(self._key))
-    except Exception:  # pylint: disable=broad-except  (not set yet: nothing ran)
+      return int(value or 0)
+    except ValueError:  # not what the primary host publishes: nothing known to have run
       return 0
 
   def wait(self) -> None:
@@ -354,17 +354,14 @@ class _TrailingDeleter:
     client = self._client
     if self._deletes_here or client is None or handed == 0:
       return
-    deadline = time.monotonic() + self._timeout_s
-    pause = 0.005
-    while (ran := self._primary_ran(client)) < handed:
-      if time.monotonic() > deadline:
-        raise TimeoutError(
-            f'orbax_pathways: the primary host has run {ran} of the {handed} retention '
-            f'deletion(s) of local-only steps in {self._directory} after {self._timeout_s:.0f} s '
-            f'(key-value key {self._key}). Is the primary host alive? Its log says why a '
-            'deletion is stuck; AsyncOptions.timeout_secs sets this wait.')
-      time.sleep(pause)
-      pause = min(pause * 2, 0.2)
+    ran = self._ran_count(rounds.poll(client, self._key,
+                                      lambda v: self._ran_count(v) >= handed, self._timeout_s))
+    if ran < handed:
+      raise TimeoutError(
+          f'orbax_pathways: the primary host has run {ran} of the {handed} retention '
+          f'deletion(s) of local-only steps in {self._directory} after {self._timeout_s:.0f} s '
+          f'(key-value key {self._key}). Is the primary host alive? Its log says why a '
+          'deletion is stuck; AsyncOptions.timeout_secs sets this wait.')
 
   def delete(self, step: int) -> None:
     self.wait()

@@ -28,7 +28,7 @@ reads the round's directory once (then blocks only on processes not yet there), 
 and deletes one: O(1) requests per process, the primary included, no polling. The round's key is
 ``orbax_pathways/save/<participants' digest>/<n>/<step dir>`` (``save_round``: the n-th async
 save this process started among those participants). Each process also publishes its host
-name once per lifetime (``<HOSTS>/<i>``), read only to name a missing process.
+name once per lifetime (``rounds.host_key``), read only to name a missing process.
 
 A process found missing is remembered (``lost_processes``, ``lost_error``):
 ``_compat/orbax_liveness`` then makes Orbax's later barriers raise at once, and keeps jax's
@@ -48,7 +48,6 @@ from orbax_pathways import errors
 from orbax_pathways.coord import participants as participants_lib
 from orbax_pathways.coord import rounds
 
-HOSTS = f'{rounds.ROOT}/liveness/hosts'  # <HOSTS>/<i>: the host name of process i
 OK = 'ok'
 FAILED = 'failed: '
 DEFAULT_TIMEOUT_S = 60.0
@@ -207,7 +206,7 @@ class SaveRound:
       while True:
         n += 1
         try:
-          self.client.key_value_set(f'{self.key}/alive', str(n), allow_overwrite=True)
+          self.round.put('alive', str(n))
         except Exception:  # pylint: disable=broad-except  (best effort)
           pass
         if stop.wait(interval):
@@ -219,8 +218,7 @@ class SaveRound:
     """Primary, after Orbax's commit callback: its outcome for the others."""
     if self._alive is not None:
       self._alive.set()
-    self.client.key_value_set(f'{self.key}/commit', OK if error is None else _failure(error),
-                              allow_overwrite=True)
+    self.round.put('commit', OK if error is None else _failure(error))
 
   def await_commit(self, limit_s: float | None = None) -> None:
     """The other processes, before Orbax's ``async_commit_complete`` barrier: the primary's
@@ -234,7 +232,7 @@ class SaveRound:
       if end is not None:
         wait_ms = max(1, min(window_ms, int((end - time.monotonic()) * 1000)))
       try:
-        outcome = self.client.blocking_key_value_get(f'{self.key}/commit', wait_ms)
+        outcome = self.round.wait_for('commit', wait_ms / 1000)
         break
       except Exception:  # pylint: disable=broad-except  (DEADLINE_EXCEEDED)
         if end is not None and time.monotonic() >= end:
@@ -265,17 +263,13 @@ class SaveRound:
     if _state.host_published:
       return
     try:
-      self.client.key_value_set(f'{HOSTS}/{self.me}', socket.gethostname(),
-                                allow_overwrite=True)
+      rounds.put(self.client, rounds.host_key(self.me), socket.gethostname())
       _state.host_published = True
     except Exception:  # pylint: disable=broad-except  (names only)
       pass
 
   def _host(self, process: int) -> str | None:
-    try:
-      return self.client.key_value_try_get(f'{HOSTS}/{process}') or None
-    except Exception:  # pylint: disable=broad-except  (NOT_FOUND)
-      return None
+    return rounds.try_read(self.client, rounds.host_key(process)) or None
 
   def _raise(self, verdict: dict, did_not: str) -> None:
     missing = [int(p) for p in verdict.get('missing', ())]

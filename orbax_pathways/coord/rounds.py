@@ -18,6 +18,11 @@ client arrives as an object with ``key_value_set``, ``blocking_key_value_get``,
   node holds; a reader gathers the others' when it first needs a chunk, and takes whoever
   answered in time (``missing_ok``: a missing peer costs its chunks a storage read).
 
+Beside rounds, a few single keys one process publishes for the others (its host name, the
+job's peer secret, a tier server's address, a retention count: ``host_key`` and below), with
+the one-request calls that set, read and wait for them (``put``, ``try_read``, ``wait_for``,
+``poll``). No other module calls jax's key-value client (``tests/unit/test_boundaries.py``).
+
 Keys, built here only: a round is ``orbax_pathways/<name>/<seq>``, where ``name`` says what
 agrees among whom (``Participants.name(kind)``: the kind and a digest of the manager's
 processes, primary host and barrier prefix; the tier's ``tier_peers/<item digest>``) and
@@ -78,6 +83,63 @@ class PeerTimeoutError(TimeoutError):
 def round_key(name: str, seq: int | str) -> str:
   """The key of round ``seq`` of ``name``: ``orbax_pathways/<name>/<seq>``."""
   return f'{ROOT}/{name}/{seq}'
+
+
+# ---- single keys: a value one process publishes for the others, outside any round ---------------
+# Every key of the package is built here: the rounds above, and these.
+
+def host_key(process: int) -> str:
+  """Process ``process``'s host name, published once per lifetime (``coord/liveness.py``:
+  read only to name a missing process)."""
+  return f'{ROOT}/liveness/hosts/{process}'
+
+
+SECRET_KEY = f'{ROOT}/tier_peer_secret'  # the job's peer secret (``tier/exchange.job_secret``)
+
+
+def partner_address_key(process: int) -> str:
+  """Where process ``process``'s tier server takes partner copies (``tier/partner_copy.py``)."""
+  return f'{ROOT}/tier_partner/{process}'
+
+
+def retention_key(directory_digest: str, instance: int) -> str:
+  """How many retention deletions the primary host ran for one hidden manager of local-only
+  steps (``_compat/orbax_manager_state._TrailingDeleter``), overwritten."""
+  return f'{ROOT}/local_retention/{directory_digest}/{instance}'
+
+
+def put(client: Any, key: str, value: str, *, overwrite: bool = True) -> None:
+  """Publishes ``value`` under ``key`` (one set); ``overwrite=False`` raises the client's
+  ``ALREADY_EXISTS`` if the key is there."""
+  client.key_value_set(key, value, allow_overwrite=overwrite)
+
+
+def try_read(client: Any, key: str) -> str | None:
+  """``key``'s value if it is there now (one read), else None (not published, or the service
+  failed)."""
+  try:
+    return client.key_value_try_get(key)
+  except Exception:  # pylint: disable=broad-except  (NOT_FOUND)
+    return None
+
+
+def wait_for(client: Any, key: str, timeout_s: float) -> str:
+  """``key``'s value, once published (one blocking read); the client's ``DEADLINE_EXCEEDED``
+  (or the service's failure) past ``timeout_s``: the caller says what it waited for."""
+  return client.blocking_key_value_get(key, max(1, int(timeout_s * 1000)))
+
+
+def poll(client: Any, key: str, done: Callable[[str | None], bool], timeout_s: float,
+         max_pause_s: float = 0.2) -> str | None:
+  """Reads ``key`` (``try_read``) until ``done`` of its value, pausing 5 ms doubling to
+  ``max_pause_s`` between reads; the last value read, whether or not it was done after
+  ``timeout_s`` (for a key its publisher overwrites, such as a count)."""
+  deadline = time.monotonic() + timeout_s
+  pause = 0.005
+  while not done(value := try_read(client, key)) and time.monotonic() <= deadline:
+    time.sleep(pause)
+    pause = min(pause * 2, max_pause_s)
+  return value
 
 
 def _shown(processes: Seq[int]) -> str:
@@ -212,10 +274,16 @@ class Round:
 
   def read(self, name: str) -> str | None:
     """``<key>/<name>`` if it is there now (one read), else None."""
-    try:
-      return self.client.key_value_try_get(f'{self.key}/{name}')
-    except Exception:  # pylint: disable=broad-except  (NOT_FOUND: not published yet)
-      return None
+    return try_read(self.client, f'{self.key}/{name}')
+
+  def put(self, name: str, value: str) -> None:
+    """Sets ``<key>/<name>`` (one set, overwriting): a value of the round beside the members'
+    (the save round's ``commit`` outcome and ``alive`` marks)."""
+    put(self.client, f'{self.key}/{name}', value)
+
+  def wait_for(self, name: str, timeout_s: float) -> str:
+    """``<key>/<name>``, once set (one blocking read); the client's error past ``timeout_s``."""
+    return wait_for(self.client, f'{self.key}/{name}', timeout_s)
 
   # ---- the others' values --------------------------------------------------------------------
   def _arrived(self, wanted: Seq[int], *, first: bool) -> dict[int, str]:

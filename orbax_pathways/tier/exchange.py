@@ -47,7 +47,7 @@ from orbax_pathways.tier import wire
 
 # ---- the job's secret: one per job, through jax's key-value store ------------------------------
 
-SECRET_KEY = 'orbax_pathways/tier_peer_secret'
+SECRET_KEY = rounds.SECRET_KEY
 _secret: tuple[Any, bytes] | None = None  # (the key-value client it was read through, secret)
 _secret_lock = threading.Lock()
 
@@ -70,18 +70,15 @@ def job_secret(client: Any, timeout_s: float) -> bytes:
   with _secret_lock:
     if _secret is not None and _secret[0] is client:
       return _secret[1]
-    try:
-      raw = client.key_value_try_get(SECRET_KEY)
-    except Exception:  # pylint: disable=broad-except  (not there yet: NOT_FOUND)
-      raw = None
+    raw = rounds.try_read(client, SECRET_KEY)
     if not raw:
       mine = secrets.token_bytes(wire.SECRET_BYTES).hex()
       try:
-        client.key_value_set(SECRET_KEY, mine)
+        rounds.put(client, SECRET_KEY, mine, overwrite=False)
         raw = mine
       except Exception:  # pylint: disable=broad-except  (ALREADY_EXISTS: another process won)
         try:
-          raw = client.blocking_key_value_get(SECRET_KEY, max(1, int(timeout_s * 1000)))
+          raw = rounds.wait_for(client, SECRET_KEY, timeout_s)
         except Exception as e:  # pylint: disable=broad-except
           raise wire.PeerError(f'the job\'s peer secret ({SECRET_KEY!r} in jax\'s key-value store) '
                                f'could not be published or read within {timeout_s:g} s: '

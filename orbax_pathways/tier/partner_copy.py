@@ -8,7 +8,7 @@ Who calls what, on which host (multi-controller JAX, every process of a local-on
 - ``ready(tier, client, me, timeout_s)``, before the share is written (``transports/local.py``):
   reads the job's secret (``tier/exchange.job_secret``), starts this process's tier server with
   this node's tier so that it takes copies (``tier/peer_server.serve(tier=...)``) and publishes
-  its address once per process and job (``ADDRESS_KEY``).
+  its address once per process and job (``coord.rounds.partner_address_key``).
 - ``send(entry_path, partner, client, timeout_s)``, right after the share landed in this node's
   tier (``transports/share.tier_only_pieces``, in the save's background part, so the step
   commits only after its copy did or failed): reads the partner's address (one blocking read,
@@ -36,6 +36,7 @@ from typing import Any
 import crc32c as _crc32c
 import msgpack
 
+from orbax_pathways.coord import rounds
 from orbax_pathways.tier import exchange as exchange_lib
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
@@ -45,7 +46,6 @@ from orbax_pathways.tier import store
 from orbax_pathways.tier import wire
 
 log = logging.getLogger('orbax_pathways')
-ADDRESS_KEY = 'orbax_pathways/tier_partner/{process}'  # a process's tier server, for its senders
 MIN_RATE = 64 << 20  # bytes per second a partner copy is allowed at least, beyond timeout_s
 
 _published: set[tuple[int, int, str]] = set()  # (id of the client, process, address) published
@@ -62,7 +62,7 @@ def ready(tier: tier_config.TierConfig, client: Any, me: int, timeout_s: float) 
   with _lock:
     if key in _published:
       return
-    client.key_value_set(ADDRESS_KEY.format(process=me), address, allow_overwrite=True)
+    rounds.put(client, rounds.partner_address_key(me), address)
     _published.add(key)
 
 
@@ -86,8 +86,7 @@ def send(entry_path: str, partner: int, client: Any, timeout_s: float) -> str | 
   (one line naming the partner)."""
   who = f'partner process {partner}'
   try:
-    address = client.blocking_key_value_get(ADDRESS_KEY.format(process=partner),
-                                            max(1, int(timeout_s * 1000)))
+    address = rounds.wait_for(client, rounds.partner_address_key(partner), timeout_s)
   except Exception as e:  # pylint: disable=broad-except
     return f'{who} did not publish its tier server within {timeout_s:g} s ({type(e).__name__}: {e})'
   secret = exchange_lib.cached_secret()

@@ -95,6 +95,28 @@ def test_only_compat_reads_private_attributes():
   assert {k: v for k, v in offenders.items() if v} == {}
 
 
+KV_METHODS = {'key_value_set', 'key_value_try_get', 'blocking_key_value_get',
+              'key_value_dir_get', 'key_value_delete', 'wait_at_barrier'}
+# Orbax's own signal keys, which the package marks failed in Orbax's format (not the package's).
+KV_OUTSIDE_ROUNDS = {'_compat/orbax_signals.py'}
+
+
+def _kv_calls(path: pathlib.Path) -> list[str]:
+  return [f'{ast.unparse(node.func)} (line {node.lineno})'
+          for node in ast.walk(ast.parse(path.read_text(), str(path)))
+          if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+          and node.func.attr in KV_METHODS]
+
+
+def test_key_value_keys_and_waits_are_in_coord_rounds_only():
+  """Every key the package publishes in jax's key-value store, and every wait on one, goes
+  through ``coord/rounds.py``: a call of the client's methods anywhere else is found."""
+  offenders = {_rel(p): _kv_calls(p) for p in _modules()
+               if _rel(p) not in {'coord/rounds.py', *KV_OUTSIDE_ROUNDS}}
+  assert {k: v for k, v in offenders.items() if v} == {}
+  assert _kv_calls(PACKAGE / 'coord' / 'rounds.py')  # the check sees the calls it looks for
+
+
 def test_the_private_reach_check_sees_every_form(tmp_path):
   """The check above is not blind: each form it looks for is found in a sample."""
   sample = tmp_path / 'sample.py'
