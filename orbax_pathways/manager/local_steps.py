@@ -7,7 +7,8 @@ writer hosts' node-local tiers only, and storage gets Orbax's files and our reco
 Who calls what, on which host (every process that calls the manager):
 
 - ``LocalStepHooks.save_args`` (call 3, before Orbax's save of a preemption step): the step's
-  local-only copy first, committed before the storage save begins.
+  local-only copy first, committed before the storage save begins (a node step, saved in the
+  loop's thread, where node steps take the manager's local-only steps).
 - ``LocalStepHooks.save_declined`` (``manager/hooks.py`` call 5, in the training loop's thread,
   right after Orbax declined the step): the hidden manager's ``save`` of the same arguments.
   With the local transport (multi-controller JAX) and arguments ``local_detach`` can copy, the
@@ -281,10 +282,31 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     if (self.policy(mngr).interval <= 0 or _oms.is_local_manager(mngr)
         or not mngr.reached_preemption(step)):  # latched per step: the save asks it next
       return
-    if self._save(mngr, step, args, kwargs):
+    on_node = self._save_on_node(mngr, step, args, kwargs)
+    if on_node:
+      log.info('orbax_pathways: preemption step %d is saved on this node (node steps); its '
+               'storage save starts now.', step)
+    elif on_node is None and self._save(mngr, step, args, kwargs):
       self.wait(mngr)
       log.info('orbax_pathways: preemption step %d is local-committed (node-local tiers); its '
                'storage save starts now.', step)
+
+  def _save_on_node(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> bool | None:
+    """The preemption step saved by this process alone into its node, in the loop's thread,
+    when node steps take the manager's local-only steps (``node_steps.applies``): True once
+    saved, False when it failed (logged), None when node steps do not apply. The previous
+    background node save ends first; no storage save is waited for."""
+    given = kwargs.get('args')
+    if (mngr in _assigned or args or set(kwargs) - {'force', 'metrics'} != {'args'}
+        or not node_steps.applies(mngr, self.options(), given)):
+      return None
+    try:
+      join(mngr)
+      node_steps.save(mngr, self.options(), step, given, self.policy(mngr).keep)
+      return True
+    except Exception as e:  # pylint: disable=broad-except  (never fails the training step)
+      _warn_failed(mngr, step, e)
+      return False
 
   def _save(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> bool:
     inner = _oms.local_manager(mngr, directory_of(mngr), self.policy(mngr).keep)

@@ -357,15 +357,19 @@ def test_diff_against_a_local_only_step_compares_its_arrays_by_their_checksums(s
   assert 'of 2 arrays of a local-only step by recorded crc32c' in text, text
 
 
-def test_the_preemption_save_is_local_committed_before_its_storage_save(tmp_path):
+@pytest.mark.parametrize('steps_in', ['storage', 'nodes'])
+def test_the_preemption_save_is_local_committed_before_its_storage_save(tmp_path, steps_in):
   """After a notice, the preemption step's local-only copy commits before Orbax's storage save
-  of it begins (``save()`` returns with it listed); a job killed before that storage save
-  committed (here: its step directory gone) resumes from it."""
+  of it begins (``save()`` returns with it listed; with node steps, in the node and nothing of
+  it beside the storage steps); a job killed before that storage save committed (here: its step
+  directory gone) resumes from it."""
   root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
   env = {**LOCAL, 'ORBAX_PATHWAYS_LOCAL_DIR': tier, 'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '5',
-         'ORBAX_PATHWAYS_NO_SIGTERM': '1'}
+         'ORBAX_PATHWAYS_NO_SIGTERM': '1', 'ORBAX_PATHWAYS_LOCAL_STEPS_IN': steps_in}
   got = procs.worker_json(local_preempt_worker, 'save', root, env=env, timeout=300)
   assert got == {'local_at_save_return': [8], 'storage': [0, 8]}, got  # 5 dropped: local_keep 1
+  if steps_in == 'nodes':
+    assert sorted(os.listdir(root)) == ['0', '8'], os.listdir(root)
   shutil.rmtree(root / '8')  # the storage save that the grace period cut off
   got = procs.worker_json(local_preempt_worker, 'resume', root, env=env, timeout=300)
   assert got == {'step': 8, 'exact': True}, got

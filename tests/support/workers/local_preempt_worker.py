@@ -5,7 +5,8 @@ notice after step 7, so step 8 is the preemption save.
     python -m support.workers.local_preempt_worker save|resume CKPT
 
 ``save``: prints ``{"local_at_save_return": [...], "storage": [...]}``: the hidden manager's
-committed steps at the moment ``save(8)`` returned (its storage save still committing), and
+committed steps (with ``ORBAX_PATHWAYS_LOCAL_STEPS_IN=nodes``: the node's steps) at the moment
+``save(8)`` returned (its storage save still committing), and
 Orbax's steps at the end. ``resume``: ``preemption.resume``; prints the step and whether every
 value is that step's.
 """
@@ -13,6 +14,7 @@ value is that step's.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -24,6 +26,7 @@ def main() -> None:
   import orbax_pathways  # pylint: disable=g-import-not-at-top,unused-import
   from orbax_pathways import preemption  # pylint: disable=g-import-not-at-top
   from orbax_pathways.manager import local_steps  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.manager import node_steps  # pylint: disable=g-import-not-at-top
 
   mode, root = sys.argv[1], sys.argv[2]
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('x', 'y'))
@@ -41,7 +44,10 @@ def main() -> None:
         m.save(step, args=ocp.args.StandardSave(state(step)))
         if step == 7:
           preemption.notify_preemption()
-        if step == 8:
+        if step == 8 and os.environ.get('ORBAX_PATHWAYS_LOCAL_STEPS_IN') == 'nodes':
+          found = node_steps.directory_of(m)
+          seen = sorted(int(n) for n in os.listdir(found) if n.isdigit()) if found else []
+        elif step == 8:
           inner = local_steps.local_manager(m)
           inner.reload()
           seen = inner.all_steps()
