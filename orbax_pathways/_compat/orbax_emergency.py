@@ -16,13 +16,12 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
+from orbax_pathways._compat import seam
 from orbax_pathways._compat import src
 
 MODULE = 'orbax.checkpoint.experimental.emergency.checkpoint_manager'
 
-_stock: Any = None  # Orbax's class while its construction builds ours
-_had_new = False  # whether Orbax's class defined __new__ itself (put back by uninstall)
-_saved_new: Any = None
+NAME = "Orbax's emergency CheckpointManager built as the package's drop-in"
 
 
 def module() -> Any:
@@ -65,15 +64,13 @@ def build_stock(*args: Any, **kwargs: Any) -> Any:
 
 def install(cls: type, accepts: Callable[[dict[str, Any]], bool]) -> None:
   """Building Orbax's class builds ``cls`` (a subclass of it) instead, for the keyword
-  arguments ``accepts`` takes: its ``__new__`` is replaced, so the redirect holds for every name
-  bound to the class, also one bound before ``import orbax_pathways`` (MaxText's
-  ``emergency_checkpointing.CheckpointManager``). Python then runs ``cls.__init__`` on the
-  instance, as for any subclass instance ``__new__`` returns."""
-  global _stock, _had_new, _saved_new
-  stock = module().CheckpointManager
-  if _stock is not None:
-    uninstall()
-    stock = module().CheckpointManager
+  arguments ``accepts`` takes: its ``__new__`` is replaced (or, where it defines none, one is
+  added and later removed), so the redirect holds for every name bound to the class, also one
+  bound before ``import orbax_pathways`` (MaxText's ``emergency_checkpointing.CheckpointManager``).
+  Python then runs ``cls.__init__`` on the instance, as for any subclass instance ``__new__``
+  returns."""
+  seam.uninstall(NAME)
+  stock = stock_class()
 
   def __new__(klass: type, *args: Any, **kwargs: Any) -> Any:
     del args
@@ -81,22 +78,16 @@ def install(cls: type, accepts: Callable[[dict[str, Any]], bool]) -> None:
       klass = cls
     return object.__new__(klass)
 
-  _had_new = '__new__' in vars(stock)
-  _saved_new = vars(stock).get('__new__')
-  stock.__new__ = staticmethod(__new__)
-  _stock = stock
+  seam.install(seam.Feature(
+      NAME, 'building Orbax\'s class is the only way MaxText\'s unchanged code reaches ours',
+      lambda: [seam.Target(lambda: stock, '__new__', lambda _: staticmethod(__new__),
+                           add=True)]))
 
 
 def uninstall() -> None:
   """Orbax's own class builds itself again."""
-  global _stock, _had_new, _saved_new
-  if _stock is not None:
-    if _had_new:
-      _stock.__new__ = _saved_new
-    else:
-      del _stock.__new__
-    _stock, _had_new, _saved_new = None, False, None
+  seam.uninstall(NAME)
 
 
 def installed() -> bool:
-  return _stock is not None
+  return seam.installed(NAME)

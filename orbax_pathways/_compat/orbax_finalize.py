@@ -40,6 +40,7 @@ merged ``_pathways`` index).
 
 from __future__ import annotations
 
+from orbax_pathways._compat import seam
 from orbax_pathways._compat import src
 from orbax_pathways._compat import supported
 
@@ -62,10 +63,7 @@ from orbax_pathways.format import names as format_lib
 SUPPORTED = supported.ORBAX
 
 _lock = threading.Lock()
-_original: Callable[..., Any] | None = None
-_replacement: Callable[..., Any] | None = None
 _hook: Callable[[Any], Any] | None = None
-_partial_originals: dict[str, Callable[..., Any]] = {}  # name in Orbax's partial saving -> its own
 _pending_hook: Callable[[Any, Any], Any] | None = None
 _finalizing: contextvars.ContextVar[Any] = contextvars.ContextVar('orbax_pathways_partial',
                                                                   default=None)
@@ -138,7 +136,7 @@ async def _finalize_left_over(state: _Finalizing) -> None:
     if not await _async_path.exists(item / _partial.PYTREE_METADATA_FILE):
       continue
     if first is None:
-      first = await _partial_originals['_read_first_metadata']([state.partial_path])
+      first = await seam.originals(PARTIAL)['_read_first_metadata']([state.partial_path])
     handler = _base.BasePyTreeCheckpointHandler(use_zarr3=bool(first and first.use_zarr3))
     await asyncio.to_thread(handler.finalize, item)
 
@@ -174,55 +172,59 @@ _PARTIAL_WRAPPERS = {'_merge_all': _wrap_merge_all,
                      '_is_pytree_dir': _wrap_is_pytree_dir}
 
 
+FEATURE = seam.Feature(
+    'the _pathways index written at commit (the package\'s restores read it)',
+    'Orbax\'s PyTree handler has no hook between its writes and the step\'s commit',
+    lambda: [seam.Target(_owner, '_finalize_async', _wrap)])
+
+
+def _partial_module():
+  if _partial is None:
+    raise ImportError('orbax.checkpoint.experimental.v1 partial saving')
+  return _partial
+
+
+PARTIAL = seam.Feature(
+    'Orbax v1 partial saves joined with their _pathways index',
+    'Orbax v1\'s partial saving merges its parts in module functions, with no hook',
+    lambda: [seam.Target(_partial_module, name, wrap) for name, wrap in _PARTIAL_WRAPPERS.items()])
+
+
 def install(hook: Callable[[Any], Any],
-            pending_hook: Callable[[Any, Any], Any] | None = None) -> None:
+            pending_hook: Callable[[Any, Any], Any] | None = None) -> bool:
   """Sets ``hook(item_directory)`` and ``pending_hook(item_directory, part_item_directory)``
-  and installs the wrappers (once)."""
-  global _original, _replacement, _hook, _pending_hook
+  and installs the wrappers (once). False when Orbax's ``_finalize_async`` is missing (the
+  package's handlers then stay out of Orbax's registry: ``_install``); v1 partial saves are
+  joined where Orbax has them."""
+  global _hook, _pending_hook
   with _lock:
     _hook = hook
     _pending_hook = pending_hook
-    if (not _partial_originals and _partial is not None
-        and all(name in _partial.__dict__ for name in _PARTIAL_WRAPPERS)):
-      for name, wrap in _PARTIAL_WRAPPERS.items():
-        _partial_originals[name] = _partial.__dict__[name]
-        setattr(_partial, name, wrap(_partial_originals[name]))
-    if _original is not None:
-      return
-    owner = _owner()
-    if '_finalize_async' not in owner.__dict__:
-      raise RuntimeError(
-          'orbax_pathways: BasePyTreeCheckpointHandler._finalize_async not found in this '
-          f'orbax-checkpoint (supported {SUPPORTED}); the _pathways index cannot be written at '
-          'commit. Install a supported orbax-checkpoint version.')
-    _original = owner.__dict__['_finalize_async']
-    _replacement = _wrap(_original)
-    owner._finalize_async = _replacement  # pylint: disable=protected-access
+    if _partial is not None:
+      seam.install(PARTIAL)
+    return seam.install(FEATURE)
 
 
 def uninstall() -> None:
   """Puts Orbax's own ``_finalize_async`` and partial-save functions back and clears the hooks
   (idempotent)."""
-  global _original, _replacement, _hook, _pending_hook
+  global _hook, _pending_hook
   with _lock:
-    if _original is not None:
-      _owner()._finalize_async = _original  # pylint: disable=protected-access
-    for name, own in _partial_originals.items():
-      setattr(_partial, name, own)
-    _partial_originals.clear()
-    _original, _replacement, _hook, _pending_hook = None, None, None, None
+    seam.uninstall(FEATURE)
+    seam.uninstall(PARTIAL)
+    _hook, _pending_hook = None, None
 
 
 def installed() -> bool:
-  return _original is not None
+  return seam.installed(FEATURE)
 
 
 def original() -> Callable[..., Any] | None:
   """Orbax's own function while the patch is installed (tests check it is put back as is)."""
-  return _original
+  return seam.originals(FEATURE).get('_finalize_async')
 
 
 def partial_originals() -> dict[str, Callable[..., Any]]:
   """Orbax's own partial-save functions (``_merge_all``, ``_read_first_metadata``) while the
   patch is installed; empty otherwise."""
-  return dict(_partial_originals)
+  return seam.originals(PARTIAL)

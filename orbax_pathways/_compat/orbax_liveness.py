@@ -49,6 +49,7 @@ Who calls it: ``orbax_pathways._install`` (``install()``), on every process.
 
 from __future__ import annotations
 
+from orbax_pathways._compat import seam
 from orbax_pathways._compat import src
 
 import atexit
@@ -76,7 +77,6 @@ _COMMIT_COMPLETE = 'async_commit_complete'
 _WRITE_COMPLETE = 'async_write_complete'
 
 _lock = threading.Lock()
-_originals: dict[str, Callable[..., Any]] = {}
 _make_round: Callable[..., Any] | None = None
 _lost_error: Callable[[str], BaseException | None] | None = None
 _local = threading.local()  # .round: the round of the async_save thread running it
@@ -242,11 +242,14 @@ def _wrap_get_barrier_sync_fn(original):
   return get_barrier_sync_fn
 
 
-def _targets():
-  return ((_ac.AsyncCheckpointer, '__init__', _wrap_init),
-          (_ac._AsyncManager, 'start_async_commit', _wrap_start),  # pylint: disable=protected-access
-          (_multihost, 'sync_global_processes', _wrap_sync_global_processes),
-          (_multihost, 'get_barrier_sync_fn', _wrap_get_barrier_sync_fn))
+FEATURE = seam.Feature(
+    'the save liveness round (a process that dies mid-save is named, and the others exit)',
+    'Orbax\'s async commit and its barriers wait for a dead process until their timeout',
+    lambda: [seam.Target(lambda: _ac.AsyncCheckpointer, '__init__', _wrap_init),
+             seam.Target(lambda: _ac._AsyncManager, 'start_async_commit', _wrap_start),  # pylint: disable=protected-access
+             seam.Target(lambda: _multihost, 'sync_global_processes',
+                         _wrap_sync_global_processes),
+             seam.Target(lambda: _multihost, 'get_barrier_sync_fn', _wrap_get_barrier_sync_fn)])
 
 
 def install(make_round: Callable[..., Any],
@@ -254,36 +257,27 @@ def install(make_round: Callable[..., Any],
   """Sets the round factory (``liveness.SaveRound``-like, keyword arguments ``participants,
   step_dir, me, processes, primary, what, num_processes, commits_alone``) and
   ``lost_error(barrier)`` (the error to raise instead of entering an Orbax barrier once peers
-  were found lost; None while none was), installs the patches (once) and the exit handler (once per process)."""
+  were found lost; None while none was), installs the patches (once; none where Orbax lacks
+  one: its barriers and jax's heartbeat then) and the exit handler (once per process)."""
   global _make_round, _lost_error, _atexit_registered
   with _lock:
     _make_round, _lost_error = make_round, lost_error
     if not _atexit_registered:
       atexit.register(exit_without_waiting_for_lost)
       _atexit_registered = True
-    if _originals:
-      return
-    targets = _targets()
-    if any(attr not in owner.__dict__ for owner, attr, _ in targets):
-      return  # another Orbax: stock behaviour (Orbax's barriers, jax's heartbeat)
-    for owner, attr, wrap in targets:
-      _originals[attr] = owner.__dict__[attr]
-      setattr(owner, attr, wrap(_originals[attr]))
+    seam.install(FEATURE)
 
 
 def uninstall() -> None:
   """Puts Orbax's own functions back and clears the factory (idempotent)."""
   global _make_round, _lost_error
   with _lock:
-    for owner, attr, _ in _targets():
-      if attr in _originals:
-        setattr(owner, attr, _originals[attr])
-    _originals.clear()
+    seam.uninstall(FEATURE)
     _make_round, _lost_error = None, None
 
 
 def installed() -> bool:
-  return bool(_originals)
+  return seam.installed(FEATURE)
 
 
 def exit_without_waiting_for_lost() -> None:
@@ -311,4 +305,4 @@ def exit_without_waiting_for_lost() -> None:
 def originals() -> dict[str, Callable[..., Any]]:
   """Orbax's own functions (by attribute name) while the patches are installed; empty otherwise
   (tests check they are put back as they were)."""
-  return dict(_originals)
+  return seam.originals(FEATURE)

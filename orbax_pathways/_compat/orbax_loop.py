@@ -36,6 +36,7 @@ Who calls it: ``orbax_pathways.install()`` (``_install.py``), on every process.
 
 from __future__ import annotations
 
+from orbax_pathways._compat import seam
 from orbax_pathways._compat import src
 
 import asyncio
@@ -51,10 +52,6 @@ SETTLE_S = 30.0  # how long the cancelled tasks of a failed run may take to end
 LINGER_S = 120.0
 
 _asyncio_utils = src.orbax('asyncio_utils')
-_lock = threading.Lock()
-_original: Callable[..., Any] | None = None
-_original_loop_runner: Callable[..., Any] | None = None
-_original_run_sync: Callable[..., Any] | None = None  # Orbax 0.12.4's run_sync, while patched
 _UNSET = object()
 log = logging.getLogger('orbax_pathways')
 
@@ -151,8 +148,9 @@ def _run_sync(coro):
   except RuntimeError:
     pass
   else:
-    assert _original_run_sync is not None
-    return _original_run_sync(coro)
+    original = seam.originals(FEATURE).get('run_sync')
+    assert original is not None, 'installed as the patch only while the original is kept'
+    return original(coro)
 
   async def registered():
     thread = threading.current_thread()
@@ -174,34 +172,32 @@ def _run_sync(coro):
   return _run_sync_via_new_loop(registered())
 
 
+def _targets() -> list[seam.Target]:
+  """0.12.8's ``_run_sync_via_new_loop``, else (0.12.4) ``run_sync``; and the loop runner where
+  there is one. None required: an Orbax with neither keeps its own loops."""
+  owner = lambda: _asyncio_utils  # pylint: disable=unnecessary-lambda-assignment
+  if '_run_sync_via_new_loop' in vars(_asyncio_utils):
+    runner = seam.Target(owner, '_run_sync_via_new_loop', lambda _: _run_sync_via_new_loop,
+                         optional=True)
+  else:
+    runner = seam.Target(owner, 'run_sync', lambda _: _run_sync, optional=True)
+  return [runner, seam.Target(owner, '_run_event_loop', lambda _: _run_event_loop,
+                              optional=True)]
+
+
+FEATURE = seam.Feature(
+    'a failed Orbax call leaving no task behind in its closed event loop',
+    'Orbax runs its coroutines on loops it makes and closes itself',
+    _targets)
+
+
 def install() -> None:
-  global _original, _original_loop_runner, _original_run_sync
-  with _lock:
-    if _original is None and hasattr(_asyncio_utils, '_run_sync_via_new_loop'):
-      _original = _asyncio_utils._run_sync_via_new_loop  # pylint: disable=protected-access
-      _asyncio_utils._run_sync_via_new_loop = _run_sync_via_new_loop  # pylint: disable=protected-access
-    elif (_original is None and _original_run_sync is None
-          and hasattr(_asyncio_utils, 'run_sync')):
-      _original_run_sync = _asyncio_utils.run_sync
-      _asyncio_utils.run_sync = _run_sync
-    if _original_loop_runner is None and hasattr(_asyncio_utils, '_run_event_loop'):
-      _original_loop_runner = _asyncio_utils._run_event_loop  # pylint: disable=protected-access
-      _asyncio_utils._run_event_loop = _run_event_loop  # pylint: disable=protected-access
+  seam.install(FEATURE)
 
 
 def uninstall() -> None:
-  global _original, _original_loop_runner, _original_run_sync
-  with _lock:
-    if _original is not None:
-      _asyncio_utils._run_sync_via_new_loop = _original  # pylint: disable=protected-access
-      _original = None
-    if _original_run_sync is not None:
-      _asyncio_utils.run_sync = _original_run_sync
-      _original_run_sync = None
-    if _original_loop_runner is not None:
-      _asyncio_utils._run_event_loop = _original_loop_runner  # pylint: disable=protected-access
-      _original_loop_runner = None
+  seam.uninstall(FEATURE)
 
 
 def installed() -> bool:
-  return _original is not None or _original_run_sync is not None
+  return bool({'_run_sync_via_new_loop', 'run_sync'} & set(seam.originals(FEATURE)))

@@ -62,6 +62,7 @@ save for preemption).
 
 from __future__ import annotations
 
+from orbax_pathways._compat import seam
 from orbax_pathways._compat import src
 from orbax_pathways._compat import storage_clients
 from orbax_pathways._compat import supported
@@ -111,15 +112,6 @@ _lock = threading.RLock()
 _hooks: tuple[Any, ...] = ()  # the registered ManagerHooks objects, in their ``order``
 
 
-@dataclasses.dataclass
-class _Patch:
-  owner: Any
-  attr: str
-  original: Any  # exactly what was in owner.__dict__[attr]
-  replacement: Any
-
-
-_installed: list[_Patch] = []
 
 
 def register(hooks: Any) -> None:
@@ -445,30 +437,38 @@ def _wrap_checkpointer_restore(original):
 
 def _patch_targets():
   return (
-      (_deleter.StandardCheckpointDeleter, '_delete_step_permanently',
+      (lambda: _deleter.StandardCheckpointDeleter, '_delete_step_permanently',
        _wrap_delete_step_permanently),
-      (_step_lib._StandardNameFormat, '_build_metadata', _wrap_build_metadata),  # pylint: disable=protected-access
-      (ocp.CheckpointManager, '__init__', _wrap_manager_init),
-      (ocp.CheckpointManager, 'reached_preemption', _wrap_reached_preemption),
-      (ocp.CheckpointManager, 'save', _wrap_save),
-      (ocp.CheckpointManager, '_finalize', _wrap_finalize),
-      (ocp.CheckpointManager, 'close', _wrap_close),
-      (ocp.CheckpointManager, 'wait_until_finished', _wrap_wait_until_finished),
-      (ocp.CheckpointManager, 'delete', _wrap_delete),
-      (ocp.CheckpointManager, 'reload', _wrap_fresh_listing),
-      (ocp.CheckpointManager, 'restore', _wrap_restore),
-      (_checkpointer.Checkpointer, '_restore', _wrap_checkpointer_restore),
+      (lambda: _step_lib._StandardNameFormat, '_build_metadata', _wrap_build_metadata),  # pylint: disable=protected-access
+      (lambda: ocp.CheckpointManager, '__init__', _wrap_manager_init),
+      (lambda: ocp.CheckpointManager, 'reached_preemption', _wrap_reached_preemption),
+      (lambda: ocp.CheckpointManager, 'save', _wrap_save),
+      (lambda: ocp.CheckpointManager, '_finalize', _wrap_finalize),
+      (lambda: ocp.CheckpointManager, 'close', _wrap_close),
+      (lambda: ocp.CheckpointManager, 'wait_until_finished', _wrap_wait_until_finished),
+      (lambda: ocp.CheckpointManager, 'delete', _wrap_delete),
+      (lambda: ocp.CheckpointManager, 'reload', _wrap_fresh_listing),
+      (lambda: ocp.CheckpointManager, 'restore', _wrap_restore),
+      (lambda: _checkpointer.Checkpointer, '_restore', _wrap_checkpointer_restore),
   )
 
 
+FEATURE = seam.Feature(
+    'the CheckpointManager hooks (the writer lease, safe retention, preemption, local-only '
+    'steps, the tier\'s commit)',
+    'Orbax has no hook around a manager\'s save, finalize, restore, listing and deletion',
+    lambda: [seam.Target(owner, attr, wrap) for owner, attr, wrap in _patch_targets()])
+
+
 def hooks_installed() -> bool:
-  return bool(_installed)
+  return seam.installed(FEATURE)
 
 
 def install_manager_hooks() -> None:
-  """Installs the wrappers (idempotent). Hooks decide what they do; see ``register``."""
+  """Installs the wrappers (idempotent; all or none: a missing target leaves Orbax's manager
+  stock, with one warning). Hooks decide what they do; see ``register``."""
   with _lock:
-    if _installed:
+    if seam.installed(FEATURE):
       return
     if not orbax_version_supported():
       logging.warning(
@@ -476,26 +476,10 @@ def install_manager_hooks() -> None:
           'CheckpointManager hooks in orbax_pathways/_compat/orbax_manager.py may not apply. '
           'Pin orbax-checkpoint%s or run tests/manager/test_retention.py against this version.',
           ocp.__version__, SUPPORTED, SUPPORTED)
-    for owner, attr, wrap in _patch_targets():
-      if attr not in owner.__dict__:
-        raise RuntimeError(
-            f'orbax_pathways: {owner.__module__}.{owner.__qualname__}.{attr} not found in '
-            f'orbax-checkpoint {ocp.__version__} (supported {SUPPORTED}). Install a supported '
-            'orbax-checkpoint version.')
-    for owner, attr, wrap in _patch_targets():
-      original = owner.__dict__[attr]
-      replacement = wrap(original)
-      setattr(owner, attr, replacement)
-      _installed.append(_Patch(owner, attr, original, replacement))
+    seam.install(FEATURE)
 
 
 def uninstall_manager_hooks() -> None:
   """Restores the original attributes (idempotent). Hooks stay registered but are unused."""
   with _lock:
-    while _installed:
-      patch = _installed.pop()
-      if patch.owner.__dict__.get(patch.attr) is not patch.replacement:
-        logging.warning(
-            'orbax_pathways: %s.%s was re-patched by someone else after us; restoring the '
-            'Orbax original anyway.', patch.owner.__qualname__, patch.attr)
-      setattr(patch.owner, patch.attr, patch.original)
+    seam.uninstall(FEATURE)

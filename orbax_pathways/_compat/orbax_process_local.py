@@ -40,9 +40,9 @@ import contextvars
 import dataclasses
 import functools
 import itertools
-import threading
 from typing import Any, Callable, Iterator
 
+from orbax_pathways._compat import seam
 from orbax_pathways._compat import src
 
 _sync = src.orbax('futures.synchronization')
@@ -62,21 +62,9 @@ class _Namespace:
 
 _namespace: contextvars.ContextVar[_Namespace | None] = contextvars.ContextVar(
     'orbax_pathways_alone', default=None)
-_lock = threading.Lock()
-_originals: dict[tuple[Any, str], Any] = {}
-
-
-def _targets() -> list[tuple[Any, str]]:
-  return [(_sync.OperationIdGenerator, 'next_operation_id'),
-          (_sync.OperationIdGenerator, 'get_current_operation_id'),
-          (_signaling_client, 'get_signaling_client'),
-          (_future._SignalingThread, '__init__')]  # pylint: disable=protected-access
-
-
 def missing() -> list[str]:
   """The targets this Orbax lacks (empty: ``alone()`` can be used)."""
-  return [f'{getattr(owner, "__name__", owner)}.{attr}' for owner, attr in _targets()
-          if attr not in vars(owner)]
+  return seam.resolve(FEATURE)[1]
 
 
 def _next_operation_id(original: Callable[[], Any]) -> Callable[[], Any]:
@@ -122,36 +110,43 @@ def _signaling_thread_init(original: Callable[..., None]) -> Callable[..., None]
   return __init__
 
 
+def _on_class(wrap: Callable[[Callable[[], Any]], Callable[[], Any]]) -> Callable[[Any], Any]:
+  """A wrapper of ``OperationIdGenerator``'s method, a classmethod taking no argument but the
+  class (or a plain function, as the wrappers take it)."""
+  def replace(original: Any) -> Any:
+    if not isinstance(original, classmethod):
+      return wrap(original)
+    wrapped = wrap(functools.partial(original.__func__, _sync.OperationIdGenerator))
+    return classmethod(lambda cls: wrapped())
+  return replace
+
+
+FEATURE = seam.Feature(
+    'node steps: a save of one process alone, with operation ids and signals of its own',
+    'Orbax numbers its saves and signals with process-wide state and no scope',
+    lambda: [seam.Target(lambda: _sync.OperationIdGenerator, 'next_operation_id',
+                         _on_class(_next_operation_id)),
+             seam.Target(lambda: _sync.OperationIdGenerator, 'get_current_operation_id',
+                         _on_class(_get_current_operation_id)),
+             seam.Target(lambda: _signaling_client, 'get_signaling_client',
+                         _get_signaling_client),
+             seam.Target(lambda: _future._SignalingThread, '__init__',  # pylint: disable=protected-access
+                         _signaling_thread_init)])
+
+
 def install() -> bool:
-  """Replaces the targets (idempotent); False, and nothing replaced, when one is missing."""
-  with _lock:
-    if _originals:
-      return True
-    if missing():
-      return False
-    wrappers = [_next_operation_id, _get_current_operation_id, _get_signaling_client,
-                _signaling_thread_init]
-    for (owner, attr), wrap in zip(_targets(), wrappers):
-      original = vars(owner)[attr]
-      _originals[(owner, attr)] = original
-      if isinstance(original, classmethod):
-        setattr(owner, attr, classmethod(
-            lambda cls, _w=wrap(functools.partial(original.__func__, owner)): _w()))
-      else:
-        setattr(owner, attr, wrap(original))
-    return True
+  """Replaces the targets (idempotent); False, and nothing replaced, when one is missing (one
+  warning: node steps are then off)."""
+  return seam.install(FEATURE)
 
 
 def uninstall() -> None:
   """Puts Orbax's own targets back (idempotent)."""
-  with _lock:
-    for (owner, attr), original in _originals.items():
-      setattr(owner, attr, original)
-    _originals.clear()
+  seam.uninstall(FEATURE)
 
 
 def installed() -> bool:
-  return bool(_originals)
+  return seam.installed(FEATURE)
 
 
 def job_operation_id() -> str:

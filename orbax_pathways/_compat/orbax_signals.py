@@ -25,6 +25,7 @@ Who calls it: ``orbax_pathways.install()`` (``_install.py``), on every process.
 
 from __future__ import annotations
 
+from orbax_pathways._compat import seam
 from orbax_pathways._compat import src
 
 import concurrent.futures
@@ -37,8 +38,6 @@ _signaling_client = src.orbax('futures.signaling_client')
 
 FAILED = 'orbax_pathways:failed'
 
-_lock = threading.Lock()
-_originals: dict[str, Callable[..., Any]] = {}
 
 
 class SignalFailedError(RuntimeError):
@@ -85,25 +84,22 @@ def _wrap_wait(original):
   return _wait_for_signals
 
 
+def _signaling_thread():
+  return _future._SignalingThread  # pylint: disable=protected-access
+
+
+FEATURE = seam.Feature(
+    'a failed step releasing the saves that wait for its signals (no hang at exit)',
+    'Orbax\'s signalling threads have no failure path to their waiters',
+    lambda: [seam.Target(_signaling_thread, 'run', _wrap_run),
+             seam.Target(_signaling_thread, '_wait_for_signals', _wrap_wait)])
+
+
 def install() -> None:
-  """Installs both wrappers (once)."""
-  with _lock:
-    if _originals:
-      return
-    cls = _future._SignalingThread  # pylint: disable=protected-access
-    for name, wrap in (('run', _wrap_run), ('_wait_for_signals', _wrap_wait)):
-      if name not in cls.__dict__:
-        _originals.clear()
-        return  # another Orbax: leave it as it is (the hang at exit stays stock behaviour)
-      _originals[name] = cls.__dict__[name]
-    for name, wrap in (('run', _wrap_run), ('_wait_for_signals', _wrap_wait)):
-      setattr(cls, name, wrap(_originals[name]))
+  """Installs both wrappers (once; neither where Orbax lacks one: its own behaviour then)."""
+  seam.install(FEATURE)
 
 
 def uninstall() -> None:
   """Puts Orbax's own methods back (idempotent)."""
-  with _lock:
-    cls = _future._SignalingThread  # pylint: disable=protected-access
-    for name, original in _originals.items():
-      setattr(cls, name, original)
-    _originals.clear()
+  seam.uninstall(FEATURE)

@@ -51,6 +51,7 @@ from typing import Any, Callable, Protocol
 
 from etils import epath
 
+from orbax_pathways._compat import seam
 from orbax_pathways._compat import src
 from orbax_pathways._compat import supported
 from orbax_pathways.format import urls
@@ -61,7 +62,6 @@ _atomicity = src.orbax('path.atomicity')
 SUPPORTED = supported.ORBAX
 
 _lock = threading.Lock()
-_originals: dict[str, Callable[..., Any]] = {}  # Orbax's own functions, while installed
 # The directory the running ``_create_tmp_directory`` call creates inside a step directory
 # this save created (its existence check answered False), in that call's asyncio context.
 _creating_fresh: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -150,28 +150,34 @@ _WRAPS = ((_async_path, 'write_text', _wrap_write_text),
           (_async_path, 'read_text', _wrap_read_text),
           (_async_path, 'exists', _wrap_exists))
 _OPTIONAL = ((_atomicity, '_create_tmp_directory', _wrap_create_tmp_directory),)
+NAME = ('a manager save\'s small files written in one request each on gs:// and read back '
+        'from memory')
+
+
+def _target(owner: Any, name: str, wrap: Callable[..., Any], memory: Memory,
+            optional: bool = False) -> seam.Target:
+  return seam.Target(lambda: owner, name, lambda original: wrap(original, memory),
+                     optional=optional)
+
+
+def _feature(memory: Memory) -> seam.Feature:
+  return seam.Feature(
+      NAME, 'Orbax writes and reads its small step files through module functions, no hook',
+      lambda: ([_target(o, name, w, memory) for o, name, w in _WRAPS] +
+               [_target(o, name, w, memory, optional=True) for o, name, w in _OPTIONAL]))
 
 
 def install(memory: Memory) -> None:
   """Wraps ``async_path.write_text``, ``read_text`` and ``exists`` (once), and
   ``atomicity._create_tmp_directory`` where this Orbax has it; ``memory`` says which files are a
   save's and remembers what it wrote. An Orbax without one of the three is left as it is."""
-  with _lock:
-    if _originals or not all(name in vars(owner) for owner, name, _ in _WRAPS):
-      return
-    for owner, name, wrap in _WRAPS + tuple(o for o in _OPTIONAL if o[1] in vars(o[0])):
-      _originals[name] = vars(owner)[name]
-      setattr(owner, name, wrap(_originals[name], memory))
+  seam.install(_feature(memory))
 
 
 def uninstall() -> None:
   """Puts Orbax's own functions back (idempotent)."""
-  with _lock:
-    for owner, name, _ in _WRAPS + _OPTIONAL:
-      if name in _originals:
-        setattr(owner, name, _originals[name])
-    _originals.clear()
+  seam.uninstall(NAME)
 
 
 def installed() -> bool:
-  return bool(_originals)
+  return seam.installed(NAME)

@@ -59,6 +59,7 @@ from typing import Any, Callable, Iterator
 from etils import epath
 
 from orbax_pathways._compat import orbax_small_writes
+from orbax_pathways._compat import seam
 from orbax_pathways._compat import src
 from orbax_pathways._compat import supported
 
@@ -67,7 +68,6 @@ _checkpoint = src.orbax('metadata.checkpoint')
 SUPPORTED = supported.ORBAX
 
 _lock = threading.Lock()
-_originals: dict[str, Callable[..., Any]] = {}  # patched name -> Orbax's own
 _scopes: dict[str, int] = {}  # registered step directory -> how many registrations
 _remembered: dict[str, str] = {}  # metadata file in a registered directory -> its JSON
 _created: set[str] = set()  # registered step directories this process's save created
@@ -174,37 +174,27 @@ def _wrap_sanitize(original):
   return _sanitize_metadata_path
 
 
-def _targets() -> list[tuple[Any, str, Callable[[Any], Any]]]:
-  impl = _checkpoint._MetadataStoreImpl  # pylint: disable=protected-access
-  return [(impl, 'write', _wrap_write), (impl, 'read', _wrap_read),
-          (_checkpoint, '_sanitize_metadata_path', _wrap_sanitize)]
+FEATURE = seam.Feature(
+    'a manager save\'s own step metadata read from memory',
+    'Orbax\'s metadata store reads back on storage what the same save just wrote',
+    lambda: [seam.Target(lambda: _checkpoint._MetadataStoreImpl, 'write', _wrap_write),  # pylint: disable=protected-access
+             seam.Target(lambda: _checkpoint._MetadataStoreImpl, 'read', _wrap_read),  # pylint: disable=protected-access
+             seam.Target(lambda: _checkpoint, '_sanitize_metadata_path', _wrap_sanitize)])
 
 
 def install() -> None:
   """Installs the three wrappers (once). An Orbax without one of them is left as it is (every
   read then goes to storage, as stock)."""
-  with _lock:
-    if _originals:
-      return
-    targets = _targets()
-    if not all(name in vars(owner) for owner, name, _ in targets):
-      return
-    for owner, name, wrap in targets:
-      _originals[name] = vars(owner)[name]
-      setattr(owner, name, wrap(_originals[name]))
+  seam.install(FEATURE)
 
 
 def uninstall() -> None:
   """Puts Orbax's own functions back (idempotent)."""
-  with _lock:
-    for owner, name, _ in _targets():
-      if name in _originals:
-        setattr(owner, name, _originals[name])
-    _originals.clear()
+  seam.uninstall(FEATURE)
 
 
 def installed() -> bool:
-  return bool(_originals)
+  return seam.installed(FEATURE)
 
 
 def begin(step_dir: epath.PathLike) -> str:

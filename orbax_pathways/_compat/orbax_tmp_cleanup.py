@@ -29,13 +29,12 @@ import functools
 import threading
 from typing import Any, Callable
 
+from orbax_pathways._compat import seam
 from orbax_pathways._compat import src
 from orbax_pathways.format import names as format_names
 
 _temporary_paths = src.orbax('path.temporary_paths')
 
-_lock = threading.Lock()
-_original: Callable[..., Any] | None = None
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -54,23 +53,19 @@ def _name(temporary_path: Any) -> str:
     return ''
 
 
+FEATURE = seam.Feature(
+    'Orbax\'s clean-up of unfinished steps sparing the local-only steps\' directory',
+    'Orbax lists every temporary path under the root with no filter',
+    lambda: [seam.Target(lambda: _temporary_paths, 'all_temporary_paths', _wrap)])
+
+
 def install() -> None:
-  global _original
-  with _lock:
-    if _original is not None:
-      return
-    _original = _temporary_paths.all_temporary_paths
-    _temporary_paths.all_temporary_paths = _wrap(_original)
+  seam.install(FEATURE)
 
 
 def uninstall() -> None:
-  global _original
-  with _lock:
-    if _original is None:
-      return
-    _temporary_paths.all_temporary_paths = _original
-    _original = None
+  seam.uninstall(FEATURE)
 
 
 def installed() -> bool:
-  return _original is not None
+  return seam.installed(FEATURE)

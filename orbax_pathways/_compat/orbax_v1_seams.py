@@ -25,13 +25,11 @@ function objects.
 
 from __future__ import annotations
 
+from orbax_pathways._compat import seam
 from orbax_pathways._compat import src
 
 import threading
 from typing import Any, Callable
-
-_alh = src.orbax_v1('serialization.array_leaf_handler')
-
 
 def _optional_module(name: str) -> Any:
   try:
@@ -40,41 +38,53 @@ def _optional_module(name: str) -> Any:
     return None
 
 
-# kind -> (module, factory name): where v1 builds the v0 handler of that kind of leaf.
-_SEAMS: dict[str, tuple[Any, str]] = {
-    'array': (_alh, '_create_v0_array_handler'),
-    'numpy': (_optional_module('serialization.numpy_leaf_handler'), '_create_v0_numpy_handler'),
-    'scalar': (_optional_module('serialization.scalar_leaf_handler'), '_create_v0_scalar_handler'),
+# kind -> (module name, factory name): where v1 builds the v0 handler of that kind of leaf.
+_FACTORIES: dict[str, tuple[str, str]] = {
+    'array': ('serialization.array_leaf_handler', '_create_v0_array_handler'),
+    'numpy': ('serialization.numpy_leaf_handler', '_create_v0_numpy_handler'),
+    'scalar': ('serialization.scalar_leaf_handler', '_create_v0_scalar_handler'),
 }
 HOST_KINDS = ('numpy', 'scalar')
 # The host-leaf seams the installed Orbax has (both in every release tested; see tests).
 HOST_SEAMS: tuple[str, ...] = tuple(
-    k for k in HOST_KINDS if _SEAMS[k][0] is not None and callable(
-        getattr(_SEAMS[k][0], _SEAMS[k][1], None)))
+    k for k in HOST_KINDS if callable(getattr(_optional_module(_FACTORIES[k][0]),
+                                              _FACTORIES[k][1], None)))
 
 _lock = threading.Lock()
-_originals: dict[str, Callable[..., Any]] = {}  # kind -> Orbax's factory, while patched
 _array_hook: Callable[[Any, Any], Any] | None = None
 _host_hook: Callable[[str, Any], Any] | None = None
 
 
-def _array_wrapper(context):
-  original = _originals.get('array')
-  assert original is not None, 'installed as the patch only while _originals holds the original'
-  handler = original(context)
-  hook = _array_hook
-  return hook(context, handler) if hook is not None else handler
+def _array_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+  def _create_v0_array_handler(context):
+    handler = original(context)
+    hook = _array_hook
+    return hook(context, handler) if hook is not None else handler
+  return _create_v0_array_handler
 
 
-def _host_wrapper(kind: str) -> Callable[..., Any]:
-  def wrapper(*args, **kwargs):
-    original = _originals.get(kind)
-    assert original is not None, 'installed as the patch only while _originals holds the original'
-    handler = original(*args, **kwargs)
-    hook = _host_hook
-    return hook(kind, handler) if hook is not None else handler
-  wrapper.__name__ = wrapper.__qualname__ = _SEAMS[kind][1]
-  return wrapper
+def _host_wrapper(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  def make(original: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args, **kwargs):
+      handler = original(*args, **kwargs)
+      hook = _host_hook
+      return hook(kind, handler) if hook is not None else handler
+    wrapper.__name__ = wrapper.__qualname__ = _FACTORIES[kind][1]
+    return wrapper
+  return make
+
+
+def _targets() -> list[seam.Target]:
+  module = lambda kind: lambda: src.orbax_v1(_FACTORIES[kind][0])  # pylint: disable=unnecessary-lambda-assignment
+  return ([seam.Target(module('array'), _FACTORIES['array'][1], _array_wrapper)] +
+          [seam.Target(module(kind), _FACTORIES[kind][1], _host_wrapper(kind))
+           for kind in HOST_SEAMS])
+
+
+FEATURE = seam.Feature(
+    'Orbax v1 saves and loads through the package\'s handlers',
+    'v1 builds its v0 leaf handlers in module factories and never reads the v0 registry',
+    _targets)
 
 
 def install(array_hook: Callable[[Any, Any], Any],
@@ -85,31 +95,24 @@ def install(array_hook: Callable[[Any, Any], Any],
   global _array_hook, _host_hook
   with _lock:
     _array_hook, _host_hook = array_hook, host_hook
-    for kind in ('array',) + HOST_SEAMS:
-      if kind in _originals:
-        continue
-      module, name = _SEAMS[kind]
-      _originals[kind] = getattr(module, name)
-      setattr(module, name, _array_wrapper if kind == 'array' else _host_wrapper(kind))
+    seam.install(FEATURE)
 
 
 def uninstall() -> None:
   global _array_hook, _host_hook
   with _lock:
-    for kind, original in _originals.items():
-      module, name = _SEAMS[kind]
-      setattr(module, name, original)
-    _originals.clear()
+    seam.uninstall(FEATURE)
     _array_hook, _host_hook = None, None
 
 
 def installed() -> bool:
-  return 'array' in _originals
+  return seam.installed(FEATURE)
 
 
 def hooked_host_kinds() -> tuple[str, ...]:
   """The host-leaf kinds ('numpy', 'scalar') whose v1 factory is patched now."""
-  return tuple(k for k in HOST_KINDS if k in _originals)
+  patched = seam.originals(FEATURE)
+  return tuple(k for k in HOST_KINDS if _FACTORIES[k][1] in patched)
 
 
 def pathways_impl_name(context: Any) -> str | None:

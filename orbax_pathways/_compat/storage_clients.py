@@ -32,12 +32,18 @@ import sys
 import threading
 from typing import Any
 
+from orbax_pathways._compat import seam
 from orbax_pathways._compat import src
 
 _lock = threading.Lock()
-_timeout: Any = None  # the aiohttp.ClientTimeout we set (None: not configured)
-_stall_s: float | None = None
-_original_get_bucket: Any = None
+
+
+class _Config:
+  timeout: Any = None  # the aiohttp.ClientTimeout we set (None: not configured)
+  stall_s: float | None = None
+
+
+_config = _Config()
 _buckets: dict[str, Any] = {}
 PROTOCOLS = ('gs', 'gcs')
 
@@ -86,7 +92,7 @@ def _get_bucket(bucket_name: str) -> Any:
   deadline instead of the client's 60 s."""
   with _lock:
     hit = _buckets.get(bucket_name)
-    stall_s = _stall_s
+    stall_s = _config.stall_s
   if hit is not None:
     return hit
   from google.cloud import storage  # type: ignore[import-untyped]  # pylint: disable=g-import-not-at-top
@@ -99,35 +105,36 @@ def _get_bucket(bucket_name: str) -> Any:
   return bucket
 
 
+FEATURE = seam.Feature(
+    'Orbax\'s bucket lookup on gs:// bounded by the package\'s request deadline',
+    'Orbax looks its bucket up with the client\'s 60 s default and no setting',
+    lambda: [seam.Target(lambda: src.orbax('path.gcs_utils'), 'get_bucket',
+                         lambda _: _get_bucket)])
+
+
 def configure(stall_s: float) -> None:
   """Every gcsfs request, and Orbax's bucket lookup, fails after ``stall_s`` seconds without a
   byte of its answer (then the client retries it)."""
-  global _timeout, _stall_s, _original_get_bucket
   with _lock:
-    if _stall_s == stall_s and _timeout is not None:
+    if _config.stall_s == stall_s and _config.timeout is not None:
       return
-    old = _timeout
+    old = _config.timeout
     new = None
     if _gcsfs_installed():
       import aiohttp  # pylint: disable=g-import-not-at-top
       new = aiohttp.ClientTimeout(total=None, sock_connect=stall_s, sock_read=stall_s)
       _set_gcsfs(new, old)
-    _timeout, _stall_s = new, stall_s
-    gcs_utils = src.orbax('path.gcs_utils')
-    if _original_get_bucket is None:
-      _original_get_bucket = gcs_utils.get_bucket
-      gcs_utils.get_bucket = _get_bucket
+    _config.timeout, _config.stall_s = new, stall_s
+    seam.install(FEATURE)
 
 
 def uninstall() -> None:
   """The clients as they were before ``configure`` (a value someone else set since stays)."""
-  global _timeout, _stall_s, _original_get_bucket
   with _lock:
-    if _timeout is not None:
-      _set_gcsfs(None, _timeout)
-    if _original_get_bucket is not None:
-      src.orbax('path.gcs_utils').get_bucket = _original_get_bucket
-    _timeout, _stall_s, _original_get_bucket = None, None, None
+    if _config.timeout is not None:
+      _set_gcsfs(None, _config.timeout)
+    seam.uninstall(FEATURE)
+    _config.timeout, _config.stall_s = None, None
     _buckets.clear()
 
 

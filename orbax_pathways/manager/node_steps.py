@@ -106,6 +106,8 @@ def applies(mngr: Any, options: Any, args: Any) -> bool:
   are not)."""
   if getattr(options, 'local_steps_in', 'storage') != 'nodes':
     return False
+  if not orbax_process_local.install():  # this Orbax lacks a target: warned once, storage path
+    return False
   if tier_root(options) is None:
     said.once(logging.WARNING, ('node-steps-no-tier', str(mngr.directory)),
               'orbax_pathways: Options.local_steps_in=%r needs a node-local tier directory '
@@ -220,7 +222,7 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
   calls it, whether or not its node holds any. ``all_ok(ok, step)``: whether every process
   restored ``step`` (``preemption.recovery``'s agreement round); ``timeout_s``: the longest
   silence of the round that agrees on the candidates."""
-  if getattr(options, 'local_steps_in', 'storage') != 'nodes':
+  if getattr(options, 'local_steps_in', 'storage') != 'nodes' or not orbax_process_local.install():
     return None
   node = manager(mngr, options, keep)
   if node is None:

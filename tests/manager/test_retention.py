@@ -75,7 +75,7 @@ def test_hooks_install_uninstall_restore_exact_originals():
   import orbax_pathways  # pylint: disable=g-import-not-at-top
   orbax_pathways.uninstall()  # back to stock Orbax; the autouse fixture reinstalls
   assert not om.hooks_installed()
-  targets = [(o, a) for o, a, _ in om._patch_targets()]
+  targets = [(o(), a) for o, a, _ in om._patch_targets()]
   before = [o.__dict__[a] for o, a in targets]
   om.install_manager_hooks()
   om.install_manager_hooks()  # idempotent

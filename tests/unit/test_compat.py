@@ -368,7 +368,8 @@ def test_the_clean_up_seam_spares_only_the_local_steps_directory_and_is_given_ba
     (tmp_path / name).mkdir()
   found = asyncio.run(temporary_paths.all_temporary_paths(tmp_path))
   assert [p.get().name for p in found] == ['3.orbax-checkpoint-tmp-1700000000'], found
-  original = orbax_tmp_cleanup._original  # pylint: disable=protected-access
+  from orbax_pathways._compat import seam  # pylint: disable=g-import-not-at-top
+  original = seam.originals(orbax_tmp_cleanup.FEATURE)['all_temporary_paths']
   orbax_pathways.uninstall()
   try:
     assert temporary_paths.all_temporary_paths is original is not wrapped
