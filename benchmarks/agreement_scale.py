@@ -125,7 +125,7 @@ def _cases() -> dict[str, tuple[str, Callable[[int], Any]]]:
   from orbax_pathways.coord import participants  # pylint: disable=g-import-not-at-top
   from orbax_pathways._compat import jax_distributed  # pylint: disable=g-import-not-at-top
   from orbax_pathways._compat import orbax_manager_state as _oms  # pylint: disable=g-import-not-at-top
-  decision._current = decision.Agreement(timeout_s=60.0)  # pylint: disable=protected-access
+  decision._state.current = decision.Agreement(timeout_s=60.0)  # pylint: disable=protected-access
   mngr = types.SimpleNamespace()
 
   def resume(n: int) -> Any:

@@ -87,7 +87,7 @@ def _use(mode: str, tier_dir: str) -> None:
     return
   from orbax_pathways.storage import pages  # pylint: disable=g-import-not-at-top
   handlers.use_handler('ours')
-  pages._enabled = False if mode == 'tier_copy' else None  # pylint: disable=protected-access
+  pages._state.enabled = False if mode == 'tier_copy' else None  # pylint: disable=protected-access
   orbax_pathways.install(orbax_pathways.Options(local_dir='off' if mode == 'tier_off' else tier_dir))
 
 

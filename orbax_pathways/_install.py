@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import warnings
+from typing import Any
 
 import numpy as np
 
@@ -56,9 +57,17 @@ log = logging.getLogger('orbax_pathways')
 DISABLE_ENV = 'ORBAX_PATHWAYS_DISABLE'
 
 _lock = threading.RLock()
-_previous = None  # the handler that was registered before install()
-_ours = None  # the handler install() registered
-_previous_numpy: dict | None = None  # likewise for np.ndarray and the scalar types, by type
+
+
+class _State:
+  """This module's process-wide state (one object: no `global` statement)."""
+
+  ours: handler_lib.ProxyArrayHandler | None = None  # the handler install() registered
+  previous: Any = None  # the handler that was registered before install()
+  previous_numpy: dict | None = None  # likewise for np.ndarray and the scalar types, by type
+
+
+_state = _State()
 _warned: set[int] = set()
 _warned_env: set[str] = set()
 
@@ -84,7 +93,7 @@ def _check_env() -> None:
 def _check_slices(mngr) -> None:
   """``num_slices`` (Options or ORBAX_PATHWAYS_NUM_SLICES) must divide the device count: checked
   when a CheckpointManager is constructed, not at the first commit."""
-  handler = _ours
+  handler = _state.ours
   n = handler.options.num_slices if handler is not None else None
   if not n:
     return
@@ -176,7 +185,7 @@ def _install_manager_side() -> None:
 def _installed_options() -> options_lib.Options:
   """The installed handler's options (every handler is built from them); the environment's
   before ``install()``."""
-  handler = _ours
+  handler = _state.ours
   return handler.options if handler is not None else options_lib.Options.from_env()
 
 
@@ -221,7 +230,7 @@ def _log_commit(mngr, step: int, commit_s: float) -> None:
   share (the arrays' bytes it wrote, how long save() blocked it). Sets each of the step's
   saves' ``commit_s``."""
   saves = [s for s in stats_lib.saves_for_step(step, str(mngr.directory)) if s.commit_s is None]
-  if not saves or _ours is None:
+  if not saves or _state.ours is None:
     return
   for st in saves:
     st.commit_s = commit_s
@@ -245,25 +254,26 @@ def install(options: options_lib.Options | None = None) -> handler_lib.ProxyArra
   listing that skips incomplete steps, and SIGTERM as a preemption notice in the main process
   once it constructs a CheckpointManager (unless ``ORBAX_PATHWAYS_NO_SIGTERM`` is true). Parses
   every ``ORBAX_PATHWAYS_*`` variable first (ValueError naming a malformed one)."""
-  global _previous, _ours
   with _lock:
     _check_env()
     _install_manager_side()
     orbax_loop.install()  # a failed Orbax call leaves no task behind in its closed loop
     current = compat.registered_array_handler()
-    if _ours is not None and current is _ours and (options is None or options == _ours.options):
-      return _ours
-    if _ours is None or current is not _ours and not isinstance(current, handler_lib.ProxyArrayHandler):
-      _previous = current
-    _ours = handler_lib.ProxyArrayHandler(options=options, **_settings_of(current))
-    compat.register_array_handler(_ours)
+    ours = _state.ours
+    if ours is not None and current is ours and (options is None or options == ours.options):
+      return ours
+    if ours is None or current is not ours and not isinstance(current,
+                                                              handler_lib.ProxyArrayHandler):
+      _state.previous = current
+    ours = _state.ours = handler_lib.ProxyArrayHandler(options=options, **_settings_of(current))
+    compat.register_array_handler(ours)
     _install_numpy(options)
     compat_v1.install(_v1_handler, _v1_host_handler)
     _warned.clear()
     log.info('orbax_pathways: installed %s for jax.Array in Orbax %s (replacing %s); '
-             'uninstall() restores it.', type(_ours).__name__, compat.ORBAX_VERSION,
-             type(_previous).__name__)
-    return _ours
+             'uninstall() restores it.', type(ours).__name__, compat.ORBAX_VERSION,
+             type(_state.previous).__name__)
+    return ours
 
 
 def _settings_of(current) -> dict:
@@ -285,20 +295,19 @@ def _install_numpy(options) -> None:
   restores of our arrays into numpy targets), with the settings (``metadata_key``,
   ``ocdbt_process_id``) of the ones they replace. A type whose registered handler is not
   Orbax's (a user's own) is left alone."""
-  global _previous_numpy
   current = compat.registered_handler(np.ndarray)
   if not isinstance(current, handler_lib.ProxyNumpyHandler):
-    _previous_numpy = {np.ndarray: current}
+    _state.previous_numpy = {np.ndarray: current}
     for ty in SCALAR_TYPES:
-      _previous_numpy[ty] = compat.registered_handler(ty)
-  assert _previous_numpy is not None
-  previous = _previous_numpy[np.ndarray]
+      _state.previous_numpy[ty] = compat.registered_handler(ty)
+  assert _state.previous_numpy is not None
+  previous = _state.previous_numpy[np.ndarray]
   kwargs = (compat.numpy_handler_constructor_kwargs(previous)
             if isinstance(previous, compat.NumpyHandler) else {})
   if previous is None or type(previous) is compat.NumpyHandler or isinstance(
       previous, handler_lib.ProxyNumpyHandler):
     compat.register_handler(np.ndarray, handler_lib.ProxyNumpyHandler(options=options, **kwargs))
-  scalar_previous = [_previous_numpy[ty] for ty in SCALAR_TYPES]
+  scalar_previous = [_state.previous_numpy[ty] for ty in SCALAR_TYPES]
   first = next((h for h in scalar_previous if isinstance(h, compat.ScalarHandler)), None)
   scalar = handler_lib.ProxyScalarHandler(
       options=options, **(compat.numpy_handler_constructor_kwargs(first) if first else {}))
@@ -309,21 +318,20 @@ def _install_numpy(options) -> None:
 
 def _v1_handler(context, stock):
   """Orbax v1's array handler for ``context``: ours while installed (``frontends/orbax_v1.py``)."""
-  ours = _ours
+  ours = _state.ours
   return orbax_v1.handler_for(context, stock, ours.options) if ours is not None else stock
 
 
 def _v1_host_handler(kind, stock):
   """Orbax v1's np.ndarray / scalar handler: ours while installed (``frontends/orbax_v1.py``)."""
-  ours = _ours
+  ours = _state.ours
   return orbax_v1.host_handler_for(kind, stock, ours.options) if ours is not None else stock
 
 
 def uninstall() -> None:
   """Restores the handler that was registered before ``install()``. No-op if not installed."""
-  global _previous, _ours, _previous_numpy
   with _lock:
-    if _ours is None:
+    if _state.ours is None:
       return
     for h in _manager_hooks():
       orbax_manager.unregister(h)
@@ -339,29 +347,30 @@ def uninstall() -> None:
     orbax_emergency.uninstall()
     storage_clients.uninstall()  # gcsfs / google-cloud-storage deadlines (set by the Engine)
     orbax_loop.uninstall()
-    if _previous is not None:
-      compat.register_array_handler(_previous)
-    if _previous_numpy is not None:
-      for ty, handler in _previous_numpy.items():
+    if _state.previous is not None:
+      compat.register_array_handler(_state.previous)
+    if _state.previous_numpy is not None:
+      for ty, handler in _state.previous_numpy.items():
         if handler is not None:
           compat.register_handler(ty, handler)
-    log.info('orbax_pathways: uninstalled; jax.Array handled by %s again.', type(_previous).__name__)
-    _previous, _ours = None, None
-    _previous_numpy = None
+    log.info('orbax_pathways: uninstalled; jax.Array handled by %s again.',
+             type(_state.previous).__name__)
+    _state.previous, _state.ours = None, None
+    _state.previous_numpy = None
 
 
 def installed() -> handler_lib.ProxyArrayHandler | None:
   """Our handler if it is what Orbax will use for jax.Array now, else None."""
   current = compat.registered_array_handler()
-  return current if _ours is not None and current is _ours else None
+  return current if _state.ours is not None and current is _state.ours else None
 
 
 def check_installed() -> bool:
   """Warns (once per intruding handler) if something replaced our handler after install()."""
-  if _ours is None:
+  if _state.ours is None:
     return False
   current = compat.registered_array_handler()
-  if current is _ours:
+  if current is _state.ours:
     return True
   if id(current) not in _warned:
     _warned.add(id(current))

@@ -63,8 +63,16 @@ from orbax_pathways.format import names as format_lib
 SUPPORTED = supported.ORBAX
 
 _lock = threading.Lock()
-_hook: Callable[[Any], Any] | None = None
-_pending_hook: Callable[[Any, Any], Any] | None = None
+
+
+class _State:
+  """This module's process-wide state (one object: no `global` statement)."""
+
+  hook: Callable[[Any], Any] | None = None
+  pending_hook: Callable[[Any, Any], Any] | None = None
+
+
+_state = _State()
 _finalizing: contextvars.ContextVar[Any] = contextvars.ContextVar('orbax_pathways_partial',
                                                                   default=None)
 
@@ -76,7 +84,7 @@ def _owner():
 def _wrap(original):
   @functools.wraps(original)
   async def _finalize_async(self, directory):
-    hook = _hook
+    hook = _state.hook
     if hook is None:
       return await original(self, directory)
     done = await asyncio.gather(original(self, directory), asyncio.to_thread(hook, directory),
@@ -111,7 +119,7 @@ class _Finalizing:
 def _wrap_merge_all(original):
   @functools.wraps(original)
   async def _merge_all(partial_path):
-    hook = _pending_hook
+    hook = _state.pending_hook
     if hook is None:
       return await original(partial_path)
     await _join_pending(hook, partial_path)
@@ -193,13 +201,12 @@ PARTIAL = seam.Feature(
 def install(hook: Callable[[Any], Any],
             pending_hook: Callable[[Any, Any], Any] | None = None) -> bool:
   """Sets ``hook(item_directory)`` and ``pending_hook(item_directory, part_item_directory)``
-  and installs the wrappers (once). False when Orbax's ``_finalize_async`` is missing (the
-  package's handlers then stay out of Orbax's registry: ``_install``); v1 partial saves are
+  and installs the wrappers (once). False when Orbax's ``_finalize_async`` is missing (no
+  index at commit: a restore then merges the writers' records itself); v1 partial saves are
   joined where Orbax has them."""
-  global _hook, _pending_hook
   with _lock:
-    _hook = hook
-    _pending_hook = pending_hook
+    _state.hook = hook
+    _state.pending_hook = pending_hook
     if _partial is not None:
       seam.install(PARTIAL)
     return seam.install(FEATURE)
@@ -208,11 +215,10 @@ def install(hook: Callable[[Any], Any],
 def uninstall() -> None:
   """Puts Orbax's own ``_finalize_async`` and partial-save functions back and clears the hooks
   (idempotent)."""
-  global _hook, _pending_hook
   with _lock:
     seam.uninstall(FEATURE)
     seam.uninstall(PARTIAL)
-    _hook, _pending_hook = None, None
+    _state.hook, _state.pending_hook = None, None
 
 
 def installed() -> bool:

@@ -77,11 +77,19 @@ _COMMIT_COMPLETE = 'async_commit_complete'
 _WRITE_COMPLETE = 'async_write_complete'
 
 _lock = threading.Lock()
-_make_round: Callable[..., Any] | None = None
-_lost_error: Callable[[str], BaseException | None] | None = None
+
+
+class _State:
+  """This module's process-wide state (one object: no `global` statement)."""
+
+  make_round: Callable[..., Any] | None = None
+  lost_error: Callable[[str], BaseException | None] | None = None
+  atexit_registered = False
+
+
+_state = _State()
 _local = threading.local()  # .round: the round of the async_save thread running it
 _kept: list[Any] = []  # jax's distributed client/service, dropped at exit without shutdown
-_atexit_registered = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +190,7 @@ def _wrap_sync_fn(sync_fn: Callable[[str, int], None]) -> Callable[[str, int], N
 def _wrap_start(original):
   @functools.wraps(original)
   def start_async_commit(self, directory, commit_futures, on_commit_callback):
-    make = _make_round
+    make = _state.make_round
     scope = self.__dict__.get(_SCOPE)
     if make is None or scope is None:
       return original(self, directory, commit_futures, on_commit_callback)
@@ -216,7 +224,7 @@ def _wrap_start(original):
 
 def _fail_fast(name: str) -> None:
   """Raises at once, instead of entering a barrier, once this process found peers lost."""
-  lost_error = _lost_error
+  lost_error = _state.lost_error
   error = lost_error(name) if lost_error is not None else None
   if error is not None:
     raise error
@@ -259,21 +267,19 @@ def install(make_round: Callable[..., Any],
   ``lost_error(barrier)`` (the error to raise instead of entering an Orbax barrier once peers
   were found lost; None while none was), installs the patches (once; none where Orbax lacks
   one: its barriers and jax's heartbeat then) and the exit handler (once per process)."""
-  global _make_round, _lost_error, _atexit_registered
   with _lock:
-    _make_round, _lost_error = make_round, lost_error
-    if not _atexit_registered:
+    _state.make_round, _state.lost_error = make_round, lost_error
+    if not _state.atexit_registered:
       atexit.register(exit_without_waiting_for_lost)
-      _atexit_registered = True
+      _state.atexit_registered = True
     seam.install(FEATURE)
 
 
 def uninstall() -> None:
   """Puts Orbax's own functions back and clears the factory (idempotent)."""
-  global _make_round, _lost_error
   with _lock:
     seam.uninstall(FEATURE)
-    _make_round, _lost_error = None, None
+    _state.make_round, _state.lost_error = None, None
 
 
 def installed() -> bool:
@@ -283,7 +289,7 @@ def installed() -> bool:
 def exit_without_waiting_for_lost() -> None:
   """At exit, when this process found peers lost: jax's distributed client and service are
   dropped without their shutdown barrier (which would wait for the lost peers)."""
-  lost_error = _lost_error
+  lost_error = _state.lost_error
   if lost_error is None or lost_error('exit') is None:
     return
   try:

@@ -95,7 +95,6 @@ COMMIT_SUCCESS_FILE: str = format_lib.COMMIT_SUCCESS_FILE
 STEP_METADATA_FILE: str = format_lib.CHECKPOINT_METADATA_FILE
 
 
-
 def orbax_version_supported() -> bool:
   """True if the installed orbax-checkpoint is inside ``SUPPORTED``."""
   try:
@@ -109,47 +108,51 @@ def orbax_version_supported() -> bool:
 # Hook registry and reversible patches.
 
 _lock = threading.RLock()
-_hooks: tuple[Any, ...] = ()  # the registered ManagerHooks objects, in their ``order``
 
 
+class _State:
+  """This module's process-wide state (one object: no `global` statement)."""
+
+  hooks: tuple[Any, ...] = ()  # the registered ManagerHooks objects, in their ``order``
+
+
+_registry = _State()
 
 
 def register(hooks: Any) -> None:
   """Adds one ``ManagerHooks`` object (idempotent: an object of the same ``name`` is replaced),
   installs the patches (idempotent)."""
-  global _hooks
   with _lock:
-    kept = [h for h in _hooks if h.name != hooks.name]
-    _hooks = tuple(sorted(kept + [hooks], key=lambda h: h.order))
+    kept = [h for h in _registry.hooks if h.name != hooks.name]
+    _registry.hooks = tuple(sorted(kept + [hooks], key=lambda h: h.order))
   install_manager_hooks()
 
 
 def unregister(hooks: Any) -> None:
   """Removes the hook object of ``hooks.name``; the patches go once none is left."""
-  global _hooks
   with _lock:
-    _hooks = tuple(h for h in _hooks if h.name != hooks.name)
-    if not _hooks:
+    _registry.hooks = tuple(h for h in _registry.hooks if h.name != hooks.name)
+    if not _registry.hooks:
       uninstall_manager_hooks()
 
 
 def registered() -> tuple[Any, ...]:
   """The hook objects the patches call, in order."""
-  return _hooks
+  return _registry.hooks
 
 
 def any_hook_set() -> bool:
-  return bool(_hooks)
+  return bool(_registry.hooks)
 
 
 def _each(method: str, *args: Any) -> None:
-  for h in _hooks:
+  for h in _registry.hooks:
     getattr(h, method)(*args)
 
 
 def _first(method: str, *args: Any) -> Any:
   """The first answer that is not None (None if every hook passes)."""
-  for h in _hooks:
+  for h in _registry.hooks:
     answer = getattr(h, method)(*args)
     if answer is not None:
       return answer
@@ -162,7 +165,7 @@ def _wrap_delete_step_permanently(original):
     # The stock PathDeleter (parallel on local disk, gcs_utils on gs://) does the actual removal
     # of whatever path a hook hands it.
     remove = _path_remover(self)
-    for h in _hooks:
+    for h in _registry.hooks:
       if h.delete_step(step, epath.Path(delete_target), remove):
         return None
     return original(self, step, delete_target)
@@ -209,7 +212,7 @@ def _pinned(metadata: Any, commit_timestamp: Any) -> Any:
 def _wrap_build_metadata(original):
   @functools.wraps(original)
   def _build_metadata(self, step_path, step=None):
-    if not _hooks:
+    if not _registry.hooks:
       return original(self, step_path, step=step)
     try:
       metadata = original(self, step_path, step=step)
@@ -274,7 +277,7 @@ def _wrap_delete(original):
 def _wrap_reached_preemption(original):
   @functools.wraps(original)
   def reached_preemption(self, step):
-    if not _hooks:
+    if not _registry.hooks:
       return original(self, step)
     stock = lambda: original(self, step)  # pylint: disable=unnecessary-lambda-assignment
     answer = _first('reached_preemption', self, step, stock, _state.manager_participants(self))
@@ -288,7 +291,7 @@ _SAVE_STARTS = '_orbax_pathways_save_starts'  # {step: perf_counter at save()} o
 def _wrap_save(original):
   @functools.wraps(original)
   def save(self, step, *args, **kwargs):
-    if not _hooks:
+    if not _registry.hooks:
       return original(self, step, *args, **kwargs)
     # Orbax's own decision first (it asks it again inside: the preemption answer is latched
     # per step): a step it declines writes nothing, so the hooks that guard a write (the
@@ -318,7 +321,7 @@ def _wrap_wait_until_finished(original):
   @functools.wraps(original)
   def wait_until_finished(self, *args, **kwargs):
     out = original(self, *args, **kwargs)
-    if _hooks:
+    if _registry.hooks:
       _each('wait', self)
     return out
   return wait_until_finished
@@ -387,7 +390,7 @@ def _wrap_restore(original):
         # retention) makes it answer "several", and every later restore of this manager then
         # fails ("Must provide args of type Composite"). Let the next restore decide again.
         item_mode.set(None)
-      if not listed or not _hooks or not _step_vanished(self, step):
+      if not listed or not _registry.hooks or not _step_vanished(self, step):
         raise
       from orbax_pathways import errors  # pylint: disable=g-import-not-at-top
       raise errors.keeping_type(

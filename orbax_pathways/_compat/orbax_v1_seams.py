@@ -51,14 +51,22 @@ HOST_SEAMS: tuple[str, ...] = tuple(
                                               _FACTORIES[k][1], None)))
 
 _lock = threading.Lock()
-_array_hook: Callable[[Any, Any], Any] | None = None
-_host_hook: Callable[[str, Any], Any] | None = None
+
+
+class _State:
+  """This module's process-wide state (one object: no `global` statement)."""
+
+  array_hook: Callable[[Any, Any], Any] | None = None
+  host_hook: Callable[[str, Any], Any] | None = None
+
+
+_state = _State()
 
 
 def _array_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
   def _create_v0_array_handler(context):
     handler = original(context)
-    hook = _array_hook
+    hook = _state.array_hook
     return hook(context, handler) if hook is not None else handler
   return _create_v0_array_handler
 
@@ -67,7 +75,7 @@ def _host_wrapper(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any
   def make(original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args, **kwargs):
       handler = original(*args, **kwargs)
-      hook = _host_hook
+      hook = _state.host_hook
       return hook(kind, handler) if hook is not None else handler
     wrapper.__name__ = wrapper.__qualname__ = _FACTORIES[kind][1]
     return wrapper
@@ -92,17 +100,15 @@ def install(array_hook: Callable[[Any, Any], Any],
   """``array_hook(context, stock_handler) -> handler`` decides which v0 handler v1 uses for
   ``jax.Array`` leaves; ``host_hook(kind, stock_handler) -> handler`` for ``np.ndarray``
   (kind 'numpy') and scalar ('scalar') leaves, where the installed Orbax has the seam."""
-  global _array_hook, _host_hook
   with _lock:
-    _array_hook, _host_hook = array_hook, host_hook
+    _state.array_hook, _state.host_hook = array_hook, host_hook
     seam.install(FEATURE)
 
 
 def uninstall() -> None:
-  global _array_hook, _host_hook
   with _lock:
     seam.uninstall(FEATURE)
-    _array_hook, _host_hook = None, None
+    _state.array_hook, _state.host_hook = None, None
 
 
 def installed() -> bool:

@@ -107,7 +107,7 @@ def is_step_complete(step_path: epath.PathLike) -> bool:
     return False  # On gs:// the commit marker is the only proof of a commit.
   if _oms.read_commit_timestamp_nsecs(step_path) is not None:
     return True
-  if _current.accept_unmarked and not (step_path / _om.STEP_METADATA_FILE).exists():
+  if _state.current.accept_unmarked and not (step_path / _om.STEP_METADATA_FILE).exists():
     return True
   key = str(step_path)
   if key not in _warned_unmarked:
@@ -139,7 +139,7 @@ def abandoned(path: epath.PathLike, *, now: float | None = None,
   """
   path = epath.Path(path)
   now = time.time() if now is None else now
-  lease = _current.abandoned_after_s if abandoned_after_s is None else abandoned_after_s
+  lease = _state.current.abandoned_after_s if abandoned_after_s is None else abandoned_after_s
   owner = path.name.split(DELETING_MARKER, 1)[1] if DELETING_MARKER in path.name else ''
   m = _OWNER_RE.match(owner)
   if m is None:
@@ -347,7 +347,7 @@ def cleanup_abandoned_temporary_steps(directory: epath.PathLike, *,
   """Removes Orbax temporary steps of ``directory`` (uncommitted saves) in which nothing changed
   for ``abandoned_after_s`` seconds; returns them. A save in progress in another process keeps
   writing into its temporary step, so it is left alone. Call on the primary host only."""
-  lease = _current.abandoned_after_s if abandoned_after_s is None else abandoned_after_s
+  lease = _state.current.abandoned_after_s if abandoned_after_s is None else abandoned_after_s
   removed = []
   now = time.time()
   for path in _oms.temporary_step_paths(directory):
@@ -408,7 +408,13 @@ class RetentionHooks(hooks_lib.ManagerHooks):
     _explicit.active = False
 
 
-_current = RetentionHooks()  # the registered one (its settings apply), else the defaults
+class _State:
+  """This module's process-wide state (one object: no `global` statement)."""
+
+  current = RetentionHooks()  # the registered one (its settings apply), else the defaults
+
+
+_state = _State()
 
 
 def install(*, accept_unmarked_steps: bool = False,
@@ -418,26 +424,24 @@ def install(*, accept_unmarked_steps: bool = False,
 
   ``abandoned_after_s``: age after which a leftover whose owner cannot be checked (another host)
   or an unchanged temporary step counts as abandoned (see the module docstring)."""
-  global _current
   if not abandoned_after_s > 0:
     raise ValueError(f'abandoned_after_s={abandoned_after_s!r} must be > 0 seconds.')
   with _state_lock:
-    _current = RetentionHooks(accept_unmarked=accept_unmarked_steps,
-                              abandoned_after_s=float(abandoned_after_s))
-    _om.register(_current)
+    _state.current = RetentionHooks(accept_unmarked=accept_unmarked_steps,
+                                    abandoned_after_s=float(abandoned_after_s))
+    _om.register(_state.current)
   from orbax_pathways.manager import lease  # pylint: disable=g-import-not-at-top  # it imports us
   lease.install()
 
 
 def uninstall() -> None:
   """Back to stock Orbax behaviour for deletion, listing and saving (no lease; idempotent)."""
-  global _current
   from orbax_pathways.manager import lease  # pylint: disable=g-import-not-at-top  # it imports us
   lease.uninstall()
   with _state_lock:
-    _om.unregister(_current)
-    _current = RetentionHooks()
+    _om.unregister(_state.current)
+    _state.current = RetentionHooks()
 
 
 def installed() -> bool:
-  return any(h is _current for h in _om.registered())
+  return any(h is _state.current for h in _om.registered())

@@ -47,7 +47,15 @@ class Agreement:
 
 # The registered PreemptionHooks' agreement, for the calls no hook makes (the notice's log line,
 # preemption.resume); the hooks pass their own to reached_preemption.
-_current = Agreement()
+
+
+class _State:
+  """This module's process-wide state (one object: no `global` statement)."""
+
+  current = Agreement()
+
+
+_state = _State()
 _EVERY_PROCESS = participants_lib.Participants(None, 0)
 # Per round name (one per set of participants, ``Participants.name``; '' for one controller):
 _agreed_step: dict[str, int] = {}  # the step from which its participants answer True
@@ -61,12 +69,11 @@ _decided_by_manager: 'weakref.WeakKeyDictionary[Any, dict[int, bool]]' = weakref
 
 def set_current(agreement: Agreement) -> None:
   """``preemption.install``: the agreement of the hooks it registers."""
-  global _current
-  _current = agreement
+  _state.current = agreement
 
 
 def agreement_timeout_s() -> float:
-  return _current.timeout_s
+  return _state.current.timeout_s
 
 
 def reset() -> None:
@@ -85,7 +92,7 @@ def what_next() -> str:
   if jax_distributed.jax_preemption_service_active():
     return ("this process does not decide: JAX's preemption sync point does (send SIGTERM to a "
             'process instead)')
-  return (f'all processes agree on the next multiple of {_current.interval} steps and save '
+  return (f'all processes agree on the next multiple of {_state.current.interval} steps and save '
           'one preemption checkpoint there')
 
 
@@ -178,7 +185,7 @@ def reached_preemption(step: int, stock: Callable[[], bool] | None = None,
   if jax_distributed.jax_preemption_service_active():
     return bool(stock())
   with notice.lock:
-    return _kv_agreement(step, participants or _EVERY_PROCESS, agreement or _current)
+    return _kv_agreement(step, participants or _EVERY_PROCESS, agreement or _state.current)
 
 
 def exit_after_commit(mngr, exit_code: int = 0) -> None:

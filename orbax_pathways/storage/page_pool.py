@@ -97,18 +97,25 @@ _ranges = Ranges()
 # Ranges handed back, waiting to be filed: ``give`` runs inside the collector, which may run
 # while this thread holds _lock, so it only appends (atomic) and the next take or sweep files.
 _returned: collections.deque[tuple[int, int, float]] = collections.deque()
-_unmap: Callable[[int, int], Any] | None = None
-_sweeper: threading.Thread | None = None
+
+
+class _State:
+  """This module's process-wide state (one object: no `global` statement)."""
+
+  sweeper: threading.Thread | None = None
+  unmap: Callable[[int, int], Any] | None = None
+
+
+_state = _State()
 
 
 def _munmap(start: int, length: int) -> None:
-  global _unmap
-  if _unmap is None:
+  if _state.unmap is None:
     lib = ctypes.CDLL(None, use_errno=True)
     lib.munmap.restype = ctypes.c_int
     lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    _unmap = lib.munmap
-  _unmap(start, length)
+    _state.unmap = lib.munmap
+  _state.unmap(start, length)
 
 
 def give(start: int, length: int) -> None:
@@ -171,17 +178,15 @@ def _sweeps() -> None:
 
 
 def _start_sweeper() -> None:
-  global _sweeper
-  if _sweeper is None:
+  if _state.sweeper is None:
     with _lock:
-      if _sweeper is None:
-        _sweeper = threading.Thread(target=_sweeps, name='orbax_pathways_page_pool', daemon=True)
-        _sweeper.start()
+      if _state.sweeper is None:
+        _state.sweeper = threading.Thread(target=_sweeps, name='orbax_pathways_page_pool', daemon=True)
+        _state.sweeper.start()
 
 
 def _after_fork() -> None:
-  global _sweeper
-  _sweeper = None  # the child has the kept ranges but not the thread
+  _state.sweeper = None  # the child has the kept ranges but not the thread
 
 
 os.register_at_fork(after_in_child=_after_fork)

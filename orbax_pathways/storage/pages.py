@@ -58,7 +58,18 @@ _MADV_NOHUGEPAGE = 15
 HUGE = 2 << 20  # the transparent huge page size of x86-64 and of arm64 with 4 KiB pages
 HUGE_FAULT_S = 0.001  # a first huge-page fault slower than this: small pages for a while
 SMALL_PAGES_S = 1.0
-_small_until = 0.0  # monotonic time until which fresh mappings take small pages
+
+
+class _State:
+  """This module's process-wide state (one object: no `global` statement)."""
+
+  enabled: bool | None = None
+  libc: Any = None
+  live = 0  # chunk files mapped into buffers still alive, this process
+  small_until = 0.0  # monotonic time until which fresh mappings take small pages
+
+
+_state = _State()
 _MADV_POPULATE_READ = 22  # Linux 5.14; older kernels say EINVAL and the pages fault on first read
 
 
@@ -91,15 +102,11 @@ class Pages:
       pass  # interpreter shutdown: the process's mappings go with it
 
 
-_libc: Any = None
 _lock = threading.Lock()
-_live = 0  # chunk files mapped into buffers still alive, this process
-_enabled: bool | None = None
 
 
 def _lib() -> Any:
-  global _libc
-  if _libc is None:
+  if _state.libc is None:
     lib = ctypes.CDLL(None, use_errno=True)
     lib.mmap.restype = ctypes.c_void_p
     lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
@@ -108,8 +115,8 @@ def _lib() -> Any:
     lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     lib.madvise.restype = ctypes.c_int
     lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    _libc = lib
-  return _libc
+    _state.libc = lib
+  return _state.libc
 
 
 def _mmap_fn():
@@ -118,11 +125,10 @@ def _mmap_fn():
 
 def enabled() -> bool:
   """Mapping is on: Linux, and not turned off with ``ORBAX_PATHWAYS_MAP_TIER=0``."""
-  global _enabled
-  if _enabled is None:
-    _enabled = (sys.platform.startswith('linux')
+  if _state.enabled is None:
+    _state.enabled = (sys.platform.startswith('linux')
                 and os.environ.get(ENV, '1').strip().lower() not in ('0', 'false', 'off', 'no'))
-  return _enabled
+  return _state.enabled
 
 
 def anonymous(shape: Any, dtype: Any) -> np.ndarray:
@@ -151,7 +157,6 @@ def _fresh(length: int) -> int:
   pages and times the first one's fault: past ``HUGE_FAULT_S`` (about what its 512 small pages
   cost here) the rest of the mapping, and every fresh mapping for ``SMALL_PAGES_S`` after it,
   take small pages instead; then huge pages are tried again."""
-  global _small_until
   # Private: a shared mapping is shmem, whose first touch costs ~1.4x a private page's (45 ms
   # against 32 ms for 59 MB, 3 runs each of a /tmp micro-benchmark on this project's 2-core VM,
   # 2026-12-04), and nothing else ever maps these pages.
@@ -162,12 +167,12 @@ def _fresh(length: int) -> int:
     err = ctypes.get_errno()
     raise MemoryError(f'mmap of {length} bytes for a region buffer failed: {os.strerror(err)}')
   first = -(-addr // HUGE) * HUGE  # the first whole huge page inside the mapping
-  if first + HUGE <= addr + length and time.monotonic() >= _small_until:
+  if first + HUGE <= addr + length and time.monotonic() >= _state.small_until:
     if lib.madvise(addr, length, _MADV_HUGEPAGE) == 0:
       t0 = time.perf_counter()
       ctypes.memset(first, 0, 1)
       if time.perf_counter() - t0 > HUGE_FAULT_S:
-        _small_until = time.monotonic() + SMALL_PAGES_S
+        _state.small_until = time.monotonic() + SMALL_PAGES_S
         lib.madvise(addr, length, _MADV_NOHUGEPAGE)
   return addr
 
@@ -182,9 +187,8 @@ def owner(arr: np.ndarray) -> Pages | None:
 
 def _release(count: int) -> None:
   """``count`` chunk files' mappings went (their ``Pages`` was unmapped whole)."""
-  global _live
   with _lock:
-    _live -= count
+    _state.live -= count
 
 
 def map_file(buffer: np.ndarray, offset: int, nbytes: int, fd: int) -> memoryview | None:
@@ -193,7 +197,6 @@ def map_file(buffer: np.ndarray, offset: int, nbytes: int, fd: int) -> memoryvie
   cannot be done (the caller copies): mapping off, ``buffer`` not on ``Pages``, the range not on
   page boundaries (its end may be the buffer's end), under ``MIN_BYTES``, the per-process
   budget spent, or the kernel refused (the range then holds fresh zero pages again)."""
-  global _live
   if not enabled() or nbytes < MIN_BYTES:
     return None
   pages = owner(buffer)
@@ -213,9 +216,9 @@ def map_file(buffer: np.ndarray, offset: int, nbytes: int, fd: int) -> memoryvie
   except OSError:
     return None
   with _lock:
-    if _live >= MAX_MAPPED:
+    if _state.live >= MAX_MAPPED:
       return None
-    _live += 1
+    _state.live += 1
   fn = _mmap_fn()
   got = fn(start, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
   if got != start:
@@ -238,4 +241,4 @@ def map_file(buffer: np.ndarray, offset: int, nbytes: int, fd: int) -> memoryvie
 
 def live() -> int:
   """Chunk files mapped into region buffers still alive in this process."""
-  return _live
+  return _state.live

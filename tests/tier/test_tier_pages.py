@@ -90,7 +90,7 @@ def test_a_chunk_that_cannot_be_mapped_is_copied_bit_exact(tmp_path, monkeypatch
     box = Box((0, 0), (1024, 512))
   elif case == 'off':
     monkeypatch.setenv(pages.ENV, '0')
-    monkeypatch.setattr(pages, '_enabled', None)
+    monkeypatch.setattr(pages._state, 'enabled', None)  # pylint: disable=protected-access
   path, data = _chunk_file(tmp_path, box.shape)
   gc.collect()  # as above: only this test's mappings are counted
   before = pages.live()

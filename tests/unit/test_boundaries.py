@@ -313,3 +313,11 @@ def test_the_root_holds_only_the_public_surface():
                          'stats.py', 'version.py', '_compat', '_util', 'cli', 'coord', 'engine',
                          'format', 'frontends', 'manager', 'plan', 'preemption', 'sharding',
                          'storage', 'tier', 'transports'])
+
+
+def test_process_wide_state_is_rare():
+  """At most 10 ``global`` statements in the package: a module's process-wide state lives in
+  one object of its own (``_state``), set through its attributes."""
+  found = [f'{_rel(p)}:{node.lineno}' for p in _modules()
+           for node in ast.walk(ast.parse(p.read_text(), str(p))) if isinstance(node, ast.Global)]
+  assert len(found) <= 10, found

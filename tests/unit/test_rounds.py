@@ -147,7 +147,7 @@ def _preemption(client: FakeKV, monkeypatch, step: int) -> bool:
 
 
 def _resume(client: FakeKV, monkeypatch, step: int) -> bool:
-  monkeypatch.setattr(decision, '_current', decision.Agreement(timeout_s=30.0))
+  monkeypatch.setattr(decision._state, 'current', decision.Agreement(timeout_s=30.0))  # pylint: disable=protected-access
   return recovery.all_processes_ok(types.SimpleNamespace(), True, step)
 
 
