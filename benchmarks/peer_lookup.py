@@ -1,8 +1,8 @@
 """Keys one restoring process reads to find the peers that hold the chunks it lacks, at 64, 1,024
 and 16,384 simulated processes.
 
-What runs: the package's own ``tier/exchange.Exchange`` (publish, ``gather``, ``holders``)
-and ``tier/exchange.to_ask`` (which holders a reader lists), every simulated process publishing
+What runs: the package's own ``peer/exchange.Exchange`` (publish, ``gather``, ``holders``)
+and ``peer/exchange.to_ask`` (which holders a reader lists), every simulated process publishing
 into one in-memory key-value store with the semantics of jax's coordination service (set,
 blocking get, directory get, delete). jax's service itself cannot hold 16,384 processes on this
 machine; the store counts what a reader asks of it and the keys it gets back. No chunk moves:
@@ -30,7 +30,7 @@ import json
 import sys
 import time
 
-from orbax_pathways.tier import exchange
+from orbax_pathways.peer import exchange
 
 FLEETS = (64, 1024, 16384)
 

@@ -395,7 +395,7 @@ class Options:
     (``docs/multi_tier.md``).
   local_copies: copies of each host's share of a local-only step (``ORBAX_PATHWAYS_LOCAL_COPIES``,
     1). ``2``: each process also sends its share, in the save's background part, to a partner
-    process of another slice (``tier/partners.py``), which keeps it in its node's tier, so the
+    process of another slice (``fleet/partners.py``), which keeps it in its node's tier, so the
     step survives the loss of any one slice even where state is sharded across every device.
     Costs each node its partner's share in node memory and one copy over the network per save.
     Multi-controller JAX only (under Pathways: not yet); a copy that cannot be made (no other

@@ -170,20 +170,20 @@ def restores_for_step(step: int, directory: str | None = None) -> list[RestoreSt
     return [s for s in _restores if _matches(s, step, directory)]
 
 
-# Why this process's node-local tier servers (``tier/peer_server.py``) closed connections unread.
+# Why this process's node-local tier servers (``peer/server.py``) closed connections unread.
 PEER_REFUSED = ('unauthenticated', 'oversized', 'idle', 'busy')
 _peer_refused: dict[str, int] = dict.fromkeys(PEER_REFUSED, 0)
 
 
 def count_peer_refused(reason: str) -> None:
-  """One connection closed unread by this process's tier server (``tier/peer_server.py``, its
+  """One connection closed unread by this process's tier server (``peer/server.py``, its
   thread)."""
   with _lock:
     _peer_refused[reason] = _peer_refused.get(reason, 0) + 1
 
 
 def peer_server() -> dict[str, int]:
-  """Connections this process's node-local tier servers (``tier/peer_server.py``) closed unread, by
+  """Connections this process's node-local tier servers (``peer/server.py``) closed unread, by
   reason: 'unauthenticated' (no or a wrong proof of the job's secret, or a request with a wrong
   MAC: something outside the job reaches the port), 'oversized' (a request above the server's
   cap), 'idle' (silent past its idle deadline), 'busy' (beyond its connections)."""

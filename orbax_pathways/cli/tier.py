@@ -34,7 +34,7 @@ from orbax_pathways.format import records as records_lib
 from orbax_pathways import options
 from orbax_pathways.storage import meta_io
 from orbax_pathways.cli import paths
-from orbax_pathways.tier import chain
+from orbax_pathways.fleet import chain
 from orbax_pathways.tier import chunk_read
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import gc as gc_lib

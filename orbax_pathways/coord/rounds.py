@@ -14,7 +14,7 @@ client arrives as an object with ``key_value_set``, ``blocking_key_value_get``,
   (each step ``resume`` tries) and ``manager/node_steps.py`` (the node steps every node holds,
   once per resume): ``agree``, every member publishes its value and the leader publishes the
   verdict;
-- ``tier/exchange.Exchange`` (each restore with the tier on): every process publishes what its
+- ``peer/exchange.Exchange`` (each restore with the tier on): every process publishes what its
   node holds; a reader gathers the others' when it first needs a chunk, and takes whoever
   answered in time (``missing_ok``: a missing peer costs its chunks a storage read).
 
@@ -94,11 +94,11 @@ def host_key(process: int) -> str:
   return f'{ROOT}/liveness/hosts/{process}'
 
 
-SECRET_KEY = f'{ROOT}/tier_peer_secret'  # the job's peer secret (``tier/exchange.job_secret``)
+SECRET_KEY = f'{ROOT}/tier_peer_secret'  # the job's peer secret (``peer/exchange.job_secret``)
 
 
 def partner_address_key(process: int) -> str:
-  """Where process ``process``'s tier server takes partner copies (``tier/partner_copy.py``)."""
+  """Where process ``process``'s tier server takes partner copies (``fleet/partner_copy.py``)."""
   return f'{ROOT}/tier_partner/{process}'
 
 

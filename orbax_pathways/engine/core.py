@@ -56,7 +56,7 @@ from orbax_pathways.storage import reader as reader_lib
 from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.tier import assigned as tier_assigned
 from orbax_pathways.tier import manifest as tier_layout
-from orbax_pathways.tier import partners as tier_partners
+from orbax_pathways.fleet import partners as tier_partners
 from orbax_pathways.tier import config as tier_config
 from orbax_pathways.transports import base as transports
 from orbax_pathways.transports import registry
@@ -351,7 +351,7 @@ class Engine:
 
   def _partner(self, directory: Any) -> int | None:
     """The process that keeps this process's second copy of a local-only step
-    (``Options.local_copies=2``, multi-controller JAX; ``tier/partners.py``), else None. No
+    (``Options.local_copies=2``, multi-controller JAX; ``fleet/partners.py``), else None. No
     other slice: said once, no copy."""
     if (self.options.local_copies < 2 or not format_lib.is_local_only(directory)
         or jax.process_count() < 2):

@@ -29,7 +29,7 @@ class ChunkGrid(collections.abc.Sequence):
 
   The writer column (``writer``: per cell an index into ``writer_names``, -1 where unknown; None
   when the index has none) says who wrote each chunk: a restore asks only the holders of those
-  writers' copies for the chunks it lacks (``tier/peer.PeerSource``).
+  writers' copies for the chunks it lacks (``peer/client.PeerSource``).
   """
 
   def __init__(self, shape: Sequence[int], chunk_shape: Sequence[int], itemsize: int,

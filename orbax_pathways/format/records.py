@@ -105,7 +105,7 @@ class WriterRecord:
   stats: Mapping[str, int] = dataclasses.field(default_factory=dict)
   schema: int = SCHEMA_VERSION
   # Identifies this writer's save of the step (random, per save): a node-local tier copy is
-  # used only when it carries the save id the committed step records (``tier/chain.py``).
+  # used only when it carries the save id the committed step records (``fleet/chain.py``).
   save_id: str = ''
 
 

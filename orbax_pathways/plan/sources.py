@@ -4,13 +4,13 @@ A restore reads chunk-aligned regions (``plan/restore.py``). With a source chain
 node-local tier first, then other hosts' tiers, then a storage read shared by the hosts that need
 the same lost chunk; storage always last), each chunk of a region comes from the first source
 that holds it, and the chunks no source holds from storage. Called on the reading host by
-``tier/chain.py`` once per region; the I/O that follows it is the chain's.
+``fleet/chain.py`` once per region; the I/O that follows it is the chain's.
 
 A chunk no surviving tier holds but several processes need (state replicated across slices
 whose writer was lost) is read from storage once: ``owners`` and ``needers`` say which
 processes need it (from the target sharding, the same on every process), ``fetcher`` picks the
 one that reads it (the same pick on every process), and the others get it from that process
-(``tier/relay.py``).
+(``fleet/relay.py``).
 
 Sources are numbered by their place in the chain (0 first); ``STORAGE`` (-1) is storage.
 """

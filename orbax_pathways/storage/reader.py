@@ -170,7 +170,7 @@ def open_error(name: str, path: str, e: BaseException) -> errors.RestoreError:
 async def read_array(read: ArrayRead, *, context: ts.Context, verify: bool,
                      stats: ReadStats, chain: Any = None) -> dict[Box, np.ndarray]:
   """Host buffers for every needed box of one array (each region read once). With a source
-  ``chain`` (``tier/chain.py``), the chunks it holds and that match their recorded checksums
+  ``chain`` (``fleet/chain.py``), the chunks it holds and that match their recorded checksums
   come from it, the rest from storage. Every storage request runs under ``hedge.run``: past
   its deadline a second, identical request through a fresh context; the first answer wins."""
   if getattr(chain, 'tier_only', False):  # a local-only step: no array on storage to open

@@ -1,8 +1,8 @@
 """One chunk's raw bytes put into its place in a region buffer, and their crc32c as they lie there.
 
-Who calls what, on which host: the restore's source chain (``tier/chain.SourceChain``, on the
+Who calls what, on which host: the restore's source chain (``fleet/chain.SourceChain``, on the
 reading host, in the restore's executor threads, one region at a time) makes a ``Place`` for each
-chunk a source serves. ``tier/chain.LocalSource.read_into`` fills it from this node's tier file
+chunk a source serves. ``fleet/chain.LocalSource.read_into`` fills it from this node's tier file
 (``fill_from_file``: a chunk that is one page-aligned run of a mapped region buffer is the tier
 file's own pages, mapped there privately by ``storage/pages``; any other, the kernel copies the
 file's bytes straight into the region buffer: no intermediate array, no conversion); a source

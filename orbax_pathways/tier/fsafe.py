@@ -25,8 +25,8 @@ job's other processes. So every access here follows four rules:
   may hold.
 
 Who calls what, on which host: every tier module on the host that owns the tier directory
-(``tier/store.py`` writes and lists entries, ``tier/chain.py`` reads this node's chunks,
-``tier/peer_server.py``'s server opens the files it sends, ``tier/gc.py`` and
+(``tier/store.py`` writes and lists entries, ``fleet/chain.py`` reads this node's chunks,
+``peer/server.py``'s server opens the files it sends, ``tier/gc.py`` and
 ``orbax-pathways tier`` scan and remove). No jax, no numpy: paths and file descriptors only. Linux and macOS (POSIX
 ``O_NOFOLLOW``); on a system without it the opens still check the file type after the open.
 """

@@ -213,7 +213,7 @@ def _write_band(pool: spares.Pool, path: str, data: bytes | memoryview) -> None:
 
 def adopt(cfg: config_lib.TierConfig, path: str, root: str, step_name: str) -> None:
   """A complete entry this process wrote (``write_entry``) or received (a partner copy:
-  ``tier/receive.py``) is marked committed when its step commits (``on_commit``), at once if it
+  ``fleet/receive.py``) is marked committed when its step commits (``on_commit``), at once if it
   already did; then the tier is pruned."""
   parsed = format_lib.parse_step_name(step_name)
   with _lock:

@@ -33,7 +33,7 @@ from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
 from orbax_pathways.sharding import layout
 from orbax_pathways.storage import writer as writer_lib
-from orbax_pathways.tier import chain as tier_chain
+from orbax_pathways.fleet import chain as tier_chain
 from orbax_pathways.transports import colocated_calls
 from orbax_pathways.transports import share
 from orbax_pathways.transports import values
@@ -249,7 +249,7 @@ def decode_row(row: np.ndarray, targets: Sequence[values.ReadTarget]) -> list[di
 class _SharedSource:
   """One source of a worker's node-local tier, shared by every reader of one worker call.
 
-  ``tier/chain.for_restore`` runs once per call (one listing of the node's tier, one manifest
+  ``fleet/chain.for_restore`` runs once per call (one listing of the node's tier, one manifest
   read per entry), not once per reader: in the CPU simulation every simulated host is a reader
   on the same node, so once per reader meant every entry's manifest read and touched once per
   host (256 hosts: 65,536 of each: a restore that grew with the fleet). What the source

@@ -30,11 +30,11 @@ from orbax_pathways.plan import save as save_plan
 from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.transports import base
-from orbax_pathways.tier import chain as tier_chain
-from orbax_pathways.tier import exchange as tier_exchange
-from orbax_pathways.tier import partner_copy
-from orbax_pathways.tier import relay as tier_relay
-from orbax_pathways.tier import wire as tier_wire
+from orbax_pathways.fleet import chain as tier_chain
+from orbax_pathways.peer import exchange as tier_exchange
+from orbax_pathways.fleet import partner_copy
+from orbax_pathways.fleet import relay as tier_relay
+from orbax_pathways.peer import wire as tier_wire
 from orbax_pathways.transports import share
 from orbax_pathways.transports import snapshots
 
@@ -246,7 +246,7 @@ def _owners(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> plan_sou
 
 def relay_targets(targets: Sequence[values.ReadTarget], context: Any
                   ) -> dict[str, tier_relay.Target]:
-  """The restore's arrays as the relay reads them for a group of processes (``tier/relay.py``):
+  """The restore's arrays as the relay reads them for a group of processes (``fleet/relay.py``):
   who needs which box is worked out only for arrays with a lost chunk, once per sharding."""
   return {t.name: tier_relay.Target(
       name=t.name, tspec=t.tspec, context=context, chunks=t.chunks,
@@ -279,7 +279,7 @@ def peer_exchange(timeout_s: float) -> tier_exchange.Exchange | None:
 
 def _partner_copier(cfg: base.SaveConfig) -> Callable[[str], None] | None:
   """What sends this process's entry of a local-only step to its partner
-  (``Options.local_copies=2``: ``tier/partner_copy.py``), or None (no partner, no tier). Makes
+  (``Options.local_copies=2``: ``fleet/partner_copy.py``), or None (no partner, no tier). Makes
   this process's tier server take copies first: its own senders may already be on the way."""
   if cfg.partner is None or cfg.tier is None:
     return None

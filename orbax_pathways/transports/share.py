@@ -164,7 +164,7 @@ async def write_tier_only(writer: str, transport: str, item: values.Item,
   """This host's share of a local-only step under the local transport: ``tier_only_pieces``,
   then the writer's record to storage, as for any save (the restore checks the tier's bytes
   against it), at the same time as the tier entry and the markers. ``copy``: called with the
-  entry's directory once it landed (a partner copy: ``tier/partner_copy.py``)."""
+  entry's directory once it landed (a partner copy: ``fleet/partner_copy.py``)."""
 
   def record(outcome: values.WriterOutcome,
              chunks: dict[str, list[records_lib.ChunkRecord]]) -> None:
@@ -336,7 +336,7 @@ async def read_share(targets: Sequence[values.ReadTarget], boxes: Sequence[Seque
                      chain: Any = None, on_progress: Callable[[], None] | None = None,
                      ) -> tuple[list[dict[Box, np.ndarray]], reader_lib.ReadStats]:
   """Reads and verifies what this host needs: for each target, host buffers of the target boxes
-  in ``boxes`` (each needed chunk read once: from the source ``chain`` (``tier/chain.py``) where
+  in ``boxes`` (each needed chunk read once: from the source ``chain`` (``fleet/chain.py``) where
   it holds the chunk, else from storage). ``on_progress`` (a colocated call's progress,
   ``transports/colocated_calls.py``) is called as each target's reads complete."""
   stats = reader_lib.ReadStats()

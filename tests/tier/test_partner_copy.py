@@ -1,6 +1,6 @@
 """Partner copies on the peer channel (``Options.local_copies=2``): the
-``put`` requests a process sends its partner (``tier/partner_copy.py``) and what the partner's
-server writes into its tier (``tier/receive.py``). A real server of a real tier entry (saved by
+``put`` requests a process sends its partner (``fleet/partner_copy.py``) and what the partner's
+server writes into its tier (``fleet/receive.py``). A real server of a real tier entry (saved by
 an unchanged ``ocp.CheckpointManager``), in this process; the receiving tier an empty private
 directory. The multi-process cases (each node keeps its partner's share; a lost node's share
 restored from its partner; a flipped byte read from the partner's copy) are in
@@ -34,12 +34,13 @@ import pytest
 import orbax_pathways
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
-from orbax_pathways.tier import partner_copy
-from orbax_pathways.tier import partners
-from orbax_pathways.tier import peer_server
+from orbax_pathways.fleet import ops as fleet_ops
+from orbax_pathways.fleet import partner_copy
+from orbax_pathways.fleet import partners
+from orbax_pathways.peer import server as peer_server
 from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store as tier_store
-from orbax_pathways.tier import wire
+from orbax_pathways.peer import wire
 
 SECRET = bytes(range(32))
 FAST = wire.Limits(max_connections=8, handshake_s=1.5, idle_s=1.5)
@@ -102,7 +103,7 @@ def receiver(tmp_path):
   local = tmp_path / 'partner_tier'
   cfg = tier_config.usable(tier_config.resolve(str(local), 1))
   assert cfg is not None
-  address = peer_server.serve(cfg.local_dir, SECRET, FAST, tier=cfg)
+  address = peer_server.serve(cfg.local_dir, SECRET, FAST, tier=cfg, ops=fleet_ops.TABLE)
   yield address, cfg
   peer_server.stop_serving()
 
@@ -148,7 +149,7 @@ def test_a_client_without_the_secret_writes_nothing(saved, receiver):
 def test_a_server_started_for_restores_only_takes_no_copy(saved, tmp_path):
   local = tmp_path / 'restore_only'
   cfg = tier_config.usable(tier_config.resolve(str(local), 1))
-  address = peer_server.serve(cfg.local_dir, SECRET, FAST)
+  address = peer_server.serve(cfg.local_dir, SECRET, FAST, ops=fleet_ops.TABLE)  # as a restore's
   try:
     why = partner_copy.send_to(saved.path, address, SECRET, 10)
   finally:

@@ -42,12 +42,13 @@ from orbax_pathways import stats
 from support import procs
 from support.mp_harness import run_processes
 from support.workers import peer_secret_worker, peer_server_worker
-from orbax_pathways.tier import exchange
+from orbax_pathways.fleet import ops as fleet_ops
+from orbax_pathways.peer import exchange
 from orbax_pathways.tier import manifest as manifest_lib
-from orbax_pathways.tier import peer
-from orbax_pathways.tier import peer_server
+from orbax_pathways.peer import client as peer
+from orbax_pathways.peer import server as peer_server
 from orbax_pathways.tier import store as tier_store
-from orbax_pathways.tier import wire
+from orbax_pathways.peer import wire
 
 SECRET = bytes(range(32))
 OTHER_JOB = bytes(range(1, 33))
@@ -88,7 +89,7 @@ def server(tier, monkeypatch):
   """This process's server of the copy, with short deadlines, and fresh counters."""
   monkeypatch.setattr(peer_server, 'COUNTS', peer_server._Counts())
   monkeypatch.setattr(stats, '_peer_refused', dict.fromkeys(stats.PEER_REFUSED, 0))
-  address = peer_server.serve(str(tier[0]), SECRET, FAST)
+  address = peer_server.serve(str(tier[0]), SECRET, FAST, ops=fleet_ops.TABLE)
   yield address
   peer_server.stop_serving()
 
@@ -133,9 +134,10 @@ def _get(parts, entry, file):
 def test_a_client_without_the_secret_gets_no_list_chunk_or_relay_and_is_counted(
     server, tier, caplog, monkeypatch):
   tier_dir, parts, entry_dir, manifest = tier
-  probed = []  # a registered op (peer_server.register_op) that says whether a request reached it
-  monkeypatch.setitem(peer_server._ops, 'probe',
-                      lambda req: probed.append(req) or np.zeros(4, np.uint8))
+  probed = []  # an op of the server's table that says whether a request reached it
+  peer_server.serve(str(tier_dir), SECRET, FAST, ops=peer_server.Ops(
+      answer={**fleet_ops.TABLE.answer,
+              'probe': lambda req: probed.append(req) or np.zeros(4, np.uint8)}))
   entry, file = os.path.basename(entry_dir), manifest.arrays[0].files[0]
   chunk = open(os.path.join(entry_dir, file), 'rb').read()
   asks = [{'op': 'list', 'item': list(parts)}, _get(parts, entry, file),

@@ -1,5 +1,5 @@
 """Survivor-first restore: a chunk this node's tier lacks comes from another
-process's tier over the peer channel (``tier/peer.py``) before storage.
+process's tier over the peer channel (``peer/client.py``) before storage.
 
 Real ``jax.distributed`` processes, one tier directory per simulated node, an unchanged
 ``ocp.CheckpointManager``. Three processes (nodes 0, 1, 2; two devices each) save steps 1 and 2
@@ -13,7 +13,7 @@ step 2 onto two processes (nodes 0 and 1): node 2 is lost. The failure matrix:
 - a tier directory that cannot be written (save): the save goes on, its chunks from storage;
 - ``local_scope='held'``: replicated state comes wholly from each survivor's own tier;
 - replicated state with the default scope: the lost node's part of it is read from storage
-  once, by one survivor, and passed to the other (``tier/relay.py``); a relay that fails
+  once, by one survivor, and passed to the other (``fleet/relay.py``); a relay that fails
   costs the asker its own storage read;
 - a peer that accepts and never answers, one that refuses connections (its process gone) and
   one that dies in the middle of sending a chunk: that peer's chunks from storage within the
@@ -149,7 +149,7 @@ def test_node_lost_during_a_save_holds_an_older_step_never_used(saved, tmp_path)
 
 def _lost_own_and_node2(p0, p1):
   """Node 1's chunks (rows 32..64) are in no tier: both processes need them, and one storage
-  read of each serves both (``tier/relay.py``: which of the two reads which is a hash pick);
+  read of each serves both (``fleet/relay.py``: which of the two reads which is a hash pick);
   process 1 alone needs node 2's (rows 64..96) and reads them itself."""
   assert p0['local'] == OWN + R and 'peer' not in p0, p0
   assert p0.get('storage', 0) + p0.get('relay', 0) == OWN, p0

@@ -22,7 +22,7 @@ import pytest
 import orbax_pathways
 from orbax_pathways.format import checksum
 from orbax_pathways import stats
-from orbax_pathways.tier import chain as tier_chain
+from orbax_pathways.fleet import chain as tier_chain
 from orbax_pathways.tier import chunk_read
 from orbax_pathways.tier import manifest as tier_layout
 from orbax_pathways.tier import store as tier_store

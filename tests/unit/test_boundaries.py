@@ -133,6 +133,8 @@ def test_the_private_reach_check_sees_every_form(tmp_path):
     ('coord/', ('jax', 'tensorstore', 'orbax', 'etils')),
     ('storage/', ('jax', 'orbax')),
     ('tier/', ('jax', 'orbax')),
+    ('peer/', ('jax', 'orbax')),
+    ('fleet/', ('jax', 'orbax')),
     ('cli/', ('jax', 'orbax_pathways.engine', 'orbax_pathways.transports',
               'orbax_pathways.frontends', 'orbax_pathways.sharding', 'orbax_pathways.manager')),
     ('transports/values.py', ('jax', 'orbax')),
@@ -159,6 +161,8 @@ LAYERS = (
     ('coord', ('coord',)),
     ('storage', ('storage',)),
     ('tier', ('tier',)),
+    ('peer', ('peer',)),
+    ('fleet', ('fleet',)),
     ('compat', ('_compat',)),
     ('sharding', ('sharding',)),
     ('transports', ('transports',)),
@@ -311,7 +315,8 @@ def test_the_root_holds_only_the_public_surface():
                 if p.name != '__pycache__' and (p.suffix == '.py' or p.is_dir()))
   assert root == sorted(['__init__.py', '__main__.py', '_install.py', 'errors.py', 'options.py',
                          'stats.py', 'version.py', '_compat', '_util', 'cli', 'coord', 'engine',
-                         'format', 'frontends', 'manager', 'plan', 'preemption', 'sharding',
+                         'fleet', 'format', 'frontends', 'manager', 'peer', 'plan', 'preemption',
+                         'sharding',
                          'storage', 'tier', 'transports'])
 
 

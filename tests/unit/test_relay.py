@@ -1,4 +1,4 @@
-"""The relay's parts that need no second process (``tier/relay.py``, ``plan/sources.py``): who
+"""The relay's parts that need no second process (``fleet/relay.py``, ``plan/sources.py``): who
 needs a lost chunk, who reads it for whom, and the cache that turns concurrent asks into one
 storage read. The multi-process behaviour (bytes by source, a failing fetcher) is in
 ``test_tier_peer.py``; the storage bytes it saves are measured in ``benchmarks/tier.py``.
@@ -15,7 +15,7 @@ import pytest
 
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import sources
-from orbax_pathways.tier import relay
+from orbax_pathways.fleet import relay
 
 Box = boxes_lib.Box
 

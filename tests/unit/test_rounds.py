@@ -30,7 +30,7 @@ from orbax_pathways.manager import node_steps
 from orbax_pathways.preemption import decision
 from orbax_pathways.preemption import notice
 from orbax_pathways.preemption import recovery
-from orbax_pathways.tier import exchange
+from orbax_pathways.peer import exchange
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager_state as _oms
 

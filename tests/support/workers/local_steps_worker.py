@@ -115,8 +115,8 @@ def main() -> None:
 
     tier_store.write_entry = write_then_die
   if os.environ.get('PARTNER_GONE'):
-    from orbax_pathways.tier import partner_copy  # pylint: disable=g-import-not-at-top
-    from orbax_pathways.tier import peer_server  # pylint: disable=g-import-not-at-top
+    from orbax_pathways.fleet import partner_copy  # pylint: disable=g-import-not-at-top
+    from orbax_pathways.peer import server as peer_server  # pylint: disable=g-import-not-at-top
     ready = partner_copy.ready
 
     def ready_then_gone(*a, **k):

@@ -22,7 +22,7 @@ def main() -> None:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
-  from orbax_pathways.tier import exchange  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.peer import exchange  # pylint: disable=g-import-not-at-top
   from orbax_pathways.transports import local  # pylint: disable=g-import-not-at-top
 
   ex = local.peer_exchange(30.0)

@@ -17,7 +17,7 @@ import sys
 
 
 def main() -> None:
-  from orbax_pathways.tier import peer_server, wire  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.peer import server as peer_server, wire  # pylint: disable=g-import-not-at-top
 
   addr = peer_server.serve(sys.argv[1], bytes.fromhex(sys.argv[2]),
                            wire.Limits(max_connections=16, handshake_s=2.0, idle_s=2.0))

@@ -28,9 +28,9 @@ import time
 
 def _play(fault: str) -> None:
   """Patches this process's peer server (or exchange) to play ``fault``."""
-  from orbax_pathways.tier import exchange  # pylint: disable=g-import-not-at-top
-  from orbax_pathways.tier import peer_server  # pylint: disable=g-import-not-at-top
-  from orbax_pathways.tier import wire  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.peer import exchange  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.peer import server as peer_server  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.peer import wire  # pylint: disable=g-import-not-at-top
 
   if fault == 'stall':  # accepts connections, never answers
     peer_server._Handler.answer = lambda self, sock, req: time.sleep(3600)
@@ -43,12 +43,13 @@ def _play(fault: str) -> None:
 
     exchange.Exchange.publish = stop_then_publish
   elif fault == 'no_relay':  # answers every relay request with an error
-    from orbax_pathways.tier import relay  # pylint: disable=g-import-not-at-top
+    from orbax_pathways.fleet import relay  # pylint: disable=g-import-not-at-top
 
     def refuse(req):
       raise relay.RelayError('simulated: this process cannot read storage for its group')
 
-    peer_server.register_op('relay', refuse)
+    from orbax_pathways.fleet import ops as fleet_ops  # pylint: disable=g-import-not-at-top
+    fleet_ops.TABLE = peer_server.Ops(answer={'relay': refuse}, receive=fleet_ops.TABLE.receive)
   elif fault == 'die_mid_chunk':  # lists, then closes the connection half-way through a chunk
     answer = peer_server._Handler.answer
 
@@ -154,7 +155,7 @@ def main() -> None:
         for s in out[k].addressable_shards:
           np.testing.assert_array_equal(np.asarray(s.data), host[k][s.index])
       st = stats.last_restore()
-      from orbax_pathways.tier import exchange  # pylint: disable=g-import-not-at-top
+      from orbax_pathways.peer import exchange  # pylint: disable=g-import-not-at-top
       mp_worker.emit({'step': st.step, 'bytes_by_source': st.bytes_by_source, 'exact': True,
                       'peer_s': st.seconds_by_source.get('peer', 0.0),
                       'lookups': exchange.lookup_counts()})

@@ -1,6 +1,6 @@
 """The source chain of a restore: each needed chunk from this node's tier, else a surviving
-peer's tier (``tier/peer.py``), else, when other processes need it too, one storage read shared
-with them (``tier/relay.py``), else storage; every chunk checked against the committed step's
+peer's tier (``peer/client.py``), else, when other processes need it too, one storage read shared
+with them (``fleet/relay.py``), else storage; every chunk checked against the committed step's
 checksums.
 
 Who calls what, on which host: the local transport's ``read`` (every process) builds the chain
@@ -46,20 +46,21 @@ from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import meta_io
 from orbax_pathways.storage import pages
 from orbax_pathways.tier import chunk_read
-from orbax_pathways.tier import exchange as tier_exchange
+from orbax_pathways.peer import exchange as tier_exchange
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
-from orbax_pathways.tier import peer as tier_peer
-from orbax_pathways.tier import peer_server as tier_server
-from orbax_pathways.tier import relay as tier_relay
+from orbax_pathways.peer import client as tier_peer
+from orbax_pathways.peer import server as tier_server
+from orbax_pathways.fleet import ops as fleet_ops
+from orbax_pathways.fleet import relay as tier_relay
 from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store
-from orbax_pathways.tier import wire as tier_wire
+from orbax_pathways.peer import wire as tier_wire
 
 Box = boxes_lib.Box
 log = logging.getLogger('orbax_pathways')
 # The names stats report, in chain order. 'relay': read from storage by another process that
-# needed the chunk too, and passed on (``tier/relay.py``).
+# needed the chunk too, and passed on (``fleet/relay.py``).
 SOURCES = ('local', 'peer', 'relay', 'storage')
 _COPIES = ('local', 'peer')  # the sources that hold tier copies (a failed one tries the next)
 
@@ -399,7 +400,7 @@ def for_restore(cfg: tier_config.TierConfig | None, item_dir: str,
   copies. A colocated worker, which has no index, passes the committed save id the controller
   sent it as ``save_ids`` (a str: a colocated save gives every writer the same id). With ``peers`` and ``relay_targets`` (the restore's arrays), a
   chunk no tier holds that other processes need too is read from storage once for them all
-  (``tier/relay.py``)."""
+  (``fleet/relay.py``)."""
   if cfg is None:
     return None
   root, step_name, item = manifest_lib.split_item_dir(item_dir)
@@ -439,7 +440,7 @@ def for_restore(cfg: tier_config.TierConfig | None, item_dir: str,
     relay = (tier_relay.RelaySource(peer_source, relay_targets, peers.timeout_s)
              if relay_targets and not chain.tier_only else None)
     try:
-      address = tier_server.serve(cfg.local_dir)
+      address = tier_server.serve(cfg.local_dir, ops=fleet_ops.TABLE)
       if relay is not None:  # before publishing: whoever sees our key may ask for a relay
         tier_relay.register(relay)
       peers.publish(prefix, address, [(e.writer, e.save_id) for e in usable],

@@ -1,7 +1,7 @@
 """Who keeps a second copy of whose local-only share (``Options.local_copies=2``): pure
 arithmetic over the processes' slices, no I/O.
 
-Called on every process of a multi-controller save by ``tier/partner_copy.py`` (the slices come
+Called on every process of a multi-controller save by ``fleet/partner_copy.py`` (the slices come
 from ``sharding/layout.slice_of_devices``: TPU's ``slice_index``, else ``num_slices``, else one
 slice per process). The rule: a process sends its share to the process of the same rank in the
 next slice (slices in index order, wrapping; the rank modulo that slice's size), so a share and

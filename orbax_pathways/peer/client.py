@@ -1,7 +1,7 @@
 """Chunks of another host's node-local tier, on the restoring process: the chain's peer source,
 with a deadline on every wait, a cap on bytes in flight, and the job's secret on every
-connection. The other ends: each process's server (``tier/peer_server.py``) and, for who holds
-what, jax's key-value store (``tier/exchange.py``).
+connection. The other ends: each process's server (``peer/server.py``) and, for who holds
+what, jax's key-value store (``peer/exchange.py``).
 
 Why a direct channel, not JAX collectives: a collective needs every process to enter it with
 the same shapes at the same time, so a restore would need a global plan of who sends which
@@ -12,9 +12,9 @@ costs its chunks a trip to storage, never the restore.
 
 Who calls what, on which host (multi-controller JAX, every process):
 
-- ``tier/chain.for_restore`` makes a ``PeerSource`` per restored item (the restore's
+- ``fleet/chain.for_restore`` makes a ``PeerSource`` per restored item (the restore's
   ``Exchange``, its round's key, ``item_parts``, the committed save ids, this node's writers),
-  then serves and publishes (``tier/peer_server.serve``, ``Exchange.publish``).
+  then serves and publishes (``peer/server.serve``, ``Exchange.publish``).
 - ``PeerSource`` joins the chain after this node's own tier. When the planner asks it for a
   chunk, it looks up the chunk's writer in the committed index, reads that writer's holder keys
   (``Exchange.holders``: one directory read per writer and restore) and asks the first holder,
@@ -24,7 +24,7 @@ Who calls what, on which host (multi-controller JAX, every process):
   usable entry. A chunk then comes with one ``get``: the bytes streamed into a buffer of the
   committed record's dtype and size (an answer of another size is refused unread). The chain
   checks each chunk's crc32c and size against storage's index before using it.
-- ``tier/relay.py`` asks a peer of this restore (``PeerSource.live``, ``PeerSource.peer``) over
+- ``fleet/relay.py`` asks a peer of this restore (``PeerSource.live``, ``PeerSource.peer``) over
   the same connections for a chunk read from storage once for several processes, under the same
   ``budget``.
 
@@ -50,9 +50,9 @@ import msgpack
 import numpy as np
 
 from orbax_pathways.plan import boxes as boxes_lib
-from orbax_pathways.tier import exchange as exchange_lib
+from orbax_pathways.peer import exchange as exchange_lib
 from orbax_pathways.tier import manifest as manifest_lib
-from orbax_pathways.tier import wire
+from orbax_pathways.peer import wire
 
 Box = boxes_lib.Box
 

@@ -1,10 +1,10 @@
 """Partner copies, the receiving end: another process's tier entry of a local-only step, written
 into this node's tier file by file over the peer channel (``put``), then its manifest.
 
-Who calls what, on which host (multi-controller JAX): ``tier/peer_server.py``'s connection
+Who calls what, on which host (multi-controller JAX): ``peer/server.py``'s connection
 thread calls ``receive`` for a ``put`` request (``Options.local_copies=2``: the sender is
-``tier/partner_copy.py``, in the background part of its local-only save) after the request's
-MAC was checked (``tier/wire.py``). The request names the entry and one file, its size and
+``fleet/partner_copy.py``, in the background part of its local-only save) after the request's
+MAC was checked (``peer/wire.py``). The request names the entry and one file, its size and
 crc32c; that many raw bytes follow it. A chunk file is written as it arrives; the manifest,
 sent last, makes the entry complete (an atomic rename, as ``tier/store.write_entry`` does) once
 it describes that entry and names only files that arrived whole, of the size it records.
@@ -20,7 +20,7 @@ and a body whose crc32c is not the one its request names is removed. Every direc
 
 What grows with what: one file's pieces of ``_PIECE`` bytes in memory at a time, whatever the
 entry; a node receives the entries of the processes whose partner it is (one, in the usual
-case: ``tier/partners.py``). No jax here.
+case: ``fleet/partners.py``). No jax here.
 """
 
 from __future__ import annotations
@@ -37,12 +37,13 @@ from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
 from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store
-from orbax_pathways.tier import wire
+from orbax_pathways.peer import server as peer_server
+from orbax_pathways.peer import wire
 
 _PIECE = 1 << 20
 
 
-class Refused(ValueError):
+class Refused(peer_server.Refused):
   """A put this server does not take (answered with the text, then the connection closes)."""
 
 

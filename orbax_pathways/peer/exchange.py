@@ -6,16 +6,16 @@ Who calls what, on which host (multi-controller JAX, every process):
 - ``transports/local.read`` makes an ``Exchange`` per restore (jax's key-value client, this
   process's index, the process count, ``Options.tier_peer_timeout_s``) and reads the job's
   secret through it (``Exchange.secret`` -> ``job_secret``: once per process, then cached), then
-  hands it to ``tier/chain.for_restore``, which calls ``tier/peer_server.serve`` (starts this
+  hands it to ``fleet/chain.for_restore``, which calls ``peer/server.serve`` (starts this
   process's server once, with that secret: ``cached_secret``) and ``Exchange.publish`` (one
   holder key per writer whose chunks this node's usable entries hold, by the index's writer
   column, then one key: this server's address and the (writer, save id) of the entries this
   node holds of the item that the committed index records).
-- The restore's peer source (``tier/peer.PeerSource``, in the chain) reads a writer's holder
+- The restore's peer source (``peer/client.PeerSource``, in the chain) reads a writer's holder
   keys (``Exchange.holders``: one directory read per writer and restore) and asks them in
   ``to_ask``'s order. A writer without a holder key sends it to every process's key once
   (``Exchange.gather``, one deadline for all): lost, or late? An index without the writer
-  column, and the relay (``tier/relay.py``: who is live), take that full look at once.
+  column, and the relay (``fleet/relay.py``: who is live), take that full look at once.
 
 What grows with what: each process publishes one key per restored item, of constant size in
 the fleet (its address and the save ids of the entries its node holds, one per writer on the
@@ -23,7 +23,7 @@ node), one holder key per writer whose chunks it holds, and reads the job's secr
 life. A reader reads one holder key per writer whose chunks it lacks; only a writer that no
 survivor holds (or an index without the column, or the relay) costs one read of every
 process's key. The per-chunk lists are never in the key-value store (they travel over the
-peer channel: ``tier/peer.py``). Keys of the restore before last are deleted by their
+peer channel: ``peer/client.py``). Keys of the restore before last are deleted by their
 publisher (holder keys: the directory, by every process). ``lookup_counts`` says what this
 process's restores read.
 
@@ -42,7 +42,7 @@ import threading
 from typing import Any, Iterable, Mapping
 
 from orbax_pathways.coord import rounds
-from orbax_pathways.tier import wire
+from orbax_pathways.peer import wire
 
 
 # ---- the job's secret: one per job, through jax's key-value store ------------------------------
@@ -53,7 +53,7 @@ _secret_lock = threading.Lock()
 
 
 def cached_secret() -> bytes | None:
-  """The secret this process last read (``job_secret``), or None: what ``tier/peer_server.serve``
+  """The secret this process last read (``job_secret``), or None: what ``peer/server.serve``
   serves with when it is given none."""
   with _secret_lock:
     return _secret[1] if _secret is not None else None

@@ -1,16 +1,16 @@
 """The tier's peer channel on the wire: the job-secret handshake, authenticated requests, and
 the bound on every receive. Sockets and bytes only (no numpy, no files, no jax). Also what
 both ends share: the names a request or a list answer may carry (``PART_RE``, ``FILE_RE``) and
-``PeerError``, what the channel raises when a peer did not deliver (``tier/peer.py``,
-``tier/relay.py``, ``tier/peer_server.serve``, ``tier/exchange.job_secret``; caught by
-``tier/chain.py`` and ``transports/local.py``).
+``PeerError``, what the channel raises when a peer did not deliver (``peer/client.py``,
+``fleet/relay.py``, ``peer/server.serve``, ``peer/exchange.job_secret``; caught by
+``fleet/chain.py`` and ``transports/local.py``).
 
-Who calls what, on which host: ``tier/peer_server.py``'s server (one per process, a thread per
+Who calls what, on which host: ``peer/server.py``'s server (one per process, a thread per
 connection) calls ``accept`` on each new connection, then ``recv_request`` per request;
-``tier/peer.py``'s client (``_Peer``, on the restoring process) calls ``connect`` once per
+``peer/client.py``'s client (``_Peer``, on the restoring process) calls ``connect`` once per
 pooled connection, then ``send_request`` and ``recv_header`` / ``recv_bounded`` per request.
 
-A connection (``K`` is the job's 32-byte secret, ``tier/exchange.job_secret``; every MAC is
+A connection (``K`` is the job's 32-byte secret, ``peer/exchange.job_secret``; every MAC is
 HMAC-SHA256 under ``K`` over a label and the parts, each compared with
 ``hmac.compare_digest``)::
 
@@ -23,7 +23,7 @@ HMAC-SHA256 under ``K`` over a label and the parts, each compared with
                        body (n bytes of msgpack)
     server -> client   status (0 ok, 1 error), length (8 B), payload
 
-    a ``put`` (a partner copy's file, ``tier/receive.py``): the request names the file, its
+    a ``put`` (a partner copy's file, ``fleet/receive.py``): the request names the file, its
     size and crc32c; that many raw bytes follow it; then the answer (0 bytes when ok). A put
     the server refuses is answered before the body is read, and the connection is closed.
 
@@ -81,7 +81,7 @@ _PIECE = 1 << 20  # bytes taken per receive of an answer of unknown content
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-  """What one server allows (per process; ``tier/peer_server.serve``)."""
+  """What one server allows (per process; ``peer/server.serve``)."""
 
   max_connections: int = 64  # served at once, one thread each; more are refused at once
   handshake_s: float = 10.0  # a new connection must prove the job's secret within this

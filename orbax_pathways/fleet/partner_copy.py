@@ -1,24 +1,24 @@
 """Partner copies, the sending end (``Options.local_copies=2``, ``docs/multi_tier.md``): after a
 process wrote its share of a local-only step into its node's tier, the same entry goes to its
-partner's tier (``tier/partners.py``: a process of another slice) over the peer channel, so the
+partner's tier (``fleet/partners.py``: a process of another slice) over the peer channel, so the
 step survives the loss of any one slice even where state is sharded across every device.
 
 Who calls what, on which host (multi-controller JAX, every process of a local-only save):
 
 - ``ready(tier, client, me, timeout_s)``, before the share is written (``transports/local.py``):
-  reads the job's secret (``tier/exchange.job_secret``), starts this process's tier server with
-  this node's tier so that it takes copies (``tier/peer_server.serve(tier=...)``) and publishes
+  reads the job's secret (``peer/exchange.job_secret``), starts this process's tier server with
+  this node's tier so that it takes copies (``peer/server.serve(tier=...)``) and publishes
   its address once per process and job (``coord.rounds.partner_address_key``).
 - ``send(entry_path, partner, client, timeout_s)``, right after the share landed in this node's
   tier (``transports/share.tier_only_pieces``, in the save's background part, so the step
   commits only after its copy did or failed): reads the partner's address (one blocking read,
   within ``timeout_s``), then sends the entry's chunk files (``sendfile``: from the tier's
   files, never read whole into memory) and its manifest last, each as one ``put`` request
-  followed by its bytes (``tier/receive.py`` writes them). Returns None, or why the copy did
+  followed by its bytes (``fleet/receive.py`` writes them). Returns None, or why the copy did
   not happen: the caller logs it and the save goes on (the step then has one copy, as with
   ``local_copies=1``).
 
-Bounds: every request is authenticated (``tier/wire.py``), each file has ``timeout_s`` plus its
+Bounds: every request is authenticated (``peer/wire.py``), each file has ``timeout_s`` plus its
 bytes at ``MIN_RATE`` to arrive, and the receiver takes no more than its tier's free space.
 What grows with what: one connection and one key read per process per local-only save; the
 bytes sent are this process's share of the step. No jax here.
@@ -37,13 +37,14 @@ import crc32c as _crc32c
 import msgpack
 
 from orbax_pathways.coord import rounds
-from orbax_pathways.tier import exchange as exchange_lib
+from orbax_pathways.fleet import ops as fleet_ops
+from orbax_pathways.peer import exchange as exchange_lib
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
-from orbax_pathways.tier import peer_server
+from orbax_pathways.peer import server as peer_server
 from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store
-from orbax_pathways.tier import wire
+from orbax_pathways.peer import wire
 
 log = logging.getLogger('orbax_pathways')
 MIN_RATE = 64 << 20  # bytes per second a partner copy is allowed at least, beyond timeout_s
@@ -57,7 +58,7 @@ def ready(tier: tier_config.TierConfig, client: Any, me: int, timeout_s: float) 
   (once per process, key-value client and address). ``wire.PeerError`` if the job's secret
   cannot be read."""
   secret = exchange_lib.job_secret(client, timeout_s)
-  address = peer_server.serve(tier.local_dir, secret, tier=tier)
+  address = peer_server.serve(tier.local_dir, secret, tier=tier, ops=fleet_ops.TABLE)
   key = (id(client), me, address)
   with _lock:
     if key in _published:
@@ -91,7 +92,7 @@ def send(entry_path: str, partner: int, client: Any, timeout_s: float) -> str | 
     return f'{who} did not publish its tier server within {timeout_s:g} s ({type(e).__name__}: {e})'
   secret = exchange_lib.cached_secret()
   if secret is None:
-    return 'this process has no job secret (tier.partner_copy.ready was not called)'
+    return 'this process has no job secret (fleet.partner_copy.ready was not called)'
   why = send_to(entry_path, str(address), secret, timeout_s)
   return None if why is None else f'{who} ({address}): {why}'
 

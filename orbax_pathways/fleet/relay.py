@@ -8,13 +8,13 @@ chunk (``plan/sources.needers``, from the target sharding) are split into groups
 ``GROUP`` in process order; in each group one process (``plan/sources.fetcher``, the same pick on
 every process) reads the chunk from storage, checks it against the committed crc32c, and keeps it
 in memory; the others of its group ask it for the chunk over the tier's peer channel
-(``tier/peer.py`` to ``tier/peer_server.py``, op ``relay``). Groups bound what one process sends
+(``peer/client.py`` to ``peer/server.py``, op ``relay``). Groups bound what one process sends
 (at most ``GROUP - 1`` copies of a chunk), however many processes need it.
 
 Who calls what, on which host (multi-controller JAX, every process, one restore):
 
 - ``transports/local.read`` registers the restore's arrays (``Target``: name, tensorstore spec,
-  context, committed chunk records, and who needs which box) with ``tier/chain.for_restore``,
+  context, committed chunk records, and who needs which box) with ``fleet/chain.for_restore``,
   which builds a ``RelaySource`` after the peer source and registers it (``register``) under the
   restore's key prefix *before* publishing that prefix: a process that sees another's key can
   ask it for a chunk at once.
@@ -27,7 +27,7 @@ Who calls what, on which host (multi-controller JAX, every process, one restore)
 Which arrays a server reads: only those its own process registered for a restore, one whole
 recorded chunk per request (the request names the restore's key prefix, an array and a chunk's
 origin and shape; never a path or a spec), so the channel cannot be used to read anything else
-from storage; and only for a connection that proved the job's secret (``tier/wire.py``), so a
+from storage; and only for a connection that proved the job's secret (``peer/wire.py``), so a
 process outside the job cannot make a server read storage with the job's credentials.
 
 Memory: a chunk read for others stays in ``CACHE`` until every process of its group that needs
@@ -55,9 +55,8 @@ from orbax_pathways.format import checksum
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import hedge
-from orbax_pathways.tier import peer as tier_peer
-from orbax_pathways.tier import peer_server as tier_server
-from orbax_pathways.tier import wire as tier_wire
+from orbax_pathways.peer import client as tier_peer
+from orbax_pathways.peer import wire as tier_wire
 
 Box = boxes_lib.Box
 log = logging.getLogger('orbax_pathways')
@@ -233,8 +232,6 @@ def answer(req: Mapping[str, Any]) -> np.ndarray:
                           tuple(int(x) for x in req['shape']))
   return source.fetch(name, chunk)
 
-
-tier_server.register_op('relay', answer)
 
 
 # ---- the chain's source --------------------------------------------------------------------------

@@ -3,24 +3,25 @@ job's secret on every connection, a deadline on every wait and a cap on connecti
 
 Who calls what, on which host (multi-controller JAX, every process):
 
-- ``tier/chain.for_restore`` calls ``serve`` at every restore: it starts this process's server
-  once (a daemon thread), with the job's secret (``tier/exchange.job_secret``, which the local
+- ``fleet/chain.for_restore`` calls ``serve`` at every restore: it starts this process's server
+  once (a daemon thread), with the job's secret (``peer/exchange.job_secret``, which the local
   transport read just before through ``Exchange.secret``), and returns the address that the
   chain then publishes (``Exchange.publish``): ``ORBAX_PATHWAYS_PEER_ADDRESS`` (``ADDRESS_ENV``)
   names the host, else this host name's address. The server lives as long as the process, so a
   peer still reading after this process's restore ended gets its chunks.
 - The server (``_Server``, a thread per connection, at most ``wire.Limits.max_connections``)
   serves only this node's tier directory, only to a client that proved the job's secret
-  (``tier/wire.py``: the handshake, a MAC on every request, the size caps, the idle deadline),
+  (``peer/wire.py``: the handshake, a MAC on every request, the size caps, the idle deadline),
   only complete manifests, only the regular files they name, of the size they record, never
   through a symlink (``tier/fsafe.py``). Error answers name paths relative to the tier.
-- The requests come from the other processes' restores (``tier/peer.py``'s ``_Peer``): ``list``
+- The requests come from the other processes' restores (``peer/client.py``'s ``_Peer``): ``list``
   (the complete entries of one item: writer, save id and per array the chunks and their files)
   and ``get`` (one chunk file, streamed with ``sendfile``; or, with ``chunk``, one chunk of a
-  band file: its rows sent from a read-only mapping of the band), and the kinds registered with
-  ``register_op`` (``tier/relay.py``: ``relay``, a chunk answered from memory). From the
-  processes whose partner this one is (``Options.local_copies=2``, ``tier/partner_copy.py``):
-  ``put``, one file of a partner copy, written into this node's tier (``tier/receive.py``).
+  band file: its rows sent from a read-only mapping of the band), and the kinds of its op
+  table (``Ops``; the package's is ``fleet/ops.TABLE``): ``relay`` (``fleet/relay.py``, a chunk
+  answered from memory) and, from the processes whose partner this one is
+  (``Options.local_copies=2``, ``fleet/partner_copy.py``), ``put``: one file of a partner copy,
+  written into this node's tier (``fleet/receive.py``).
 - What a server closed unread is counted by reason (``server_counts``, and
   ``stats.peer_server()``), with one warning per ``LOG_EVERY_S`` for connections that did not
   prove the job's secret.
@@ -50,11 +51,10 @@ import numpy as np
 
 from orbax_pathways import stats
 from orbax_pathways.tier import chunk_read
-from orbax_pathways.tier import exchange as exchange_lib
+from orbax_pathways.peer import exchange as exchange_lib
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
-from orbax_pathways.tier import receive
-from orbax_pathways.tier import wire
+from orbax_pathways.peer import wire
 
 log = logging.getLogger('orbax_pathways')
 
@@ -70,13 +70,24 @@ def _safe(part: Any) -> str:
   return part
 
 
-_ops: dict[str, Callable[[Mapping[str, Any]], np.ndarray]] = {}
+class Refused(ValueError):
+  """A streamed request (``Ops.receive``) this server does not take: answered with the text
+  before its body was read, then the connection closes (the body is never drained)."""
 
 
-def register_op(name: str, fn: Callable[[Mapping[str, Any]], np.ndarray]) -> None:
-  """Adds a request kind the server answers with ``fn(request)``'s bytes (``tier/relay.py``:
-  ``relay``, a chunk read from storage for several processes)."""
-  _ops[name] = fn
+@dataclasses.dataclass(frozen=True)
+class Ops:
+  """A server's op table: the request kinds it answers beyond ``list`` and ``get`` of its own
+  tier. ``answer``: kind -> ``fn(request)``, the array the answer carries; ``receive``: kind ->
+  ``fn(sock, request, tier, idle_s)``, which reads the request's body from the connection and
+  raises ``Refused`` to refuse it. The package's table is ``fleet/ops.TABLE``."""
+
+  answer: Mapping[str, Callable[[Mapping[str, Any]], np.ndarray]] = dataclasses.field(
+      default_factory=dict)
+  receive: Mapping[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+
+
+NO_OPS = Ops()
 
 
 class _Counts:
@@ -241,8 +252,10 @@ class _Handler(socketserver.BaseRequestHandler):
         if not isinstance(req, dict):
           return
         sock.settimeout(srv.limits.idle_s)  # an answer the reader stops taking ends here
-        if req.get('op') == 'put':
-          if not self.put(sock, req):
+        op = req.get('op')
+        streamed = srv.ops.receive.get(op) if isinstance(op, str) else None
+        if streamed is not None:
+          if not self.receive(sock, req, streamed):
             return
           continue
         self.answer(sock, req)
@@ -251,13 +264,15 @@ class _Handler(socketserver.BaseRequestHandler):
     except (OSError, ValueError, msgpack.UnpackException):
       return
 
-  def put(self, sock: socket.socket, req: Mapping[str, Any]) -> bool:
-    """A partner copy's file (``tier/receive.py``); whether the connection can go on. A put
-    refused before its body was read is answered with why, then the connection closes (the
-    body is never drained); one cut short closes it."""
+  def receive(self, sock: socket.socket, req: Mapping[str, Any],
+              fn: Callable[..., Any]) -> bool:
+    """A streamed request (``Ops.receive``: ``put``, a partner copy's file,
+    ``fleet/receive.py``); whether the connection can go on. One refused before its body was
+    read is answered with why, then the connection closes (the body is never drained); one cut
+    short closes it."""
     try:
-      receive.receive(sock, req, self.server.tier, self.server.limits.idle_s)
-    except receive.Refused as e:
+      fn(sock, req, self.server.tier, self.server.limits.idle_s)
+    except Refused as e:
       text = self.server.scrub(f'Refused: {e}').encode()[:wire.MAX_ERROR_BYTES]
       sock.sendall(wire.ANSWER.pack(1, len(text)) + text)
       return False
@@ -294,13 +309,14 @@ class _Handler(socketserver.BaseRequestHandler):
           raise OSError(f'sent {sent} of {size} bytes')
 
   def prepare(self, req: Mapping[str, Any]) -> Any:
-    """A ``list``'s payload (bytes), a registered op's array (``register_op``: answered from
+    """A ``list``'s payload (bytes), an answer op's array (``Ops.answer``: answered from
     memory), or a ``get``'s (open chunk file, size), or one chunk of a band (``_BandChunk``):
     only a regular file that a complete entry's manifest names, of the size it records, opened
     without following a symlink; only a chunk box the manifest places in that band."""
     op = req.get('op')
-    if isinstance(op, str) and op in _ops:
-      return np.ascontiguousarray(_ops[op](req))
+    answer = self.server.ops.answer.get(op) if isinstance(op, str) else None
+    if answer is not None:
+      return np.ascontiguousarray(answer(req))
     parts = _item(req)
     if op == 'list':
       return self.server.listing(parts)
@@ -392,6 +408,7 @@ class _Server(socketserver.ThreadingTCPServer):
                limits: wire.Limits = wire.LIMITS):
     self.local_dir, self.secret, self.limits = local_dir, secret, limits
     self.tier: Any = None  # tier.config.TierConfig: set when it takes partner copies (``serve``)
+    self.ops: Ops = NO_OPS  # its op table (``serve``)
     self.manifests = _Manifests(local_dir)
     self._slots = threading.BoundedSemaphore(limits.max_connections)
     super().__init__(address, _Handler)
@@ -455,14 +472,15 @@ def _advertised_host() -> str:
 
 
 def serve(local_dir: str, secret: bytes | None = None, limits: wire.Limits | None = None,
-          tier: Any = None) -> str:
+          tier: Any = None, ops: Ops | None = None) -> str:
   """Starts (once per process and directory) the server of this node's tier in a daemon
   thread; returns the ``host:port`` peers reach it at (``ORBAX_PATHWAYS_PEER_ADDRESS`` names
   the host, else this host name's address). ``secret``: the job's (``job_secret``); None takes
   the one this process last read (``Exchange.secret``, which the local transport calls before
   the chain serves). ``limits``: the server's bounds (``wire.LIMITS``), at its start.
-  ``tier``: this node's ``TierConfig`` (``tier/partner_copy.py``, ``Options.local_copies=2``):
-  the server then also takes partner copies into it (``put``); else it refuses them."""
+  ``tier``: this node's ``TierConfig`` (``fleet/partner_copy.py``, ``Options.local_copies=2``):
+  the server then also takes partner copies into it (``put``); else it refuses them. ``ops``:
+  its op table (``fleet/ops.TABLE``; None: the one it has, or none at its start)."""
   if secret is None:
     secret = exchange_lib.cached_secret()
   if secret is None or len(secret) != wire.SECRET_BYTES:
@@ -474,10 +492,12 @@ def serve(local_dir: str, secret: bytes | None = None, limits: wire.Limits | Non
       server.secret = secret  # a later job in this process (jax.distributed restarted)
       if tier is not None:
         server.tier = tier
+      if ops is not None:
+        server.ops = ops
       return address
     host = _advertised_host()
     server = _Server((host, 0), local_dir, secret, limits or wire.LIMITS)
-    server.tier = tier
+    server.tier, server.ops = tier, ops or NO_OPS
     address = f'{host}:{server.server_address[1]}'
     threading.Thread(target=server.serve_forever, name='orbax-pathways-tier-peer',
                      daemon=True).start()
