@@ -2,7 +2,7 @@
 through ``src.py``) goes through here.
 
 Supported: orbax-checkpoint ``supported.ORBAX`` (see pyproject.toml). Each function is a small named
-translation so that a moved symbol breaks in one place, and ``tests/unit/test_compat.py`` exercises
+translation so that a moved symbol breaks in one place, and ``tests/compat/test_compat.py`` exercises
 every one against the installed Orbax. Called on any host, from the handler and the storage layer.
 """
 

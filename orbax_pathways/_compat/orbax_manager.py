@@ -88,7 +88,7 @@ from orbax_pathways._compat import orbax_manager_state as _state
 
 SUPPORTED = supported.ORBAX
 
-# One definition of the names (orbax_pathways.format.names; tests/unit/test_format.py checks them against
+# One definition of the names (orbax_pathways.format.names; tests/format/test_format.py checks them against
 # Orbax's own constants).
 TMP_DIR_SUFFIX: str = format_lib.TMP_SUFFIX
 COMMIT_SUCCESS_FILE: str = format_lib.COMMIT_SUCCESS_FILE

@@ -4,7 +4,7 @@ Everything else in ``_compat/`` asks for them here, by their path under ``_src``
 ``src.orbax('path.deleter')``, ``src.orbax_v1('partial.saving')``, ``src.jax('distributed')``.
 Those paths move between releases; the supported range is in ``pyproject.toml`` and ``.ci/run``
 tests both ends, so a moved path fails there with the full module name in the error.
-``tests/unit/test_boundaries.py`` checks that no other module imports ``_src``.
+``tests/repo/test_boundaries.py`` checks that no other module imports ``_src``.
 """
 
 from __future__ import annotations

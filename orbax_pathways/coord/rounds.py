@@ -21,7 +21,7 @@ client arrives as an object with ``key_value_set``, ``blocking_key_value_get``,
 Beside rounds, a few single keys one process publishes for the others (its host name, the
 job's peer secret, a tier server's address, a retention count: ``host_key`` and below), with
 the one-request calls that set, read and wait for them (``put``, ``try_read``, ``wait_for``,
-``poll``). No other module calls jax's key-value client (``tests/unit/test_boundaries.py``).
+``poll``). No other module calls jax's key-value client (``tests/repo/test_boundaries.py``).
 
 Keys, built here only: a round is ``orbax_pathways/<name>/<seq>``, where ``name`` says what
 agrees among whom (``Participants.name(kind)``: the kind and a digest of the manager's

@@ -3,7 +3,7 @@ Orbax's tensorstore specs put an array. Pure: no jax and no tensorstore (numpy-f
 
 Who calls it: the save and restore path on every host (through ``storage/``, ``metadata``) and the
 ``orbax-pathways`` CLI on any machine, so the two cannot drift apart. Every Orbax name here is
-checked against Orbax's own constant by ``tests/unit/test_format.py``; every key and grid rule against
+checked against Orbax's own constant by ``tests/format/test_format.py``; every key and grid rule against
 what tensorstore writes.
 
 A step directory, as Orbax lays it out (``docs/format.md``)::

@@ -27,7 +27,7 @@ NUM_SLICES_ENV = 'ORBAX_PATHWAYS_NUM_SLICES'
 # ---- NamedSharding arithmetic ----------------------------------------------------------------
 # A NamedSharding over an evenly divided shape cuts each dimension into equal parts along its
 # mesh axes; the boxes follow from the mesh and the spec alone, the same ones JAX's
-# ``devices_indices_map`` lists (tests/unit/test_plan_properties.py checks them against it), without
+# ``devices_indices_map`` lists (tests/plan/test_plan_properties.py checks them against it), without
 # a Python object per device, and one computation serves every shape laid out the same way.
 
 def _named_axes(sharding: jax.sharding.Sharding,

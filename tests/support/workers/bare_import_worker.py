@@ -1,6 +1,6 @@
 """Imports one module of the package without running ``orbax_pathways/__init__.py`` (which
 installs the handler, hence imports jax and Orbax), then checks which heavy modules got loaded:
-what a jax-free module needs is then all that is loaded. For ``tests/unit/test_format.py``
+what a jax-free module needs is then all that is loaded. For ``tests/format/test_format.py``
 (``test_format_imports_neither_jax_nor_tensorstore``) and ``tests/cli/test_cli_process.py``
 (``test_cli_modules_import_no_jax``), through ``procs.run_worker``.
 

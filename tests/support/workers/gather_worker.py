@@ -1,5 +1,5 @@
 """A ``jax.distributed`` process (``support.mp_harness``, 3 processes) gathering key-value rounds
-(``orbax_pathways/coord/rounds.py``), for ``tests/unit/test_waits.py``.
+(``orbax_pathways/coord/rounds.py``), for ``tests/coord/test_waits.py``.
 
     python gather_worker.py
 

@@ -1,5 +1,5 @@
 """What a user's logging sees of a save and a restore, in a fresh interpreter with a root handler
-at INFO (as a user's script has), for ``tests/unit/test_logging.py`` (``procs.run_worker``).
+at INFO (as a user's script has), for ``tests/install/test_logging.py`` (``procs.run_worker``).
 
     python -m support.workers.logging_probe_worker ours|stock
 

@@ -1,5 +1,5 @@
 """The ``jax.monitoring`` metric names a save and a restore record, in a fresh interpreter, for
-``tests/unit/test_metrics.py`` (``procs.run_worker``).
+``tests/install/test_metrics.py`` (``procs.run_worker``).
 
     python -m support.workers.metrics_probe_worker ours|stock CKPT
 

@@ -1,4 +1,4 @@
-"""A child of ``tests/unit/test_seam.py``: an Orbax release in which a method the package
+"""A child of ``tests/compat/test_seam.py``: an Orbax release in which a method the package
 patches moved, simulated on the installed Orbax before ``import orbax_pathways``.
 
     python -m support.workers.moved_target_worker DIR

@@ -1,5 +1,5 @@
 """Restores step 0 of a checkpoint without a target in a fresh interpreter with however many
-CPU devices the test gave it, for ``tests/unit/test_elastic.py``
+CPU devices the test gave it, for ``tests/sharding/test_elastic.py``
 (``test_no_target_restore_onto_any_device_count``, ``procs.worker_json``).
 
     python -m support.workers.no_target_restore_worker CKPT
