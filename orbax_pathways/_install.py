@@ -141,10 +141,15 @@ def _manager_hooks() -> list[manager_hooks.ManagerHooks]:
   """What the package does around every CheckpointManager, in ``manager/hooks.ORDER``."""
   return [step_metadata.StepMetadata(), _Checks(), step_errors.StepErrors(), _TierCommit(),
           local_steps.LocalStepHooks(lambda: _installed_options().local_save_interval_steps,
-                                     lambda: _installed_options().local_keep,
+                                     lambda: _local_steps_keep(_installed_options()),
                                      background=_local_saves_in_background,
                                      when_busy=lambda: _installed_options().local_save_when_busy,
                                      options=_installed_options)]
+
+
+def _local_steps_keep(o: options_lib.Options) -> int:
+  """Local-only steps kept per directory: ``Options.local_steps_keep``, else ``local_keep``."""
+  return o.local_steps_keep if o.local_steps_keep is not None else o.local_keep
 
 
 def _local_saves_in_background() -> bool:

@@ -166,6 +166,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
                  'Pathways workers; none for one process on local disk'),
     EnvVar('ORBAX_PATHWAYS_LOCAL_KEEP', 'int', 1, 'committed steps the node-local tier keeps',
            minimum=1),
+    EnvVar('ORBAX_PATHWAYS_LOCAL_STEPS_KEEP', 'int', None,
+           'local-only steps kept per checkpoint directory', minimum=1,
+           unset='ORBAX_PATHWAYS_LOCAL_KEEP'),
     EnvVar('ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS', 'int', 0,
            'save a step that the CheckpointManager declines to the node-local tiers only, when '
            'its number is a multiple of this (0: never)', minimum=0),
@@ -216,6 +219,7 @@ FIELD_ENV: dict[str, str] = {
     'num_slices': 'ORBAX_PATHWAYS_NUM_SLICES',
     'local_dir': 'ORBAX_PATHWAYS_LOCAL_DIR',
     'local_keep': 'ORBAX_PATHWAYS_LOCAL_KEEP',
+    'local_steps_keep': 'ORBAX_PATHWAYS_LOCAL_STEPS_KEEP',
     'local_save_interval_steps': 'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS',
     'local_scope': 'ORBAX_PATHWAYS_LOCAL_SCOPE',
     'local_save_when_busy': 'ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY',
@@ -362,6 +366,10 @@ class Options:
     tier serves does not read storage's copy) (``docs/format.md``, "The node-local tier").
   local_keep: committed steps the tier keeps per checkpoint directory (``ORBAX_PATHWAYS_LOCAL_KEEP``,
     1); a step's copy is dropped once a newer step's copy is complete and that step committed.
+  local_steps_keep: local-only steps kept per checkpoint directory (multi-tier,
+    ``local_save_interval_steps``; ``ORBAX_PATHWAYS_LOCAL_STEPS_KEEP``). None (default): as
+    many as ``local_keep``. A retention of its own: the tier's copies of storage steps follow
+    ``local_keep``, the local-only steps (and node steps) this.
   local_save_interval_steps: multi-tier checkpointing (``docs/multi_tier.md``;
     ``ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS``, 0: off). A step a ``CheckpointManager``'s own
     policy declines whose number is a multiple of this is saved *local-only*: Orbax's files and
@@ -412,7 +420,7 @@ class Options:
     directory's steps older than its newest committed one. An entry touched in the last 5
     minutes (``tier.gc.IDLE_S``: a save or restore may be using it) is never dropped. Node
     steps (``local_steps_in='nodes'``) count against the cap, which never drops them (their
-    manager keeps ``local_keep``); a stopped job's go after ``local_max_age_s``.
+    manager keeps ``local_steps_keep``); a stopped job's go after ``local_max_age_s``.
   local_scope: what the tier keeps (``ORBAX_PATHWAYS_LOCAL_SCOPE``). ``'written'`` (default): the
     chunks this host wrote, from the buffers the storage write used: no extra device-to-host
     bytes, ``save()`` blocking unchanged; a replica another host wrote is not kept, so a lost
@@ -466,6 +474,7 @@ class Options:
   num_slices: int | None = _default('num_slices')
   local_dir: str | None = _default('local_dir')
   local_keep: int = _default('local_keep')
+  local_steps_keep: int | None = _default('local_steps_keep')
   local_save_interval_steps: int = _default('local_save_interval_steps')
   local_scope: str = _default('local_scope')
   local_save_when_busy: str = _default('local_save_when_busy')
@@ -514,6 +523,7 @@ class Options:
     _check_int('storage_retries', self.storage_retries, 0, optional=True)
     _check_int('num_slices', self.num_slices, 1, optional=True)
     _check_int('local_keep', self.local_keep, 1)
+    _check_int('local_steps_keep', self.local_steps_keep, 1, optional=True)
     _check_int('local_save_interval_steps', self.local_save_interval_steps, 0)
     _check_int('local_copies', self.local_copies, 1)
     if self.local_copies > 2:

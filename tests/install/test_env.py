@@ -186,5 +186,6 @@ def test_every_option_field_has_its_variable_and_takes_its_default_from_it():
     assert fields[field] == options_lib.ENV_VARS[name].default, field
   assert options_lib.Options.from_env({}) == options_lib.Options()
   assert options_lib.Options.from_env(
-      {'ORBAX_PATHWAYS_LOCAL_KEEP': '3', 'ORBAX_PATHWAYS_PEER_TIMEOUT_S': '7.5'}) == \
-      options_lib.Options(local_keep=3, peer_timeout_s=7.5)
+      {'ORBAX_PATHWAYS_LOCAL_KEEP': '3', 'ORBAX_PATHWAYS_PEER_TIMEOUT_S': '7.5',
+       'ORBAX_PATHWAYS_LOCAL_STEPS_KEEP': '4'}) == \
+      options_lib.Options(local_keep=3, peer_timeout_s=7.5, local_steps_keep=4)

@@ -248,13 +248,14 @@ def _age_tree(path, seconds):
 
 
 def test_node_steps_count_against_the_cap_and_only_a_stopped_jobs_go(tmp_path, capsys):
-  """A manager with ``local_steps_in='nodes'`` keeps local-only steps 2 and 3 in the node:
+  """A manager with ``local_steps_in='nodes'`` keeps local-only steps 2 and 3 in the node
+  (``local_steps_keep=2``, while the tier keeps one copy of a storage step, ``local_keep=1``):
   their bytes count against the tier's cap (an idle entry of another directory makes room for
   them), the cap never drops one, and one idle longer than the max age (a job that stopped)
   goes, by hand too."""
   tier, cur, other = tmp_path / 'tier', tmp_path / 'cur', tmp_path / 'other'
   _save(cur, [0, 1, 2, 3], every=4, local_dir=str(tier), local_save_interval_steps=1,
-        local_keep=2, local_steps_in='nodes')
+        local_keep=1, local_steps_keep=2, local_steps_in='nodes')
   held = _node_steps(tier)
   assert [h.rpartition('/')[2] for h in held] == ['2', '3'], held
   nbytes = sum(f.stat().st_size for f in (tier / held[1]).rglob('*') if f.is_file())
