@@ -2,8 +2,8 @@
 """What one process asks of jax's key-value store to resume from node steps and to agree on a
 preemption step, at 64, 1,024 and 16,384 simulated processes.
 
-What runs: the package's own agreements, unchanged: ``manager/node_steps._agreed`` (the node
-steps every node holds) and ``preemption/recovery.all_processes_ok`` (every process restored
+What runs: the package's own agreements, unchanged: ``multitier/node_steps._agreed`` (the node
+steps every node holds) and ``multitier/resume.all_processes_ok`` (every process restored
 the step) — the two rounds of a resume from node steps — and
 ``preemption/decision._kv_agreement`` (every ``agreement_interval`` steps with jax's preemption
 service off), against jax's real coordination service (``jax.distributed`` with one process on
@@ -119,9 +119,9 @@ def _as_process(fleet: SimulatedFleet) -> None:
 
 def _cases() -> dict[str, tuple[str, Callable[[int], Any]]]:
   from orbax_pathways.coord import rounds  # pylint: disable=g-import-not-at-top
-  from orbax_pathways.manager import node_steps  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.multitier import node_steps  # pylint: disable=g-import-not-at-top
   from orbax_pathways.preemption import decision  # pylint: disable=g-import-not-at-top
-  from orbax_pathways.preemption import recovery  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.multitier import resume as recovery  # pylint: disable=g-import-not-at-top
   from orbax_pathways.coord import participants  # pylint: disable=g-import-not-at-top
   from orbax_pathways._compat import jax_distributed  # pylint: disable=g-import-not-at-top
   from orbax_pathways._compat import orbax_manager_state as _oms  # pylint: disable=g-import-not-at-top

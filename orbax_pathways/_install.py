@@ -30,7 +30,7 @@ from orbax_pathways import options as options_lib
 from orbax_pathways.engine import runtime
 from orbax_pathways import preemption
 from orbax_pathways.manager import hooks as manager_hooks
-from orbax_pathways.manager import local_steps
+from orbax_pathways.multitier import local_steps
 from orbax_pathways.manager import retention
 from orbax_pathways.manager import step_errors
 from orbax_pathways.manager import step_metadata
@@ -179,7 +179,7 @@ def _install_manager_side() -> None:
   orbax_liveness.install(_save_round, liveness.lost_error)
   if options_lib.env_value('ORBAX_PATHWAYS_EMERGENCY') == 'pathways':
     try:  # Orbax's experimental module: an Orbax that cannot import it keeps working without it
-      from orbax_pathways.manager import emergency  # pylint: disable=g-import-not-at-top
+      from orbax_pathways.multitier import emergency  # pylint: disable=g-import-not-at-top
     except ImportError as e:
       log.warning('orbax_pathways: Orbax\'s emergency CheckpointManager cannot be imported (%s: '
                   '%s); its drop-in is not installed.', type(e).__name__, e)

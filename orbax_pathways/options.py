@@ -395,7 +395,7 @@ class Options:
     (``ORBAX_PATHWAYS_LOCAL_STEPS_IN``). ``'storage'`` (default): as ``local_save_interval_steps``
     says. ``'nodes'``: each process saves its part of the step alone into its node's tier
     directory (``local_dir``, which must be named), every shard it holds, in Orbax's format
-    (``manager/node_steps.py``): no storage request, no barrier, and storage saves never wait
+    (``multitier/node_steps.py``): no storage request, no barrier, and storage saves never wait
     for it. ``preemption.resume`` restores the newest step every process's node holds, each
     process from its own node. Only for background local-only saves of trees of ``jax.Array``,
     numpy and scalar leaves, and JSON (the others keep ``'storage'``); a resume onto another process count or

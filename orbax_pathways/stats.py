@@ -36,7 +36,7 @@ class SaveStats:
   arrays: int = 0
   snapshot: str = ''  # 'pinned' or 'host' (local transport): how save() copied to the host
   blocking_s: float = 0.0  # time save() spent in our serialize (planning + snapshot)
-  # A local-only save run in the background (manager/local_steps.py): the time the training
+  # A local-only save run in the background (multitier/local_steps.py): the time the training
   # loop's save() spent copying this process's shards to host (transports/snapshots.take),
   # the save's whole part in the loop; its serialize (blocking_s) ran on the background thread.
   # None for every other save, whose snapshot is inside blocking_s.
@@ -54,7 +54,7 @@ class SaveStats:
   def wait_written(self, timeout: float | None = None) -> bool:
     """Waits until this save's background write (this process's bytes, the save's host
     copies) finished or failed, not for its commit; True once it has. The next local-only
-    save's snapshot waits for this (``manager/local_steps.py``)."""
+    save's snapshot waits for this (``multitier/local_steps.py``)."""
     return self._written.wait(timeout)
 
   def mark_written(self) -> None:
@@ -97,7 +97,7 @@ class RestoreStats:
   step_dir: str = ''
   # Per source ('local': this node's tier, 'peer': other hosts' tiers, 'relay': read from storage
   # by another process that needed the same lost chunk, and passed on; 'node': a node step's
-  # own directory on this node, manager/node_steps.py; 'storage'), over every
+  # own directory on this node, multitier/node_steps.py; 'storage'), over every
   # reading host of this process: bytes delivered, and seconds spent reading them (summed over
   # concurrent reads, so they may add up to more than ``read_s``).
   bytes_by_source: dict[str, int] = dataclasses.field(default_factory=dict)

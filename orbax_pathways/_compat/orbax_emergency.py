@@ -1,6 +1,6 @@
 """Orbax's experimental emergency ``CheckpointManager``: where it lives, the private helpers of
 its module that ours reuses, and the seam where ``import orbax_pathways`` puts ours
-(``manager/emergency.py``) in its place.
+(``multitier/emergency.py``) in its place.
 
 MaxText binds Orbax's class to a name of its own when its module is imported
 (``emergency_checkpointing.CheckpointManager = emergency_checkpoint_manager.CheckpointManager``),

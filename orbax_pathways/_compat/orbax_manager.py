@@ -32,7 +32,7 @@ function objects) by ``uninstall_manager_hooks()``; both are idempotent:
   (the lease is released). A save Orbax's policy declined calls the hooks' ``save_declined``
   with the save's arguments (a local-only step may be saved); ``wait_until_finished`` (public)
   then calls the hooks' ``wait``. (``orbax_manager_state.local_manager`` builds the hidden
-  manager of a manager's local-only steps, ``manager/local_steps.py``.)
+  manager of a manager's local-only steps, ``multitier/local_steps.py``.)
 - ``CheckpointManager.reload`` / ``restore`` (public): drop gcsfs's listing cache first; a restore
   of a step the manager listed when it began, which fails because the step was deleted meanwhile
   (another process's retention), says so (``StepDeletedError``); any other failure (a step never

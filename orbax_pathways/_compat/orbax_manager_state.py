@@ -120,7 +120,7 @@ def discard_unfinished_local_steps(inner: ocp.CheckpointManager) -> None:
   """Removes the uncommitted step directories of the hidden manager ``inner`` (a failed
   local-only save's ``<step>.orbax-checkpoint-tmp``, or on gs:// a step directory without
   ``commit_success.txt``), with Orbax's own clean-up, on its primary host only (the one that
-  creates them). Called by ``manager/local_steps.py`` once a local-only save failed, while no
+  creates them). Called by ``multitier/local_steps.py`` once a local-only save failed, while no
   other save of ``inner`` runs (one at a time per process): without it every failed local
   save (a tier refused on every node, say) left one in storage until the job's end. Best
   effort: a failure to list or remove is logged at debug level and left to the next call."""
@@ -142,7 +142,7 @@ def forget_step(mngr: ocp.CheckpointManager, step: int) -> None:
   mngr._checkpoints.delete_if(lambda info: info.step == step)  # pylint: disable=protected-access
 
 
-# ---- the hidden manager of a manager's local-only steps (manager/local_steps.py) ---------------
+# ---- the hidden manager of a manager's local-only steps (multitier/local_steps.py) ---------------
 
 _LOCAL = '_orbax_pathways_local_manager'  # on a manager: the hidden manager of its local steps
 _LOCAL_OF = '_orbax_pathways_local_of'  # on a hidden manager: the manager it serves
@@ -153,7 +153,7 @@ def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike,
   """The hidden manager of ``mngr``'s local-only steps (built at its first local save, then
   kept): ``directory``, one step per save it is asked for, the newest ``keep`` kept, the same
   processes (``MultiprocessingOptions``, with barrier names of its own, the processes named so
-  that its barriers are key-value ones: ``manager/local_steps.py`` runs its saves on a
+  that its barriers are key-value ones: ``multitier/local_steps.py`` runs its saves on a
   background thread), async mode, step names, read-only mode and handlers (``_handlers_of``)
   as ``mngr``. Its saves go through Orbax's own save and commit; only the array handler knows
   the directory is a local-only one (``format.names.is_local_only``)."""
@@ -209,9 +209,9 @@ def _handlers_of(mngr: ocp.CheckpointManager) -> Any:
   resolved from the save's arguments, as for a manager built without item handlers.
 
   The objects are shared, never used at once: a process runs one save at a time across the
-  manager and its hidden manager (``manager/local_steps.py``); Orbax's PyTree handlers hold no
+  manager and its hidden manager (``multitier/local_steps.py``); Orbax's PyTree handlers hold no
   barrier of their own (of their process options they read only the primary host); and
-  arguments of a handler that ``manager/local_detach.py`` cannot copy (a custom one) are saved
+  arguments of a handler that ``multitier/local_detach.py`` cannot copy (a custom one) are saved
   in the training loop's thread, not the background."""
   registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
   checkpointer = getattr(mngr, '_checkpointer', None)  # pylint: disable=protected-access
@@ -386,7 +386,7 @@ def existing_local_manager(mngr: ocp.CheckpointManager) -> ocp.CheckpointManager
 
 
 def mark_node_manager(node: ocp.CheckpointManager, served: ocp.CheckpointManager) -> None:
-  """``node`` keeps ``served``'s node steps on this process (``manager/node_steps.py``): the
+  """``node`` keeps ``served``'s node steps on this process (``multitier/node_steps.py``): the
   package's hooks treat it as they treat a hidden manager (it saves no local-only steps of its
   own and never consumes a preemption notice)."""
   node.__dict__[_LOCAL_OF] = served

@@ -11,7 +11,7 @@ one after another, about 0.5 s. Served from memory, a local-only save's ``save()
 committed went from 1.53-1.59 s to 1.17-1.18 s (measured 2026-12-05 on a 2-core VM, 4
 processes: ``benchmarks/local_steps.py --train-only --modes multi_tier --mib 256 --step-s 1
 --local-every 1 --storage-every 1000 --steps 30 --update device --latency-ms 30``). A local
-save's hidden save starts only once the previous one committed (``manager/local_steps.py``),
+save's hidden save starts only once the previous one committed (``multitier/local_steps.py``),
 so with a local save every step a commit longer than the step puts the saves back to back.
 
 Patches, installed by ``install()`` and restored exactly (the very same function objects) by

@@ -8,7 +8,7 @@ function).
 manager is built, every entry of its directory that Orbax's ``temporary_paths.is_path_temporary``
 calls unfinished. On gs:// that is every directory without ``commit_success.txt``, so it
 includes ``<directory>/.orbax-pathways-local`` (``format.names.LOCAL_STEPS_DIR``: the hidden
-manager's steps, ``manager/local_steps.py``), which is no step at all. A job restarted with that
+manager's steps, ``multitier/local_steps.py``), which is no step at all. A job restarted with that
 option on gs:// lost every local-only step before its resume could take one. (On a local disk
 only names with ``.orbax-checkpoint-tmp`` count, so the directory was never taken.)
 

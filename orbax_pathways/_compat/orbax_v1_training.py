@@ -8,11 +8,11 @@ checkpointable's name to a compatibility handler around v1's own handler, and a
 ``CompositeArgs`` of compatibility ``Args``). Callers, on every process that calls the
 Checkpointer:
 
-- ``manager/local_steps.py`` (the training loop's thread, inside v1's ``save`` of a step saved
+- ``multitier/local_steps.py`` (the training loop's thread, inside v1's ``save`` of a step saved
   local-only): ``follow_v1_checkpointer`` gives the hidden manager of local-only steps a
   checkpointer that saves those arguments.
-- ``manager/local_detach.py``: ``v1_args_type`` (to detach the arguments for a background save).
-- ``preemption/recovery.py``: ``v0_manager_of`` (resume takes a v1 Checkpointer) and ``load``
+- ``multitier/local_detach.py``: ``v1_args_type`` (to detach the arguments for a background save).
+- ``multitier/resume.py``: ``v0_manager_of`` (resume takes a v1 Checkpointer) and ``load``
   (a step read as v1's ``load`` reads it, joining its peers' last barrier when it fails here).
 
 SUPPORTED = ``supported.ORBAX``; the private modules through ``src.py``.

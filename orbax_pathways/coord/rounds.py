@@ -10,8 +10,8 @@ client arrives as an object with ``key_value_set``, ``blocking_key_value_get``,
   publishes its answer first and the first member gathers them;
 - ``coord/liveness.SaveRound`` (Orbax's commit thread of each multi-process async save): every
   member publishes "my writes finished", the primary gathers and publishes the verdict;
-- ``preemption/decision.py`` (every ``agreement_interval`` steps), ``preemption/recovery.py``
-  (each step ``resume`` tries) and ``manager/node_steps.py`` (the node steps every node holds,
+- ``preemption/decision.py`` (every ``agreement_interval`` steps), ``multitier/resume.py``
+  (each step ``resume`` tries) and ``multitier/node_steps.py`` (the node steps every node holds,
   once per resume): ``agree``, every member publishes its value and the leader publishes the
   verdict;
 - ``peer/exchange.Exchange`` (each restore with the tier on): every process publishes what its

@@ -249,7 +249,7 @@ class PendingSave:
         # The host copies are written (or the write failed): let go of them now, not when
         # Orbax lets go of this save's futures after its commit, so that the next save's
         # snapshot (a local-only save may take it while this one commits:
-        # manager/local_steps.py) does not meet this one's copies in memory.
+        # multitier/local_steps.py) does not meet this one's copies in memory.
         self.snapshot.state = None
       st.write = stats_lib.WriteStats(
           written_bytes={o.writer: o.bytes_written for o in outcomes},
@@ -323,7 +323,7 @@ class Engine:
     made is warned about and its copies skipped, while restores still read other hosts' tiers.
     Worker hosts check their own (``tier_store.write_entry`` / ``entries``)."""
     if directory is not None and format_lib.is_node_step(directory):
-      return None  # a node step is in the node already (manager/node_steps.py): no copy of it
+      return None  # a node step is in the node already (multitier/node_steps.py): no copy of it
     o = self.options
     local_dir, keep = tier_config.named_dir(o.local_dir), o.local_keep
     root = tier_layout.split_item_dir(directory)[0] if directory is not None else None

@@ -51,7 +51,7 @@ PATHWAYS_DIR = '_pathways'  # <item>/_pathways/<writer>.msgpack (metadata.DIRNAM
 # array bytes in the writers' node-local tiers only (docs/multi_tier.md). A dot name: Orbax's
 # step listing, which takes step-number names only, never lists it as a step.
 LOCAL_STEPS_DIR = '.orbax-pathways-local'
-# In a node's tier directory: the steps each process saves there alone (manager/node_steps.py).
+# In a node's tier directory: the steps each process saves there alone (multitier/node_steps.py).
 # A dot name: the tier's entries are under hex keys, and its listing skips dot names.
 NODE_STEPS_DIR = '.node-steps'
 

@@ -374,7 +374,7 @@ class ProxyNumpyHandler(compat.NumpyHandler):
 
   WRITER_KIND = 'numpy'
   # Every process writes (not process 0 only): set on the handlers of a manager of one process
-  # (manager/node_steps.py), whose directory no other process writes to.
+  # (multitier/node_steps.py), whose directory no other process writes to.
   every_process = False
 
   def __init__(self, *, options: options_lib.Options | None = None,

@@ -20,13 +20,13 @@ that calls the manager (multi-controller JAX); under Pathways that is the one co
    writes anything of a step its policy takes (``force`` or ``should_save``; a declined step
    writes nothing and skips this call). Raising refuses the save: nothing is written, the step
    is not listed. Each hook in ``ORDER``. Then ``save_args(mngr, step, args, kwargs)`` with the
-   save's arguments (the preemption save's local-only copy first: ``manager/local_steps.py``).
+   save's arguments (the preemption save's local-only copy first: ``multitier/local_steps.py``).
 4. ``save_error(mngr, step, error)``: when Orbax's ``save`` raised. The first hook that returns
    an exception has it raised in place of ``error`` (``None``: next; none: ``error`` itself).
 5. ``after_save(mngr, step, saved)``: every process, once Orbax's ``save`` returned ``saved``
    (the device-to-host copy is done; the commit runs on). Then, when ``saved`` is ``False``
    (Orbax's policy declined the step), ``save_declined(mngr, step, args, kwargs)`` with the
-   save's arguments: each hook in ``ORDER`` (the local-only steps: ``manager/local_steps.py``).
+   save's arguments: each hook in ``ORDER`` (the local-only steps: ``multitier/local_steps.py``).
 6. ``commit_error(mngr, step, error)``: in Orbax's finalize thread (or inline for a synchronous
    save), when the step's commit failed; like ``save_error``.
 7. ``after_commit(mngr, step, commit_s)``: every process, in Orbax's finalize thread, once
@@ -65,7 +65,7 @@ ORDER = (
     'retention',    # manager/retention.py: never a torn step listed or left behind
     'step_errors',  # manager/step_errors.py: errors that name the step and the path
     'preemption',   # preemption/: the notice, the agreement, the save on it
-    'local_steps',  # manager/local_steps.py: a declined step saved to the node-local tiers only
+    'local_steps',  # multitier/local_steps.py: a declined step saved to the node-local tiers only
     'tier_commit',  # _install: the node-local tier's copy becomes the committed one; the log line
 )
 

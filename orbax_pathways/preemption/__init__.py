@@ -12,9 +12,10 @@ The user's loop stays the stock Orbax one::
         orbax_pathways.preemption.exit_after_commit(mngr)  # wait for the commit, then exit 0
     mngr.wait_until_finished()
 
-This package is the public face (``orbax_pathways.preemption``); the work is in three modules,
-each with one job: ``notice`` (the notice and SIGTERM), ``decision`` (which step saves for
-preemption; ``exit_after_commit``) and ``recovery`` (``resume``). ``install``/``uninstall`` here
+This package is the public face (``orbax_pathways.preemption``); the work is in two modules,
+each with one job: ``notice`` (the notice and SIGTERM) and ``decision`` (which step saves for
+preemption; ``exit_after_commit``); ``resume`` is multi-tier's step choice
+(``orbax_pathways/multitier/resume.py``), exported here. ``install``/``uninstall`` here
 are called by ``orbax_pathways.install``/``uninstall`` (``_install.py``) in every process; they
 register ``PreemptionHooks`` (``manager/hooks.py``).
 
@@ -83,11 +84,10 @@ from orbax_pathways._compat import orbax_manager as _om
 from orbax_pathways._compat import orbax_manager_state as _oms
 from orbax_pathways.preemption import decision
 from orbax_pathways.preemption import notice
-from orbax_pathways.preemption import recovery
 from orbax_pathways.preemption.decision import exit_after_commit, reached_preemption
 from orbax_pathways.preemption.notice import (GRACE_ENV, install_notice_handler,
                                               notify_preemption, uninstall_notice_handler)
-from orbax_pathways.preemption.recovery import latest_complete_step, resume
+from orbax_pathways.multitier.resume import latest_complete_step, resume
 
 __all__ = [
     'clear_notice', 'exit_after_commit', 'install', 'install_notice_handler', 'installed',
@@ -139,7 +139,7 @@ class PreemptionHooks(hooks_lib.ManagerHooks):
 
   def reached_preemption(self, mngr: Any, step: int, stock: Callable[[], bool],
                          participants: Any) -> bool:
-    if _oms.is_local_manager(mngr):  # the manager it serves decides (manager/local_steps.py)
+    if _oms.is_local_manager(mngr):  # the manager it serves decides (multitier/local_steps.py)
       return False
     return decision.reached_preemption(step, stock, participants, self.agreement, mngr)
 

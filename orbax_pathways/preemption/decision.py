@@ -24,38 +24,17 @@ import sys
 from typing import Any, Callable
 import weakref
 
-import dataclasses
-
 from absl import logging
 
+from orbax_pathways.coord import agreement as agreement_lib
 from orbax_pathways.coord import rounds
 from orbax_pathways.coord import participants as participants_lib
 from orbax_pathways.preemption import notice
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager_state as _oms
-@dataclasses.dataclass(frozen=True)
-class Agreement:
-  """How the processes of a manager agree on a preemption step (``preemption.install``'s
-  arguments): every ``interval`` steps, one round with ``timeout_s`` of silence allowed."""
-  interval: int = 10
-  timeout_s: float = 300.0
-
-  def __post_init__(self):
-    if self.interval < 1:
-      raise ValueError(f'agreement_interval must be >= 1, got {self.interval}.')
 
 
-# The registered PreemptionHooks' agreement, for the calls no hook makes (the notice's log line,
-# preemption.resume); the hooks pass their own to reached_preemption.
-
-
-class _State:
-  """This module's process-wide state (one object: no `global` statement)."""
-
-  current = Agreement()
-
-
-_state = _State()
+Agreement = agreement_lib.Agreement  # preemption.install's arguments (``coord/agreement.py``)
 _EVERY_PROCESS = participants_lib.Participants(None, 0)
 # Per round name (one per set of participants, ``Participants.name``; '' for one controller):
 _agreed_step: dict[str, int] = {}  # the step from which its participants answer True
@@ -69,11 +48,11 @@ _decided_by_manager: 'weakref.WeakKeyDictionary[Any, dict[int, bool]]' = weakref
 
 def set_current(agreement: Agreement) -> None:
   """``preemption.install``: the agreement of the hooks it registers."""
-  _state.current = agreement
+  agreement_lib.configure(agreement)
 
 
 def agreement_timeout_s() -> float:
-  return _state.current.timeout_s
+  return agreement_lib.current().timeout_s
 
 
 def reset() -> None:
@@ -92,7 +71,7 @@ def what_next() -> str:
   if jax_distributed.jax_preemption_service_active():
     return ("this process does not decide: JAX's preemption sync point does (send SIGTERM to a "
             'process instead)')
-  return (f'all processes agree on the next multiple of {_state.current.interval} steps and save '
+  return (f'all processes agree on the next multiple of {agreement_lib.current().interval} steps and save '
           'one preemption checkpoint there')
 
 
@@ -185,7 +164,7 @@ def reached_preemption(step: int, stock: Callable[[], bool] | None = None,
   if jax_distributed.jax_preemption_service_active():
     return bool(stock())
   with notice.lock:
-    return _kv_agreement(step, participants or _EVERY_PROCESS, agreement or _state.current)
+    return _kv_agreement(step, participants or _EVERY_PROCESS, agreement or agreement_lib.current())
 
 
 def exit_after_commit(mngr, exit_code: int = 0) -> None:

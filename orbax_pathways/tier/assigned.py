@@ -1,7 +1,7 @@
 """Tier directories assigned to checkpoint directories by the manager that saves into them.
 
 Orbax's emergency ``CheckpointManager`` takes a ``local_directory`` beside its persistent one;
-ours (``manager/emergency.py``) makes that directory the node-local tier of every save and
+ours (``multitier/emergency.py``) makes that directory the node-local tier of every save and
 restore of its persistent directory (storage steps and local-only steps alike), keeping its
 ``local.max_to_keep`` steps. Every other checkpoint directory keeps ``Options.local_dir``.
 

@@ -115,7 +115,7 @@ def named_dir(local_dir: str | None) -> str | None:
   """The tier directory a process's options name: ``Options.local_dir``, else
   ``ORBAX_PATHWAYS_LOCAL_DIR`` as the node has it set (where a node keeps its RAM disk is the
   node's setting, so it holds for ``Options(...)`` built in code too); None: the default.
-  What ``resolve`` takes, for ``engine.Engine.tier`` and ``manager/node_steps.py``."""
+  What ``resolve`` takes, for ``engine.Engine.tier`` and ``multitier/node_steps.py``."""
   return local_dir if local_dir is not None else (os.environ.get(ENV) or None)
 
 

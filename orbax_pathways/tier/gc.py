@@ -31,7 +31,7 @@ What is dropped, when (``plan``):
   directories only, one directory listing each, no storage request; a gs:// directory's
   entries are judged by ``orbax-pathways tier --gc`` (one listing per directory, one index read
   per step), or go by age.
-- Node steps (``manager/node_steps.py``, ``<local_dir>/.node-steps/``): their bytes count
+- Node steps (``multitier/node_steps.py``, ``<local_dir>/.node-steps/``): their bytes count
   against the cap, but the cap never drops one (its manager's retention keeps a job's newest
   ``local_keep``); one idle for ``max_age_s`` goes (``age``: a job that stopped), and so does
   an idle one Orbax never finalized (``incomplete``: a save cut short).
@@ -93,7 +93,7 @@ class Seen:
   nbytes: int
   mtime: float
   storage: str = ''
-  node_step: bool = False  # a step of ``manager/node_steps.py`` (``.node-steps/``), not an entry
+  node_step: bool = False  # a step of ``multitier/node_steps.py`` (``.node-steps/``), not an entry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +161,7 @@ def _incomplete_stat(path: str) -> tuple[float, int] | None:
 
 def node_steps(local_dir: str) -> list[Seen]:
   """The node steps under ``local_dir`` (``<local_dir>/.node-steps/<digest>/<step>``, Orbax's
-  step directories of ``manager/node_steps.py``) as ``plan`` sees them: root key
+  step directories of ``multitier/node_steps.py``) as ``plan`` sees them: root key
   ``.node-steps/<digest>``, complete once Orbax finalized it (a step number for a name, its
   ``_CHECKPOINT_METADATA`` there), its files' bytes and newest mtime."""
   base = os.path.join(local_dir, format_lib.NODE_STEPS_DIR)

@@ -414,7 +414,7 @@ class LocalTransport:
         close = getattr(src, 'close', None)  # the peer source: its connections to peers
         if close is not None:
           close()
-    # A node step's directory is on this node (manager/node_steps.py): what it read came from
+    # A node step's directory is on this node (multitier/node_steps.py): what it read came from
     # the node, not from storage.
     where = 'node' if format_names.is_node_step(item.directory) else 'storage'
     by_source, seconds = {where: storage_bytes}, {where: storage_s}

@@ -1,5 +1,5 @@
 """Host copies of arrays taken before the save that writes them (a local-only save run in the
-background: ``manager/local_steps.py``).
+background: ``multitier/local_steps.py``).
 
 Who calls what, on which host (multi-controller JAX, every process, its own devices only):
 

@@ -26,10 +26,10 @@ from orbax_pathways.coord import liveness
 from orbax_pathways.coord import participants as participants_lib
 from orbax_pathways.coord import rounds
 from orbax_pathways.manager import lease
-from orbax_pathways.manager import node_steps
+from orbax_pathways.multitier import node_steps
 from orbax_pathways.preemption import decision
 from orbax_pathways.preemption import notice
-from orbax_pathways.preemption import recovery
+from orbax_pathways.multitier import resume as recovery
 from orbax_pathways.peer import exchange
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager_state as _oms

@@ -1,6 +1,6 @@
 """Orbax's own emergency (multi-tier) CheckpointManager with orbax_pathways imported: the class
 ``ORBAX_PATHWAYS_EMERGENCY=orbax`` keeps (``import orbax_pathways`` otherwise puts the drop-in of
-``manager/emergency.py`` in its place: ``test_emergency_dropin.py``), and the one that options the
+``multitier/emergency.py`` in its place: ``test_emergency_dropin.py``), and the one that options the
 drop-in does not map fall back to. Here it is built as Orbax's class itself
 (``_compat.orbax_emergency.build_stock``), and the workers run with the variable set.
 

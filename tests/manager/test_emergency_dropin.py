@@ -1,5 +1,5 @@
 """Orbax's emergency ``CheckpointManager`` as a drop-in on the multi-tier path
-(``manager/emergency.py``): MaxText's construction, unchanged, with ``orbax_pathways`` imported,
+(``multitier/emergency.py``): MaxText's construction, unchanged, with ``orbax_pathways`` imported,
 builds one manager over the persistent directory whose declined steps on the local interval
 are saved local-only, with ``local_directory`` as each node's tier.
 
@@ -25,7 +25,7 @@ import pytest
 
 import orbax_pathways  # pylint: disable=unused-import
 from orbax_pathways._compat import orbax_emergency
-from orbax_pathways.manager import emergency as dropin
+from orbax_pathways.multitier import emergency as dropin
 from support.arrays import mesh as make_mesh
 from support.arrays import put
 from support import procs

@@ -10,7 +10,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from orbax_pathways.manager import local_detach
+from orbax_pathways.multitier import local_detach
 
 
 def test_a_pytree_save_keeps_its_arrays_and_copies_its_numpy_leaves():

@@ -1,4 +1,4 @@
-"""``Options.local_save_when_busy`` (``manager/local_busy.py``): a local-only save due while the
+"""``Options.local_save_when_busy`` (``multitier/local_busy.py``): a local-only save due while the
 previous one still commits is saved once the previous one's writes on this process are done,
 committing after it (``'wait'``, the default: ``save()`` never waits for the previous commit),
 or is skipped (``'skip'``).

@@ -177,7 +177,7 @@ def test_a_custom_handler_of_the_manager_saves_its_item_in_local_only_steps(tmp_
   import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   import orbax_pathways  # pylint: disable=g-import-not-at-top
-  from orbax_pathways.manager import local_steps  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.multitier import local_steps  # pylint: disable=g-import-not-at-top
 
   @dataclasses.dataclass
   class NoteSave(ocp.args.CheckpointArgs):

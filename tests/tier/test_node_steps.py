@@ -1,5 +1,5 @@
 """Local-only steps on the nodes alone (``Options.local_steps_in='nodes'``,
-``manager/node_steps.py``): four real ``jax.distributed`` processes x 2 CPU devices, each a node
+``multitier/node_steps.py``): four real ``jax.distributed`` processes x 2 CPU devices, each a node
 with a tier directory of its own; worker: ``tests/support/workers/node_steps_worker.py``."""
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ def main() -> None:
 
   import orbax_pathways  # pylint: disable=g-import-not-at-top,unused-import
   from orbax_pathways import preemption  # pylint: disable=g-import-not-at-top
-  from orbax_pathways.manager import local_steps  # pylint: disable=g-import-not-at-top
-  from orbax_pathways.manager import node_steps  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.multitier import local_steps  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.multitier import node_steps  # pylint: disable=g-import-not-at-top
 
   mode, root = sys.argv[1], sys.argv[2]
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('x', 'y'))

@@ -143,7 +143,7 @@ def main() -> None:
   slow_after = int(os.environ.get('SLOW_AFTER', '0'))
   if slow_after and jax.process_index() == 1:
     import time  # pylint: disable=g-import-not-at-top
-    from orbax_pathways.manager import local_steps  # pylint: disable=g-import-not-at-top
+    from orbax_pathways.multitier import local_steps  # pylint: disable=g-import-not-at-top
     run = local_steps.LocalStepHooks._run  # pylint: disable=protected-access
 
     def slow_run(mngr, inner, step, *a, **k):

@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 import orbax_pathways  # pylint: disable=g-import-not-at-top
 from orbax_pathways import preemption  # pylint: disable=g-import-not-at-top
 from orbax_pathways._compat import jax_distributed  # pylint: disable=g-import-not-at-top
-from orbax_pathways.manager import node_steps  # pylint: disable=g-import-not-at-top
+from orbax_pathways.multitier import node_steps  # pylint: disable=g-import-not-at-top
 
 P = jax.sharding.PartitionSpec
 MODE, CKPT, LAST = sys.argv[1], sys.argv[2], int(sys.argv[3])

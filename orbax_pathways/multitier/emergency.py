@@ -16,7 +16,7 @@ builds one ordinary ``ocp.CheckpointManager`` over ``persistent_directory`` on e
 (Orbax's persistent options, ``_get_persistent_options``), with ``local_directory`` as the
 node-local tier of every save and restore of it (``tier/assigned.py``). On a mesh of several
 slices, its declined steps on the local interval are saved local-only
-(``manager/local_steps.py``): every slice writes local (Orbax's slice 0 never does), the data
+(``multitier/local_steps.py``): every slice writes local (Orbax's slice 0 never does), the data
 iterator's state (any item of the ``Composite`` beside ``state``) goes with each step at the
 local cadence, every chunk is checked against its crc32c, and a step restores onto any slice
 count, chunk by chunk, from the tiers the live processes hold (a lost node's share from a
@@ -26,7 +26,7 @@ class, it saves to storage on the persistent interval only and lists storage ste
 
 Who calls what, on which host: every process that runs the job builds the manager and calls
 each method (as with Orbax's); the agreements (a local-only step restored everywhere or
-nowhere) are one key-value round among them (``preemption/recovery.all_processes_ok``).
+nowhere) are one key-value round among them (``multitier/resume.all_processes_ok``).
 
 Differences from Orbax's class, each listed with its reason in ``docs/format.md``: the dataset
 item is saved in the step (not in ``persistent_non_replicated_directory``); ``latest_step()``
@@ -48,8 +48,8 @@ import orbax.checkpoint as ocp
 from orbax_pathways import errors
 from orbax_pathways._compat import orbax_emergency
 from orbax_pathways._compat import orbax_manager_state as _oms
-from orbax_pathways.manager import local_steps
-from orbax_pathways.preemption import recovery
+from orbax_pathways.multitier import local_steps
+from orbax_pathways.multitier import resume as resume_lib
 from orbax_pathways.tier import assigned as tier_assigned
 
 log = logging.getLogger('orbax_pathways')
@@ -211,7 +211,7 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
   def save(self, step: int, args: Any, *, force: bool = False,
            custom_metadata: dict[str, Any] | None = None) -> bool:
     """Orbax's persistent policy decides a storage save; a declined step on the local
-    interval is saved local-only (``manager/local_steps.py``). True when either happened."""
+    interval is saved local-only (``multitier/local_steps.py``). True when either happened."""
     keys = list(args.keys()) if isinstance(args, ocp.args.Composite) else None
     if keys is None:  # Orbax's class checks these first, with these errors
       raise ValueError(f'Expected args must be a Composite object, but got {type(args)}.')
@@ -247,7 +247,7 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
       state = inner.restore(step, args=self._args(extra))
     except Exception as e:  # pylint: disable=broad-except
       error = e
-    if recovery.all_processes_ok(self._mngr, error is None, step):
+    if resume_lib.all_processes_ok(self._mngr, error is None, step):
       return state, None
     return None, error or errors.RestoreError(
         f'local-only step {step} of {self.directory} could not be completed on another '

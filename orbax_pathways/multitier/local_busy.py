@@ -1,7 +1,7 @@
 """Whether a local-only save due while the previous one still commits goes ahead, with
 ``Options.local_save_when_busy='skip'``: the manager's primary host decides for every process.
 
-Who calls what, on which host: ``LocalStepHooks.save_declined`` (``manager/local_steps.py``, in
+Who calls what, on which host: ``LocalStepHooks.save_declined`` (``multitier/local_steps.py``, in
 the training loop's thread of every process that calls the manager) calls ``go(mngr, step,
 busy)`` for each local-only step it would save in the background; ``busy`` says whether this
 process's previous local-only save of ``mngr`` still runs.

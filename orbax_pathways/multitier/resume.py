@@ -14,13 +14,13 @@ import warnings
 from absl import logging
 
 from orbax_pathways import errors
-from orbax_pathways.manager import local_steps
+from orbax_pathways.multitier import local_steps
 from orbax_pathways.manager import retention
 from orbax_pathways.coord import rounds
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager_state as _oms
 from orbax_pathways._compat import orbax_v1_training as _v1
-from orbax_pathways.preemption import decision
+from orbax_pathways.coord import agreement as agreement_lib
 
 
 def latest_complete_step(mngr, exclude=()) -> int | None:
@@ -46,7 +46,7 @@ def all_processes_ok(mngr, ok: bool, step: int) -> bool:
       client, seq, seq.next(suffix=str(step)), me=me, members=part.members(n), count=n,
       leader=part.leader(n), value='1' if ok else '0',
       decide=lambda flags: '1' if all(f == '1' for f in flags) else '0',
-      timeout_s=decision.agreement_timeout_s(),
+      timeout_s=agreement_lib.current().timeout_s,
       what=f'orbax_pathways: resume agreement on step {step} among {part.describe(n)}')
   return verdict == '1'
 
@@ -138,7 +138,7 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
     found = local_steps.resume_on_nodes(
         mngr, abstract_state, latest_complete_step(mngr),
         all_ok=lambda ok, step: all_processes_ok(mngr, ok, step),
-        timeout_s=decision.agreement_timeout_s())
+        timeout_s=agreement_lib.current().timeout_s)
     if found is not None:
       return found
   # The local-only steps, listed once before any agreement round (local_steps.drop_newer).

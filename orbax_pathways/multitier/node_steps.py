@@ -16,7 +16,7 @@ this process; a ``StandardSave`` is saved as the ``PyTreeSave`` it wraps).
 Who calls what, on which host (every process that calls the manager):
 
 - ``applies(mngr, options, args)`` and ``save(mngr, options, step, args, keep)``
-  (``manager/local_steps.py``: the loop's thread decides, the background thread saves);
+  (``multitier/local_steps.py``: the loop's thread decides, the background thread saves);
 - ``resume(mngr, options, keep, abstract_state, newest_storage, ...)`` (``preemption.resume``
   through ``local_steps.resume_on_nodes``, before the storage
   steps): one key-value round among the manager's processes (each publishes the steps its node
@@ -26,7 +26,7 @@ Who calls what, on which host (every process that calls the manager):
   is) are deleted on each node: a rolled-back run saved them.
 
 Not done on the nodes yet (those saves keep their local-only steps in storage's records, the
-hidden manager of ``manager/local_steps.py``): Orbax's emergency manager and v1's
+hidden manager of ``multitier/local_steps.py``): Orbax's emergency manager and v1's
 ``training.Checkpointer``, arguments other than trees and JSON, Pathways (the colocated
 transport). A resume onto another process count, or after a node was lost, passes node steps
 over (some process cannot restore its part) and resumes from storage; partner copies of node
@@ -184,7 +184,7 @@ def close(mngr: Any) -> None:
 
 def save(mngr: Any, options: Any, step: int, args: Any, keep: int) -> None:
   """Saves ``args`` (the detached ``args=``) as node step ``step`` of ``mngr`` on this process
-  alone (the background thread of ``manager/local_steps.py``)."""
+  alone (the background thread of ``multitier/local_steps.py``)."""
   node = manager(mngr, options, keep)
   if node is None:
     raise RuntimeError(f'orbax_pathways: no node-local tier directory for the local-only '
@@ -220,7 +220,7 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
   """``(step, state)`` from the newest node step newer than ``newest_storage`` that every
   process restored from its own node, or None (module docstring). Every process of ``mngr``
   calls it, whether or not its node holds any. ``all_ok(ok, step)``: whether every process
-  restored ``step`` (``preemption.recovery``'s agreement round); ``timeout_s``: the longest
+  restored ``step`` (``multitier.resume``'s agreement round); ``timeout_s``: the longest
   silence of the round that agrees on the candidates."""
   if getattr(options, 'local_steps_in', 'storage') != 'nodes' or not orbax_process_local.install():
     return None

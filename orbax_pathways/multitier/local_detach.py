@@ -1,5 +1,5 @@
 """A save's arguments detached from the training loop, so the save can run in the background
-(``manager/local_steps.py``): what the loop may change or donate after ``save()`` returns is
+(``multitier/local_steps.py``): what the loop may change or donate after ``save()`` returns is
 copied now, everything else is kept as it is.
 
 Pure over the arguments' structure (no I/O, no device): ``detach`` returns the arguments to save

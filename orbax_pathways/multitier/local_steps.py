@@ -24,7 +24,7 @@ Who calls what, on which host (every process that calls the manager):
   barriers always meet). Otherwise (a data iterator, a custom handler, Pathways' colocated
   transport) Orbax's own save runs in the loop's thread and commits in the background. With
   ``Options.local_save_when_busy='skip'``, a background local save due while the previous one
-  still runs is skipped instead, on every process alike (``manager/local_busy.py``). A
+  still runs is skipped instead, on every process alike (``multitier/local_busy.py``). A
   local save that fails is logged (one warning) and never fails training: the previous
   local-only or storage step stays the newest to resume from.
 - ``LocalStepHooks.wait`` / ``close`` (calls 11): the user's ``wait_until_finished`` and
@@ -62,9 +62,9 @@ from orbax_pathways import stats
 from orbax_pathways.format import names as format_names
 from orbax_pathways._util import said
 from orbax_pathways.manager import hooks as hooks_lib
-from orbax_pathways.manager import local_busy
-from orbax_pathways.manager import local_detach
-from orbax_pathways.manager import node_steps
+from orbax_pathways.multitier import local_busy
+from orbax_pathways.multitier import local_detach
+from orbax_pathways.multitier import node_steps
 from orbax_pathways.transports import snapshots
 from orbax_pathways._compat import orbax_manager as _om
 
@@ -90,7 +90,7 @@ _assigned: 'weakref.WeakKeyDictionary[Any, Policy]' = weakref.WeakKeyDictionary(
 
 def assign(mngr: Any, interval: int, keep: int) -> None:
   """``mngr`` saves local-only steps every ``interval`` steps and keeps ``keep`` of them,
-  whatever the installed handler's Options say (``manager/emergency.py``, at construction)."""
+  whatever the installed handler's Options say (``multitier/emergency.py``, at construction)."""
   _assigned[mngr] = Policy(int(interval), int(keep))
 
 
