@@ -104,7 +104,7 @@ def partner_address_key(process: int) -> str:
 
 def retention_key(directory_digest: str, instance: int) -> str:
   """How many retention deletions the primary host ran for one hidden manager of local-only
-  steps (``_compat/orbax_manager_state._TrailingDeleter``), overwritten."""
+  steps (``multitier/trailing_deleter.py``), overwritten."""
   return f'{ROOT}/local_retention/{directory_digest}/{instance}'
 
 

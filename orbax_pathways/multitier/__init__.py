@@ -10,6 +10,7 @@ Modules, each one job:
 - ``local_busy``: a local-only save due while the previous one is busy: wait or skip, every
   process alike.
 - ``local_detach``: the arguments of a background local-only save, detached from the loop.
+- ``trailing_deleter``: the hidden manager's retention, on a thread after each commit.
 - ``resume``: ``preemption.resume``: the newest complete step that restores, storage steps,
   local-only steps and node steps alike, every process agreeing on each step tried.
 - ``emergency``: Orbax's emergency ``CheckpointManager`` as a drop-in on this path.

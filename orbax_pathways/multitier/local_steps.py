@@ -30,7 +30,7 @@ Who calls what, on which host (every process that calls the manager):
 - ``LocalStepHooks.wait`` / ``close`` (calls 11): the user's ``wait_until_finished`` and
   ``close`` also wait for (and close) the hidden manager, its retention deletions included
   (they run after each local-only commit on a thread of their own,
-  ``orbax_manager_state._TrailingDeleter``, and the next local-only save does not wait for
+  ``multitier/trailing_deleter.py``, and the next local-only save does not wait for
   them); ``before_save`` (call 3) waits for a local-only save still committing, and a
   local-only save first waits for the storage save before it: one save commits in the
   background per process at a time.
@@ -65,6 +65,7 @@ from orbax_pathways.manager import hooks as hooks_lib
 from orbax_pathways.multitier import local_busy
 from orbax_pathways.multitier import local_detach
 from orbax_pathways.multitier import node_steps
+from orbax_pathways.multitier import trailing_deleter
 from orbax_pathways.transports import snapshots
 from orbax_pathways._compat import orbax_manager as _om
 
@@ -193,7 +194,8 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
       if on_node:
         inner = None
       else:
-        inner = _oms.local_manager(mngr, directory_of(mngr), self.policy(mngr).keep)
+        inner = _oms.local_manager(mngr, directory_of(mngr), self.policy(mngr).keep,
+                                  trailing_deleter.TrailingDeleter)
         _v1.follow_v1_checkpointer(mngr, inner, detached.kwargs.get('args'))  # Orbax v1's
       taken = snapshots.take(detached.arrays)
     except Exception as e:  # pylint: disable=broad-except  (never fails the training step)
@@ -309,7 +311,8 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
       return False
 
   def _save(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> bool:
-    inner = _oms.local_manager(mngr, directory_of(mngr), self.policy(mngr).keep)
+    inner = _oms.local_manager(mngr, directory_of(mngr), self.policy(mngr).keep,
+                                  trailing_deleter.TrailingDeleter)
     kwargs = {k: v for k, v in kwargs.items() if k not in ('force', 'metrics')}
     try:
       # The storage save before it, as before_save above, and (this manager's wait hook) the
@@ -328,7 +331,7 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     self._wait_saves(mngr)
     inner = _oms.existing_local_manager(mngr)
     if inner is not None and not getattr(_in_background, 'active', False):
-      _oms.wait_local_deletions(inner)
+      trailing_deleter.wait(inner)
 
   @staticmethod
   def _wait_saves(mngr: Any) -> None:
@@ -382,12 +385,13 @@ def local_manager(mngr: Any) -> Any | None:
   inner = _oms.existing_local_manager(mngr)
   if inner is not None:
     join(mngr)  # a local-only save still running: listed once committed
-    _oms.wait_local_deletions(inner)  # and a deleted step not listed again by a reload
+    trailing_deleter.wait(inner)  # and a deleted step not listed again by a reload
     return inner
   hook = next((h for h in _om.registered() if isinstance(h, LocalStepHooks)), None)
   if hook is None or not directory_of(mngr).exists():
     return None
-  return _oms.local_manager(mngr, directory_of(mngr), hook.policy(mngr).keep)
+  return _oms.local_manager(mngr, directory_of(mngr), hook.policy(mngr).keep,
+                            trailing_deleter.TrailingDeleter)
 
 
 def resume_on_nodes(mngr: Any, abstract_state: Any, newest_storage: int | None,

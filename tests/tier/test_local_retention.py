@@ -1,5 +1,5 @@
 """The hidden manager's retention runs after a local-only step's commit, not inside it
-(``_compat/orbax_manager_state._TrailingDeleter``): the next local-only save does not wait for
+(``multitier/trailing_deleter.py``): the next local-only save does not wait for
 the previous step's deletion, while the user's ``wait_until_finished()``, a resume's listing
 and ``close()`` still see the retention done.
 
