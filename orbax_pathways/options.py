@@ -310,6 +310,7 @@ def _check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -
 class Options:
   """How the handler plans and moves bytes.
 
+  Bytes: how arrays are cut, copied to the host, compressed and checked.
   max_chunk_bytes: upper bound on one stored chunk (``ORBAX_PATHWAYS_MAX_CHUNK_BYTES``, 16 MiB).
     Chunks are cut roughly square inside each shard, so a restore onto another layout decodes
     little beyond what it needs. Stock Orbax stores a whole shard as one chunk.
@@ -325,27 +326,43 @@ class Options:
     speed; the numpy copy for tensorstore then happens in the background write), 'host' through
     ``np.asarray`` (what stock Orbax does; zero-copy on the CPU backend), or 'auto' (default):
     'pinned' on accelerators whose devices offer a pinned_host memory, 'host' on CPU.
-  verify_checksums: check each read chunk against the crc32c recorded at save
-    (``ORBAX_PATHWAYS_VERIFY``, on).
-  replica_parallel: split a shard held on several hosts among them (on).
-  transport: 'local', 'colocated' or 'persistence'; None detects (``ORBAX_PATHWAYS_TRANSPORT``).
-  divisibility: when elastic restore cannot divide a dimension over the resized mesh axes,
-    'replicate' that array along them with a warning, or 'strict' to raise
-    (``ORBAX_PATHWAYS_DIVISIBILITY``).
   compression: 'auto' (default; ``ORBAX_PATHWAYS_COMPRESSION``): zstd for integer and bool arrays,
     none for floating-point arrays, whose mantissas barely compress (a few percent) while zstd
     costs about a third of the commit and much of the restore; 'zstd' (what stock Orbax writes,
     also when the checkpoint handler asks for no compression we follow it); 'none'. The choice
     depends only on the dtype, so every host of a multi-host save makes the same one. Either way
     the zarr metadata names the codec, so stock Orbax reads the result.
+  verify_checksums: check each read chunk against the crc32c recorded at save
+    (``ORBAX_PATHWAYS_VERIFY``, on).
+  replica_parallel: split a shard held on several hosts among them (on).
+
+  Topology: who moves the bytes, and restores onto another mesh.
+  transport: 'local', 'colocated' or 'persistence'; None detects (``ORBAX_PATHWAYS_TRANSPORT``).
+  num_slices: split devices into this many equal slices when devices carry no ``slice_index``
+    (``ORBAX_PATHWAYS_NUM_SLICES``; tests and platforms that know their grouping).
+  divisibility: when elastic restore cannot divide a dimension over the resized mesh axes,
+    'replicate' that array along them with a warning, or 'strict' to raise
+    (``ORBAX_PATHWAYS_DIVISIBILITY``).
+
+  Storage requests.
   gcs_grpc: use tensorstore's ``gcs_grpc`` driver instead of ``gcs`` for array data on gs://
     (``ORBAX_PATHWAYS_GCS_GRPC=1``; off). Same objects on storage; needs a tensorstore build with
     the gRPC driver and real GCS (emulators speak HTTP only).
   storage_retries: retries of one GCS request before a save or restore fails
     (``ORBAX_PATHWAYS_STORAGE_RETRIES``); None keeps tensorstore's default (32, backoff to 32 s).
     Lower it to fail fast when storage is down.
-  num_slices: split devices into this many equal slices when devices carry no ``slice_index``
-    (``ORBAX_PATHWAYS_NUM_SLICES``; tests and platforms that know their grouping).
+  request_deadline_floor_s, request_deadline_cap_s: every storage request we issue (array
+    reads and writes, our records and index) gets a deadline from what this process observed
+    (p90 latency of small requests plus the request's bytes, and those queued ahead of it, at the
+    observed throughput; times 4), clamped to [floor, cap]
+    (``ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S``, 10 s; ``..._CAP_S``, 120 s). A read past its
+    deadline gets a second identical request (the first complete answer wins, its checksums
+    still verified); a write is written again (object writes are idempotent); after 3 requests
+    past their deadlines the save or restore fails naming the object (``storage/hedge.py``).
+    The floor and cap are the handler's: they apply to its calls only (what was observed is the
+    process's).
+
+  The node-local tier: each host's copy of what it wrote, read first on restore.
   local_dir: the node-local tier (``ORBAX_PATHWAYS_LOCAL_DIR``): a directory on node-local
     memory (tmpfs) where every save also leaves, in its background part, a copy of the chunks
     this host wrote (same bytes, same crc32c as on storage), which a restore of that committed
@@ -366,48 +383,13 @@ class Options:
     tier serves does not read storage's copy) (``docs/format.md``, "The node-local tier").
   local_keep: committed steps the tier keeps per checkpoint directory (``ORBAX_PATHWAYS_LOCAL_KEEP``,
     1); a step's copy is dropped once a newer step's copy is complete and that step committed.
-  local_steps_keep: local-only steps kept per checkpoint directory (multi-tier,
-    ``local_save_interval_steps``; ``ORBAX_PATHWAYS_LOCAL_STEPS_KEEP``). None (default): as
-    many as ``local_keep``. A retention of its own: the tier's copies of storage steps follow
-    ``local_keep``, the local-only steps (and node steps) this.
-  local_save_interval_steps: multi-tier checkpointing (``docs/multi_tier.md``;
-    ``ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS``, 0: off). A step a ``CheckpointManager``'s own
-    policy declines whose number is a multiple of this is saved *local-only*: Orbax's files and
-    our records to ``<directory>/.orbax-pathways-local/<step>`` in storage, the array bytes to the
-    writer hosts' node-local tiers only. ``preemption.resume`` restores the newest step, local-only
-    or in storage, that the live processes can complete. Needs the tier (``local_dir``). Each
-    local-only save still runs Orbax's save protocol for those small files (storage round trips
-    one after another: about 1 s to commit at 30 ms a request, 4 processes, 64 arrays), so a
-    local interval shorter than that makes saves queue (``local_save_when_busy``).
-  local_save_when_busy: a local-only save due while this manager's previous one is still busy
-    in the background (``ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY``). ``'wait'`` (default): ``save()``
-    takes the snapshot once the previous save's writes on this process are done (its host
-    copies consumed), not its commit, and the new save starts committing after it: one save
-    commits and at most one waits behind it, never more than one save's host copies held at
-    once; a loop whose local interval is shorter than a commit is held to the commits' pace.
-    ``'skip'``: the step is not saved local-only and ``save()`` returns at once; under
-    multi-controller JAX the primary host decides for every process (one key-value round per
-    local-only step: every process skips the same steps). For a local interval much shorter
-    than a local save's commit: the loop never waits, and local-only steps land as often as
-    they can commit. Only where local-only saves run in the background (the local transport,
-    arguments the save can copy); otherwise every due step is saved.
-  local_steps_in: where a local-only step's Orbax files and records go
-    (``ORBAX_PATHWAYS_LOCAL_STEPS_IN``). ``'storage'`` (default): as ``local_save_interval_steps``
-    says. ``'nodes'``: each process saves its part of the step alone into its node's tier
-    directory (``local_dir``, which must be named), every shard it holds, in Orbax's format
-    (``multitier/node_steps.py``): no storage request, no barrier, and storage saves never wait
-    for it. ``preemption.resume`` restores the newest step every process's node holds, each
-    process from its own node. Only for background local-only saves of trees of ``jax.Array``,
-    numpy and scalar leaves, and JSON (the others keep ``'storage'``); a resume onto another process count or
-    after a node was lost passes these steps over; no partner copies yet
-    (``docs/multi_tier.md``).
-  local_copies: copies of each host's share of a local-only step (``ORBAX_PATHWAYS_LOCAL_COPIES``,
-    1). ``2``: each process also sends its share, in the save's background part, to a partner
-    process of another slice (``fleet/partners.py``), which keeps it in its node's tier, so the
-    step survives the loss of any one slice even where state is sharded across every device.
-    Costs each node its partner's share in node memory and one copy over the network per save.
-    Multi-controller JAX only (under Pathways: not yet); a copy that cannot be made (no other
-    slice, a partner's full tier) is one warning, and the step keeps one copy.
+  local_scope: what the tier keeps (``ORBAX_PATHWAYS_LOCAL_SCOPE``). ``'written'`` (default): the
+    chunks this host wrote, from the buffers the storage write used: no extra device-to-host
+    bytes, ``save()`` blocking unchanged; a replica another host wrote is not kept, so a lost
+    host's share of replicated state is read from storage. ``'held'``: also every whole chunk
+    this host's devices hold that another host writes (replicated state then survives the loss
+    of any host), at the cost of copying those replicas to the host inside ``save()`` and
+    keeping them in node memory.
   local_max_age_s, local_max_bytes: node-level clean-up of the tier (``tier/gc.py``). At the
     first tier copy of each save, entries whose step is gone from a local checkpoint directory
     (or the directory itself) are dropped (``mngr.delete`` and retention drop theirs at once;
@@ -421,29 +403,58 @@ class Options:
     minutes (``tier.gc.IDLE_S``: a save or restore may be using it) is never dropped. Node
     steps (``local_steps_in='nodes'``) count against the cap, which never drops them (their
     manager keeps ``local_steps_keep``); a stopped job's go after ``local_max_age_s``.
-  local_scope: what the tier keeps (``ORBAX_PATHWAYS_LOCAL_SCOPE``). ``'written'`` (default): the
-    chunks this host wrote, from the buffers the storage write used: no extra device-to-host
-    bytes, ``save()`` blocking unchanged; a replica another host wrote is not kept, so a lost
-    host's share of replicated state is read from storage. ``'held'``: also every whole chunk
-    this host's devices hold that another host writes (replicated state then survives the loss
-    of any host), at the cost of copying those replicas to the host inside ``save()`` and
-    keeping them in node memory.
   tier_peer_timeout_s: under multi-controller JAX a restore takes a chunk this node's tier lacks
     from another host's tier (over a TCP connection to that process) before storage; this is
     the longest wait on that host, per request (``ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S``, 20 s;
     shorter than ``peer_timeout_s``: storage still has every chunk, so a slow peer costs little). Past
     it, that host's chunks come from storage (one log line naming it); the restore never fails
     for it.
-  request_deadline_floor_s, request_deadline_cap_s: every storage request we issue (array
-    reads and writes, our records and index) gets a deadline from what this process observed
-    (p90 latency of small requests plus the request's bytes, and those queued ahead of it, at the
-    observed throughput; times 4), clamped to [floor, cap]
-    (``ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S``, 10 s; ``..._CAP_S``, 120 s). A read past its
-    deadline gets a second identical request (the first complete answer wins, its checksums
-    still verified); a write is written again (object writes are idempotent); after 3 requests
-    past their deadlines the save or restore fails naming the object (``storage/hedge.py``).
-    The floor and cap are the handler's: they apply to its calls only (what was observed is the
-    process's).
+
+  Multi-tier checkpointing: local-only steps between storage steps.
+  local_save_interval_steps: multi-tier checkpointing (``docs/multi_tier.md``;
+    ``ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS``, 0: off). A step a ``CheckpointManager``'s own
+    policy declines whose number is a multiple of this is saved *local-only*: Orbax's files and
+    our records to ``<directory>/.orbax-pathways-local/<step>`` in storage, the array bytes to the
+    writer hosts' node-local tiers only. ``preemption.resume`` restores the newest step, local-only
+    or in storage, that the live processes can complete. Needs the tier (``local_dir``). Each
+    local-only save still runs Orbax's save protocol for those small files (storage round trips
+    one after another: about 1 s to commit at 30 ms a request, 4 processes, 64 arrays), so a
+    local interval shorter than that makes saves queue (``local_save_when_busy``).
+  local_steps_keep: local-only steps kept per checkpoint directory (multi-tier,
+    ``local_save_interval_steps``; ``ORBAX_PATHWAYS_LOCAL_STEPS_KEEP``). None (default): as
+    many as ``local_keep``. A retention of its own: the tier's copies of storage steps follow
+    ``local_keep``, the local-only steps (and node steps) this.
+  local_steps_in: where a local-only step's Orbax files and records go
+    (``ORBAX_PATHWAYS_LOCAL_STEPS_IN``). ``'storage'`` (default): as ``local_save_interval_steps``
+    says. ``'nodes'``: each process saves its part of the step alone into its node's tier
+    directory (``local_dir``, which must be named), every shard it holds, in Orbax's format
+    (``multitier/node_steps.py``): no storage request, no barrier, and storage saves never wait
+    for it. ``preemption.resume`` restores the newest step every process's node holds, each
+    process from its own node. Only for background local-only saves of trees of ``jax.Array``,
+    numpy and scalar leaves, and JSON (the others keep ``'storage'``); a resume onto another process count or
+    after a node was lost passes these steps over; no partner copies yet
+    (``docs/multi_tier.md``).
+  local_save_when_busy: a local-only save due while this manager's previous one is still busy
+    in the background (``ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY``). ``'wait'`` (default): ``save()``
+    takes the snapshot once the previous save's writes on this process are done (its host
+    copies consumed), not its commit, and the new save starts committing after it: one save
+    commits and at most one waits behind it, never more than one save's host copies held at
+    once; a loop whose local interval is shorter than a commit is held to the commits' pace.
+    ``'skip'``: the step is not saved local-only and ``save()`` returns at once; under
+    multi-controller JAX the primary host decides for every process (one key-value round per
+    local-only step: every process skips the same steps). For a local interval much shorter
+    than a local save's commit: the loop never waits, and local-only steps land as often as
+    they can commit. Only where local-only saves run in the background (the local transport,
+    arguments the save can copy); otherwise every due step is saved.
+  local_copies: copies of each host's share of a local-only step (``ORBAX_PATHWAYS_LOCAL_COPIES``,
+    1). ``2``: each process also sends its share, in the save's background part, to a partner
+    process of another slice (``fleet/partners.py``), which keeps it in its node's tier, so the
+    step survives the loss of any one slice even where state is sharded across every device.
+    Costs each node its partner's share in node memory and one copy over the network per save.
+    Multi-controller JAX only (under Pathways: not yet); a copy that cannot be made (no other
+    slice, a partner's full tier) is one warning, and the step keeps one copy.
+
+  Other processes and workers.
   peer_timeout_s: how long a wait on other processes or workers may last beyond the work this
     process saw (``ORBAX_PATHWAYS_PEER_TIMEOUT_S``, 60 s). A multi-process save: once this
     process's writes finished, the others must report theirs within this plus the time this
@@ -459,32 +470,45 @@ class Options:
     async manager, which runs the round, does not know which handler wrote the save).
   """
 
-  # Each default is its variable's (ENV_VARS, through FIELD_ENV): written once.
+  # Each default is its variable's (ENV_VARS, through FIELD_ENV): written once. The fields in
+  # the docstring's groups (keyword-only: their order is not part of the API).
+
+  # Bytes
   max_chunk_bytes: int = _default('max_chunk_bytes')
   max_inflight_bytes: int = _default('max_inflight_bytes')
   coalesce_bytes: int = _default('coalesce_bytes')
   snapshot: str = _default('snapshot')
+  compression: str = _default('compression')
   verify_checksums: bool = _default('verify_checksums')
   replica_parallel: bool = True  # no variable: Orbax's own use_replica_parallel decides too
+
+  # Topology
   transport: str | None = _default('transport')
+  num_slices: int | None = _default('num_slices')
   divisibility: str = _default('divisibility')
-  compression: str = _default('compression')
+
+  # Storage requests
   gcs_grpc: bool = _default('gcs_grpc')
   storage_retries: int | None = _default('storage_retries')
-  num_slices: int | None = _default('num_slices')
+  request_deadline_floor_s: float = _default('request_deadline_floor_s')
+  request_deadline_cap_s: float = _default('request_deadline_cap_s')
+
+  # The node-local tier
   local_dir: str | None = _default('local_dir')
   local_keep: int = _default('local_keep')
-  local_steps_keep: int | None = _default('local_steps_keep')
-  local_save_interval_steps: int = _default('local_save_interval_steps')
   local_scope: str = _default('local_scope')
-  local_save_when_busy: str = _default('local_save_when_busy')
-  local_steps_in: str = _default('local_steps_in')
-  local_copies: int = _default('local_copies')
   local_max_age_s: float = _default('local_max_age_s')
   local_max_bytes: int | None = _default('local_max_bytes')
   tier_peer_timeout_s: float = _default('tier_peer_timeout_s')
-  request_deadline_floor_s: float = _default('request_deadline_floor_s')
-  request_deadline_cap_s: float = _default('request_deadline_cap_s')
+
+  # Multi-tier checkpointing
+  local_save_interval_steps: int = _default('local_save_interval_steps')
+  local_steps_keep: int | None = _default('local_steps_keep')
+  local_steps_in: str = _default('local_steps_in')
+  local_save_when_busy: str = _default('local_save_when_busy')
+  local_copies: int = _default('local_copies')
+
+  # Other processes and workers
   peer_timeout_s: float = _default('peer_timeout_s')
 
   def compress(self, dtype, requested: bool) -> bool:
