@@ -1,7 +1,8 @@
 """Worker for ``tests/multiprocess/test_per_process_saves.py`` (``support.mp_harness``), with
 orbax_pathways imported: each process saves alone into a directory of its own, as Orbax's
 local managers do (``MultiprocessingOptions(primary_host=None, active_processes={process})``,
-an array handler with ``primary_host=None, replica_id=None``), once through Orbax's
+an array handler with ``primary_host=None, replica_id=None``; Orbax's operation ids and signals
+of the process's own, ``orbax_process_local.alone``), once through Orbax's
 ``ArrayHandler`` and once through ``ProxyArrayHandler``. The state spans every process's devices:
 ``w`` sharded, ``b`` replicated, ``s`` small and sharded.
 
@@ -27,6 +28,7 @@ import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
 import orbax_pathways  # pylint: disable=g-import-not-at-top
 from orbax_pathways._compat import jax_distributed  # pylint: disable=g-import-not-at-top
+from orbax_pathways._compat import orbax_process_local  # pylint: disable=g-import-not-at-top
 
 P = jax.sharding.PartitionSpec
 ME = w.process_id()
@@ -67,7 +69,9 @@ def main() -> None:
   out = {}
   for cls in (ocp.type_handlers.ArrayHandler, orbax_pathways.ProxyArrayHandler):
     directory = os.path.join(w.shared_dir(), cls.__name__, f'process_{ME}')
-    with manager(directory, cls) as mngr:
+    # Each process's saves with operation ids and signals of their own, as a node step's: two
+    # processes saving alone at once would otherwise wait on each other's signal keys.
+    with orbax_process_local.alone(ME), manager(directory, cls) as mngr:
       mngr.save(0, args=ocp.args.PyTreeSave(state))
       mngr.wait_until_finished()
       item = os.path.join(directory, '0', 'default')
@@ -77,7 +81,8 @@ def main() -> None:
           abstract, restore_args=restore_args)))
     if cls is orbax_pathways.ProxyArrayHandler:
       got['wrote'] = orbax_pathways.stats.last_save().arrays
-      with manager(directory, ocp.type_handlers.ArrayHandler) as stock:
+      with orbax_process_local.alone(ME), manager(directory,
+                                                  ocp.type_handlers.ArrayHandler) as stock:
         got['stock_reads_ours'] = equal(stock.restore(0, args=ocp.args.PyTreeRestore(
             abstract, restore_args=restore_args)))
     out[cls.__name__] = got
