@@ -13,7 +13,10 @@ VENV=$1
 pin() { sed -n 's/^orbax-checkpoint==\([0-9.]*\).*/\1/p' ".ci/constraints-$1.txt"; }
 OLDEST=$(pin oldest); NEWEST=$(pin newest)
 major_minor=${OLDEST%.*}
-[ "$major_minor" = "${NEWEST%.*}" ] || { echo "smoke: $OLDEST and $NEWEST differ beyond the patch number" >&2; exit 2; }
+if [ "$major_minor" != "${NEWEST%.*}" ]; then
+  echo "smoke: $OLDEST and $NEWEST differ beyond the patch number" >&2
+  exit 2
+fi
 TESTS=(tests/compat/test_seam.py::test_every_declared_target_is_in_the_installed_orbax
        tests/frontends/test_format_compat.py
        tests/frontends/test_orbax_v1.py::test_save_and_load_go_through_our_engine

@@ -118,6 +118,7 @@ def _as_process(fleet: SimulatedFleet) -> None:
 
 
 def _cases() -> dict[str, tuple[str, Callable[[int], Any]]]:
+  from orbax_pathways.coord import agreement  # pylint: disable=g-import-not-at-top
   from orbax_pathways.coord import rounds  # pylint: disable=g-import-not-at-top
   from orbax_pathways.multitier import node_steps  # pylint: disable=g-import-not-at-top
   from orbax_pathways.preemption import decision  # pylint: disable=g-import-not-at-top
@@ -125,7 +126,7 @@ def _cases() -> dict[str, tuple[str, Callable[[int], Any]]]:
   from orbax_pathways.coord import participants  # pylint: disable=g-import-not-at-top
   from orbax_pathways._compat import jax_distributed  # pylint: disable=g-import-not-at-top
   from orbax_pathways._compat import orbax_manager_state as _oms  # pylint: disable=g-import-not-at-top
-  decision._state.current = decision.Agreement(timeout_s=60.0)  # pylint: disable=protected-access
+  agreement.configure(agreement.Agreement(timeout_s=60.0))
   mngr = types.SimpleNamespace()
 
   def resume(n: int) -> Any:
@@ -134,8 +135,8 @@ def _cases() -> dict[str, tuple[str, Callable[[int], Any]]]:
 
   def preemption(n: int) -> Any:
     return decision._kv_agreement(  # pylint: disable=protected-access
-        1000 + 2 * n + _oms.process_index(), participants.Participants(None, 0), decision.Agreement(interval=1,
-                                                                         timeout_s=60.0))
+        1000 + 2 * n + _oms.process_index(), participants.Participants(None, 0),
+        decision.Agreement(interval=1, timeout_s=60.0))
 
   def gathered_by_all(n: int) -> Any:
     client = jax_distributed.distributed_client()

@@ -181,7 +181,8 @@ def _start_sweeper() -> None:
   if _state.sweeper is None:
     with _lock:
       if _state.sweeper is None:
-        _state.sweeper = threading.Thread(target=_sweeps, name='orbax_pathways_page_pool', daemon=True)
+        _state.sweeper = threading.Thread(target=_sweeps, name='orbax_pathways_page_pool',
+                                          daemon=True)
         _state.sweeper.start()
 
 

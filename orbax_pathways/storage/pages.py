@@ -126,8 +126,8 @@ def _mmap_fn():
 def enabled() -> bool:
   """Mapping is on: Linux, and not turned off with ``ORBAX_PATHWAYS_MAP_TIER=0``."""
   if _state.enabled is None:
-    _state.enabled = (sys.platform.startswith('linux')
-                and os.environ.get(ENV, '1').strip().lower() not in ('0', 'false', 'off', 'no'))
+    _state.enabled = (sys.platform.startswith('linux') and os.environ.get(ENV, '1').strip()
+                      .lower() not in ('0', 'false', 'off', 'no'))
   return _state.enabled
 
 

@@ -22,6 +22,7 @@ import types
 
 import pytest
 
+from orbax_pathways.coord import agreement
 from orbax_pathways.coord import liveness
 from orbax_pathways.coord import participants as participants_lib
 from orbax_pathways.coord import rounds
@@ -147,7 +148,7 @@ def _preemption(client: FakeKV, monkeypatch, step: int) -> bool:
 
 
 def _resume(client: FakeKV, monkeypatch, step: int) -> bool:
-  monkeypatch.setattr(decision._state, 'current', decision.Agreement(timeout_s=30.0))  # pylint: disable=protected-access
+  monkeypatch.setattr(agreement._state, 'current', decision.Agreement(timeout_s=30.0))  # pylint: disable=protected-access
   return recovery.all_processes_ok(types.SimpleNamespace(), True, step)
 
 
