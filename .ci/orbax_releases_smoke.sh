@@ -31,4 +31,7 @@ for ((p = ${OLDEST##*.} + 1; p < ${NEWEST##*.}; p++)); do
   echo "== orbax-checkpoint $v: smoke"
   "$VENV/bin/python" -m pytest -q -n 0 "${TESTS[@]}" || status=1
 done
+# The venv as it was: the oldest pin again.
+"$VENV/bin/python" -m pip install -q --no-deps "orbax-checkpoint==$OLDEST" >/dev/null 2>&1 \
+  || { echo "smoke: could not put orbax-checkpoint $OLDEST back into $VENV" >&2; status=1; }
 exit $status
