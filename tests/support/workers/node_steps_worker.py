@@ -2,17 +2,16 @@
 simulated node with its own tier directory (``ORBAX_PATHWAYS_LOCAL_DIR``), with
 ``ORBAX_PATHWAYS_LOCAL_STEPS_IN=nodes`` and a local-only save every step (set by the test).
 
-    node_steps_worker.py save|resume|count CKPT LAST
+    node_steps_worker.py save|resume CKPT LAST
 
 ``save``: an unchanged ``CheckpointManager`` (``save_interval_steps=4``) saves steps 0..LAST
 of a state with a sharded ``jax.Array``, a replicated one and a numpy leaf; emits Orbax's
-storage steps and the steps this node holds. ``resume``: ``preemption.resume`` onto the current
+storage steps and the steps this node holds, and what this process asked of jax's key-value
+store (every method of its coordination-service client, counted) while local-only steps 5 to 7
+saved and committed. ``resume``: ``preemption.resume`` onto the current
 processes, checks every addressable shard against the step it returned, saves the next step,
 emits the step, where the restore read its bytes from, the steps this node holds, and what
 ``preemption.resume`` asked of jax's key-value store (calls by method).
-``count``: as ``save``, but counts what this process asks of jax's key-value store (every
-method of its coordination-service client) while the loop saves its local-only steps (steps 1
-to LAST, none of them a storage step), and emits the counts by method.
 """
 
 from __future__ import annotations
@@ -106,19 +105,6 @@ def counting_client():
     distributed.global_state.client = counting._client  # pylint: disable=protected-access
 
 
-def count_local_only(mngr) -> dict:
-  """Storage step 0, then local-only steps 1..LAST with the client counting (``LAST`` below the
-  storage interval; ``wait_until_finished`` joins the background saves); the calls by
-  method."""
-  mngr.save(0, args=ocp.args.StandardSave(state(0)))
-  mngr.wait_until_finished()
-  with counting_client() as counting:
-    for step in range(1, LAST + 1):
-      mngr.save(step, args=ocp.args.StandardSave(state(step)))
-    mngr.wait_until_finished()
-  return {'kv_calls': counting.calls}
-
-
 def main() -> None:
   mngr = ocp.CheckpointManager(CKPT, options=ocp.CheckpointManagerOptions(
       save_interval_steps=4, max_to_keep=3))
@@ -132,11 +118,16 @@ def main() -> None:
     out.update(resumed=step, equal=equal(restored, step), resume_kv_calls=counting.calls,
                sources=orbax_pathways.stats.last_restore().bytes_by_source)
     first = step + 1
-  if MODE == 'count':
-    out.update(count_local_only(mngr))
-  else:
+  with contextlib.ExitStack() as counting:
     for step in range(first, LAST + 1):
+      if MODE == 'save' and step == 5:  # storage step 4 committed: count local-only steps 5-7
+        mngr.wait_until_finished()
+        calls = counting.enter_context(counting_client())
       mngr.save(step, args=ocp.args.StandardSave(state(step)))
+      if MODE == 'save' and step == 7:  # wait_until_finished joins their background saves
+        mngr.wait_until_finished()
+        counting.close()
+        out['kv_calls'] = calls.calls
   mngr.wait_until_finished()
   out.update(storage_steps=list(mngr.all_steps()), node_steps=node_steps_held(mngr),
              node_dir=node_steps.directory_of(mngr))
