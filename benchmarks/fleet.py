@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Simulated fleets: stock Orbax, ours (local transport) and ours (colocated transport, with the
+"""Simulated fleets: stock Orbax, ours (in-process transport) and ours (colocated transport, with the
 node-local tier and without) at 32 / 64 / 128 / 256 (or 1024) CPU devices in one process, on
 local disk or through fake-gcs-server.
 
@@ -32,7 +32,7 @@ runs stock, ours-local and ours-colocated one after another on the same state (2
   call).
 
 ``colocated`` runs with the node-local tier on, in a fresh tmpfs directory per device count
-(``/dev/shm``; removed after), ``colocated_notier`` with it off (``local_dir='off'``); ``local``
+(``/dev/shm``; removed after), ``colocated_notier`` with it off (``tier_dir='off'``); ``local``
 uses the same tier directory. After the per-count tables, one table across the device counts:
 the record of how the colocated cost grows (the state's bytes are the same at every count).
 
@@ -86,7 +86,7 @@ def _options(impl: str):
   import orbax_pathways  # pylint: disable=import-outside-toplevel
   env = orbax_pathways.Options.from_env()
   if impl == 'colocated_notier':
-    return dataclasses.replace(env, transport='colocated', local_dir='off')
+    return dataclasses.replace(env, transport='colocated', tier_dir='off')
   return dataclasses.replace(env, transport=impl)
 
 
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
            '--mib', str(args.mib), '--storage', args.storage, '--_root', root]
     env = child_env(n)
     tier = _tier_dir()
-    env['ORBAX_PATHWAYS_LOCAL_DIR'] = tier or 'off'
+    env['ORBAX_PATHWAYS_TIER_DIR'] = tier or 'off'
     t0 = time.monotonic()
     try:
       proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
@@ -156,7 +156,7 @@ def _audit(event, args):
   if event == 'open' and args and isinstance(args[0], str):
     if '/_pathways/' in args[0]:
       _opened.append(args[0])
-    tier = os.environ.get('ORBAX_PATHWAYS_LOCAL_DIR', '')
+    tier = os.environ.get('ORBAX_PATHWAYS_TIER_DIR', '')
     if tier.startswith('/') and args[0].startswith(tier) and args[0].endswith('manifest.msgpack'):
       _tier_manifests.append(args[0])
 
@@ -200,7 +200,7 @@ class _Calls:
 
 
 def _tier_entries() -> int | None:
-  tier = os.environ.get('ORBAX_PATHWAYS_LOCAL_DIR', '')
+  tier = os.environ.get('ORBAX_PATHWAYS_TIER_DIR', '')
   if not tier.startswith('/'):
     return None
   return sum(1 for _, _, files in os.walk(tier) for f in files if f == 'manifest.msgpack')

@@ -84,7 +84,7 @@ def _one(variant: str, args, env: dict, root: str) -> tuple[list[float], list[fl
   tier = tempfile.mkdtemp(prefix='orbax-pathways-bench-tier-',
                           dir='/dev/shm' if os.access('/dev/shm', os.W_OK) else None)
   try:
-    run_env = dict(env, ORBAX_PATHWAYS_LOCAL_DIR=tier, ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS='1',
+    run_env = dict(env, ORBAX_PATHWAYS_TIER_DIR=tier, ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS='1',
                    PYTHONPATH=os.pathsep.join(filter(None, [REPO, env.get('PYTHONPATH')])))
     out = subprocess.run([sys.executable, '-c', CHILD, variant, root, str(args.saves),
                           str(args.mib)], env=run_env, capture_output=True, text=True,

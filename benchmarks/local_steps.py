@@ -17,7 +17,7 @@ seconds each (a sleep: the CPU stays free for the background commits), with an u
 ``CheckpointManager`` saving to storage every ``--storage-every`` steps, and then stop without
 a final save (every process killed at the same step). Each mode of ``--modes`` is run in turn:
 
-- ``storage_only``: ``local_save_interval_steps=0`` and no node-local tier (``local_dir='off'``):
+- ``storage_only``: ``local_save_interval_steps=0`` and no node-local tier (``tier_dir='off'``):
   every restore reads storage, as stock Orbax does;
 - ``multi_tier``: ``local_save_interval_steps=--local-every``, a tier per process;
 - ``multi_tier_copies``: the same with ``local_copies=2`` (each process a slice: process i's
@@ -311,7 +311,7 @@ def _run(run_processes, args, mode, root, env, tiers):
                             str(args.storage_every), args.layout,
                             'train_only' if args.train_only else 'restart', args.update,
                             args.api, str(args.leaves)],
-                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': t} for t in tiers])
+                      per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': t} for t in tiers])
   return [r.result for r in res]
 
 
@@ -375,13 +375,13 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None) -> dict:
 
 
 def warm_up_steps(args) -> int:
-  """The last step of the tier's warm-up: until ``local_keep + 1`` local-only saves were made,
+  """The last step of the tier's warm-up: until ``tier_keep + 1`` local-only saves were made,
   no entry has been dropped, so every save writes its copy into newly allocated memory (no
   spare pages to write over, ``tier/spares.py``), and the save after the last of them may wait
   for its write. The steady state is every step after this one (0: no local-only saves).
   Counted as if every local step due were saved: with ``--when-busy skip`` the warm-up's last
   fresh save can fall a step or two later, on steps the loop does not wait for."""
-  keep = int(os.environ.get('ORBAX_PATHWAYS_LOCAL_KEEP', '1'))
+  keep = int(os.environ.get('ORBAX_PATHWAYS_TIER_KEEP', '1'))
   local = [k for k in range(2, args.steps + 1) if args.local_every and k % args.local_every == 0]
   return local[keep + 1] if len(local) > keep + 1 else 0
 

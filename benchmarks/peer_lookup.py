@@ -8,7 +8,7 @@ blocking get, directory get, delete). jax's service itself cannot hold 16,384 pr
 machine; the store counts what a reader asks of it and the keys it gets back. No chunk moves:
 the chunk lists and gets are the same whichever way the peers were found.
 
-The case: a job of N processes (one writer each, ``local_scope='written'``) restarts onto N - 1
+The case: a job of N processes (one writer each, ``tier_scope='written'``) restarts onto N - 1
 after one node was lost; each process then restores a layout whose regions straddle two
 writers' chunks (its own and its neighbour's), so a reader lacks the chunks of one surviving
 writer, and (for process N - 2, the lost node's neighbour) one lost writer. Reported per reader:

@@ -8,7 +8,7 @@
 One process with 8 CPU devices holds a state of ``--mib`` MiB (8 float32 arrays sharded over
 the 8 devices) and saves it with an unchanged ``ocp.CheckpointManager`` into two local
 directories, one with the tier on (a fresh tmpfs directory under /dev/shm) and one with it off
-(``local_dir='off'``). Each pair saves once into each (the order alternates from pair to pair, so
+(``tier_dir='off'``). Each pair saves once into each (the order alternates from pair to pair, so
 drift hits both alike), each save after the previous one finished, tier copy included. Reported:
 the median, 10th and 90th percentile of ``save()`` blocking per mode and the ratio of medians
 (on / off). The first pair is a warm-up and not counted.
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     state = {f'a{i}': jax.device_put(np.full((rows, 1024), i, np.float32), sharding)
              for i in range(8)}
     jax.block_until_ready(state)
-    modes = {'on': options_lib.Options(local_dir=tier_dir), 'off': options_lib.Options(local_dir='off')}
+    modes = {'on': options_lib.Options(tier_dir=tier_dir), 'off': options_lib.Options(tier_dir='off')}
     managers = {m: ocp.CheckpointManager(os.path.join(work, m),
                                          options=ocp.CheckpointManagerOptions(max_to_keep=2))
                 for m in modes}

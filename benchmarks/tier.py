@@ -68,7 +68,7 @@ if mode == 'save':
   state = {k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i]) for k, v in host.items()}
   out = {'off': [], 'on': []}
   for rnd, tier in enumerate(('off', 'on', 'off', 'on')):  # interleaved: drift hits both alike
-    orbax_pathways.install(options if tier == 'on' else dataclasses.replace(options, local_dir='off'))
+    orbax_pathways.install(options if tier == 'on' else dataclasses.replace(options, tier_dir='off'))
     with ocp.CheckpointManager(f'{root}/{tier}{"" if rnd < 2 else "2"}', options=opts) as m:
       for step in (1, 2, 3):
         m.wait_until_finished()
@@ -79,7 +79,7 @@ if mode == 'save':
           out[tier].append(time.perf_counter() - t0)
       m.wait_until_finished()
   tier_bytes = 0
-  for d, _, files in os.walk(os.environ['ORBAX_PATHWAYS_LOCAL_DIR']):  # two roots: halve below
+  for d, _, files in os.walk(os.environ['ORBAX_PATHWAYS_TIER_DIR']):  # two roots: halve below
     tier_bytes += sum(os.path.getsize(os.path.join(d, f)) for f in files if f.endswith('.bin'))
   share = sum(s.data.nbytes for a in state.values() for s in a.addressable_shards)
   mp_worker.emit({'blocking_off': out['off'], 'blocking_on': out['on'], 'tier_bytes': tier_bytes // 2,
@@ -111,7 +111,7 @@ def parse_args(argv=None):
                  help='storage bandwidth cap, MiB/s, all connections together')
   p.add_argument('--kinds', default='replicated,sharded')
   p.add_argument('--scope', choices=('written', 'held'), default='written',
-                 help="Options.local_scope of the saves: what each node's tier keeps")
+                 help="Options.tier_scope of the saves: what each node's tier keeps")
   p.add_argument('--json-out', default=None)
   p.add_argument('--timeout', type=float, default=900, help='seconds per multi-process run')
   return p.parse_args(argv)
@@ -133,12 +133,12 @@ def one_kind(kind, args, bucket, proxy, run_processes) -> dict:
   base = _tier_base()
   tiers = [os.path.join(base, f'node{i}') for i in range(4)]
   env = {'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': '30', 'TF_CPP_MIN_LOG_LEVEL': '2',
-         'ORBAX_PATHWAYS_LOCAL_SCOPE': args.scope}
+         'ORBAX_PATHWAYS_TIER_SCOPE': args.scope}
   try:
     proxy.reset_stats()
     t0 = time.perf_counter()
     saved = _run(run_processes, 4, ['save', root, kind, args.mib], env,
-                 [{'ORBAX_PATHWAYS_LOCAL_DIR': t} for t in tiers], args.timeout)
+                 [{'ORBAX_PATHWAYS_TIER_DIR': t} for t in tiers], args.timeout)
     save_wall = time.perf_counter() - t0
     # 'written': each chunk sits in exactly one host's tier. 'held': replicas sit in several;
     # what only the lost host held is then its share of what no survivor's devices hold.
@@ -150,10 +150,10 @@ def one_kind(kind, args, bucket, proxy, run_processes) -> dict:
            'tier_bytes_per_host': [s['tier_bytes'] for s in saved],
            'device_bytes_per_host': [s['device_bytes'] for s in saved],
            'lost_host_only_bytes': lost_only}
-    for mode, local_dirs in (('storage_only', ['off'] * 3), ('survivor_first', tiers[:3])):
+    for mode, tier_dirs in (('storage_only', ['off'] * 3), ('survivor_first', tiers[:3])):
       proxy.reset_stats()
       res = _run(run_processes, 3, ['restore', root, kind, args.mib], env,
-                 [{'ORBAX_PATHWAYS_LOCAL_DIR': d} for d in local_dirs], args.timeout)
+                 [{'ORBAX_PATHWAYS_TIER_DIR': d} for d in tier_dirs], args.timeout)
       by_source: dict[str, int] = {}
       for r in res:
         for k, v in r['bytes_by_source'].items():
@@ -174,7 +174,7 @@ def _median(xs):
 
 def table(results, args) -> str:
   lines = [f'| {args.mib:g} MiB per state, storage capped at {args.bandwidth_mib:g} MiB/s, '
-           f'4 slices, 1 lost, restore onto 3, local_scope={args.scope} | storage-only | '
+           f'4 slices, 1 lost, restore onto 3, tier_scope={args.scope} | storage-only | '
            'survivor-first | ratio |',
            '|---|---:|---:|---:|']
   for r in results:

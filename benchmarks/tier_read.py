@@ -18,7 +18,7 @@ rounds (the first restore after the saves pays one-time costs), same-mesh restor
 - ``tier_on``: ours, the tier on: every chunk from /dev/shm (checked: 0 bytes from storage);
 - ``tier_copy``: ``tier_on`` with the tier's files copied into the region buffers instead of
   mapped there (``storage/pages``, ``ORBAX_PATHWAYS_MAP_TIER=0``): the read path before mapping;
-- ``tier_off``: ours, ``local_dir='off'``, the same step from storage;
+- ``tier_off``: ours, ``tier_dir='off'``, the same step from storage;
 - ``stock``: stock Orbax restoring its own save of the same state;
 - ``memcpy``: the same unique bytes copied with numpy into freshly allocated buffers (page
   faults included, as a restore's new buffers have them): the floor.
@@ -88,7 +88,7 @@ def _use(mode: str, tier_dir: str) -> None:
   from orbax_pathways.storage import pages  # pylint: disable=g-import-not-at-top
   handlers.use_handler('ours')
   pages._state.enabled = False if mode == 'tier_copy' else None  # pylint: disable=protected-access
-  orbax_pathways.install(orbax_pathways.Options(local_dir='off' if mode == 'tier_off' else tier_dir))
+  orbax_pathways.install(orbax_pathways.Options(tier_dir='off' if mode == 'tier_off' else tier_dir))
 
 
 def _restore(mode: str, work: dict, target, mesh, check_all=None) -> tuple[float, float, dict]:

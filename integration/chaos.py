@@ -209,7 +209,7 @@ class Job:
           os.environ, harness.env, pid=i, num_processes=n, devices_per_process=DEVICES,
           coordinator=coordinator, results_dir=self.results, shared_dir=self.shared,
           init_timeout=120)
-      env['ORBAX_PATHWAYS_LOCAL_DIR'] = harness.tier(i)
+      env['ORBAX_PATHWAYS_TIER_DIR'] = harness.tier(i)
       env.pop('ORBAX_PATHWAYS_NO_SIGTERM', None)  # a SIGTERM is the preemption notice
       argv = [sys.executable, os.path.abspath(__file__), '--worker', harness.root,
               str(harness.args.storage_every), str(harness.args.local_every),

@@ -88,6 +88,12 @@ def _check_env() -> None:
       warnings.warn(f'orbax_pathways: unknown environment variable {name}={os.environ[name]!r} '
                     f'is ignored.{hint} Known: {", ".join(options_lib.ENV_VARS)}.',
                     RuntimeWarning, stacklevel=4)
+  for old, new in options_lib.FORMER_ENV.items():
+    if old in os.environ and old not in _warned_env:
+      _warned_env.add(old)
+      used = 'is ignored: ' + new + ' is set too' if new in os.environ else 'is read for ' + new
+      warnings.warn(f'orbax_pathways: {old} is now {new}; {old} {used}. The former name will go '
+                    'away in a later release.', DeprecationWarning, stacklevel=4)
 
 
 def _check_slices(mngr) -> None:
@@ -148,15 +154,15 @@ def _manager_hooks() -> list[manager_hooks.ManagerHooks]:
 
 
 def _local_steps_keep(o: options_lib.Options) -> int:
-  """Local-only steps kept per directory: ``Options.local_steps_keep``, else ``local_keep``."""
-  return o.local_steps_keep if o.local_steps_keep is not None else o.local_keep
+  """Local-only steps kept per directory: ``Options.local_steps_keep``, else ``tier_keep``."""
+  return o.local_steps_keep if o.local_steps_keep is not None else o.tier_keep
 
 
 def _local_saves_in_background() -> bool:
   """Local-only saves run on a background thread where this process holds its own shards
-  (the local transport); under Pathways the bytes stay on the workers."""
+  (the in-process transport); under Pathways the bytes stay on the workers."""
   requested = _installed_options().transport
-  return runtime.choose_transport(requested=requested) is options_lib.TransportName.LOCAL
+  return runtime.choose_transport(requested=requested) is options_lib.TransportName.IN_PROCESS
 
 
 def _install_manager_side() -> None:

@@ -16,6 +16,7 @@ import difflib
 import enum
 import math
 import os
+import warnings
 from typing import Any, Mapping
 
 MiB = 1 << 20
@@ -23,7 +24,10 @@ MiB = 1 << 20
 class TransportName(str, enum.Enum):
   """Who moves shard bytes: the names ``Options.transport`` and ``ORBAX_PATHWAYS_TRANSPORT``
   accept, ``engine/runtime.choose_transport`` picks and ``transports/registry.create`` builds."""
-  LOCAL = 'local'  # this process writes/reads the shards its own devices hold
+  # This process writes/reads the shards its own devices hold (under Pathways, the controller:
+  # every device looks local to it). Its writer records keep the former name, 'local'
+  # (``format/records.py``).
+  IN_PROCESS = 'in_process'
   COLOCATED = 'colocated'  # colocated-Python functions on the worker hosts do the I/O
   PERSISTENCE = 'persistence'  # Pathways' server-side persistence plugin program
 
@@ -40,10 +44,21 @@ RUNTIMES = tuple(r.value for r in Runtime)
 SNAPSHOTS = ('auto', 'pinned', 'host')
 DIVISIBILITIES = ('replicate', 'strict')
 COMPRESSIONS = ('auto', 'zstd', 'none')
-LOCAL_SCOPES = ('written', 'held')
+TIER_SCOPES = ('written', 'held')
 LOCAL_WHEN_BUSY = ('wait', 'skip')
 LOCAL_STEPS_IN = ('storage', 'nodes')
-LOCAL_MAX_AGE_S = 24 * 3600.0  # Options.local_max_age_s
+TIER_MAX_AGE_S = 24 * 3600.0  # Options.tier_max_age_s
+
+# Renamed options: the former name -> the current one. A former name still works (one
+# ``DeprecationWarning``): as an ``Options`` keyword and attribute, as a variable where the
+# current one is unset (``env_raw``; ``_install.py`` warns at install), and the former
+# transport name as a value of ``Options.transport`` / ``ORBAX_PATHWAYS_TRANSPORT``.
+FORMER_FIELDS = {'local_dir': 'tier_dir', 'local_keep': 'tier_keep', 'local_scope': 'tier_scope',
+                 'local_max_age_s': 'tier_max_age_s', 'local_max_bytes': 'tier_max_bytes'}
+FORMER_ENV = {f'ORBAX_PATHWAYS_{old.upper()}': f'ORBAX_PATHWAYS_{new.upper()}'
+              for old, new in FORMER_FIELDS.items()}
+_FORMER_ENV_OF = {new: old for old, new in FORMER_ENV.items()}
+FORMER_TRANSPORTS = {'local': TransportName.IN_PROCESS.value}
 
 _TRUE = ('1', 'true', 'yes', 'y', 'on', 't')
 _FALSE = ('0', 'false', 'no', 'n', 'off', 'f')
@@ -94,7 +109,7 @@ class EnvVar:
         return False
       raise ValueError(f'{self.name}={raw!r} is not {self.accepted()}. {self.unset_hint()}')
     if self.kind == 'choice':
-      low = text.lower()
+      low = former_transport(text.lower(), self.name) if self.choices == TRANSPORTS else text.lower()
       if low in self.choices:
         return low
       raise ValueError(f'{self.name}={raw!r} is not one of {list(self.choices)}. '
@@ -160,30 +175,30 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar('ORBAX_PATHWAYS_NUM_SLICES', 'int', None,
            'split devices into equal slices when they carry no slice_index', minimum=1,
            unset='take slices from the devices (slice_index, else one per process)'),
-    EnvVar('ORBAX_PATHWAYS_LOCAL_DIR', 'str', None,
+    EnvVar('ORBAX_PATHWAYS_TIER_DIR', 'str', None,
            'node-local tier directory (tmpfs), or "off"',
            unset='/dev/shm (a tmpfs) for gs:// or network storage, several processes or '
                  'Pathways workers; none for one process on local disk'),
-    EnvVar('ORBAX_PATHWAYS_LOCAL_KEEP', 'int', 1, 'committed steps the node-local tier keeps',
+    EnvVar('ORBAX_PATHWAYS_TIER_KEEP', 'int', 1, 'committed steps the node-local tier keeps',
            minimum=1),
     EnvVar('ORBAX_PATHWAYS_LOCAL_STEPS_KEEP', 'int', None,
            'local-only steps kept per checkpoint directory', minimum=1,
-           unset='ORBAX_PATHWAYS_LOCAL_KEEP'),
+           unset='ORBAX_PATHWAYS_TIER_KEEP'),
     EnvVar('ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS', 'int', 0,
            'save a step that the CheckpointManager declines to the node-local tiers only, when '
            'its number is a multiple of this (0: never)', minimum=0),
     EnvVar('ORBAX_PATHWAYS_LOCAL_COPIES', 'int', 1,
            'copies of each host\'s share of a local-only step: 1, or 2 (a partner host of '
            'another slice keeps the second)', minimum=1),
-    EnvVar('ORBAX_PATHWAYS_LOCAL_MAX_AGE_S', 'float', LOCAL_MAX_AGE_S,
+    EnvVar('ORBAX_PATHWAYS_TIER_MAX_AGE_S', 'float', TIER_MAX_AGE_S,
            "node-local tier entries of other checkpoint directories idle this long are dropped",
            minimum=0, unit='seconds; inf: never by age'),
-    EnvVar('ORBAX_PATHWAYS_LOCAL_MAX_BYTES', 'int', None,
+    EnvVar('ORBAX_PATHWAYS_TIER_MAX_BYTES', 'int', None,
            "the node-local tier's size above which entries are dropped, oldest first",
            minimum=0, unit='bytes', unset="cap it at half the size of the tier's filesystem"),
-    EnvVar('ORBAX_PATHWAYS_LOCAL_SCOPE', 'choice', 'written',
+    EnvVar('ORBAX_PATHWAYS_TIER_SCOPE', 'choice', 'written',
            "what the node-local tier keeps: the chunks this host wrote, or every chunk its "
-           'devices hold', LOCAL_SCOPES),
+           'devices hold', TIER_SCOPES),
     EnvVar('ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY', 'choice', 'wait',
            'a local-only save due while the previous one is busy: wait for its writes (it '
            'commits first), or skip the step (every process alike)', LOCAL_WHEN_BUSY),
@@ -217,16 +232,16 @@ FIELD_ENV: dict[str, str] = {
     'gcs_grpc': 'ORBAX_PATHWAYS_GCS_GRPC',
     'storage_retries': 'ORBAX_PATHWAYS_STORAGE_RETRIES',
     'num_slices': 'ORBAX_PATHWAYS_NUM_SLICES',
-    'local_dir': 'ORBAX_PATHWAYS_LOCAL_DIR',
-    'local_keep': 'ORBAX_PATHWAYS_LOCAL_KEEP',
+    'tier_dir': 'ORBAX_PATHWAYS_TIER_DIR',
+    'tier_keep': 'ORBAX_PATHWAYS_TIER_KEEP',
     'local_steps_keep': 'ORBAX_PATHWAYS_LOCAL_STEPS_KEEP',
     'local_save_interval_steps': 'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS',
-    'local_scope': 'ORBAX_PATHWAYS_LOCAL_SCOPE',
+    'tier_scope': 'ORBAX_PATHWAYS_TIER_SCOPE',
     'local_save_when_busy': 'ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY',
     'local_steps_in': 'ORBAX_PATHWAYS_LOCAL_STEPS_IN',
     'local_copies': 'ORBAX_PATHWAYS_LOCAL_COPIES',
-    'local_max_age_s': 'ORBAX_PATHWAYS_LOCAL_MAX_AGE_S',
-    'local_max_bytes': 'ORBAX_PATHWAYS_LOCAL_MAX_BYTES',
+    'tier_max_age_s': 'ORBAX_PATHWAYS_TIER_MAX_AGE_S',
+    'tier_max_bytes': 'ORBAX_PATHWAYS_TIER_MAX_BYTES',
     'tier_peer_timeout_s': 'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S',
     'request_deadline_floor_s': 'ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S',
     'request_deadline_cap_s': 'ORBAX_PATHWAYS_REQUEST_DEADLINE_CAP_S',
@@ -238,10 +253,30 @@ def _default(field: str) -> Any:
   return ENV_VARS[FIELD_ENV[field]].default
 
 
-def env_value(name: str, environ: Mapping[str, str] | None = None) -> Any:
-  """The parsed value of the known variable ``name`` (its default when unset)."""
+def former_transport(name: str, where: str) -> str:
+  """``name``, or the current name of a former transport name (one ``DeprecationWarning``
+  naming ``where`` it was given)."""
+  if name not in FORMER_TRANSPORTS:
+    return name
+  warnings.warn(f'orbax_pathways: {where}={name!r} is now {FORMER_TRANSPORTS[name]!r} (the same '
+                'transport); the former name will go away in a later release.',
+                DeprecationWarning, stacklevel=3)
+  return FORMER_TRANSPORTS[name]
+
+
+def env_raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+  """The variable ``name`` as set, else its former name's value (``FORMER_ENV``), else None."""
   environ = os.environ if environ is None else environ
-  return ENV_VARS[name].parse(environ.get(name))
+  raw = environ.get(name)
+  if raw is None and name in _FORMER_ENV_OF:
+    raw = environ.get(_FORMER_ENV_OF[name])
+  return raw
+
+
+def env_value(name: str, environ: Mapping[str, str] | None = None) -> Any:
+  """The parsed value of the known variable ``name`` (its default when unset; its former
+  name's value where only that is set)."""
+  return ENV_VARS[name].parse(env_raw(name, environ))
 
 
 def num_slices_from_env(environ: Mapping[str, str] | None = None) -> int | None:
@@ -259,7 +294,7 @@ def parse_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
   values, problems = {}, []
   for name, var in ENV_VARS.items():
     try:
-      values[name] = var.parse(environ.get(name))
+      values[name] = var.parse(env_raw(name, environ))
     except ValueError as e:
       problems.append(str(e))
   if problems:
@@ -283,7 +318,7 @@ def unknown_env(environ: Mapping[str, str] | None = None) -> dict[str, str | Non
   known = list(ENV_VARS)
   unknown: dict[str, str | None] = {}
   for name in environ:
-    if name in ENV_VARS:
+    if name in ENV_VARS or name in FORMER_ENV:
       continue
     upper = name.upper()
     if name.startswith(_PREFIX):
@@ -337,7 +372,7 @@ class Options:
   replica_parallel: split a shard held on several hosts among them (on).
 
   Topology: who moves the bytes, and restores onto another mesh.
-  transport: 'local', 'colocated' or 'persistence'; None detects (``ORBAX_PATHWAYS_TRANSPORT``).
+  transport: 'in_process' (formerly 'local'), 'colocated' or 'persistence'; None detects (``ORBAX_PATHWAYS_TRANSPORT``).
   num_slices: split devices into this many equal slices when devices carry no ``slice_index``
     (``ORBAX_PATHWAYS_NUM_SLICES``; tests and platforms that know their grouping).
   divisibility: when elastic restore cannot divide a dimension over the resized mesh axes,
@@ -363,11 +398,11 @@ class Options:
     process's).
 
   The node-local tier: each host's copy of what it wrote, read first on restore.
-  local_dir: the node-local tier (``ORBAX_PATHWAYS_LOCAL_DIR``): a directory on node-local
+  tier_dir: the node-local tier (``ORBAX_PATHWAYS_TIER_DIR``): a directory on node-local
     memory (tmpfs) where every save also leaves, in its background part, a copy of the chunks
     this host wrote (same bytes, same crc32c as on storage), which a restore of that committed
     step reads before storage. A directory set here (or in the variable) is always used. None
-    (default): ``ORBAX_PATHWAYS_LOCAL_DIR`` where the node sets it (also for ``Options(...)``
+    (default): ``ORBAX_PATHWAYS_TIER_DIR`` where the node sets it (also for ``Options(...)``
     built in code: the RAM disk is the node's), else ``/dev/shm/orbax-pathways-<uid>`` when
     /dev/shm is a tmpfs, only where a copy saves a storage read on a restart: a checkpoint
     directory on gs:// (or a network filesystem), a job of several processes, or Pathways
@@ -378,31 +413,31 @@ class Options:
     other users (created ``0700``, files ``0600``, no symlink followed); another user's is
     refused with one warning. A tier that would not fit (after dropping this checkpoint
     directory's older steps), or a read-only or full directory, is skipped with one warning; it
-    never fails or slows a save. What a host keeps: ``local_scope``. Not part of the
+    never fails or slows a save. What a host keeps: ``tier_scope``. Not part of the
     checkpoint: storage stays the truth, and ``orbax-pathways verify`` checks it (a restore the
     tier serves does not read storage's copy) (``docs/format.md``, "The node-local tier").
-  local_keep: committed steps the tier keeps per checkpoint directory (``ORBAX_PATHWAYS_LOCAL_KEEP``,
+  tier_keep: committed steps the tier keeps per checkpoint directory (``ORBAX_PATHWAYS_TIER_KEEP``,
     1); a step's copy is dropped once a newer step's copy is complete and that step committed.
-  local_scope: what the tier keeps (``ORBAX_PATHWAYS_LOCAL_SCOPE``). ``'written'`` (default): the
+  tier_scope: what the tier keeps (``ORBAX_PATHWAYS_TIER_SCOPE``). ``'written'`` (default): the
     chunks this host wrote, from the buffers the storage write used: no extra device-to-host
     bytes, ``save()`` blocking unchanged; a replica another host wrote is not kept, so a lost
     host's share of replicated state is read from storage. ``'held'``: also every whole chunk
     this host's devices hold that another host writes (replicated state then survives the loss
     of any host), at the cost of copying those replicas to the host inside ``save()`` and
     keeping them in node memory.
-  local_max_age_s, local_max_bytes: node-level clean-up of the tier (``tier/gc.py``). At the
+  tier_max_age_s, tier_max_bytes: node-level clean-up of the tier (``tier/gc.py``). At the
     first tier copy of each save, entries whose step is gone from a local checkpoint directory
     (or the directory itself) are dropped (``mngr.delete`` and retention drop theirs at once;
     ``orbax-pathways tier --gc`` also lists gs:// directories and drops stale entries), and
     entries of *other* checkpoint directories in the same tier
     directory are dropped once nothing wrote, committed or restored from them for
-    ``local_max_age_s`` (``ORBAX_PATHWAYS_LOCAL_MAX_AGE_S``, 24 h; ``inf``: never by age); then,
-    while the tier holds more than ``local_max_bytes`` (``ORBAX_PATHWAYS_LOCAL_MAX_BYTES``; None:
+    ``tier_max_age_s`` (``ORBAX_PATHWAYS_TIER_MAX_AGE_S``, 24 h; ``inf``: never by age); then,
+    while the tier holds more than ``tier_max_bytes`` (``ORBAX_PATHWAYS_TIER_MAX_BYTES``; None:
     half the size of its filesystem), the oldest entries, other directories' first, then this
     directory's steps older than its newest committed one. An entry touched in the last 5
     minutes (``tier.gc.IDLE_S``: a save or restore may be using it) is never dropped. Node
     steps (``local_steps_in='nodes'``) count against the cap, which never drops them (their
-    manager keeps ``local_steps_keep``); a stopped job's go after ``local_max_age_s``.
+    manager keeps ``local_steps_keep``); a stopped job's go after ``tier_max_age_s``.
   tier_peer_timeout_s: under multi-controller JAX a restore takes a chunk this node's tier lacks
     from another host's tier (over a TCP connection to that process) before storage; this is
     the longest wait on that host, per request (``ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S``, 20 s;
@@ -416,18 +451,18 @@ class Options:
     policy declines whose number is a multiple of this is saved *local-only*: Orbax's files and
     our records to ``<directory>/.orbax-pathways-local/<step>`` in storage, the array bytes to the
     writer hosts' node-local tiers only. ``preemption.resume`` restores the newest step, local-only
-    or in storage, that the live processes can complete. Needs the tier (``local_dir``). Each
+    or in storage, that the live processes can complete. Needs the tier (``tier_dir``). Each
     local-only save still runs Orbax's save protocol for those small files (storage round trips
     one after another: about 1 s to commit at 30 ms a request, 4 processes, 64 arrays), so a
     local interval shorter than that makes saves queue (``local_save_when_busy``).
   local_steps_keep: local-only steps kept per checkpoint directory (multi-tier,
     ``local_save_interval_steps``; ``ORBAX_PATHWAYS_LOCAL_STEPS_KEEP``). None (default): as
-    many as ``local_keep``. A retention of its own: the tier's copies of storage steps follow
-    ``local_keep``, the local-only steps (and node steps) this.
+    many as ``tier_keep``. A retention of its own: the tier's copies of storage steps follow
+    ``tier_keep``, the local-only steps (and node steps) this.
   local_steps_in: where a local-only step's Orbax files and records go
     (``ORBAX_PATHWAYS_LOCAL_STEPS_IN``). ``'storage'`` (default): as ``local_save_interval_steps``
     says. ``'nodes'``: each process saves its part of the step alone into its node's tier
-    directory (``local_dir``, which must be named), every shard it holds, in Orbax's format
+    directory (``tier_dir``, which must be named), every shard it holds, in Orbax's format
     (``multitier/node_steps.py``): no storage request, no barrier, and storage saves never wait
     for it. ``preemption.resume`` restores the newest step every process's node holds, each
     process from its own node. Only for background local-only saves of trees of ``jax.Array``,
@@ -444,7 +479,7 @@ class Options:
     multi-controller JAX the primary host decides for every process (one key-value round per
     local-only step: every process skips the same steps). For a local interval much shorter
     than a local save's commit: the loop never waits, and local-only steps land as often as
-    they can commit. Only where local-only saves run in the background (the local transport,
+    they can commit. Only where local-only saves run in the background (the in-process transport,
     arguments the save can copy); otherwise every due step is saved.
   local_copies: copies of each host's share of a local-only step (``ORBAX_PATHWAYS_LOCAL_COPIES``,
     1). ``2``: each process also sends its share, in the save's background part, to a partner
@@ -494,11 +529,11 @@ class Options:
   request_deadline_cap_s: float = _default('request_deadline_cap_s')
 
   # The node-local tier
-  local_dir: str | None = _default('local_dir')
-  local_keep: int = _default('local_keep')
-  local_scope: str = _default('local_scope')
-  local_max_age_s: float = _default('local_max_age_s')
-  local_max_bytes: int | None = _default('local_max_bytes')
+  tier_dir: str | None = _default('tier_dir')
+  tier_keep: int = _default('tier_keep')
+  tier_scope: str = _default('tier_scope')
+  tier_max_age_s: float = _default('tier_max_age_s')
+  tier_max_bytes: int | None = _default('tier_max_bytes')
   tier_peer_timeout_s: float = _default('tier_peer_timeout_s')
 
   # Multi-tier checkpointing
@@ -530,8 +565,10 @@ class Options:
                                     'initial_delay': '0.1s', 'max_delay': '2s'}}
 
   def __post_init__(self):
+    if self.transport is not None:
+      object.__setattr__(self, 'transport', former_transport(self.transport, 'Options.transport'))
     for name, allowed in (('divisibility', DIVISIBILITIES), ('compression', COMPRESSIONS),
-                          ('snapshot', SNAPSHOTS), ('local_scope', LOCAL_SCOPES),
+                          ('snapshot', SNAPSHOTS), ('tier_scope', TIER_SCOPES),
                           ('local_save_when_busy', LOCAL_WHEN_BUSY),
                           ('local_steps_in', LOCAL_STEPS_IN)):
       if getattr(self, name) not in allowed:
@@ -546,23 +583,23 @@ class Options:
     _check_int('coalesce_bytes', self.coalesce_bytes, 0)
     _check_int('storage_retries', self.storage_retries, 0, optional=True)
     _check_int('num_slices', self.num_slices, 1, optional=True)
-    _check_int('local_keep', self.local_keep, 1)
+    _check_int('tier_keep', self.tier_keep, 1)
     _check_int('local_steps_keep', self.local_steps_keep, 1, optional=True)
     _check_int('local_save_interval_steps', self.local_save_interval_steps, 0)
     _check_int('local_copies', self.local_copies, 1)
     if self.local_copies > 2:
       raise ValueError(f'Options.local_copies={self.local_copies!r}: use 1 or 2 (a second copy '
                        'on a partner host of another slice).')
-    _check_int('local_max_bytes', self.local_max_bytes, 0, optional=True)
-    age = self.local_max_age_s
+    _check_int('tier_max_bytes', self.tier_max_bytes, 0, optional=True)
+    age = self.tier_max_age_s
     if isinstance(age, bool) or not isinstance(age, (int, float)) or not age >= 0:
-      raise ValueError(f'Options.local_max_age_s={age!r}: use a number of seconds >= 0 '
+      raise ValueError(f'Options.tier_max_age_s={age!r}: use a number of seconds >= 0 '
                        '(float("inf"): never drop by age).')
     tier_peer = self.tier_peer_timeout_s
     if isinstance(tier_peer, bool) or not isinstance(tier_peer, (int, float)) or not tier_peer > 0:
       raise ValueError(f'Options.tier_peer_timeout_s={tier_peer!r}: use a number of seconds > 0.')
-    if self.local_dir is not None and not isinstance(self.local_dir, str):
-      raise ValueError(f'Options.local_dir={self.local_dir!r}: use a directory path (str), '
+    if self.tier_dir is not None and not isinstance(self.tier_dir, str):
+      raise ValueError(f'Options.tier_dir={self.tier_dir!r}: use a directory path (str), '
                        '"off", or None for the /dev/shm default.')
     floor, cap = self.request_deadline_floor_s, self.request_deadline_cap_s
     if (isinstance(floor, bool) or isinstance(cap, bool)
@@ -579,3 +616,25 @@ class Options:
     """Options from the ``ORBAX_PATHWAYS_*`` variables (defaults where unset); a malformed
     value raises ValueError naming the variable, the value and the accepted values."""
     return cls(**{field: env_value(name, environ) for field, name in FIELD_ENV.items()})
+
+
+_fields_init = Options.__init__  # the dataclass's own
+
+
+def _init(self: Options, **kwargs: Any) -> None:
+  """``Options(...)``: the dataclass's ``__init__``, taking a former option name
+  (``FORMER_FIELDS``) for its current one, with one ``DeprecationWarning``."""
+  for old, new in FORMER_FIELDS.items():
+    if old in kwargs:
+      if new in kwargs:
+        raise TypeError(f'Options: {old}= is the former name of {new}=; pass {new}= alone.')
+      warnings.warn(f'orbax_pathways: Options.{old} is now Options.{new}; the former name will '
+                    'go away in a later release.', DeprecationWarning, stacklevel=2)
+      kwargs[new] = kwargs.pop(old)
+  _fields_init(self, **kwargs)
+
+
+Options.__init__ = _init  # type: ignore[method-assign]
+for _old, _new in FORMER_FIELDS.items():  # the former names, read-only, as attributes
+  setattr(Options, _old, property(lambda self, _n=_new: getattr(self, _n),
+                                  doc=f'The former name of ``{_new}``.'))

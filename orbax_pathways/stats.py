@@ -34,7 +34,7 @@ class SaveStats:
 
   transport: str = ''
   arrays: int = 0
-  snapshot: str = ''  # 'pinned' or 'host' (local transport): how save() copied to the host
+  snapshot: str = ''  # 'pinned' or 'host' (in-process transport): how save() copied to the host
   blocking_s: float = 0.0  # time save() spent in our serialize (planning + snapshot)
   # A local-only save run in the background (multitier/local_steps.py): the time the training
   # loop's save() spent copying this process's shards to host (transports/snapshots.take),

@@ -14,7 +14,7 @@ os.environ['NO_GCE_CHECK'] = 'true'  # google-auth and gcsfs compare with exactl
 # The node-local tier (on by default under /dev/shm) is off for the suite: most tests check what
 # storage holds (damaged chunks, faults, request counts), which a restore from an intact tier
 # would hide. The tier's own tests turn it on with a directory of their own (tests/tier/).
-os.environ.setdefault('ORBAX_PATHWAYS_LOCAL_DIR', 'off')
+os.environ.setdefault('ORBAX_PATHWAYS_TIER_DIR', 'off')
 
 import pytest  # noqa: E402
 

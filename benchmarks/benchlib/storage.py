@@ -62,13 +62,13 @@ def _drop_tier(path: str) -> None:
     from orbax_pathways.tier import store
   except ImportError:
     return
-  local_dir = tier_config.resolve(os.environ.get(tier_config.ENV) or None)
-  if local_dir is not None:
+  tier_dir = tier_config.resolve(os.environ.get(tier_config.ENV) or None)
+  if tier_dir is not None:
     store.flush()  # a copy still being written would land after the removal
-    shutil.rmtree(os.path.join(local_dir.local_dir, manifest_lib.root_key(path)), ignore_errors=True)
+    shutil.rmtree(os.path.join(tier_dir.tier_dir, manifest_lib.root_key(path)), ignore_errors=True)
 
 
-def open_storage(stack: contextlib.ExitStack, mode: str, local_dir: str | None, gcs_mod,
+def open_storage(stack: contextlib.ExitStack, mode: str, tier_dir: str | None, gcs_mod,
                  notes: list) -> Storage:
   """The run's checkpoint root; ``stack`` stops the server or removes the directory at the end."""
   if mode == 'gcs':
@@ -77,9 +77,9 @@ def open_storage(stack: contextlib.ExitStack, mode: str, local_dir: str | None, 
     stack.enter_context(gcs_mod.applied_env(server.env()))
     notes.append(f'fake-gcs-server at {server.url} (memory backend), bucket {bucket}')
     return Storage(f'gs://{bucket}/bench', bucket)
-  if local_dir:
-    os.makedirs(local_dir, exist_ok=True)
-    root = tempfile.mkdtemp(prefix='bench-', dir=local_dir)
+  if tier_dir:
+    os.makedirs(tier_dir, exist_ok=True)
+    root = tempfile.mkdtemp(prefix='bench-', dir=tier_dir)
   else:
     root = tempfile.mkdtemp(prefix='orbax-bench-', dir='/tmp')
   stack.callback(shutil.rmtree, root, True)

@@ -20,7 +20,7 @@ import types
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ['XLA_FLAGS'] = (
     f'--xla_force_host_platform_device_count={int(os.environ.get("UP_DEVICES", "8"))}')
-os.environ.setdefault('ORBAX_PATHWAYS_LOCAL_DIR', 'off')
+os.environ.setdefault('ORBAX_PATHWAYS_TIER_DIR', 'off')
 HERE = os.path.dirname(os.path.abspath(__file__))
 if 'TEST_TMPDIR' not in os.environ:  # run.py sets one, shared by a suite's processes
   import tempfile

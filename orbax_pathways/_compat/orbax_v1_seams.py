@@ -122,13 +122,13 @@ def hooked_host_kinds() -> tuple[str, ...]:
 
 
 def pathways_impl_name(context: Any) -> str | None:
-  """``context.pathways_options.checkpointing_impl`` as 'colocated', 'persistence', 'local' (no
+  """``context.pathways_options.checkpointing_impl`` as 'colocated', 'persistence', 'in_process' (no
   dispatcher) or None (unset)."""
   impl = context.pathways_options.checkpointing_impl
   if impl is None:
     return None
   return {'COLOCATED_PYTHON': 'colocated', 'PERSISTENCE': 'persistence',
-          'NO_DISPATCHER': 'local'}.get(impl.name)
+          'NO_DISPATCHER': 'in_process'}.get(impl.name)
 
 
 def uses_load_and_broadcast(context: Any) -> bool:

@@ -18,10 +18,10 @@ Commands (every one takes ``--json``; tables otherwise):
                              recorded crc32c, or read with --values; says what was compared.
   du DIR | DIR/STEP          bytes on disk per step; per top-level key: recorded chunk bytes
                              (basis "chunks", from our metadata) or dtype x shape ("logical").
-  tier [LOCAL_DIR]           the steps this node's tier holds (default: ORBAX_PATHWAYS_LOCAL_DIR,
+  tier [TIER_DIR]           the steps this node's tier holds (default: ORBAX_PATHWAYS_TIER_DIR,
                              else /dev/shm), each checked against the committed step on storage:
                              ok, stale, damaged or incomplete (exit 1 unless all ok).
-  tier [LOCAL_DIR] --gc [--dry-run] [--max-age-s S] [--max-bytes N]
+  tier [TIER_DIR] --gc [--dry-run] [--max-age-s S] [--max-bytes N]
                              drops entries (tier/gc.py): gone from storage or stale, idle
                              longer than the max age, incomplete, then the oldest while over
                              the size cap; lists them. Refuses (exit 2) a tier directory that
@@ -46,9 +46,9 @@ JSON output (top-level keys; ``bytes`` are integers, times ISO-8601 UTC):
            values, values_by_crc32c, values_read, values_not_compared}}
   du      {path, bytes, steps: [{step, name, state, bytes, items: [{item, keys: [{key, bytes,
            basis}]}]}]}
-  tier    {local_dir, ok, entries: [{root, step, step_name, item, writer, save_id,
+  tier    {tier_dir, ok, entries: [{root, step, step_name, item, writer, save_id,
            committed_marker, chunks, bytes, status, problems, path}]}
-  tier --gc {local_dir, dry_run, max_age_s (null: none), max_bytes (null: none), entries,
+  tier --gc {tier_dir, dry_run, max_age_s (null: none), max_bytes (null: none), entries,
            bytes_before, bytes_after, removed: [{root, step, step_name, item, writer, save_id,
            complete, bytes, idle_s, reason (gone | stale | age | incomplete | cap), path}]}
 """
@@ -153,17 +153,17 @@ def _parser() -> argparse.ArgumentParser:
   s.add_argument('path', help='checkpoint directory, or one step DIR/STEP')
   s = cmd('tier', cmd_tier, 'list and verify the steps this node\'s local tier holds; with '
           '--gc, drop stale entries instead')
-  s.add_argument('local_dir', nargs='?', default=None,
-                 help='the tier directory (default: ORBAX_PATHWAYS_LOCAL_DIR, else /dev/shm)')
+  s.add_argument('tier_dir', nargs='?', default=None,
+                 help='the tier directory (default: ORBAX_PATHWAYS_TIER_DIR, else /dev/shm)')
   s.add_argument('--gc', action='store_true',
                  help='drop entries whose step is gone from storage or stale, entries idle '
                       'longer than --max-age-s, incomplete ones, then the oldest while over '
                       '--max-bytes; entries touched in the last 5 minutes are kept')
   s.add_argument('--dry-run', action='store_true', help='with --gc: list, remove nothing')
   s.add_argument('--max-age-s', type=float, default=None,
-                 help='with --gc (default: ORBAX_PATHWAYS_LOCAL_MAX_AGE_S, else 86400)')
+                 help='with --gc (default: ORBAX_PATHWAYS_TIER_MAX_AGE_S, else 86400)')
   s.add_argument('--max-bytes', type=int, default=None,
-                 help='with --gc (default: ORBAX_PATHWAYS_LOCAL_MAX_BYTES, else half the size '
+                 help='with --gc (default: ORBAX_PATHWAYS_TIER_MAX_BYTES, else half the size '
                       'of the tier\'s filesystem)')
   return p
 
@@ -212,19 +212,19 @@ def cmd_diff(args, out: TextIO) -> int:
 
 
 def cmd_tier(args, out: TextIO) -> int:
-  local_dir = args.local_dir or tier_lib.default_dir()
-  if local_dir is None:
-    raise paths.CliError('no node-local tier here: ORBAX_PATHWAYS_LOCAL_DIR is "off", or unset '
+  tier_dir = args.tier_dir or tier_lib.default_dir()
+  if tier_dir is None:
+    raise paths.CliError('no node-local tier here: ORBAX_PATHWAYS_TIER_DIR is "off", or unset '
                          'and /dev/shm is not a tmpfs; pass the tier directory')
-  if not os.path.isdir(local_dir):
-    raise paths.CliError(f'{local_dir}: no such tier directory')
+  if not os.path.isdir(tier_dir):
+    raise paths.CliError(f'{tier_dir}: no such tier directory')
   if args.gc:
-    obj = tier_lib.gc(local_dir, args.max_age_s, args.max_bytes, dry_run=args.dry_run)
+    obj = tier_lib.gc(tier_dir, args.max_age_s, args.max_bytes, dry_run=args.dry_run)
     _emit(out, args, obj, tier_lib.gc_text(obj))
     return 0
   if args.dry_run or args.max_age_s is not None or args.max_bytes is not None:
     raise paths.CliError('--dry-run, --max-age-s and --max-bytes go with --gc')
-  obj = tier_lib.report(local_dir)
+  obj = tier_lib.report(tier_dir)
   _emit(out, args, obj, tier_lib.text(obj))
   return 0 if obj['ok'] else 1
 

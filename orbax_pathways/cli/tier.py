@@ -1,4 +1,4 @@
-"""``orbax-pathways tier [LOCAL_DIR]``: which steps a node's tier holds, each verified against
+"""``orbax-pathways tier [TIER_DIR]``: which steps a node's tier holds, each verified against
 the committed step's records on storage.
 
 Runs on the node whose tier it lists (``main.cmd_tier``), as the user who owns it: a tier
@@ -45,17 +45,17 @@ from orbax_pathways.tier import spares
 
 
 def default_dir() -> str | None:
-  """``ORBAX_PATHWAYS_LOCAL_DIR`` if set (None if 'off'), else the /dev/shm default."""
-  cfg = tier_config.resolve(os.environ.get(tier_config.ENV) or None)
-  return cfg.local_dir if cfg is not None else None
+  """``ORBAX_PATHWAYS_TIER_DIR`` if set (None if 'off'), else the /dev/shm default."""
+  cfg = tier_config.resolve(options.env_raw(tier_config.ENV) or None)
+  return cfg.tier_dir if cfg is not None else None
 
 
-def check_dir(local_dir: str) -> None:
+def check_dir(tier_dir: str) -> None:
   """Refuses (``CliError``, exit 2) a tier directory this user must not read: missing, not a
   real directory of this uid, or writable by other users (``fsafe.root_problem``)."""
-  if not fsafe.exists(local_dir):
-    raise paths.CliError(f'{local_dir}: no such tier directory')
-  why = fsafe.root_problem(local_dir)
+  if not fsafe.exists(tier_dir):
+    raise paths.CliError(f'{tier_dir}: no such tier directory')
+  why = fsafe.root_problem(tier_dir)
   if why:
     raise paths.CliError(f'{why}. Nothing in it was read.')
 
@@ -160,14 +160,14 @@ def _check(e: store.Entry, root: str | None) -> tuple[str, list[str]]:
   return ('damaged' if problems else 'ok'), problems
 
 
-def report(local_dir: str) -> dict[str, Any]:
-  """Every entry of the tier at ``local_dir``, with its status (see the module docstring)."""
-  check_dir(local_dir)
+def report(tier_dir: str) -> dict[str, Any]:
+  """Every entry of the tier at ``tier_dir``, with its status (see the module docstring)."""
+  check_dir(tier_dir)
   out = []
   roots: dict[str, str | None] = {}
-  for e in store.entries(local_dir):
+  for e in store.entries(tier_dir):
     if e.root_key not in roots:
-      roots[e.root_key] = store.root_of(local_dir, e.root_key)
+      roots[e.root_key] = store.root_of(tier_dir, e.root_key)
     root = roots[e.root_key] or (e.manifest.root if e.manifest else None)
     status, problems = _check(e, root)
     out.append({
@@ -178,14 +178,14 @@ def report(local_dir: str) -> dict[str, Any]:
         'problems': problems, 'path': e.path})
   out.sort(key=lambda x: (str(x['root']), x['step'] if x['step'] is not None else -1,
                           x['item'], x['writer']))
-  files, nbytes = spares.pooled(local_dir)
-  return {'local_dir': local_dir, 'entries': out,
+  files, nbytes = spares.pooled(tier_dir)
+  return {'tier_dir': tier_dir, 'entries': out,
           'ok': all(x['status'] == 'ok' for x in out),
           'spares': {'files': files, 'bytes': nbytes}}
 
 
 def text(obj: dict[str, Any]) -> str:
-  lines = [f'node-local tier {obj["local_dir"]}']
+  lines = [f'node-local tier {obj["tier_dir"]}']
   if not obj['entries']:
     lines.append('  (empty)')
   for x in obj['entries']:
@@ -210,20 +210,20 @@ def _env(name: str) -> Any:
     raise paths.CliError(str(e)) from None
 
 
-def gc(local_dir: str, max_age_s: float | None, max_bytes: int | None,
+def gc(tier_dir: str, max_age_s: float | None, max_bytes: int | None,
        dry_run: bool = False) -> dict[str, Any]:
-  """Runs (``dry_run``: plans) the clean-up of the tier at ``local_dir``; None limits come
-  from ``ORBAX_PATHWAYS_LOCAL_MAX_AGE_S`` / ``..._MAX_BYTES``, else their defaults."""
+  """Runs (``dry_run``: plans) the clean-up of the tier at ``tier_dir``; None limits come
+  from ``ORBAX_PATHWAYS_TIER_MAX_AGE_S`` / ``..._MAX_BYTES``, else their defaults."""
   if max_age_s is None:
-    max_age_s = _env('ORBAX_PATHWAYS_LOCAL_MAX_AGE_S')
+    max_age_s = _env('ORBAX_PATHWAYS_TIER_MAX_AGE_S')
   if max_bytes is None:
-    max_bytes = _env('ORBAX_PATHWAYS_LOCAL_MAX_BYTES')
+    max_bytes = _env('ORBAX_PATHWAYS_TIER_MAX_BYTES')
   if max_age_s is None or math.isnan(max_age_s) or max_age_s < 0:
     raise paths.CliError(f'--max-age-s {max_age_s}: use a number of seconds >= 0 (inf: none)')
   if max_bytes is not None and max_bytes < 0:
     raise paths.CliError(f'--max-bytes {max_bytes}: use a number of bytes >= 0')
-  check_dir(local_dir)
-  r = gc_lib.collect(local_dir, max_age_s=max_age_s, max_bytes=max_bytes, dry_run=dry_run,
+  check_dir(tier_dir)
+  r = gc_lib.collect(tier_dir, max_age_s=max_age_s, max_bytes=max_bytes, dry_run=dry_run,
                      judge=judge_storage)
   roots: dict[str, str | None] = {}
   removed = []
@@ -236,13 +236,13 @@ def gc(local_dir: str, max_age_s: float | None, max_bytes: int | None,
       continue
     e = r.entries[d.seen.path]
     if e.root_key not in roots:
-      roots[e.root_key] = store.root_of(local_dir, e.root_key)
+      roots[e.root_key] = store.root_of(tier_dir, e.root_key)
     removed.append({
         'root': roots[e.root_key] or (e.manifest.root if e.manifest else None), 'step': e.step,
         'step_name': e.step_name, 'item': e.item, 'writer': e.writer, 'save_id': e.save_id,
         'complete': d.seen.complete, 'bytes': d.seen.nbytes,
         'idle_s': round(r.now - d.seen.mtime, 3), 'reason': d.reason, 'path': e.path})
-  return {'local_dir': local_dir, 'dry_run': dry_run,
+  return {'tier_dir': tier_dir, 'dry_run': dry_run,
           'max_age_s': r.max_age_s if math.isfinite(r.max_age_s) else None,
           'max_bytes': r.max_bytes, 'entries': len(r.seen), 'bytes_before': r.bytes_before,
           'bytes_after': r.bytes_after, 'removed': removed}
@@ -260,7 +260,7 @@ def _listing(root: str) -> set[str] | None:
     return None
 
 
-def judge_storage(found: Sequence[store.Entry], local_dir: str) -> dict[str, str]:
+def judge_storage(found: Sequence[store.Entry], tier_dir: str) -> dict[str, str]:
   """``gc.GONE`` / ``gc.STALE`` by storage, for ``--gc``: each entry's checkpoint directory is
   listed once (gs:// too): an entry whose step is in it under no name, committed or
   temporary, is ``GONE``; for one whose step is there under its final name, the committed
@@ -272,7 +272,7 @@ def judge_storage(found: Sequence[store.Entry], local_dir: str) -> dict[str, str
   listed: dict[str, set[str] | None] = {}
   indexes: dict[str, dict[str, str] | None] = {}
   for e in found:
-    root = gc_lib.entry_root(local_dir, e, roots)
+    root = gc_lib.entry_root(tier_dir, e, roots)
     if root is None:
       continue
     if root not in listed:
@@ -311,7 +311,7 @@ def _entries(n: int) -> str:
 
 def gc_text(obj: dict[str, Any]) -> str:
   age = obj['max_age_s']
-  lines = [f'node-local tier {obj["local_dir"]}: {_entries(obj["entries"])}, '
+  lines = [f'node-local tier {obj["tier_dir"]}: {_entries(obj["entries"])}, '
            f'{_mib(obj["bytes_before"])}; max age '
            f'{"none" if age is None else f"{age / 3600:g} h"}, cap {_mib(obj["max_bytes"])}']
   verb = 'would remove' if obj['dry_run'] else 'removed'

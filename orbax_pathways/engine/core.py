@@ -272,13 +272,13 @@ _TRANSPORT_NOTES = {
         'the worker hosts write and read the shards through colocated Python, and Pathways '
         'cannot transparently suspend-resume a workload that uses colocated Python: a preemption '
         'notice restarts the job from the latest committed step (preemption.resume) instead. '
-        'ORBAX_PATHWAYS_TRANSPORT=local keeps suspend-resume, with every byte through the '
+        'ORBAX_PATHWAYS_TRANSPORT=in_process keeps suspend-resume, with every byte through the '
         'controller.'),
     ('pathways', 'persistence'): (logging.WARNING,
         'the Pathways workers write the shards through the persistence plugin; restores read '
         'through colocated Python, after which Pathways cannot transparently suspend-resume this '
         'workload.'),
-    ('pathways', 'local'): (logging.INFO,
+    ('pathways', 'in_process'): (logging.INFO,
         'the controller moves every shard\'s bytes (as stock Orbax does), so Pathways can still '
         'suspend and resume this workload transparently; ORBAX_PATHWAYS_TRANSPORT=colocated '
         'writes from the worker hosts instead.'),
@@ -312,12 +312,12 @@ class Engine:
   def tier(self, directory: Any = None) -> tier_config.TierConfig | None:
     """This node's tier for a save or restore of the item ``directory`` (None: off), on the
     process that calls ``save``/``restore``. A directory an emergency manager assigned to the
-    item's checkpoint directory (``tier/assigned.py``) comes first. ``Options.local_dir=None`` takes
-    ``ORBAX_PATHWAYS_LOCAL_DIR`` as the node has it set (where a node keeps its RAM disk is the
+    item's checkpoint directory (``tier/assigned.py``) comes first. ``Options.tier_dir=None`` takes
+    ``ORBAX_PATHWAYS_TIER_DIR`` as the node has it set (where a node keeps its RAM disk is the
     node's setting, so it holds for ``Options(...)`` built in code too), then the /dev/shm
     default, kept only where it saves a storage read (``tier_config.default_applies``: remote
     storage, several processes, Pathways workers; said once in the log otherwise). An explicit
-    directory is always used. Under the local transport this process is the host that owns
+    directory is always used. Under the in-process transport this process is the host that owns
     the directory: one that is there must pass the private-root check (``tier_config.usable``:
     else one warning, tier off on this process, its peer server included); one that cannot be
     made is warned about and its copies skipped, while restores still read other hosts' tiers.
@@ -325,15 +325,15 @@ class Engine:
     if directory is not None and format_lib.is_node_step(directory):
       return None  # a node step is in the node already (multitier/node_steps.py): no copy of it
     o = self.options
-    local_dir, keep = tier_config.named_dir(o.local_dir), o.local_keep
+    tier_dir, keep = tier_config.named_dir(o.tier_dir), o.tier_keep
     root = tier_layout.split_item_dir(directory)[0] if directory is not None else None
     assigned = tier_assigned.lookup(root)  # an emergency manager's local_directory
     if assigned is not None:
-      local_dir, keep = assigned
-    cfg = tier_config.resolve(local_dir, keep, o.local_max_age_s, o.local_max_bytes)
+      tier_dir, keep = assigned
+    cfg = tier_config.resolve(tier_dir, keep, o.tier_max_age_s, o.tier_max_bytes)
     if cfg is None:
       return None
-    local = self.transport_name() == 'local'
+    local = self.transport_name() == options_lib.TransportName.IN_PROCESS
     if not cfg.explicit:
       remote = root is not None and tier_config.storage_is_remote(root)
       # A local-only step's bytes go nowhere else: the default always applies to it.
@@ -344,7 +344,7 @@ class Engine:
                    'this machine\'s disk and one process saves and restores it, so the page '
                    'cache already serves a restart (the /dev/shm default is kept for gs:// or '
                    'network storage, jobs of several processes and Pathways workers). Set '
-                   'ORBAX_PATHWAYS_LOCAL_DIR (Options.local_dir) to a tmpfs directory to keep '
+                   'ORBAX_PATHWAYS_TIER_DIR (Options.tier_dir) to a tmpfs directory to keep '
                    'a copy in node memory anyway.', root)
         return None
     return tier_config.usable(cfg, missing_ok=True) if local else cfg
@@ -379,12 +379,12 @@ class Engine:
     t0 = time.perf_counter()
     check_global(arrays, [leaf.name for leaf in leaves])
     config = dataclasses.replace(config, tier=self.tier(item.directory),
-                                 tier_scope=self.options.local_scope,
+                                 tier_scope=self.options.tier_scope,
                                  peer_timeout_s=self.options.peer_timeout_s,
                                  partner=self._partner(item.directory),
                                  tier_peer_timeout_s=self.options.tier_peer_timeout_s)
     transport = registry.create(self.transport_name(), save=config)
-    if format_lib.is_local_only(item.directory) and transport.name not in ('local', 'colocated'):
+    if format_lib.is_local_only(item.directory) and transport.name not in (options_lib.TransportName.IN_PROCESS, options_lib.TransportName.COLOCATED):
       raise errors.SaveError(
           f'{item.directory} is a local-only step (Options.local_save_interval_steps), whose '
           f'bytes go to the hosts\' node-local tiers; the {transport.name} transport writes '
@@ -426,7 +426,8 @@ class Engine:
         raise r
     done = [r for r in records if not isinstance(r, BaseException)]
     written = sum(c.nbytes for r in done for c in r.chunks)  # in the stored dtypes
-    record = records_lib.writer_record(writer, 'local', done, written_bytes=written,
+    record = records_lib.writer_record(writer, format_lib.IN_PROCESS_RECORD, done,
+                                       written_bytes=written,
                                        chunks=sum(len(r.chunks) for r in done))
     await asyncio.to_thread(meta_io.write_record, item.directory, record)
     log.debug('orbax_pathways: wrote %d host arrays (%d bytes) with checksums in %.2f s to %s',

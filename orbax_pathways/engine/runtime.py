@@ -60,4 +60,4 @@ def choose_transport(runtime: Runtime | None = None,
     if os.environ.get('ENABLE_PATHWAYS_PERSISTENCE') == '1':
       return TransportName.PERSISTENCE
     return TransportName.COLOCATED
-  return TransportName.LOCAL
+  return TransportName.IN_PROCESS

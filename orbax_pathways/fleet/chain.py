@@ -3,7 +3,7 @@ peer's tier (``peer/client.py``), else, when other processes need it too, one st
 with them (``fleet/relay.py``), else storage; every chunk checked against the committed step's
 checksums.
 
-Who calls what, on which host: the local transport's ``read`` (every process) builds the chain
+Who calls what, on which host: the in-process transport's ``read`` (every process) builds the chain
 once per restore with ``for_restore`` (with an ``Exchange`` under multi-controller JAX: this
 process then also serves its node's tier to the others and publishes what it holds) and
 hands it to ``share.read_share``; the storage reader
@@ -372,7 +372,7 @@ def _groups(chunks: Sequence[tuple[int, Box]], itemsize: int,
 
 def _writers_held(usable: Sequence[store.Entry], committed: Any) -> dict[str, list[tuple[str, str]]]:
   """Writer -> the (entry writer, save id) of this node's usable entries that hold chunks it
-  wrote: each entry holds its own writer's, and (``local_scope='held'``) the chunks of other
+  wrote: each entry holds its own writer's, and (``tier_scope='held'``) the chunks of other
   writers that the committed index's writer column names. Pure."""
   arrays = committed.arrays() if committed is not None else {}
   out: dict[str, set[tuple[str, str]]] = {}
@@ -404,7 +404,7 @@ def for_restore(cfg: tier_config.TierConfig | None, item_dir: str,
   if cfg is None:
     return None
   root, step_name, item = manifest_lib.split_item_dir(item_dir)
-  found = store.entries(cfg.local_dir, root, step_name, item) if os.path.isdir(cfg.local_dir) else []
+  found = store.entries(cfg.tier_dir, root, step_name, item) if os.path.isdir(cfg.tier_dir) else []
   if not found and peers is None and not format_names.is_local_only(item_dir):
     return None
   # The front door read the index moments ago in this restore: no second request for it. An
@@ -440,7 +440,7 @@ def for_restore(cfg: tier_config.TierConfig | None, item_dir: str,
     relay = (tier_relay.RelaySource(peer_source, relay_targets, peers.timeout_s)
              if relay_targets and not chain.tier_only else None)
     try:
-      address = tier_server.serve(cfg.local_dir, ops=fleet_ops.TABLE)
+      address = tier_server.serve(cfg.tier_dir, ops=fleet_ops.TABLE)
       if relay is not None:  # before publishing: whoever sees our key may ask for a relay
         tier_relay.register(relay)
       peers.publish(prefix, address, [(e.writer, e.save_id) for e in usable],

@@ -5,7 +5,7 @@ step survives the loss of any one slice even where state is sharded across every
 
 Who calls what, on which host (multi-controller JAX, every process of a local-only save):
 
-- ``ready(tier, client, me, timeout_s)``, before the share is written (``transports/local.py``):
+- ``ready(tier, client, me, timeout_s)``, before the share is written (``transports/in_process.py``):
   reads the job's secret (``peer/exchange.job_secret``), starts this process's tier server with
   this node's tier so that it takes copies (``peer/server.serve(tier=...)``) and publishes
   its address once per process and job (``coord.rounds.partner_address_key``).
@@ -58,7 +58,7 @@ def ready(tier: tier_config.TierConfig, client: Any, me: int, timeout_s: float) 
   (once per process, key-value client and address). ``wire.PeerError`` if the job's secret
   cannot be read."""
   secret = exchange_lib.job_secret(client, timeout_s)
-  address = peer_server.serve(tier.local_dir, secret, tier=tier, ops=fleet_ops.TABLE)
+  address = peer_server.serve(tier.tier_dir, secret, tier=tier, ops=fleet_ops.TABLE)
   key = (id(client), me, address)
   with _lock:
     if key in _published:

@@ -77,10 +77,10 @@ def check(req: Mapping[str, Any], tier: tier_config.TierConfig | None) -> tuple[
   if file == manifest_lib.MANIFEST and size > fsafe.MAX_SMALL_BYTES:
     raise Refused(f'{where}: a manifest of {size} bytes, more than the {fsafe.MAX_SMALL_BYTES} '
                   'a tier manifest may hold')
-  path = os.path.join(tier.local_dir, *parts, entry)
+  path = os.path.join(tier.tier_dir, *parts, entry)
   if fsafe.exists(os.path.join(path, manifest_lib.MANIFEST)):
     raise Refused(f'{where}: this node holds that entry whole already; it is not overwritten')
-  free = shutil.disk_usage(tier.local_dir).free
+  free = shutil.disk_usage(tier.tier_dir).free
   if size + store.MARGIN_BYTES > free:
     raise Refused(f'{where}/{file}: {size} bytes do not fit this node\'s tier ({free} bytes '
                   f'free, {store.MARGIN_BYTES} kept free: node memory)')
@@ -111,7 +111,7 @@ def receive(sock: socket.socket, req: Mapping[str, Any], tier: tier_config.TierC
   parts, entry, file, size, crc = check(req, tier)
   assert tier is not None
   where = f'{"/".join(parts)}/{entry}'
-  path = fsafe.private_dirs(tier.local_dir, *parts, entry)
+  path = fsafe.private_dirs(tier.tier_dir, *parts, entry)
   target = os.path.join(path, file + '.part' if file == manifest_lib.MANIFEST else file)
   fd = fsafe.open_new(target)
   try:
@@ -157,7 +157,7 @@ def _commit(tier: tier_config.TierConfig, parts: tuple[str, str, str], entry: st
   if why:
     _unlink(part)
     raise Refused(f'{where}: partner copy refused: {why}')
-  root_file = os.path.join(tier.local_dir, parts[0], manifest_lib.ROOT_FILE)
+  root_file = os.path.join(tier.tier_dir, parts[0], manifest_lib.ROOT_FILE)
   if not fsafe.exists(root_file):
     try:
       fsafe.write_file(root_file, (m.root + '\n').encode(), exclusive=True)

@@ -13,7 +13,7 @@ in memory; the others of its group ask it for the chunk over the tier's peer cha
 
 Who calls what, on which host (multi-controller JAX, every process, one restore):
 
-- ``transports/local.read`` registers the restore's arrays (``Target``: name, tensorstore spec,
+- ``transports/in_process.read`` registers the restore's arrays (``Target``: name, tensorstore spec,
   context, committed chunk records, and who needs which box) with ``fleet/chain.for_restore``,
   which builds a ``RelaySource`` after the peer source and registers it (``register``) under the
   restore's key prefix *before* publishing that prefix: a process that sees another's key can

@@ -73,6 +73,9 @@ COLOCATED_OCDBT_RE = re.compile(re.escape(OCDBT_PROCESS_PREFIX) + r'w\d+(retry\d
 # Writer records of these transports carry the sharding but no chunk checksums (the Pathways
 # persistence plugin computes none): their arrays verify by decoding only.
 CHECKSUMLESS_TRANSPORTS = frozenset({'persistence'})
+# The in-process transport's name in writer records: the name it had when the format was set
+# (``Options.transport`` calls it 'in_process').
+IN_PROCESS_RECORD = 'local'
 
 # ---- Step names ------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """The records orbax-pathways adds beside Orbax's own files, in ``<item>/_pathways/``, and the
 codec of one writer's record (``<writer>.msgpack``).
 
-Who writes them: under the local transport every writer (a multi-controller process) writes one
+Who writes them: under the in-process transport every writer (a multi-controller process) writes one
 record per checkpoint item in the background part of the save, and the primary host merges them
 into the index in Orbax's finalize (``storage/index.py``), before Orbax's commit marker or rename
 makes the step visible. Under the colocated transport the controller writes the index itself

@@ -11,7 +11,7 @@ Who calls what, on which host (every process that calls the manager):
   loop's thread, where node steps take the manager's local-only steps).
 - ``LocalStepHooks.save_declined`` (``manager/hooks.py`` call 5, in the training loop's thread,
   right after Orbax declined the step): the hidden manager's ``save`` of the same arguments.
-  With the local transport (multi-controller JAX) and arguments ``local_detach`` can copy, the
+  With the in-process transport (multi-controller JAX) and arguments ``local_detach`` can copy, the
   loop's thread takes only the snapshot (``transports/snapshots.take``: this process's shards
   to host; numpy leaves and JSON copied) and a background thread per manager runs the hidden
   manager's whole save: Orbax's barriers (key-value ones: the hidden manager names its

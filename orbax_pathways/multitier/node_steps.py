@@ -61,10 +61,10 @@ _managers: 'weakref.WeakKeyDictionary[Any, Any]' = weakref.WeakKeyDictionary()
 
 
 def tier_root(options: Any) -> str | None:
-  """This node's tier directory when the user named one (``Options.local_dir``, else
-  ``ORBAX_PATHWAYS_LOCAL_DIR``) and it passes the private-root check; None otherwise."""
-  cfg = tier_config.usable(tier_config.resolve(tier_config.named_dir(options.local_dir)))
-  return cfg.local_dir if cfg is not None and cfg.explicit else None
+  """This node's tier directory when the user named one (``Options.tier_dir``, else
+  ``ORBAX_PATHWAYS_TIER_DIR``) and it passes the private-root check; None otherwise."""
+  cfg = tier_config.usable(tier_config.resolve(tier_config.named_dir(options.tier_dir)))
+  return cfg.tier_dir if cfg is not None and cfg.explicit else None
 
 
 def directory(mngr: Any, root: str) -> str:
@@ -111,7 +111,7 @@ def applies(mngr: Any, options: Any, args: Any) -> bool:
   if tier_root(options) is None:
     said.once(logging.WARNING, ('node-steps-no-tier', str(mngr.directory)),
               'orbax_pathways: Options.local_steps_in=%r needs a node-local tier directory '
-              '(Options.local_dir or ORBAX_PATHWAYS_LOCAL_DIR); the local-only steps of %s '
+              '(Options.tier_dir or ORBAX_PATHWAYS_TIER_DIR); the local-only steps of %s '
               'keep their records in storage.', 'nodes', mngr.directory)
     return False
   if args is None or not _convertible(args):

@@ -3,7 +3,7 @@ and per restored item each process's server address and entries, and its holder 
 
 Who calls what, on which host (multi-controller JAX, every process):
 
-- ``transports/local.read`` makes an ``Exchange`` per restore (jax's key-value client, this
+- ``transports/in_process.read`` makes an ``Exchange`` per restore (jax's key-value client, this
   process's index, the process count, ``Options.tier_peer_timeout_s``) and reads the job's
   secret through it (``Exchange.secret`` -> ``job_secret``: once per process, then cached), then
   hands it to ``fleet/chain.for_restore``, which calls ``peer/server.serve`` (starts this
@@ -129,7 +129,7 @@ def _name(item_dir: str) -> str:
 
 class Exchange:
   """One restore's view of the other processes, through jax's key-value store (one round per
-  restored item: ``coord/rounds.py``). Made by the local transport (every process, every
+  restored item: ``coord/rounds.py``). Made by the in-process transport (every process, every
   restore); ``publish`` once per item."""
 
   def __init__(self, client: Any, process_index: int, process_count: int, timeout_s: float):

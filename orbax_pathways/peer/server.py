@@ -154,8 +154,8 @@ class _Manifests:
   the tier root down is checked with ``lstat``, the manifest is read with ``fsafe.read_small``
   (a regular file only, ``O_NOFOLLOW``)."""
 
-  def __init__(self, local_dir: str, cap: int = 32):
-    self.local_dir, self.cap = local_dir, cap
+  def __init__(self, tier_dir: str, cap: int = 32):
+    self.tier_dir, self.cap = tier_dir, cap
     self._cache: collections.OrderedDict[str, tuple[tuple[int, int, int], _Listed]] = (
         collections.OrderedDict())
     self._lock = threading.Lock()
@@ -163,7 +163,7 @@ class _Manifests:
   def get(self, parts: tuple[str, str, str], entry: str) -> _Listed | None:
     """The entry ``entry`` of item ``parts`` (root key, step, item), or None: not a real
     directory, no (or a damaged) manifest, or one that does not describe this entry."""
-    path = self.local_dir
+    path = self.tier_dir
     for p in (*parts, entry):
       path = os.path.join(path, p)
       if not fsafe.is_dir(path):
@@ -336,7 +336,7 @@ class _Handler(socketserver.BaseRequestHandler):
     if chunk is not None:  # one chunk of a band file; without it, the whole file
       return self._band_chunk(where, parts, entry, file, size, listed.bands.get(file), chunk)
     try:
-      return fsafe.open_regular(os.path.join(self.server.local_dir, *parts, entry, file), size), size
+      return fsafe.open_regular(os.path.join(self.server.tier_dir, *parts, entry, file), size), size
     except fsafe.UnsafeError as e:
       raise fsafe.UnsafeError(e.errno, f'{where}/{file} refused: {self.server.scrub(str(e))}'
                               ) from None
@@ -355,7 +355,7 @@ class _Handler(socketserver.BaseRequestHandler):
     if band is None or box is None or box not in band[3]:
       raise ValueError(f'{where}/{file}: {str(chunk)[:80]} is not a chunk its manifest places '
                        'in that file')
-    path = os.path.join(self.server.local_dir, *parts, entry, file)
+    path = os.path.join(self.server.tier_dir, *parts, entry, file)
     try:
       f = fsafe.open_regular(path, size)
       try:
@@ -404,12 +404,12 @@ class _Server(socketserver.ThreadingTCPServer):
   allow_reuse_address = True
   request_queue_size = 128
 
-  def __init__(self, address: tuple[str, int], local_dir: str, secret: bytes,
+  def __init__(self, address: tuple[str, int], tier_dir: str, secret: bytes,
                limits: wire.Limits = wire.LIMITS):
-    self.local_dir, self.secret, self.limits = local_dir, secret, limits
+    self.tier_dir, self.secret, self.limits = tier_dir, secret, limits
     self.tier: Any = None  # tier.config.TierConfig: set when it takes partner copies (``serve``)
     self.ops: Ops = NO_OPS  # its op table (``serve``)
-    self.manifests = _Manifests(local_dir)
+    self.manifests = _Manifests(tier_dir)
     self._slots = threading.BoundedSemaphore(limits.max_connections)
     super().__init__(address, _Handler)
 
@@ -438,13 +438,13 @@ class _Server(socketserver.ThreadingTCPServer):
 
   def scrub(self, text: str) -> str:
     """``text`` without this node's tier path (error answers name paths relative to it)."""
-    return text.replace(self.local_dir.rstrip('/') + '/', '').replace(self.local_dir,
+    return text.replace(self.tier_dir.rstrip('/') + '/', '').replace(self.tier_dir,
                                                                        '<tier dir>')
 
   def listing(self, parts: tuple[str, str, str]) -> bytes:
     """Every complete entry of one item in this node's tier (real directories only): its
     writer, save id and, per array, the stored layout and the chunk origins with their files."""
-    item_dir = os.path.join(self.local_dir, *parts)
+    item_dir = os.path.join(self.tier_dir, *parts)
     out = {}
     for name in fsafe.subdirs(item_dir):
       listed = self.manifests.get(parts, name)
@@ -471,12 +471,12 @@ def _advertised_host() -> str:
     return '127.0.0.1'
 
 
-def serve(local_dir: str, secret: bytes | None = None, limits: wire.Limits | None = None,
+def serve(tier_dir: str, secret: bytes | None = None, limits: wire.Limits | None = None,
           tier: Any = None, ops: Ops | None = None) -> str:
   """Starts (once per process and directory) the server of this node's tier in a daemon
   thread; returns the ``host:port`` peers reach it at (``ORBAX_PATHWAYS_PEER_ADDRESS`` names
   the host, else this host name's address). ``secret``: the job's (``job_secret``); None takes
-  the one this process last read (``Exchange.secret``, which the local transport calls before
+  the one this process last read (``Exchange.secret``, which the in-process transport calls before
   the chain serves). ``limits``: the server's bounds (``wire.LIMITS``), at its start.
   ``tier``: this node's ``TierConfig`` (``fleet/partner_copy.py``, ``Options.local_copies=2``):
   the server then also takes partner copies into it (``put``); else it refuses them. ``ops``:
@@ -487,8 +487,8 @@ def serve(local_dir: str, secret: bytes | None = None, limits: wire.Limits | Non
     raise wire.PeerError('the tier\'s peer server needs this job\'s secret (Exchange.secret()); it '
                          'never serves without one')
   with _servers_lock:
-    if local_dir in _servers:
-      server, address = _servers[local_dir]
+    if tier_dir in _servers:
+      server, address = _servers[tier_dir]
       server.secret = secret  # a later job in this process (jax.distributed restarted)
       if tier is not None:
         server.tier = tier
@@ -496,12 +496,12 @@ def serve(local_dir: str, secret: bytes | None = None, limits: wire.Limits | Non
         server.ops = ops
       return address
     host = _advertised_host()
-    server = _Server((host, 0), local_dir, secret, limits or wire.LIMITS)
+    server = _Server((host, 0), tier_dir, secret, limits or wire.LIMITS)
     server.tier, server.ops = tier, ops or NO_OPS
     address = f'{host}:{server.server_address[1]}'
     threading.Thread(target=server.serve_forever, name='orbax-pathways-tier-peer',
                      daemon=True).start()
-    _servers[local_dir] = (server, address)
+    _servers[tier_dir] = (server, address)
     return address
 
 

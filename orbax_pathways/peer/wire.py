@@ -3,7 +3,7 @@ the bound on every receive. Sockets and bytes only (no numpy, no files, no jax).
 both ends share: the names a request or a list answer may carry (``PART_RE``, ``FILE_RE``) and
 ``PeerError``, what the channel raises when a peer did not deliver (``peer/client.py``,
 ``fleet/relay.py``, ``peer/server.serve``, ``peer/exchange.job_secret``; caught by
-``fleet/chain.py`` and ``transports/local.py``).
+``fleet/chain.py`` and ``transports/in_process.py``).
 
 Who calls what, on which host: ``peer/server.py``'s server (one per process, a thread per
 connection) calls ``accept`` on each new connection, then ``recv_request`` per request;

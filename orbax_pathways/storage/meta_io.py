@@ -2,7 +2,7 @@
 
 Who calls what, on which host:
 
-- ``write_record``: each writer process (local transport) in the background part of a save; the
+- ``write_record``: each writer process (in-process transport) in the background part of a save; the
   persistence transport's controller.
 - ``write_index``: whoever knows the item is complete, before the step becomes visible: the
   primary host in Orbax's finalize (``storage/index.merge_item``), or the colocated controller

@@ -1,6 +1,6 @@
 """Reads the regions a host needs and verifies chunk checksums. No devices, no jax.
 
-Runs on the reading host: the controller process (local transport) or a Pathways worker
+Runs on the reading host: the controller process (in-process transport) or a Pathways worker
 (colocated transport). It returns host buffers per needed box; the caller puts them on devices.
 """
 

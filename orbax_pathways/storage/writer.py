@@ -1,7 +1,7 @@
 """Writes one host's pieces of arrays with tensorstore and checksums their chunks.
 
 Runs on the host that owns the bytes: the controller process itself in multi-controller JAX
-(local transport), or inside a colocated-Python function on a Pathways worker (colocated
+(in-process transport), or inside a colocated-Python function on a Pathways worker (colocated
 transport). It sees only numpy buffers, boxes and tensorstore specs: no devices, no jax.
 """
 

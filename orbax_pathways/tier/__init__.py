@@ -7,10 +7,10 @@ Modules, each one job:
 - ``fsafe``: every file system access of the tier: ``0700`` directories, ``0600`` files, no
   symlink followed, only regular files of the recorded size read.
 - ``store``: writes an entry in the background part of a save, marks it committed after the
-  step commits and drops older ones, lists entries (the CLI), resolves ``Options.local_dir``.
+  step commits and drops older ones, lists entries (the CLI), resolves ``Options.tier_dir``.
 - ``gc``: node-level clean-up once per save (and ``orbax-pathways tier --gc``): other
-  checkpoint directories' entries idle past ``Options.local_max_age_s`` or incomplete, and the
-  oldest entries while the tier is over ``Options.local_max_bytes`` (planning pure, then I/O).
+  checkpoint directories' entries idle past ``Options.tier_max_age_s`` or incomplete, and the
+  oldest entries while the tier is over ``Options.tier_max_bytes`` (planning pure, then I/O).
 - ``chunk_read``: a chunk file read straight into its place in the region's buffer.
 - ``spares``: retired chunk files kept for the next save's copy to take over.
 - ``assigned``: the tier directory an emergency manager assigns to its checkpoint directory.

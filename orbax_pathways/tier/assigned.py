@@ -3,7 +3,7 @@
 Orbax's emergency ``CheckpointManager`` takes a ``local_directory`` beside its persistent one;
 ours (``multitier/emergency.py``) makes that directory the node-local tier of every save and
 restore of its persistent directory (storage steps and local-only steps alike), keeping its
-``local.max_to_keep`` steps. Every other checkpoint directory keeps ``Options.local_dir``.
+``local.max_to_keep`` steps. Every other checkpoint directory keeps ``Options.tier_dir``.
 
 Who calls what, on which host: the manager calls ``assign`` at construction and ``release`` at
 ``close``, on every process that builds it; ``Engine.tier`` calls ``lookup`` at each save and
@@ -22,7 +22,7 @@ from orbax_pathways.tier import manifest
 
 
 class Assignment(NamedTuple):
-  local_dir: str  # the tier directory
+  tier_dir: str  # the tier directory
   keep: int  # committed steps the tier keeps for this checkpoint directory
 
 
@@ -34,10 +34,10 @@ def _key(root: Any) -> str:
   return manifest.normalize_root(root)
 
 
-def assign(root: Any, local_dir: str, keep: int) -> None:
-  """Saves and restores of ``root`` (and of its local-only steps) use the tier ``local_dir``."""
+def assign(root: Any, tier_dir: str, keep: int) -> None:
+  """Saves and restores of ``root`` (and of its local-only steps) use the tier ``tier_dir``."""
   with _lock:
-    _assigned[_key(root)] = Assignment(str(local_dir), int(keep))
+    _assigned[_key(root)] = Assignment(str(tier_dir), int(keep))
 
 
 def release(root: Any) -> None:
@@ -47,7 +47,7 @@ def release(root: Any) -> None:
 
 def lookup(root: Any) -> Assignment | None:
   """The assignment of the checkpoint directory ``root``, or of the manager directory whose
-  local-only steps ``root`` holds; None: ``Options.local_dir`` applies."""
+  local-only steps ``root`` holds; None: ``Options.tier_dir`` applies."""
   if root is None:
     return None
   key = _key(root)

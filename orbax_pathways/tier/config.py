@@ -1,9 +1,9 @@
 """Which directory is this node's tier, whether it is worth having, and whether this uid may use
-it: ``Options.local_dir`` resolved, the /dev/shm default's rule, and the private-root check.
+it: ``Options.tier_dir`` resolved, the /dev/shm default's rule, and the private-root check.
 
 Who calls what, on which host:
 
-- ``resolve`` turns ``Options.local_dir`` into a ``TierConfig`` (or None: off), and
+- ``resolve`` turns ``Options.tier_dir`` into a ``TierConfig`` (or None: off), and
   ``default_applies`` says whether the /dev/shm default is worth it for a save or restore
   (``engine.tier``, on the saving or restoring process; ``storage_is_remote`` for its first
   argument).
@@ -34,8 +34,8 @@ from orbax_pathways.format import urls
 
 _lock = threading.Lock()
 OFF = 'off'
-ENV = 'ORBAX_PATHWAYS_LOCAL_DIR'  # also the default of Options.local_dir=None (engine.tier)
-MAX_AGE_S = options.LOCAL_MAX_AGE_S  # Options.local_max_age_s's default (24 h)
+ENV = 'ORBAX_PATHWAYS_TIER_DIR'  # also the default of Options.tier_dir=None (engine.tier)
+MAX_AGE_S = options.TIER_MAX_AGE_S  # Options.tier_max_age_s's default (24 h)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ class TierConfig:
   other checkpoint directories' entries (``tier/gc.py``): their longest idle time, and the
   tier's size cap (None: half its filesystem)."""
 
-  local_dir: str
+  tier_dir: str
   keep: int = 1
   explicit: bool = True
   max_age_s: float = MAX_AGE_S
@@ -99,7 +99,7 @@ def storage_is_remote(root: str) -> bool:
 
 
 def default_applies(remote_storage: bool, processes: int, workers: bool) -> bool:
-  """Whether the /dev/shm default tier (``Options.local_dir`` unset) is kept for a save or
+  """Whether the /dev/shm default tier (``Options.tier_dir`` unset) is kept for a save or
   restore (pure; ``engine.tier`` asks): only where it saves a storage read on a restart. A
   checkpoint directory on this machine's own disk, written by one process, is read back from
   the page cache (or a local disk at its own speed): a copy in node memory buys nothing there
@@ -107,40 +107,40 @@ def default_applies(remote_storage: bool, processes: int, workers: bool) -> bool
   read for ``remote_storage`` (gs://, NFS), for jobs of several processes (a restarted process
   reads its share from its own node's memory and the survivors' tiers, not from storage: the
   job's directory is shared storage), and for Pathways workers (``workers``: the colocated
-  transport's worker hosts). An explicit ``local_dir`` is always used."""
+  transport's worker hosts). An explicit ``tier_dir`` is always used."""
   return remote_storage or processes > 1 or workers
 
 
-def named_dir(local_dir: str | None) -> str | None:
-  """The tier directory a process's options name: ``Options.local_dir``, else
-  ``ORBAX_PATHWAYS_LOCAL_DIR`` as the node has it set (where a node keeps its RAM disk is the
+def named_dir(tier_dir: str | None) -> str | None:
+  """The tier directory a process's options name: ``Options.tier_dir``, else
+  ``ORBAX_PATHWAYS_TIER_DIR`` as the node has it set (where a node keeps its RAM disk is the
   node's setting, so it holds for ``Options(...)`` built in code too); None: the default.
   What ``resolve`` takes, for ``engine.Engine.tier`` and ``multitier/node_steps.py``."""
-  return local_dir if local_dir is not None else (os.environ.get(ENV) or None)
+  return tier_dir if tier_dir is not None else (options.env_raw(ENV) or None)
 
 
 @functools.lru_cache(maxsize=64)
-def resolve(local_dir: str | None, keep: int = 1, max_age_s: float = MAX_AGE_S,
+def resolve(tier_dir: str | None, keep: int = 1, max_age_s: float = MAX_AGE_S,
             max_bytes: int | None = None) -> TierConfig | None:
-  """``Options.local_dir`` as a ``TierConfig``: None picks the /dev/shm default (None when
+  """``Options.tier_dir`` as a ``TierConfig``: None picks the /dev/shm default (None when
   /dev/shm is not a tmpfs), ``'off'`` turns the tier off."""
-  if local_dir is not None and local_dir.strip().lower() == OFF:
+  if tier_dir is not None and tier_dir.strip().lower() == OFF:
     return None
-  if local_dir is None or not local_dir.strip():
+  if tier_dir is None or not tier_dir.strip():
     d = default_dir()
     return TierConfig(d, keep, False, max_age_s, max_bytes) if d else None
-  return TierConfig(os.path.abspath(os.path.expanduser(local_dir.strip())), keep, True,
+  return TierConfig(os.path.abspath(os.path.expanduser(tier_dir.strip())), keep, True,
                     max_age_s, max_bytes)
 
 
-ADVICE = ('Free space there, point ORBAX_PATHWAYS_LOCAL_DIR (Options.local_dir) elsewhere, or '
+ADVICE = ('Free space there, point ORBAX_PATHWAYS_TIER_DIR (Options.tier_dir) elsewhere, or '
            'set it to "off" to silence this.')
 
 
 def warn(cfg: TierConfig, reason: str, detail: str, advice: str = ADVICE) -> None:
-  said.once(logging.WARNING, ('tier', cfg.local_dir, reason),
+  said.once(logging.WARNING, ('tier', cfg.tier_dir, reason),
              'orbax_pathways: node-local tier skipped (%s): %s. Saves go on to storage as '
-             'before; restores read storage. %s', cfg.local_dir, detail, advice)
+             'before; restores read storage. %s', cfg.tier_dir, detail, advice)
 
 
 # Tier directories that passed the private-root check in this process: path -> the lstat
@@ -154,30 +154,30 @@ def _root_key_of(st: os.stat_result) -> tuple[int, int, int, int]:
   return st.st_dev, st.st_ino, st.st_uid, st.st_mode
 
 
-def root_problem(local_dir: str, *, create: bool) -> str:
-  """Why ``local_dir`` must not be used as this uid's tier ('' when it may): ``create`` makes
+def root_problem(tier_dir: str, *, create: bool) -> str:
+  """Why ``tier_dir`` must not be used as this uid's tier ('' when it may): ``create`` makes
   it ``0700`` if missing (``fsafe.private_root``, before a write), else it is only inspected
   (``fsafe.root_problem``, before a read). Cheap: once per process and directory."""
   try:
-    st: os.stat_result | None = os.lstat(local_dir)
+    st: os.stat_result | None = os.lstat(tier_dir)
   except OSError:
     st = None
-  if st is not None and _roots.get(local_dir) == _root_key_of(st):
+  if st is not None and _roots.get(tier_dir) == _root_key_of(st):
     return ''
-  why = fsafe.private_root(local_dir) if create else fsafe.root_problem(local_dir)
+  why = fsafe.private_root(tier_dir) if create else fsafe.root_problem(tier_dir)
   if not why:
     try:
-      st = os.lstat(local_dir)
+      st = os.lstat(tier_dir)
     except OSError as e:
-      return f'cannot inspect {local_dir}: {e}'
+      return f'cannot inspect {tier_dir}: {e}'
     with _lock:
-      _roots[local_dir] = _root_key_of(st)
-      used.add(local_dir)
+      _roots[tier_dir] = _root_key_of(st)
+      used.add(tier_dir)
   return why
 
 
 UNSAFE_ADVICE = ('Nothing in it was read, written or removed. Remove it if you did not make it, '
-                  'or point ORBAX_PATHWAYS_LOCAL_DIR (Options.local_dir) at a directory of your '
+                  'or point ORBAX_PATHWAYS_TIER_DIR (Options.tier_dir) at a directory of your '
                   'own, or set it to "off".')
 
 
@@ -192,22 +192,22 @@ def usable(cfg: TierConfig | None, *, missing_ok: bool = False) -> TierConfig | 
   tier is off on this process: nothing in it is read, served or written)."""
   if cfg is None:
     return None
-  why = root_problem(cfg.local_dir, create=True)
+  why = root_problem(cfg.tier_dir, create=True)
   if why:
     warn(cfg, 'unsafe:' + why, why, UNSAFE_ADVICE)
-    return cfg if missing_ok and not fsafe.exists(cfg.local_dir) else None
+    return cfg if missing_ok and not fsafe.exists(cfg.tier_dir) else None
   return cfg
 
 
-def readable(local_dir: str) -> bool:
-  """Whether a listing may read ``local_dir``: it exists and passes ``fsafe.root_problem``
+def readable(tier_dir: str) -> bool:
+  """Whether a listing may read ``tier_dir``: it exists and passes ``fsafe.root_problem``
   (one warning per process otherwise: a planted tier is never read)."""
-  if not fsafe.exists(local_dir):
+  if not fsafe.exists(tier_dir):
     return False
-  why = root_problem(local_dir, create=False)
+  why = root_problem(tier_dir, create=False)
   if why:
-    said.once(logging.WARNING, ('tier-read', local_dir, why),
+    said.once(logging.WARNING, ('tier-read', tier_dir, why),
                'orbax_pathways: node-local tier %s not read: %s. Restores read storage. %s',
-               local_dir, why, UNSAFE_ADVICE)
+               tier_dir, why, UNSAFE_ADVICE)
     return False
   return True

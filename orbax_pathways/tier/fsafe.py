@@ -113,15 +113,15 @@ def _not_private(path: str, st: os.stat_result) -> str:
   uid = os.geteuid()
   if not stat.S_ISDIR(st.st_mode):
     return (f'{path} is {_describe(st)}, not a directory of this user (uid {uid}); another user '
-            'may have made it to take over this tier. Remove it, or set ORBAX_PATHWAYS_LOCAL_DIR '
+            'may have made it to take over this tier. Remove it, or set ORBAX_PATHWAYS_TIER_DIR '
             'to a directory of your own')
   if st.st_uid != uid:
     return (f'{path} is {_describe(st)}, not owned by this user (uid {uid}); another user may '
             'have made it to read or replace this tier\'s checkpoint values. Remove it, or set '
-            'ORBAX_PATHWAYS_LOCAL_DIR to a directory of your own')
+            'ORBAX_PATHWAYS_TIER_DIR to a directory of your own')
   if stat.S_IMODE(st.st_mode) & 0o022:
     return (f'{path} is {_describe(st)}: other users can write into it. chmod 700 it (or remove '
-            'it), or set ORBAX_PATHWAYS_LOCAL_DIR to a directory of your own')
+            'it), or set ORBAX_PATHWAYS_TIER_DIR to a directory of your own')
   return ''
 
 

@@ -20,7 +20,7 @@ What is dropped, when (``plan``):
   (``store.touch``); for an incomplete entry also its newest file's. A copy in progress writes
   files continuously, and a restore touches what it reads, so 5 minutes idle means unused.
 - ``age``: an entry of another checkpoint directory idle for ``max_age_s``
-  (``Options.local_max_age_s``, 24 h: a job that comes back to this node within a day, after a
+  (``Options.tier_max_age_s``, 24 h: a job that comes back to this node within a day, after a
   preemption or maintenance, still finds its copy).
 - ``incomplete``: an idle entry of another directory without a manifest (a save or copy cut
   short, or a damaged manifest): no restore uses it.
@@ -31,18 +31,18 @@ What is dropped, when (``plan``):
   directories only, one directory listing each, no storage request; a gs:// directory's
   entries are judged by ``orbax-pathways tier --gc`` (one listing per directory, one index read
   per step), or go by age.
-- Node steps (``multitier/node_steps.py``, ``<local_dir>/.node-steps/``): their bytes count
+- Node steps (``multitier/node_steps.py``, ``<tier_dir>/.node-steps/``): their bytes count
   against the cap, but the cap never drops one (its manager's retention keeps a job's newest
-  ``local_keep``); one idle for ``max_age_s`` goes (``age``: a job that stopped), and so does
+  ``tier_keep``); one idle for ``max_age_s`` goes (``age``: a job that stopped), and so does
   an idle one Orbax never finalized (``incomplete``: a save cut short).
 - ``cap``: while the tier's entries and node steps hold more than ``max_bytes`` bytes
-  (``Options.local_max_bytes``; default half the size of the tier's filesystem: /dev/shm is
+  (``Options.tier_max_bytes``; default half the size of the tier's filesystem: /dev/shm is
   half the RAM by default, so a quarter of it, leaving room for the next copy and the other
   users of /dev/shm), idle entries, oldest first: other directories' entries first, then the
   saving directory's steps older than its newest committed one. Never the entry just written,
   nor the saving directory's newest committed step or the steps after it (saves in flight).
 
-The saving directory's own steps are otherwise ``store.prune``'s (``local_keep``). A by-hand
+The saving directory's own steps are otherwise ``store.prune``'s (``tier_keep``). A by-hand
 run has no saving directory. A failure is logged once per process and tier directory, never
 raised into a save. No jax here.
 """
@@ -159,12 +159,12 @@ def _incomplete_stat(path: str) -> tuple[float, int] | None:
   return mtime, nbytes
 
 
-def node_steps(local_dir: str) -> list[Seen]:
-  """The node steps under ``local_dir`` (``<local_dir>/.node-steps/<digest>/<step>``, Orbax's
+def node_steps(tier_dir: str) -> list[Seen]:
+  """The node steps under ``tier_dir`` (``<tier_dir>/.node-steps/<digest>/<step>``, Orbax's
   step directories of ``multitier/node_steps.py``) as ``plan`` sees them: root key
   ``.node-steps/<digest>``, complete once Orbax finalized it (a step number for a name, its
   ``_CHECKPOINT_METADATA`` there), its files' bytes and newest mtime."""
-  base = os.path.join(local_dir, format_lib.NODE_STEPS_DIR)
+  base = os.path.join(tier_dir, format_lib.NODE_STEPS_DIR)
   out = []
   for digest in fsafe.subdirs(base):
     for name in fsafe.subdirs(os.path.join(base, digest)):
@@ -179,12 +179,12 @@ def node_steps(local_dir: str) -> list[Seen]:
   return out
 
 
-def scan(local_dir: str, judge: Judge | None = None) -> tuple[list[Seen], dict[str, store.Entry]]:
-  """Every entry of the tier at ``local_dir`` as ``plan`` sees it, then the node steps beside
+def scan(tier_dir: str, judge: Judge | None = None) -> tuple[list[Seen], dict[str, store.Entry]]:
+  """Every entry of the tier at ``tier_dir`` as ``plan`` sees it, then the node steps beside
   them (``node_steps``: their bytes count against the cap), and the entries by path; ``judge``
   says which entries are gone from storage or stale (``gone_locally`` at a save)."""
   seen, by_path = [], {}
-  for e in store.entries(local_dir):
+  for e in store.entries(tier_dir):
     if e.manifest is not None:
       try:
         got: tuple[float, int] | None = (os.lstat(e.path).st_mtime, e.manifest.nbytes)
@@ -198,17 +198,17 @@ def scan(local_dir: str, judge: Judge | None = None) -> tuple[list[Seen], dict[s
                      got[0]))
     by_path[e.path] = e
   if judge is not None and by_path:
-    verdicts = judge(list(by_path.values()), local_dir)
+    verdicts = judge(list(by_path.values()), tier_dir)
     seen = [dataclasses.replace(s, storage=verdicts.get(s.path, '')) for s in seen]
-  return seen + node_steps(local_dir), by_path
+  return seen + node_steps(tier_dir), by_path
 
 
-def entry_root(local_dir: str, e: store.Entry, roots: dict[str, str | None]) -> str | None:
+def entry_root(tier_dir: str, e: store.Entry, roots: dict[str, str | None]) -> str | None:
   """The checkpoint directory of entry ``e`` (its root key's ``root.txt``, else its manifest's
   root), only if it is the one the root key names (else None: not known). ``roots`` caches
   ``root.txt`` per key."""
   if e.root_key not in roots:
-    roots[e.root_key] = store.root_of(local_dir, e.root_key)
+    roots[e.root_key] = store.root_of(tier_dir, e.root_key)
   root = roots[e.root_key] or (e.manifest.root if e.manifest else None)
   if root is None or manifest_lib.root_key(root) != e.root_key:
     return None
@@ -238,7 +238,7 @@ def _local_steps(root: str) -> set[str] | None:
     return None
 
 
-def gone_locally(found: Sequence[store.Entry], local_dir: str) -> dict[str, str]:
+def gone_locally(found: Sequence[store.Entry], tier_dir: str) -> dict[str, str]:
   """``GONE`` for each entry whose checkpoint directory is a local path that no longer holds
   its step, or no longer exists (one listing per checkpoint directory, no storage request);
   entries of gs:// (or other remote) directories are not judged here."""
@@ -246,7 +246,7 @@ def gone_locally(found: Sequence[store.Entry], local_dir: str) -> dict[str, str]
   listed: dict[str, set[str] | None] = {}
   out = {}
   for e in found:
-    root = entry_root(local_dir, e, roots)
+    root = entry_root(tier_dir, e, roots)
     if root is None or urls.is_url(root):
       continue
     if root not in listed:
@@ -257,10 +257,10 @@ def gone_locally(found: Sequence[store.Entry], local_dir: str) -> dict[str, str]
   return out
 
 
-def default_cap(local_dir: str) -> int | None:
+def default_cap(tier_dir: str) -> int | None:
   """Half the size of the filesystem the tier is on (None if it cannot be read)."""
   try:
-    st = os.statvfs(local_dir)
+    st = os.statvfs(tier_dir)
   except OSError:
     return None
   return st.f_blocks * st.f_frsize // 2
@@ -271,7 +271,7 @@ class Result:
   """One clean-up: the limits it applied, what it saw, what it dropped (or, ``dry_run``,
   would drop), with each entry's ``store.Entry``."""
 
-  local_dir: str
+  tier_dir: str
   max_age_s: float
   max_bytes: int | None
   now: float
@@ -289,10 +289,10 @@ class Result:
     return self.bytes_before - sum(d.seen.nbytes for d in self.dropped)
 
 
-def _remove_empty_root(local_dir: str, key: str) -> None:
+def _remove_empty_root(tier_dir: str, key: str) -> None:
   """A root key directory left with only its ``root.txt``: removed. A save of that directory
   that starts meanwhile writes ``root.txt`` again, or fails its copy (one warning)."""
-  kdir = os.path.join(local_dir, key)
+  kdir = os.path.join(tier_dir, key)
   try:
     if fsafe.is_dir(kdir) and fsafe.names(kdir) == [manifest_lib.ROOT_FILE]:
       os.unlink(os.path.join(kdir, manifest_lib.ROOT_FILE))
@@ -301,27 +301,27 @@ def _remove_empty_root(local_dir: str, key: str) -> None:
     pass
 
 
-def collect(local_dir: str, *, max_age_s: float, max_bytes: int | None = None,
+def collect(tier_dir: str, *, max_age_s: float, max_bytes: int | None = None,
             current: str | None = None, keep: Container[str] = (), dry_run: bool = False,
             now: float | None = None, judge: Judge | None = gone_locally) -> Result:
-  """Lists the tier at ``local_dir``, drops what ``plan`` says (``max_bytes`` None: half its
+  """Lists the tier at ``tier_dir``, drops what ``plan`` says (``max_bytes`` None: half its
   filesystem; ``current``: root key of the directory being saved; ``keep``: paths never
   dropped; ``judge``: which entries storage no longer has, ``gone_locally`` by default); with
   ``dry_run`` only says what it would drop."""
-  seen, by_path = scan(local_dir, judge)
-  cap = max_bytes if max_bytes is not None else default_cap(local_dir)
+  seen, by_path = scan(tier_dir, judge)
+  cap = max_bytes if max_bytes is not None else default_cap(tier_dir)
   now = time.time() if now is None else now
   drops = plan(seen, now, max_age_s, cap, current, keep)
   if not dry_run:
-    spares.expire(local_dir, now)  # a stopped job's spares (``tier/spares.py``)
+    spares.expire(tier_dir, now)  # a stopped job's spares (``tier/spares.py``)
     for d in drops:
       if d.seen.node_step:
         fsafe.remove_tree(d.seen.path)
       else:
         store.remove(d.seen.path)
     for key in sorted({d.seen.root_key for d in drops} - {current}):
-      _remove_empty_root(local_dir, key)
-  return Result(local_dir, max_age_s, cap, now, dry_run, tuple(seen), tuple(drops), by_path)
+      _remove_empty_root(tier_dir, key)
+  return Result(tier_dir, max_age_s, cap, now, dry_run, tuple(seen), tuple(drops), by_path)
 
 
 _last: dict[str, tuple[str, str]] = {}  # tier directory -> (root key, step) last cleaned for
@@ -332,27 +332,27 @@ def after_write(cfg: tier_config.TierConfig, path: str) -> Result | None:
   """After this process wrote entry ``path`` (the tier's background thread): cleans the tier
   up once per save (the first copy of each root and step; later items or device groups of
   the same save skip). Logs what it dropped; never raises (one warning per process)."""
-  parts = os.path.relpath(path, cfg.local_dir).split(os.sep)
+  parts = os.path.relpath(path, cfg.tier_dir).split(os.sep)
   if len(parts) != 4:
     return None
   key, step_name = parts[0], parts[1]
   with _lock:
-    if _last.get(cfg.local_dir) == (key, step_name):
+    if _last.get(cfg.tier_dir) == (key, step_name):
       return None
-    _last[cfg.local_dir] = (key, step_name)
+    _last[cfg.tier_dir] = (key, step_name)
   try:
-    result = collect(cfg.local_dir, max_age_s=cfg.max_age_s, max_bytes=cfg.max_bytes,
+    result = collect(cfg.tier_dir, max_age_s=cfg.max_age_s, max_bytes=cfg.max_bytes,
                      current=key, keep=(path,))
   except Exception as e:  # pylint: disable=broad-except  # a cache's clean-up: never the save's
-    said.once(logging.WARNING, ('tier-gc', cfg.local_dir),
+    said.once(logging.WARNING, ('tier-gc', cfg.tier_dir),
                'orbax_pathways: node-local tier %s: cleaning up other checkpoint directories\' '
                'entries failed (%s: %s); they stay until a later save or `orbax-pathways tier '
-               '--gc` removes them.', cfg.local_dir, type(e).__name__, e)
+               '--gc` removes them.', cfg.tier_dir, type(e).__name__, e)
     return None
   if result.dropped:
     counts = {r: sum(d.reason == r for d in result.dropped) for r in REASONS}
     log.info('orbax_pathways: node-local tier %s: dropped %d entries (%.1f MiB; %s); %.1f MiB '
-             'left', cfg.local_dir, len(result.dropped),
+             'left', cfg.tier_dir, len(result.dropped),
              sum(d.seen.nbytes for d in result.dropped) / 2**20,
              ', '.join(f'{n} {r}' for r, n in counts.items() if n), result.bytes_after / 2**20)
   return result

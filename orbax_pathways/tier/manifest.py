@@ -2,7 +2,7 @@
 
 An entry is one writer's chunks of one item of one save::
 
-    <local_dir>/<root key>/<step name>/<item name>/<writer>.<save id>/
+    <tier_dir>/<root key>/<step name>/<item name>/<writer>.<save id>/
         manifest.msgpack   written last (atomic rename): the entry is whole once it exists
         COMMITTED          created after the step committed (the manager's after_commit hook)
         <a>.<c>.bin        raw bytes of chunk c of array a (stored dtype, C order, clipped),
@@ -87,9 +87,9 @@ def parse_entry_name(name: str) -> tuple[str, str] | None:
   return (writer, save_id) if dot and writer and save_id else None
 
 
-def entry_dir(local_dir: str, root: str, step_name: str, item_name: str, writer: str,
+def entry_dir(tier_dir: str, root: str, step_name: str, item_name: str, writer: str,
               save_id: str) -> str:
-  return os.path.join(local_dir, root_key(root), step_name, item_name, entry_name(writer, save_id))
+  return os.path.join(tier_dir, root_key(root), step_name, item_name, entry_name(writer, save_id))
 
 
 def chunk_file(array_index: int, chunk_index: int) -> str:

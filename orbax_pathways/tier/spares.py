@@ -11,17 +11,17 @@ local-only save's CPU is 0.58x that without spares into a local directory, 0.65x
 
 Who calls what, on which host (every writer host, its own node's tier):
 
-- ``retire(local_dir, entry)``: ``tier/store.py``, where an entry this process wrote is dropped
+- ``retire(tier_dir, entry)``: ``tier/store.py``, where an entry this process wrote is dropped
   because newer steps replaced it (``prune`` after a commit, ``forget_step`` after Orbax deleted
   the step). Its chunk files of at least ``MIN_BYTES`` move (``rename``) into this writer's pool
-  ``<local_dir>/.spare/<slot>/``, named ``<bytes>.<generation>.<token>``; the caller then
+  ``<tier_dir>/.spare/<slot>/``, named ``<bytes>.<generation>.<token>``; the caller then
   removes the rest of the entry. Only when the entry was written less than ``WINDOW_S`` ago
   (saves that frequent are the ones whose cost this saves; a job saving every ten minutes keeps
   today's memory: the old copy freed at once), and only for writers this process writes as.
   Spares of an older generation (a step retired before, whose spares the last save did not
   take) are unlinked then: a pool holds at most one entry's files per writer, the copy a save
   needs at its peak anyway.
-- ``Pool(local_dir, writer).claim(nbytes, dest)``: ``store.write_entry``, for each band file it
+- ``Pool(tier_dir, writer).claim(nbytes, dest)``: ``store.write_entry``, for each band file it
   writes. Takes a spare of exactly ``nbytes`` (``rename`` to ``dest``: one claimant wins), then
   opens it and takes a write *lease* (``F_SETLEASE``), which the kernel grants only when no
   other descriptor or mapping of the file exists anywhere: a restored array mapped onto the
@@ -30,8 +30,8 @@ Who calls what, on which host (every writer host, its own node's tier):
   writes the bytes through the returned descriptor and ``release``s it; an ``open`` of the file
   meanwhile (a reader that found the old name before the rename) waits for the release, then
   sees the new bytes, which the old step's checksums refuse.
-- ``drop(local_dir)``: ``store._make_room`` when a copy does not fit: spares go first.
-  ``expire(local_dir, now)``: ``tier/gc.collect`` drops spares older than ``WINDOW_S`` (a job
+- ``drop(tier_dir)``: ``store._make_room`` when a copy does not fit: spares go first.
+  ``expire(tier_dir, now)``: ``tier/gc.collect`` drops spares older than ``WINDOW_S`` (a job
   that stopped).
 
 Every path is inside the tier's private directory (``tier/fsafe.py``): directories ``0700``,
@@ -55,7 +55,7 @@ from typing import Callable, Iterator
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
 
-POOL = '.spare'  # <local_dir>/.spare/<slot>/<file>: a listing of root keys finds no entry in it
+POOL = '.spare'  # <tier_dir>/.spare/<slot>/<file>: a listing of root keys finds no entry in it
 MIN_BYTES = 1 << 20  # smaller files: a new one costs little more than the claim
 WINDOW_S = 120.0  # an entry written longer ago than this is freed, not kept as a spare
 
@@ -80,10 +80,10 @@ def _generation(entry: str) -> str:
   return hashlib.sha256(f'{key}/{os.path.basename(step_dir)}'.encode()).hexdigest()[:12]
 
 
-def _pool_dir(local_dir: str, writer: str) -> str | None:
+def _pool_dir(tier_dir: str, writer: str) -> str | None:
   """``writer``'s pool when it exists, each component a real directory (``lstat``: never
   through a symlink), else None."""
-  top = os.path.join(local_dir, POOL)
+  top = os.path.join(tier_dir, POOL)
   pool = os.path.join(top, _slot(writer))
   return pool if fsafe.is_dir(top) and fsafe.is_dir(pool) else None
 
@@ -100,7 +100,7 @@ def _own_file(st: os.stat_result, nbytes: int | None = None) -> bool:
           and not st.st_mode & 0o077 and (nbytes is None or st.st_size == nbytes))
 
 
-def retire(local_dir: str, entry: str, now: float | None = None) -> int:
+def retire(tier_dir: str, entry: str, now: float | None = None) -> int:
   """Moves the big chunk files of ``entry`` (an entry directory about to be removed) into its
   writer's pool; returns how many. Best effort: anything unexpected leaves the file where it
   is, for the caller's removal."""
@@ -126,14 +126,14 @@ def retire(local_dir: str, entry: str, now: float | None = None) -> int:
         st = os.lstat(os.path.join(entry, name))
         if st.st_size >= MIN_BYTES and _own_file(st):
           found.append((name, st.st_size))
-    old = _pool_dir(local_dir, writer) or ''  # '' lists as empty
+    old = _pool_dir(tier_dir, writer) or ''  # '' lists as empty
     for name in fsafe.names(old):  # spares an earlier retire left and no save took
       p = _parse(name)
       if p is None or p[1] != gen:
         fsafe.remove_tree(os.path.join(old, name))
     if not found:
       return 0
-    pool = fsafe.private_dirs(local_dir, POOL, _slot(writer))  # refuses a symlink in the way
+    pool = fsafe.private_dirs(tier_dir, POOL, _slot(writer))  # refuses a symlink in the way
     for name, size in found:
       dst = os.path.join(pool, f'{size}.{gen}.{secrets.token_hex(8)}')
       os.rename(os.path.join(entry, name), dst)
@@ -175,8 +175,8 @@ def release(fd: int) -> None:
 class Pool:
   """This writer's spares, listed once per entry written (``store.write_entry``)."""
 
-  def __init__(self, local_dir: str, writer: str, now: float | None = None):
-    found = _pool_dir(local_dir, writer)
+  def __init__(self, tier_dir: str, writer: str, now: float | None = None):
+    found = _pool_dir(tier_dir, writer)
     self._dir = found or ''
     self._by_size: dict[int, list[str]] = {}
     now = time.time() if now is None else now
@@ -220,37 +220,37 @@ def write(fd: int, data: bytes | memoryview) -> None:
     offset += os.pwrite(fd, view[offset:], offset)
 
 
-def drop(local_dir: str) -> int:
-  """Unlinks every spare of every writer under ``local_dir``; returns the bytes freed."""
-  return _remove(local_dir, lambda st: True)
+def drop(tier_dir: str) -> int:
+  """Unlinks every spare of every writer under ``tier_dir``; returns the bytes freed."""
+  return _remove(tier_dir, lambda st: True)
 
 
-def expire(local_dir: str, now: float | None = None) -> int:
+def expire(tier_dir: str, now: float | None = None) -> int:
   """Unlinks spares retired more than ``WINDOW_S`` ago (a job that stopped saving); returns
   the bytes freed."""
   now = time.time() if now is None else now
-  return _remove(local_dir, lambda st: now - st.st_mtime > WINDOW_S)
+  return _remove(tier_dir, lambda st: now - st.st_mtime > WINDOW_S)
 
 
-def _spares(local_dir: str) -> Iterator[tuple[str, os.stat_result]]:
-  """(path, lstat) of every spare of every writer under ``local_dir`` (never through a
+def _spares(tier_dir: str) -> Iterator[tuple[str, os.stat_result]]:
+  """(path, lstat) of every spare of every writer under ``tier_dir`` (never through a
   symlink: ``.spare`` and each slot must be real directories)."""
-  root = os.path.join(local_dir, POOL)
+  root = os.path.join(tier_dir, POOL)
   if fsafe.is_dir(root):
     for slot in fsafe.subdirs(root):
       yield from fsafe.walk_files(os.path.join(root, slot))
 
 
-def _remove(local_dir: str, which: Callable[[os.stat_result], bool]) -> int:
+def _remove(tier_dir: str, which: Callable[[os.stat_result], bool]) -> int:
   freed = 0
-  for path, st in _spares(local_dir):
+  for path, st in _spares(tier_dir):
     if which(st):
       fsafe.remove_tree(path)
       freed += st.st_size
   return freed
 
 
-def pooled(local_dir: str) -> tuple[int, int]:
-  """(spare files, their bytes) under ``local_dir`` (``orbax-pathways tier``)."""
-  found = [st.st_size for _, st in _spares(local_dir)]
+def pooled(tier_dir: str) -> tuple[int, int]:
+  """(spare files, their bytes) under ``tier_dir`` (``orbax-pathways tier``)."""
+  found = [st.st_size for _, st in _spares(tier_dir)]
   return len(found), sum(found)

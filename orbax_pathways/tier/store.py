@@ -7,7 +7,7 @@ Who calls what, on which host:
   buffers: no extra device-to-host copy, never inside ``save()``'s blocking part. It never
   fails the save: a tier that would not fit, or whose directory is read-only or full, is skipped
   with one warning per process and directory.
-- ``submit(fn, *args)`` (the local transport's ``share.write_share``) queues that copy on the
+- ``submit(fn, *args)`` (the in-process transport's ``share.write_share``) queues that copy on the
   tier's one background thread and returns at once: the copy is not on the commit path (a step
   commits when storage has it; the tier is a cache). The next save's background writes first
   wait for copies still queued (``flush``), so at most one save's buffers wait for the tier.
@@ -15,10 +15,10 @@ Who calls what, on which host:
   ends); ``flush(timeout)`` waits for them on demand.
 - ``on_commit(root, step)`` runs on every process from the CheckpointManager's ``after_commit``
   hook (``_registration``): marks the entries this process wrote for ``step`` committed, drops
-  other saves of that step and steps older than the newest ``local_keep`` committed ones. A
+  other saves of that step and steps older than the newest ``tier_keep`` committed ones. A
   front door without that hook (``ocp.v1.save``, a bare ``Checkpointer``) leaves entries
   unmarked; a restore still uses an unmarked entry whose save id the committed index records,
-  and each new write drops all but the newest ``local_keep + 1`` unmarked steps.
+  and each new write drops all but the newest ``tier_keep + 1`` unmarked steps.
 - Which directory is the tier and whether this uid may use it is ``tier/config.py``
   (``resolve``, ``default_applies``, ``usable``); ``write_entry`` checks ``usable`` before its
   first write. ``entries`` lists a node's tier (the restore's source chain, ``orbax-pathways
@@ -57,6 +57,7 @@ import numpy as np
 from orbax_pathways._util import priority
 from orbax_pathways._util import said
 from orbax_pathways.format import names as format_lib
+from orbax_pathways import options as options_lib
 from orbax_pathways import version
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.storage import cast as cast_lib
@@ -142,22 +143,22 @@ def write_entry(cfg: config_lib.TierConfig, item_dir: str, writer: str, save_id:
   root, step_name, item_name = manifest_lib.split_item_dir(item_dir)
   key = manifest_lib.root_key(root)
   name = manifest_lib.entry_name(writer, save_id)
-  path = os.path.join(cfg.local_dir, key, step_name, item_name, name)
+  path = os.path.join(cfg.tier_dir, key, step_name, item_name, name)
   total = sum(int(np.asarray(p.data).nbytes) for ps in pieces for p in ps)
   made = False  # only a directory this call made (checked component by component) is removed
   try:
     if not _make_room(cfg, root, step_name, total, item_dir):
       return None
-    fsafe.private_dirs(cfg.local_dir, key, step_name, item_name, name)
+    fsafe.private_dirs(cfg.tier_dir, key, step_name, item_name, name)
     made = True
-    root_file = os.path.join(cfg.local_dir, key, manifest_lib.ROOT_FILE)
+    root_file = os.path.join(cfg.tier_dir, key, manifest_lib.ROOT_FILE)
     if not fsafe.exists(root_file):
       try:
         fsafe.write_file(root_file, (root + '\n').encode(), exclusive=True)
       except FileExistsError:
         pass  # another process of this node wrote it meanwhile
     spares.note_writer(writer)
-    pool = spares.Pool(cfg.local_dir, writer)  # a dropped step's files, written over
+    pool = spares.Pool(cfg.tier_dir, writer)  # a dropped step's files, written over
     # A colocated save writes one device group per call: later groups add to the entry.
     arrays = list(_existing(path, save_id))
     first = len(arrays)
@@ -217,7 +218,7 @@ def adopt(cfg: config_lib.TierConfig, path: str, root: str, step_name: str) -> N
   already did; then the tier is pruned."""
   parsed = format_lib.parse_step_name(step_name)
   with _lock:
-    config_lib.used.add(cfg.local_dir)
+    config_lib.used.add(cfg.tier_dir)
     committed = parsed is not None and (manifest_lib.normalize_root(root), parsed[0]) in _committed
     if not committed:
       _pending.setdefault((root, step_name), []).append((path, cfg))
@@ -226,8 +227,8 @@ def adopt(cfg: config_lib.TierConfig, path: str, root: str, step_name: str) -> N
   prune(cfg, root)
 
 
-def _free_bytes(local_dir: str) -> int:
-  return shutil.disk_usage(local_dir).free
+def _free_bytes(tier_dir: str) -> int:
+  return shutil.disk_usage(tier_dir).free
 
 
 def _older(found: Sequence[Entry], step_name: str) -> list[Entry]:
@@ -247,20 +248,20 @@ def _make_room(cfg: config_lib.TierConfig, root: str, step_name: str, total: int
   newest step rather than its first forever. Still no room: one warning naming the bytes, the
   free space and the margin; nothing is created."""
   margin = 0 if cfg.explicit else MARGIN_BYTES
-  free = _free_bytes(cfg.local_dir)
+  free = _free_bytes(cfg.tier_dir)
   dropped = 0
-  if free < total + margin and spares.drop(cfg.local_dir):  # spares go first
-    free = _free_bytes(cfg.local_dir)
+  if free < total + margin and spares.drop(cfg.tier_dir):  # spares go first
+    free = _free_bytes(cfg.tier_dir)
   if free < total + margin:
-    for e in _older(entries(cfg.local_dir, root), step_name):
+    for e in _older(entries(cfg.tier_dir, root), step_name):
       remove(e.path)
       dropped += 1
     if dropped:
-      free = _free_bytes(cfg.local_dir)
+      free = _free_bytes(cfg.tier_dir)
   if free >= total + margin:
     if dropped:
       log.info('orbax_pathways: node-local tier %s: dropped %d older entr%s of %s to make room '
-               'for step %s', cfg.local_dir, dropped, 'y' if dropped == 1 else 'ies', root,
+               'for step %s', cfg.tier_dir, dropped, 'y' if dropped == 1 else 'ies', root,
                step_name)
     return True
   kept = (f'the default tier leaves a safety margin of {margin} bytes '
@@ -356,18 +357,18 @@ def _files_problem(path: str, m: manifest_lib.Manifest) -> str:
   return ''
 
 
-def entries(local_dir: str, root: str | None = None, step_name: str | None = None,
+def entries(tier_dir: str, root: str | None = None, step_name: str | None = None,
             item: str | None = None) -> list[Entry]:
-  """Every entry under ``local_dir``, narrowed to one checkpoint directory / step / item.
+  """Every entry under ``tier_dir``, narrowed to one checkpoint directory / step / item.
   Nothing when the directory fails the private-root check (one warning): a tier another user
   made is never read. Only real directories are descended into."""
-  if not config_lib.readable(local_dir):
+  if not config_lib.readable(tier_dir):
     return []
   out = []
   keys = ([manifest_lib.root_key(root)] if root is not None else
-          [k for k in fsafe.subdirs(local_dir) if not k.startswith('.')])  # node steps' own
+          [k for k in fsafe.subdirs(tier_dir) if not k.startswith('.')])  # node steps' own
   for key in keys:
-    kdir = os.path.join(local_dir, key)
+    kdir = os.path.join(tier_dir, key)
     for s in ([step_name] if step_name is not None else fsafe.subdirs(kdir)):
       sdir = os.path.join(kdir, s)
       for i in ([item] if item is not None else fsafe.subdirs(sdir)):
@@ -377,10 +378,10 @@ def entries(local_dir: str, root: str | None = None, step_name: str | None = Non
   return out
 
 
-def root_of(local_dir: str, key: str) -> str | None:
+def root_of(tier_dir: str, key: str) -> str | None:
   """The checkpoint directory a root key stands for (from its ``root.txt``)."""
   try:
-    text = fsafe.read_small(os.path.join(local_dir, key, manifest_lib.ROOT_FILE), 1 << 16)
+    text = fsafe.read_small(os.path.join(tier_dir, key, manifest_lib.ROOT_FILE), 1 << 16)
   except OSError:
     return None
   return text.decode('utf-8', 'replace').strip() or None
@@ -478,9 +479,9 @@ def prune(cfg: config_lib.TierConfig, root: str) -> None:
   writes one entry per worker of the node): it reads no manifest, only the step directories'
   names and, newest first, the commit markers of the steps it must tell apart; once the
   newest ``keep`` committed steps are found, every older step is dropped unlooked-at."""
-  if not config_lib.readable(cfg.local_dir):
+  if not config_lib.readable(cfg.tier_dir):
     return
-  kdir = os.path.join(cfg.local_dir, manifest_lib.root_key(root))
+  kdir = os.path.join(cfg.tier_dir, manifest_lib.root_key(root))
   numbered: list[tuple[int, str]] = []
   named: list[str] = []
   for name in fsafe.subdirs(kdir):
@@ -509,10 +510,10 @@ def remove_step(step_dir: str, retire: bool = False) -> None:
   symlink in it); ``retire``: a newer step replaced it, so its big files may first become
   spares for the next save (``tier/spares.py``)."""
   if retire:
-    local_dir = os.path.dirname(os.path.dirname(step_dir))
+    tier_dir = os.path.dirname(os.path.dirname(step_dir))
     for item in fsafe.subdirs(step_dir):
       for e in fsafe.subdirs(os.path.join(step_dir, item)):
-        spares.retire(local_dir, os.path.join(step_dir, item, e))
+        spares.retire(tier_dir, os.path.join(step_dir, item, e))
   fsafe.remove_tree(step_dir)
 
 
@@ -520,7 +521,7 @@ def forget_step(step_dir: Any) -> None:
   """Orbax deleted the step directory ``step_dir`` (``mngr.delete``, ``max_to_keep``: the
   deletion hook in ``retention``, on the process that deletes, the primary host): drops every
   tier copy of that step in the tier directories this process saved into or read, and in the
-  node's own (``ORBAX_PATHWAYS_LOCAL_DIR``, else the /dev/shm default) if it exists. Other
+  node's own (``ORBAX_PATHWAYS_TIER_DIR``, else the /dev/shm default) if it exists. Other
   processes' nodes drop theirs when a newer step commits (``prune``) or, for a local checkpoint
   directory, at the next save's clean-up (``tier/gc.py``: the step is gone). Never raises."""
   try:
@@ -530,13 +531,13 @@ def forget_step(step_dir: Any) -> None:
     with _lock:
       dirs = set(config_lib.used)
       _pending.pop((root, step_name), None)
-    node = config_lib.resolve(os.environ.get(config_lib.ENV) or None)
-    if node is not None and fsafe.is_dir(node.local_dir):
-      dirs.add(node.local_dir)
+    node = config_lib.resolve(options_lib.env_raw(config_lib.ENV) or None)
+    if node is not None and fsafe.is_dir(node.tier_dir):
+      dirs.add(node.tier_dir)
     removed = 0
-    for local_dir in sorted(dirs):
-      for e in entries(local_dir, root, step_name):
-        spares.retire(local_dir, e.path)  # a newer step replaced it: maybe a spare
+    for tier_dir in sorted(dirs):
+      for e in entries(tier_dir, root, step_name):
+        spares.retire(tier_dir, e.path)  # a newer step replaced it: maybe a spare
         remove(e.path)
         removed += 1
     if removed:

@@ -42,15 +42,15 @@ class SaveConfig:
   max_inflight_bytes: int
   plan: types.PlanSettings
   snapshot_mode: str  # 'auto', 'pinned' or 'host'
-  is_primary: bool  # this process writes the zarr metadata and the shardings (local transport)
+  is_primary: bool  # this process writes the zarr metadata and the shardings (in-process transport)
   ocdbt_process_id: int | str | None  # Orbax's ocdbt.process_<id> suffix for this process
-  context: Any = None  # Orbax's tensorstore context for this item (local transport only)
+  context: Any = None  # Orbax's tensorstore context for this item (in-process transport only)
   # Every host writes every shard it holds, its first replica (Orbax's ``replica_id=None`` with
   # ``primary_host=None``: each host saves into storage of its own, and its save alone is
   # complete for what it holds); False: each distinct shard once, by the planner's choice.
   every_held: bool = False
   tier: Any = None  # tier.config.TierConfig: this node's tier (None: off); set by the engine
-  tier_scope: str = 'written'  # Options.local_scope: 'written' or 'held' (every chunk it holds)
+  tier_scope: str = 'written'  # Options.tier_scope: 'written' or 'held' (every chunk it holds)
   peer_timeout_s: float = 60.0  # a wait on workers beyond their work (Options.peer_timeout_s)
   # A local-only step's second copy (Options.local_copies=2): the process that keeps it (None:
   # no copy), and each wait on it (Options.tier_peer_timeout_s). Set by the engine.
@@ -61,7 +61,7 @@ class SaveConfig:
 @dataclasses.dataclass(frozen=True)
 class ReadConfig:
   verify: bool
-  context: Any = None  # Orbax's tensorstore context (local transport only)
+  context: Any = None  # Orbax's tensorstore context (in-process transport only)
   max_inflight_bytes: int | None = None  # host bytes read before going to devices (None: all)
   tier: Any = None  # tier.config.TierConfig: read this node's tier first (None: storage only)
   tier_peer_timeout_s: float = 20.0  # each wait on another host's tier (Options.tier_peer_timeout_s)

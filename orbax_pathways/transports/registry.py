@@ -15,9 +15,9 @@ def create(name: str, *, save: base.SaveConfig | None = None,
   """A transport of kind ``name`` (an ``options.TransportName``) configured for one save
   (``save``) or restore (``read``)."""
   names = options_lib.TransportName
-  if name == names.LOCAL:
-    from orbax_pathways.transports import local  # pylint: disable=g-import-not-at-top
-    return local.LocalTransport(save=save, read=read)
+  if name == names.IN_PROCESS:
+    from orbax_pathways.transports import in_process  # pylint: disable=g-import-not-at-top
+    return in_process.InProcessTransport(save=save, read=read)
   if name == names.COLOCATED:
     from orbax_pathways.transports import colocated  # pylint: disable=g-import-not-at-top
     return colocated.ColocatedTransport(save=save, read=read)

@@ -1,6 +1,6 @@
 """One host's share of a save or a restore: runs on the host that holds the bytes.
 
-Called by the local transport on each process (``write_share``: the pieces, then this writer's
+Called by the in-process transport on each process (``write_share``: the pieces, then this writer's
 ``_pathways`` record), and inside the colocated-Python functions on each Pathways worker
 (``write_pieces``: the pieces only; the checksums go back to the controller, which writes the
 item's index). Host bytes in, storage out (or back): builds Orbax's tensorstore specs for this
@@ -127,7 +127,7 @@ async def write_share(writer: str, transport: str, item: values.Item,
                       process_id: int | str | None, with_sharding: bool, max_inflight_bytes: int,
                       context: Any = None, tier: tier_config.TierConfig | None = None,
                       save_id: str = '',
-                      # Options.local_scope='held': the tier gets these (``pieces`` and whole
+                      # Options.tier_scope='held': the tier gets these (``pieces`` and whole
                       # chunks of replicas other hosts write) instead of ``pieces``.
                       tier_pieces: Sequence[Sequence[writer_lib.Piece]] | None = None,
                       ) -> values.WriterOutcome:
@@ -161,7 +161,7 @@ async def write_tier_only(writer: str, transport: str, item: values.Item,
                           tier_pieces: Sequence[Sequence[writer_lib.Piece]] | None = None,
                           copy: Callable[[str], None] | None = None,
                           ) -> values.WriterOutcome:
-  """This host's share of a local-only step under the local transport: ``tier_only_pieces``,
+  """This host's share of a local-only step under the in-process transport: ``tier_only_pieces``,
   then the writer's record to storage, as for any save (the restore checks the tier's bytes
   against it), at the same time as the tier entry and the markers. ``copy``: called with the
   entry's directory once it landed (a partner copy: ``fleet/partner_copy.py``)."""
@@ -210,7 +210,7 @@ async def tier_only_pieces(writer: str, item: values.Item, leaves: Sequence[valu
     raise errors.SaveError(
         f'{item.directory} is a local-only step (Options.local_save_interval_steps), whose '
         'array bytes go to the node-local tier only, and the tier is off on this host. Set '
-        'Options.local_dir (ORBAX_PATHWAYS_LOCAL_DIR) to a node-local directory, or '
+        'Options.tier_dir (ORBAX_PATHWAYS_TIER_DIR) to a node-local directory, or '
         'local_save_interval_steps=0.')
   await asyncio.to_thread(tier_store.flush)
   writes = array_writes(item, leaves, plans, pieces, creates=creates, process_id=process_id)
@@ -226,7 +226,7 @@ async def tier_only_pieces(writer: str, item: values.Item, leaves: Sequence[valu
     if path is None:
       raise errors.SaveError(
           f'the local-only step {item.directory}: host {writer} could not write its share '
-          f'({outcome.bytes_written} bytes) into the node-local tier {tier.local_dir} (the '
+          f'({outcome.bytes_written} bytes) into the node-local tier {tier.tier_dir} (the '
           'warning above says why). The step is not committed; the previous local-only or '
           'storage step stays the newest to resume from.')
     if copy is not None:

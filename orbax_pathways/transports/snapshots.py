@@ -9,7 +9,7 @@ Who calls what, on which host (multi-controller JAX, every process, its own devi
   may then donate or drop the arrays. (On the CPU backend the host copy is a view of the
   device buffer, as in every save's snapshot; jax does not donate a buffer a view holds, it
   allocates a new one.)
-- ``device_data(arr)``: the local transport's ``snapshot`` and ``held_pieces`` (in the hidden
+- ``device_data(arr)``: the in-process transport's ``snapshot`` and ``held_pieces`` (in the hidden
   manager's save, on the background thread): device -> the host copy of what it holds, or None
   when nothing was taken for ``arr`` (then they read ``arr.addressable_shards`` as usual).
 - ``Taken.release()``: once the save that used them returned (its pieces keep what they need).

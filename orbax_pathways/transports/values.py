@@ -114,7 +114,7 @@ class ReadTarget:
   and the boxes of the global array that the target's devices need.
 
   ``sharding`` is the target ``jax.sharding.Sharding`` (picklable); ``needed`` are the distinct
-  boxes the *reading* host needs (the controller's own devices for the local transport; each
+  boxes the *reading* host needs (the controller's own devices for the in-process transport; each
   worker recomputes its own for colocated reads).
   """
 

@@ -185,7 +185,7 @@ def test_verify_fails_when_colocated_records_deleted(saved, tmp_path):
 
 
 def test_verify_stock_looking_step_without_records_passes(saved, tmp_path):
-  """With the local transport and a single item nothing that survives says who wrote the step
+  """With the in-process transport and a single item nothing that survives says who wrote the step
   (no marker exists without a format change); verify cannot tell it from stock Orbax: decodes."""
   step = cs.copy(saved['train'] / '10', tmp_path / '10')
   shutil.rmtree(step / 'default' / records_lib.DIRNAME)

@@ -195,7 +195,7 @@ def _v0_restores(directory, state, use_ocdbt: bool) -> dict[str, dict]:
   return out
 
 
-@pytest.mark.parametrize('use_ocdbt,transport', [(True, 'local'), (False, 'local'),
+@pytest.mark.parametrize('use_ocdbt,transport', [(True, 'in_process'), (False, 'in_process'),
                                                  (True, 'colocated')],
                          ids=['ocdbt', 'zarr', 'colocated'])
 def test_v0_save_args_dtype_restores_as_stock_and_verifies(tmp_path, use_ocdbt, transport):
@@ -286,7 +286,7 @@ def test_a_cast_leafs_tier_copy_is_the_stored_bytes_and_serves_the_restore(tmp_p
   save_args = {name: ocp.SaveArgs(dtype=_JAX[name][1]) for name in _JAX}
   restore_args = _v0_restore_args(state, {name: _JAX[name][1] for name in _JAX})
   args = ocp.args.PyTreeRestore(item=state, restore_args=restore_args)
-  with ckpt.options(local_dir=str(tmp_path / 'tier')):
+  with ckpt.options(tier_dir=str(tmp_path / 'tier')):
     with ocp.CheckpointManager(tmp_path / 'ckpt', item_handlers=_v0_handler(True)) as mngr:
       mngr.save(0, args=ocp.args.PyTreeSave(state, save_args=save_args))
       mngr.wait_until_finished()

@@ -33,7 +33,7 @@ def _flip_a_byte(item, value):
 
 # ---- memory kinds and device layouts ----------------------------------------------------------
 
-@pytest.mark.parametrize('transport', ['local', 'colocated'])
+@pytest.mark.parametrize('transport', ['in_process', 'colocated'])
 @pytest.mark.parametrize('kind', ['pinned_host', 'unpinned_host'])
 def test_host_offloaded_state_saves_and_restores_bit_exact(tmp_path, kind, transport):
   m = mesh()

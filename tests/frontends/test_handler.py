@@ -64,7 +64,7 @@ def test_save_and_restore_are_served_by_our_handler(tmp_path):
     mngr.save(1, args=ocp.args.StandardSave(state))
     mngr.wait_until_finished()
     st = orbax_pathways.stats.last_save()
-    assert st.transport == 'local' and st.arrays == 4
+    assert st.transport == 'in_process' and st.arrays == 4
     assert st.written_bytes['p0'] == sum(
         x.nbytes for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
     restored = mngr.restore(1, args=ocp.args.StandardRestore(state))
@@ -276,7 +276,7 @@ def test_one_log_line_per_save_and_per_commit_with_their_times(tmp_path, caplog)
   assert 0 < st.blocking_s < st.commit_s
   saved = [r.getMessage() for r in caplog.records if ' saved 1 arrays' in r.getMessage()]
   committed = [r.getMessage() for r in caplog.records if 'step 3 committed' in r.getMessage()]
-  assert len(saved) == 1 and '1.0 MiB from p0 (local, host snapshot)' in saved[0]
+  assert len(saved) == 1 and '1.0 MiB from p0 (in_process, host snapshot)' in saved[0]
   assert len(committed) == 1, [r.getMessage() for r in caplog.records]
   assert f'{st.commit_s:.2f} s after save()' in committed[0]
   assert 'wrote 1.0 MiB of arrays' in committed[0] and str(tmp_path) in committed[0]

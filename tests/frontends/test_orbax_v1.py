@@ -80,7 +80,7 @@ def test_save_and_load_go_through_our_engine(tmp_path):
   state = random_state(mesh())
   v1.save(tmp_path / 'a', state)
   st = orbax_pathways.stats.last_save()
-  assert st.transport == 'local' and st.arrays == 4 and st.step_dir == str(tmp_path / 'a')
+  assert st.transport == 'in_process' and st.arrays == 4 and st.step_dir == str(tmp_path / 'a')
   item = tmp_path / 'a' / 'state'
   md = meta_io.read_item(item)
   assert md is not None and md.transports() == {'local'}
@@ -269,7 +269,7 @@ def test_pathways_options_choose_the_transport(tmp_path, monkeypatch):
   state = _arrays_only(random_state(mesh()))
   impl = ocp.pathways.CheckpointingImpl if hasattr(ocp, 'pathways') else None
   from orbax.checkpoint.experimental.v1._src.context import options as v1_options  # pylint: disable=g-import-not-at-top
-  for name, expected in (('NO_DISPATCHER', 'local'), ('COLOCATED_PYTHON', 'colocated')):
+  for name, expected in (('NO_DISPATCHER', 'in_process'), ('COLOCATED_PYTHON', 'colocated')):
     ctx = v1.Context(pathways_options=v1_options.PathwaysOptions(
         checkpointing_impl=getattr(impl, name)))
     with ctx:

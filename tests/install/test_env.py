@@ -27,7 +27,7 @@ BOOL_ERROR = r"is not a boolean: one of \['1', 'true', 'yes', 'y', 'on', 't'\] o
     ('ORBAX_PATHWAYS_GCS_GRPC', 'si', BOOL_ERROR),
     ('ORBAX_PATHWAYS_NO_SIGTERM', 'please', BOOL_ERROR),
     ('ORBAX_PATHWAYS_TRANSPORT', 'bogus',
-     r"is not one of \['local', 'colocated', 'persistence'\]\. Unset it to auto-detect"),
+     r"is not one of \['in_process', 'colocated', 'persistence'\]\. Unset it to auto-detect"),
     ('ORBAX_PATHWAYS_RUNTIME', 'tpu', r"is not one of \['single', 'multi_controller'"),
     ('ORBAX_PATHWAYS_SNAPSHOT', 'gpu', r"is not one of \['auto', 'pinned', 'host'\]"),
     ('ORBAX_PATHWAYS_COMPRESSION', 'gzip', r"is not one of \['auto', 'zstd', 'none'\]"),
@@ -67,29 +67,29 @@ def test_booleans_accept_the_usual_spellings(monkeypatch, value, expected):
 
 
 def test_valid_values_are_typed_and_case_insensitive(monkeypatch):
-  monkeypatch.setenv('ORBAX_PATHWAYS_TRANSPORT', 'Local')
+  monkeypatch.setenv('ORBAX_PATHWAYS_TRANSPORT', 'In_Process')
   monkeypatch.setenv('ORBAX_PATHWAYS_STORAGE_RETRIES', ' 3 ')
   monkeypatch.setenv('ORBAX_PATHWAYS_NUM_SLICES', '4')
   monkeypatch.setenv('ORBAX_PATHWAYS_SIGTERM_GRACE_S', 'inf')
   o = options_lib.Options.from_env()
-  assert (o.transport, o.storage_retries, o.num_slices) == ('local', 3, 4)
+  assert (o.transport, o.storage_retries, o.num_slices) == ('in_process', 3, 4)
   assert options_lib.num_slices_from_env() == 4
   assert options_lib.env_value('ORBAX_PATHWAYS_SIGTERM_GRACE_S') == float('inf')
-  assert runtime.choose_transport() is runtime.TransportName.LOCAL
+  assert runtime.choose_transport() is runtime.TransportName.IN_PROCESS
 
 
 def test_every_accepted_transport_name_builds_that_transport():
   """One list of names (``options.TransportName``): what the options accept, what the runtime
   picks and what the registry builds."""
   from orbax_pathways.transports import registry  # pylint: disable=g-import-not-at-top
-  assert options_lib.TRANSPORTS == ('local', 'colocated', 'persistence')
+  assert options_lib.TRANSPORTS == ('in_process', 'colocated', 'persistence')
   assert options_lib.RUNTIMES == ('single', 'multi_controller', 'pathways')
   assert runtime.TransportName is options_lib.TransportName
   for name in options_lib.TRANSPORTS:
     assert registry.create(name).name == name
     assert runtime.choose_transport(requested=name) == name
   with pytest.raises(ValueError, match=r"Unknown transport 'bogus'; valid transports: "
-                                       r"\['local', 'colocated', 'persistence'\]"):
+                                       r"\['in_process', 'colocated', 'persistence'\]"):
     registry.create('bogus')
 
 
@@ -98,7 +98,7 @@ def test_options_reject_bad_values_directly():
       ({'max_inflight_bytes': 0}, r'Options.max_inflight_bytes=0: must be an integer >= 1'),
       ({'num_slices': 0}, r'Options.num_slices=0: must be an integer >= 1 or None'),
       ({'storage_retries': -1}, r'Options.storage_retries=-1: must be an integer >= 0'),
-      ({'transport': 'bogus'}, r"Options.transport='bogus': use one of \['local', 'colocated', "
+      ({'transport': 'bogus'}, r"Options.transport='bogus': use one of \['in_process', 'colocated', "
                                r"'persistence'\], or None to detect"),
       ({'local_save_when_busy': 'drop'}, r"local_save_when_busy='drop': use 'wait' or 'skip'"),
   ]:
@@ -186,6 +186,31 @@ def test_every_option_field_has_its_variable_and_takes_its_default_from_it():
     assert fields[field] == options_lib.ENV_VARS[name].default, field
   assert options_lib.Options.from_env({}) == options_lib.Options()
   assert options_lib.Options.from_env(
-      {'ORBAX_PATHWAYS_LOCAL_KEEP': '3', 'ORBAX_PATHWAYS_PEER_TIMEOUT_S': '7.5',
+      {'ORBAX_PATHWAYS_TIER_KEEP': '3', 'ORBAX_PATHWAYS_PEER_TIMEOUT_S': '7.5',
        'ORBAX_PATHWAYS_LOCAL_STEPS_KEEP': '4'}) == \
-      options_lib.Options(local_keep=3, peer_timeout_s=7.5, local_steps_keep=4)
+      options_lib.Options(tier_keep=3, peer_timeout_s=7.5, local_steps_keep=4)
+
+
+def test_former_option_names_still_work_with_a_deprecation_warning(monkeypatch):
+  """The tier's options were ``local_*`` and the in-process transport ``'local'``: those names
+  still set the same option (keyword, attribute, variable), each with a DeprecationWarning
+  naming the new one; the new variable wins where both are set."""
+  with pytest.warns(DeprecationWarning, match=r'Options.local_dir is now Options.tier_dir'):
+    o = options_lib.Options(local_dir='/tmp/t', local_keep=3)
+  assert (o.tier_dir, o.tier_keep, o.local_dir, o.local_keep) == ('/tmp/t', 3, '/tmp/t', 3)
+  with pytest.warns(DeprecationWarning, match=r"Options.transport='local' is now 'in_process'"):
+    assert options_lib.Options(transport='local').transport == 'in_process'
+  with pytest.raises(TypeError, match=r'local_scope= is the former name of tier_scope='):
+    options_lib.Options(local_scope='held', tier_scope='held')
+  env = {'ORBAX_PATHWAYS_LOCAL_DIR': '/tmp/old', 'ORBAX_PATHWAYS_LOCAL_MAX_BYTES': '7'}
+  o = options_lib.Options.from_env(env)
+  assert (o.tier_dir, o.tier_max_bytes) == ('/tmp/old', 7)
+  assert options_lib.Options.from_env({**env, 'ORBAX_PATHWAYS_TIER_DIR': '/tmp/new'}).tier_dir \
+      == '/tmp/new'
+  assert options_lib.unknown_env(env) == {}
+  monkeypatch.setenv('ORBAX_PATHWAYS_LOCAL_KEEP', '2')
+  monkeypatch.setattr(orbax_pathways._install, '_warned_env', set())
+  with pytest.warns(DeprecationWarning, match=r'ORBAX_PATHWAYS_LOCAL_KEEP is now '
+                                              r'ORBAX_PATHWAYS_TIER_KEEP; ORBAX_PATHWAYS_LOCAL_KEEP '
+                                              r'is read for ORBAX_PATHWAYS_TIER_KEEP'):
+    orbax_pathways._install._check_env()

@@ -190,7 +190,7 @@ def check_save(results, ckpt, step, *, n, d):
   for r in results:
     p, s = r.process_id, r.result['save']
     key = f'p{p}'
-    assert s['transport'] == 'local'
+    assert s['transport'] == 'in_process'
     assert set(s['written_bytes']) == {key}, s['written_bytes']  # only its own host key
     got[p] = s['written_bytes'][key]
     assert s['d2h_bytes'] == {key: got[p]}, s  # only the written pieces crossed to the host

@@ -108,7 +108,7 @@ def test_sharded_state_round_trip_on_gcs_with_our_handler(faulty_gcs, monkeypatc
     assert mngr.save(1, args=ocp.args.StandardSave(state))
     mngr.wait_until_finished()
     st = orbax_pathways.stats.last_save()
-    assert st.transport == 'local' and st.arrays == 6, st
+    assert st.transport == 'in_process' and st.arrays == 6, st
     assert st.written_bytes['p0'] == sum(x.nbytes for x in jax.tree.leaves(state)
                                          if isinstance(x, jax.Array)
                                          and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
@@ -117,7 +117,7 @@ def test_sharded_state_round_trip_on_gcs_with_our_handler(faulty_gcs, monkeypatc
     assert mngr.all_steps() == [1]
     with_target = mngr.restore(1, args=ocp.args.StandardRestore(abstract(state)))
     rst = orbax_pathways.stats.last_restore()
-    assert rst.transport == 'local' and rst.arrays == 6 and rst.chunks_verified > 0, rst
+    assert rst.transport == 'in_process' and rst.arrays == 6 and rst.chunks_verified > 0, rst
     no_target = mngr.restore(1)
   assert_bit_identical(with_target, state)
   assert_bit_identical(no_target, state)

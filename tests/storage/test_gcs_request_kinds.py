@@ -54,7 +54,7 @@ def results(fake_gcs, tmp_path_factory) -> dict[str, dict]:
   for case in worker.CASES:
     fake_gcs.create_bucket(worker.case_bucket(case, run_id))
   env = {
-      'ORBAX_PATHWAYS_LOCAL_DIR': str(tmp_path_factory.mktemp('tier')),
+      'ORBAX_PATHWAYS_TIER_DIR': str(tmp_path_factory.mktemp('tier')),
       'ORBAX_PATHWAYS_REQUEST_DEADLINE_FLOOR_S': FLOOR_S,
       # what hedge.py sets at import from that floor (this process already set its own)
       hedge.STALL_ENV: hedge.stall_timeout_s(FLOOR_S),

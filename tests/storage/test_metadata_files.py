@@ -87,7 +87,7 @@ def test_a_storage_saves_arrays_and_their_metadata_go_in_few_commits(faulty_gcs,
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   import orbax_pathways  # pylint: disable=g-import-not-at-top
 
-  orbax_pathways.install(orbax_pathways.Options(local_dir='off'))
+  orbax_pathways.install(orbax_pathways.Options(tier_dir='off'))
   state = {f'a{i:02d}': np.arange(64 * (i + 1), dtype=np.float32).reshape(-1, 4) + i
            for i in range(12)}
   state['empty'] = np.zeros((0, 4), np.float32)

@@ -51,12 +51,12 @@ def save(directory, state, step: int = 0, **manager_kwargs) -> None:
 
 
 def save_tier_entry(tier, root, state, step: int = 1):
-  """Installs ``Options(local_dir=tier, coalesce_bytes=0)`` (small arrays chunked per shard),
+  """Installs ``Options(tier_dir=tier, coalesce_bytes=0)`` (small arrays chunked per shard),
   saves ``state`` as ``step`` of ``root`` and waits for its node-local tier copy; returns that
   copy's one entry (``tier/store.Entry``). The install stays for the rest of the test (the
   autouse fixture puts the defaults back)."""
   from orbax_pathways.tier import store as tier_store  # pylint: disable=g-import-not-at-top
-  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier), coalesce_bytes=0))
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), coalesce_bytes=0))
   save(root, state, step)
   tier_store.flush()
   (entry,) = tier_store.entries(str(tier), str(root))

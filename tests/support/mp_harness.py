@@ -20,7 +20,7 @@ call needs. Each worker is ``sys.executable <script> *args`` in its own process 
   already in ``XLA_FLAGS`` are kept; an existing device-count flag is replaced)
 * ``PYTHONPATH`` = ``tests/`` + the repository root + the caller's PYTHONPATH, so a worker
   script anywhere does ``from support import mp_worker``
-* ``NO_GCE_CHECK=true`` and ``ORBAX_PATHWAYS_LOCAL_DIR=off`` (the tier off unless ``env`` or
+* ``NO_GCE_CHECK=true`` and ``ORBAX_PATHWAYS_TIER_DIR=off`` (the tier off unless ``env`` or
   ``per_process_env`` sets it)
 
 plus the harness's own:

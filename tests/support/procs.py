@@ -14,7 +14,7 @@ What every child gets (``child_env``), whoever starts it:
 - ``PYTHONPATH`` = ``tests/`` + the repository root (+ the caller's), so that a worker imports
   ``support`` and the working tree's ``orbax_pathways``;
 - ``NO_GCE_CHECK=true`` (google-auth and gcsfs never probe a metadata server);
-- ``ORBAX_PATHWAYS_LOCAL_DIR=off``: the node-local tier off, as in the test process
+- ``ORBAX_PATHWAYS_TIER_DIR=off``: the node-local tier off, as in the test process
   (``tests/conftest.py``), unless the caller asks for one (``extra`` sets it);
 - then the caller's ``extra`` (which wins), minus the names in ``unset``.
 
@@ -44,7 +44,7 @@ from support import REPO, TESTS
 from support import zygote
 
 _DEVICE_COUNT_FLAG = re.compile(r'--xla_force_host_platform_device_count=\S*')
-TIER_ENV = 'ORBAX_PATHWAYS_LOCAL_DIR'
+TIER_ENV = 'ORBAX_PATHWAYS_TIER_DIR'
 
 
 def child_env(extra: Mapping[str, object] | None = None, *, devices: int | None = 8,

@@ -46,7 +46,7 @@ def test_a_managers_saves_read_back_no_step_metadata_and_write_all_of_it(faulty_
   import orbax_pathways  # pylint: disable=g-import-not-at-top
 
   orbax_pathways.install(orbax_pathways.Options(
-      local_dir=str(tmp_path / 'tier'), local_save_interval_steps=1, local_keep=2))
+      tier_dir=str(tmp_path / 'tier'), local_save_interval_steps=1, tier_keep=2))
   root = faulty_gcs.path('ckpt')
   base = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
   options = ocp.CheckpointManagerOptions(save_interval_steps=100)
@@ -149,7 +149,7 @@ def test_a_saves_small_files_are_one_request_each_and_equal_stock_orbaxs(faulty_
     if impl == 'stock':
       orbax_pathways.uninstall()
     else:
-      orbax_pathways.install(orbax_pathways.Options(local_dir='off'))
+      orbax_pathways.install(orbax_pathways.Options(tier_dir='off'))
     roots[impl] = faulty_gcs.path(impl)
     with ocp.CheckpointManager(roots[impl]) as m:
       m.save(0, args=ocp.args.StandardSave({'w': jax.device_put(base)}))

@@ -34,7 +34,7 @@ def _save(base, layout, env=None):
   root, tiers = base / 'ckpt', [base / f'node{i}' for i in range(3)]
   res = run_processes(WORKER, 3, 2, args=['save', str(root), layout], timeout=400,
                       env={**LOCAL, **(env or {})},
-                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+                      per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers])
   assert [r.results for r in res] == [[{'steps': [0]}]] * 3  # Orbax's listing: storage steps
   return root, tiers
 
@@ -59,7 +59,7 @@ def _resume(root, tiers, layout, tmp_path):
   try:
     res = run_processes(WORKER, len(copies), 2, args=['resume', str(root), layout], timeout=400,
                         env={**LOCAL, 'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': '5'},
-                        per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in copies])
+                        per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in copies])
     left = sorted(os.listdir(root / '.orbax-pathways-local'))
   finally:
     shutil.rmtree(root)
@@ -75,7 +75,7 @@ def _resume(root, tiers, layout, tmp_path):
 def test_the_local_only_step_holds_no_array_bytes_in_storage(sharded):
   root, _ = sharded
   local = root / '.orbax-pathways-local'
-  assert sorted(os.listdir(local)) == ['20']  # step 10 dropped once 20 committed (local_keep 1)
+  assert sorted(os.listdir(local)) == ['20']  # step 10 dropped once 20 committed (tier_keep 1)
   item = local / '20' / 'default'
   sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(item) for f in fs]
   # Orbax's files, our records, the numpy leaf and one empty chunk marker per array: no chunk
@@ -164,7 +164,7 @@ def test_each_node_keeps_its_partners_share_of_a_local_only_step(copied):
   root, tiers = copied
   assert sorted(os.listdir(root / '.orbax-pathways-local')) == ['20']
   # Node i holds its own entry and node i-1's copy, both committed with the step; the copies of
-  # step 10 went with it (local_keep 1).
+  # step 10 went with it (tier_keep 1).
   assert [_writers(t, 20) for t in tiers] == [
       [('p0', True), ('p2', True)], [('p0', True), ('p1', True)], [('p1', True), ('p2', True)]]
   assert [_writers(t, 10) for t in tiers] == [[], [], []]
@@ -219,7 +219,7 @@ def test_a_partner_that_is_gone_costs_the_copy_not_the_step(tmp_path):
   res = run_processes(WORKER, 3, 2, args=['save', str(root), 'sharded'], timeout=400,
                       env={**LOCAL, 'ORBAX_PATHWAYS_LOCAL_COPIES': '2',
                            'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': '5'},
-                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t),
+                      per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t),
                                         **({'PARTNER_GONE': '1'} if i == 1 else {})}
                                        for i, t in enumerate(tiers)])
   assert [r.results for r in res] == [[{'steps': [0]}]] * 3
@@ -237,7 +237,7 @@ def test_every_process_killed_during_a_local_only_commit_never_uses_that_step(tm
   root, tiers = base / 'ckpt', [base / f'node{i}' for i in range(3)]
   res = run_processes(WORKER, 3, 2, args=['save', str(root), 'sharded'], timeout=400,
                       env={**LOCAL, 'KILL_AT': '20'}, check=False,
-                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+                      per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers])
   assert [r.returncode for r in res] == [-9] * 3, [(r.returncode, r.stderr_tail[-2000:]) for r in res]
   assert all(any(e.step == 20 for e in tier_store.entries(str(t))) for t in tiers)
   assert '20' not in os.listdir(root / '.orbax-pathways-local')  # never committed
@@ -258,7 +258,7 @@ def test_one_node_whose_tier_cannot_take_the_step_costs_the_local_saves_not_a_ha
   (base / 'a_file').write_text('not a directory')
   tiers[1] = base / 'a_file' / 'tier'
   res = run_processes(WORKER, 3, 2, args=['save', str(root), 'sharded'], timeout=300,
-                      env=LOCAL, per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)}
+                      env=LOCAL, per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)}
                                                   for t in tiers])
   assert [r.results for r in res] == [[{'steps': [0]}]] * 3
   for i, r in enumerate(res):
@@ -364,10 +364,10 @@ def test_the_preemption_save_is_local_committed_before_its_storage_save(tmp_path
   it beside the storage steps); a job killed before that storage save committed (here: its step
   directory gone) resumes from it."""
   root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
-  env = {**LOCAL, 'ORBAX_PATHWAYS_LOCAL_DIR': tier, 'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '5',
+  env = {**LOCAL, 'ORBAX_PATHWAYS_TIER_DIR': tier, 'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '5',
          'ORBAX_PATHWAYS_NO_SIGTERM': '1', 'ORBAX_PATHWAYS_LOCAL_STEPS_IN': steps_in}
   got = procs.worker_json(local_preempt_worker, 'save', root, env=env, timeout=300)
-  assert got == {'local_at_save_return': [8], 'storage': [0, 8]}, got  # 5 dropped: local_keep 1
+  assert got == {'local_at_save_return': [8], 'storage': [0, 8]}, got  # 5 dropped: tier_keep 1
   if steps_in == 'nodes':
     assert sorted(os.listdir(root)) == ['0', '8'], os.listdir(root)
   shutil.rmtree(root / '8')  # the storage save that the grace period cut off
@@ -375,9 +375,9 @@ def test_the_preemption_save_is_local_committed_before_its_storage_save(tmp_path
   assert got == {'step': 8, 'exact': True}, got
 
 
-@pytest.mark.parametrize('transport', ['local', 'colocated'])
+@pytest.mark.parametrize('transport', ['in_process', 'colocated'])
 def test_one_process_and_pathways_workers_save_and_resume_a_local_only_step(tmp_path, transport):
-  """In one process: the local transport, and the colocated transport (Pathways: each simulated
+  """In one process: the in-process transport, and the colocated transport (Pathways: each simulated
   worker host writes its chunks to its node's tier inside its colocated call, the controller
   writes the index; in the CPU simulation every worker runs here). Step 10 is local-only:
   no array chunk in storage; resume takes it, every chunk from the tier."""
@@ -388,7 +388,7 @@ def test_one_process_and_pathways_workers_save_and_resume_a_local_only_step(tmp_
   from orbax_pathways import preemption, stats  # pylint: disable=g-import-not-at-top
 
   root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
-  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier), transport=transport,
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), transport=transport,
                                                 local_save_interval_steps=10))
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('x', 'y'))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x', 'y'))
@@ -399,13 +399,13 @@ def test_one_process_and_pathways_workers_save_and_resume_a_local_only_step(tmp_
       m.save(step, args=ocp.args.StandardSave({'w': jax.device_put(base + step, sharding)}))
     m.wait_until_finished()
     assert m.all_steps() == [0]
-  # What the loop's save() spent on step 10: with the local transport the save ran in the
+  # What the loop's save() spent on step 10: with the in-process transport the save ran in the
   # background and the loop took only the host copy (reported apart from the serialize, which
   # ran on the background thread); in the loop's thread (colocated), the serialize is all of it.
   (local,) = stats.saves_for_step(10, str(root / '.orbax-pathways-local'))
   (first,) = stats.saves_for_step(0, str(root))
   assert first.loop_snapshot_s is None
-  if transport == 'local':
+  if transport == 'in_process':
     assert local.loop_snapshot_s is not None and 0 < local.loop_snapshot_s < local.commit_s
   else:
     assert local.loop_snapshot_s is None and local.blocking_s > 0
@@ -433,7 +433,7 @@ def test_a_tier_that_cannot_take_the_step_costs_the_local_save_only(tmp_path, ca
 
   root, blocker = tmp_path / 'ckpt', tmp_path / 'a_file'
   blocker.write_text('not a directory')
-  orbax_pathways.install(orbax_pathways.Options(local_dir=str(blocker / 'tier'),
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(blocker / 'tier'),
                                                 local_save_interval_steps=10))
   x = jax.device_put(np.arange(64, dtype=np.float32))
   options = ocp.CheckpointManagerOptions(save_interval_steps=100)
@@ -458,9 +458,9 @@ def test_a_tier_that_cannot_take_the_step_costs_the_local_save_only(tmp_path, ca
 def _busy_run(root, tiers, env):
   res = run_processes(WORKER, 3, 2, args=['save', str(root), 'sharded'], timeout=400,
                       env={'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '5',
-                           'ORBAX_PATHWAYS_LOCAL_KEEP': '10',
+                           'ORBAX_PATHWAYS_TIER_KEEP': '10',
                            'ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY': 'skip', **env},
-                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+                      per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers])
   return [r.results for r in res], [r.stderr_tail[-1500:] for r in res]
 
 
@@ -500,8 +500,8 @@ def test_after_wait_until_finished_no_process_lists_a_step_the_primary_host_stil
   root, tiers = tmp_path / 'ckpt', [tmp_path / f'node{i}' for i in range(3)]
   res = run_processes(WORKER, 3, 2, args=['save', str(root), 'sharded'], timeout=400,
                       env={'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '5',
-                           'ORBAX_PATHWAYS_LOCAL_KEEP': '2', 'SLOW_RETENTION': '1'},
-                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+                           'ORBAX_PATHWAYS_TIER_KEEP': '2', 'SLOW_RETENTION': '1'},
+                      per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers])
   results = [r.results for r in res]
   assert results == [[{'steps': [0], 'local_steps': [20, 25]}]] * 3, (
       results, [r.stderr_tail[-1500:] for r in res])

@@ -47,8 +47,8 @@ def _abstract(sharding) -> dict:
 def _save_run(root, tier, caplog) -> jax.sharding.Sharding:
   """Steps 0..7 through a v1 Checkpointer saving to storage every 10 steps, with local-only
   steps every 2 (the newest 2 kept)."""
-  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier), local_save_interval_steps=2,
-                                                local_keep=2))
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), local_save_interval_steps=2,
+                                                tier_keep=2))
   sharding = jax.sharding.NamedSharding(mesh(), jax.sharding.PartitionSpec('data', 'model'))
   policy = v1.training.save_decision_policies.FixedIntervalPolicy(10)
   caplog.set_level(logging.WARNING, logger='orbax_pathways')
@@ -88,8 +88,8 @@ def test_a_v1_checkpointer_whose_tier_is_gone_resumes_storage_s_step(tmp_path, c
   resumed, exact."""
   root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
   sharding = _save_run(root, tier, caplog)
-  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tmp_path / 'new_tier'),
-                                                local_save_interval_steps=2, local_keep=2))
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tmp_path / 'new_tier'),
+                                                local_save_interval_steps=2, tier_keep=2))
   caplog.clear()
   with v1.training.Checkpointer(root) as ckptr:
     step, got = preemption.resume(ckptr, lambda: None, abstract_state=_abstract(sharding))
@@ -104,8 +104,8 @@ def test_a_v1_loop_that_donates_its_state_right_after_save_resumes_the_values_sa
   """v1's local-only saves run in the background from the snapshot ``save()`` took: the loop
   donates its arrays to the next step and overwrites its numpy leaf in place as soon as
   ``save()`` returns, and the resume still reads step 6's values."""
-  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tmp_path / 'tier'),
-                                                local_save_interval_steps=2, local_keep=2))
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tmp_path / 'tier'),
+                                                local_save_interval_steps=2, tier_keep=2))
   sharding = jax.sharding.NamedSharding(mesh(), jax.sharding.PartitionSpec('data', 'model'))
   own = jax.jit(lambda t: jax.tree.map(lambda x: x + 0, t))  # buffers jax owns, donatable
   spoil = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 - 1, t), donate_argnums=0)
@@ -142,17 +142,17 @@ def test_three_processes_save_through_v1_and_resume_from_the_tiers_then_on_two(t
   env = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '10',
          'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': '5'}
   res = run_processes(WORKER, 3, 2, args=['save', str(root)], timeout=400, env=env,
-                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+                      per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers])
   assert [r.results for r in res] == [[{'steps': [0]}]] * 3
   assert sorted(os.listdir(root / '.orbax-pathways-local')) == ['20']
   res = run_processes(WORKER, 3, 2, args=['resume', str(root)], timeout=400, env=env,
-                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+                      per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers])
   for r in res:
     (one,) = r.results
     assert one['step'] == 20 and one['exact'], one
     assert one['bytes_by_source'].get('storage', 0) == 0, one
   res = run_processes(WORKER, 2, 2, args=['resume', str(root)], timeout=400, env=env,
-                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers[:2]])
+                      per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers[:2]])
   for r in res:
     (one,) = r.results
     assert one['step'] == 0 and one['exact'], one
@@ -163,7 +163,7 @@ def test_a_v1_preemption_save_is_local_committed_before_its_storage_save(tmp_pat
   """On the notice, v1's preemption step goes to memory first (``docs/multi_tier.md`` piece 6):
   its local-only copy commits (one log line says so) before v1's storage save of the same step
   begins; both are then there, and the resume reads it (the storage step, the newest)."""
-  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tmp_path / 'tier'),
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tmp_path / 'tier'),
                                                 local_save_interval_steps=10))
   sharding = jax.sharding.NamedSharding(mesh(), jax.sharding.PartitionSpec('data', 'model'))
   policies = v1.training.save_decision_policies

@@ -21,9 +21,9 @@ def _run(tmp_path, mode, last, processes=4, devices=2):
   return run_processes(
       WORKER, processes, devices_per_process=devices, shared_dir=str(tmp_path),
       args=[mode, tmp_path / 'ckpt', last], timeout=170,
-      env={'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': 1, 'ORBAX_PATHWAYS_LOCAL_KEEP': 2,
+      env={'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': 1, 'ORBAX_PATHWAYS_TIER_KEEP': 2,
            'ORBAX_PATHWAYS_LOCAL_STEPS_IN': 'nodes', 'DUMP_S': 150},
-      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': n} for n in nodes])
+      per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': n} for n in nodes])
 
 
 @pytest.fixture

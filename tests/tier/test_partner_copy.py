@@ -82,7 +82,7 @@ def saved(tmp_path_factory):
   """A committed step (1 KiB chunks) and its node-local tier entry, written by the save."""
   base = tmp_path_factory.mktemp('partner')
   root, tier = base / 'ckpt', base / 'tier'
-  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier), max_chunk_bytes=1024))
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), max_chunk_bytes=1024))
   try:
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('x', 'y'))
     host = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
@@ -103,7 +103,7 @@ def receiver(tmp_path):
   local = tmp_path / 'partner_tier'
   cfg = tier_config.usable(tier_config.resolve(str(local), 1))
   assert cfg is not None
-  address = peer_server.serve(cfg.local_dir, SECRET, FAST, tier=cfg, ops=fleet_ops.TABLE)
+  address = peer_server.serve(cfg.tier_dir, SECRET, FAST, tier=cfg, ops=fleet_ops.TABLE)
   yield address, cfg
   peer_server.stop_serving()
 
@@ -119,7 +119,7 @@ def _files(root):
 def test_a_partner_copy_lands_whole_private_and_committed(saved, receiver):
   address, cfg = receiver
   assert partner_copy.send_to(saved.path, address, SECRET, 10) is None
-  (got,) = tier_store.entries(cfg.local_dir)
+  (got,) = tier_store.entries(cfg.tier_dir)
   assert (got.writer, got.save_id, got.step, got.committed) == (
       saved.writer, saved.save_id, 1, True)  # its step committed in this process already
   assert got.manifest == saved.manifest
@@ -127,35 +127,35 @@ def test_a_partner_copy_lands_whole_private_and_committed(saved, receiver):
     for f in a.files:
       assert open(os.path.join(got.path, f), 'rb').read() == open(
           os.path.join(saved.path, f), 'rb').read()
-  for d, dirs, fs in os.walk(cfg.local_dir):
+  for d, dirs, fs in os.walk(cfg.tier_dir):
     for x in dirs:
       assert stat.S_IMODE(os.lstat(os.path.join(d, x)).st_mode) == 0o700
     for x in fs:
       assert stat.S_IMODE(os.lstat(os.path.join(d, x)).st_mode) == 0o600
   # An entry the tier holds whole is never overwritten: a second copy is refused.
-  before = _files(cfg.local_dir)
+  before = _files(cfg.tier_dir)
   why = partner_copy.send_to(saved.path, address, SECRET, 10)
   assert 'holds that entry whole already' in why, why
-  assert _files(cfg.local_dir) == before
+  assert _files(cfg.tier_dir) == before
 
 
 def test_a_client_without_the_secret_writes_nothing(saved, receiver):
   address, cfg = receiver
   why = partner_copy.send_to(saved.path, address, bytes(32), 10)
   assert why is not None and 'ProtocolError' in why, why
-  assert _files(cfg.local_dir) == {}
+  assert _files(cfg.tier_dir) == {}
 
 
 def test_a_server_started_for_restores_only_takes_no_copy(saved, tmp_path):
   local = tmp_path / 'restore_only'
   cfg = tier_config.usable(tier_config.resolve(str(local), 1))
-  address = peer_server.serve(cfg.local_dir, SECRET, FAST, ops=fleet_ops.TABLE)  # as a restore's
+  address = peer_server.serve(cfg.tier_dir, SECRET, FAST, ops=fleet_ops.TABLE)  # as a restore's
   try:
     why = partner_copy.send_to(saved.path, address, SECRET, 10)
   finally:
     peer_server.stop_serving()
   assert 'takes no partner copies' in why, why
-  assert _files(cfg.local_dir) == {}
+  assert _files(cfg.tier_dir) == {}
 
 
 def _session(address, secret=SECRET):
@@ -197,12 +197,12 @@ def test_a_put_outside_the_tier_or_beyond_its_room_is_refused_unread(saved, rece
   try:
     status, answer = _put(sock, session, _req(saved, **bad))
     assert status == 1 and text in answer, answer
-    assert cfg.local_dir not in answer  # error answers name no absolute tier path
+    assert cfg.tier_dir not in answer  # error answers name no absolute tier path
     sock.settimeout(5)
     assert sock.recv(1) == b''  # closed: the body is never drained
   finally:
     sock.close()
-  assert _files(cfg.local_dir) == {}
+  assert _files(cfg.tier_dir) == {}
 
 
 def test_bytes_that_do_not_match_their_crc32c_are_removed(saved, receiver):
@@ -213,7 +213,7 @@ def test_bytes_that_do_not_match_their_crc32c_are_removed(saved, receiver):
   finally:
     sock.close()
   assert status == 1 and 'crc32c' in answer, answer
-  assert not any(f.endswith('.bin') for f in _files(cfg.local_dir))
+  assert not any(f.endswith('.bin') for f in _files(cfg.tier_dir))
 
 
 def test_a_manifest_naming_a_file_that_did_not_arrive_is_refused(saved, receiver):
@@ -227,8 +227,8 @@ def test_a_manifest_naming_a_file_that_did_not_arrive_is_refused(saved, receiver
   finally:
     sock.close()
   assert status == 1 and 'did not arrive whole' in answer, answer
-  assert tier_store.entries(cfg.local_dir) == [] or all(
-      e.manifest is None for e in tier_store.entries(cfg.local_dir))
+  assert tier_store.entries(cfg.tier_dir) == [] or all(
+      e.manifest is None for e in tier_store.entries(cfg.tier_dir))
 
 
 def test_a_partner_that_is_gone_or_silent_costs_a_reason_within_the_deadline(saved):

@@ -60,7 +60,7 @@ def saved(tmp_path_factory):
   """A committed step of a small state (1 KiB chunks), its node-local tier written by the save."""
   base = tmp_path_factory.mktemp('channel')
   root, tier = base / 'ckpt', base / 'tier'
-  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier), max_chunk_bytes=1024))
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), max_chunk_bytes=1024))
   try:
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('x', 'y'))
     host = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)

@@ -55,12 +55,12 @@ def _pool_files(tier):
 
 
 def test_a_local_save_every_step_writes_over_the_pages_of_the_step_it_replaced(tmp_path):
-  """Local-only saves every step, ``local_keep`` 1: from step 3 on, each save's band files are
+  """Local-only saves every step, ``tier_keep`` 1: from step 3 on, each save's band files are
   the files of the step dropped before it (same inodes), written over; the pool never holds
   more than one entry's files, 0600 in 0700 directories; resume reads the newest step exactly,
   nothing from storage."""
   root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
-  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier), local_save_interval_steps=1))
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), local_save_interval_steps=1))
   options = ocp.CheckpointManagerOptions(save_interval_steps=100)
   seen: dict[int, set[int]] = {}
   with ocp.CheckpointManager(root, options=options) as m:
@@ -98,7 +98,7 @@ def test_a_restored_array_on_a_tier_file_keeps_its_values_when_that_step_is_repl
   never written over: the restored array keeps step 2's values while steps 3..6 are saved,
   and each of those restores exactly."""
   root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
-  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier), coalesce_bytes=0))
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), coalesce_bytes=0))
   with ocp.CheckpointManager(root) as m:
     for step in range(3):
       m.save(step, args=ocp.args.StandardSave(_state(step)))

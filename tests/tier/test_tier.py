@@ -47,8 +47,8 @@ def _state(seed: int = 0):
   }, {'w': w, 'b': b}
 
 
-def _install(local_dir, **kw):
-  orbax_pathways.install(orbax_pathways.Options(local_dir=str(local_dir), **kw))
+def _install(tier_dir, **kw):
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier_dir), **kw))
 
 
 def _save(root, steps, seed=0):
@@ -123,9 +123,9 @@ def test_the_tier_copy_is_off_the_commit_path(tmp_path, monkeypatch):
   assert stats.last_restore().bytes_by_source.get('storage') == 0
 
 
-def test_keeps_local_keep_steps_and_drops_older_after_commit(tmp_path):
+def test_keeps_tier_keep_steps_and_drops_older_after_commit(tmp_path):
   tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
-  _install(tier, local_keep=2)
+  _install(tier, tier_keep=2)
   state, host = _save(root, [1, 2, 3])
   assert sorted(e.step for e in _entries(tier, root)) == [2, 3]
   assert all(e.committed for e in _entries(tier, root))
@@ -273,7 +273,7 @@ def test_full_or_read_only_tmpfs_skips_with_one_warning(tmp_path, caplog, kind):
 
 def test_cli_tier_lists_and_verifies(tmp_path, capsys):
   tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
-  _install(tier, local_keep=2)
+  _install(tier, tier_keep=2)
   _save(root, [1, 2])
   assert cli.main(['tier', str(tier), '--json']) == 0
   obj = json.loads(capsys.readouterr().out)
@@ -360,7 +360,7 @@ def test_v1_save_and_load_use_the_tier(tmp_path):
   """``ocp.v1`` has no manager commit hook: the entry stays unmarked, and is used because the
   committed index records its save id. Directories that are not step numbers are kept by age."""
   tier = tmp_path / 'tier'
-  _install(tier, local_keep=1)
+  _install(tier, tier_keep=1)
   state, host = _state()
   for name in ('a', 'b', 'c'):
     ocp.v1.save(tmp_path / name, state)
@@ -428,7 +428,7 @@ def test_a_saved_tier_is_private_to_its_user(tmp_path):
   """Tier directories are 0700 and files 0600 after a real save (nobody else on the node can
   read the checkpoint's values), the tier directory itself included."""
   tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
-  _install(tier, local_keep=2)
+  _install(tier, tier_keep=2)
   _save(root, [1, 2])
   assert stat.S_IMODE(os.lstat(tier).st_mode) == 0o700
   found = _modes(tier)
@@ -477,7 +477,7 @@ def test_the_default_tier_is_kept_only_where_it_saves_a_storage_read(tmp_path):
 
 
 def test_no_default_tier_for_a_local_directory_of_one_process(tmp_path, monkeypatch, caplog):
-  """Options.local_dir unset, ORBAX_PATHWAYS_LOCAL_DIR unset: a one-process save into a local
+  """Options.tier_dir unset, ORBAX_PATHWAYS_TIER_DIR unset: a one-process save into a local
   directory gets no tier (said once); an explicit directory or 'off' mean what they say."""
   monkeypatch.delenv(tier_config.ENV, raising=False)
   caplog.set_level(logging.INFO, logger='orbax_pathways')
@@ -485,12 +485,12 @@ def test_no_default_tier_for_a_local_directory_of_one_process(tmp_path, monkeypa
   assert engine.Engine(orbax_pathways.Options()).tier(item) is None
   assert engine.Engine(orbax_pathways.Options()).tier(item) is None
   said = [r.getMessage() for r in caplog.records if 'no node-local tier for' in r.getMessage()]
-  assert len(said) == 1 and 'ORBAX_PATHWAYS_LOCAL_DIR' in said[0]
-  explicit = engine.Engine(orbax_pathways.Options(local_dir=str(tmp_path / 't'))).tier(item)
-  assert explicit is not None and explicit.local_dir == str(tmp_path / 't')
-  assert engine.Engine(orbax_pathways.Options(local_dir='off')).tier(item) is None
+  assert len(said) == 1 and 'ORBAX_PATHWAYS_TIER_DIR' in said[0]
+  explicit = engine.Engine(orbax_pathways.Options(tier_dir=str(tmp_path / 't'))).tier(item)
+  assert explicit is not None and explicit.tier_dir == str(tmp_path / 't')
+  assert engine.Engine(orbax_pathways.Options(tier_dir='off')).tier(item) is None
   monkeypatch.setenv(tier_config.ENV, str(tmp_path / 'node'))
-  assert engine.Engine(orbax_pathways.Options()).tier(item).local_dir == str(tmp_path / 'node')
+  assert engine.Engine(orbax_pathways.Options()).tier(item).tier_dir == str(tmp_path / 'node')
 
 
 def test_the_default_tier_on_a_real_node(tmp_path, gcs_bucket):

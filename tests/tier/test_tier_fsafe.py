@@ -225,7 +225,7 @@ def test_a_chunk_that_is_a_symlink_fifo_or_device_is_never_read(tmp_path, caplog
   from orbax_pathways.tier import store  # pylint: disable=g-import-not-at-top
 
   tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
-  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier), coalesce_bytes=0))
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), coalesce_bytes=0))
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('x', 'y'))
   w = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)
   state = {'w': jax.device_put(w, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(

@@ -155,7 +155,7 @@ def test_plan_cap_drops_oldest_first_other_roots_before_the_saving_ones_older_st
 def test_a_save_drops_other_directories_stale_entries_and_keeps_young_ones(tmp_path):
   tier = tmp_path / 'tier'
   old, young, cut, fresh_cut, cur = (tmp_path / n for n in ('old', 'young', 'cut', 'fresh', 'cur'))
-  _save(old, [1, 2], local_dir=str(tier))  # a real save: the job that left this node
+  _save(old, [1, 2], tier_dir=str(tier))  # a real save: the job that left this node
   for e in tier_store.entries(str(tier), str(old)):
     _age(e.path, 25 * HOUR)
   _write(tier, young, 7)
@@ -166,7 +166,7 @@ def test_a_save_drops_other_directories_stale_entries_and_keeps_young_ones(tmp_p
   assert _tree(tier) == {str(old): ['2'], str(young): ['8'], str(cut): ['3'],
                          str(fresh_cut): ['3']}
 
-  _save(cur, [1], local_dir=str(tier))
+  _save(cur, [1], tier_dir=str(tier))
   # The old directory is gone whole (its root key too), the cut-short copy too.
   assert _tree(tier) == {str(young): ['8'], str(fresh_cut): ['3'], str(cur): ['1']}
   assert len(tier_store.entries(str(tier), str(cur))) == 1
@@ -176,18 +176,18 @@ def test_a_restore_marks_its_entry_in_use(tmp_path):
   """An entry a restore just read counts as touched: a save of another directory keeps it
   even though it was written longer ago than the max age."""
   tier, old, cur = tmp_path / 'tier', tmp_path / 'old', tmp_path / 'cur'
-  state, w = _save(old, [1], local_dir=str(tier))
+  state, w = _save(old, [1], tier_dir=str(tier))
   (e,) = tier_store.entries(str(tier), str(old))
   _age(e.path, 25 * HOUR)
   with ocp.CheckpointManager(old) as m:
     out = m.restore(1, args=ocp.args.StandardRestore(state))
   np.testing.assert_array_equal(np.asarray(out['w']), w)
   assert stats.last_restore().bytes_by_source.get('local') == w.nbytes
-  _save(cur, [1], local_dir=str(tier))
+  _save(cur, [1], tier_dir=str(tier))
   assert _tree(tier) == {str(old): ['1'], str(cur): ['1']}
   # Once idle past the max age, the next save (another step) drops it.
   _age(e.path, 25 * HOUR)
-  _save(cur, [2], local_dir=str(tier))
+  _save(cur, [2], tier_dir=str(tier))
   assert _tree(tier) == {str(cur): ['2']}
 
 
@@ -217,7 +217,7 @@ def test_a_save_through_options_applies_the_cap(tmp_path):
   tier, cur = tmp_path / 'tier', tmp_path / 'cur'
   for n, h in (('a', 3), ('b', 2)):
     _age(_write(tier, tmp_path / n, 1), h * HOUR)
-  _save(cur, [1], local_dir=str(tier), local_max_bytes=0)
+  _save(cur, [1], tier_dir=str(tier), tier_max_bytes=0)
   assert _tree(tier) == {str(cur): ['1']}
 
 
@@ -225,12 +225,12 @@ def test_a_failing_clean_up_never_fails_the_save_and_warns_once(tmp_path, monkey
   tier, cur = tmp_path / 'tier', tmp_path / 'cur'
   _age(_write(tier, tmp_path / 'old', 1), 25 * HOUR)
 
-  def unreadable(local_dir, judge=None):
-    raise PermissionError(13, 'Permission denied', local_dir)
+  def unreadable(tier_dir, judge=None):
+    raise PermissionError(13, 'Permission denied', tier_dir)
 
   monkeypatch.setattr(tier_gc, 'scan', unreadable)
   caplog.set_level(logging.INFO, logger='orbax_pathways')
-  _save(cur, [1, 2], local_dir=str(tier))
+  _save(cur, [1, 2], tier_dir=str(tier))
   warnings = [r for r in caplog.records if 'cleaning up other checkpoint' in r.getMessage()]
   assert len(warnings) == 1 and 'PermissionError' in warnings[0].getMessage()
   assert _tree(tier) == {str(tmp_path / 'old'): ['1'], str(cur): ['2']}
@@ -249,13 +249,13 @@ def _age_tree(path, seconds):
 
 def test_node_steps_count_against_the_cap_and_only_a_stopped_jobs_go(tmp_path, capsys):
   """A manager with ``local_steps_in='nodes'`` keeps local-only steps 2 and 3 in the node
-  (``local_steps_keep=2``, while the tier keeps one copy of a storage step, ``local_keep=1``):
+  (``local_steps_keep=2``, while the tier keeps one copy of a storage step, ``tier_keep=1``):
   their bytes count against the tier's cap (an idle entry of another directory makes room for
   them), the cap never drops one, and one idle longer than the max age (a job that stopped)
   goes, by hand too."""
   tier, cur, other = tmp_path / 'tier', tmp_path / 'cur', tmp_path / 'other'
-  _save(cur, [0, 1, 2, 3], every=4, local_dir=str(tier), local_save_interval_steps=1,
-        local_keep=1, local_steps_keep=2, local_steps_in='nodes')
+  _save(cur, [0, 1, 2, 3], every=4, tier_dir=str(tier), local_save_interval_steps=1,
+        tier_keep=1, local_steps_keep=2, local_steps_in='nodes')
   held = _node_steps(tier)
   assert [h.rpartition('/')[2] for h in held] == ['2', '3'], held
   nbytes = sum(f.stat().st_size for f in (tier / held[1]).rglob('*') if f.is_file())
@@ -317,10 +317,10 @@ def test_cli_gc_flags_need_gc_and_a_bad_variable_is_named(tmp_path, capsys, monk
   _write(tier, tmp_path / 'a', 1)
   assert cli.main(['tier', str(tier), '--dry-run']) == 2
   assert '--dry-run, --max-age-s and --max-bytes go with --gc' in capsys.readouterr().err
-  monkeypatch.setenv('ORBAX_PATHWAYS_LOCAL_MAX_AGE_S', '1d')
+  monkeypatch.setenv('ORBAX_PATHWAYS_TIER_MAX_AGE_S', '1d')
   assert cli.main(['tier', str(tier), '--gc', '--json']) == 2
   captured = capsys.readouterr()
-  assert "ORBAX_PATHWAYS_LOCAL_MAX_AGE_S='1d' is not a number >= 0" in captured.err
+  assert "ORBAX_PATHWAYS_TIER_MAX_AGE_S='1d' is not a number >= 0" in captured.err
   assert json.loads(captured.out)['exit_code'] == 2
 
 
@@ -328,10 +328,10 @@ def test_cli_gc_flags_need_gc_and_a_bad_variable_is_named(tmp_path, capsys, monk
 
 
 @pytest.mark.parametrize('name,value,message', [
-    ('ORBAX_PATHWAYS_LOCAL_MAX_AGE_S', '1d', r'is not a number >= 0 \(seconds; inf: never'),
-    ('ORBAX_PATHWAYS_LOCAL_MAX_AGE_S', '-5', r'is out of range: it must be a number >= 0'),
-    ('ORBAX_PATHWAYS_LOCAL_MAX_BYTES', '8GiB', r'is not an integer >= 0 \(bytes\)'),
-    ('ORBAX_PATHWAYS_LOCAL_MAX_BYTES', '-1', r'is out of range: it must be an integer >= 0'),
+    ('ORBAX_PATHWAYS_TIER_MAX_AGE_S', '1d', r'is not a number >= 0 \(seconds; inf: never'),
+    ('ORBAX_PATHWAYS_TIER_MAX_AGE_S', '-5', r'is out of range: it must be a number >= 0'),
+    ('ORBAX_PATHWAYS_TIER_MAX_BYTES', '8GiB', r'is not an integer >= 0 \(bytes\)'),
+    ('ORBAX_PATHWAYS_TIER_MAX_BYTES', '-1', r'is out of range: it must be an integer >= 0'),
 ])
 def test_a_bad_variable_fails_install_naming_it(monkeypatch, name, value, message):
   monkeypatch.setenv(name, value)
@@ -340,19 +340,19 @@ def test_a_bad_variable_fails_install_naming_it(monkeypatch, name, value, messag
 
 
 def test_variables_and_options_reach_the_tier(monkeypatch, tmp_path):
-  monkeypatch.setenv('ORBAX_PATHWAYS_LOCAL_MAX_AGE_S', '3600')
-  monkeypatch.setenv('ORBAX_PATHWAYS_LOCAL_MAX_BYTES', '1048576')
+  monkeypatch.setenv('ORBAX_PATHWAYS_TIER_MAX_AGE_S', '3600')
+  monkeypatch.setenv('ORBAX_PATHWAYS_TIER_MAX_BYTES', '1048576')
   o = options_lib.Options.from_env()
-  assert (o.local_max_age_s, o.local_max_bytes) == (3600.0, 1 << 20)
-  monkeypatch.setenv('ORBAX_PATHWAYS_LOCAL_MAX_AGE_S', 'inf')
-  assert options_lib.Options.from_env().local_max_age_s == float('inf')
-  cfg = engine.Engine(orbax_pathways.Options(local_dir=str(tmp_path), local_max_age_s=60,
-                                             local_max_bytes=5)).tier()
+  assert (o.tier_max_age_s, o.tier_max_bytes) == (3600.0, 1 << 20)
+  monkeypatch.setenv('ORBAX_PATHWAYS_TIER_MAX_AGE_S', 'inf')
+  assert options_lib.Options.from_env().tier_max_age_s == float('inf')
+  cfg = engine.Engine(orbax_pathways.Options(tier_dir=str(tmp_path), tier_max_age_s=60,
+                                             tier_max_bytes=5)).tier()
   assert (cfg.max_age_s, cfg.max_bytes) == (60, 5)
   for kwargs, message in [
-      ({'local_max_age_s': -1}, r'Options.local_max_age_s=-1: use a number of seconds >= 0'),
-      ({'local_max_age_s': 'day'}, r"Options.local_max_age_s='day'"),
-      ({'local_max_bytes': -1}, r'Options.local_max_bytes=-1: must be an integer >= 0 or None'),
+      ({'tier_max_age_s': -1}, r'Options.tier_max_age_s=-1: use a number of seconds >= 0'),
+      ({'tier_max_age_s': 'day'}, r"Options.tier_max_age_s='day'"),
+      ({'tier_max_bytes': -1}, r'Options.tier_max_bytes=-1: must be an integer >= 0 or None'),
   ]:
     with pytest.raises(ValueError, match=message):
       orbax_pathways.Options(**kwargs)
@@ -379,7 +379,7 @@ def test_a_tier_with_room_for_one_copy_keeps_the_newest_step(tmp_path, caplog):
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
     w = np.arange(10 * 2**18, dtype=np.float32).reshape(8, -1)  # 10 MiB
     state = {'w': jax.device_put(w, jax.sharding.NamedSharding(mesh, P('x')))}
-    orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier)))
+    orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier)))
     caplog.set_level(logging.INFO, logger='orbax_pathways')
     opts = ocp.CheckpointManagerOptions(max_to_keep=1)
     with ocp.CheckpointManager(root, options=opts) as m:
@@ -427,7 +427,7 @@ def test_no_room_names_the_safety_margin_and_leaves_nothing(tmp_path, caplog):
 
 def test_delete_drops_the_tier_copy_of_the_step(tmp_path):
   tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
-  state, w = _save(root, [1, 2], local_dir=str(tier), local_keep=2)
+  state, w = _save(root, [1, 2], tier_dir=str(tier), tier_keep=2)
   assert sorted(e.step for e in tier_store.entries(str(tier), str(root))) == [1, 2]
   with ocp.CheckpointManager(root) as m:
     m.delete(2)
@@ -436,13 +436,13 @@ def test_delete_drops_the_tier_copy_of_the_step(tmp_path):
 
 
 def test_retention_drops_the_tier_copy_of_the_steps_it_deletes(tmp_path):
-  """local_keep=2 but max_to_keep=1: the step retention deletes from storage goes from the
+  """tier_keep=2 but max_to_keep=1: the step retention deletes from storage goes from the
   tier too (no copy of a step storage no longer has)."""
   tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('x', 'y'))
   w = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)
   state = {'w': jax.device_put(w, jax.sharding.NamedSharding(mesh, P('x', 'y')))}
-  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier), local_keep=2))
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), tier_keep=2))
   with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(max_to_keep=1)) as m:
     for s in (1, 2, 3):
       m.save(s, args=ocp.args.StandardSave(state))
@@ -458,12 +458,12 @@ def test_a_save_drops_entries_whose_checkpoint_directory_is_gone(tmp_path):
   those of a directory still there stay."""
   tier = tmp_path / 'tier'
   gone, there, cur = tmp_path / 'gone', tmp_path / 'there', tmp_path / 'cur'
-  _save(gone, [1, 2], local_dir=str(tier))
-  _save(there, [1], local_dir=str(tier))
+  _save(gone, [1, 2], tier_dir=str(tier))
+  _save(there, [1], tier_dir=str(tier))
   for e in tier_store.entries(str(tier)):
     _age(e.path, 10 * 60)
   shutil.rmtree(gone)
-  _save(cur, [1], local_dir=str(tier))
+  _save(cur, [1], tier_dir=str(tier))
   assert _tree(tier) == {str(there): ['1'], str(cur): ['1']}
 
 
@@ -473,11 +473,11 @@ def test_cli_gc_drops_gone_and_stale_entries(tmp_path, capsys):
   both idle: removed, with their reasons; the entry storage still records stays."""
   tier = tmp_path / 'tier'
   a, b = tmp_path / 'a', tmp_path / 'b'
-  _save(a, [1, 2], local_dir=str(tier), local_keep=2)
-  _save(b, [1], local_dir=str(tier))
+  _save(a, [1, 2], tier_dir=str(tier), tier_keep=2)
+  _save(b, [1], tier_dir=str(tier))
   shutil.rmtree(a / '1')
   shutil.rmtree(b / '1')
-  _save(b, [1], local_dir='off')  # saved again, tier off: storage records another save id
+  _save(b, [1], tier_dir='off')  # saved again, tier off: storage records another save id
   for e in tier_store.entries(str(tier)):
     _age(e.path, 10 * 60)
   assert cli.main(['tier', str(tier), '--gc', '--json']) == 0
@@ -493,7 +493,7 @@ def test_cli_gc_drops_entries_of_steps_gone_from_gs(tmp_path, gcs_bucket, capsys
   by hand, one listing of the directory finds the step gone and its entry goes."""
   tier = tmp_path / 'tier'
   path = gcs_bucket.path('ckpt')
-  _save(path, [1, 2], local_dir=str(tier), local_keep=2)
+  _save(path, [1, 2], tier_dir=str(tier), tier_keep=2)
   assert sorted(e.step for e in tier_store.entries(str(tier), path)) == [1, 2]
   epath.Path(path, '1').rmtree()
   for e in tier_store.entries(str(tier)):

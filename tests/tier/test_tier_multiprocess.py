@@ -1,5 +1,5 @@
 """The node-local tier under real multi-controller JAX: each process is one simulated node with
-its own tier directory (``ORBAX_PATHWAYS_LOCAL_DIR``), real ``jax.distributed`` processes, an
+its own tier directory (``ORBAX_PATHWAYS_TIER_DIR``), real ``jax.distributed`` processes, an
 unchanged ``ocp.CheckpointManager``.
 
 1. Two processes save steps 1 and 2, then every process SIGKILLs itself right after the commit.
@@ -34,7 +34,7 @@ def test_sigkill_after_commit_then_restore_from_tiers(tmp_path):
   root = tmp_path / 'ckpt'
   tiers = _tiers(tmp_path, 2)
   saved = run_processes(WORKER, 2, 4, args=['save', str(root)], timeout=240, check=False,
-                        per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+                        per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers])
   assert [r.results for r in saved] == [[{'saved': True}]] * 2, [r.stderr_tail for r in saved]
   per_node = []
   for i, t in enumerate(tiers):
@@ -48,7 +48,7 @@ def test_sigkill_after_commit_then_restore_from_tiers(tmp_path):
     os.remove(os.path.join(e.path, tier_layout.COMMITTED))
 
   same = run_processes(WORKER, 2, 4, args=['restore', str(root)], timeout=240,
-                       per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+                       per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers])
   for i, r in enumerate(same):
     (res,) = r.results
     assert res['exact'] and res['step'] == 2
@@ -59,7 +59,7 @@ def test_sigkill_after_commit_then_restore_from_tiers(tmp_path):
                                       **({'peer': replicated} if i else {})}, res
 
   fewer = run_processes(WORKER, 1, 4, args=['restore', str(root)], timeout=240,
-                        env={'ORBAX_PATHWAYS_LOCAL_DIR': str(tiers[0])})
+                        env={'ORBAX_PATHWAYS_TIER_DIR': str(tiers[0])})
   (res,) = fewer[0].results
   assert res['exact'] and res['step'] == 2
   assert res['bytes_by_source'] == {'local': per_node[0], 'storage': total - per_node[0]}, res

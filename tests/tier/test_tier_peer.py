@@ -3,7 +3,7 @@ process's tier over the peer channel (``peer/client.py``) before storage.
 
 Real ``jax.distributed`` processes, one tier directory per simulated node, an unchanged
 ``ocp.CheckpointManager``. Three processes (nodes 0, 1, 2; two devices each) save steps 1 and 2
-once (``local_keep`` 2); each test copies the tiers, damages them as its case says, and restores
+once (``tier_keep`` 2); each test copies the tiers, damages them as its case says, and restores
 step 2 onto two processes (nodes 0 and 1): node 2 is lost. The failure matrix:
 
 - a node lost, restore onto fewer processes: the lost node's chunks from storage, the rest
@@ -11,7 +11,7 @@ step 2 onto two processes (nodes 0 and 1): node 2 is lost. The failure matrix:
 - a flipped byte in a peer's chunk: that chunk from storage;
 - a node lost during a save (its tier holds step 1, storage's newest is 2): never used;
 - a tier directory that cannot be written (save): the save goes on, its chunks from storage;
-- ``local_scope='held'``: replicated state comes wholly from each survivor's own tier;
+- ``tier_scope='held'``: replicated state comes wholly from each survivor's own tier;
 - replicated state with the default scope: the lost node's part of it is read from storage
   once, by one survivor, and passed to the other (``fleet/relay.py``); a relay that fails
   costs the asker its own storage read;
@@ -51,8 +51,8 @@ def saved(tmp_path_factory):
   base = tmp_path_factory.mktemp('peer')
   root, tiers = base / 'ckpt', [base / f'node{i}' for i in range(3)]
   res = run_processes(WORKER, 3, 2, args=['save', str(root), 'none'], timeout=400,
-                      env={'ORBAX_PATHWAYS_LOCAL_KEEP': '2'},
-                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+                      env={'ORBAX_PATHWAYS_TIER_KEEP': '2'},
+                      per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers])
   assert [r.results for r in res] == [[{'saved': True}]] * 3
   return root, tiers
 
@@ -70,7 +70,7 @@ def _restore(root, tiers, faults=('none', 'none'), timeout_s=5, env=None):
   res = run_processes(WORKER, 2, 2, args=['restore', str(root)], timeout=400,
                       per_process_args=[[f] for f in faults],
                       env={'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': str(timeout_s), **(env or {})},
-                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+                      per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers])
   out = []
   for r in res:
     (one,) = r.results
@@ -175,7 +175,7 @@ def test_a_tier_that_cannot_be_written_costs_only_its_chunks(tmp_path):
   blocker.write_text('not a directory')
   tiers = [tmp_path / 'node0', blocker / 'node1', tmp_path / 'node2']
   res = run_processes(WORKER, 3, 2, args=['save', str(root), 'none'], timeout=400,
-                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+                      per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers])
   assert [r.results for r in res] == [[{'saved': True}]] * 3
   assert 'node-local tier skipped' in res[1].stderr_tail
   (p0, _), (p1, _) = _restore(root, tiers[:2])
@@ -183,15 +183,15 @@ def test_a_tier_that_cannot_be_written_costs_only_its_chunks(tmp_path):
 
 
 def test_held_scope_keeps_replicas_so_replicated_state_survives_a_lost_node(tmp_path):
-  """``Options.local_scope='held'``: each node also keeps the whole chunks of replicas other
+  """``Options.tier_scope='held'``: each node also keeps the whole chunks of replicas other
   hosts write. 'm' (replicated across the 3 slices, its writing split over them) then comes
   wholly from each survivor's own tier; with 'written' the lost node's part of it would be read
   from storage by both survivors."""
   root = tmp_path / 'ckpt'
   tiers = [tmp_path / f'node{i}' for i in range(3)]
-  held = {'ORBAX_PATHWAYS_LOCAL_SCOPE': 'held'}
+  held = {'ORBAX_PATHWAYS_TIER_SCOPE': 'held'}
   res = run_processes(WORKER, 3, 2, args=['save', str(root), 'none'], timeout=400, env=held,
-                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+                      per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers])
   assert [r.results for r in res] == [[{'saved': True}]] * 3
   m = 96 * 64 * 4
   (p0, _), (p1, _) = _restore(root, tiers[:2], env=held)
@@ -207,7 +207,7 @@ def _save_replicated(tmp_path):
                       # is the fetcher of some of them (a hash pick) and asks the other for
                       # the rest.
                       env={'WITH_M': '1', 'ORBAX_PATHWAYS_MAX_CHUNK_BYTES': str(64 << 10)},
-                      per_process_env=[{'ORBAX_PATHWAYS_LOCAL_DIR': str(t)} for t in tiers])
+                      per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers])
   assert [r.results for r in res] == [[{'saved': True}]] * 3
   return root, tiers
 

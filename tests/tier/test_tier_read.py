@@ -303,7 +303,7 @@ def test_a_large_region_is_read_in_groups_and_a_bad_chunk_in_one_falls_back(tmp_
   filled by several threads at once; a damaged chunk in the last group still comes from
   storage, alone."""
   tier, root = tmp_path / 'tier', tmp_path / 'ckpt'
-  orbax_pathways.install(orbax_pathways.Options(local_dir=str(tier), max_chunk_bytes=4 << 20))
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), max_chunk_bytes=4 << 20))
   host = {'big': np.random.default_rng(2).standard_normal((2560, 4096), dtype=np.float32)}
   dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   state = {k: jax.device_put(v, dev) for k, v in host.items()}

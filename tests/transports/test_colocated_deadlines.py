@@ -97,7 +97,7 @@ def _writer_of(target: str) -> set[str]:
 def test_save_whose_worker_call_never_answers_names_the_workers(faulty_gcs):
   state, groups = _state()
   path = faulty_gcs.path('ckpt')
-  with options(transport='colocated', peer_timeout_s=PEER_TIMEOUT_S, local_dir='off',
+  with options(transport='colocated', peer_timeout_s=PEER_TIMEOUT_S, tier_dir='off',
                **SLOW_STORAGE):
     mngr = ocp.CheckpointManager(path)
     mngr.save(0, args=ocp.args.StandardSave(state))
@@ -127,7 +127,7 @@ def test_save_whose_worker_call_never_answers_names_the_workers(faulty_gcs):
 def test_restore_whose_worker_call_never_answers_names_the_workers(faulty_gcs):
   state, groups = _state()
   path = faulty_gcs.path('ckpt')
-  with options(transport='colocated', peer_timeout_s=PEER_TIMEOUT_S, local_dir='off',
+  with options(transport='colocated', peer_timeout_s=PEER_TIMEOUT_S, tier_dir='off',
                **SLOW_STORAGE):
     with ocp.CheckpointManager(path) as mngr:
       mngr.save(0, args=ocp.args.StandardSave(state))
@@ -173,7 +173,7 @@ def test_slow_call_that_keeps_progressing_outlives_its_deadline(faulty_gcs, monk
   path = faulty_gcs.path('ckpt')
   monkeypatch.setattr(colocated_worker, 'MAX_CONCURRENT_HOSTS', 1)
   delay_s = DELAY_S[phase]
-  with options(transport='colocated', peer_timeout_s=PROGRESS_TIMEOUT_S, local_dir='off',
+  with options(transport='colocated', peer_timeout_s=PROGRESS_TIMEOUT_S, tier_dir='off',
                **SLOW_STORAGE):
     with ocp.CheckpointManager(path) as mngr:
       if phase == 'save':

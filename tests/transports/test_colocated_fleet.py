@@ -25,7 +25,7 @@ N = 256
 
 def test_colocated_restore_over_256_workers_in_a_fresh_process(tmp_path):
   path, tier = tmp_path / 'ckpt', tmp_path / 'tier'
-  env = {'ORBAX_PATHWAYS_TRANSPORT': 'colocated', 'ORBAX_PATHWAYS_LOCAL_DIR': tier}
+  env = {'ORBAX_PATHWAYS_TRANSPORT': 'colocated', 'ORBAX_PATHWAYS_TIER_DIR': tier}
   saved = procs.worker_json(worker, 'save', path, N, env=env, devices=N, timeout=240)
   assert saved == {'transport': 'colocated', 'writers': N}, saved
   # A 10 s peer timeout: the call's deadline, which the restore ran past before (~13 s of

@@ -121,7 +121,7 @@ def test_requests_per_step_exceed_stock_by_a_constant_per_host(fake_gcs):
     # one, which depends on the machine's load, not on the fleet's size).
     assert all(not c['hedged'] for m in (save, restore) for c in m.values()), counts
     # Our metadata: the colocated controller writes the index (one PUT; the finalize lists
-    # _pathways/ once and finds it); the local transport writes its record, and the finalize
+    # _pathways/ once and finds it); the in-process transport writes its record, and the finalize
     # lists, reads it and writes the index. A restore reads the index: one GET.
     assert save['colocated']['pathways'] == 2 and save['local']['pathways'] == 4, save
     assert restore['colocated']['pathways'] == 1 and restore['local']['pathways'] == 1, restore

@@ -29,8 +29,8 @@ pytestmark = [pytest.mark.filterwarnings('error::pytest.PytestUnraisableExceptio
               pytest.mark.filterwarnings('error:coroutine .* was never awaited:RuntimeWarning')]
 
 
-class TestLocal(TransportConformance):
-  transport = 'local'
+class TestInProcess(TransportConformance):
+  transport = 'in_process'
 
 
 class TestColocated(TransportConformance):

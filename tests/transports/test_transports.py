@@ -21,13 +21,13 @@ from support.workers import runtime_worker
 
 def test_detect_runtime_single_process_and_override(monkeypatch):
   assert runtime.detect_runtime() is runtime.Runtime.SINGLE
-  assert runtime.choose_transport() is runtime.TransportName.LOCAL
+  assert runtime.choose_transport() is runtime.TransportName.IN_PROCESS
   monkeypatch.setenv('ORBAX_PATHWAYS_RUNTIME', 'pathways')
   assert runtime.detect_runtime() is runtime.Runtime.PATHWAYS
   assert runtime.choose_transport() is runtime.TransportName.COLOCATED
   monkeypatch.setenv('ENABLE_PATHWAYS_PERSISTENCE', '1')
   assert runtime.choose_transport() is runtime.TransportName.PERSISTENCE
-  assert runtime.choose_transport(requested='local') is runtime.TransportName.LOCAL
+  assert runtime.choose_transport(requested='in_process') is runtime.TransportName.IN_PROCESS
   monkeypatch.setenv('ORBAX_PATHWAYS_RUNTIME', 'bogus')
   with pytest.raises(ValueError, match=r"ORBAX_PATHWAYS_RUNTIME='bogus' is not one of "
                                        r"\['single', 'multi_controller', 'pathways'\]"):
@@ -37,7 +37,7 @@ def test_detect_runtime_single_process_and_override(monkeypatch):
 def test_multi_controller_runtime_is_detected_in_a_distributed_process():
   results = run_processes(runtime_worker.__file__, num_processes=2, devices_per_process=1, timeout=120)
   assert {(r.result['runtime'], r.result['transport']) for r in results} == {
-      ('multi_controller', 'local')}
+      ('multi_controller', 'in_process')}
 
 
 def _save_restore(directory, state, transport, **options):
@@ -87,7 +87,7 @@ def test_colocated_and_local_store_identical_values(tmp_path):
   state = random_state(m)
   # Coalescing off: it gathers small arrays per host, and the two transports see different
   # hosts here (one process vs one in-process worker per device).
-  _save_restore(tmp_path / 'local', state, 'local', coalesce_bytes=0)
+  _save_restore(tmp_path / 'local', state, 'in_process', coalesce_bytes=0)
   _save_restore(tmp_path / 'colocated', state, 'colocated', coalesce_bytes=0)
   local = meta_io.read_item(tmp_path / 'local' / '0' / 'default').arrays()
   coloc = meta_io.read_item(tmp_path / 'colocated' / '0' / 'default').arrays()
@@ -114,7 +114,7 @@ def test_colocated_with_cpu_device_ids_unlike_the_accelerators(tmp_path, monkeyp
   state = random_state(m)
   big = np.random.default_rng(2).standard_normal((512, 1024), dtype=np.float32)  # 2 MiB
   state['big'] = jax.device_put(big, jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec('data', 'model')))
-  _save_restore(tmp_path / 'local', state, 'local')
+  _save_restore(tmp_path / 'local', state, 'in_process')
   for coalesce in (1 << 20, 0):
     path = tmp_path / f'c{coalesce}'
     st, restored, no_target = _save_restore(path, state, 'colocated', coalesce_bytes=coalesce)

@@ -3,7 +3,7 @@ virtual CPU devices, for ``tests/transports/test_colocated_fleet.py`` (``procs.w
 
     python -m support.workers.colocated_fleet_worker save|restore CKPT N
 
-The test sets ``ORBAX_PATHWAYS_TRANSPORT=colocated`` and ``ORBAX_PATHWAYS_LOCAL_DIR`` (the
+The test sets ``ORBAX_PATHWAYS_TRANSPORT=colocated`` and ``ORBAX_PATHWAYS_TIER_DIR`` (the
 node's tier). ``save``: an unchanged ``ocp.CheckpointManager`` saves a state over a
 (N/4, 4) mesh; prints ``transport`` and the number of writers. ``restore``: restores it with a
 target, counting the files opened under the tier (an audit hook); prints whether every value is
@@ -27,7 +27,7 @@ def main() -> None:
   import orbax_pathways  # pylint: disable=g-import-not-at-top
 
   mode, path, expected = sys.argv[1], sys.argv[2], int(sys.argv[3])
-  tier = os.environ['ORBAX_PATHWAYS_LOCAL_DIR']
+  tier = os.environ['ORBAX_PATHWAYS_TIER_DIR']
   n = jax.device_count()
   assert n == expected, n
   mesh = Mesh(np.asarray(jax.devices()).reshape(n // 4, 4), ('data', 'model'))

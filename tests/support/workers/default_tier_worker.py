@@ -5,7 +5,7 @@
     python -m support.workers.default_tier_worker PARAMS_JSON
 
 ``PARAMS_JSON``: ``local`` (a local checkpoint directory) and ``gs`` (one on fake-gcs-server).
-With ``ORBAX_PATHWAYS_LOCAL_DIR`` unset before orbax_pathways is imported (the default), saves
+With ``ORBAX_PATHWAYS_TIER_DIR`` unset before orbax_pathways is imported (the default), saves
 and restores one sharded array into each. Prints after ``RESULT `` whether each restore was
 exact and its bytes by source, /dev/shm's listing after the local save and at the end, and
 every path under /dev/shm with whether it is a directory and its mode.
@@ -21,7 +21,7 @@ import sys
 
 def main() -> None:
   p = json.loads(sys.argv[1])
-  os.environ.pop('ORBAX_PATHWAYS_LOCAL_DIR', None)  # the default: before the import reads it
+  os.environ.pop('ORBAX_PATHWAYS_TIER_DIR', None)  # the default: before the import reads it
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top

@@ -1,5 +1,5 @@
 """One ``jax.distributed`` process of ``tests/tier/test_local_steps.py`` (``mp_harness``): a
-simulated node with its own tier directory (``ORBAX_PATHWAYS_LOCAL_DIR``, set by the test).
+simulated node with its own tier directory (``ORBAX_PATHWAYS_TIER_DIR``, set by the test).
 
     local_steps_worker.py save|resume CKPT LAYOUT
 

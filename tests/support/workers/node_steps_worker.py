@@ -1,5 +1,5 @@
 """One ``jax.distributed`` process of ``tests/tier/test_node_steps.py`` (``mp_harness``): a
-simulated node with its own tier directory (``ORBAX_PATHWAYS_LOCAL_DIR``), with
+simulated node with its own tier directory (``ORBAX_PATHWAYS_TIER_DIR``), with
 ``ORBAX_PATHWAYS_LOCAL_STEPS_IN=nodes`` and a local-only save every step (set by the test).
 
     node_steps_worker.py save|resume CKPT LAST

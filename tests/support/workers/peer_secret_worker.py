@@ -23,15 +23,15 @@ def main() -> None:
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
   from orbax_pathways.peer import exchange  # pylint: disable=g-import-not-at-top
-  from orbax_pathways.transports import local  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.transports import in_process  # pylint: disable=g-import-not-at-top
 
-  ex = local.peer_exchange(30.0)
+  ex = in_process.peer_exchange(30.0)
   first = ex.secret()
   multihost_utils.sync_global_devices('read')
   if jax.process_index() == 0:  # gone from the store: every process keeps the one it read
     ex.client.key_value_delete(exchange.SECRET_KEY)
   multihost_utils.sync_global_devices('deleted')
-  again = local.peer_exchange(30.0).secret()
+  again = in_process.peer_exchange(30.0).secret()
   mp_worker.emit({'sha': hashlib.sha256(first).hexdigest(), 'n': len(first),
                   'cached': again == first})
   multihost_utils.sync_global_devices('done')

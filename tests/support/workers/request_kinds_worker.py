@@ -2,7 +2,7 @@
 makes on gs://, held unanswered in turn.
 
 Two fresh interpreters, started by the test with ``procs.run_worker``; both need 8 CPU devices
-and ``ORBAX_PATHWAYS_LOCAL_DIR`` set by the test (the node-local tier both share):
+and ``ORBAX_PATHWAYS_TIER_DIR`` set by the test (the node-local tier both share):
 
 - ``save SERVER_URL``: saves the suite's ``random_state`` once per restore case, each into a
   bucket of its own on fake-gcs-server (``case_bucket``), straight to the server: v0
@@ -222,7 +222,7 @@ def _restore_equal(case: Case, path: str, state) -> bool:
 def _options(case: Case):
   import orbax_pathways  # pylint: disable=g-import-not-at-top
   options = orbax_pathways.Options.from_env()  # the deadline floor the test set
-  return options if case.tier else dataclasses.replace(options, local_dir='off')
+  return options if case.tier else dataclasses.replace(options, tier_dir='off')
 
 
 def _point_clients_at(url: str) -> None:

@@ -85,11 +85,11 @@ def main() -> None:
 
   # The default tier (gs:// storage: the default applies) resolves to the attacker's directory:
   # refused, nothing created.
-  os.environ.pop('ORBAX_PATHWAYS_LOCAL_DIR', None)
+  os.environ.pop('ORBAX_PATHWAYS_TIER_DIR', None)
   default = engine.Engine(orbax_pathways.Options()).tier(p['gs_item'])
 
   # A real save and restore with that directory as the node's tier.
-  os.environ['ORBAX_PATHWAYS_LOCAL_DIR'] = tier
+  os.environ['ORBAX_PATHWAYS_TIER_DIR'] = tier
   orbax_pathways.install(orbax_pathways.Options.from_env())
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
   w = np.arange(8 * 1024, dtype=np.float32).reshape(8, 1024)

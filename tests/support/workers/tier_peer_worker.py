@@ -1,5 +1,5 @@
 """One ``jax.distributed`` process of ``tests/tier/test_tier_peer.py`` (``mp_harness``): a simulated
-node with its own tier directory (``ORBAX_PATHWAYS_LOCAL_DIR``, set by the test), and the fault
+node with its own tier directory (``ORBAX_PATHWAYS_TIER_DIR``, set by the test), and the fault
 its peer server plays in a survivor-first restore.
 
     tier_peer_worker.py save|restore CKPT FAULT
@@ -13,7 +13,7 @@ order of the two, which a restore otherwise leaves to chance); ``tell_empty`` (w
 writer without holder keys, it says so in the key ``<round>.empty``) and ``after_empty`` (it
 publishes only once that key is there: so a reader looks before the holder publishes).
 ``save``: saves steps 1 and 2 of 'w' (sharded), 'b' (row-sharded), 'r' (replicated) and, with
-``ORBAX_PATHWAYS_LOCAL_SCOPE=held`` or ``WITH_M``, 'm' (replicated across slices); emits
+``ORBAX_PATHWAYS_TIER_SCOPE=held`` or ``WITH_M``, 'm' (replicated across slices); emits
 ``{'saved': True}``. ``restore``: restores step 2 onto the same shardings of the current
 processes, checks every addressable shard, emits the step, the bytes by source and the seconds
 spent on peers. Both end in a barrier.
@@ -56,7 +56,7 @@ def _play(fault: str) -> None:
     def half(self, sock, req):
       if req.get('op') != 'get':
         return answer(self, sock, req)
-      path = os.path.join(self.server.local_dir, *req['item'], req['entry'], req['file'])
+      path = os.path.join(self.server.tier_dir, *req['item'], req['entry'], req['file'])
       data = open(path, 'rb').read()
       sock.sendall(wire.ANSWER.pack(0, len(data)) + data[:len(data) // 2])
       raise OSError('simulated death mid-chunk')
@@ -129,7 +129,7 @@ def main() -> None:
   shard = {'w': jax.sharding.NamedSharding(mesh, P('x', 'y')),
            'b': jax.sharding.NamedSharding(mesh, P('x')),
            'r': jax.sharding.NamedSharding(mesh, P())}
-  if os.environ.get('ORBAX_PATHWAYS_LOCAL_SCOPE') == 'held' or os.environ.get('WITH_M'):
+  if os.environ.get('ORBAX_PATHWAYS_TIER_SCOPE') == 'held' or os.environ.get('WITH_M'):
     # replicated across slices
     # Large enough (with WITH_M) that its writing is split over the 3 slices (pieces >= 1 MiB).
     rows, cols = (768, 2048) if os.environ.get('WITH_M') else (96, 64)

@@ -1,4 +1,4 @@
-"""Local transport: this process moves the bytes of the shards its own devices hold.
+"""The in-process transport: this process moves the bytes of the shards its own devices hold.
 
 Used in single-process and multi-controller JAX (see ``transports/base.py`` for the call
 order). On each process: ``snapshot`` plans and copies the pieces this process writes to host
@@ -38,7 +38,7 @@ from orbax_pathways.peer import wire as tier_wire
 from orbax_pathways.transports import share
 from orbax_pathways.transports import snapshots
 
-NAME = options_lib.TransportName.LOCAL.value
+NAME = options_lib.TransportName.IN_PROCESS.value
 Box = boxes_lib.Box
 # Arrays up to this size that this process holds entirely, on several devices, are read as one
 # region and put with one call (``jax.device_put`` slices them per device itself).
@@ -150,7 +150,7 @@ def snapshot(arrays: Sequence[jax.Array], plans: Sequence[save_plan.ArrayWritePl
 
 def held_pieces(arrays: Sequence[jax.Array], plans: Sequence[save_plan.ArrayWritePlan],
                 host: str) -> list[tuple[writer_lib.Piece, ...]]:
-  """For ``Options.local_scope='held'`` (inside ``save()``, every process): one piece per whole
+  """For ``Options.tier_scope='held'`` (inside ``save()``, every process): one piece per whole
   chunk that this host's devices hold together and another host writes (each chunk once),
   copied to the host, for the node-local tier only. The shards concerned are copied whole (all
   copies in flight at once); a chunk inside one shard is a view of its copy, one spanning
@@ -299,7 +299,7 @@ def _partner_copier(cfg: base.SaveConfig) -> Callable[[str], None] | None:
   return copy
 
 
-class LocalTransport:
+class InProcessTransport:
   """This process writes and reads its own devices' shards (see the module docstring)."""
 
   name = NAME
@@ -349,7 +349,8 @@ class LocalTransport:
     if format_names.is_local_only(item.directory):
       with trace('write_tier'):
         outcome = await share.write_tier_only(
-            host, NAME, item, leaves, plans, pieces, creates=[cfg.is_primary] * len(leaves),
+            host, format_names.IN_PROCESS_RECORD, item, leaves, plans, pieces,
+            creates=[cfg.is_primary] * len(leaves),
             process_id=cfg.ocdbt_process_id, with_sharding=cfg.is_primary, tier=cfg.tier,
             save_id=share.new_save_id(), context=cfg.context,
             tier_pieces=None if held is None else [tuple(p) + h for p, h in zip(pieces, held)],
@@ -357,7 +358,8 @@ class LocalTransport:
       return [outcome]
     with trace('write'):
       outcome = await share.write_share(
-          host, NAME, item, leaves, plans, pieces, creates=[cfg.is_primary] * len(leaves),
+          host, format_names.IN_PROCESS_RECORD, item, leaves, plans, pieces,
+          creates=[cfg.is_primary] * len(leaves),
           process_id=cfg.ocdbt_process_id, with_sharding=cfg.is_primary,
           max_inflight_bytes=cfg.max_inflight_bytes, context=cfg.context, tier=cfg.tier,
           save_id=share.new_save_id(),
@@ -392,8 +394,8 @@ class LocalTransport:
     if chain is None and format_names.is_local_only(item.directory):
       raise errors.LocalStepIncompleteError(
           f'{item.directory} is a local-only step, whose array bytes are in the node-local '
-          'tiers only, and the tier is off on this process (Options.local_dir, '
-          'ORBAX_PATHWAYS_LOCAL_DIR): it cannot be restored here.')
+          'tiers only, and the tier is off on this process (Options.tier_dir, '
+          'ORBAX_PATHWAYS_TIER_DIR): it cannot be restored here.')
     # Orbax's restore byte limit (restore_concurrent_gb): at most that many bytes of host
     # buffers between storage and the devices at once (one array above it goes alone).
     try:
