@@ -40,10 +40,12 @@ FLEETS = (64, 1024, 16384)
 
 class SimulatedFleet:
   """jax's client as process ``me`` of ``n`` sees it: calls go to the real service and are
-  counted; the first touch of a round writes the other members' values (``value``) and, for a
-  member, the leader's verdict (the same value: every member agrees), uncounted."""
+  counted; the first touch of a round writes the other members' values and, for a member, the
+  leader's verdict, uncounted: ``value(round key, process)``, the verdict's with process None
+  (every member agrees)."""
 
-  def __init__(self, client: Any, me: int, n: int, value: str, leader: int = 0):
+  def __init__(self, client: Any, me: int, n: int, value: Callable[[str, int | None], str],
+               leader: int = 0):
     self.client, self.me, self.n, self.value, self.leader = client, me, n, value, leader
     self.calls: collections.Counter[str] = collections.Counter()
     self.values_read = 0
@@ -63,9 +65,9 @@ class SimulatedFleet:
     self._filled.add(rnd)
     for p in range(self.n):
       if p != self.me:
-        self.client.key_value_set(f'{rnd}/{p}', self.value, allow_overwrite=True)
+        self.client.key_value_set(f'{rnd}/{p}', self.value(rnd, p), allow_overwrite=True)
     if self.me != self.leader:
-      self.client.key_value_set(f'{rnd}/verdict', self.value, allow_overwrite=True)
+      self.client.key_value_set(f'{rnd}/verdict', self.value(rnd, None), allow_overwrite=True)
     self.fill_s += time.perf_counter() - began
 
   def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
@@ -117,7 +119,7 @@ def _as_process(fleet: SimulatedFleet) -> None:
   _oms.process_index = lambda: fleet.me
 
 
-def _cases() -> dict[str, tuple[str, Callable[[int], Any]]]:
+def _cases() -> dict[str, tuple[Callable[[str, int | None], str], Callable[[int], Any]]]:
   from orbax_pathways.coord import agreement  # pylint: disable=g-import-not-at-top
   from orbax_pathways.coord import rounds  # pylint: disable=g-import-not-at-top
   from orbax_pathways.multitier import node_steps  # pylint: disable=g-import-not-at-top
@@ -129,9 +131,17 @@ def _cases() -> dict[str, tuple[str, Callable[[int], Any]]]:
   agreement.configure(agreement.Agreement(timeout_s=60.0))
   mngr = types.SimpleNamespace()
 
+  options = types.SimpleNamespace(tier_dir=None, tier_peer_timeout_s=60.0)
+
   def resume(n: int) -> Any:
-    steps = node_steps._agreed(mngr, [9, 7], timeout_s=60.0)  # pylint: disable=protected-access
+    steps = node_steps._agreed(mngr, options, [9, 7], {}, timeout_s=60.0)  # pylint: disable=protected-access
     return steps, recovery.all_processes_ok(mngr, True, 9)
+
+  def resume_values(rnd: str, p: int | None) -> str:
+    if 'node_steps' not in rnd:  # the step restored: every process did
+      return '1'
+    return (node_steps.holdings(p, [9, 7], {}, '') if p is not None  # every node holds 9 and 7
+            else json.dumps({'steps': [9, 7], 'fetch': {}}))
 
   def preemption(n: int) -> Any:
     return decision._kv_agreement(  # pylint: disable=protected-access
@@ -149,8 +159,9 @@ def _cases() -> dict[str, tuple[str, Callable[[int], Any]]]:
       out.append(len(rnd.gather(60.0)))
     return out
 
-  return {'resume (2 rounds)': ('1', resume), 'preemption agreement': ('0', preemption),
-          'resume, gathered by all': ('1', gathered_by_all)}
+  return {'resume (2 rounds)': (resume_values, resume),
+          'preemption agreement': (lambda rnd, p: '0', preemption),
+          'resume, gathered by all': (lambda rnd, p: '1', gathered_by_all)}
 
 
 def run(fleets: tuple[int, ...]) -> list[dict]:

@@ -635,6 +635,16 @@ def _init(self: Options, **kwargs: Any) -> None:
 
 
 Options.__init__ = _init  # type: ignore[method-assign]
-for _old, _new in FORMER_FIELDS.items():  # the former names, read-only, as attributes
-  setattr(Options, _old, property(lambda self, _n=_new: getattr(self, _n),
-                                  doc=f'The former name of ``{_new}``.'))
+
+
+def _former(new: str) -> property:
+  """A read-only attribute under a former name (``FORMER_FIELDS``) that reads ``new``."""
+
+  def read(self: Options) -> Any:
+    return getattr(self, new)
+
+  return property(read, doc=f'The former name of ``{new}``.')
+
+
+for _old, _new in FORMER_FIELDS.items():
+  setattr(Options, _old, _former(_new))

@@ -356,11 +356,7 @@ class Engine:
     if (self.options.local_copies < 2 or not format_lib.is_local_only(directory)
         or jax.process_count() < 2):
       return None
-    by_device = layout.slice_of_devices(jax.devices(), num_slices=self.options.num_slices)
-    slice_of: dict[int, int] = {}
-    for d in jax.devices():
-      slice_of[d.process_index] = min(slice_of.get(d.process_index, by_device[d.id]),
-                                      by_device[d.id])
+    slice_of = layout.slice_of_processes(jax.devices(), num_slices=self.options.num_slices)
     partner = tier_partners.partner_of(jax.process_index(), slice_of)
     if partner is None:
       said.once(logging.WARNING, ('no-partner',),

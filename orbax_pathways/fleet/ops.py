@@ -6,12 +6,19 @@ the server passes it (``fleet/chain.py`` at a restore, ``fleet/partner_copy.read
   (``fleet/relay.answer``).
 - ``put``: one file of a partner copy, written into this node's tier (``fleet/receive.receive``;
   refused unless the server was started with a tier that takes copies).
+- ``node_put``, ``node_commit``, ``node_list``, ``node_get``: partner copies of node steps, taken
+  into this node and served back (``fleet/node_receive.py``).
 """
 
 from __future__ import annotations
 
+from orbax_pathways.fleet import node_receive
 from orbax_pathways.fleet import receive
 from orbax_pathways.fleet import relay
 from orbax_pathways.peer import server
 
-TABLE = server.Ops(answer={'relay': relay.answer}, receive={'put': receive.receive})
+TABLE = server.Ops(
+    answer={'relay': relay.answer},
+    receive={'put': receive.receive, 'node_put': node_receive.put_file,
+             'node_commit': node_receive.commit},
+    serve={'node_list': node_receive.listing, 'node_get': node_receive.get})

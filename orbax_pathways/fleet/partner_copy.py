@@ -53,18 +53,18 @@ _published: set[tuple[int, int, str]] = set()  # (id of the client, process, add
 _lock = threading.Lock()
 
 
-def ready(tier: tier_config.TierConfig, client: Any, me: int, timeout_s: float) -> None:
+def ready(tier: tier_config.TierConfig, client: Any, me: int, timeout_s: float) -> str:
   """This process's server takes partner copies into ``tier``, and its address is published
-  (once per process, key-value client and address). ``wire.PeerError`` if the job's secret
-  cannot be read."""
+  (once per process, key-value client and address); returns the address. ``wire.PeerError``
+  if the job's secret cannot be read."""
   secret = exchange_lib.job_secret(client, timeout_s)
   address = peer_server.serve(tier.tier_dir, secret, tier=tier, ops=fleet_ops.TABLE)
   key = (id(client), me, address)
   with _lock:
-    if key in _published:
-      return
-    rounds.put(client, rounds.partner_address_key(me), address)
-    _published.add(key)
+    if key not in _published:
+      rounds.put(client, rounds.partner_address_key(me), address)
+      _published.add(key)
+  return address
 
 
 def _files(m: manifest_lib.Manifest) -> list[tuple[str, int]]:

@@ -235,6 +235,8 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
         del detached
       for st in stats.saves_for_step(step, node_steps.directory_of(mngr)):
         st.loop_snapshot_s = taken.seconds  # the save's part in the loop (stats.SaveStats)
+      handed_off.set()  # the copy below reads the node's files, not the host copies
+      node_steps.copy_to_partner(mngr, self.options(), step, self.policy(mngr).keep)
     except Exception as e:  # pylint: disable=broad-except  (logged; training goes on)
       log.warning('orbax_pathways: local-only save of step %d of %s into this node failed '
                   '(%s: %s); the newest committed step stays the one to resume from.', step,

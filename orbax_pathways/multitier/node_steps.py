@@ -36,7 +36,11 @@ steps are not made.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
+import re
+import threading
 from typing import Any, Callable
 import weakref
 
@@ -49,7 +53,12 @@ from orbax_pathways._compat import orbax_manager_state as _oms
 from orbax_pathways._compat import orbax_process_local
 from orbax_pathways._util import said
 from orbax_pathways.coord import rounds
+from orbax_pathways.fleet import node_copy
+from orbax_pathways.fleet import partner_copy
+from orbax_pathways.fleet import partners
 from orbax_pathways.format import names as format_names
+from orbax_pathways.peer import exchange
+from orbax_pathways.sharding import layout
 from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import fsafe
 
@@ -60,18 +69,41 @@ _TREES = (ocp.args.StandardSave, ocp.args.PyTreeSave)
 _managers: 'weakref.WeakKeyDictionary[Any, Any]' = weakref.WeakKeyDictionary()
 
 
+def _tier(options: Any) -> tier_config.TierConfig | None:
+  cfg = tier_config.usable(tier_config.resolve(tier_config.named_dir(options.tier_dir)))
+  return cfg if cfg is not None and cfg.explicit else None
+
+
 def tier_root(options: Any) -> str | None:
   """This node's tier directory when the user named one (``Options.tier_dir``, else
   ``ORBAX_PATHWAYS_TIER_DIR``) and it passes the private-root check; None otherwise."""
-  cfg = tier_config.usable(tier_config.resolve(tier_config.named_dir(options.tier_dir)))
-  return cfg.tier_dir if cfg is not None and cfg.explicit else None
+  cfg = _tier(options)
+  return None if cfg is None else cfg.tier_dir
+
+
+def digest_of(mngr: Any) -> str:
+  """The name of ``mngr``'s node steps in every node: a digest of its directory."""
+  return hashlib.sha256(str(mngr.directory).encode()).hexdigest()[:16]
 
 
 def directory(mngr: Any, root: str) -> str:
   """``<root>/.node-steps/<digest of mngr.directory>``, made ``0700`` (never through a
   symlink)."""
-  digest = hashlib.sha256(str(mngr.directory).encode()).hexdigest()[:16]
-  return fsafe.private_dirs(root, format_names.NODE_STEPS_DIR, digest)
+  return fsafe.private_dirs(root, format_names.NODE_STEPS_DIR, digest_of(mngr))
+
+
+_RECORD_RE = re.compile(r'^p(\d+)' + re.escape(format_names.PATHWAYS_SUFFIX) + '$')
+
+
+def saver(step_dir: str) -> int | None:
+  """The process that saved the node step at ``step_dir`` (its writer record, ``p<i>``, in an
+  item's ``_pathways``), or None when no item has one (JSON only: the same on every process)."""
+  for item in fsafe.subdirs(step_dir):
+    for name in fsafe.names(os.path.join(step_dir, item, format_names.PATHWAYS_DIR)):
+      found = _RECORD_RE.match(name)
+      if found:
+        return int(found.group(1))
+  return None
 
 
 _LEAVES = (jax.Array, np.ndarray, np.number, int, float)
@@ -193,25 +225,173 @@ def save(mngr: Any, options: Any, step: int, args: Any, keep: int) -> None:
     node.save(step, args=node_args(args), force=True)
 
 
-def _agreed(mngr: Any, held: list[int], timeout_s: float) -> list[int]:
-  """The steps of ``held`` that every process of ``mngr`` holds, newest first: one round (each
-  member publishes its steps, the leader publishes the steps all hold)."""
+# ---- partner copies (Options.local_copies=2) ----------------------------------------------------
+
+
+class _Partners:
+  """This process's partner and the address of its server, per key-value client (read once
+  per job, read again after a copy failed), and the partners a copy already failed to."""
+
+  def __init__(self) -> None:
+    self.lock = threading.Lock()
+    self.addresses: dict[tuple[int, int], str] = {}
+    self.failed: set[int] = set()
+
+
+_partners = _Partners()
+
+
+def partner(mngr: Any, options: Any) -> int | None:
+  """The process of another slice that keeps this process's copies of ``mngr``'s node steps
+  (``fleet/partners.py``, among the manager's processes), or None (one process, one slice,
+  ``Options.local_copies`` < 2)."""
+  n = jax_distributed.process_count()
+  if getattr(options, 'local_copies', 1) < 2 or n < 2:
+    return None
+  part = _oms.manager_participants(mngr)
+  slices = layout.slice_of_processes(jax.devices(), num_slices=options.num_slices)
+  slices = {p: s for p, s in slices.items() if part.includes(p, n)}
+  me = _oms.process_index()
+  if me not in slices:
+    return None
+  found = partners.partner_of(me, slices)
+  if found is None:
+    said.once(logging.WARNING, ('node-steps-no-partner',),
+              'orbax_pathways: Options.local_copies=2, but every process is in one slice: node '
+              'steps keep one copy. Set ORBAX_PATHWAYS_NUM_SLICES (Options.num_slices) if the '
+              'platform does not tell the slices apart.')
+  return found
+
+
+def copy_to_partner(mngr: Any, options: Any, step: int, keep: int) -> bool:
+  """Sends this process's node step ``step`` of ``mngr`` to its partner's node
+  (``fleet/node_copy.send``), on the node step's background thread once its save ended; one
+  warning per partner when it cannot (the step keeps one copy). Whether the copy landed. The
+  first copy of a job starts this process's server, which takes its own partner's copies
+  (``partner_copy.ready``: the job's secret and this server's address, one key-value request
+  each per job), and reads its partner's address (one more); later copies ask nothing of the
+  key-value store."""
+  to = partner(mngr, options)
+  client = jax_distributed.distributed_client()
+  cfg = _tier(options)
+  if to is None or client is None or cfg is None:
+    return False
+  me, timeout_s = _oms.process_index(), options.tier_peer_timeout_s
+  step_dir = os.path.join(directory(mngr, cfg.tier_dir), str(step))
+  try:
+    partner_copy.ready(cfg, client, me, timeout_s)
+    key = (id(client), to)
+    with _partners.lock:
+      address = _partners.addresses.get(key)
+    if address is None:
+      address = str(rounds.wait_for(client, rounds.partner_address_key(to), timeout_s))
+    why = node_copy.send(step_dir, digest_of(mngr), node_copy.writer_name(me), step, keep,
+                         address, exchange.cached_secret() or b'', timeout_s)
+  except Exception as e:  # pylint: disable=broad-except  (a copy never fails training)
+    address, why = None, f'{type(e).__name__}: {e}'
+  with _partners.lock:
+    if why is None and address is not None:
+      _partners.addresses[(id(client), to)] = address
+      return True
+    _partners.addresses.pop((id(client), to), None)
+    first = to not in _partners.failed
+    _partners.failed.add(to)
+  log.log(logging.WARNING if first else logging.INFO,
+          'orbax_pathways: the partner copy of node step %d of %s (to process %d) was not made: '
+          '%s. The step keeps one copy, this node\'s.%s', step, mngr.directory, to, why,
+          ' Later failures to that partner are logged at INFO.' if first else '')
+  return False
+
+
+def _copies_held(root: str, digest: str, newest_storage: int | None) -> dict[int, list[int]]:
+  """process -> the steps newer than ``newest_storage`` of which this node keeps a copy."""
+  base = os.path.join(root, format_names.NODE_STEPS_DIR, digest + node_copy.COPIES_SUFFIX)
+  out: dict[int, list[int]] = {}
+  for writer in fsafe.subdirs(base):
+    if writer[1:].isdigit() and writer.startswith('p'):
+      steps = [int(n) for n in fsafe.subdirs(os.path.join(base, writer)) if n.isdigit()]
+      steps = [s for s in steps if newest_storage is None or s > newest_storage]
+      if steps:
+        out[int(writer[1:])] = sorted(steps, reverse=True)
+  return out
+
+
+def holdings(me: int, own: list[int], copies: dict[int, list[int]], address: str) -> str:
+  """A member's value in the node steps round: its process, the steps its node holds of its
+  own, the copies it keeps (process -> steps) and its server's address (JSON)."""
+  return json.dumps({'p': me, 'own': sorted(own), 'addr': address,
+                     'copies': {str(q): v for q, v in copies.items()}}, separators=(',', ':'))
+
+
+def _decide(values: list[str]) -> str:
+  """The leader's verdict on the members' holdings (JSON, one per member: ``p``, its ``own``
+  steps, the ``copies`` it keeps by process, its server's ``addr``): the steps every member
+  can restore, newest first (from its own node, or from the node keeping its copy), and per
+  step who fetches from whom."""
+  held = [json.loads(v) for v in values]
+  own = {int(v['p']): set(v['own']) for v in held}
+  keepers: dict[tuple[int, int], tuple[int, str]] = {}
+  for v in held:
+    for q, steps in v.get('copies', {}).items():
+      for s in steps:
+        if v.get('addr') and int(q) != int(v['p']):
+          keepers.setdefault((int(q), s), (int(v['p']), v['addr']))
+  steps, fetch = [], {}
+  for s in sorted(set().union(*own.values(), (s for _, s in keepers)), reverse=True):
+    lacking = [q for q in sorted(own) if s not in own[q]]
+    if all((q, s) in keepers for q in lacking):
+      steps.append(s)
+      if lacking:
+        fetch[str(s)] = {str(q): list(keepers[(q, s)]) for q in lacking}
+  return json.dumps({'steps': steps, 'fetch': fetch}, separators=(',', ':'))
+
+
+def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int]],
+            timeout_s: float) -> tuple[list[int], dict[int, tuple[int, str]]]:
+  """The steps every process of ``mngr`` can restore, newest first, and for this process the
+  steps it must first fetch (step -> the process keeping its copy and that server's address):
+  one round (each member publishes its holdings, the leader the verdict, ``_decide``). A
+  process that keeps copies starts its server first (``partner_copy.ready``)."""
   client = jax_distributed.distributed_client()
   part = _oms.manager_participants(mngr)
   n, me = jax_distributed.process_count(), _oms.process_index()
   if client is None or n <= 1 or part.size(n) <= 1 or not part.includes(me, n):
-    return sorted(held, reverse=True)
+    return sorted(held, reverse=True), {}
+  address = ''
+  cfg = _tier(options)
+  if copies and cfg is not None:
+    try:
+      address = partner_copy.ready(cfg, client, me, options.tier_peer_timeout_s) or ''
+    except Exception as e:  # pylint: disable=broad-except  (its copies are not offered)
+      log.warning('orbax_pathways.preemption.resume: this node keeps copies of other '
+                  'processes\' node steps but cannot serve them (%s: %s).', type(e).__name__, e)
   seq = rounds.sequence(part.name('node_steps'), keep=1)
-
-  def common(lists: list[str]) -> str:
-    held_by_all = set.intersection(*({int(s) for s in v.split(',') if s} for v in lists))
-    return ','.join(map(str, sorted(held_by_all, reverse=True)))
-
-  verdict = rounds.agree(
+  value = holdings(me, held, copies, address)
+  verdict = json.loads(rounds.agree(
       client, seq, seq.next(), me=me, members=part.members(n), count=n, leader=part.leader(n),
-      value=','.join(map(str, held)), decide=common, timeout_s=timeout_s,
-      what=f'orbax_pathways: node steps every process holds, {part.describe(n)}')
-  return [int(s) for s in verdict.split(',') if s]
+      value=value, decide=_decide, timeout_s=timeout_s,
+      what=f'orbax_pathways: node steps every process can restore, {part.describe(n)}'))
+  mine = {int(s): (int(who[str(me)][0]), str(who[str(me)][1]))
+          for s, who in verdict['fetch'].items() if str(me) in who}
+  return [int(s) for s in verdict['steps']], mine
+
+
+def _fetch(mngr: Any, options: Any, root: str, step: int, keeper: tuple[int, str],
+           timeout_s: float) -> None:
+  """This process's copy of node step ``step`` from ``keeper`` (process, address) into its
+  node (a step of another process's saving there first removed); raises why not."""
+  client = jax_distributed.distributed_client()
+  secret = exchange.job_secret(client, timeout_s)
+  into = os.path.join(directory(mngr, root), str(step))
+  fsafe.remove_tree(into)
+  why = node_copy.fetch(keeper[1], secret, digest_of(mngr),
+                        node_copy.writer_name(_oms.process_index()), step, into,
+                        options.tier_peer_timeout_s)
+  if why is not None:
+    raise RuntimeError(f'orbax_pathways: this process\'s copy of node step {step} could not be '
+                       f'fetched from process {keeper[0]} ({keeper[1]}): {why}')
+  log.info('orbax_pathways.preemption.resume: node step %d fetched from the copy process %d '
+           'keeps (this node did not hold it).', step, keeper[0])
 
 
 def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
@@ -225,17 +405,28 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
   if getattr(options, 'local_steps_in', 'storage') != 'nodes' or not orbax_process_local.install():
     return None
   node = manager(mngr, options, keep)
-  if node is None:
+  root = tier_root(options)
+  if node is None or root is None:
     return None
-  alone = lambda: orbax_process_local.alone(_oms.process_index())  # pylint: disable=unnecessary-lambda-assignment
+  me = _oms.process_index()
+  alone = lambda: orbax_process_local.alone(me)  # pylint: disable=unnecessary-lambda-assignment
   with alone():
     node.reload()
-    held = [s for s in node.all_steps() if newest_storage is None or s > newest_storage]
-  agreed = _agreed(mngr, held, timeout_s) if abstract_state is not None else []
+    listed = [s for s in node.all_steps() if newest_storage is None or s > newest_storage]
+  # Only this process's own steps: a node this process now runs on may hold another's.
+  held = [s for s in listed
+          if saver(os.path.join(str(node.directory), str(s))) in (None, me)]
+  copies = _copies_held(root, digest_of(mngr), newest_storage)
+  agreed, fetch = (_agreed(mngr, options, held, copies, timeout_s)
+                   if abstract_state is not None else ([], {}))
   chosen = None
   for step in agreed:
     try:
+      if step in fetch:
+        _fetch(mngr, options, root, step, fetch[step], timeout_s)
+        held.append(step)
       with alone():
+        node.reload()
         state = node.restore(step, args=ocp.args.PyTreeRestore(
             abstract_state,
             restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)))
@@ -256,4 +447,9 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
     if chosen is None or s > chosen[0]:
       with alone():
         node.delete(s)
+  base = os.path.join(root, format_names.NODE_STEPS_DIR, digest_of(mngr) + node_copy.COPIES_SUFFIX)
+  for q, steps in copies.items():  # and the copies of them this node keeps
+    for s in steps:
+      if chosen is None or s > chosen[0]:
+        fsafe.remove_tree(os.path.join(base, node_copy.writer_name(q), str(s)))
   return chosen

@@ -78,13 +78,18 @@ class Refused(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Ops:
   """A server's op table: the request kinds it answers beyond ``list`` and ``get`` of its own
-  tier. ``answer``: kind -> ``fn(request)``, the array the answer carries; ``receive``: kind ->
+  tier. ``answer``: kind -> ``fn(request)``, what the answer carries (an array, bytes, or an
+  open file and its size, sent with ``sendfile``); ``receive``: kind ->
   ``fn(sock, request, tier, idle_s)``, which reads the request's body from the connection and
   raises ``Refused`` to refuse it. The package's table is ``fleet/ops.TABLE``."""
 
-  answer: Mapping[str, Callable[[Mapping[str, Any]], np.ndarray]] = dataclasses.field(
+  answer: Mapping[str, Callable[[Mapping[str, Any]], Any]] = dataclasses.field(
       default_factory=dict)
   receive: Mapping[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+  # kind -> ``fn(tier_dir, request)``: an answer from this server's tier directory (as
+  # ``answer``'s kinds; ``fleet/node_receive.py``).
+  serve: Mapping[str, Callable[[str, Mapping[str, Any]], Any]] = dataclasses.field(
+      default_factory=dict)
 
 
 NO_OPS = Ops()
@@ -315,8 +320,11 @@ class _Handler(socketserver.BaseRequestHandler):
     without following a symlink; only a chunk box the manifest places in that band."""
     op = req.get('op')
     answer = self.server.ops.answer.get(op) if isinstance(op, str) else None
-    if answer is not None:
-      return np.ascontiguousarray(answer(req))
+    served = self.server.ops.serve.get(op) if isinstance(op, str) else None
+    if answer is not None or served is not None:  # an array, bytes, or (open file, size)
+      found = (answer(req) if answer is not None
+               else served(self.server.tier_dir, req))  # type: ignore[misc]
+      return found if isinstance(found, (bytes, tuple)) else np.ascontiguousarray(found)
     parts = _item(req)
     if op == 'list':
       return self.server.listing(parts)

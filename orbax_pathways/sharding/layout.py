@@ -171,6 +171,16 @@ def slice_of_devices(devices: Sequence[Any], *, num_slices: int | None = None) -
   return {d.id: 0 for d in devices}
 
 
+
+def slice_of_processes(devices: Sequence[Any], *, num_slices: int | None = None) -> dict[int, int]:
+  """process index -> the slice of its devices (``slice_of_devices``; the lowest where a
+  process's devices span several)."""
+  by_device = slice_of_devices(devices, num_slices=num_slices)
+  out: dict[int, int] = {}
+  for d in devices:
+    out[d.process_index] = min(out.get(d.process_index, by_device[d.id]), by_device[d.id])
+  return out
+
 def _spec_entry(p: Any) -> Any:
   if p is None or isinstance(p, str):
     return p

@@ -154,7 +154,14 @@ def _resume(client: FakeKV, monkeypatch, step: int) -> bool:
 
 def _node_steps(client: FakeKV, monkeypatch, step: int) -> list[int]:
   del client, monkeypatch, step
-  return node_steps._agreed(types.SimpleNamespace(), [9, 7], timeout_s=30.0)  # pylint: disable=protected-access
+  options = types.SimpleNamespace(tier_dir=None, tier_peer_timeout_s=30.0)
+  steps, fetch = node_steps._agreed(types.SimpleNamespace(), options, [9, 7], {},  # pylint: disable=protected-access
+                                    timeout_s=30.0)
+  assert fetch == {}
+  return steps
+
+
+_HOLDS_9_7 = '{"steps":[9,7],"fetch":{}}'  # the verdict: every node holds 9 and 7
 
 
 @pytest.mark.parametrize('n', FLEETS)
@@ -168,8 +175,10 @@ def test_every_process_agreement_requests_do_not_grow(agreement, late, me, n, as
   fleet."""
   # No notice anywhere (a True answer would notify this process): all answer '0'; every
   # process restored the step: all answer '1'; every node holds steps 9 and 7: '9,7'.
-  flag = {_preemption: '0', _resume: '1', _node_steps: '9,7'}[agreement]
-  client = FakeKV(me, n, lambda p: flag, late=range(n - late, n),
+  flag = {_preemption: '0', _resume: '1', _node_steps: _HOLDS_9_7}[agreement]
+  value = ((lambda p: node_steps.holdings(p, [7, 9], {}, '')) if agreement is _node_steps
+           else (lambda p: flag))
+  client = FakeKV(me, n, value, late=range(n - late, n),
                   verdict=None if me == 0 else flag)
   as_process(client)
   assert agreement(client, monkeypatch, step=7 + n) == {'0': False, '1': True}.get(flag, [9, 7])

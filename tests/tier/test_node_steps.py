@@ -5,6 +5,7 @@ with a tier directory of its own; worker: ``tests/support/workers/node_steps_wor
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 
 import pytest
@@ -22,13 +23,25 @@ def _run(tmp_path, mode, last, processes=4, devices=2):
       WORKER, processes, devices_per_process=devices, shared_dir=str(tmp_path),
       args=[mode, tmp_path / 'ckpt', last], timeout=170,
       env={'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': 1, 'ORBAX_PATHWAYS_TIER_KEEP': 2,
-           'ORBAX_PATHWAYS_LOCAL_STEPS_IN': 'nodes', 'DUMP_S': 150},
+           'ORBAX_PATHWAYS_LOCAL_STEPS_IN': 'nodes', 'ORBAX_PATHWAYS_LOCAL_COPIES': 2,
+           'DUMP_S': 150},
       per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': n} for n in nodes])
+
+
+def _copy(tmp_path, process, step):
+  """Where process ``process``'s partner (the next process: one slice each) keeps its copy of
+  node step ``step``."""
+  digests = [n for n in os.listdir(tmp_path / f'node{process}' / '.node-steps')
+             if not n.endswith('.copies')]
+  assert len(digests) == 1, digests
+  return (tmp_path / f'node{(process + 1) % 4}' / '.node-steps' / f'{digests[0]}.copies'
+          / f'p{process}' / str(step))
 
 
 @pytest.fixture
 def saved(tmp_path):
-  """Steps 0..9, storage every 4: storage holds 0, 4, 8; every node holds 7 and 9."""
+  """Steps 0..9, storage every 4: storage holds 0, 4, 8; every node holds 7 and 9, and a copy
+  of its partner's (``local_copies=2``)."""
   results = _run(tmp_path, 'save', 9)
   for r in results:
     assert r.result is not None, r.stderr_tail
@@ -59,15 +72,19 @@ def test_local_only_steps_live_on_the_nodes_alone_and_resume_from_them(saved):
     assert r.result['resumed'] == 9 and r.result['equal'], r.result
     assert r.result['sources'].get('storage', 0) == 0 and r.result['sources']['node'] > 0
     assert r.result['node_steps'] == [9, 10], r.result
-  # Two rounds (the steps every node holds, then the step restored): a member publishes its
-  # value and reads the verdict in each; the leader reads the others' (a directory read, then
-  # per wave of arrivals a blocking read, a directory read and its progress mark: at most one
-  # wave per member) and publishes the verdict.
+  # Two rounds (the steps every node can restore, then the step restored): a member publishes
+  # its value and reads the verdict in each; the leader reads the others' (a directory read,
+  # then per wave of arrivals a blocking read, a directory read and its progress mark: at most
+  # one wave per member) and publishes the verdict. A node keeping a partner's copy also
+  # starts its server: the server's address published, and the job's secret read (one
+  # request; or a write by the first process there; or a write refused and a blocking read).
   leader, *members = (r.result['resume_kv_calls'] for r in resumed)
   for calls in members:
-    assert calls == {'key_value_set': 2, 'blocking_key_value_get': 2}, calls
-  assert sum(leader.values()) <= 2 * (3 + 3 * len(members)) and 'key_value_try_get' not in leader, \
-      leader
+    assert set(calls) == {'key_value_set', 'key_value_try_get', 'blocking_key_value_get'}, calls
+    assert calls['key_value_try_get'] == 1 and 3 <= calls['key_value_set'] <= 4, calls
+    assert 2 <= calls['blocking_key_value_get'] <= 3 and sum(calls.values()) <= 8, calls
+  assert sum(leader.values()) <= 2 * (3 + 3 * len(members)) + 3, leader
+  assert leader.get('key_value_try_get', 0) <= 1, leader  # the secret's; no polling
 
 
 def test_a_step_one_node_never_finished_is_never_chosen(saved):
@@ -76,11 +93,34 @@ def test_a_step_one_node_never_finished_is_never_chosen(saved):
   step)."""
   tmp_path, results = saved
   shutil.rmtree(os.path.join(results[2].result['node_dir'], '9'))
+  shutil.rmtree(_copy(tmp_path, 2, 9))  # nor did its copy land
   resumed = _run(tmp_path, 'resume', 8)
   for r in resumed:
     assert r.result is not None, r.stderr_tail
     assert r.result['resumed'] == 8 and r.result['equal'], r.result
     assert 9 not in r.result['node_steps'], r.result
+
+
+def test_a_lost_node_is_resumed_from_its_partners_copy(saved):
+  """Node 2 is gone (its whole tier directory; a new node takes its place): the restart on four
+  processes still resumes node step 9, process 2 fetching its part from the copy its partner
+  (process 3, another slice) keeps, with the values saved and no byte from storage."""
+  tmp_path, results = saved
+  copy = _copy(tmp_path, 2, 9)
+  assert copy.is_dir() and oct(copy.stat().st_mode & 0o777) == '0o700', copy
+  files = [p for p in copy.rglob('*') if p.is_file()]
+  assert files and {oct(p.stat().st_mode & 0o777) for p in files} == {'0o600'}
+  shutil.rmtree(tmp_path / 'node2')
+  resumed = _run(tmp_path, 'resume', 10)
+  for r in resumed:
+    assert r.result is not None, r.stderr_tail
+    assert r.result['resumed'] == 9 and r.result['equal'], r.result
+    assert r.result['sources'].get('storage', 0) == 0, r.result
+  # Node 2 holds step 9 again: the copy's files, byte for byte.
+  assert resumed[2].result['node_steps'] == [9, 10], resumed[2].result
+  fetched = pathlib.Path(resumed[2].result['node_dir']) / '9'
+  assert ({p.relative_to(fetched): p.read_bytes() for p in fetched.rglob('*') if p.is_file()}
+          == {p.relative_to(copy): p.read_bytes() for p in files})
 
 
 def test_a_restart_on_fewer_processes_passes_node_steps_over(saved):
@@ -110,3 +150,22 @@ def test_a_flipped_byte_in_one_nodes_step_is_caught_and_passed_over(saved):
     assert r.result is not None, r.stderr_tail
     assert r.result['resumed'] == 8 and r.result['equal'], r.result
   assert 'node step 9 cannot be restored' in resumed[1].stderr_tail
+
+
+def test_a_flipped_byte_in_a_partners_copy_is_caught_and_passed_over(saved):
+  """Node 2 is gone and a bit of the copy its partner keeps of step 9 flipped: process 2's
+  restore of the fetched step fails its checksum, no process uses step 9, and the restart
+  resumes storage step 8 with the right values."""
+  tmp_path, _ = saved
+  data = [p for p in _copy(tmp_path, 2, 9).rglob('*') if p.is_file() and '/d/' in str(p)]
+  assert data, 'no OCDBT data file in the copy of process 2\'s step 9'
+  for path in data:  # a bit of each OCDBT data file: the chunks' and the B-tree's alike
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+  shutil.rmtree(tmp_path / 'node2')
+  resumed = _run(tmp_path, 'resume', 8)
+  for r in resumed:
+    assert r.result is not None, r.stderr_tail
+    assert r.result['resumed'] == 8 and r.result['equal'], r.result
+  assert 'node step 9 cannot be restored' in resumed[2].stderr_tail

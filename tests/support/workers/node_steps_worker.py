@@ -16,7 +16,6 @@ emits the step, where the restore read its bytes from, the steps this node holds
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import os
 import sys
@@ -93,19 +92,22 @@ class CountingClient:
     return counted
 
 
-@contextlib.contextmanager
-def counting_client():
-  """jax's client counting its calls for the block (installed where every caller finds it)."""
+  def since(self, before: dict) -> dict:
+    """The calls made since ``before`` (a copy of ``calls``), by method."""
+    return {k: v - before.get(k, 0) for k, v in self.calls.items() if v != before.get(k, 0)}
+
+
+def counting_client() -> CountingClient:
+  """jax's client counting its calls from now on, installed where every caller finds it, for
+  the whole run (the package keeps what it read once per client: one client throughout)."""
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
   counting = CountingClient(distributed.global_state.client)
   distributed.global_state.client = counting
-  try:
-    yield counting
-  finally:
-    distributed.global_state.client = counting._client  # pylint: disable=protected-access
+  return counting
 
 
 def main() -> None:
+  counting = counting_client()
   mngr = ocp.CheckpointManager(CKPT, options=ocp.CheckpointManagerOptions(
       save_interval_steps=4, max_to_keep=3))
   out: dict = {}
@@ -113,21 +115,19 @@ def main() -> None:
   if MODE == 'resume':
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state(0))
     abstract['n'] = np.zeros((3,), np.int64)
-    with counting_client() as counting:
-      step, restored = preemption.resume(mngr, lambda: state(0), abstract_state=abstract)
-    out.update(resumed=step, equal=equal(restored, step), resume_kv_calls=counting.calls,
+    before = dict(counting.calls)
+    step, restored = preemption.resume(mngr, lambda: state(0), abstract_state=abstract)
+    out.update(resumed=step, equal=equal(restored, step), resume_kv_calls=counting.since(before),
                sources=orbax_pathways.stats.last_restore().bytes_by_source)
     first = step + 1
-  with contextlib.ExitStack() as counting:
-    for step in range(first, LAST + 1):
-      if MODE == 'save' and step == 5:  # storage step 4 committed: count local-only steps 5-7
-        mngr.wait_until_finished()
-        calls = counting.enter_context(counting_client())
-      mngr.save(step, args=ocp.args.StandardSave(state(step)))
-      if MODE == 'save' and step == 7:  # wait_until_finished joins their background saves
-        mngr.wait_until_finished()
-        counting.close()
-        out['kv_calls'] = calls.calls
+  for step in range(first, LAST + 1):
+    if MODE == 'save' and step == 5:  # storage step 4 committed: count local-only steps 5-7
+      mngr.wait_until_finished()
+      before = dict(counting.calls)
+    mngr.save(step, args=ocp.args.StandardSave(state(step)))
+    if MODE == 'save' and step == 7:  # wait_until_finished joins their background saves
+      mngr.wait_until_finished()
+      out['kv_calls'] = counting.since(before)
   mngr.wait_until_finished()
   out.update(storage_steps=list(mngr.all_steps()), node_steps=node_steps_held(mngr),
              node_dir=node_steps.directory_of(mngr))
