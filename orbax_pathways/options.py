@@ -487,7 +487,9 @@ class Options:
     step survives the loss of any one slice even where state is sharded across every device.
     Costs each node its partner's share in node memory and one copy over the network per save.
     Multi-controller JAX only (under Pathways: not yet); a copy that cannot be made (no other
-    slice, a partner's full tier) is one warning, and the step keeps one copy.
+    slice, a partner's full tier) is one warning, and the step keeps one copy. Node steps
+    (``local_steps_in='nodes'``) are copied whole into the partner's node, and a resume
+    fetches a lost node's part back from there.
 
   Other processes and workers.
   peer_timeout_s: how long a wait on other processes or workers may last beyond the work this

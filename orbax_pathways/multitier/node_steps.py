@@ -25,12 +25,18 @@ Who calls what, on which host (every process that calls the manager):
   each step tried, as for any step. Node steps newer than the one chosen (or all, when none
   is) are deleted on each node: a rolled-back run saved them.
 
+With ``Options.local_copies=2`` (multi-controller JAX), each node step is also copied to the
+node of this process's partner (a process of another slice, ``fleet/partners.py``) on the same
+background thread once saved (``copy_to_partner``, ``fleet/node_copy.py``): no key-value
+request after the job's first copy. A resume counts those copies: a step is restorable when
+every process's node holds its part or a node keeps a copy of it, and a process whose node lacks
+its part (a new node in place of a lost one) fetches it from that copy before restoring.
+
 Not done on the nodes yet (those saves keep their local-only steps in storage's records, the
 hidden manager of ``multitier/local_steps.py``): Orbax's emergency manager and v1's
 ``training.Checkpointer``, arguments other than trees and JSON, Pathways (the colocated
-transport). A resume onto another process count, or after a node was lost, passes node steps
-over (some process cannot restore its part) and resumes from storage; partner copies of node
-steps are not made.
+transport). A resume onto another process count passes node steps over (a node step holds the
+shards its process held) and resumes from storage.
 """
 
 from __future__ import annotations
@@ -443,8 +449,8 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
                 'trying the next older step.', step,
                 f'{type(error).__name__}: {str(error)[:500]}' if error is not None
                 else 'another process of this job could not')
-  for s in held:  # a rolled-back run's: never resumed from later, never in a new save's way
-    if chosen is None or s > chosen[0]:
+  for s in sorted(set(held) | set(listed)):  # a rolled-back run's (another process's too):
+    if chosen is None or s > chosen[0]:     # never resumed from later, nor in a save's way
       with alone():
         node.delete(s)
   base = os.path.join(root, format_names.NODE_STEPS_DIR, digest_of(mngr) + node_copy.COPIES_SUFFIX)

@@ -167,15 +167,20 @@ def node_steps(tier_dir: str) -> list[Seen]:
   base = os.path.join(tier_dir, format_lib.NODE_STEPS_DIR)
   out = []
   for digest in fsafe.subdirs(base):
-    for name in fsafe.subdirs(os.path.join(base, digest)):
-      path = os.path.join(base, digest, name)
-      got = _incomplete_stat(path)
-      if got is None:
-        continue
-      final = name.isdigit() and os.path.lexists(os.path.join(path, '_CHECKPOINT_METADATA'))
-      out.append(Seen(path, f'{format_lib.NODE_STEPS_DIR}/{digest}',
-                      int(name) if name.isdigit() else None, final, final, got[1], got[0],
-                      node_step=True))
+    # Partner copies (``fleet/node_copy.py``): ``<digest>.copies/<writer>/<step>``, each
+    # writer's steps a root of their own.
+    roots = ([f'{digest}/{w}' for w in fsafe.subdirs(os.path.join(base, digest))]
+             if digest.endswith('.copies') else [digest])
+    for root in roots:
+      for name in fsafe.subdirs(os.path.join(base, *root.split('/'))):
+        path = os.path.join(base, *root.split('/'), name)
+        got = _incomplete_stat(path)
+        if got is None:
+          continue
+        final = name.isdigit() and os.path.lexists(os.path.join(path, '_CHECKPOINT_METADATA'))
+        out.append(Seen(path, f'{format_lib.NODE_STEPS_DIR}/{root}',
+                        int(name) if name.isdigit() else None, final, final, got[1], got[0],
+                        node_step=True))
   return out
 
 

@@ -237,7 +237,12 @@ def test_a_failing_clean_up_never_fails_the_save_and_warns_once(tmp_path, monkey
 
 
 def _node_steps(tier):
-  return sorted(str(p.relative_to(tier)) for p in tier.glob('.node-steps/*/*'))
+  return sorted(str(p.relative_to(tier)) for p in tier.glob('.node-steps/*/*')
+                if not p.parent.name.endswith('.copies'))
+
+
+def _copies(tier):
+  return sorted(str(p.relative_to(tier)) for p in tier.glob('.node-steps/*.copies/*/*'))
 
 
 def _age_tree(path, seconds):
@@ -260,26 +265,30 @@ def test_node_steps_count_against_the_cap_and_only_a_stopped_jobs_go(tmp_path, c
   assert [h.rpartition('/')[2] for h in held] == ['2', '3'], held
   nbytes = sum(f.stat().st_size for f in (tier / held[1]).rglob('*') if f.is_file())
   assert nbytes > 64 * KiB  # the step's 64 KiB array and Orbax's files
-  for h in held:
+  # A partner's copy of its step 3 (fleet/node_copy.py's layout) counts as a node step too.
+  shutil.copytree(tier / held[1], tier / (held[1].rsplit('/', 1)[0] + '.copies') / 'p1' / '3')
+  held_copies = _copies(tier)
+  for h in held + held_copies:
     _age_tree(tier / h, 2 * HOUR)  # idle, younger than the max age
   _age(_write(tier, other, 1), 3 * HOUR)
   seen, _ = tier_gc.scan(str(tier))
   on_node = [e for e in seen if e.node_step]
-  assert [(e.step, e.complete) for e in on_node] == [(2, True), (3, True)]
-  assert on_node[1].nbytes == nbytes
+  assert [(e.step, e.complete) for e in on_node] == [(2, True), (3, True), (3, True)], on_node
+  assert on_node[1].nbytes == nbytes == on_node[2].nbytes
+  assert on_node[2].root_key.endswith('.copies/p1'), on_node[2]
   # Room for everything but the other directory's entry: it goes, for the node steps' bytes.
   room = sum(e.nbytes for e in seen if e.root_key != tier_layout.root_key(str(other)))
   result = tier_gc.collect(str(tier), max_age_s=24 * HOUR, max_bytes=room, current='x')
   assert [(d.reason, d.seen.node_step) for d in result.dropped] == [('cap', False)]
   assert str(other) not in _tree(tier)
   tier_gc.collect(str(tier), max_age_s=24 * HOUR, max_bytes=0, current='x')
-  assert _node_steps(tier) == held  # the cap never drops a node step
-  for h in held:
+  assert _node_steps(tier) == held and _copies(tier) == held_copies  # never by the cap
+  for h in held + held_copies:
     _age_tree(tier / h, 25 * HOUR)
   assert cli.main(['tier', str(tier), '--gc']) == 0
   text = capsys.readouterr().out
   assert f'removed  node step {tier / held[0]}' in text and 'idle longer than the max age' in text
-  assert _node_steps(tier) == []
+  assert _node_steps(tier) == [] and _copies(tier) == []
 
 
 # ---- by hand -------------------------------------------------------------------------------------
