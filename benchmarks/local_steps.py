@@ -23,9 +23,12 @@ a final save (every process killed at the same step). Each mode of ``--modes`` i
 - ``multi_tier_copies``: the same with ``local_copies=2`` (each process a slice: process i's
   share also kept by process i+1);
 - ``multi_tier_nodes``: ``multi_tier`` with ``local_steps_in='nodes'``: each process saves its
-  part of a local-only step alone into its node (no storage request, no barrier).
+  part of a local-only step alone into its node (no storage request, no barrier);
+- ``multi_tier_nodes_copies``: the same with ``local_copies=2`` (each node step copied into the
+  partner's node).
 
-Then 4 fresh processes (3 with ``--lose-node``: the 4th node and its tier gone) run
+Then 4 fresh processes (3 with ``--lose-node``: the 4th node and its tier gone; 4 with
+``--replace-node``: the 4th node's tier gone, a new node in its place) run
 ``preemption.resume`` and one training step. ``--leaves N`` splits the state's rows into N arrays (a model's leaves: per-array work on
 storage shows with many). ``--layout replicated`` splits the state over
 each slice's devices only (every slice holds all of it) instead of over every device. Reported per mode: the
@@ -70,7 +73,8 @@ from benchlib import storage as benchlib_storage  # noqa: E402  pylint: disable=
 REPO = os.path.dirname(HERE)
 TESTS = os.path.join(REPO, 'tests')
 MiB = 1 << 20
-MODES = ('storage_only', 'multi_tier', 'multi_tier_copies', 'multi_tier_nodes')
+MODES = ('storage_only', 'multi_tier', 'multi_tier_copies', 'multi_tier_nodes',
+         'multi_tier_nodes_copies')
 
 WORKER = r'''
 import json, os, sys, time
@@ -237,11 +241,13 @@ def parse_args(argv=None):
                  help="the state: split over every device, or over each slice's devices")
   p.add_argument('--lose-node', action='store_true',
                  help='restart on 3 processes, the 4th node (and its tier) gone')
+  p.add_argument('--replace-node', action='store_true',
+                 help='restart on 4 processes, the 4th node\'s tier gone (a new node)')
   p.add_argument('--modes', default='storage_only,multi_tier',
                  help='comma-separated: storage_only, multi_tier, multi_tier_copies '
                       '(multi_tier with local_copies=2: a partner of another slice keeps a '
                       'second copy of each share), multi_tier_nodes (multi_tier with '
-                      "local_steps_in='nodes')")
+                      "local_steps_in='nodes'), multi_tier_nodes_copies (and local_copies=2)")
   p.add_argument('--train-only', action='store_true',
                  help='no restart: the training loop\'s step time only (the overhead run)')
   p.add_argument('--latency-ms', type=float, default=0.0,
@@ -322,13 +328,17 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None) -> dict:
            for i in range(4)]
   tiered = mode != 'storage_only'
   env = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': str(args.local_every if tiered else 0),
-         'ORBAX_PATHWAYS_LOCAL_COPIES': '2' if mode == 'multi_tier_copies' else '1',
+         'ORBAX_PATHWAYS_LOCAL_COPIES': '2' if mode.endswith('_copies') else '1',
          'ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY': args.when_busy,
-         'ORBAX_PATHWAYS_LOCAL_STEPS_IN': 'nodes' if mode == 'multi_tier_nodes' else 'storage'}
+         'ORBAX_PATHWAYS_LOCAL_STEPS_IN': ('nodes' if mode.startswith('multi_tier_nodes')
+                                           else 'storage')}
   per_tier = list(tiers) if tiered else ['off'] * 4  # storage only: no tier at all
   try:
     with _StorageCpu(server_pid) as storage_cpu:
       train = _run(run_processes, args, 'train', root, env, per_tier)
+    if args.replace_node and tiered:  # a new node: its tier directory empty
+      shutil.rmtree(tiers[3])
+      os.mkdir(tiers[3], 0o700)
     resume = [] if args.train_only else _run(run_processes, args, 'resume', root, env,
                                               per_tier[:3] if args.lose_node else per_tier)
   finally:
@@ -417,7 +427,8 @@ def table(results, args) -> str:
            + (f' and {args.latency_ms:g} ms per request' if args.latency_ms else '') + '; '
            + ('no restart' if args.train_only else
               f'restart on {3 if args.lose_node else 4} processes'
-              + (' (node 4 lost)' if args.lose_node else '')), '']
+              + (' (node 4 lost)' if args.lose_node else '')
+              + (' (node 4 replaced by a new one)' if args.replace_node else '')), '']
   if args.train_only:
     lines += [f'Steps 2-{args.steps} (the warm-up included). Goal: the device-to-host snapshot '
               "(the save's own part of the loop's save(), mean) plus 5% of the bare step.", '',
