@@ -41,6 +41,7 @@ import numpy as np
 
 from orbax_pathways.format import grid as grid_lib
 from orbax_pathways.format import names as format_names
+from orbax_pathways.plan import batches
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import meta_io
@@ -357,17 +358,8 @@ def _groups(chunks: Sequence[tuple[int, Box]], itemsize: int,
             limit: int = GROUP_BYTES) -> list[list[tuple[int, Box]]]:
   """``chunks`` in order, cut into consecutive groups of at most ``limit`` bytes (a larger chunk
   alone); ``[]`` when there are none. Pure."""
-  out: list[list[tuple[int, Box]]] = []
-  total = 0
-  for c in chunks:
-    n = c[1].size * itemsize
-    if out and total + n <= limit:
-      out[-1].append(c)
-      total += n
-    else:
-      out.append([c])
-      total = n
-  return out
+  return [[chunks[i] for i in batch]
+          for batch in batches.in_order([c[1].size * itemsize for c in chunks], limit)]
 
 
 def _writers_held(usable: Sequence[store.Entry], committed: Any) -> dict[str, list[tuple[str, str]]]:

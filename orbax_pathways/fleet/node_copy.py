@@ -33,7 +33,6 @@ import stat
 import time
 from typing import Any
 
-import crc32c as _crc32c
 import msgpack
 
 from orbax_pathways.format import names as format_names
@@ -44,7 +43,6 @@ MIN_RATE = 64 << 20  # bytes per second a copy's file is allowed at least, beyon
 MAX_FILES = 1 << 16  # files of one node step (Orbax's OCDBT files: a handful per item)
 MAX_DEPTH = 8  # directories below a node step's directory
 COPIES_SUFFIX = '.copies'
-_PIECE = 1 << 20
 
 
 def copy_dir(tier_dir: str, digest: str, writer: str, step: int | str) -> str:
@@ -98,16 +96,6 @@ def files_of(step_dir: str) -> list[tuple[str, int]]:
   return sorted(out)
 
 
-def crc_of(path: str, size: int) -> int:
-  with fsafe.open_regular(path, size) as f:
-    crc = 0
-    while True:
-      piece = f.read(_PIECE)
-      if not piece:
-        return crc
-      crc = _crc32c.crc32c(piece, crc)
-
-
 def _connect(address: str, secret: bytes, timeout_s: float) -> tuple[socket.socket, wire.Session]:
   host, _, port = address.rpartition(':')
   deadline = time.monotonic() + timeout_s
@@ -145,32 +133,23 @@ def send(step_dir: str, digest: str, writer: str, step: int, keep: int, address:
         deadline = time.monotonic() + timeout_s + size / MIN_RATE
         wire.send_request(sock, session, msgpack.packb(
             {'op': 'node_put', **head, 'file': rel, 'size': size,
-             'crc32c': crc_of(path, size)}, use_bin_type=True), deadline)
+             'crc32c': fsafe.crc32c_of(path, size)}, use_bin_type=True), deadline)
         sock.settimeout(max(0.001, deadline - time.monotonic()))
         with fsafe.open_regular(path, size) as f:
           sent = sock.sendfile(f, 0, size) if size else 0
         if sent != size:
           raise OSError(f'{rel}: sent {sent} of {size} bytes')
-        _answered(sock, deadline, rel)
+        wire.recv_empty_answer(sock, deadline, rel)
       deadline = time.monotonic() + timeout_s
       wire.send_request(sock, session, msgpack.packb(
           {'op': 'node_commit', **head, 'files': [list(f) for f in files], 'keep': int(keep)},
           use_bin_type=True), deadline)
-      _answered(sock, deadline, 'the commit')
+      wire.recv_empty_answer(sock, deadline, 'the commit')
     finally:
       sock.close()
   except (OSError, ValueError, wire.PeerError, wire.ProtocolError) as e:
     return f'{type(e).__name__}: {e}'
   return None
-
-
-def _answered(sock: socket.socket, deadline: float, what: str) -> None:
-  status, n = wire.recv_header(sock, deadline)
-  if status != 0:
-    text = wire.recv_bounded(sock, n, wire.MAX_ERROR_BYTES, deadline)
-    raise wire.PeerError(f'it refused {what}: {text.decode(errors="replace")}')
-  if n:
-    raise wire.ProtocolError(f'an answer of {n} bytes to a put (none expected)')
 
 
 def fetch(address: str, secret: bytes, digest: str, writer: str, step: int, into: str,
@@ -204,7 +183,7 @@ def fetch(address: str, secret: bytes, digest: str, writer: str, step: int, into
         directory = fsafe.private_dirs(part, *parts[:-1])
         fd = fsafe.open_new(os.path.join(directory, parts[-1]), exclusive=True)
         try:
-          body = recv_into_file(sock, fd, size, deadline=deadline)
+          body = wire.recv_to_file(sock, fd, size, deadline=deadline)
         finally:
           os.close(fd)
         if body != crc:
@@ -217,22 +196,3 @@ def fetch(address: str, secret: bytes, digest: str, writer: str, step: int, into
     fsafe.remove_tree(part)
     return f'{type(e).__name__}: {e}'
   return None
-
-
-def recv_into_file(sock: socket.socket, fd: int, size: int, *, deadline: float | None = None,
-                   idle_s: float | None = None) -> int:
-  """``size`` bytes from ``sock`` into ``fd`` in pieces of 1 MiB, each by ``deadline`` and
-  within ``idle_s`` of the one before; their crc32c."""
-  crc, left = 0, size
-  buf = memoryview(bytearray(min(_PIECE, size) or 1))
-  while left:
-    n = min(left, len(buf))
-    due = [d for d in (deadline, None if idle_s is None else time.monotonic() + idle_s)
-           if d is not None]
-    wire.recv_exact(sock, n, buf[:n], deadline=min(due) if due else None)
-    crc = _crc32c.crc32c(buf[:n], crc)
-    view = buf[:n]
-    while view:
-      view = view[os.write(fd, view):]
-    left -= n
-  return crc

@@ -36,6 +36,7 @@ import msgpack
 from orbax_pathways.fleet import node_copy
 from orbax_pathways.format import names as format_names
 from orbax_pathways.peer import server as peer_server
+from orbax_pathways.peer import wire
 from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import store
@@ -98,7 +99,7 @@ def put_file(sock: socket.socket, req: Mapping[str, Any], tier: tier_config.Tier
   target = os.path.join(incoming, parts[-1])
   fd = fsafe.open_new(target)
   try:
-    got = node_copy.recv_into_file(sock, fd, size, idle_s=idle_s)
+    got = wire.recv_to_file(sock, fd, size, idle_s=idle_s)
   except BaseException:
     os.close(fd)
     fsafe.remove_tree(target)
@@ -158,7 +159,7 @@ def _kept(tier_dir: str, req: Mapping[str, Any]) -> str:
 def listing(tier_dir: str, req: Mapping[str, Any]) -> bytes:
   """``node_list``: the files of a copy this node keeps, as ``[[path, size, crc32c], ...]``."""
   path = _kept(tier_dir, req)
-  return msgpack.packb([[rel, size, node_copy.crc_of(os.path.join(path, *rel.split('/')), size)]
+  return msgpack.packb([[rel, size, fsafe.crc32c_of(os.path.join(path, *rel.split('/')), size)]
                         for rel, size in node_copy.files_of(path)], use_bin_type=True)
 
 

@@ -71,16 +71,6 @@ def _files(m: manifest_lib.Manifest) -> list[tuple[str, int]]:
   return sorted(manifest_lib.file_sizes(m).items())
 
 
-def _crc_of(path: str, size: int) -> int:
-  with fsafe.open_regular(path, size) as f:
-    crc = 0
-    while True:
-      piece = f.read(1 << 20)
-      if not piece:
-        return crc
-      crc = _crc32c.crc32c(piece, crc)
-
-
 def send(entry_path: str, partner: int, client: Any, timeout_s: float) -> str | None:
   """Sends the complete entry at ``entry_path`` (this node's tier) to process ``partner``'s
   tier (its address: one blocking key-value read); None when it landed whole, else why not
@@ -115,7 +105,7 @@ def send_to(entry_path: str, address: str, secret: bytes, timeout_s: float) -> s
       session = wire.connect(sock, secret, deadline)
       for fname, size in _files(entry.manifest):
         path = os.path.join(entry_path, fname)
-        _put(sock, session, item, name, fname, size, _crc_of(path, size), timeout_s, path=path)
+        _put(sock, session, item, name, fname, size, fsafe.crc32c_of(path, size), timeout_s, path=path)
       _put(sock, session, item, name, manifest_lib.MANIFEST, len(manifest),
            _crc32c.crc32c(manifest), timeout_s, data=manifest)
     finally:
@@ -141,12 +131,7 @@ def _put(sock: socket.socket, session: wire.Session, item: list[str], entry: str
       raise OSError(f'{fname}: sent {sent} of {size} bytes')
   else:
     sock.sendall(data or b'')
-  status, n = wire.recv_header(sock, deadline)
-  if status != 0:
-    text = wire.recv_bounded(sock, n, wire.MAX_ERROR_BYTES, deadline)
-    raise wire.PeerError(f'it refused {fname}: {text.decode(errors="replace")}')
-  if n:
-    raise wire.ProtocolError(f'an answer of {n} bytes to a put (none expected)')
+  wire.recv_empty_answer(sock, deadline, fname)
 
 
 def send_or_say(entry_path: str, partner: int, client: Any, timeout_s: float) -> bool:

@@ -18,7 +18,7 @@ tmpfs), or a manifest over ``fsafe.MAX_SMALL_BYTES``; an entry this node already
 and a body whose crc32c is not the one its request names is removed. Every directory is
 ``0700``, every file ``0600``, nothing is written through a symlink (``tier/fsafe.py``).
 
-What grows with what: one file's pieces of ``_PIECE`` bytes in memory at a time, whatever the
+What grows with what: one file's pieces of 1 MiB in memory at a time, whatever the
 entry; a node receives the entries of the processes whose partner it is (one, in the usual
 case: ``fleet/partners.py``). No jax here.
 """
@@ -28,10 +28,8 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import time
 from typing import Any, Mapping
 
-import crc32c as _crc32c
 
 from orbax_pathways.tier import fsafe
 from orbax_pathways.tier import manifest as manifest_lib
@@ -40,7 +38,6 @@ from orbax_pathways.tier import store
 from orbax_pathways.peer import server as peer_server
 from orbax_pathways.peer import wire
 
-_PIECE = 1 << 20
 
 
 class Refused(peer_server.Refused):
@@ -87,22 +84,6 @@ def check(req: Mapping[str, Any], tier: tier_config.TierConfig | None) -> tuple[
   return parts, entry, file, size, crc
 
 
-def _body(sock: socket.socket, fd: int, size: int, idle_s: float) -> int:
-  """``size`` bytes from ``sock`` into ``fd`` (pieces of ``_PIECE``, each within ``idle_s``);
-  their crc32c."""
-  crc, left = 0, size
-  buf = memoryview(bytearray(min(_PIECE, size) or 1))
-  while left:
-    n = min(left, len(buf))
-    wire.recv_exact(sock, n, buf[:n], deadline=time.monotonic() + idle_s)
-    crc = _crc32c.crc32c(buf[:n], crc)
-    view = buf[:n]
-    while view:
-      view = view[os.write(fd, view):]
-    left -= n
-  return crc
-
-
 def receive(sock: socket.socket, req: Mapping[str, Any], tier: tier_config.TierConfig | None,
             idle_s: float) -> bytes:
   """One put: the body into this node's tier; returns the (empty) answer, or raises
@@ -115,7 +96,7 @@ def receive(sock: socket.socket, req: Mapping[str, Any], tier: tier_config.TierC
   target = os.path.join(path, file + '.part' if file == manifest_lib.MANIFEST else file)
   fd = fsafe.open_new(target)
   try:
-    got = _body(sock, fd, size, idle_s)
+    got = wire.recv_to_file(sock, fd, size, idle_s=idle_s)
   except BaseException:
     os.close(fd)
     _unlink(target)

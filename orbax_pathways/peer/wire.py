@@ -49,11 +49,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import os
 import re
 import secrets
 import socket
 import struct
 import time
+
+import crc32c as _crc32c
 
 from orbax_pathways import stats
 
@@ -267,3 +270,33 @@ def recv_header(sock: socket.socket, deadline: float) -> tuple[int, int]:
   """An answer's (status, payload bytes)."""
   status, n = ANSWER.unpack(recv_exact(sock, ANSWER.size, deadline=deadline))
   return status, n
+
+
+def recv_to_file(sock: socket.socket, fd: int, size: int, *, deadline: float | None = None,
+                 idle_s: float | None = None) -> int:
+  """A body of ``size`` bytes from ``sock`` into the file ``fd``, in pieces of 1 MiB (never
+  held whole), each by ``deadline`` and within ``idle_s`` of the one before; its crc32c."""
+  crc, left = 0, size
+  buf = memoryview(bytearray(min(_PIECE, size) or 1))
+  while left:
+    n = min(left, len(buf))
+    due = [d for d in (deadline, None if idle_s is None else time.monotonic() + idle_s)
+           if d is not None]
+    recv_exact(sock, n, buf[:n], deadline=min(due) if due else None)
+    crc = _crc32c.crc32c(buf[:n], crc)
+    view = buf[:n]
+    while view:
+      view = view[os.write(fd, view):]
+    left -= n
+  return crc
+
+
+def recv_empty_answer(sock: socket.socket, deadline: float, what: str) -> None:
+  """The answer to a streamed request (a put): nothing on success; ``PeerError`` with the
+  server's refusal of ``what``."""
+  status, n = recv_header(sock, deadline)
+  if status != 0:
+    text = recv_bounded(sock, n, MAX_ERROR_BYTES, deadline)
+    raise PeerError(f'it refused {what}: {text.decode(errors="replace")}')
+  if n:
+    raise ProtocolError(f'an answer of {n} bytes to a put (none expected)')

@@ -40,6 +40,8 @@ import shutil
 import stat
 from typing import BinaryIO, Iterator
 
+import crc32c as _crc32c
+
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 _NOFOLLOW = getattr(os, 'O_NOFOLLOW', 0)
@@ -300,3 +302,15 @@ def walk_files(path: str) -> Iterator[tuple[str, os.stat_result]]:
 def symlink_safe_rmtree() -> bool:
   """Whether this platform's ``shutil.rmtree`` resists symlink attacks (Linux: yes)."""
   return bool(getattr(shutil.rmtree, 'avoids_symlink_attacks', False))
+
+
+def crc32c_of(path: str, size: int) -> int:
+  """The crc32c of the regular file ``path`` of ``size`` bytes (``open_regular``), read in
+  pieces of 1 MiB."""
+  with open_regular(path, size) as f:
+    crc = 0
+    while True:
+      piece = f.read(1 << 20)
+      if not piece:
+        return crc
+      crc = _crc32c.crc32c(piece, crc)

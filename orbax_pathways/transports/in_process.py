@@ -25,6 +25,7 @@ from orbax_pathways._util import said
 from orbax_pathways.sharding import layout
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways.transports import values
+from orbax_pathways.plan import batches
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
 from orbax_pathways.plan import sources as plan_sources
@@ -399,7 +400,7 @@ class InProcessTransport:
     # Orbax's restore byte limit (restore_concurrent_gb): at most that many bytes of host
     # buffers between storage and the devices at once (one array above it goes alone).
     try:
-      for idx in share.batches(sizes, cfg.max_inflight_bytes):
+      for idx in batches.in_order(sizes, cfg.max_inflight_bytes):
         with trace('read'):
           buffers, rstats = await share.read_share(
               [targets[i] for i in idx], [needed[i] for i in idx], item=item, verify=cfg.verify,

@@ -22,6 +22,7 @@ from orbax_pathways.sharding import layout
 from orbax_pathways.format import records as records_lib
 from orbax_pathways.transports import values
 from orbax_pathways._compat import orbax as compat
+from orbax_pathways.plan import batches
 from orbax_pathways.plan import boxes as boxes_lib
 from orbax_pathways.plan import save as save_plan
 from orbax_pathways.storage import meta_io
@@ -112,7 +113,7 @@ async def write_pieces(writer: str, item: values.Item, leaves: Sequence[values.S
                                            max_inflight_bytes=max_inflight_bytes)
   else:
     chunks = {}
-    for batch in batches([w.nbytes for w in writes], max_inflight_bytes):
+    for batch in batches.in_order([w.nbytes for w in writes], max_inflight_bytes):
       chunks.update(await writer_lib.write_arrays([writes[i] for i in batch], context=ctx,
                                                   max_inflight_bytes=max_inflight_bytes))
       on_progress()
@@ -285,23 +286,6 @@ def _on_storage(target: values.ReadTarget, box: Box) -> Box | None:
     return box
   part = box.intersect(Box.full(stored))
   return part if part is not None and part.size else None
-
-
-def batches(sizes: Sequence[int], limit: int | None) -> list[list[int]]:
-  """Indices grouped in order so that each group's sizes sum to at most ``limit`` (an item
-  larger than ``limit`` forms a group alone); one group when there is no limit."""
-  if not limit:
-    return [list(range(len(sizes)))] if sizes else []
-  out: list[list[int]] = []
-  total = 0
-  for i, n in enumerate(sizes):
-    if out and total + n <= limit:
-      out[-1].append(i)
-      total += n
-    else:
-      out.append([i])
-      total = n
-  return out
 
 
 def array_read(target: values.ReadTarget, boxes: Sequence[Box]) -> reader_lib.ArrayRead:
