@@ -30,6 +30,10 @@ gone; the restart on 3 processes); SIGTERM to one process or to all (the preempt
 storage errors, stalled requests, dropped connections during saves and the next restore; a
 flipped byte in a tier chunk, in a partner copy, in a storage chunk, in a step's metadata.
 
+Its parts: ``chaos_worker.py`` (a process of the job), ``chaos_job.py`` (one run of the job:
+its processes, what they report, their end), ``chaos_report.py`` (the closing line and the table
+by kind); this file draws the schedule, injects each fault and judges each recovery.
+
 Ends with one line:
 ``chaos: R/N recovered, W wrong values, H hangs, steps lost mean A max B, resume mean C s``.
 Exits 1 unless every fault recovered.
@@ -43,16 +47,15 @@ import os
 import random
 import shutil
 import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
+from chaos_job import Hang, Job
+from chaos_report import by_kind, fmt, summary
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-DEVICES = 2  # per process
-STEP_S = 0.2  # one training step (a sleep: the CPU stays free for the saves)
 
 KILLS = ('kill_all_in_save', 'kill_one_in_save', 'kill_all_storage_commit',
          'kill_one_storage_commit', 'kill_all_local_save', 'kill_one_local_save',
@@ -60,223 +63,6 @@ KILLS = ('kill_all_in_save', 'kill_one_in_save', 'kill_all_storage_commit',
 KINDS = KILLS + ('node_lost', 'sigterm_all', 'sigterm_one', 'storage_errors', 'storage_stall',
                  'storage_dropped', 'flip_tier_chunk', 'flip_partner_copy',
                  'flip_storage_chunk', 'flip_metadata')
-
-# --------------------------------------------------------------------------------------------
-# The job's process (--worker): resume, check, train, save; the plan says where it dies.
-# --------------------------------------------------------------------------------------------
-
-
-def worker(argv) -> None:
-  from support import mp_worker as w  # pylint: disable=g-import-not-at-top
-  w.init()
-  import threading  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  import orbax_pathways  # pylint: disable=g-import-not-at-top,unused-import
-  from orbax_pathways import preemption, stats  # pylint: disable=g-import-not-at-top
-  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
-
-  root, storage_every, local_every, rows = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
-  plan = json.loads(argv[4])
-  me, n = w.process_id(), w.num_processes()
-  progress = open(os.path.join(w.shared_dir(), f'progress_{me}'), 'a', encoding='ascii')
-
-  def note(event: str, step) -> None:
-    progress.write(f'{event} {step} {time.time():.3f}\n')
-    progress.flush()
-
-  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n, DEVICES), ('x', 'y'))
-  shardings = {'w': jax.sharding.NamedSharding(mesh, P('x', 'y')),
-               'r': jax.sharding.NamedSharding(mesh, P())}
-  bases = {'w': np.arange(rows * 256, dtype=np.float32).reshape(rows, 256),
-           'r': np.arange(1024, dtype=np.float32)}
-  start_arrays = {k: jax.make_array_from_callback(b.shape, shardings[k], lambda i, b=b: b[i])
-                  for k, b in bases.items()}
-  add = jax.jit(lambda a, k: a + k)
-
-  def state(step: int):
-    return {k: add(a, np.float32(step)) for k, a in start_arrays.items()}
-
-  abstract = {k: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=shardings[k])
-              for k, b in bases.items()}
-  mine = me in plan.get('who', ())
-
-  def kill_after(delay: float) -> None:
-    t = threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL))
-    t.daemon = True
-    t.start()
-
-  mngr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
-      save_interval_steps=storage_every, max_to_keep=2))
-  if plan.get('when') == 'resume' and mine:
-    kill_after(plan['delay'])
-  t0 = time.time()
-  step, got = preemption.resume(mngr, lambda: state(0), abstract_state=abstract)
-  resume_s = time.time() - t0
-  ok = True
-  if step is not None:
-    for k, b in bases.items():
-      for shard in got[k].addressable_shards:
-        ok &= np.asarray(shard.data).tobytes() == (b[shard.index] + np.float32(step)).tobytes()
-  restore = stats.last_restore()
-  w.emit({'event': 'resumed', 'step': step, 'ok': bool(ok), 'resume_s': resume_s,
-          'bytes': dict(restore.bytes_by_source) if (restore and step is not None) else {}})
-  note('resumed', step)
-  first = 0 if step is None else step + 1
-  # A planned kill strikes at the first step of its sort at or after ``target`` and after the
-  # step the harness writes into the 'go' file once it has seen every process train a step
-  # after the resume (so that the kill never hides whether that restart recovered; one step
-  # for every process, as the processes' loops run in step).
-  target, armed, gate = first + plan.get('offset', 0), None, None
-  go = os.path.join(w.shared_dir(), 'go')
-
-  def due(k: int) -> bool:
-    nonlocal gate
-    if gate is None:
-      try:
-        with open(go, encoding='ascii') as f:
-          gate = int(f.read())
-      except (OSError, ValueError):
-        return False
-    if k < max(target, gate):
-      return False
-    if plan.get('at') == 'storage':  # a storage step: the kill lands in its commit
-      return k % storage_every == 0
-    if plan.get('at') == 'local':  # a local-only step: in its write or its partner copy
-      return k % local_every == 0 and k % storage_every != 0
-    return True
-
-  until = first + plan['steps'] if plan.get('steps') else 10**9
-  for k in range(first, until):
-    time.sleep(STEP_S)
-    s = state(k)
-    jax.block_until_ready(s)
-    if armed is None and mine and plan.get('when') in ('in_save', 'after_save') and due(k):
-      armed = k
-    if k == armed and plan['when'] == 'in_save':
-      kill_after(plan['delay'])
-    mngr.save(k, args=ocp.args.StandardSave(s))
-    if k == armed and plan['when'] == 'after_save':
-      kill_after(plan['delay'])
-    note('trained', k)
-    if mngr.reached_preemption(k):
-      w.emit({'event': 'preempted', 'step': k})
-      note('preempted', k)
-      preemption.exit_after_commit(mngr)
-  mngr.wait_until_finished()
-  mngr.close()
-  note('done', until)
-  w.stop_all_now()
-
-
-# --------------------------------------------------------------------------------------------
-# The harness: storage, nodes, the schedule, one job after another.
-# --------------------------------------------------------------------------------------------
-
-
-def _progress(shared: str, pid: int) -> list[tuple[str, int | None, float]]:
-  try:
-    with open(os.path.join(shared, f'progress_{pid}'), encoding='ascii') as f:
-      lines = f.read().splitlines()
-  except OSError:
-    return []
-  out = []
-  for line in lines:
-    parts = line.split()
-    if len(parts) == 3:
-      out.append((parts[0], None if parts[1] == 'None' else int(parts[1]), float(parts[2])))
-  return out
-
-
-class Job:
-  """One run of the training job: N processes of one ``jax.distributed`` job, each in its own
-  process group, with the node's tier directory; killed and reaped by ``stop``."""
-
-  def __init__(self, harness: 'Chaos', n: int, plan: dict):
-    from support import mp_harness, procs, zygote  # pylint: disable=g-import-not-at-top
-    self.n = n
-    self.dir = tempfile.mkdtemp(prefix='job-', dir=harness.base)
-    self.shared = os.path.join(self.dir, 'shared')
-    self.results = os.path.join(self.dir, 'results')
-    os.makedirs(self.shared)
-    os.makedirs(self.results)
-    coordinator = f'127.0.0.1:{procs.free_port()}'
-    self.procs = []
-    self.t0 = time.time()
-    for i in range(n):
-      env = mp_harness.worker_env(
-          os.environ, harness.env, pid=i, num_processes=n, devices_per_process=DEVICES,
-          coordinator=coordinator, results_dir=self.results, shared_dir=self.shared,
-          init_timeout=120)
-      env['ORBAX_PATHWAYS_TIER_DIR'] = harness.tier(i)
-      env.pop('ORBAX_PATHWAYS_NO_SIGTERM', None)  # a SIGTERM is the preemption notice
-      argv = [sys.executable, os.path.abspath(__file__), '--worker', harness.root,
-              str(harness.args.storage_every), str(harness.args.local_every),
-              str(harness.rows), json.dumps(plan)]
-      with open(os.path.join(self.dir, f'{i}.out'), 'wb') as out, \
-          open(os.path.join(self.dir, f'{i}.err'), 'wb') as err:
-        popen = zygote.Popen if harness.args.fast_start else subprocess.Popen
-        self.procs.append(popen(argv, env=env, cwd=REPO, stdin=subprocess.DEVNULL,
-                                           stdout=out, stderr=err, start_new_session=True))
-
-  def progress(self, pid: int):
-    return _progress(self.shared, pid)
-
-  def emitted(self, pid: int) -> list[dict]:
-    try:
-      with open(os.path.join(self.results, f'process_{pid}.jsonl'), encoding='utf-8') as f:
-        return [json.loads(line) for line in f if line.strip()]
-    except OSError:
-      return []
-
-  def resumed(self) -> list[dict] | None:
-    got = [[e for e in self.emitted(i) if e.get('event') == 'resumed'] for i in range(self.n)]
-    return [g[0] for g in got] if all(got) else None
-
-  def trained(self) -> list[int | None]:
-    """Per process, the last step its loop trained (its ``save()`` returned)."""
-    return [max((s for e, s, _ in self.progress(i) if e == 'trained'), default=None)
-            for i in range(self.n)]
-
-  def first_trained_at(self) -> float | None:
-    """Seconds from the launch until every process had trained its first step."""
-    times = [min((t for e, _, t in self.progress(i) if e == 'trained'), default=None)
-             for i in range(self.n)]
-    return None if None in times else max(times) - self.t0
-
-  def codes(self) -> list[int | None]:
-    return [p.poll() for p in self.procs]
-
-  def signal(self, sig: int, pids) -> None:
-    for i in pids:
-      try:
-        os.killpg(self.procs[i].pid, sig)
-      except ProcessLookupError:
-        pass
-
-  def stop(self) -> None:
-    self.signal(signal.SIGKILL, range(self.n))
-    for p in self.procs:
-      try:
-        p.wait(timeout=10)
-      except subprocess.TimeoutExpired:
-        pass
-
-  def tails(self) -> str:
-    out = []
-    for i in range(self.n):
-      try:
-        with open(os.path.join(self.dir, f'{i}.err'), errors='replace') as f:
-          out.append(f'--- process {i} (rc {self.procs[i].poll()}) ---\n' + f.read()[-3000:])
-      except OSError:
-        pass
-    return '\n'.join(out)
-
-
-class Hang(Exception):
-  """A phase of a run took longer than ``--deadline``."""
-
 
 class Chaos:
   """The soak: fake-gcs-server behind the fault proxy, 4 node directories, the schedule."""
@@ -586,7 +372,7 @@ class Chaos:
             ('recovered' if ok else 'NOT recovered') +
             f', resumed {r.get("resumed_step")} after trained {r.get("last_trained")}'
             f' (lost {r.get("steps_lost")}), restart to first step '
-            f'{_fmt(r.get("resume_wall_s"))} s, storage {r.get("storage_bytes", 0)} B'
+            f'{fmt(r.get("resume_wall_s"))} s, storage {r.get("storage_bytes", 0)} B'
             + (f', damaged {r["damaged"]}' if r.get('damaged') else '')
             + (f', skipped: {r["skipped"]}' if r.get('skipped') else ''))
     print(line, flush=True)
@@ -594,45 +380,6 @@ class Chaos:
       print(f'FAIL seed {self.args.seed} fault {r["index"]} ({r["kind"]}, plan {r["plan"]}); '
             f'replay: integration/chaos.py --faults {r["index"] + 1} --seed {self.args.seed}\n'
             f'{r.get("detail", "")}', flush=True)
-
-
-def _fmt(x) -> str:
-  return '-' if x is None else f'{x:.2f}'
-
-
-def summary(records: list[dict]) -> str:
-  n = len(records)
-  recovered = sum(1 for r in records if r.get('recovered'))
-  wrong = sum(1 for r in records if r.get('wrong'))
-  hangs = sum(1 for r in records if r.get('hang'))
-  lost = [r['steps_lost'] for r in records if r.get('steps_lost') is not None]
-  resume = [r['resume_wall_s'] for r in records if r.get('resume_wall_s') is not None]
-  return (f'chaos: {recovered}/{n} recovered, {wrong} wrong values, {hangs} hangs, '
-          f'steps lost mean {statistics.mean(lost) if lost else 0:.1f} max '
-          f'{max(lost) if lost else 0}, resume mean '
-          f'{statistics.mean(resume) if resume else 0:.1f} s')
-
-
-def by_kind(records: list[dict]) -> str:
-  """A markdown table: per kind, faults, recovered, steps lost (mean, max), seconds from the
-  restart's launch to its first trained step and of the resume call (means), storage bytes
-  read by the restart (mean)."""
-  rows = ['| fault | n | recovered | steps lost mean / max | restart to first step (s) | '
-          'resume call (s) | storage read (KiB) |', '|---|---|---|---|---|---|---|']
-  for kind in KINDS:
-    rs = [r for r in records if r['kind'] == kind]
-    if not rs:
-      continue
-    lost = [r['steps_lost'] for r in rs if r.get('steps_lost') is not None]
-    wall = [r['resume_wall_s'] for r in rs if r.get('resume_wall_s') is not None]
-    call = [r['resume_call_s'] for r in rs if r.get('resume_call_s') is not None]
-    read = [r.get('storage_bytes', 0) for r in rs if r.get('recovered')]
-    rows.append(f'| {kind} | {len(rs)} | {sum(1 for r in rs if r.get("recovered"))} | '
-                f'{statistics.mean(lost) if lost else 0:.1f} / {max(lost) if lost else "-"} | '
-                f'{statistics.mean(wall) if wall else 0:.1f} | '
-                f'{statistics.mean(call) if call else 0:.2f} | '
-                f'{statistics.mean(read) / 1024 if read else 0:.0f} |')
-  return '\n'.join(rows)
 
 
 def main(argv=None) -> int:
@@ -655,11 +402,7 @@ def main(argv=None) -> int:
                       'leave out those imports, so soak results are taken without it')
   p.add_argument('--keep', action='store_true',
                  help="keep the nodes' directories and the jobs' logs (printed at the end)")
-  p.add_argument('--worker', nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  if args.worker is not None:
-    worker(args.worker)
-    return 0
   sys.path.insert(0, os.path.join(REPO, 'tests'))
   from support import fault_proxy, gcs_server  # pylint: disable=g-import-not-at-top
   t0 = time.time()
@@ -674,7 +417,7 @@ def main(argv=None) -> int:
       else:
         shutil.rmtree(chaos.base, ignore_errors=True)
   line = summary(records)
-  print(by_kind(records))
+  print(by_kind(records, KINDS))
   over = [r for r in records if (r.get('steps_lost') or 0) > args.local_every]
   print(f'steps lost over the local interval ({args.local_every}): {len(over)} of '
         f'{len(records)}' + (f' ({", ".join(sorted({r["kind"] for r in over}))})' if over else ''))
