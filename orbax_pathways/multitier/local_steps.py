@@ -188,7 +188,8 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     previous = _running.get(mngr)
     if previous is not None:
       previous.handed_off.wait()
-    on_node = (mngr not in _assigned and not detached.args and set(detached.kwargs) == {'args'}
+    on_node = (mngr not in _assigned and not detached.args
+               and set(detached.kwargs) - {'custom_metadata'} == {'args'}
                and node_steps.applies(mngr, self.options(), detached.kwargs['args']))
     try:
       if on_node:
@@ -229,7 +230,7 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
         previous.join()
       try:
         node_steps.save(mngr, self.options(), step, detached.kwargs['args'],
-                        self.policy(mngr).keep)
+                        self.policy(mngr).keep, detached.kwargs.get('custom_metadata'))
       finally:
         taken.release()
         del detached
@@ -301,12 +302,14 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     saved, False when it failed (logged), None when node steps do not apply. The previous
     background node save ends first; no storage save is waited for."""
     given = kwargs.get('args')
-    if (mngr in _assigned or args or set(kwargs) - {'force', 'metrics'} != {'args'}
+    if (mngr in _assigned or args
+        or set(kwargs) - {'force', 'metrics', 'custom_metadata'} != {'args'}
         or not node_steps.applies(mngr, self.options(), given)):
       return None
     try:
       join(mngr)
-      node_steps.save(mngr, self.options(), step, given, self.policy(mngr).keep)
+      node_steps.save(mngr, self.options(), step, given, self.policy(mngr).keep,
+                      kwargs.get('custom_metadata'))
       return True
     except Exception as e:  # pylint: disable=broad-except  (never fails the training step)
       _warn_failed(mngr, step, e)

@@ -32,10 +32,13 @@ request after the job's first copy. A resume counts those copies: a step is rest
 every process's node holds its part or a node keeps a copy of it, and a process whose node lacks
 its part (a new node in place of a lost one) fetches it from that copy before restoring.
 
+Orbax v1's ``training.Checkpointer`` saves node steps too: its checkpointable (a tree) is saved
+as a ``PyTreeSave`` under its name, with the save's ``custom_metadata``, and a resume of a v1
+Checkpointer restores that item (``_restore``) as v1's ``load`` would return it.
+
 Not done on the nodes yet (those saves keep their local-only steps in storage's records, the
-hidden manager of ``multitier/local_steps.py``): Orbax's emergency manager and v1's
-``training.Checkpointer``, arguments other than trees and JSON, Pathways (the colocated
-transport). A resume onto another process count passes node steps over (a node step holds the
+hidden manager of ``multitier/local_steps.py``): Orbax's emergency manager, arguments other
+than trees and JSON, Pathways (the colocated transport). A resume onto another process count passes node steps over (a node step holds the
 shards its process held) and resumes from storage.
 """
 
@@ -57,6 +60,7 @@ import orbax.checkpoint as ocp
 from orbax_pathways._compat import jax_distributed
 from orbax_pathways._compat import orbax_manager_state as _oms
 from orbax_pathways._compat import orbax_process_local
+from orbax_pathways._compat import orbax_v1_training as _v1
 from orbax_pathways._util import said
 from orbax_pathways.coord import rounds
 from orbax_pathways.fleet import node_copy
@@ -119,22 +123,33 @@ def _tree_leaves_ok(item: Any) -> bool:
   return all(isinstance(x, _LEAVES) for x in jax.tree.leaves(item))
 
 
+def _v1_tree(a: Any) -> Any:
+  """The tree an Orbax v1 checkpointable holds (its compatibility ``Args``, what v1's
+  ``training.Checkpointer`` hands its v0 manager), or None when ``a`` is not one."""
+  return a.checkpointable if isinstance(a, _v1.v1_args_type()) else None
+
+
 def _convertible(a: Any) -> bool:
   if isinstance(a, ocp.args.Composite):
     return all(_convertible(v) for v in a.values())
   if isinstance(a, _TREES):
     return _tree_leaves_ok(a.item)
+  tree = _v1_tree(a)
+  if tree is not None:
+    return isinstance(tree, (dict, list, tuple)) and _tree_leaves_ok(tree)
   return isinstance(a, ocp.args.JsonSave)
 
 
 def node_args(a: Any) -> Any:
   """The node manager's arguments for ``a`` (``_convertible``): ``StandardSave`` as the
-  ``PyTreeSave`` it wraps (the same files), the others as they are."""
+  ``PyTreeSave`` it wraps (the same files), a v1 checkpointable's tree as a ``PyTreeSave``
+  (what v1's PyTree handler writes too), the others as they are."""
   if isinstance(a, ocp.args.Composite):
     return ocp.args.Composite(**{k: node_args(v) for k, v in a.items()})
   if isinstance(a, ocp.args.StandardSave):
     return ocp.args.PyTreeSave(a.item, save_args=a.save_args)
-  return a
+  tree = _v1_tree(a)
+  return ocp.args.PyTreeSave(tree) if tree is not None else a
 
 
 def applies(mngr: Any, options: Any, args: Any) -> bool:
@@ -220,15 +235,17 @@ def close(mngr: Any) -> None:
     found.close()
 
 
-def save(mngr: Any, options: Any, step: int, args: Any, keep: int) -> None:
+def save(mngr: Any, options: Any, step: int, args: Any, keep: int,
+         custom_metadata: dict | None = None) -> None:
   """Saves ``args`` (the detached ``args=``) as node step ``step`` of ``mngr`` on this process
-  alone (the background thread of ``multitier/local_steps.py``)."""
+  alone, with the save's ``custom_metadata`` (the background thread of
+  ``multitier/local_steps.py``)."""
   node = manager(mngr, options, keep)
   if node is None:
     raise RuntimeError(f'orbax_pathways: no node-local tier directory for the local-only '
                        f'steps of {mngr.directory}')
   with orbax_process_local.alone(_oms.process_index()):
-    node.save(step, args=node_args(args), force=True)
+    node.save(step, args=node_args(args), force=True, custom_metadata=custom_metadata)
 
 
 # ---- partner copies (Options.local_copies=2) ----------------------------------------------------
@@ -400,6 +417,21 @@ def _fetch(mngr: Any, options: Any, root: str, step: int, keeper: tuple[int, str
            'keeps (this node did not hold it).', step, keeper[0])
 
 
+def _restore(node: Any, step: int, abstract_state: Any) -> Any:
+  """Node step ``step`` restored by this process's node manager as ``abstract_state``: its
+  one item, ``default`` (a v0 save's) or another name (the checkpointable an Orbax v1
+  ``training.Checkpointer`` saved, whose tree its ``load`` returns)."""
+  tree = ocp.args.PyTreeRestore(
+      abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
+  items = fsafe.subdirs(os.path.join(str(node.directory), str(step)))
+  if items == ['default']:
+    return node.restore(step, args=tree)
+  if len(items) != 1:
+    raise ValueError(f'node step {step} holds the items {items}: a resume restores a step of '
+                     'one tree')
+  return node.restore(step, args=ocp.args.Composite(**{items[0]: tree}))[items[0]]
+
+
 def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
            newest_storage: int | None, *, all_ok: Callable[[bool, int], bool],
            timeout_s: float) -> tuple[int, Any] | None:
@@ -433,9 +465,7 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
         held.append(step)
       with alone():
         node.reload()
-        state = node.restore(step, args=ocp.args.PyTreeRestore(
-            abstract_state,
-            restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)))
+        state = _restore(node, step, abstract_state)
       error = None
     except Exception as e:  # pylint: disable=broad-except
       state, error = None, e

@@ -134,13 +134,13 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
     retention.cleanup_leftovers(mngr.directory)
     retention.cleanup_abandoned_temporary_steps(mngr.directory)
   mngr.reload()
-  if v1 is None:  # the steps each node holds alone (Options.local_steps_in='nodes')
-    found = local_steps.resume_on_nodes(
-        mngr, abstract_state, latest_complete_step(mngr),
-        all_ok=lambda ok, step: all_processes_ok(mngr, ok, step),
-        timeout_s=agreement_lib.current().timeout_s)
-    if found is not None:
-      return found
+  # The steps each node holds alone (Options.local_steps_in='nodes'), v0's and v1's alike.
+  found = local_steps.resume_on_nodes(
+      mngr, abstract_state, latest_complete_step(mngr),
+      all_ok=lambda ok, step: all_processes_ok(mngr, ok, step),
+      timeout_s=agreement_lib.current().timeout_s)
+  if found is not None:
+    return found
   # The local-only steps, listed once before any agreement round (local_steps.drop_newer).
   _, listed = local_steps.newer_steps(mngr, None)
   found = _from_local_step(mngr, abstract_state, latest_complete_step(mngr), listed, v1)

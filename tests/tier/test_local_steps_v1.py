@@ -82,6 +82,43 @@ def test_a_v1_checkpointer_saves_local_only_steps_and_resumes_the_newest(tmp_pat
   assert by_source.get('storage', 0) == 0 and by_source.get('local', 0) > 0, by_source
 
 
+def test_a_v1_checkpointer_keeps_local_only_steps_on_the_node_and_resumes_from_it(tmp_path,
+                                                                                 caplog):
+  """``local_steps_in='nodes'``: v1's declined steps on the local interval are node steps (its
+  checkpointable ``state`` in Orbax's format in the node, its ``custom_metadata`` with it),
+  nothing of them in storage; ``preemption.resume`` of a v1 Checkpointer restores the newest
+  from the node, exact, and v1 goes on saving."""
+  root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), local_save_interval_steps=2,
+                                                tier_keep=2, local_steps_in='nodes'))
+  sharding = jax.sharding.NamedSharding(mesh(), jax.sharding.PartitionSpec('data', 'model'))
+  policy = v1.training.save_decision_policies.FixedIntervalPolicy(10)
+  caplog.set_level(logging.WARNING, logger='orbax_pathways')
+  with v1.training.Checkpointer(root, save_decision_policy=policy) as ckptr:
+    for step in range(8):
+      ckptr.save(step, _state(step, sharding), custom_metadata={'step': step})
+    ckptr.wait()
+    assert [c.step for c in ckptr.checkpoints] == [0]  # v1's listing: storage steps only
+  assert not [r.getMessage() for r in caplog.records if 'local-only' in r.getMessage()]
+  assert sorted(os.listdir(root)) == ['0']  # no hidden directory: nothing of them in storage
+  (node,) = (tier / '.node-steps').iterdir()
+  assert sorted(os.listdir(node)) == ['4', '6'] and os.listdir(node / '6') != []
+  assert (node / '6' / 'state' / '_METADATA').exists()
+  assert '"step": 6' in (node / '6' / '_CHECKPOINT_METADATA').read_text()
+
+  with v1.training.Checkpointer(root, save_decision_policy=policy) as ckptr:
+    step, got = preemption.resume(ckptr, lambda: None, abstract_state=_abstract(sharding))
+    assert step == 6
+    np.testing.assert_array_equal(np.asarray(got['w']), np.asarray(_state(6, sharding)['w']))
+    np.testing.assert_array_equal(got['n'], _state(6, sharding)['n'])
+    assert stats.last_restore().bytes_by_source == {'node': 64 * 32 * 4}
+    for step in (7, 8, 10):
+      ckptr.save(step, _state(step, sharding))
+    ckptr.wait()
+    assert [c.step for c in ckptr.checkpoints] == [0, 10]
+  assert sorted(os.listdir(node)) == ['6', '8']
+
+
 def test_a_v1_checkpointer_whose_tier_is_gone_resumes_storage_s_step(tmp_path, caplog):
   """The node's tier is lost (a restart on a new node: an empty tier): local-only steps 6 and 4
   cannot be completed, each passed over with one log line naming it, and storage's step 0 is
