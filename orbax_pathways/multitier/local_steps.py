@@ -64,6 +64,7 @@ from orbax_pathways._util import said
 from orbax_pathways.manager import hooks as hooks_lib
 from orbax_pathways.multitier import local_busy
 from orbax_pathways.multitier import local_detach
+from orbax_pathways.multitier import node_partners
 from orbax_pathways.multitier import node_steps
 from orbax_pathways.multitier import trailing_deleter
 from orbax_pathways.transports import snapshots
@@ -237,7 +238,7 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
       for st in stats.saves_for_step(step, node_steps.directory_of(mngr)):
         st.loop_snapshot_s = taken.seconds  # the save's part in the loop (stats.SaveStats)
       handed_off.set()  # the copy below reads the node's files, not the host copies
-      node_steps.copy_to_partner(mngr, self.options(), step, self.policy(mngr).keep)
+      node_partners.copy_to_partner(mngr, self.options(), step, self.policy(mngr).keep)
     except Exception as e:  # pylint: disable=broad-except  (logged; training goes on)
       log.warning('orbax_pathways: local-only save of step %d of %s into this node failed '
                   '(%s: %s); the newest committed step stays the one to resume from.', step,

@@ -27,7 +27,7 @@ Who calls what, on which host (every process that calls the manager):
 
 With ``Options.local_copies=2`` (multi-controller JAX), each node step is also copied to the
 node of this process's partner (a process of another slice, ``fleet/partners.py``) on the same
-background thread once saved (``copy_to_partner``, ``fleet/node_copy.py``): no key-value
+background thread once saved (``node_partners.copy_to_partner``, ``fleet/node_copy.py``): no key-value
 request after the job's first copy. A resume counts those copies: a step is restorable when
 every process's node holds its part or a node keeps a copy of it, and a process whose node lacks
 its part (a new node in place of a lost one) fetches it from that copy before restoring.
@@ -38,18 +38,16 @@ Checkpointer restores that item (``_restore``) as v1's ``load`` would return it.
 
 Not done on the nodes yet (those saves keep their local-only steps in storage's records, the
 hidden manager of ``multitier/local_steps.py``): Orbax's emergency manager, arguments other
-than trees and JSON, Pathways (the colocated transport). A resume onto another process count passes node steps over (a node step holds the
-shards its process held) and resumes from storage.
+than trees and JSON, Pathways (the colocated transport). A resume onto another process count
+passes node steps over (a node step holds the shards its process held) and resumes from
+storage. Where node steps lie: ``node_layout.py``; their partner copies: ``node_partners.py``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import re
-import threading
 from typing import Any, Callable
 import weakref
 
@@ -63,13 +61,9 @@ from orbax_pathways._compat import orbax_process_local
 from orbax_pathways._compat import orbax_v1_training as _v1
 from orbax_pathways._util import said
 from orbax_pathways.coord import rounds
-from orbax_pathways.fleet import node_copy
+from orbax_pathways.multitier import node_layout
+from orbax_pathways.multitier import node_partners
 from orbax_pathways.fleet import partner_copy
-from orbax_pathways.fleet import partners
-from orbax_pathways.format import names as format_names
-from orbax_pathways.peer import exchange
-from orbax_pathways.sharding import layout
-from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import fsafe
 
 log = logging.getLogger('orbax_pathways')
@@ -77,43 +71,6 @@ log = logging.getLogger('orbax_pathways')
 _TREES = (ocp.args.StandardSave, ocp.args.PyTreeSave)
 # Manager -> this process's manager of its node steps (built at the first node save or resume).
 _managers: 'weakref.WeakKeyDictionary[Any, Any]' = weakref.WeakKeyDictionary()
-
-
-def _tier(options: Any) -> tier_config.TierConfig | None:
-  cfg = tier_config.usable(tier_config.resolve(tier_config.named_dir(options.tier_dir)))
-  return cfg if cfg is not None and cfg.explicit else None
-
-
-def tier_root(options: Any) -> str | None:
-  """This node's tier directory when the user named one (``Options.tier_dir``, else
-  ``ORBAX_PATHWAYS_TIER_DIR``) and it passes the private-root check; None otherwise."""
-  cfg = _tier(options)
-  return None if cfg is None else cfg.tier_dir
-
-
-def digest_of(mngr: Any) -> str:
-  """The name of ``mngr``'s node steps in every node: a digest of its directory."""
-  return hashlib.sha256(str(mngr.directory).encode()).hexdigest()[:16]
-
-
-def directory(mngr: Any, root: str) -> str:
-  """``<root>/.node-steps/<digest of mngr.directory>``, made ``0700`` (never through a
-  symlink)."""
-  return fsafe.private_dirs(root, format_names.NODE_STEPS_DIR, digest_of(mngr))
-
-
-_RECORD_RE = re.compile(r'^p(\d+)' + re.escape(format_names.PATHWAYS_SUFFIX) + '$')
-
-
-def saver(step_dir: str) -> int | None:
-  """The process that saved the node step at ``step_dir`` (its writer record, ``p<i>``, in an
-  item's ``_pathways``), or None when no item has one (JSON only: the same on every process)."""
-  for item in fsafe.subdirs(step_dir):
-    for name in fsafe.names(os.path.join(step_dir, item, format_names.PATHWAYS_DIR)):
-      found = _RECORD_RE.match(name)
-      if found:
-        return int(found.group(1))
-  return None
 
 
 _LEAVES = (jax.Array, np.ndarray, np.number, int, float)
@@ -161,7 +118,7 @@ def applies(mngr: Any, options: Any, args: Any) -> bool:
     return False
   if not orbax_process_local.install():  # this Orbax lacks a target: warned once, storage path
     return False
-  if tier_root(options) is None:
+  if node_layout.tier_root(options) is None:
     said.once(logging.WARNING, ('node-steps-no-tier', str(mngr.directory)),
               'orbax_pathways: Options.local_steps_in=%r needs a node-local tier directory '
               '(Options.tier_dir or ORBAX_PATHWAYS_TIER_DIR); the local-only steps of %s '
@@ -206,12 +163,12 @@ def manager(mngr: Any, options: Any, keep: int) -> Any | None:
   found = _managers.get(mngr)
   if found is not None:
     return found
-  root = tier_root(options)
+  root = node_layout.tier_root(options)
   if root is None:
     return None
   registry, mp = _registry(options)
   node = ocp.CheckpointManager(
-      directory(mngr, root),
+      node_layout.directory(mngr, root),
       options=ocp.CheckpointManagerOptions(
           save_interval_steps=1, max_to_keep=max(1, keep), create=False,
           save_root_metadata=False, enable_async_checkpointing=False,
@@ -246,97 +203,6 @@ def save(mngr: Any, options: Any, step: int, args: Any, keep: int,
                        f'steps of {mngr.directory}')
   with orbax_process_local.alone(_oms.process_index()):
     node.save(step, args=node_args(args), force=True, custom_metadata=custom_metadata)
-
-
-# ---- partner copies (Options.local_copies=2) ----------------------------------------------------
-
-
-class _Partners:
-  """This process's partner and the address of its server, per key-value client (read once
-  per job, read again after a copy failed), and the partners a copy already failed to."""
-
-  def __init__(self) -> None:
-    self.lock = threading.Lock()
-    self.addresses: dict[tuple[int, int], str] = {}
-    self.failed: set[int] = set()
-
-
-_partners = _Partners()
-
-
-def partner(mngr: Any, options: Any) -> int | None:
-  """The process of another slice that keeps this process's copies of ``mngr``'s node steps
-  (``fleet/partners.py``, among the manager's processes), or None (one process, one slice,
-  ``Options.local_copies`` < 2)."""
-  n = jax_distributed.process_count()
-  if getattr(options, 'local_copies', 1) < 2 or n < 2:
-    return None
-  part = _oms.manager_participants(mngr)
-  slices = layout.slice_of_processes(jax.devices(), num_slices=options.num_slices)
-  slices = {p: s for p, s in slices.items() if part.includes(p, n)}
-  me = _oms.process_index()
-  if me not in slices:
-    return None
-  found = partners.partner_of(me, slices)
-  if found is None:
-    said.once(logging.WARNING, ('node-steps-no-partner',),
-              'orbax_pathways: Options.local_copies=2, but every process is in one slice: node '
-              'steps keep one copy. Set ORBAX_PATHWAYS_NUM_SLICES (Options.num_slices) if the '
-              'platform does not tell the slices apart.')
-  return found
-
-
-def copy_to_partner(mngr: Any, options: Any, step: int, keep: int) -> bool:
-  """Sends this process's node step ``step`` of ``mngr`` to its partner's node
-  (``fleet/node_copy.send``), on the node step's background thread once its save ended; one
-  warning per partner when it cannot (the step keeps one copy). Whether the copy landed. The
-  first copy of a job starts this process's server, which takes its own partner's copies
-  (``partner_copy.ready``: the job's secret and this server's address, one key-value request
-  each per job), and reads its partner's address (one more); later copies ask nothing of the
-  key-value store."""
-  to = partner(mngr, options)
-  client = jax_distributed.distributed_client()
-  cfg = _tier(options)
-  if to is None or client is None or cfg is None:
-    return False
-  me, timeout_s = _oms.process_index(), options.tier_peer_timeout_s
-  step_dir = os.path.join(directory(mngr, cfg.tier_dir), str(step))
-  try:
-    partner_copy.ready(cfg, client, me, timeout_s)
-    key = (id(client), to)
-    with _partners.lock:
-      address = _partners.addresses.get(key)
-    if address is None:
-      address = str(rounds.wait_for(client, rounds.partner_address_key(to), timeout_s))
-    why = node_copy.send(step_dir, digest_of(mngr), node_copy.writer_name(me), step, keep,
-                         address, exchange.cached_secret() or b'', timeout_s)
-  except Exception as e:  # pylint: disable=broad-except  (a copy never fails training)
-    address, why = None, f'{type(e).__name__}: {e}'
-  with _partners.lock:
-    if why is None and address is not None:
-      _partners.addresses[(id(client), to)] = address
-      return True
-    _partners.addresses.pop((id(client), to), None)
-    first = to not in _partners.failed
-    _partners.failed.add(to)
-  log.log(logging.WARNING if first else logging.INFO,
-          'orbax_pathways: the partner copy of node step %d of %s (to process %d) was not made: '
-          '%s. The step keeps one copy, this node\'s.%s', step, mngr.directory, to, why,
-          ' Later failures to that partner are logged at INFO.' if first else '')
-  return False
-
-
-def _copies_held(root: str, digest: str, newest_storage: int | None) -> dict[int, list[int]]:
-  """process -> the steps newer than ``newest_storage`` of which this node keeps a copy."""
-  base = os.path.join(root, format_names.NODE_STEPS_DIR, digest + node_copy.COPIES_SUFFIX)
-  out: dict[int, list[int]] = {}
-  for writer in fsafe.subdirs(base):
-    if writer[1:].isdigit() and writer.startswith('p'):
-      steps = [int(n) for n in fsafe.subdirs(os.path.join(base, writer)) if n.isdigit()]
-      steps = [s for s in steps if newest_storage is None or s > newest_storage]
-      if steps:
-        out[int(writer[1:])] = sorted(steps, reverse=True)
-  return out
 
 
 def holdings(me: int, own: list[int], copies: dict[int, list[int]], address: str) -> str:
@@ -381,7 +247,7 @@ def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int
   if client is None or n <= 1 or part.size(n) <= 1 or not part.includes(me, n):
     return sorted(held, reverse=True), {}
   address = ''
-  cfg = _tier(options)
+  cfg = node_layout.tier(options)
   if copies and cfg is not None:
     try:
       address = partner_copy.ready(cfg, client, me, options.tier_peer_timeout_s) or ''
@@ -397,24 +263,6 @@ def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int
   mine = {int(s): (int(who[str(me)][0]), str(who[str(me)][1]))
           for s, who in verdict['fetch'].items() if str(me) in who}
   return [int(s) for s in verdict['steps']], mine
-
-
-def _fetch(mngr: Any, options: Any, root: str, step: int, keeper: tuple[int, str],
-           timeout_s: float) -> None:
-  """This process's copy of node step ``step`` from ``keeper`` (process, address) into its
-  node (a step of another process's saving there first removed); raises why not."""
-  client = jax_distributed.distributed_client()
-  secret = exchange.job_secret(client, timeout_s)
-  into = os.path.join(directory(mngr, root), str(step))
-  fsafe.remove_tree(into)
-  why = node_copy.fetch(keeper[1], secret, digest_of(mngr),
-                        node_copy.writer_name(_oms.process_index()), step, into,
-                        options.tier_peer_timeout_s)
-  if why is not None:
-    raise RuntimeError(f'orbax_pathways: this process\'s copy of node step {step} could not be '
-                       f'fetched from process {keeper[0]} ({keeper[1]}): {why}')
-  log.info('orbax_pathways.preemption.resume: node step %d fetched from the copy process %d '
-           'keeps (this node did not hold it).', step, keeper[0])
 
 
 def _restore(node: Any, step: int, abstract_state: Any) -> Any:
@@ -443,7 +291,7 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
   if getattr(options, 'local_steps_in', 'storage') != 'nodes' or not orbax_process_local.install():
     return None
   node = manager(mngr, options, keep)
-  root = tier_root(options)
+  root = node_layout.tier_root(options)
   if node is None or root is None:
     return None
   me = _oms.process_index()
@@ -453,15 +301,15 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
     listed = [s for s in node.all_steps() if newest_storage is None or s > newest_storage]
   # Only this process's own steps: a node this process now runs on may hold another's.
   held = [s for s in listed
-          if saver(os.path.join(str(node.directory), str(s))) in (None, me)]
-  copies = _copies_held(root, digest_of(mngr), newest_storage)
+          if node_layout.saver(os.path.join(str(node.directory), str(s))) in (None, me)]
+  copies = node_partners.copies_held(root, node_layout.digest_of(mngr), newest_storage)
   agreed, fetch = (_agreed(mngr, options, held, copies, timeout_s)
                    if abstract_state is not None else ([], {}))
   chosen = None
   for step in agreed:
     try:
       if step in fetch:
-        _fetch(mngr, options, root, step, fetch[step], timeout_s)
+        node_partners.fetch(mngr, options, root, step, fetch[step], timeout_s)
         held.append(step)
       with alone():
         node.reload()
@@ -483,9 +331,7 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
     if chosen is None or s > chosen[0]:     # never resumed from later, nor in a save's way
       with alone():
         node.delete(s)
-  base = os.path.join(root, format_names.NODE_STEPS_DIR, digest_of(mngr) + node_copy.COPIES_SUFFIX)
-  for q, steps in copies.items():  # and the copies of them this node keeps
-    for s in steps:
-      if chosen is None or s > chosen[0]:
-        fsafe.remove_tree(os.path.join(base, node_copy.writer_name(q), str(s)))
+  # And the copies of them this node keeps.
+  node_partners.drop_copies(root, node_layout.digest_of(mngr), copies,
+                            None if chosen is None else chosen[0])
   return chosen
