@@ -22,7 +22,11 @@ local cadence, every chunk is checked against its crc32c, and a step restores on
 count, chunk by chunk, from the tiers the live processes hold (a lost node's share from a
 partner copy or a replica), never from storage for a local-only step. On one slice, as Orbax's
 class, it saves to storage on the persistent interval only and lists storage steps only.
-``ORBAX_PATHWAYS_EMERGENCY=orbax`` keeps Orbax's own class.
+``ORBAX_PATHWAYS_EMERGENCY=orbax`` keeps Orbax's own class. With
+``Options.local_steps_in='nodes'`` (``ORBAX_PATHWAYS_LOCAL_STEPS_IN``) the local steps are node
+steps (``multitier/node_steps.py``): each process saves its part alone into
+``local_directory``, no storage request, no barrier; listed, restored and deleted there, and
+resumed on the same process count (a replaced node's part from its partner's copy).
 
 Who calls what, on which host: every process that runs the job builds the manager and calls
 each method (as with Orbax's); the agreements (a local-only step restored everywhere or
@@ -48,7 +52,9 @@ import orbax.checkpoint as ocp
 from orbax_pathways import errors
 from orbax_pathways._compat import orbax_emergency
 from orbax_pathways._compat import orbax_manager_state as _oms
+from orbax_pathways.coord import agreement as agreement_lib
 from orbax_pathways.multitier import local_steps
+from orbax_pathways.multitier import node_steps
 from orbax_pathways.multitier import resume as resume_lib
 from orbax_pathways.tier import assigned as tier_assigned
 
@@ -155,10 +161,15 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
     return self._global_mesh
 
   def _local_steps(self) -> list[int]:
-    """Committed local-only steps, newest first (not those passed over); none on one slice."""
+    """Committed local-only steps, newest first (not those passed over); none on one slice.
+    Node steps (``Options.local_steps_in='nodes'``): this process's, in its node."""
     if not self._multislice:
       return []
-    _, steps = local_steps.newer_steps(self._mngr, None)
+    nodes = local_steps.on_nodes(self._mngr)
+    if nodes is not None:
+      steps = node_steps.listed(self._mngr, *nodes)
+    else:
+      _, steps = local_steps.newer_steps(self._mngr, None)
     return [s for s in steps if s not in self._passed_over]
 
   def all_steps(self, read: bool | None = None) -> Sequence[int]:
@@ -202,6 +213,9 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
     """Deletes ``step`` from storage and its local-only copy (Orbax's class cannot delete)."""
     if step in self._mngr.all_steps():
       self._mngr.delete(step)
+    nodes = local_steps.on_nodes(self._mngr)
+    if nodes is not None:
+      node_steps.delete(self._mngr, *nodes, step)
     inner = local_steps.local_manager(self._mngr)
     if inner is not None and step in inner.all_steps():
       inner.delete(step)
@@ -239,12 +253,16 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
 
   def _restore_local(self, step: int, extra: dict[str, Any]) -> tuple[Any, BaseException | None]:
     """A local-only step restored on every process or on none (one agreement round)."""
+    nodes = local_steps.on_nodes(self._mngr)
     inner = local_steps.local_manager(self._mngr)
     state, error = None, None
     try:
-      if inner is None:
+      if nodes is not None:
+        state = node_steps.restore_items(self._mngr, *nodes, step, self._args(extra))
+      elif inner is None:
         raise FileNotFoundError(f'no local-only steps under {local_steps.directory_of(self._mngr)}')
-      state = inner.restore(step, args=self._args(extra))
+      else:
+        state = inner.restore(step, args=self._args(extra))
     except Exception as e:  # pylint: disable=broad-except
       error = e
     if resume_lib.all_processes_ok(self._mngr, error is None, step):
@@ -262,6 +280,18 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
     newest_storage = self._mngr.latest_step()
     if not self._multislice:
       return newest_storage
+    nodes = local_steps.on_nodes(self._mngr)
+    if nodes is not None:  # node steps: one round over what the nodes hold (node_steps.resume)
+      found = node_steps.resume(
+          self._mngr, *nodes, self._abstract_state, newest_storage,
+          all_ok=lambda ok, step: resume_lib.all_processes_ok(self._mngr, ok, step),
+          timeout_s=agreement_lib.current().timeout_s, item=STATE)
+      if found is None:
+        return newest_storage
+      self._probed = (found[0], {STATE: found[1]})
+      log.info('orbax_pathways: emergency CheckpointManager: resuming from node step %d (newest '
+               'storage step: %s).', found[0], newest_storage)
+      return found[0]
     # Listed once, before any agreement round (local_steps.drop_newer says why).
     _, listed = local_steps.newer_steps(self._mngr, None)
     candidates = [s for s in listed if newest_storage is None or s > newest_storage]
@@ -310,6 +340,10 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
     return ocp.args.Composite(**{k: restored[k] for k in (STATE, *extra)})
 
   def _restore_items(self, step: int, extra: dict[str, Any]) -> dict[str, Any]:
+    nodes = local_steps.on_nodes(self._mngr)
+    if nodes is not None and step not in self._mngr.all_steps():
+      restored = node_steps.restore_items(self._mngr, *nodes, step, ocp.args.Composite(**extra))
+      return {k: restored[k] for k in extra}
     inner = local_steps.local_manager(self._mngr)
     source = self._mngr if step in self._mngr.all_steps() or inner is None else inner
     restored = source.restore(step, args=ocp.args.Composite(**extra))

@@ -189,7 +189,7 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     previous = _running.get(mngr)
     if previous is not None:
       previous.handed_off.wait()
-    on_node = (mngr not in _assigned and not detached.args
+    on_node = (not detached.args
                and set(detached.kwargs) - {'custom_metadata'} == {'args'}
                and node_steps.applies(mngr, self.options(), detached.kwargs['args']))
     try:
@@ -303,8 +303,7 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     saved, False when it failed (logged), None when node steps do not apply. The previous
     background node save ends first; no storage save is waited for."""
     given = kwargs.get('args')
-    if (mngr in _assigned or args
-        or set(kwargs) - {'force', 'metrics', 'custom_metadata'} != {'args'}
+    if (args or set(kwargs) - {'force', 'metrics', 'custom_metadata'} != {'args'}
         or not node_steps.applies(mngr, self.options(), given)):
       return None
     try:
@@ -398,6 +397,16 @@ def local_manager(mngr: Any) -> Any | None:
     return None
   return _oms.local_manager(mngr, directory_of(mngr), hook.policy(mngr).keep,
                             trailing_deleter.TrailingDeleter)
+
+
+def on_nodes(mngr: Any) -> tuple[Any, int] | None:
+  """``(options, keep)`` of ``mngr``'s node steps when its local-only steps go to the nodes
+  (``node_steps.active``), else None (Orbax's emergency manager's listing and restores)."""
+  hook = next((h for h in _om.registered() if isinstance(h, LocalStepHooks)), None)
+  if hook is None or _oms.is_local_manager(mngr) or not node_steps.active(mngr, hook.options()):
+    return None
+  join(mngr)  # a node save still running: listed once saved
+  return hook.options(), hook.policy(mngr).keep
 
 
 def resume_on_nodes(mngr: Any, abstract_state: Any, newest_storage: int | None,

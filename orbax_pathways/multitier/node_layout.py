@@ -13,19 +13,25 @@ from typing import Any
 
 from orbax_pathways.fleet import node_copy
 from orbax_pathways.format import names as format_names
+from orbax_pathways.tier import assigned as tier_assigned
 from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import fsafe
 
 
-def tier(options: Any) -> tier_config.TierConfig | None:
-  cfg = tier_config.usable(tier_config.resolve(tier_config.named_dir(options.tier_dir)))
+def tier(options: Any, mngr: Any) -> tier_config.TierConfig | None:
+  """This node's tier for ``mngr``'s node steps: the directory its builder assigned (Orbax's
+  emergency manager's ``local_directory``, ``tier/assigned.py``), else the one the user named
+  (``Options.tier_dir``, else ``ORBAX_PATHWAYS_TIER_DIR``), once it passes the private-root
+  check; None otherwise."""
+  assigned = tier_assigned.lookup(mngr.directory)
+  named = assigned.tier_dir if assigned is not None else tier_config.named_dir(options.tier_dir)
+  cfg = tier_config.usable(tier_config.resolve(named))
   return cfg if cfg is not None and cfg.explicit else None
 
 
-def tier_root(options: Any) -> str | None:
-  """This node's tier directory when the user named one (``Options.tier_dir``, else
-  ``ORBAX_PATHWAYS_TIER_DIR``) and it passes the private-root check; None otherwise."""
-  cfg = tier(options)
+def tier_root(options: Any, mngr: Any) -> str | None:
+  """The directory of ``tier(options, mngr)``, or None."""
+  cfg = tier(options, mngr)
   return None if cfg is None else cfg.tier_dir
 
 

@@ -79,7 +79,7 @@ def copy_to_partner(mngr: Any, options: Any, step: int, keep: int) -> bool:
   key-value store."""
   to = partner(mngr, options)
   client = jax_distributed.distributed_client()
-  cfg = node_layout.tier(options)
+  cfg = node_layout.tier(options, mngr)
   if to is None or client is None or cfg is None:
     return False
   me, timeout_s = _oms.process_index(), options.tier_peer_timeout_s

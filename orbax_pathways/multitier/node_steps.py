@@ -36,9 +36,13 @@ Orbax v1's ``training.Checkpointer`` saves node steps too: its checkpointable (a
 as a ``PyTreeSave`` under its name, with the save's ``custom_metadata``, and a resume of a v1
 Checkpointer restores that item (``_restore``) as v1's ``load`` would return it.
 
+Orbax's emergency manager (the drop-in of ``multitier/emergency.py``) saves node steps into its
+``local_directory`` (``node_layout.tier``), and lists, restores and deletes them there
+(``listed``, ``restore_items``, ``delete``; its restart through ``resume`` with ``item='state'``).
+
 Not done on the nodes yet (those saves keep their local-only steps in storage's records, the
-hidden manager of ``multitier/local_steps.py``): Orbax's emergency manager, arguments other
-than trees and JSON, Pathways (the colocated transport). A resume onto another process count
+hidden manager of ``multitier/local_steps.py``): arguments other than trees and JSON (a data
+iterator's own handler), Pathways (the colocated transport). A resume onto another process count
 passes node steps over (a node step holds the shards its process held) and resumes from
 storage. Where node steps lie: ``node_layout.py``; their partner copies: ``node_partners.py``.
 """
@@ -118,7 +122,7 @@ def applies(mngr: Any, options: Any, args: Any) -> bool:
     return False
   if not orbax_process_local.install():  # this Orbax lacks a target: warned once, storage path
     return False
-  if node_layout.tier_root(options) is None:
+  if node_layout.tier_root(options, mngr) is None:
     said.once(logging.WARNING, ('node-steps-no-tier', str(mngr.directory)),
               'orbax_pathways: Options.local_steps_in=%r needs a node-local tier directory '
               '(Options.tier_dir or ORBAX_PATHWAYS_TIER_DIR); the local-only steps of %s '
@@ -163,7 +167,7 @@ def manager(mngr: Any, options: Any, keep: int) -> Any | None:
   found = _managers.get(mngr)
   if found is not None:
     return found
-  root = node_layout.tier_root(options)
+  root = node_layout.tier_root(options, mngr)
   if root is None:
     return None
   registry, mp = _registry(options)
@@ -247,7 +251,7 @@ def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int
   if client is None or n <= 1 or part.size(n) <= 1 or not part.includes(me, n):
     return sorted(held, reverse=True), {}
   address = ''
-  cfg = node_layout.tier(options)
+  cfg = node_layout.tier(options, mngr)
   if copies and cfg is not None:
     try:
       address = partner_copy.ready(cfg, client, me, options.tier_peer_timeout_s) or ''
@@ -265,33 +269,81 @@ def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int
   return [int(s) for s in verdict['steps']], mine
 
 
-def _restore(node: Any, step: int, abstract_state: Any) -> Any:
+def _restore(node: Any, step: int, abstract_state: Any, item: str | None = None) -> Any:
   """Node step ``step`` restored by this process's node manager as ``abstract_state``: its
-  one item, ``default`` (a v0 save's) or another name (the checkpointable an Orbax v1
-  ``training.Checkpointer`` saved, whose tree its ``load`` returns)."""
+  item ``item`` (Orbax's emergency manager's ``state``), else its one item, ``default`` (a v0
+  save's) or another name (the checkpointable an Orbax v1 ``training.Checkpointer`` saved,
+  whose tree its ``load`` returns)."""
   tree = ocp.args.PyTreeRestore(
       abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
   items = fsafe.subdirs(os.path.join(str(node.directory), str(step)))
-  if items == ['default']:
+  if item is None and items == ['default']:
     return node.restore(step, args=tree)
-  if len(items) != 1:
+  if item is None and len(items) != 1:
     raise ValueError(f'node step {step} holds the items {items}: a resume restores a step of '
                      'one tree')
-  return node.restore(step, args=ocp.args.Composite(**{items[0]: tree}))[items[0]]
+  name = item if item is not None else items[0]
+  return node.restore(step, args=ocp.args.Composite(**{name: tree}))[name]
+
+
+def active(mngr: Any, options: Any) -> bool:
+  """Whether ``mngr``'s local-only steps are node steps here (``Options.local_steps_in='nodes'``,
+  this Orbax has the targets, a tier directory is named or assigned); no log line."""
+  return (getattr(options, 'local_steps_in', 'storage') == 'nodes'
+          and orbax_process_local.install() and node_layout.tier_root(options, mngr) is not None)
+
+
+def listed(mngr: Any, options: Any, keep: int) -> list[int]:
+  """This process's own node steps of ``mngr`` in its node, newest first (Orbax's emergency
+  manager's listing of its local steps)."""
+  node = manager(mngr, options, keep)
+  if node is None:
+    return []
+  me = _oms.process_index()
+  with orbax_process_local.alone(me):
+    node.reload()
+    steps = list(node.all_steps())
+  return sorted((s for s in steps
+                 if node_layout.saver(os.path.join(str(node.directory), str(s))) in (None, me)),
+                reverse=True)
+
+
+def restore_items(mngr: Any, options: Any, keep: int, step: int, args: Any) -> Any:
+  """``args`` (a ``Composite``) of node step ``step`` from this process's node alone (the
+  caller agrees with the other processes on the outcome)."""
+  node = manager(mngr, options, keep)
+  if node is None:
+    raise FileNotFoundError(f'no node-local tier directory for the node steps of '
+                            f'{mngr.directory}')
+  with orbax_process_local.alone(_oms.process_index()):
+    node.reload()
+    return node.restore(step, args=args)
+
+
+def delete(mngr: Any, options: Any, keep: int, step: int) -> None:
+  """Deletes this process's node step ``step`` of ``mngr``, if its node holds it."""
+  node = manager(mngr, options, keep)
+  if node is None:
+    return
+  with orbax_process_local.alone(_oms.process_index()):
+    node.reload()
+    if step in node.all_steps():
+      node.delete(step)
 
 
 def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
            newest_storage: int | None, *, all_ok: Callable[[bool, int], bool],
-           timeout_s: float) -> tuple[int, Any] | None:
+           timeout_s: float, item: str | None = None) -> tuple[int, Any] | None:
   """``(step, state)`` from the newest node step newer than ``newest_storage`` that every
   process restored from its own node, or None (module docstring). Every process of ``mngr``
   calls it, whether or not its node holds any. ``all_ok(ok, step)``: whether every process
   restored ``step`` (``multitier.resume``'s agreement round); ``timeout_s``: the longest
-  silence of the round that agrees on the candidates."""
+  silence of the round that agrees on the candidates; ``item``: the step's item that
+  ``abstract_state`` describes (``_restore``)."""
   if getattr(options, 'local_steps_in', 'storage') != 'nodes' or not orbax_process_local.install():
     return None
   node = manager(mngr, options, keep)
-  root = node_layout.tier_root(options)
+  root = node_layout.tier_root(options, mngr)
   if node is None or root is None:
     return None
   me = _oms.process_index()
@@ -313,7 +365,7 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
         held.append(step)
       with alone():
         node.reload()
-        state = _restore(node, step, abstract_state)
+        state = _restore(node, step, abstract_state, item)
       error = None
     except Exception as e:  # pylint: disable=broad-except
       state, error = None, e

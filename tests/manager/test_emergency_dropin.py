@@ -171,6 +171,43 @@ def test_a_damaged_local_only_step_is_passed_over_for_the_newest_storage_step(tm
   assert 'local-only step 3 cannot be restored' in caplog.text, caplog.text
 
 
+def test_with_node_steps_local_steps_live_in_the_local_directory_alone(tmp_path):
+  """``local_steps_in='nodes'``: MaxText's construction, unchanged, saves its local steps (the
+  state and the data iterator's JSON) into ``local_directory`` alone, in Orbax's format, nothing
+  of them in the persistent directory; it lists and restores them as before, and a fresh
+  manager resumes the newest (a damaged one passed over for the one before)."""
+  orbax_pathways.install(orbax_pathways.Options(local_steps_in='nodes'))
+  try:
+    m = make_mesh((2, 4), ('replica', 'data'))
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
+    with _build(tmp_path, m, abstract) as mngr:
+      for s in range(6):
+        mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s)),
+                                             dataset=ocp.args.JsonSave({'pos': s})))
+      mngr.wait_until_finished()
+      assert list(mngr.all_steps()) == [0, 2, 4, 5] and mngr.latest_step() == 5
+      got = mngr.restore(5, args=ocp.args.Composite(dataset=ocp.args.JsonRestore()))
+      _assert_step(got['state'], m, 5)
+      assert got['dataset'] == {'pos': 5}
+    assert sorted(os.listdir(tmp_path / 'persistent')) == ['0', '2', '4']  # no local-only step
+    (node,) = [p for p in (tmp_path / 'local' / '.node-steps').iterdir()]
+    assert sorted(os.listdir(node)) == ['5']  # local.max_to_keep: Orbax's default, 1
+    assert {'_CHECKPOINT_METADATA', 'dataset', 'state'} <= set(os.listdir(node / '5'))
+    with _build(tmp_path, m, abstract) as fresh:
+      assert fresh.latest_step() == 5
+      _assert_step(fresh.restore(5)['state'], m, 5)
+    for path in (node / '5' / 'state').rglob('*'):  # every data file of step 5 damaged
+      if path.is_file() and '/d/' in str(path):
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        path.write_bytes(bytes(raw))
+    with _build(tmp_path, m, abstract) as fresh:
+      assert fresh.latest_step() == 4  # 5 passed over: storage's newest
+      _assert_step(fresh.restore(4)['state'], m, 4)
+  finally:
+    orbax_pathways.install(orbax_pathways.Options())
+
+
 def test_stock_orbax_reads_the_persistent_steps(tmp_path):
   m, abstract = _saved(tmp_path, 3)
   # Orbax's own PyTree handler and ArrayHandler, not ours: stock bytes read stock's way.
