@@ -462,13 +462,14 @@ class Options:
   local_steps_in: where a local-only step's Orbax files and records go
     (``ORBAX_PATHWAYS_LOCAL_STEPS_IN``). ``'storage'`` (default): as ``local_save_interval_steps``
     says. ``'nodes'``: each process saves its part of the step alone into its node's tier
-    directory (``tier_dir``, which must be named), every shard it holds, in Orbax's format
-    (``multitier/node_steps.py``): no storage request, no barrier, and storage saves never wait
-    for it. ``preemption.resume`` restores the newest step every process's node holds, each
-    process from its own node. Only for background local-only saves of trees of ``jax.Array``,
-    numpy and scalar leaves, and JSON (the others keep ``'storage'``); a resume onto another process count or
-    after a node was lost passes these steps over; no partner copies yet
-    (``docs/multi_tier.md``).
+    directory (``tier_dir``, which must be named; the emergency manager's ``local_directory``),
+    every shard it holds, in Orbax's format (``multitier/node_steps.py``): no storage request,
+    no barrier, and storage saves never wait for it. ``preemption.resume`` (and the emergency
+    manager's restart) restores the newest step every process can restore, each process from
+    its own node, or from its partner's copy when its node is new (``local_copies=2``). For
+    trees of ``jax.Array``, numpy and scalar leaves, and JSON, from v0, v1's
+    ``training.Checkpointer`` and the emergency drop-in (other arguments keep ``'storage'``);
+    a resume onto another process count passes these steps over (``docs/multi_tier.md``).
   local_save_when_busy: a local-only save due while this manager's previous one is still busy
     in the background (``ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY``). ``'wait'`` (default): ``save()``
     takes the snapshot once the previous save's writes on this process are done (its host
