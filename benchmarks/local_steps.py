@@ -66,6 +66,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -74,7 +75,7 @@ REPO = os.path.dirname(HERE)
 TESTS = os.path.join(REPO, 'tests')
 MiB = 1 << 20
 MODES = ('storage_only', 'multi_tier', 'multi_tier_copies', 'multi_tier_nodes',
-         'multi_tier_nodes_copies')
+         'multi_tier_nodes_copies', 'stock')
 
 WORKER = r'''
 import json, os, sys, time
@@ -93,10 +94,23 @@ mode, root, mib, steps, step_s, storage_every, layout = (
 train_only = sys.argv[8] == 'train_only'  # steps 1.., no storage save; the last save's stats
 update = sys.argv[9]  # 'host': numpy + a transfer per step; 'device': a jitted add on the devices
 n_leaves = int(sys.argv[11])  # the state's rows split into this many arrays ('w' when 1)
+api = sys.argv[10]  # 'v0': an unchanged CheckpointManager; 'v1': Orbax v1's training.Checkpointer
+# 'emergency': Orbax's emergency CheckpointManager built as MaxText builds it
+local_every = int(sys.argv[12])
+if api == 'emergency':
+  from absl import flags
+  from orbax.checkpoint.experimental.emergency import checkpoint_manager as em
+  if not flags.FLAGS.is_parsed():  # MaxText runs under absl.app, which parses them
+    flags.FLAGS.mark_as_parsed()
+  flags.FLAGS.experimental_orbax_use_distributed_process_id = True  # as MaxText does
+  ocp.multihost.initialize_runtime_to_distributed_ids()
+  ocp.multihost.initialize_distributed_to_device_ids()
+  layout = 'replicated'  # its slices are replicas (each holds the whole state)
 n = jax.device_count()
 unit = 24 * n_leaves
 rows = max(unit, int(mib * (1 << 20) * 4 / 4 / 1024) // unit * unit)  # saved on 4 processes
-mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n // 2, 2), ('x', 'y'))
+devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+mesh = jax.sharding.Mesh(np.array(devices).reshape(n // 2, 2), ('x', 'y'))  # a slice a process
 # sharded: over every device; replicated: over each slice's 2 devices, every slice holding all
 sharding = jax.sharding.NamedSharding(mesh, P('x', 'y') if layout == 'sharded' else P(None, 'y'))
 base = np.arange(rows * 1024, dtype=np.float32).reshape(rows, 1024)
@@ -115,12 +129,20 @@ if update == 'device':  # the same values, computed where a training step comput
   def state(step):  # pylint: disable=function-redefined
     return {name: _add(b, np.float32(step)) for name, b in _base.items()}
 
-api = sys.argv[10]  # 'v0': an unchanged CheckpointManager; 'v1': Orbax v1's training.Checkpointer
 opts = ocp.CheckpointManagerOptions(save_interval_steps=storage_every, max_to_keep=2)
 
 def manager():
   if api == 'v0':
     return ocp.CheckpointManager(root, options=opts)
+  if api == 'emergency':
+    abstract = {name: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding)
+                for name, b in bases.items()}
+    return em.CheckpointManager(
+        os.environ['ORBAX_PATHWAYS_TIER_DIR'], root, global_mesh=mesh, abstract_state=abstract,
+        options=em.CheckpointManagerOptions(
+            local=em.LocalCheckpointOptions(save_interval_steps=local_every, max_to_keep=2),
+            persistent=em.PersistentCheckpointOptions(save_interval_steps=storage_every,
+                                                      max_to_keep=2)))
   policies = ocp.v1.training.save_decision_policies
   return ocp.v1.training.Checkpointer(
       root, save_decision_policy=policies.AnySavePolicy(
@@ -128,7 +150,9 @@ def manager():
       preservation_policy=ocp.v1.training.preservation_policies.LatestN(2))
 
 def save(m, step, s):
-  if api == 'v0':
+  if api == 'emergency':  # MaxText's save_checkpoint: every step; the manager decides
+    m.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(s)))
+  elif api == 'v0':
     m.save(step, args=ocp.args.StandardSave(s))
   else:
     m.save(step, s)
@@ -137,7 +161,7 @@ def _snapshot_s(st):  # the save's own part of the loop's save(): the device-to-
   return st.blocking_s if st.loop_snapshot_s is None else st.loop_snapshot_s
 
 def wait(m):
-  m.wait_until_finished() if api == 'v0' else m.wait()
+  m.wait_until_finished() if api in ('v0', 'emergency') else m.wait()
 if mode == 'train':
   s = state(0)
   jax.block_until_ready(s)
@@ -214,7 +238,11 @@ else:
   with manager() as m:
     multihost_utils.sync_global_devices('before')
     t0 = time.perf_counter()
-    step, got = preemption.resume(m, lambda: state(0), abstract_state=target)
+    if api == 'emergency':  # MaxText's restore: the manager's latest step, then restore
+      step = m.latest_step()
+      got = m.restore(step)['state']
+    else:
+      step, got = preemption.resume(m, lambda: state(0), abstract_state=target)
     time.sleep(step_s)  # the first training step after it
     jax.block_until_ready(got)
     multihost_utils.sync_global_devices('after')
@@ -222,8 +250,9 @@ else:
   for name, b in bases.items():
     for sh in got[name].addressable_shards:
       np.testing.assert_array_equal(np.asarray(sh.data), b[sh.index] + step)
-  st = stats.last_restore()
-  mp_worker.emit({'step': step, 'resume_s': wall, 'bytes_by_source': st.bytes_by_source})
+  st = stats.last_restore()  # None where Orbax's own handlers restored (stock's emergency manager)
+  mp_worker.emit({'step': step, 'resume_s': wall,
+                  'bytes_by_source': st.bytes_by_source if st is not None else None})
 '''
 
 
@@ -260,8 +289,10 @@ def parse_args(argv=None):
                  "transfer to the devices: host CPU an accelerator host does not spend) or "
                  "'device' (a jitted add on the devices, as a training step's update); the same "
                  'values either way')
-  p.add_argument('--api', choices=('v0', 'v1'), default='v0',
-                 help="v0: an unchanged CheckpointManager; v1: Orbax v1's training.Checkpointer")
+  p.add_argument('--api', choices=('v0', 'v1', 'emergency'), default='v0',
+                 help="v0: an unchanged CheckpointManager; v1: Orbax v1's training.Checkpointer; "
+                      "emergency: Orbax's emergency CheckpointManager as MaxText builds it "
+                      '(replicated layout; modes stock, multi_tier, multi_tier_nodes[_copies])')
   p.add_argument('--leaves', type=int, default=1,
                  help="the state's rows split into this many arrays (a model's leaves): a "
                  "local-only save's per-array work on storage shows with many")
@@ -316,26 +347,36 @@ def _run(run_processes, args, mode, root, env, tiers):
                       args=[mode, root, str(args.mib), str(args.steps), str(args.step_s),
                             str(args.storage_every), args.layout,
                             'train_only' if args.train_only else 'restart', args.update,
-                            args.api, str(args.leaves)],
+                            args.api, str(args.leaves), str(args.local_every)],
                       per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': t} for t in tiers])
   return [r.result for r in res]
 
 
-def one_mode(mode, args, bucket, run_processes, server_pid=None) -> dict:
+def _uploads(entries) -> list[str]:
+  """The object writes among the proxy's log entries (method, target, agent): their targets,
+  unquoted (a JSON API upload names its object in the query)."""
+  return [urllib.parse.unquote(t) for m, t, _ in entries
+          if m in ('POST', 'PUT') and ('upload' in t or '/o/' in t or m == 'PUT')]
+
+
+def one_mode(mode, args, bucket, run_processes, server_pid=None, proxy=None) -> dict:
   root = f'gs://{bucket}/{mode}'
   tiers = [tempfile.mkdtemp(prefix=f'orbax-pathways-bench-{mode}-{i}-',
                             dir='/dev/shm' if os.access('/dev/shm', os.W_OK) else None)
            for i in range(4)]
   tiered = mode != 'storage_only'
-  env = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': str(args.local_every if tiered else 0),
+  env = {'ORBAX_PATHWAYS_EMERGENCY': 'orbax' if mode == 'stock' else 'pathways',
+         'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': str(args.local_every if tiered else 0),
          'ORBAX_PATHWAYS_LOCAL_COPIES': '2' if mode.endswith('_copies') else '1',
          'ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY': args.when_busy,
          'ORBAX_PATHWAYS_LOCAL_STEPS_IN': ('nodes' if mode.startswith('multi_tier_nodes')
                                            else 'storage')}
   per_tier = list(tiers) if tiered else ['off'] * 4  # storage only: no tier at all
   try:
+    logged = len(proxy.log()) if proxy is not None else 0
     with _StorageCpu(server_pid) as storage_cpu:
       train = _run(run_processes, args, 'train', root, env, per_tier)
+    entries = proxy.log()[logged:] if proxy is not None else []
     if args.replace_node and tiered:  # a new node: its tier directory empty
       shutil.rmtree(tiers[3])
       os.mkdir(tiers[3], 0o700)
@@ -363,6 +404,15 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None) -> dict:
       'cpu_s': (sum(t['cpu_s'] for t in train) / len(train)
                 if all(t.get('cpu_s') is not None for t in train) else None),
       'local_saves': train[0].get('local_saves'),  # process 0's (every process skips alike)
+      # storage requests of the training run (every process, the loop and its background
+      # saves), and the objects written for local-only steps (their hidden step directory),
+      # per local-only step of the run
+      'requests': len(entries),
+      'local_objects_per_step': (
+          sum(1 for t in _uploads(entries) if '.orbax-pathways-local' in t)
+          / max(1, sum(1 for k in range(args.steps)
+                       if args.local_every and k % args.local_every == 0
+                       and k % args.storage_every != 0)) if proxy is not None else None),
   }
   if args.train_only and all(t.get('ends') and t.get('snapshot_s') is not None for t in train):
     out.update(_steady(train, args))
@@ -380,7 +430,8 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None) -> dict:
         'resumed_step': step,
         'steps_lost': (args.steps - 1) - (step if step is not None else -1),
         'resume_s': max(r['resume_s'] for r in resume),
-        'storage_bytes': sum(r['bytes_by_source'].get('storage', 0) for r in resume)})
+        'storage_bytes': (None if any(r['bytes_by_source'] is None for r in resume) else
+                          sum(r['bytes_by_source'].get('storage', 0) for r in resume))})
   return out
 
 
@@ -420,7 +471,9 @@ def _steady(train, args) -> dict:
 def table(results, args) -> str:
   lines = [f'4 processes x 2 CPU devices, {args.mib:g} MiB per process ({args.layout}'
            + (f', {args.leaves} arrays' if args.leaves > 1 else '') + '), '
-           + ("Orbax v1's training.Checkpointer, " if args.api == 'v1' else '') +
+           + ("Orbax v1's training.Checkpointer, " if args.api == 'v1' else '')
+           + ("Orbax's emergency CheckpointManager as MaxText builds it (stock: "
+              "ORBAX_PATHWAYS_EMERGENCY=orbax), " if args.api == 'emergency' else '') +
            f'{args.steps} steps of {args.step_s:g} s (state update on the {args.update}), '
            f'storage every {args.storage_every}, local '
            f'every {args.local_every}, gs:// at {args.bandwidth_mib:g} MiB/s'
@@ -497,11 +550,17 @@ def table(results, args) -> str:
                      'count): ' + ', '.join(f'`{k}` {v[0]:.2f}/{v[1]}' for k, v in ev))
     return '\n'.join(lines)
   lines += ['| mode | resumed from | steps lost | resume to first step (s) | storage bytes read '
-            '| step time / bare | save() blocking max (s) |', '|---|---:|---:|---:|---:|---:|---:|']
+            '| step time / bare | save() blocking mean / max (s) | storage objects per '
+            'local-only step | storage requests of the run |',
+            '|---|---:|---:|---:|---:|---:|---:|---:|---:|']
   for r in results:
+    read = '-' if r['storage_bytes'] is None else f"{r['storage_bytes'] / MiB:.1f} MiB"
+    objects = r.get('local_objects_per_step')
     lines.append(f"| {r['mode']} | {r['resumed_step']} | {r['steps_lost']} | "
-                 f"{r['resume_s']:.2f} | {r['storage_bytes'] / MiB:.1f} MiB | "
-                 f"{r['step_s'] / r['bare_step_s']:.3f} | {r['blocking_max_s']:.3f} |")
+                 f"{r['resume_s']:.2f} | {read} | "
+                 f"{r['step_s'] / r['bare_step_s']:.3f} | "
+                 f"{r['blocking_mean_s']:.3f} / {r['blocking_max_s']:.3f} | "
+                 f"{'-' if objects is None else f'{objects:.2f}'} | {r.get('requests', '-')} |")
   by = {r['mode']: r for r in results}
   if {'storage_only', 'multi_tier'} <= set(by):
     lines.append('')
@@ -514,14 +573,15 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   sys.path.insert(0, TESTS)
   from support.mp_harness import run_processes  # pylint: disable=import-outside-toplevel
-  with benchlib_storage.capped_gcs(args.bandwidth_mib * MiB, args.latency_ms / 1000) as (server, _):
+  with benchlib_storage.capped_gcs(args.bandwidth_mib * MiB,
+                                   args.latency_ms / 1000) as (server, proxy):
     results = []
     for mode in args.modes.split(','):
       if mode not in MODES:
         raise SystemExit(f'--modes: {mode!r} is none of {", ".join(MODES)}')
       t0 = time.perf_counter()
       results.append(one_mode(mode, args, server.new_bucket('local'), run_processes,
-                              server.pid))
+                              server.pid, proxy))
       print(f'{mode}: {time.perf_counter() - t0:.0f} s', file=sys.stderr, flush=True)
     print(table(results, args))
     if args.json_out:

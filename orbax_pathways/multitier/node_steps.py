@@ -251,8 +251,8 @@ def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int
   if client is None or n <= 1 or part.size(n) <= 1 or not part.includes(me, n):
     return sorted(held, reverse=True), {}
   address = ''
-  cfg = node_layout.tier(options, mngr)
-  if copies and cfg is not None:
+  cfg = node_layout.tier(options, mngr) if copies else None
+  if cfg is not None:
     try:
       address = partner_copy.ready(cfg, client, me, options.tier_peer_timeout_s) or ''
     except Exception as e:  # pylint: disable=broad-except  (its copies are not offered)
