@@ -135,6 +135,11 @@ def manager():
   if api == 'v0':
     return ocp.CheckpointManager(root, options=opts)
   if api == 'emergency':
+    from etils import epath
+    if jax.process_index() == 0 and not epath.Path(root).exists():
+      # Orbax's class wants the persistent directory to exist; on GCS, one object makes it.
+      (epath.Path(root) / '.created').write_text('')
+    multihost_utils.sync_global_devices('persistent directory')
     abstract = {name: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding)
                 for name, b in bases.items()}
     return em.CheckpointManager(
@@ -365,8 +370,11 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None, proxy=None) -> 
                             dir='/dev/shm' if os.access('/dev/shm', os.W_OK) else None)
            for i in range(4)]
   tiered = mode != 'storage_only'
-  env = {'ORBAX_PATHWAYS_EMERGENCY': 'orbax' if mode == 'stock' else 'pathways',
-         'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': str(args.local_every if tiered else 0),
+  env = {# stock: Orbax alone (the package imported, nothing installed)
+         'ORBAX_PATHWAYS_DISABLE': '1' if mode == 'stock' else '0',
+         # the emergency manager's local interval is its own (LocalCheckpointOptions)
+         'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': str(
+             args.local_every if tiered and args.api != 'emergency' else 0),
          'ORBAX_PATHWAYS_LOCAL_COPIES': '2' if mode.endswith('_copies') else '1',
          'ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY': args.when_busy,
          'ORBAX_PATHWAYS_LOCAL_STEPS_IN': ('nodes' if mode.startswith('multi_tier_nodes')
@@ -571,6 +579,8 @@ def table(results, args) -> str:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.api == 'emergency':
+    args.layout = 'replicated'  # the emergency manager's slices are replicas
   sys.path.insert(0, TESTS)
   from support.mp_harness import run_processes  # pylint: disable=import-outside-toplevel
   with benchlib_storage.capped_gcs(args.bandwidth_mib * MiB,
@@ -579,6 +589,10 @@ def main(argv=None) -> int:
     for mode in args.modes.split(','):
       if mode not in MODES:
         raise SystemExit(f'--modes: {mode!r} is none of {", ".join(MODES)}')
+      if mode == 'stock' and args.api != 'emergency':
+        raise SystemExit('--modes: stock (Orbax\'s emergency manager alone) needs --api emergency')
+      if mode == 'storage_only' and args.api == 'emergency':
+        raise SystemExit('--modes: storage_only is not an emergency manager mode (use stock)')
       t0 = time.perf_counter()
       results.append(one_mode(mode, args, server.new_bucket('local'), run_processes,
                               server.pid, proxy))
