@@ -480,8 +480,8 @@ def table(results, args) -> str:
   lines = [f'4 processes x 2 CPU devices, {args.mib:g} MiB per process ({args.layout}'
            + (f', {args.leaves} arrays' if args.leaves > 1 else '') + '), '
            + ("Orbax v1's training.Checkpointer, " if args.api == 'v1' else '')
-           + ("Orbax's emergency CheckpointManager as MaxText builds it (stock: "
-              "ORBAX_PATHWAYS_EMERGENCY=orbax), " if args.api == 'emergency' else '') +
+           + ("Orbax's emergency CheckpointManager as MaxText builds it (stock: Orbax "
+              "alone, ORBAX_PATHWAYS_DISABLE=1), " if args.api == 'emergency' else '') +
            f'{args.steps} steps of {args.step_s:g} s (state update on the {args.update}), '
            f'storage every {args.storage_every}, local '
            f'every {args.local_every}, gs:// at {args.bandwidth_mib:g} MiB/s'
