@@ -38,14 +38,26 @@ def _copy(tmp_path, process, step):
           / f'p{process}' / str(step))
 
 
-@pytest.fixture
-def saved(tmp_path):
+@pytest.fixture(scope='module')
+def _saved_once(tmp_path_factory):
   """Steps 0..9, storage every 4: storage holds 0, 4, 8; every node holds 7 and 9, and a copy
-  of its partner's (``local_copies=2``)."""
-  results = _run(tmp_path, 'save', 9)
+  of its partner's (``local_copies=2``). Saved once per module; kept aside whole."""
+  base = tmp_path_factory.mktemp('node_steps')
+  results = _run(base, 'save', 9)
   for r in results:
     assert r.result is not None, r.stderr_tail
-  return tmp_path, results
+  shutil.copytree(base, f'{base}.saved', symlinks=True)
+  return base, results
+
+
+@pytest.fixture
+def saved(_saved_once):
+  """``_saved_once``'s directory as the save left it (nodes and storage restored at the same
+  path: node steps are named after the checkpoint directory's path), and its results."""
+  base, results = _saved_once
+  shutil.rmtree(base)
+  shutil.copytree(f'{base}.saved', base, symlinks=True)
+  return base, results
 
 
 def test_local_only_steps_live_on_the_nodes_alone_and_resume_from_them(saved):
