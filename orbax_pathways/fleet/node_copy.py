@@ -10,9 +10,10 @@ A node step is a directory of Orbax's files (``multitier/node_steps.py``:
 Who calls what, on which host (multi-controller JAX, every process of the job):
 
 - ``send(step_dir, digest, writer, step, keep, address, secret, timeout_s)``: the background
-  thread of a node step, right after the save (``multitier/node_partners.copy_to_partner``): each file of
-  the step as one ``node_put`` request followed by its bytes (``sendfile``, never read whole),
-  then ``node_commit`` with the list of files, which makes the copy whole on the partner at once.
+  thread of a node step, right after the save (``multitier/node_partners.copy_to_partner``):
+  each file of the step as one ``node_put`` request followed by its bytes (``sendfile``, never
+  read whole), then ``node_commit`` with the list of files, which makes the copy whole on the
+  partner at once.
   Returns None, or why the copy was not made (the caller logs it; the step keeps one copy).
 - ``fetch(address, secret, digest, writer, step, into, timeout_s)``: at a resume, a process
   whose node lacks a step every other process can restore (``node_steps.resume``), from the

@@ -91,8 +91,8 @@ def copy_to_partner(mngr: Any, options: Any, step: int, keep: int) -> bool:
       address = _partners.addresses.get(key)
     if address is None:
       address = str(rounds.wait_for(client, rounds.partner_address_key(to), timeout_s))
-    why = node_copy.send(step_dir, node_layout.digest_of(mngr), node_copy.writer_name(me), step, keep,
-                         address, exchange.cached_secret() or b'', timeout_s)
+    why = node_copy.send(step_dir, node_layout.digest_of(mngr), node_copy.writer_name(me), step,
+                         keep, address, exchange.cached_secret() or b'', timeout_s)
   except Exception as e:  # pylint: disable=broad-except  (a copy never fails training)
     address, why = None, f'{type(e).__name__}: {e}'
   with _partners.lock:
@@ -123,7 +123,7 @@ def copies_held(root: str, digest: str, newest_storage: int | None) -> dict[int,
 
 
 def fetch(mngr: Any, options: Any, root: str, step: int, keeper: tuple[int, str],
-           timeout_s: float) -> None:
+          timeout_s: float) -> None:
   """This process's copy of node step ``step`` from ``keeper`` (process, address) into its
   node (a step of another process's saving there first removed); raises why not."""
   client = jax_distributed.distributed_client()

@@ -27,8 +27,8 @@ Who calls what, on which host (every process that calls the manager):
 
 With ``Options.local_copies=2`` (multi-controller JAX), each node step is also copied to the
 node of this process's partner (a process of another slice, ``fleet/partners.py``) on the same
-background thread once saved (``node_partners.copy_to_partner``, ``fleet/node_copy.py``): no key-value
-request after the job's first copy. A resume counts those copies: a step is restorable when
+background thread once saved (``node_partners.copy_to_partner``, ``fleet/node_copy.py``): no
+key-value request after the job's first copy. A resume counts those copies: a step is restorable when
 every process's node holds its part or a node keeps a copy of it, and a process whose node lacks
 its part (a new node in place of a lost one) fetches it from that copy before restoring.
 
