@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 from typing import Any
+import weakref
 
 import jax
 
@@ -35,11 +36,13 @@ log = logging.getLogger('orbax_pathways')
 
 
 class _Partners:
-  """This process's partner and the address of its server, per key-value client (read once
-  per job, read again after a copy failed), and the partners a copy already failed to."""
+  """This process's partner per manager (worked out once: it walks every device), the address
+  of its server per key-value client (read once per job, read again after a copy failed), and
+  the partners a copy already failed to."""
 
   def __init__(self) -> None:
     self.lock = threading.Lock()
+    self.of: 'weakref.WeakKeyDictionary[Any, int | None]' = weakref.WeakKeyDictionary()
     self.addresses: dict[tuple[int, int], str] = {}
     self.failed: set[int] = set()
 
@@ -50,10 +53,20 @@ _partners = _Partners()
 def partner(mngr: Any, options: Any) -> int | None:
   """The process of another slice that keeps this process's copies of ``mngr``'s node steps
   (``fleet/partners.py``, among the manager's processes), or None (one process, one slice,
-  ``Options.local_copies`` < 2)."""
+  ``Options.local_copies`` < 2). Worked out at the manager's first copy, not at every save."""
   n = jax_distributed.process_count()
   if getattr(options, 'local_copies', 1) < 2 or n < 2:
     return None
+  with _partners.lock:
+    if mngr in _partners.of:
+      return _partners.of[mngr]
+  found = _partner_of(mngr, options, n)
+  with _partners.lock:
+    _partners.of[mngr] = found
+  return found
+
+
+def _partner_of(mngr: Any, options: Any, n: int) -> int | None:
   part = _oms.manager_participants(mngr)
   slices = layout.slice_of_processes(jax.devices(), num_slices=options.num_slices)
   slices = {p: s for p, s in slices.items() if part.includes(p, n)}
