@@ -2,7 +2,7 @@
 
 Called on the controller (every process in multi-controller JAX) at each save and restore;
 cheap. ``ORBAX_PATHWAYS_RUNTIME`` and ``ORBAX_PATHWAYS_TRANSPORT`` override the detection (tests,
-or a platform that knows better); both are parsed by ``options.py`` (validated at ``install()``,
+or a platform that knows better); both are parsed by ``options/variables.py`` (validated at ``install()``,
 read again here so that a test or platform may set them later).
 """
 
@@ -15,7 +15,7 @@ import jax
 from orbax_pathways import options as options_lib
 
 
-# The names, once: in options.py (the layer below), which validates them.
+# The names, once: in options/choices.py (the layer below), which validates them.
 Runtime = options_lib.Runtime
 TransportName = options_lib.TransportName
 
