@@ -305,6 +305,9 @@ class Engine:
                                       options.request_deadline_cap_s)
     # ... and those Orbax makes through gcsfs and google-cloud-storage: a stall deadline.
     storage_clients.configure(hedge.stall_timeout_s(options.request_deadline_floor_s))
+    # This process's partner for local-only copies (``_partner``), once worked out.
+    self._partner_of: int | None = None
+    self._partner_found = False
 
   def transport_name(self) -> str:
     return runtime.choose_transport(requested=self.options.transport).value
@@ -356,8 +359,13 @@ class Engine:
     if (self.options.local_copies < 2 or not format_lib.is_local_only(directory)
         or jax.process_count() < 2):
       return None
+    # Worked out at the first local-only save, not at every one: it walks every device of the
+    # job, and a process's devices and slices do not change while it runs.
+    if self._partner_found:
+      return self._partner_of
     slice_of = layout.slice_of_processes(jax.devices(), num_slices=self.options.num_slices)
     partner = tier_partners.partner_of(jax.process_index(), slice_of)
+    self._partner_of, self._partner_found = partner, True
     if partner is None:
       said.once(logging.WARNING, ('no-partner',),
                  'orbax_pathways: Options.local_copies=2, but every process is in one slice: a '
