@@ -275,8 +275,9 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
     """The newest step this job can restore: local-only steps newer than the newest storage
     step are restored (every process agreeing), newest first, the first that every process
     completes is kept for ``restore`` (so it is read once) and the newer ones, passed over, are
-    deleted (a rolled-back run's, or incomplete); else the newest storage step."""
-    self._mngr.reload()
+    deleted (a rolled-back run's, or incomplete); else the newest storage step. Storage's
+    steps as this manager listed them when it was built (as Orbax's class does): not listed
+    again, which at GCS latency costs a request per step."""
     newest_storage = self._mngr.latest_step()
     if not self._multislice:
       return newest_storage
