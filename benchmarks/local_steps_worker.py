@@ -1,0 +1,185 @@
+"""One process of ``benchmarks/local_steps.py`` (its ``_run`` starts 4 of them through
+``tests/support/mp_harness.run_processes``, with the arguments that function passes):
+trains and saves with the mode's options, or restarts and resumes, and emits its
+measurements as JSON (``mp_worker.emit``). Not run by hand."""
+
+import json, os, sys, time
+from support import mp_worker
+mp_worker.init()
+import jax, numpy as np
+import orbax.checkpoint as ocp
+import orbax_pathways
+from orbax_pathways import preemption, stats
+from jax.experimental import multihost_utils
+
+P = jax.sharding.PartitionSpec
+mode, root, mib, steps, step_s, storage_every, layout = (
+    sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]),
+    int(sys.argv[6]), sys.argv[7])
+train_only = sys.argv[8] == 'train_only'  # steps 1.., no storage save; the last save's stats
+update = sys.argv[9]  # 'host': numpy + a transfer per step; 'device': a jitted add on the devices
+n_leaves = int(sys.argv[11])  # the state's rows split into this many arrays ('w' when 1)
+api = sys.argv[10]  # 'v0': an unchanged CheckpointManager; 'v1': Orbax v1's training.Checkpointer
+# 'emergency': Orbax's emergency CheckpointManager built as MaxText builds it
+local_every = int(sys.argv[12])
+if api == 'emergency':
+  from absl import flags
+  from orbax.checkpoint.experimental.emergency import checkpoint_manager as em
+  if not flags.FLAGS.is_parsed():  # MaxText runs under absl.app, which parses them
+    flags.FLAGS.mark_as_parsed()
+  flags.FLAGS.experimental_orbax_use_distributed_process_id = True  # as MaxText does
+  ocp.multihost.initialize_runtime_to_distributed_ids()
+  ocp.multihost.initialize_distributed_to_device_ids()
+  layout = 'replicated'  # its slices are replicas (each holds the whole state)
+n = jax.device_count()
+unit = 24 * n_leaves
+rows = max(unit, int(mib * (1 << 20) * 4 / 4 / 1024) // unit * unit)  # saved on 4 processes
+devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+mesh = jax.sharding.Mesh(np.array(devices).reshape(n // 2, 2), ('x', 'y'))  # a slice a process
+# sharded: over every device; replicated: over each slice's 2 devices, every slice holding all
+sharding = jax.sharding.NamedSharding(mesh, P('x', 'y') if layout == 'sharded' else P(None, 'y'))
+base = np.arange(rows * 1024, dtype=np.float32).reshape(rows, 1024)
+part = rows // n_leaves
+bases = ({'w': base} if n_leaves == 1 else
+         {f'w{k:03d}': base[k * part:(k + 1) * part] for k in range(n_leaves)})
+
+def state(step):
+  return {name: jax.make_array_from_callback(b.shape, sharding, lambda i, b=b: b[i] + step)
+          for name, b in bases.items()}
+
+if update == 'device':  # the same values, computed where a training step computes: on the devices
+  _base = state(0)
+  _add = jax.jit(lambda b, k: b + k, out_shardings=sharding)
+
+  def state(step):  # pylint: disable=function-redefined
+    return {name: _add(b, np.float32(step)) for name, b in _base.items()}
+
+opts = ocp.CheckpointManagerOptions(save_interval_steps=storage_every, max_to_keep=2)
+
+def manager():
+  if api == 'v0':
+    return ocp.CheckpointManager(root, options=opts)
+  if api == 'emergency':
+    from etils import epath
+    if jax.process_index() == 0 and not epath.Path(root).exists():
+      # Orbax's class wants the persistent directory to exist; on GCS, one object makes it.
+      (epath.Path(root) / '.created').write_text('')
+    multihost_utils.sync_global_devices('persistent directory')
+    abstract = {name: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding)
+                for name, b in bases.items()}
+    return em.CheckpointManager(
+        os.environ['ORBAX_PATHWAYS_TIER_DIR'], root, global_mesh=mesh, abstract_state=abstract,
+        options=em.CheckpointManagerOptions(
+            local=em.LocalCheckpointOptions(save_interval_steps=local_every, max_to_keep=2),
+            persistent=em.PersistentCheckpointOptions(save_interval_steps=storage_every,
+                                                      max_to_keep=2)))
+  policies = ocp.v1.training.save_decision_policies
+  return ocp.v1.training.Checkpointer(
+      root, save_decision_policy=policies.AnySavePolicy(
+          [policies.InitialSavePolicy(), policies.FixedIntervalPolicy(storage_every)]),
+      preservation_policy=ocp.v1.training.preservation_policies.LatestN(2))
+
+def save(m, step, s):
+  if api == 'emergency':  # MaxText's save_checkpoint: every step; the manager decides
+    m.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(s)))
+  elif api == 'v0':
+    m.save(step, args=ocp.args.StandardSave(s))
+  else:
+    m.save(step, s)
+
+def _snapshot_s(st):  # the save's own part of the loop's save(): the device-to-host snapshot
+  return st.blocking_s if st.loop_snapshot_s is None else st.loop_snapshot_s
+
+def wait(m):
+  m.wait_until_finished() if api in ('v0', 'emergency') else m.wait()
+if mode == 'train':
+  s = state(0)
+  jax.block_until_ready(s)
+  multihost_utils.sync_global_devices('bare')
+  t0, c0 = time.perf_counter(), time.process_time()
+  for step in range(steps):  # no checkpointing: the reference step time
+    time.sleep(step_s)
+    s = state(step)
+    jax.block_until_ready(s)
+  bare = (time.perf_counter() - t0) / steps
+  bare_cpu = (time.process_time() - c0) / steps  # this process's CPU per step (all threads)
+  events = {}  # Orbax's own duration events during the saving loop: where save() spends time
+
+  def on_event(name, secs, **kwargs):
+    e = events.setdefault(name, [0.0, 0])
+    e[0] += secs
+    e[1] += 1
+
+  with manager() as m:
+    multihost_utils.sync_global_devices('train')
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    t0 = time.perf_counter()
+    blocking = []
+    last, ends, cpus = {}, [], []
+    for step in range(1, steps + 1) if train_only else range(steps):
+      time.sleep(step_s)
+      s = state(step)  # the step's new state (its values identify the step)
+      jax.block_until_ready(s)
+      b0 = time.perf_counter()
+      save(m, step, s)
+      blocking.append(time.perf_counter() - b0)
+      if train_only and step == 1:
+        wait(m)  # Orbax's initial save (to storage) committed: not timed
+        cpu0, wall0 = time.process_time(), time.time()
+      ends.append(time.perf_counter())
+      cpus.append(time.process_time())
+    loop = (time.perf_counter() - t0) / steps
+    if train_only:  # the steady state: every step after the first save
+      loop = (ends[-1] - ends[0]) / (len(ends) - 1)
+      blocking = blocking[1:]
+    if train_only:  # the last local-only save's own phases, once it committed
+      wait(m)
+      cpu = (time.process_time() - cpu0) / (len(ends) - 1)  # the saves' background work too
+      steady = (wall0, time.time(), len(ends) - 1)  # for the storage emulation's CPU
+      st = stats.last_save()
+      last = {'snapshot_s': _snapshot_s(st), 'write_s': st.write_s, 'commit_s': st.commit_s}
+    # Killed here: no final save, and whatever is still committing in the background is lost
+    # (os._exit below never waits for it).
+    multihost_utils.sync_global_devices('killed')
+  mp_worker.emit({'bare_step_s': bare, 'step_s': loop, 'blocking_max_s': max(blocking),
+                  'blocking_mean_s': sum(blocking) / len(blocking), 'last': last,
+                  'blocking_s': blocking,  # each timed save()'s blocking, steps 2..
+                  # per step 1..: the loop's clock and this process's CPU after the step's save
+                  'ends': ends, 'cpus': cpus,
+                  # per step 2..: the save's own part of the loop's save() (the snapshot) and
+                  # background write (the local-only save's: the last of the step's saves)
+                  'snapshot_s': [sum(_snapshot_s(x) for x in stats.saves_for_step(k))
+                                 for k in range(2, steps + 1)]
+                                if train_only and steps < 64 else None,
+                  'write_s': [[x.write_s for x in stats.saves_for_step(k)][-1:]
+                              for k in range(2, steps + 1)] if train_only and steps < 64 else None,
+                  'events': events, 'bare_cpu_s': bare_cpu,
+                  'cpu_s': cpu if train_only else None,
+                  # steps saved local-only after the first (with local_save_when_busy='skip'
+                  # some are skipped while the previous one commits); stats keeps the last 64
+                  # saves, so longer runs report none
+                  'local_saves': sum(1 for k in range(2, steps + 1) if stats.saves_for_step(k))
+                                 if train_only and steps < 64 else None,
+                  'steady': steady if train_only else None})
+  mp_worker.stop_all_now()
+else:
+  target = {name: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding)
+            for name, b in bases.items()}
+  with manager() as m:
+    multihost_utils.sync_global_devices('before')
+    t0 = time.perf_counter()
+    if api == 'emergency':  # MaxText's restore: the manager's latest step, then restore
+      step = m.latest_step()
+      got = m.restore(step)['state']
+    else:
+      step, got = preemption.resume(m, lambda: state(0), abstract_state=target)
+    time.sleep(step_s)  # the first training step after it
+    jax.block_until_ready(got)
+    multihost_utils.sync_global_devices('after')
+    wall = time.perf_counter() - t0
+  for name, b in bases.items():
+    for sh in got[name].addressable_shards:
+      np.testing.assert_array_equal(np.asarray(sh.data), b[sh.index] + step)
+  st = stats.last_restore()  # None where Orbax's own handlers restored (stock's emergency manager)
+  mp_worker.emit({'step': step, 'resume_s': wall,
+                  'bytes_by_source': st.bytes_by_source if st is not None else None})
