@@ -42,8 +42,14 @@ Orbax's emergency manager (the drop-in of ``multitier/emergency.py``) saves node
 
 Not done on the nodes yet (those saves keep their local-only steps in storage's records, the
 hidden manager of ``multitier/local_steps.py``): arguments other than trees and JSON (a data
-iterator's own handler), Pathways (the colocated transport). A resume onto another process count
-passes node steps over (a node step holds the shards its process held) and resumes from
+iterator's own handler), Pathways (the colocated transport).
+
+A resume onto another process count (or a process on another process's node) restores a node
+step where each process's node holds what its devices need now: a state whole in every slice
+(replicated over slices, Orbax's emergency manager's model) on fewer slices of the same shape,
+each process restoring the step its node holds whoever saved it (``_others``). A state whose
+shards move between processes (sharded over every slice) is not in any one node: the restore
+finds a shard no record covers, every process passes the step over, and the resume goes on to
 storage. Where node steps lie: ``node_layout.py``; their partner copies: ``node_partners.py``.
 """
 
@@ -209,20 +215,27 @@ def save(mngr: Any, options: Any, step: int, args: Any, keep: int,
     node.save(step, args=node_args(args), force=True, custom_metadata=custom_metadata)
 
 
-def holdings(me: int, own: list[int], copies: dict[int, list[int]], address: str) -> str:
+def holdings(me: int, own: list[int], copies: dict[int, list[int]], address: str,
+             other: list[int] = ()) -> str:
   """A member's value in the node steps round: its process, the steps its node holds of its
-  own, the copies it keeps (process -> steps) and its server's address (JSON)."""
+  own, the copies it keeps (process -> steps), its server's address, and the steps its node
+  holds that another process saved (``_others``: restorable by this process where they hold
+  what it needs now) (JSON)."""
   return json.dumps({'p': me, 'own': sorted(own), 'addr': address,
-                     'copies': {str(q): v for q, v in copies.items()}}, separators=(',', ':'))
+                     'copies': {str(q): v for q, v in copies.items()},
+                     'other': sorted(other)}, separators=(',', ':'))
 
 
 def _decide(values: list[str]) -> str:
   """The leader's verdict on the members' holdings (JSON, one per member: ``p``, its ``own``
-  steps, the ``copies`` it keeps by process, its server's ``addr``): the steps every member
-  can restore, newest first (from its own node, or from the node keeping its copy), and per
-  step who fetches from whom."""
+  steps, the ``copies`` it keeps by process, its server's ``addr``, the ``other`` steps its
+  node holds): the steps every member can restore, newest first, and per step who fetches
+  from whom. A member restores a step from its own node when it saved it there; else from the
+  node keeping its copy (fetched first); else from the step another process saved on its node
+  (the restore checks that it holds what this member needs: ``_others``)."""
   held = [json.loads(v) for v in values]
   own = {int(v['p']): set(v['own']) for v in held}
+  other = {int(v['p']): set(v.get('other', ())) for v in held}
   keepers: dict[tuple[int, int], tuple[int, str]] = {}
   for v in held:
     for q, steps in v.get('copies', {}).items():
@@ -230,17 +243,19 @@ def _decide(values: list[str]) -> str:
         if v.get('addr') and int(q) != int(v['p']):
           keepers.setdefault((int(q), s), (int(v['p']), v['addr']))
   steps, fetch = [], {}
-  for s in sorted(set().union(*own.values(), (s for _, s in keepers)), reverse=True):
+  for s in sorted(set().union(*own.values(), *other.values(), (s for _, s in keepers)),
+                  reverse=True):
     lacking = [q for q in sorted(own) if s not in own[q]]
-    if all((q, s) in keepers for q in lacking):
+    if all((q, s) in keepers or s in other[q] for q in lacking):
       steps.append(s)
-      if lacking:
-        fetch[str(s)] = {str(q): list(keepers[(q, s)]) for q in lacking}
+      fetched = {str(q): list(keepers[(q, s)]) for q in lacking if (q, s) in keepers}
+      if fetched:
+        fetch[str(s)] = fetched
   return json.dumps({'steps': steps, 'fetch': fetch}, separators=(',', ':'))
 
 
 def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int]],
-            timeout_s: float) -> tuple[list[int], dict[int, tuple[int, str]]]:
+            timeout_s: float, other: list[int] = ()) -> tuple[list[int], dict[int, tuple[int, str]]]:
   """The steps every process of ``mngr`` can restore, newest first, and for this process the
   steps it must first fetch (step -> the process keeping its copy and that server's address):
   one round (each member publishes its holdings, the leader the verdict, ``_decide``). A
@@ -249,7 +264,7 @@ def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int
   part = _oms.manager_participants(mngr)
   n, me = jax_distributed.process_count(), _oms.process_index()
   if client is None or n <= 1 or part.size(n) <= 1 or not part.includes(me, n):
-    return sorted(held, reverse=True), {}
+    return sorted(set(held) | set(other), reverse=True), {}
   address = ''
   cfg = node_layout.tier(options, mngr) if copies else None
   if cfg is not None:
@@ -259,7 +274,7 @@ def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int
       log.warning('orbax_pathways.preemption.resume: this node keeps copies of other '
                   'processes\' node steps but cannot serve them (%s: %s).', type(e).__name__, e)
   seq = rounds.sequence(part.name('node_steps'), keep=1)
-  value = holdings(me, held, copies, address)
+  value = holdings(me, held, copies, address, other)
   verdict = json.loads(rounds.agree(
       client, seq, seq.next(), me=me, members=part.members(n), count=n, leader=part.leader(n),
       value=value, decide=_decide, timeout_s=timeout_s,
@@ -267,6 +282,22 @@ def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int
   mine = {int(s): (int(who[str(me)][0]), str(who[str(me)][1]))
           for s, who in verdict['fetch'].items() if str(me) in who}
   return [int(s) for s in verdict['steps']], mine
+
+
+def _others(node: Any, steps: list[int], item: str | None) -> list[int]:
+  """Of ``steps`` (node steps another process saved on this node: a restart put this process
+  on another's node, or onto another process count), those a resume may restore its tree
+  from: a step of that one tree alone (``item``, else any one name), no JSON beside it (a data
+  iterator's state is its process's own). A state replicated over slices is the same on every
+  slice's node, so such a step holds what this process needs whenever its devices hold the
+  same part of it as the saver's did; where it does not, the restore raises (a shard no record
+  covers) and every process passes the step over (``resume``)."""
+  out = []
+  for s in steps:
+    items = fsafe.subdirs(os.path.join(str(node.directory), str(s)))
+    if len(items) == 1 and (item is None or items == [item]):
+      out.append(s)
+  return out
 
 
 def _restore(node: Any, step: int, abstract_state: Any, item: str | None = None) -> Any:
@@ -351,11 +382,12 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
   with alone():
     node.reload()
     listed = [s for s in node.all_steps() if newest_storage is None or s > newest_storage]
-  # Only this process's own steps: a node this process now runs on may hold another's.
+  # This process's own steps; a node this process now runs on may hold another's (``_others``).
   held = [s for s in listed
           if node_layout.saver(os.path.join(str(node.directory), str(s))) in (None, me)]
+  other = _others(node, [s for s in listed if s not in held], item)
   copies = node_partners.copies_held(root, node_layout.digest_of(mngr), newest_storage)
-  agreed, fetch = (_agreed(mngr, options, held, copies, timeout_s)
+  agreed, fetch = (_agreed(mngr, options, held, copies, timeout_s, other)
                    if abstract_state is not None else ([], {}))
   chosen = None
   for step in agreed:
@@ -371,8 +403,9 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
       state, error = None, e
     if all_ok(error is None, step):
       log.info('orbax_pathways.preemption.resume: resumed from node step %d (newer than the '
-               'newest storage step, %s), every process from its own node.', step,
-               newest_storage)
+               'newest storage step, %s), every process from its node%s.', step,
+               newest_storage, '' if step in held or step in fetch else
+               ' (this one from the step another process saved there)')
       chosen = (step, state)
       break
     log.warning('orbax_pathways.preemption.resume: node step %d cannot be restored (%s); '

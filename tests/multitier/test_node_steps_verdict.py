@@ -35,3 +35,13 @@ def test_a_copy_whose_keeper_serves_nothing_is_not_counted():
   v = _verdict(node_steps.holdings(0, [9], {1: [9]}, ''),
                node_steps.holdings(1, [], {1: [9]}, '10.0.0.2:1'))
   assert v == {'steps': [], 'fetch': {}}
+
+
+def test_a_step_another_process_saved_on_a_members_node_counts_after_its_own_and_copies():
+  """Process 1 runs on a node process 2 saved 9 and 7 on (a restart onto fewer processes): 9 is
+  restorable, process 1 restoring that node's step, no fetch; where a copy of process 1's own
+  step is kept (7), it is fetched instead."""
+  v = _verdict(node_steps.holdings(0, [9, 7], {}, ''),
+               node_steps.holdings(1, [], {}, '', other=[9, 7]),
+               node_steps.holdings(2, [9, 7], {1: [7]}, '10.0.0.3:4000'))
+  assert v == {'steps': [9, 7], 'fetch': {'7': {'1': [2, '10.0.0.3:4000']}}}

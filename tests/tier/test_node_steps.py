@@ -17,14 +17,16 @@ pytestmark = pytest.mark.multiprocess
 WORKER = os.path.join(os.path.dirname(workers.__file__), 'node_steps_worker.py')
 
 
-def _run(tmp_path, mode, last, processes=4, devices=2):
-  nodes = [tmp_path / f'node{i}' for i in range(processes)]
+def _run(tmp_path, mode, last, processes=4, devices=2, nodes=None, layout=''):
+  """``nodes``: the node (tier directory) number of each process, in process order (default:
+  process i on node i); ``layout``: the worker's ``LAYOUT``."""
+  nodes = [tmp_path / f'node{i}' for i in (nodes or range(processes))]
   return run_processes(
       WORKER, processes, devices_per_process=devices, shared_dir=str(tmp_path),
       args=[mode, tmp_path / 'ckpt', last], timeout=170,
       env={'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': 1, 'ORBAX_PATHWAYS_TIER_KEEP': 2,
            'ORBAX_PATHWAYS_LOCAL_STEPS_IN': 'nodes', 'ORBAX_PATHWAYS_LOCAL_COPIES': 2,
-           'DUMP_S': 150},
+           'DUMP_S': 150, 'LAYOUT': layout},
       per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': n} for n in nodes])
 
 
@@ -143,6 +145,25 @@ def test_a_restart_on_fewer_processes_passes_node_steps_over(saved):
   for r in resumed:
     assert r.result is not None, r.stderr_tail
     assert r.result['resumed'] == 8 and r.result['equal'], r.result
+
+
+def test_state_whole_in_every_slice_resumes_from_the_survivors_nodes_on_fewer_processes(
+    tmp_path):
+  """Three processes, a slice each, the state whole in every slice; node 0 is lost and the job
+  restarts on two processes, on nodes 1 and 2: each process now runs on a node another process
+  saved, which holds the part its devices need. The restart resumes node step 9 with the values
+  saved, no byte from storage, and goes on saving."""
+  saved = _run(tmp_path, 'save', 9, processes=3, layout='slices')
+  for r in saved:
+    assert r.result is not None, r.stderr_tail
+    assert r.result['storage_steps'] == [0, 4, 8] and r.result['node_steps'] == [7, 9], r.result
+  shutil.rmtree(tmp_path / 'node0')
+  resumed = _run(tmp_path, 'resume', 10, processes=2, nodes=[1, 2], layout='slices')
+  for r in resumed:
+    assert r.result is not None, r.stderr_tail
+    assert r.result['resumed'] == 9 and r.result['equal'], r.result
+    assert r.result['sources'].get('storage', 0) == 0 and r.result['sources']['node'] > 0
+    assert r.result['node_steps'] == [9, 10], r.result
 
 
 def test_a_flipped_byte_in_one_nodes_step_is_caught_and_passed_over(saved):

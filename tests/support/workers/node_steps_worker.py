@@ -5,7 +5,8 @@ simulated node with its own tier directory (``ORBAX_PATHWAYS_TIER_DIR``), with
     node_steps_worker.py save|resume CKPT LAST
 
 ``save``: an unchanged ``CheckpointManager`` (``save_interval_steps=4``) saves steps 0..LAST
-of a state with a sharded ``jax.Array``, a replicated one and a numpy leaf; emits Orbax's
+of a state with a sharded ``jax.Array`` (``LAYOUT=slices``: split within each process's slice,
+whole in every slice), a replicated one and a numpy leaf; emits Orbax's
 storage steps and the steps this node holds, and what this process asked of jax's key-value
 store (every method of its coordination-service client, counted) while local-only steps 5 to 7
 saved and committed. ``resume``: ``preemption.resume`` onto the current
@@ -46,6 +47,11 @@ def values(step: int) -> dict:
 
 
 def shardings() -> dict:
+  if os.environ.get('LAYOUT') == 'slices':  # a slice per process, each holding all of 'w'
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(jax.process_count(), -1), ('s', 'y'))
+    return {'w': jax.sharding.NamedSharding(mesh, P(None, 'y')),
+            'r': jax.sharding.NamedSharding(mesh, P())}
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
   return {'w': jax.sharding.NamedSharding(mesh, P('x', None)),
           'r': jax.sharding.NamedSharding(mesh, P())}
