@@ -120,6 +120,10 @@ def parse_args(argv=None):
   p.add_argument('--leaves', type=int, default=1,
                  help="the state's rows split into this many arrays (a model's leaves): a "
                  "local-only save's per-array work on storage shows with many")
+  p.add_argument('--runs', type=int, default=1,
+                 help='train, kill and restart each mode this many times (a summary per mode '
+                      'follows the table: the storage steps committed at the kill, the steps '
+                      'resumed, steps lost, restore seconds)')
   p.add_argument('--json-out', default=None)
   p.add_argument('--timeout', type=float, default=900, help='seconds per multi-process run')
   return p.parse_args(argv)
@@ -257,6 +261,8 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None, proxy=None) -> 
         'resumed_step': step,
         'steps_lost': (args.steps - 1) - (step if step is not None else -1),
         'resume_s': max(r['resume_s'] for r in resume),
+        'restore_s': max(r['restore_s'] for r in resume),  # the slowest process's
+        'storage_steps_at_restart': resume[0]['storage_steps'],
         'storage_bytes': (None if any(r['bytes_by_source'] is None for r in resume) else
                           sum(r['bytes_by_source'].get('storage', 0) for r in resume))})
   return out
@@ -396,6 +402,30 @@ def table(results, args) -> str:
   return '\n'.join(lines)
 
 
+def runs_summary(results, args) -> str:
+  """Per mode, over its runs: the newest storage step committed when the job was killed (how
+  often), the step resumed (how often), steps lost, and the slowest process's
+  ``latest_step()`` + ``restore()`` (``restore_s``; ``resume_s`` adds a training step and a
+  barrier)."""
+  lines = ['', '| mode | runs | newest storage step at the kill (runs) | resumed from (runs) | '
+           'steps lost mean / max | restore (s) mean / max |', '|---|---:|---|---|---:|---:|']
+  for mode in dict.fromkeys(r['mode'] for r in results):
+    rs = [r for r in results if r['mode'] == mode]
+    def counts(values):
+      c = {}
+      for v in values:
+        c[v] = c.get(v, 0) + 1
+      return ', '.join(f'{k} ({n})' for k, n in sorted(c.items(), key=lambda kv: -(kv[0] or -1)))
+    newest = counts(max(r['storage_steps_at_restart'], default=None) for r in rs)
+    lost = [r['steps_lost'] for r in rs]
+    rest = [r['restore_s'] for r in rs]
+    lines.append(f"| {mode} | {len(rs)} | {newest} | {counts(r['resumed_step'] for r in rs)} | "
+                 f"{sum(lost) / len(lost):.2f} / {max(lost)} | "
+                 f"{sum(rest) / len(rest):.2f} / {max(rest):.2f} |")
+  del args
+  return '\n'.join(lines)
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   if args.api == 'emergency':
@@ -412,11 +442,14 @@ def main(argv=None) -> int:
         raise SystemExit('--modes: stock (Orbax\'s emergency manager alone) needs --api emergency')
       if mode == 'storage_only' and args.api == 'emergency':
         raise SystemExit('--modes: storage_only is not an emergency manager mode (use stock)')
-      t0 = time.perf_counter()
-      results.append(one_mode(mode, args, server.new_bucket('local'), run_processes,
-                              server.pid, proxy))
-      print(f'{mode}: {time.perf_counter() - t0:.0f} s', file=sys.stderr, flush=True)
+      for _ in range(args.runs):
+        t0 = time.perf_counter()
+        results.append(one_mode(mode, args, server.new_bucket('local'), run_processes,
+                                server.pid, proxy))
+        print(f'{mode}: {time.perf_counter() - t0:.0f} s', file=sys.stderr, flush=True)
     print(table(results, args))
+    if not args.train_only:
+      print(runs_summary(results, args))
     if args.json_out:
       with open(args.json_out, 'w', encoding='utf-8') as f:
         json.dump({'args': vars(args), 'date': time.strftime('%Y-%m-%d'), 'results': results},

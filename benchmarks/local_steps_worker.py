@@ -165,6 +165,10 @@ if mode == 'train':
 else:
   target = {name: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding)
             for name, b in bases.items()}
+  from etils import epath
+  # The storage steps committed when the job was killed (Orbax's own test of a finished step).
+  committed = sorted(int(p.name) for p in epath.Path(root).iterdir()
+                     if p.name.isdigit() and ocp.step.is_checkpoint_finalized(p))
   with manager() as m:
     multihost_utils.sync_global_devices('before')
     t0 = time.perf_counter()
@@ -173,13 +177,15 @@ else:
       got = m.restore(step)['state']
     else:
       step, got = preemption.resume(m, lambda: state(0), abstract_state=target)
-    time.sleep(step_s)  # the first training step after it
     jax.block_until_ready(got)
+    restore_s = time.perf_counter() - t0  # this process's latest_step() and restore()
+    time.sleep(step_s)  # the first training step after it
     multihost_utils.sync_global_devices('after')
     wall = time.perf_counter() - t0
   for name, b in bases.items():
     for sh in got[name].addressable_shards:
       np.testing.assert_array_equal(np.asarray(sh.data), b[sh.index] + step)
   st = stats.last_restore()  # None where Orbax's own handlers restored (stock's emergency manager)
-  mp_worker.emit({'step': step, 'resume_s': wall,
+  mp_worker.emit({'step': step, 'resume_s': wall, 'restore_s': restore_s,
+                  'storage_steps': committed,
                   'bytes_by_source': st.bytes_by_source if st is not None else None})
