@@ -58,7 +58,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 import weakref
 
 import jax
@@ -216,7 +216,7 @@ def save(mngr: Any, options: Any, step: int, args: Any, keep: int,
 
 
 def holdings(me: int, own: list[int], copies: dict[int, list[int]], address: str,
-             other: list[int] = ()) -> str:
+             other: Sequence[int] = ()) -> str:
   """A member's value in the node steps round: its process, the steps its node holds of its
   own, the copies it keeps (process -> steps), its server's address, and the steps its node
   holds that another process saved (``_others``: restorable by this process where they hold
@@ -255,7 +255,7 @@ def _decide(values: list[str]) -> str:
 
 
 def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int]],
-            timeout_s: float, other: list[int] = ()) -> tuple[list[int], dict[int, tuple[int, str]]]:
+            timeout_s: float, other: Sequence[int] = ()) -> tuple[list[int], dict[int, tuple[int, str]]]:
   """The steps every process of ``mngr`` can restore, newest first, and for this process the
   steps it must first fetch (step -> the process keeping its copy and that server's address):
   one round (each member publishes its holdings, the leader the verdict, ``_decide``). A
