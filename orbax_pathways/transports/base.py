@@ -108,3 +108,27 @@ class Transport(Protocol):
   async def read(self, targets: Sequence[types.ReadTarget],
                  item: types.Item) -> tuple[list[jax.Array], list[types.ReadOutcome]]:
     ...
+
+
+class ConfiguredTransport:
+  """What the in-process and colocated transports share: built with the call's ``save`` or
+  ``read`` config (``registry.create``), every leaf supported, no fallback."""
+
+  fallback = None
+
+  def __init__(self, *, save: SaveConfig | None = None, read: ReadConfig | None = None):
+    self._save, self._read = save, read
+
+  def unsupported(self, leaves: Sequence[types.SaveLeaf], item: types.Item) -> list[str]:
+    del leaves, item
+    return []
+
+  def save_config(self) -> SaveConfig:
+    """This save's config (a transport that saves is built with one)."""
+    assert self._save is not None, 'a transport that saves is created with save=SaveConfig(...)'
+    return self._save
+
+  def read_config(self) -> ReadConfig:
+    """This restore's config (a transport that restores is built with one)."""
+    assert self._read is not None, 'a transport that restores is created with read=ReadConfig(...)'
+    return self._read

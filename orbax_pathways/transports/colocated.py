@@ -195,24 +195,15 @@ def payload_rows(targets: Sequence[values.ReadTarget], devices: Sequence[Any]) -
 # ---- the transport -----------------------------------------------------------------------------
 
 
-class ColocatedTransport:
+class ColocatedTransport(base.ConfiguredTransport):
   """Worker hosts move every tensor byte (see the module docstring)."""
 
   name = NAME
-  fallback = None
-
-  def __init__(self, *, save: base.SaveConfig | None = None, read: base.ReadConfig | None = None):
-    self._save, self._read = save, read
-
-  def unsupported(self, leaves, item) -> list[str]:
-    del leaves, item
-    return []
 
   async def snapshot(self, arrays: Sequence[jax.Array], leaves: Sequence[values.SaveLeaf],
                      item: values.Item, ready: Callable[[], Awaitable[None]]) -> base.Snapshot:
     del ready
-    cfg = self._save
-    assert cfg is not None, 'a transport that saves is created with save=SaveConfig(...)'
+    cfg = self.save_config()
     cpus = cpu_map(worker_lib.sorted_devices(a.sharding for a in arrays))
     cpu_shardings = [to_cpu_sharding(a.sharding, cpus) for a in arrays]
     with trace('plan'):
@@ -241,8 +232,7 @@ class ColocatedTransport:
 
   async def write(self, snap: base.Snapshot) -> list[values.WriterOutcome]:
     item, leaves, plans, calls, save_id = snap.state
-    cfg = self._save
-    assert cfg is not None, 'a transport that saves is created with save=SaveConfig(...)'
+    cfg = self.save_config()
     outcomes: dict[str, list[int]] = {}
     records: list[records_lib.ArrayRecord] = []
     with trace('write'):
@@ -283,8 +273,7 @@ class ColocatedTransport:
 
   async def read(self, targets: Sequence[values.ReadTarget],
                  item: values.Item) -> tuple[list[jax.Array], list[values.ReadOutcome]]:
-    cfg = self._read
-    assert cfg is not None, 'a transport that restores is created with read=ReadConfig(...)'
+    cfg = self.read_config()
     accel = worker_lib.sorted_devices(t.sharding for t in targets)
     cpus = cpu_map(accel)
     simulated = _simulated(accel)

@@ -300,24 +300,15 @@ def _partner_copier(cfg: base.SaveConfig) -> Callable[[str], None] | None:
   return copy
 
 
-class InProcessTransport:
+class InProcessTransport(base.ConfiguredTransport):
   """This process writes and reads its own devices' shards (see the module docstring)."""
 
   name = NAME
-  fallback = None
-
-  def __init__(self, *, save: base.SaveConfig | None = None, read: base.ReadConfig | None = None):
-    self._save, self._read = save, read
-
-  def unsupported(self, leaves, item) -> list[str]:
-    del leaves, item
-    return []
 
   async def snapshot(self, arrays: Sequence[jax.Array], leaves: Sequence[values.SaveLeaf],
                      item: values.Item, ready: Callable[[], Awaitable[None]]) -> base.Snapshot:
     del ready  # nothing is written before write()
-    cfg = self._save
-    assert cfg is not None, 'a transport that saves is created with save=SaveConfig(...)'
+    cfg = self.save_config()
     host = this_host()
     with trace('plan'):
       plans = [share.plan(a.sharding, leaf, host_of, cfg.plan) for a, leaf in zip(arrays, leaves)]
@@ -344,8 +335,7 @@ class InProcessTransport:
         state=(item, tuple(leaves), plans, pieces, host, held))
 
   async def write(self, snap: base.Snapshot) -> list[values.WriterOutcome]:
-    cfg = self._save
-    assert cfg is not None, 'a transport that saves is created with save=SaveConfig(...)'
+    cfg = self.save_config()
     item, leaves, plans, pieces, host, held = snap.state
     if format_names.is_local_only(item.directory):
       with trace('write_tier'):
@@ -369,8 +359,7 @@ class InProcessTransport:
 
   async def read(self, targets: Sequence[values.ReadTarget],
                  item: values.Item) -> tuple[list[jax.Array], list[values.ReadOutcome]]:
-    cfg = self._read
-    assert cfg is not None, 'a transport that restores is created with read=ReadConfig(...)'
+    cfg = self.read_config()
     host = this_host()
     needed, boxes = [], []
     for t in targets:
