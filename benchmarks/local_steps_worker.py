@@ -138,30 +138,31 @@ if mode == 'train':
       steady = (wall0, time.time(), len(ends) - 1)  # for the storage emulation's CPU
       st = stats.last_save()
       last = {'snapshot_s': _snapshot_s(st), 'write_s': st.write_s, 'commit_s': st.commit_s}
-    # Killed here: no final save, and whatever is still committing in the background is lost
-    # (os._exit below never waits for it).
+    # Killed here, inside the manager's block: no final save, no close() (which would wait for
+    # the saves still committing), and whatever is still committing in the background is lost
+    # (stop_all_now's os._exit waits for nothing). Every process's last save() has returned.
     multihost_utils.sync_global_devices('killed')
-  mp_worker.emit({'bare_step_s': bare, 'step_s': loop, 'blocking_max_s': max(blocking),
-                  'blocking_mean_s': sum(blocking) / len(blocking), 'last': last,
-                  'blocking_s': blocking,  # each timed save()'s blocking, steps 2..
-                  # per step 1..: the loop's clock and this process's CPU after the step's save
-                  'ends': ends, 'cpus': cpus,
-                  # per step 2..: the save's own part of the loop's save() (the snapshot) and
-                  # background write (the local-only save's: the last of the step's saves)
-                  'snapshot_s': [sum(_snapshot_s(x) for x in stats.saves_for_step(k))
-                                 for k in range(2, steps + 1)]
-                                if train_only and steps < 64 else None,
-                  'write_s': [[x.write_s for x in stats.saves_for_step(k)][-1:]
-                              for k in range(2, steps + 1)] if train_only and steps < 64 else None,
-                  'events': events, 'bare_cpu_s': bare_cpu,
-                  'cpu_s': cpu if train_only else None,
-                  # steps saved local-only after the first (with local_save_when_busy='skip'
-                  # some are skipped while the previous one commits); stats keeps the last 64
-                  # saves, so longer runs report none
-                  'local_saves': sum(1 for k in range(2, steps + 1) if stats.saves_for_step(k))
-                                 if train_only and steps < 64 else None,
-                  'steady': steady if train_only else None})
-  mp_worker.stop_all_now()
+    mp_worker.emit({'bare_step_s': bare, 'step_s': loop, 'blocking_max_s': max(blocking),
+                    'blocking_mean_s': sum(blocking) / len(blocking), 'last': last,
+                    'blocking_s': blocking,  # each timed save()'s blocking, steps 2..
+                    # per step 1..: the loop's clock and this process's CPU after the step's save
+                    'ends': ends, 'cpus': cpus,
+                    # per step 2..: the save's own part of the loop's save() (the snapshot) and
+                    # background write (the local-only save's: the last of the step's saves)
+                    'snapshot_s': [sum(_snapshot_s(x) for x in stats.saves_for_step(k))
+                                   for k in range(2, steps + 1)]
+                                  if train_only and steps < 64 else None,
+                    'write_s': [[x.write_s for x in stats.saves_for_step(k)][-1:]
+                                for k in range(2, steps + 1)] if train_only and steps < 64 else None,
+                    'events': events, 'bare_cpu_s': bare_cpu,
+                    'cpu_s': cpu if train_only else None,
+                    # steps saved local-only after the first (with local_save_when_busy='skip'
+                    # some are skipped while the previous one commits); stats keeps the last 64
+                    # saves, so longer runs report none
+                    'local_saves': sum(1 for k in range(2, steps + 1) if stats.saves_for_step(k))
+                                   if train_only and steps < 64 else None,
+                    'steady': steady if train_only else None})
+    mp_worker.stop_all_now()
 else:
   target = {name: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding)
             for name, b in bases.items()}
