@@ -409,6 +409,21 @@ def on_nodes(mngr: Any) -> tuple[Any, int] | None:
   return hook.options(), hook.policy(mngr).keep
 
 
+def save_on_node_too(mngr: Any, step: int, args: Any) -> None:
+  """Also saves storage step ``step`` of ``mngr`` as a node step (``node_steps``), where its
+  local-only steps are node steps (``on_nodes``) and ``args`` can be saved there: Orbax's
+  emergency manager saves every step on its local interval locally, storage steps too (the
+  drop-in, ``multitier/emergency.py``, calls it after a storage save it started). A storage
+  step commits later than a node step, so a job killed before that commit resumes this step
+  from the nodes, as Orbax's class resumes it from its local copy. Snapshot taken here, save
+  on the background thread, as for a declined step."""
+  hook = next((h for h in _om.registered() if isinstance(h, LocalStepHooks)), None)
+  if (hook is None or _oms.is_local_manager(mngr)
+      or not node_steps.applies(mngr, hook.options(), args)):
+    return
+  hook.save_declined(mngr, step, (), {'args': args})
+
+
 def resume_on_nodes(mngr: Any, abstract_state: Any, newest_storage: int | None,
                     **agreement: Any) -> tuple[int, Any] | None:
   """``(step, state)`` from the newest node step (``node_steps``: ``Options.local_steps_in=

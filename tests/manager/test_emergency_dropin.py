@@ -184,6 +184,10 @@ def test_with_node_steps_local_steps_live_in_the_local_directory_alone(tmp_path)
       for s in range(6):
         mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s)),
                                              dataset=ocp.args.JsonSave({'pos': s})))
+        if s == 4:  # a storage step on the local interval: in the node too, as Orbax's class
+          mngr.wait_until_finished()  # keeps it in its local directory
+          (node,) = [p for p in (tmp_path / 'local' / '.node-steps').iterdir()]
+          assert sorted(n for n in os.listdir(node) if n.isdigit()) == ['4']
       mngr.wait_until_finished()
       assert list(mngr.all_steps()) == [0, 2, 4, 5] and mngr.latest_step() == 5
       got = mngr.restore(5, args=ocp.args.Composite(dataset=ocp.args.JsonRestore()))
