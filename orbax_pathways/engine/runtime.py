@@ -2,8 +2,8 @@
 
 Called on the controller (every process in multi-controller JAX) at each save and restore;
 cheap. ``ORBAX_PATHWAYS_RUNTIME`` and ``ORBAX_PATHWAYS_TRANSPORT`` override the detection (tests,
-or a platform that knows better); both are parsed by ``options/variables.py`` (validated at ``install()``,
-read again here so that a test or platform may set them later).
+or a platform that knows better); both are parsed by ``options/variables.py`` (validated at
+``install()``, read again here so that a test or platform may set them later).
 """
 
 from __future__ import annotations

@@ -255,7 +255,8 @@ def _decide(values: list[str]) -> str:
 
 
 def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int]],
-            timeout_s: float, other: Sequence[int] = ()) -> tuple[list[int], dict[int, tuple[int, str]]]:
+            timeout_s: float, other: Sequence[int] = (),
+            ) -> tuple[list[int], dict[int, tuple[int, str]]]:
   """The steps every process of ``mngr`` can restore, newest first, and for this process the
   steps it must first fetch (step -> the process keeping its copy and that server's address):
   one round (each member publishes its holdings, the leader the verdict, ``_decide``). A
