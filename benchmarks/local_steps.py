@@ -15,7 +15,11 @@ cap (all connections together), so storage is slower than node-local memory as i
 state sharded over all 8 devices (``--mib`` per process) for ``--steps`` steps of ``--step-s``
 seconds each (a sleep: the CPU stays free for the background commits), with an unchanged
 ``CheckpointManager`` saving to storage every ``--storage-every`` steps, and then stop without
-a final save (every process killed at the same step). Each mode of ``--modes`` is run in turn:
+a final save: every process exits right after its last ``save()`` returned on all of them, inside
+the manager's block (no ``close()``, which would wait for the saves still committing), as at a
+kill. Each mode of ``--modes`` is run in turn (``--runs K`` times each, a summary per mode
+after the table: the storage steps committed at the kill, the steps resumed and lost, and the
+restart's ``latest_step()`` / ``restore()`` or ``preemption.resume`` alone):
 
 - ``storage_only``: ``local_save_interval_steps=0`` and no node-local tier (``tier_dir='off'``):
   every restore reads storage, as stock Orbax does;
