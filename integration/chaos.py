@@ -316,11 +316,14 @@ class Chaos:
     # The node-local store of one node: <store>/<step>/<item>/p<process>.<id>/<files>, both
     # the tier's copy of storage steps and the local-only steps. flip_tier_chunk: a chunk of
     # the node's own share; flip_partner_copy: of the share it keeps for another slice's
-    # process; flip_metadata: a share's manifest.
+    # process; flip_metadata: a share's manifest. With node steps, the two chunk kinds damage a
+    # data file of the newest node step instead: this node's own, or the copy it keeps.
     node_i = int(pick * self.nodes)
     node = self.tier(node_i)
     found: dict[int, list[str]] = {}
-    for dirpath, _, filenames in os.walk(node):
+    if self.args.local_steps_in == 'nodes' and kind != 'flip_metadata':
+      found = self._node_step_files(node, kind == 'flip_partner_copy')
+    for dirpath, _, filenames in ([] if found else os.walk(node)):
       parts = os.path.relpath(dirpath, node).split(os.sep)
       if len(parts) != 4 or not parts[1].isdigit() or not parts[3].startswith('p'):
         continue
@@ -341,6 +344,22 @@ class Chaos:
       f.seek(at)
       f.write(bytes([b[0] ^ 0x01]))
     return path
+
+  @staticmethod
+  def _node_step_files(node: str, copies: bool) -> dict[int, list[str]]:
+    """Step -> the data files of the node steps in ``node`` (``local_steps_in='nodes'``):
+    its own (``<node>/.node-steps/<digest>/<step>/<item>/.../d/``), or with ``copies`` those it
+    keeps for its partner (``<digest>.copies/p<process>/<step>/...``)."""
+    base = os.path.join(node, '.node-steps')
+    found: dict[int, list[str]] = {}
+    for dirpath, _, filenames in os.walk(base):
+      parts = os.path.relpath(dirpath, base).split(os.sep)
+      if parts[0].endswith('.copies') != copies or os.path.basename(dirpath) != 'd':
+        continue
+      step = parts[2] if copies else parts[1]
+      if step.isdigit():
+        found.setdefault(int(step), []).extend(os.path.join(dirpath, f) for f in filenames)
+    return found
 
   def _flip_object(self, kind: str, pick: float) -> str:
     """Flips one bit of a chunk or metadata object of the newest step in storage."""
