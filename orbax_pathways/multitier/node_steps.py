@@ -301,6 +301,36 @@ def _others(node: Any, steps: list[int], item: str | None) -> list[int]:
   return out
 
 
+def _from_partner_copy(mngr: Any, options: Any, root: str, node: Any, step: int,
+                       abstract_state: Any, item: str | None, timeout_s: float,
+                       why: BaseException) -> Any | None:
+  """This process's part of node step ``step`` restored from the copy its partner keeps
+  (``Options.local_copies=2``), fetched over this node's failed one; None where there is no
+  partner, its server did not publish its address (it keeps no copies) or the copy fails too.
+  One key-value read, only after a failure."""
+  to = node_partners.partner(mngr, options)
+  client = jax_distributed.distributed_client()
+  if to is None or client is None:
+    return None
+  address = rounds.try_read(client, rounds.partner_address_key(to))
+  if not address:
+    return None
+  try:
+    node_partners.fetch(mngr, options, root, step, (to, address), timeout_s)
+    with orbax_process_local.alone(_oms.process_index()):
+      node.reload()
+      state = _restore(node, step, abstract_state, item)
+  except Exception as e:  # pylint: disable=broad-except  (the step is passed over as before)
+    log.warning('orbax_pathways.preemption.resume: node step %d failed on this node (%s) and '
+                'its copy on process %d too (%s: %s).', step, f'{type(why).__name__}: {why}'[:300],
+                to, type(e).__name__, str(e)[:300])
+    return None
+  log.warning('orbax_pathways.preemption.resume: node step %d failed on this node (%s); '
+              'restored from the copy process %d keeps.', step,
+              f'{type(why).__name__}: {why}'[:300], to)
+  return state
+
+
 def _restore(node: Any, step: int, abstract_state: Any, item: str | None = None) -> Any:
   """Node step ``step`` restored by this process's node manager as ``abstract_state``: its
   item ``item`` (Orbax's emergency manager's ``state``), else its one item, ``default`` (a v0
@@ -402,6 +432,10 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
       error = None
     except Exception as e:  # pylint: disable=broad-except
       state, error = None, e
+      if step in held and step not in fetch:  # this node's own step failed (a damaged file)
+        state = _from_partner_copy(mngr, options, root, node, step, abstract_state, item,
+                                   timeout_s, e)
+        error = None if state is not None else e
     if all_ok(error is None, step):
       log.info('orbax_pathways.preemption.resume: resumed from node step %d (newer than the '
                'newest storage step, %s), every process from its node%s.', step,

@@ -166,23 +166,25 @@ def test_state_whole_in_every_slice_resumes_from_the_survivors_nodes_on_fewer_pr
     assert r.result['node_steps'] == [9, 10], r.result
 
 
-def test_a_flipped_byte_in_one_nodes_step_is_caught_and_passed_over(saved):
-  """A bit of node 1's step 9 flipped (its OCDBT data files): that process's restore fails its
-  checksum, no process uses step 9, and the restart resumes storage step 8 with the right
-  values."""
+def test_a_flipped_byte_in_one_nodes_step_is_caught_and_restored_from_the_partners_copy(saved):
+  """A bit of node 1's step 9 flipped (its OCDBT data files, not the copies it keeps): that
+  process's restore fails its checksum, it fetches its part of step 9 from the copy its
+  partner (process 2) keeps, and every process resumes step 9 with the values saved, no byte
+  from storage."""
   tmp_path, results = saved
   data = [p for p in (tmp_path / 'node1').rglob('*') if p.is_file() and '/9/default/' in str(p)
-          and '/d/' in str(p)]
+          and '/d/' in str(p) and '.copies' not in str(p)]
   assert data, 'no OCDBT data file in node 1\'s step 9'
   biggest = max(data, key=lambda p: p.stat().st_size)
   raw = bytearray(biggest.read_bytes())
   raw[len(raw) // 2] ^= 0x10
   biggest.write_bytes(bytes(raw))
-  resumed = _run(tmp_path, 'resume', 8)
+  resumed = _run(tmp_path, 'resume', 10)
   for r in resumed:
     assert r.result is not None, r.stderr_tail
-    assert r.result['resumed'] == 8 and r.result['equal'], r.result
-  assert 'node step 9 cannot be restored' in resumed[1].stderr_tail
+    assert r.result['resumed'] == 9 and r.result['equal'], r.result
+    assert r.result['sources'].get('storage', 0) == 0, r.result
+  assert 'restored from the copy process 2 keeps' in resumed[1].stderr_tail
 
 
 def test_a_flipped_byte_in_a_partners_copy_is_caught_and_passed_over(saved):
