@@ -29,6 +29,7 @@ _jah = src.orbax('serialization.jax_array_handlers')
 _ocdbt_utils = src.orbax('serialization.ocdbt_utils')
 _ts_utils = src.orbax('serialization.tensorstore_utils')
 _thr = src.orbax('serialization.type_handler_registry')
+_tree_utils = src.orbax('tree.utils')
 run_sync = src.orbax('asyncio_utils.run_sync')  # re-exported
 
 from orbax_pathways.format import names as format_lib
@@ -288,6 +289,20 @@ def ts_context(use_ocdbt: bool = True, extra: dict | None = None) -> Any:
     # tensorstore < 0.1.86 wants at least one retry: the closest it can do to none.
     extra = {**extra, 'gcs_request_retries': {**retries, 'max_retries': 1}}
     return ts.Context({**copy.deepcopy(base), **extra})
+
+
+def param_names(tree: Any) -> Any:
+  """``tree`` with each leaf replaced by the name Orbax saves it under (its key path)."""
+  return _tree_utils.get_param_names(tree)
+
+
+def merge_ocdbt(item_dir: Any) -> None:
+  """Merges the per-process OCDBT trees (``ocdbt.process_*``) under ``item_dir`` into its own
+  tree, as Orbax's finalize of a multi-process save does (no validation: the restore checks
+  every chunk it reads)."""
+  run_sync(_ocdbt_utils.merge_ocdbt_per_process_files(
+      epath.Path(item_dir), ts_context=_ts_utils.get_ts_context(use_ocdbt=True),
+      use_zarr3=True, enable_validation=False))
 
 
 def serialize_sharding_file(shardings: Sequence[Any], infos: Sequence[Any], *, primary_host: int | None):

@@ -32,7 +32,7 @@ import os
 import socket
 import stat
 import time
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 
@@ -154,10 +154,11 @@ def send(step_dir: str, digest: str, writer: str, step: int, keep: int, address:
 
 
 def fetch(address: str, secret: bytes, digest: str, writer: str, step: int, into: str,
-          timeout_s: float) -> str | None:
+          timeout_s: float, only: Callable[[str], bool] | None = None) -> str | None:
   """``writer``'s copy of node step ``step`` from the server at ``address`` into the directory
   ``into`` (which must not exist; its parent must: a private directory of this node), whole
-  or not at all; None once there, else why not."""
+  or not at all; None once there, else why not. ``only``: the files to take, by relative path
+  (default: every one)."""
   part = into + '.fetching'
   fsafe.remove_tree(part)
   try:
@@ -177,6 +178,8 @@ def fetch(address: str, secret: bytes, digest: str, writer: str, step: int, into
           raise wire.ProtocolError(f'a node_list entry is [path, size, crc32c], not {item!r:.80}')
         rel, size, crc = item
         parts = relative_parts(rel)
+        if only is not None and not only(rel):
+          continue
         deadline = time.monotonic() + timeout_s + size / MIN_RATE
         got = _ask(sock, session, {'op': 'node_get', **head, 'file': rel}, deadline)
         if got != size:

@@ -11,9 +11,10 @@ after the request's MAC was checked (``peer/wire.py``), for
 - ``node_commit`` (no body: ``commit``): every file the sender listed arrived whole, so the copy
   replaces any older copy of that step at once (a rename) and the writer's copies beyond the
   newest ``keep`` are dropped;
-- ``node_list`` / ``node_get`` (answers: ``listing``, ``get``): a copy this node keeps, its files
-  with their sizes and crc32c, then each file streamed (``sendfile``), for a resume whose own
-  node lacks the step (``node_steps.resume``).
+- ``node_list`` / ``node_get`` (answers: ``listing``, ``get``): a copy this node keeps, or a
+  node step saved in this node, its files with their sizes and crc32c, then each file streamed
+  (``sendfile``), for a resume whose own node lacks the step (``node_steps.resume``) or that
+  restores onto another layout (``node_gather.py``).
 
 What it refuses, before it reads a byte of a body: a server started without a tier to take
 copies; a digest, writer, step or path that is not one (``node_copy.relative_parts``); a file
@@ -148,12 +149,25 @@ def commit(sock: socket.socket, req: Mapping[str, Any], tier: tier_config.TierCo
   return b''
 
 
+def _saved_by(step_dir: str, writer: str) -> bool:
+  """Whether the node step at ``step_dir`` is ``writer``'s part (an item holds its record)."""
+  record = writer + format_names.PATHWAYS_SUFFIX
+  return any(record in fsafe.names(os.path.join(step_dir, item, format_names.PATHWAYS_DIR))
+             for item in fsafe.subdirs(step_dir))
+
+
 def _kept(tier_dir: str, req: Mapping[str, Any]) -> str:
+  """The directory of ``writer``'s part of a node step on this node: the copy it keeps, else
+  the step a process saved in this node's own node steps (a resume onto another layout reads
+  the parts its devices need from the nodes holding them)."""
   digest, writer, step = _head(req)
   path = node_copy.copy_dir(tier_dir, digest, writer, step)
-  if not fsafe.is_dir(path):
-    raise FileNotFoundError(f'no copy of {writer}\'s node step {step} here')
-  return path
+  if fsafe.is_dir(path):
+    return path
+  path = os.path.join(tier_dir, format_names.NODE_STEPS_DIR, digest, str(step))
+  if fsafe.is_dir(path) and _saved_by(path, writer):
+    return path
+  raise FileNotFoundError(f'no part of {writer}\'s node step {step} here')
 
 
 def listing(tier_dir: str, req: Mapping[str, Any]) -> bytes:

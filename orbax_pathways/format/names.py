@@ -54,6 +54,8 @@ LOCAL_STEPS_DIR = '.orbax-pathways-local'
 # In a node's tier directory: the steps each process saves there alone (multitier/node_steps.py).
 # A dot name: the tier's entries are under hex keys, and its listing skips dot names.
 NODE_STEPS_DIR = '.node-steps'
+# Beside a node step's items: the processes that saved the step, by device (``node_layout``).
+NODE_PROCESSES_FILE = '_node_processes.msgpack'
 
 
 def is_node_step(path: object) -> bool:

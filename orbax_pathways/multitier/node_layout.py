@@ -1,7 +1,8 @@
 """Where node steps lie in a node (``multitier/node_steps.py``, ``docs/format.md``): the tier
-directory a manager's node steps use, their directory, the copies beside it, and which process
-saved a step. Called on every process that saves or resumes node steps; no key-value request,
-no network.
+directory a manager's node steps use, their directory, the copies beside it, which process
+saved a step, and which process saved each device's shards (``write_processes``: what a
+restore onto another layout plans its reads from). Called on every process that saves or
+resumes node steps; no key-value request, no network.
 """
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from typing import Any
+from typing import Any, Iterable
+
+import msgpack
 
 from orbax_pathways.fleet import node_copy
 from orbax_pathways.format import names as format_names
+from orbax_pathways.plan import node_parts
 from orbax_pathways.tier import assigned as tier_assigned
 from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import fsafe
@@ -64,3 +68,31 @@ def copies_dir(root: str, digest: str) -> str:
   """Where a node keeps other processes' copies of the node steps of ``digest``: beside them,
   ``<root>/.node-steps/<digest>.copies`` (``fleet/node_copy.py``; no I/O)."""
   return os.path.join(root, format_names.NODE_STEPS_DIR, digest + node_copy.COPIES_SUFFIX)
+
+
+def write_processes(step_dir: str, count: int, device_process: Iterable[tuple[int, int]]) -> None:
+  """Records beside the items of the node step at ``step_dir`` the job's process count and
+  which process held each device (``node_parts.encode_processes``'s runs: about one per
+  process), once the step is saved: what a restore onto another layout needs to know which
+  process saved which shards (``read_processes``). A ``0600`` file, written whole then renamed
+  (a step saved before it was written has none: it restores only onto its own layout)."""
+  data = msgpack.packb({'n': int(count), 'runs': node_parts.encode_processes(device_process)},
+                       use_bin_type=True)
+  final = os.path.join(step_dir, format_names.NODE_PROCESSES_FILE)
+  part = final + '.writing'
+  fsafe.remove_tree(part)
+  fsafe.write_file(part, data, exclusive=True)
+  fsafe.replace(part, final)
+
+
+def read_processes(step_dir: str) -> tuple[int, list[list[int]]] | None:
+  """``(process count, device runs)`` of the node step at ``step_dir`` (``write_processes``),
+  or None when it has none or it does not decode."""
+  try:
+    got = msgpack.unpackb(fsafe.read_small(os.path.join(step_dir,
+                                                        format_names.NODE_PROCESSES_FILE)),
+                          raw=False)
+    n, runs = int(got['n']), [[int(a), int(b), int(c)] for a, b, c in got['runs']]
+  except Exception:  # pylint: disable=broad-except  (missing or damaged: not restorable elsewhere)
+    return None
+  return (n, runs) if n > 0 else None

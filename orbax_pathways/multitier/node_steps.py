@@ -44,21 +44,25 @@ Not done on the nodes yet (those saves keep their local-only steps in storage's 
 hidden manager of ``multitier/local_steps.py``): arguments other than trees and JSON (a data
 iterator's own handler), Pathways (the colocated transport).
 
-A resume onto another process count (or a process on another process's node) restores a node
-step where each process's node holds what its devices need now: a state whole in every slice
-(replicated over slices, Orbax's emergency manager's model) on fewer slices of the same shape,
-each process restoring the step its node holds whoever saved it (``_others``). A state whose
-shards move between processes (sharded over every slice) is not in any one node: the restore
-finds a shard no record covers, every process passes the step over, and the resume goes on to
-storage. Where node steps lie: ``node_layout.py``; their partner copies: ``node_partners.py``.
+A resume onto another process count (or with processes on other processes' nodes) restores
+a node step onto the current layout (``node_gather.py``): each part of a node step records
+which process saved each device (``node_layout.write_processes``), each process publishes the
+parts its node holds, and where every saving process's part is on some live node (its own node,
+or the node keeping its copy), each process fetches the parts its devices overlap now from the
+nodes holding them, joins them and restores. Where some part is on no live node, a state whole
+in every slice still resumes on fewer slices from the step each process's node holds, whoever
+saved it (``_others``); otherwise every process passes the step over and the resume goes on
+to storage. Where node steps lie: ``node_layout.py``; their partner copies:
+``node_partners.py``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 import weakref
 
 import jax
@@ -71,6 +75,7 @@ from orbax_pathways._compat import orbax_process_local
 from orbax_pathways._compat import orbax_v1_training as _v1
 from orbax_pathways._util import said
 from orbax_pathways.coord import rounds
+from orbax_pathways.multitier import node_gather
 from orbax_pathways.multitier import node_layout
 from orbax_pathways.multitier import node_partners
 from orbax_pathways.fleet import partner_copy
@@ -117,6 +122,12 @@ def node_args(a: Any) -> Any:
     return ocp.args.PyTreeSave(a.item, save_args=a.save_args)
   tree = _v1_tree(a)
   return ocp.args.PyTreeSave(tree) if tree is not None else a
+
+
+@functools.lru_cache(maxsize=1)
+def _device_processes() -> tuple[tuple[int, int], ...]:
+  """(device id, process) of every device of this job (the same at every save)."""
+  return tuple((d.id, d.process_index) for d in jax.devices())
 
 
 def applies(mngr: Any, options: Any, args: Any) -> bool:
@@ -213,76 +224,116 @@ def save(mngr: Any, options: Any, step: int, args: Any, keep: int,
                        f'steps of {mngr.directory}')
   with orbax_process_local.alone(_oms.process_index()):
     node.save(step, args=node_args(args), force=True, custom_metadata=custom_metadata)
+  node_layout.write_processes(os.path.join(str(node.directory), str(step)),
+                              jax_distributed.process_count(),
+                              _device_processes())
 
 
 def holdings(me: int, own: list[int], copies: dict[int, list[int]], address: str,
-             other: Sequence[int] = ()) -> str:
+             other: Sequence[int] = (), parts: Mapping[int, Sequence[int]] | None = None,
+             counts: Mapping[int, int] | None = None) -> str:
   """A member's value in the node steps round: its process, the steps its node holds of its
-  own, the copies it keeps (process -> steps), its server's address, and the steps its node
+  own, the copies it keeps (process -> steps), its server's address, the steps its node
   holds that another process saved (``_others``: restorable by this process where they hold
-  what it needs now) (JSON)."""
+  what it needs now), and per step the parts its node holds (``parts``: the saving processes,
+  own, others' and copies) and how many processes saved it (``counts``) (JSON)."""
   return json.dumps({'p': me, 'own': sorted(own), 'addr': address,
                      'copies': {str(q): v for q, v in copies.items()},
-                     'other': sorted(other)}, separators=(',', ':'))
+                     'other': sorted(other),
+                     'parts': {str(s): sorted(w) for s, w in (parts or {}).items()},
+                     'n': {str(s): c for s, c in (counts or {}).items()}},
+                    separators=(',', ':'))
 
 
 def _decide(values: list[str]) -> str:
   """The leader's verdict on the members' holdings (JSON, one per member: ``p``, its ``own``
   steps, the ``copies`` it keeps by process, its server's ``addr``, the ``other`` steps its
-  node holds): the steps every member can restore, newest first, and per step who fetches
-  from whom. A member restores a step from its own node when it saved it there; else from the
-  node keeping its copy (fetched first); else from the step another process saved on its node
-  (the restore checks that it holds what this member needs: ``_others``)."""
+  node holds, the ``parts`` of each step its node holds and the step's saving process count
+  ``n``): the steps every member can restore, newest first, and how.
+
+  A step saved by as many processes as the job has now is restored as it was saved, each
+  member its own part from its node, or from the node keeping its copy (``fetch``: fetched
+  first). A step saved by another process count, or one some member would take from a step
+  another process saved on its node (``other``), is restored onto the current layout
+  (``elastic``: per saving process, a member whose node holds its part and that server's
+  address; ``node_gather.py``), when some live node holds every saving process's part; where
+  that is not so, ``other`` steps are tried as they are (a state whole in every slice)."""
   held = [json.loads(v) for v in values]
   own = {int(v['p']): set(v['own']) for v in held}
   other = {int(v['p']): set(v.get('other', ())) for v in held}
   keepers: dict[tuple[int, int], tuple[int, str]] = {}
+  holders: dict[int, dict[int, tuple[int, str]]] = {}
+  counts: dict[int, int] = {}
   for v in held:
+    p, addr = int(v['p']), v.get('addr') or ''
     for q, steps in v.get('copies', {}).items():
       for s in steps:
-        if v.get('addr') and int(q) != int(v['p']):
-          keepers.setdefault((int(q), s), (int(v['p']), v['addr']))
-  steps, fetch = [], {}
-  for s in sorted(set().union(*own.values(), *other.values(), (s for _, s in keepers)),
-                  reverse=True):
+        if addr and int(q) != p:
+          keepers.setdefault((int(q), s), (p, addr))
+    for s, writers in v.get('parts', {}).items():
+      for w in writers:
+        got = holders.setdefault(int(s), {}).get(int(w))
+        if got is None or (addr and not got[1]):
+          holders[int(s)][int(w)] = (p, addr)
+    for s, c in v.get('n', {}).items():
+      counts.setdefault(int(s), int(c))
+  steps, fetch, elastic = [], {}, {}
+  for s in sorted(set().union(*own.values(), *other.values(), (s for _, s in keepers),
+                              holders), reverse=True):
     lacking = [q for q in sorted(own) if s not in own[q]]
-    if all((q, s) in keepers or s in other[q] for q in lacking):
+    plain = all((q, s) in keepers or s in other[q] for q in lacking)
+    whole = s in counts and set(holders.get(s, {})) >= set(range(counts[s]))
+    as_saved = counts.get(s, len(own)) == len(own) and all((q, s) in keepers for q in lacking)
+    if whole and not as_saved:
+      steps.append(s)
+      elastic[str(s)] = {str(w): list(h) for w, h in sorted(holders[s].items())
+                         if w < counts[s]}
+    elif plain:
       steps.append(s)
       fetched = {str(q): list(keepers[(q, s)]) for q in lacking if (q, s) in keepers}
       if fetched:
         fetch[str(s)] = fetched
-  return json.dumps({'steps': steps, 'fetch': fetch}, separators=(',', ':'))
+  return json.dumps({'steps': steps, 'fetch': fetch, 'elastic': elastic},
+                    separators=(',', ':'))
 
 
 def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int]],
             timeout_s: float, other: Sequence[int] = (),
-            ) -> tuple[list[int], dict[int, tuple[int, str]]]:
-  """The steps every process of ``mngr`` can restore, newest first, and for this process the
-  steps it must first fetch (step -> the process keeping its copy and that server's address):
-  one round (each member publishes its holdings, the leader the verdict, ``_decide``). A
-  process that keeps copies starts its server first (``partner_copy.ready``)."""
+            parts: Mapping[int, Sequence[int]] | None = None,
+            counts: Mapping[int, int] | None = None,
+            ) -> tuple[list[int], dict[int, tuple[int, str]], dict[int, dict[int, tuple[int, str]]]]:
+  """The steps every process of ``mngr`` can restore, newest first; for this process the
+  steps it must first fetch (step -> the process keeping its copy and that server's address);
+  and the steps restored onto the current layout (step -> per saving process, a process whose
+  node holds its part and that server's address): one round (each member publishes its
+  holdings, the leader the verdict, ``_decide``). A process whose node keeps copies, or holds
+  parts that may be restored onto another layout (steps saved by another process count, or by
+  another process), starts its server first (``partner_copy.ready``)."""
   client = jax_distributed.distributed_client()
   part = _oms.manager_participants(mngr)
   n, me = jax_distributed.process_count(), _oms.process_index()
   if client is None or n <= 1 or part.size(n) <= 1 or not part.includes(me, n):
-    return sorted(set(held) | set(other), reverse=True), {}
+    return sorted(set(held) | set(other), reverse=True), {}, {}
   address = ''
-  cfg = node_layout.tier(options, mngr) if copies else None
+  serves = bool(copies) or bool(other) or any(c != n for c in (counts or {}).values())
+  cfg = node_layout.tier(options, mngr) if serves else None
   if cfg is not None:
     try:
       address = partner_copy.ready(cfg, client, me, options.tier_peer_timeout_s) or ''
     except Exception as e:  # pylint: disable=broad-except  (its copies are not offered)
-      log.warning('orbax_pathways.preemption.resume: this node keeps copies of other '
-                  'processes\' node steps but cannot serve them (%s: %s).', type(e).__name__, e)
+      log.warning('orbax_pathways.preemption.resume: this node holds node steps of other '
+                  'processes but cannot serve them (%s: %s).', type(e).__name__, e)
   seq = rounds.sequence(part.name('node_steps'), keep=1)
-  value = holdings(me, held, copies, address, other)
+  value = holdings(me, held, copies, address, other, parts, counts)
   verdict = json.loads(rounds.agree(
       client, seq, seq.next(), me=me, members=part.members(n), count=n, leader=part.leader(n),
       value=value, decide=_decide, timeout_s=timeout_s,
       what=f'orbax_pathways: node steps every process can restore, {part.describe(n)}'))
   mine = {int(s): (int(who[str(me)][0]), str(who[str(me)][1]))
           for s, who in verdict['fetch'].items() if str(me) in who}
-  return [int(s) for s in verdict['steps']], mine
+  elastic = {int(s): {int(w): (int(h[0]), str(h[1])) for w, h in by.items()}
+             for s, by in verdict.get('elastic', {}).items()}
+  return [int(s) for s in verdict['steps']], mine, elastic
 
 
 def _others(node: Any, steps: list[int], item: str | None) -> list[int]:
@@ -346,6 +397,24 @@ def _restore(node: Any, step: int, abstract_state: Any, item: str | None = None)
                      'one tree')
   name = item if item is not None else items[0]
   return node.restore(step, args=ocp.args.Composite(**{name: tree}))[name]
+
+
+def _restore_at(options: Any, directory: str, *, step: int, abstract_state: Any,
+                item: str | None) -> Any:
+  """Step ``step`` of the Orbax step directory ``directory`` (a node step joined from its
+  parts, ``node_gather.py``) restored by this process alone with the node steps' handlers
+  (``_restore``)."""
+  registry, mp = _registry(options)
+  with orbax_process_local.alone(_oms.process_index()):
+    joined = ocp.CheckpointManager(
+        directory, options=ocp.CheckpointManagerOptions(
+            create=False, save_root_metadata=False, enable_async_checkpointing=False,
+            read_only=True, multiprocessing_options=mp),
+        handler_registry=registry)
+    try:
+      return _restore(joined, step, abstract_state, item)
+    finally:
+      joined.close()
 
 
 def active(mngr: Any, options: Any) -> bool:
@@ -417,30 +486,50 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
   held = [s for s in listed
           if node_layout.saver(os.path.join(str(node.directory), str(s))) in (None, me)]
   other = _others(node, [s for s in listed if s not in held], item)
-  copies = node_partners.copies_held(root, node_layout.digest_of(mngr), newest_storage)
-  agreed, fetch = (_agreed(mngr, options, held, copies, timeout_s, other)
-                   if abstract_state is not None else ([], {}))
+  digest = node_layout.digest_of(mngr)
+  copies = node_partners.copies_held(root, digest, newest_storage)
+  parts: dict[int, list[int]] = {}
+  counts: dict[int, int] = {}
+  for s in sorted(set(listed).union(*copies.values())):
+    here = node_gather.parts_here(root, digest, s)
+    parts[s] = sorted(here)
+    for path in here.values():
+      saved = node_layout.read_processes(path)
+      if saved is not None:
+        counts[s] = saved[0]
+        break
+  agreed, fetch, elastic = (
+      _agreed(mngr, options, held, copies, timeout_s, other, parts, counts)
+      if abstract_state is not None else ([], {}, {}))
   chosen = None
   for step in agreed:
     try:
-      if step in fetch:
-        node_partners.fetch(mngr, options, root, step, fetch[step], timeout_s)
-        held.append(step)
-      with alone():
-        node.reload()
-        state = _restore(node, step, abstract_state, item)
+      if step in elastic:
+        state = node_gather.restore(
+            root, digest, step, elastic[step], abstract_state, item, timeout_s,
+            functools.partial(_restore_at, options, step=step,
+                              abstract_state=abstract_state, item=item))
+      else:
+        if step in fetch:
+          node_partners.fetch(mngr, options, root, step, fetch[step], timeout_s)
+          held.append(step)
+        with alone():
+          node.reload()
+          state = _restore(node, step, abstract_state, item)
       error = None
     except Exception as e:  # pylint: disable=broad-except
       state, error = None, e
-      if step in held and step not in fetch:  # this node's own step failed (a damaged file)
+      if step in held and step not in fetch and step not in elastic:  # a damaged own step
         state = _from_partner_copy(mngr, options, root, node, step, abstract_state, item,
                                    timeout_s, e)
         error = None if state is not None else e
     if all_ok(error is None, step):
       log.info('orbax_pathways.preemption.resume: resumed from node step %d (newer than the '
-               'newest storage step, %s), every process from its node%s.', step,
-               newest_storage, '' if step in held or step in fetch else
-               ' (this one from the step another process saved there)')
+               'newest storage step, %s), %s.', step, newest_storage,
+               'restored onto this layout from the parts the nodes hold' if step in elastic
+               else 'every process from its node' if step in held or step in fetch
+               else 'every process from its node (this one from the step another process '
+               'saved there)')
       chosen = (step, state)
       break
     log.warning('orbax_pathways.preemption.resume: node step %d cannot be restored (%s); '
@@ -452,6 +541,6 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
       with alone():
         node.delete(s)
   # And the copies of them this node keeps.
-  node_partners.drop_copies(root, node_layout.digest_of(mngr), copies,
+  node_partners.drop_copies(root, digest, copies,
                             None if chosen is None else chosen[0])
   return chosen

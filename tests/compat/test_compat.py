@@ -92,6 +92,24 @@ def test_registry_and_sharding_metadata_helpers():
   assert not compat.persistence_dtype_supported(np.float16)
 
 
+def test_param_names_are_the_names_orbax_saves_leaves_under():
+  tree = {'a': {'b': np.zeros(2), 'c': [np.zeros(1), 3]}, 'd': np.zeros(())}
+  assert jax.tree.leaves(compat.param_names(tree)) == ['a.b', 'a.c.0', 'a.c.1', 'd']
+
+
+def test_merge_ocdbt_joins_per_process_trees_into_the_items(tmp_path):
+  """Two per-process OCDBT trees (as two processes' parts of a save) merged into the item's
+  tree: both keys read back through it, with their bytes."""
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  for p in (0, 1):
+    kv = ts.KvStore.open({'driver': 'ocdbt', 'base': f'file://{tmp_path}/ocdbt.process_{p}'}
+                         ).result()
+    kv.write(f'key{p}', f'bytes of {p}'.encode()).result()
+  compat.merge_ocdbt(tmp_path)
+  merged = ts.KvStore.open({'driver': 'ocdbt', 'base': f'file://{tmp_path}'}).result()
+  assert [merged.read(f'key{p}').result().value for p in (0, 1)] == [b'bytes of 0', b'bytes of 1']
+
+
 def test_gcs_grpc_switches_only_the_driver():
   kw = dict(global_shape=(4,), write_shape=(4,), chunk_shape=(4,), dtype=_F32, stored_dtype=_F32,
             process_id=0, ext_metadata=None, use_compression=True)

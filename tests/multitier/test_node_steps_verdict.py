@@ -1,6 +1,6 @@
 """The leader's verdict of the node steps round (``multitier/node_steps._decide``, pure): which
-steps every process can restore, from its own node or from the copy a partner keeps, and who
-fetches what from whom."""
+steps every process can restore, from its own node, from the copy a partner keeps, or onto the
+current layout from the parts the live nodes hold, and who fetches what from whom."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def _verdict(*values: str) -> dict:
 
 def test_steps_every_node_holds_need_no_fetch():
   v = _verdict(node_steps.holdings(0, [7, 9], {}, ''), node_steps.holdings(1, [9, 7], {}, ''))
-  assert v == {'steps': [9, 7], 'fetch': {}}
+  assert v == {'steps': [9, 7], 'fetch': {}, 'elastic': {}}
 
 
 def test_a_lost_nodes_part_comes_from_the_copy_its_partner_keeps():
@@ -26,7 +26,8 @@ def test_a_lost_nodes_part_comes_from_the_copy_its_partner_keeps():
                node_steps.holdings(1, [], {}, ''),
                node_steps.holdings(2, [9, 7, 5], {1: [9, 7]}, '10.0.0.3:4000'))
   assert v == {'steps': [9, 7], 'fetch': {'9': {'1': [2, '10.0.0.3:4000']},
-                                          '7': {'1': [2, '10.0.0.3:4000']}}}
+                                          '7': {'1': [2, '10.0.0.3:4000']}},
+               'elastic': {}}
 
 
 def test_a_copy_whose_keeper_serves_nothing_is_not_counted():
@@ -34,7 +35,7 @@ def test_a_copy_whose_keeper_serves_nothing_is_not_counted():
   copy of its own step, does not make a step restorable."""
   v = _verdict(node_steps.holdings(0, [9], {1: [9]}, ''),
                node_steps.holdings(1, [], {1: [9]}, '10.0.0.2:1'))
-  assert v == {'steps': [], 'fetch': {}}
+  assert v == {'steps': [], 'fetch': {}, 'elastic': {}}
 
 
 def test_a_step_another_process_saved_on_a_members_node_counts_after_its_own_and_copies():
@@ -44,4 +45,37 @@ def test_a_step_another_process_saved_on_a_members_node_counts_after_its_own_and
   v = _verdict(node_steps.holdings(0, [9, 7], {}, ''),
                node_steps.holdings(1, [], {}, '', other=[9, 7]),
                node_steps.holdings(2, [9, 7], {1: [7]}, '10.0.0.3:4000'))
-  assert v == {'steps': [9, 7], 'fetch': {'7': {'1': [2, '10.0.0.3:4000']}}}
+  assert v == {'steps': [9, 7], 'fetch': {'7': {'1': [2, '10.0.0.3:4000']}}, 'elastic': {}}
+
+
+def test_a_step_saved_by_more_processes_is_restored_onto_the_layout_when_every_part_is_live():
+  """Four processes saved 9 and 7; two run now, on nodes holding parts 0 and 3 (a copy) and
+  parts 2 and 1 (a copy) of 9, and of 7 only parts 0 and 2. Step 9 is restored onto the
+  current layout, naming for each saving process a node holding its part (and its server).
+  Step 7 is not (parts 1 and 3 are on no live node): it is tried as the nodes hold it, process
+  1 restoring the step another process saved on its node (which serves where the state is
+  whole in every slice; else its restore fails and every process passes it over)."""
+  v = _verdict(
+      node_steps.holdings(0, [9, 7], {3: [9]}, '10.0.0.1:1', parts={9: [0, 3], 7: [0]},
+                          counts={9: 4, 7: 4}),
+      node_steps.holdings(1, [], {1: [9]}, '10.0.0.3:3', other=[9, 7], parts={9: [1, 2], 7: [2]},
+                          counts={9: 4, 7: 4}))
+  assert v == {'steps': [9, 7], 'fetch': {},
+               'elastic': {'9': {'0': [0, '10.0.0.1:1'], '1': [1, '10.0.0.3:3'],
+                                 '2': [1, '10.0.0.3:3'], '3': [0, '10.0.0.1:1']}}}
+
+
+def test_a_step_saved_by_as_many_processes_is_restored_as_saved_when_it_can_be():
+  """Same process count, every part on its own node or with a copy for the new node: the step
+  is restored as it was saved (no gathering); a member that would restore another process's
+  step on its node (its processes moved between nodes) gets the step restored onto the
+  layout."""
+  as_saved = _verdict(
+      node_steps.holdings(0, [9], {}, '', parts={9: [0]}, counts={9: 2}),
+      node_steps.holdings(1, [9], {0: [9]}, 'a:1', parts={9: [1, 0]}, counts={9: 2}))
+  assert as_saved == {'steps': [9], 'fetch': {}, 'elastic': {}}
+  moved = _verdict(
+      node_steps.holdings(0, [], {}, 'a:0', other=[9], parts={9: [1]}, counts={9: 2}),
+      node_steps.holdings(1, [], {}, 'a:1', other=[9], parts={9: [0]}, counts={9: 2}))
+  assert moved == {'steps': [9], 'fetch': {},
+                   'elastic': {'9': {'0': [1, 'a:1'], '1': [0, 'a:0']}}}

@@ -137,9 +137,41 @@ def test_a_lost_node_is_resumed_from_its_partners_copy(saved):
           == {p.relative_to(copy): p.read_bytes() for p in files})
 
 
-def test_a_restart_on_fewer_processes_passes_node_steps_over(saved):
-  """Two processes now (a mesh half as wide): a node's step holds the shards its process held
-  before, not what it holds now; the restart resumes storage step 8 with the right values."""
+def test_a_restart_on_fewer_processes_resumes_the_sharded_state_from_the_nodes(saved):
+  """Nodes 1 and 3 are lost and the job restarts on two processes of 4 devices each, on nodes
+  0 and 2 (a state sharded over every device): process 0's devices now hold what processes 0
+  and 1 saved, process 1's what processes 2 and 3 saved. Node 0 holds its own part and the copy
+  of process 3's, node 2 its own and the copy of process 1's. The restart resumes node step 9
+  with the values saved and no byte from storage (each process fetches the part it lacks from
+  the other's node), and goes on saving."""
+  tmp_path, _ = saved
+  shutil.rmtree(tmp_path / 'node1')
+  shutil.rmtree(tmp_path / 'node3')
+  resumed = _run(tmp_path, 'resume', 10, processes=2, devices=4, nodes=[0, 2])
+  for r in resumed:
+    assert r.result is not None, r.stderr_tail
+    assert r.result['resumed'] == 9 and r.result['equal'], r.stderr_tail[-6000:]
+    assert r.result['sources'].get('storage', 0) == 0 and r.result['sources']['node'] > 0
+    assert 10 in r.result['node_steps'], r.result
+
+
+def test_a_restart_on_more_processes_resumes_from_the_nodes_new_nodes_included(saved):
+  """Eight processes of one device each (a repair: four new nodes, empty): process i's device
+  now holds rows 8i..8i+8, which process i // 2 saved. The restart resumes node step 9 with the
+  values saved and no byte from storage: the processes on new nodes fetch the step's metadata
+  and then the part they need from the nodes holding them."""
+  tmp_path, _ = saved
+  resumed = _run(tmp_path, 'resume', 10, processes=8, devices=1)
+  for r in resumed:
+    assert r.result is not None, r.stderr_tail
+    assert r.result['resumed'] == 9 and r.result['equal'], r.stderr_tail[-6000:]
+    assert r.result['sources'].get('storage', 0) == 0 and r.result['sources']['node'] > 0
+
+
+def test_a_restart_on_fewer_processes_passes_a_step_over_when_a_part_is_on_no_live_node(saved):
+  """The same restart on nodes 0 and 1: process 2's part of step 9 (on node 2, its copy on node
+  3) is on no live node, so step 9 cannot be completed; the restart resumes storage step 8
+  with the values saved."""
   tmp_path, _ = saved
   resumed = _run(tmp_path, 'resume', 8, processes=2, devices=4)
   for r in resumed:

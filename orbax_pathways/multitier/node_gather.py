@@ -1,0 +1,253 @@
+"""A node step restored onto another layout: each process gathers the saved parts its devices
+need now from the nodes that hold them, joins them into one Orbax checkpoint, and restores it.
+
+Called by ``node_steps.resume`` on every process of the manager, for a step the resume's round
+marked as restored this way (the job now has another process count, or a process runs on a
+node another process saved: ``node_steps._decide``). A node step is one part per saving
+process (writer ``p<i>``: the shards its devices held, every numpy and scalar leaf), each an
+Orbax checkpoint of that process alone, with its own OCDBT tree (``ocdbt.process_<i>``) and
+records (``_pathways/p<i>.msgpack``). What a restoring process does, on its own host:
+
+1. reads the step's layout from a part this node holds (its own, another process's saved here,
+   or a partner copy), or fetches the metadata files of one (no array bytes) from the node of
+   a process that holds one;
+2. plans which parts hold the boxes its devices need now (``plan/node_parts.py``: the saved
+   shardings and which process saved each device), preferring parts this node holds;
+3. fetches each part it needs and lacks, whole, from a node holding it (``fleet/node_copy.py``:
+   the job's peer channel, authenticated, every file checked against its crc32c and size);
+4. joins them in a scratch directory beside this node's node steps: the items' Orbax metadata
+   from one part, every part's OCDBT tree and record, the trees merged as Orbax merges a
+   multi-process save (``_compat/orbax.merge_ocdbt``); files this node holds are hard links;
+5. restores it with the node steps' handlers (every chunk read is checked against the records of
+   the part that wrote it; a box no gathered part covers raises, and the resume passes the step
+   over on every process), then removes the scratch directory.
+
+What grows with what: a process reads the parts its devices overlap (for a state sharded over
+every device, about ``old processes / new processes + 1`` parts), each whole: a part's bytes
+beyond the boxes it needs are fetched too. The round's verdict names, per old process, a node
+holding its part (``node_steps._decide``).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import shutil
+from typing import Any, Callable, Mapping
+
+import jax
+
+from orbax_pathways._compat import jax_distributed
+from orbax_pathways._compat import orbax as compat
+from orbax_pathways.fleet import node_copy
+from orbax_pathways.format import names as format_names
+from orbax_pathways.format import records as records_lib
+from orbax_pathways.multitier import node_layout
+from orbax_pathways.peer import exchange
+from orbax_pathways.plan import boxes as boxes_lib
+from orbax_pathways.plan import node_parts
+from orbax_pathways.sharding import layout
+from orbax_pathways.storage import meta_io
+from orbax_pathways.tier import fsafe
+
+log = logging.getLogger('orbax_pathways')
+
+GATHER_SUFFIX = '.gather'
+_WRITER_RECORD = re.compile(r'^p\d+' + re.escape(format_names.PATHWAYS_SUFFIX) + '$')
+INDEX = records_lib.INDEX_FILENAME
+_OCDBT_PREFIX = 'ocdbt.process_'
+
+
+def parts_here(root: str, digest: str, step: int) -> dict[int, str]:
+  """Writer -> the directory of its part of node step ``step`` on this node: the step saved in
+  this node's node steps (by whichever process), and the partner copies it keeps."""
+  found: dict[int, str] = {}
+  saved = os.path.join(root, format_names.NODE_STEPS_DIR, digest, str(step))
+  if fsafe.is_dir(saved):
+    saver = node_layout.saver(saved)
+    if saver is not None:
+      found[saver] = saved
+  copies = node_layout.copies_dir(root, digest)
+  for writer in fsafe.subdirs(copies):
+    path = os.path.join(copies, writer, str(step))
+    if writer.startswith('p') and writer[1:].isdigit() and fsafe.is_dir(path):
+      found.setdefault(int(writer[1:]), path)
+  return found
+
+
+def _is_metadata(rel: str) -> bool:
+  """Whether a part's file (relative path) is metadata: anything but its OCDBT trees."""
+  parts = rel.split('/')
+  return not (len(parts) > 1 and (parts[1] in ('d', 'manifest.ocdbt')
+                                  or parts[1].startswith(_OCDBT_PREFIX)))
+
+
+def _item_of(step_dir: str, item: str | None, step: int) -> str:
+  items = fsafe.subdirs(step_dir)
+  if item is not None and item in items:
+    return item
+  if item is None and len(items) == 1:
+    return items[0]
+  raise ValueError(f'node step {step} holds the items {items}: a restore onto another layout '
+                   f'takes a step of one tree{"" if item is None else f" ({item!r})"}')
+
+
+def _layout(record: records_lib.ShardingRecord | None) -> node_parts.SavedLayout:
+  if record is None or record.kind != 'named':
+    return node_parts.UNKNOWN
+  return node_parts.SavedLayout(tuple(record.mesh_shape), tuple(record.axis_names),
+                                tuple(record.device_ids), tuple(record.spec))
+
+
+def _plan(abstract_state: Any, item_dir: str, step: int
+          ) -> list[tuple[node_parts.SavedLayout | None, tuple[int, ...], list[boxes_lib.Box]]]:
+  """Per leaf of ``abstract_state``: its saved layout (None: a numpy or scalar leaf, which
+  every part holds), shape, and the boxes this process's devices hold of it now (a leaf with
+  no sharding: the whole array)."""
+  saved = meta_io.read_item(item_dir)
+  if saved is None:
+    raise ValueError(f'node step {step} at {item_dir} has no orbax-pathways records')
+  arrays = saved.arrays()
+  names = jax.tree.leaves(compat.param_names(abstract_state))
+  out: list[tuple[node_parts.SavedLayout | None, tuple[int, ...], list[boxes_lib.Box]]] = []
+  for leaf, name in zip(jax.tree.leaves(abstract_state), names):
+    record = arrays.get(name)
+    if record is None:
+      raise ValueError(f'array {name!r} is not in node step {step} ({item_dir}): the restore '
+                       f'asks for it; the step holds {sorted(arrays)[:8]}')
+    shape = tuple(record.shape)
+    sharding = getattr(leaf, 'sharding', None)
+    if isinstance(sharding, jax.sharding.Sharding):
+      boxes = list(layout.device_boxes(sharding, shape, addressable_only=True).values())
+    else:
+      boxes = [boxes_lib.Box.full(shape)]
+    host_leaf = record.sharding is None and not any(c.writer.startswith('p')
+                                                    for c in record.chunks)
+    out.append((None if host_leaf else _layout(record.sharding), shape, boxes))
+  return out
+
+
+def _link_file(src: str, dst: str) -> None:
+  """A hard link at ``dst`` to the regular file ``src`` (a node's files, one file system),
+  else a ``0600`` copy; never through a symlink."""
+  with fsafe.open_regular(src):
+    pass
+  try:
+    os.link(src, dst, follow_symlinks=False)
+  except OSError as e:
+    if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+      raise
+    shutil.copyfile(src, dst, follow_symlinks=False)
+    os.chmod(dst, fsafe.FILE_MODE)
+
+
+def _link_tree(src: str, dst: str) -> None:
+  """``src``'s files into the new directory ``dst`` (``_link_file``)."""
+  os.mkdir(dst, fsafe.DIR_MODE)
+  for name in fsafe.names(src):
+    s, d = os.path.join(src, name), os.path.join(dst, name)
+    if fsafe.is_dir(s):
+      _link_tree(s, d)
+    else:
+      _link_file(s, d)
+
+
+def assemble(base: str, parts: Mapping[int, str], item: str, into: str) -> None:
+  """One Orbax step at ``into`` (new) from the parts of a node step: the step's and the item's
+  metadata from ``base`` (any part, or its metadata alone), each part's OCDBT tree and record
+  from ``parts`` (writer -> part directory), the trees merged into the item's."""
+  os.mkdir(into, fsafe.DIR_MODE)
+  for name in fsafe.names(base):
+    if name != item and not fsafe.is_dir(os.path.join(base, name)):
+      _link_file(os.path.join(base, name), os.path.join(into, name))
+  src_item, item_dir = os.path.join(base, item), os.path.join(into, item)
+  os.mkdir(item_dir, fsafe.DIR_MODE)
+  for name in fsafe.names(src_item):
+    path = os.path.join(src_item, name)
+    if name in ('d', 'manifest.ocdbt') or name.startswith(_OCDBT_PREFIX):
+      continue
+    if name == format_names.PATHWAYS_DIR:
+      os.mkdir(os.path.join(item_dir, name), fsafe.DIR_MODE)
+      for rec in fsafe.names(path):  # the numpy leaves' records; the writers' come with them
+        if not _WRITER_RECORD.match(rec) and rec != INDEX:
+          _link_file(os.path.join(path, rec), os.path.join(item_dir, name, rec))
+    elif fsafe.is_dir(path):
+      _link_tree(path, os.path.join(item_dir, name))
+    else:
+      _link_file(path, os.path.join(item_dir, name))
+  for writer, part in sorted(parts.items()):
+    part_item = os.path.join(part, item)
+    trees = [n for n in fsafe.subdirs(part_item) if n.startswith(_OCDBT_PREFIX)]
+    record = node_copy.writer_name(writer) + format_names.PATHWAYS_SUFFIX
+    if len(trees) != 1 or record not in fsafe.names(os.path.join(part_item,
+                                                                   format_names.PATHWAYS_DIR)):
+      raise ValueError(f'{part_item} is not process {writer}\'s part of a node step: it holds '
+                       f'{trees} and no {record}')
+    _link_tree(os.path.join(part_item, trees[0]), os.path.join(item_dir, trees[0]))
+    _link_file(os.path.join(part_item, format_names.PATHWAYS_DIR, record),
+                    os.path.join(item_dir, format_names.PATHWAYS_DIR, record))
+  compat.merge_ocdbt(item_dir)
+
+
+def restore(root: str, digest: str, step: int, holders: Mapping[int, tuple[int, str]],
+            abstract_state: Any, item: str | None, timeout_s: float,
+            restore_from: Callable[[str], Any]) -> Any:
+  """Node step ``step`` restored as ``abstract_state`` onto this process's devices from the
+  parts it needs (module docstring): ``holders`` names, per saving process, a process whose
+  node holds its part and that server's address; ``restore_from(directory)`` restores step
+  ``step`` of the Orbax step directory ``directory`` (the node steps' handlers). Raises why
+  not (a part nobody holds, a fetch that failed, a box no part covers)."""
+  here = parts_here(root, digest, step)
+  scratch = fsafe.private_dirs(root, format_names.NODE_STEPS_DIR, digest + GATHER_SUFFIX)
+  work = os.path.join(scratch, str(step))
+  fsafe.remove_tree(work)
+  os.mkdir(work, fsafe.DIR_MODE)
+  secret: list[bytes] = []
+
+  def fetch(writer: str, into: str, only: Callable[[str], bool] | None = None) -> None:
+    holder = holders.get(int(writer[1:]))
+    if holder is None or not holder[1]:
+      raise LookupError(f'no live node holds process {writer[1:]}\'s part of node step {step}')
+    if not secret:
+      secret.append(exchange.job_secret(jax_distributed.distributed_client(), timeout_s))
+    why = node_copy.fetch(holder[1], secret[0], digest, writer, step, into, timeout_s, only)
+    if why is not None:
+      raise RuntimeError(f'orbax_pathways: process {writer[1:]}\'s part of node step {step} '
+                         f'could not be fetched from process {holder[0]} ({holder[1]}): {why}')
+
+  try:
+    if here:
+      meta = here[min(here)]
+    elif holders:
+      meta = os.path.join(work, 'metadata')
+      fetch(node_copy.writer_name(min(holders)), meta, _is_metadata)
+    else:
+      raise LookupError(f'no node holds a part of node step {step}')
+    saved = node_layout.read_processes(meta)
+    if saved is None:
+      raise ValueError(f'node step {step} at {meta} does not say which process saved which '
+                       f'device ({format_names.NODE_PROCESSES_FILE}): it restores onto its '
+                       'own layout only')
+    count, runs = saved
+    name = _item_of(meta, item, step)
+    need = node_parts.needed(_plan(abstract_state, os.path.join(meta, name), step), runs,
+                             count, local=set(here))
+    parts = {}
+    for writer in sorted(need):
+      if writer in here:
+        parts[writer] = here[writer]
+      else:
+        parts[writer] = os.path.join(work, node_copy.writer_name(writer))
+        fetch(node_copy.writer_name(writer), parts[writer])
+    merged = os.path.join(work, 'merged')
+    os.mkdir(merged, fsafe.DIR_MODE)
+    assemble(meta, parts, name, os.path.join(merged, str(step)))
+    state = restore_from(merged)
+    log.info('orbax_pathways.preemption.resume: node step %d restored onto this layout from '
+             'the parts of processes %s (%d fetched from other nodes).', step, sorted(need),
+             sum(1 for w in need if w not in here))
+    return state
+  finally:
+    fsafe.remove_tree(work)
