@@ -200,9 +200,10 @@ def restore(root: str, digest: str, step: int, holders: Mapping[int, tuple[int, 
   ``step`` of the Orbax step directory ``directory`` (the node steps' handlers). Raises why
   not (a part nobody holds, a fetch that failed, a box no part covers)."""
   here = parts_here(root, digest, step)
-  scratch = fsafe.private_dirs(root, format_names.NODE_STEPS_DIR, digest + GATHER_SUFFIX)
-  work = os.path.join(scratch, str(step))
-  fsafe.remove_tree(work)
+  scratch = os.path.join(root, format_names.NODE_STEPS_DIR, digest + GATHER_SUFFIX)
+  fsafe.remove_tree(scratch)  # what an earlier restore left when its process was killed
+  work = os.path.join(fsafe.private_dirs(root, format_names.NODE_STEPS_DIR,
+                                         digest + GATHER_SUFFIX), str(step))
   os.mkdir(work, fsafe.DIR_MODE)
   secret: list[bytes] = []
 
@@ -218,12 +219,14 @@ def restore(root: str, digest: str, step: int, holders: Mapping[int, tuple[int, 
                          f'could not be fetched from process {holder[0]} ({holder[1]}): {why}')
 
   try:
-    if here:
-      meta = here[min(here)]
-    elif holders:
+    # The step's metadata: from a part this node holds that says its layout (a part whose
+    # process was killed before writing it does not), else fetched from a node holding one.
+    meta = next((here[w] for w in sorted(here)
+                 if node_layout.read_processes(here[w]) is not None), None)
+    if meta is None and holders:
       meta = os.path.join(work, 'metadata')
       fetch(node_copy.writer_name(min(holders)), meta, _is_metadata)
-    else:
+    elif meta is None:
       raise LookupError(f'no node holds a part of node step {step}')
     saved = node_layout.read_processes(meta)
     if saved is None:
