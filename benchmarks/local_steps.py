@@ -238,6 +238,7 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None, proxy=None) -> 
       'bare_cpu_s': sum(t['bare_cpu_s'] for t in train) / len(train),
       'cpu_s': (sum(t['cpu_s'] for t in train) / len(train)
                 if all(t.get('cpu_s') is not None for t in train) else None),
+      'peak_rss_mib': max(t.get('peak_rss_mib', 0) for t in train),  # the largest process's
       'local_saves': train[0].get('local_saves'),  # process 0's (every process skips alike)
       # storage requests of the training run (every process, the loop and its background
       # saves), and the objects written for local-only steps (their hidden step directory),
@@ -403,6 +404,11 @@ def table(results, args) -> str:
     lines.append('')
     lines.append(f"resume time multi_tier / storage_only: "
                  f"{by['multi_tier']['resume_s'] / by['storage_only']['resume_s']:.2f}")
+  lines.append('')
+  lines.append(f'Peak resident memory of the largest process over the training run ({args.mib} '
+               'MiB of state per process): ' + ', '.join(
+                   f"{r['mode']} {r['peak_rss_mib']:.0f} MiB" for r in results
+                   if r.get('peak_rss_mib')))
   return '\n'.join(lines)
 
 
@@ -448,8 +454,9 @@ def main(argv=None) -> int:
         raise SystemExit('--modes: storage_only is not an emergency manager mode (use stock)')
       for _ in range(args.runs):
         t0 = time.perf_counter()
-        results.append(one_mode(mode, args, server.new_bucket('local'), run_processes,
-                                server.pid, proxy))
+        bucket = server.new_bucket('local')
+        results.append(one_mode(mode, args, bucket, run_processes, server.pid, proxy))
+        server.delete_objects(bucket)  # the in-memory server's memory, for the next mode
         print(f'{mode}: {time.perf_counter() - t0:.0f} s', file=sys.stderr, flush=True)
     print(table(results, args))
     if not args.train_only:

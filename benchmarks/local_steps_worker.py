@@ -3,7 +3,7 @@
 trains and saves with the mode's options, or restarts and resumes, and emits its
 measurements as JSON (``mp_worker.emit``). Not run by hand."""
 
-import json, os, sys, time
+import json, os, resource, sys, time
 from support import mp_worker
 mp_worker.init()
 import jax, numpy as np
@@ -143,6 +143,8 @@ if mode == 'train':
     # (stop_all_now's os._exit waits for nothing). Every process's last save() has returned.
     multihost_utils.sync_global_devices('killed')
     mp_worker.emit({'bare_step_s': bare, 'step_s': loop, 'blocking_max_s': max(blocking),
+                    # this process's peak resident memory over the training run (Linux: KiB)
+                    'peak_rss_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                     'blocking_mean_s': sum(blocking) / len(blocking), 'last': last,
                     'blocking_s': blocking,  # each timed save()'s blocking, steps 2..
                     # per step 1..: the loop's clock and this process's CPU after the step's save

@@ -281,6 +281,17 @@ class FakeGcs:
       if not token:
         return names
 
+  def delete_objects(self, bucket: str) -> int:
+    """Deletes every object of ``bucket`` (the in-memory server then lets go of their bytes);
+    returns how many."""
+    names = self.list_objects(bucket)
+    for name in names:
+      status, body = self._request(
+          'DELETE', f'/storage/v1/b/{bucket}/o/{urllib.parse.quote(name, safe="")}')
+      if status not in (200, 204, 404):
+        raise RuntimeError(f'delete gs://{bucket}/{name}: HTTP {status} {body[:500]!r}')
+    return len(names)
+
   def read_object(self, bucket: str, name: str) -> bytes:
     status, body = self._request(
         'GET', f'/storage/v1/b/{bucket}/o/{urllib.parse.quote(name, safe="")}?alt=media')
