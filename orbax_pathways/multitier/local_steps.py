@@ -164,6 +164,12 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     self._wait_saves(mngr)
 
   def save_declined(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> None:
+    self.save_locally(mngr, step, args, kwargs)
+
+  def save_locally(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> None:
+    """Saves step ``step`` of ``mngr`` locally (node step or local-only step) when it is on
+    the local interval: a step Orbax's policy declined (``save_declined``), or a storage step
+    the emergency drop-in also keeps on the nodes (``save_on_node_too``). The loop's thread."""
     every = self.policy(mngr).interval
     if (every <= 0 or step % every or _oms.is_local_manager(mngr)
         or _oms.manager_read_only(mngr)):  # an evaluator's save() writes nothing anywhere
@@ -421,7 +427,7 @@ def save_on_node_too(mngr: Any, step: int, args: Any) -> None:
   if (hook is None or _oms.is_local_manager(mngr)
       or not node_steps.applies(mngr, hook.options(), args)):
     return
-  hook.save_declined(mngr, step, (), {'args': args})
+  hook.save_locally(mngr, step, (), {'args': args})
 
 
 def resume_on_nodes(mngr: Any, abstract_state: Any, newest_storage: int | None,

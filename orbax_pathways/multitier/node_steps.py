@@ -372,8 +372,9 @@ def _from_partner_copy(mngr: Any, options: Any, root: str, node: Any, step: int,
       node.reload()
       state = _restore(node, step, abstract_state, item)
   except Exception as e:  # pylint: disable=broad-except  (the step is passed over as before)
-    log.warning('orbax_pathways.preemption.resume: node step %d failed on this node (%s) and '
-                'its copy on process %d too (%s: %s).', step, f'{type(why).__name__}: {why}'[:300],
+    log.warning('orbax_pathways.preemption.resume: node step %d failed on this node (%s), and '
+                'restoring it from process %d\'s node (this process\'s partner, which keeps its '
+                'copies) failed too (%s: %s).', step, f'{type(why).__name__}: {why}'[:300],
                 to, type(e).__name__, str(e)[:300])
     return None
   log.warning('orbax_pathways.preemption.resume: node step %d failed on this node (%s); '

@@ -152,7 +152,8 @@ class Options:
     its own node, or from its partner's copy when its node is new (``local_copies=2``). For
     trees of ``jax.Array``, numpy and scalar leaves, and JSON, from v0, v1's
     ``training.Checkpointer`` and the emergency drop-in (other arguments keep ``'storage'``);
-    a resume onto another process count passes these steps over (``docs/multi_tier.md``).
+    a resume onto another process count restores them from the parts the live nodes hold
+    (``docs/multi_tier.md``).
   local_save_when_busy: a local-only save due while this manager's previous one is still busy
     in the background (``ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY``). ``'wait'`` (default): ``save()``
     takes the snapshot once the previous save's writes on this process are done (its host
