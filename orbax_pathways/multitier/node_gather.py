@@ -60,19 +60,27 @@ INDEX = records_lib.INDEX_FILENAME
 _OCDBT_PREFIX = 'ocdbt.process_'
 
 
+def _committed(step_dir: str) -> bool:
+  """Whether the node step (or copy) at ``step_dir`` is whole: Orbax's commit marker is there
+  (a save or a deletion killed midway leaves a directory without it)."""
+  return fsafe.exists(os.path.join(step_dir, format_names.COMMIT_SUCCESS_FILE))
+
+
 def parts_here(root: str, digest: str, step: int) -> dict[int, str]:
-  """Writer -> the directory of its part of node step ``step`` on this node: the step saved in
-  this node's node steps (by whichever process), and the partner copies it keeps."""
+  """Writer -> the directory of its part of node step ``step`` on this node, committed: the
+  step saved in this node's node steps (by whichever process), and the partner copies it
+  keeps."""
   found: dict[int, str] = {}
   saved = os.path.join(root, format_names.NODE_STEPS_DIR, digest, str(step))
-  if fsafe.is_dir(saved):
+  if fsafe.is_dir(saved) and _committed(saved):
     saver = node_layout.saver(saved)
     if saver is not None:
       found[saver] = saved
   copies = node_layout.copies_dir(root, digest)
   for writer in fsafe.subdirs(copies):
     path = os.path.join(copies, writer, str(step))
-    if writer.startswith('p') and writer[1:].isdigit() and fsafe.is_dir(path):
+    if (writer.startswith('p') and writer[1:].isdigit() and fsafe.is_dir(path)
+        and _committed(path)):
       found.setdefault(int(writer[1:]), path)
   return found
 
@@ -236,7 +244,11 @@ def restore(root: str, digest: str, step: int, holders: Mapping[int, tuple[int, 
     count, runs = saved
     name = _item_of(meta, item, step)
     need = node_parts.needed(_plan(abstract_state, os.path.join(meta, name), step), runs,
-                             count, local=set(here))
+                             count, local=set(here), available=set(here) | set(holders))
+    lost = sorted(w for w in need if w not in here and w not in holders)
+    if lost:
+      raise LookupError(f'node step {step}: the parts of processes {lost} hold shards this '
+                        f'process\'s devices need now, and no live node holds them')
     parts = {}
     for writer in sorted(need):
       if writer in here:

@@ -255,9 +255,12 @@ def _decide(values: list[str]) -> str:
   member its own part from its node, or from the node keeping its copy (``fetch``: fetched
   first). A step saved by another process count, or one some member would take from a step
   another process saved on its node (``other``), is restored onto the current layout
-  (``elastic``: per saving process, a member whose node holds its part and that server's
-  address; ``node_gather.py``), when some live node holds every saving process's part; where
-  that is not so, ``other`` steps are tried as they are (a state whole in every slice)."""
+  (``elastic``: per saving process whose part some live node holds, a member whose node holds
+  it and that server's address; ``node_gather.py``): a process that needs a part no live node
+  holds fails its restore before it fetches anything, and every process passes the step over
+  (a state whole in every slice needs one slice's parts only). A step whose layout no member
+  knows (saved before the parts recorded it) is tried as it was saved, or from the step
+  another process saved on a member's node (``other``)."""
   held = [json.loads(v) for v in values]
   own = {int(v['p']): set(v['own']) for v in held}
   other = {int(v['p']): set(v.get('other', ())) for v in held}
@@ -282,9 +285,8 @@ def _decide(values: list[str]) -> str:
                               holders), reverse=True):
     lacking = [q for q in sorted(own) if s not in own[q]]
     plain = all((q, s) in keepers or s in other[q] for q in lacking)
-    whole = s in counts and set(holders.get(s, {})) >= set(range(counts[s]))
     as_saved = counts.get(s, len(own)) == len(own) and all((q, s) in keepers for q in lacking)
-    if whole and not as_saved:
+    if s in counts and not as_saved and holders.get(s):
       steps.append(s)
       elastic[str(s)] = {str(w): list(h) for w, h in sorted(holders[s].items())
                          if w < counts[s]}
@@ -537,10 +539,16 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
                 'trying the next older step.', step,
                 f'{type(error).__name__}: {str(error)[:500]}' if error is not None
                 else 'another process of this job could not')
+  with alone():
+    node.reload()
+    kept = set(node.all_steps())
   for s in sorted(set(held) | set(listed)):  # a rolled-back run's (another process's too):
     if chosen is None or s > chosen[0]:     # never resumed from later, nor in a save's way
-      with alone():
-        node.delete(s)
+      if s in kept:
+        with alone():
+          node.delete(s)
+      else:  # a fetch or a save that did not end whole: not Orbax's to delete
+        fsafe.remove_tree(os.path.join(str(node.directory), str(s)))
   # And the copies of them this node keeps.
   node_partners.drop_copies(root, digest, copies,
                             None if chosen is None else chosen[0])

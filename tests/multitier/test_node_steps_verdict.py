@@ -48,13 +48,13 @@ def test_a_step_another_process_saved_on_a_members_node_counts_after_its_own_and
   assert v == {'steps': [9, 7], 'fetch': {'7': {'1': [2, '10.0.0.3:4000']}}, 'elastic': {}}
 
 
-def test_a_step_saved_by_more_processes_is_restored_onto_the_layout_when_every_part_is_live():
+def test_a_step_saved_by_more_processes_is_restored_onto_the_layout_from_the_live_nodes_parts():
   """Four processes saved 9 and 7; two run now, on nodes holding parts 0 and 3 (a copy) and
   parts 2 and 1 (a copy) of 9, and of 7 only parts 0 and 2. Step 9 is restored onto the
   current layout, naming for each saving process a node holding its part (and its server).
-  Step 7 is not (parts 1 and 3 are on no live node): it is tried as the nodes hold it, process
-  1 restoring the step another process saved on its node (which serves where the state is
-  whole in every slice; else its restore fails and every process passes it over)."""
+  So is step 7, naming the parts that are on a live node (0 and 2): a process whose devices
+  need part 1 or 3 fails its restore and every process passes the step over; a state whole in
+  every slice needs one slice's parts only."""
   v = _verdict(
       node_steps.holdings(0, [9, 7], {3: [9]}, '10.0.0.1:1', parts={9: [0, 3], 7: [0]},
                           counts={9: 4, 7: 4}),
@@ -62,7 +62,8 @@ def test_a_step_saved_by_more_processes_is_restored_onto_the_layout_when_every_p
                           counts={9: 4, 7: 4}))
   assert v == {'steps': [9, 7], 'fetch': {},
                'elastic': {'9': {'0': [0, '10.0.0.1:1'], '1': [1, '10.0.0.3:3'],
-                                 '2': [1, '10.0.0.3:3'], '3': [0, '10.0.0.1:1']}}}
+                                 '2': [1, '10.0.0.3:3'], '3': [0, '10.0.0.1:1']},
+                           '7': {'0': [0, '10.0.0.1:1'], '2': [1, '10.0.0.3:3']}}}
 
 
 def test_a_step_saved_by_as_many_processes_is_restored_as_saved_when_it_can_be():
