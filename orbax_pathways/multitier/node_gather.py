@@ -265,4 +265,4 @@ def restore(root: str, digest: str, step: int, holders: Mapping[int, tuple[int, 
              sum(1 for w in need if w not in here))
     return state
   finally:
-    fsafe.remove_tree(work)
+    fsafe.remove_tree(scratch)

@@ -143,17 +143,18 @@ class Options:
     many as ``tier_keep``. A retention of its own: the tier's copies of storage steps follow
     ``tier_keep``, the local-only steps (and node steps) this.
   local_steps_in: where a local-only step's Orbax files and records go
-    (``ORBAX_PATHWAYS_LOCAL_STEPS_IN``). ``'storage'`` (default): as ``local_save_interval_steps``
-    says. ``'nodes'``: each process saves its part of the step alone into its node's tier
+    (``ORBAX_PATHWAYS_LOCAL_STEPS_IN``). ``'nodes'`` (default): each process saves its part of
+    the step alone into its node's tier
     directory (``tier_dir``, which must be named; the emergency manager's ``local_directory``),
     every shard it holds, in Orbax's format (``multitier/node_steps.py``): no storage request,
     no barrier, and storage saves never wait for it. ``preemption.resume`` (and the emergency
     manager's restart) restores the newest step every process can restore, each process from
     its own node, or from its partner's copy when its node is new (``local_copies=2``). For
     trees of ``jax.Array``, numpy and scalar leaves, and JSON, from v0, v1's
-    ``training.Checkpointer`` and the emergency drop-in (other arguments keep ``'storage'``);
-    a resume onto another process count restores them from the parts the live nodes hold
-    (``docs/multi_tier.md``).
+    ``training.Checkpointer`` and the emergency drop-in (other arguments, and Pathways, keep
+    ``'storage'``); a resume onto another process count restores them from the parts the live
+    nodes hold (``docs/multi_tier.md``). ``'storage'``: the step's Orbax files and records go
+    to storage, its bytes to the tiers, as ``local_save_interval_steps`` says.
   local_save_when_busy: a local-only save due while this manager's previous one is still busy
     in the background (``ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY``). ``'wait'`` (default): ``save()``
     takes the snapshot once the previous save's writes on this process are done (its host

@@ -169,9 +169,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar('ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY', 'choice', 'wait',
            'a local-only save due while the previous one is busy: wait for its writes (it '
            'commits first), or skip the step (every process alike)', LOCAL_WHEN_BUSY),
-    EnvVar('ORBAX_PATHWAYS_LOCAL_STEPS_IN', 'choice', 'storage',
-           "where a local-only step's Orbax files and records go: storage (with the bytes in "
-           'the tiers), or each node alone (no storage request, no barrier)', LOCAL_STEPS_IN),
+    EnvVar('ORBAX_PATHWAYS_LOCAL_STEPS_IN', 'choice', 'nodes',
+           "where a local-only step's Orbax files and records go: each node alone (no storage "
+           'request, no barrier), or storage (with the bytes in the tiers)', LOCAL_STEPS_IN),
     EnvVar('ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S', 'float', 20.0,
            "longest wait on another host's node-local tier before its chunks come from storage",
            minimum=0.001, unit='seconds'),

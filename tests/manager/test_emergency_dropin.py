@@ -79,6 +79,9 @@ def _files(root):
 
 
 def test_maxtexts_construction_saves_local_every_step_and_persistent_every_two(tmp_path):
+  """With local-only steps in storage (``local_steps_in='storage'``): the local step's Orbax
+  files and records in the persistent directory, its bytes in the local directory's tier."""
+  orbax_pathways.install(orbax_pathways.Options(local_steps_in='storage'))
   m = make_mesh((2, 4), ('replica', 'data'))
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
   with _build(tmp_path, m, abstract) as mngr:
@@ -145,7 +148,8 @@ def test_a_fresh_manager_resumes_from_the_newest_local_only_step(tmp_path):
 def test_a_damaged_local_only_step_is_passed_over_for_the_newest_storage_step(tmp_path, caplog):
   """Every tier chunk of step 3 flipped: the fresh manager's ``latest_step()`` tries it, passes
   it over with one warning naming it, answers 2, and restores 2 exactly; asking for 3 itself
-  raises naming the step."""
+  raises naming the step (local-only steps in storage, ``local_steps_in='storage'``)."""
+  orbax_pathways.install(orbax_pathways.Options(local_steps_in='storage'))
   m, abstract = _saved(tmp_path, 4)
   flipped = 0
   for d, _, fs in os.walk(tmp_path / 'local'):
@@ -295,8 +299,10 @@ def test_a_lost_node_resumes_the_local_only_step_on_fewer_slices_from_partner_co
 
 @pytest.mark.multiprocess
 def test_without_a_partner_copy_a_lost_node_passes_the_local_step_over(tmp_path):
-  """The same with one copy: node 3's quarter of step 6 is in no live tier; every process
-  passes step 6 over (one log line naming it) and resumes from storage's step 4, exactly."""
+  """The same with one copy: node 3's part of node step 6 is on no live node, and the
+  processes' devices need it ('w' is sharded over every slice); every process passes step 6
+  over (one log line naming it and the missing part) and resumes from storage's step 4,
+  exactly."""
   _save(tmp_path, copies=1)
   outs = _restart(tmp_path, [0, 1, 2], copies=1)
   for out, _ in outs:
@@ -305,17 +311,17 @@ def test_without_a_partner_copy_a_lost_node_passes_the_local_step_over(tmp_path)
   # Node 3's quarter of step 4 comes from storage (the others from the survivors' tiers).
   assert sum(out['bytes_by_source'].get('storage', 0) for out, _ in outs) > 0
   logs = ''.join(tail for _, tail in outs)
-  assert 'local-only step 6 cannot be restored' in logs, logs[-3000:]
+  assert 'node step 6 cannot be restored' in logs and 'processes [3]' in logs, logs[-3000:]
 
 
 @pytest.mark.parametrize('order', ['orbax_first', 'package_first'])
 def test_the_drop_in_holds_whatever_the_import_order(tmp_path, order):
   """MaxText binds Orbax's class to a name of its own when its module is imported, which may
   be before ``import orbax_pathways``: building through that name gives the drop-in either way
-  (local-only step 3 in the persistent directory's ``.orbax-pathways-local``, where Orbax's
-  class writes ``local_directory/3``), still an instance of the name's class."""
+  (local-only step 3 listed, a node step in the local directory, nothing of it in the
+  persistent directory), still an instance of the name's class."""
   out = procs.worker_json(emergency_import_order_worker, order, tmp_path, timeout=240, fresh=True)
-  persistent = ['.orbax-pathways-local', '0', '2', 'orbax-pathways-lease.json']
+  persistent = ['0', '2', 'orbax-pathways-lease.json']
   assert out == {'class': 'EmergencyCheckpointManager', 'is_orbax_class': True,
                  'steps': [0, 2, 3], 'persistent': persistent}, out
 

@@ -61,7 +61,7 @@ def test_a_local_save_due_while_the_previous_one_commits(faulty_gcs, tmp_path, c
   import orbax_pathways  # pylint: disable=g-import-not-at-top
 
   orbax_pathways.install(orbax_pathways.Options(
-      tier_dir=str(tmp_path / 'tier'), local_save_interval_steps=1, tier_keep=3,
+      tier_dir=str(tmp_path / 'tier'), local_steps_in='storage', local_save_interval_steps=1, tier_keep=3,
       local_save_when_busy=when_busy))
   root = faulty_gcs.path('ckpt')
   base = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
@@ -125,7 +125,7 @@ def test_a_v1_checkpointer_s_busy_local_save_is_skipped_and_its_loop_goes_on(fau
   import orbax_pathways  # pylint: disable=g-import-not-at-top
 
   orbax_pathways.install(orbax_pathways.Options(
-      tier_dir=str(tmp_path / 'tier'), local_save_interval_steps=1, tier_keep=3,
+      tier_dir=str(tmp_path / 'tier'), local_steps_in='storage', local_save_interval_steps=1, tier_keep=3,
       local_save_when_busy='skip'))
   root = faulty_gcs.path('ckpt')
   base = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)

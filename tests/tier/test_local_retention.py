@@ -59,7 +59,7 @@ def test_local_saves_commit_while_the_previous_step_is_still_being_deleted(fault
   import orbax_pathways  # pylint: disable=g-import-not-at-top
 
   orbax_pathways.install(orbax_pathways.Options(
-      tier_dir=str(tmp_path / 'tier'), local_save_interval_steps=1, tier_keep=1))
+      tier_dir=str(tmp_path / 'tier'), local_steps_in='storage', local_save_interval_steps=1, tier_keep=1))
   root = faulty_gcs.path('ckpt')
   base = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
   options = ocp.CheckpointManagerOptions(save_interval_steps=100)
@@ -104,7 +104,7 @@ def test_a_failed_retention_deletion_is_logged_and_the_saves_go_on(faulty_gcs, t
   import orbax_pathways  # pylint: disable=g-import-not-at-top
 
   orbax_pathways.install(orbax_pathways.Options(
-      tier_dir=str(tmp_path / 'tier'), local_save_interval_steps=1, tier_keep=1))
+      tier_dir=str(tmp_path / 'tier'), local_steps_in='storage', local_save_interval_steps=1, tier_keep=1))
   root = faulty_gcs.path('ckpt')
   base = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
   options = ocp.CheckpointManagerOptions(save_interval_steps=100)

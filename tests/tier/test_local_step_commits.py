@@ -69,7 +69,7 @@ def test_a_local_only_save_commits_all_its_arrays_markers_at_once_and_resumes(fa
   from orbax_pathways import preemption, stats  # pylint: disable=g-import-not-at-top
 
   orbax_pathways.install(orbax_pathways.Options(
-      tier_dir=str(tmp_path / 'tier'), local_save_interval_steps=1, tier_keep=2))
+      tier_dir=str(tmp_path / 'tier'), local_steps_in='storage', local_save_interval_steps=1, tier_keep=2))
   root = faulty_gcs.path('ckpt')
   options = ocp.CheckpointManagerOptions(save_interval_steps=100)
   save_args = {k: ocp.SaveArgs(dtype=jnp.bfloat16 if k == 'half' else None) for k in _state(0)}
@@ -116,7 +116,7 @@ def test_a_local_only_saves_storage_requests_do_not_grow_with_its_arrays(faulty_
   import orbax_pathways  # pylint: disable=g-import-not-at-top
 
   orbax_pathways.install(orbax_pathways.Options(
-      tier_dir=str(tmp_path / 'tier'), local_save_interval_steps=1, tier_keep=1))
+      tier_dir=str(tmp_path / 'tier'), local_steps_in='storage', local_save_interval_steps=1, tier_keep=1))
   options = ocp.CheckpointManagerOptions(save_interval_steps=100)
   proxy = faulty_gcs.proxy
   requests = {}
@@ -143,7 +143,7 @@ def test_a_manager_s_handler_settings_hold_for_its_local_only_steps(tmp_path):
   import orbax_pathways  # pylint: disable=g-import-not-at-top
 
   orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tmp_path / 'tier'),
-                                                local_save_interval_steps=1))
+                                                local_steps_in='storage', local_save_interval_steps=1))
   root = tmp_path / 'ckpt'
   options = ocp.CheckpointManagerOptions(save_interval_steps=100)
   state = {k: v for k, v in _state(0).items() if k != 'empty'}
@@ -198,7 +198,7 @@ def test_a_custom_handler_of_the_manager_saves_its_item_in_local_only_steps(tmp_
       return super().restore(directory, args=ocp.args.JsonRestore())
 
   orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tmp_path / 'tier'),
-                                                local_save_interval_steps=1))
+                                                local_steps_in='storage', local_save_interval_steps=1))
   registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
   handler = NoteHandler()
   registry.add('note', NoteSave, handler)
@@ -238,7 +238,7 @@ def test_a_v1_context_without_ocdbt_saves_and_resumes_a_local_only_step(tmp_path
 
   v1 = ocp.v1
   orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tmp_path / 'tier'),
-                                                local_save_interval_steps=2))
+                                                local_steps_in='storage', local_save_interval_steps=2))
   root = tmp_path / 'ckpt'
   context = v1.Context(array_options=v1.options.ArrayOptions(
       saving=v1.options.ArrayOptions.Saving(use_ocdbt=False)))
@@ -270,7 +270,7 @@ def test_orbax_s_clean_up_at_a_restart_on_gcs_keeps_the_local_only_steps(faulty_
   from orbax_pathways import preemption  # pylint: disable=g-import-not-at-top
 
   orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tmp_path / 'tier'),
-                                                local_save_interval_steps=1))
+                                                local_steps_in='storage', local_save_interval_steps=1))
   root = faulty_gcs.path('ckpt')
   x = np.arange(64, dtype=np.float32)
   with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(

@@ -46,7 +46,7 @@ def test_a_managers_saves_read_back_no_step_metadata_and_write_all_of_it(faulty_
   import orbax_pathways  # pylint: disable=g-import-not-at-top
 
   orbax_pathways.install(orbax_pathways.Options(
-      tier_dir=str(tmp_path / 'tier'), local_save_interval_steps=1, tier_keep=2))
+      tier_dir=str(tmp_path / 'tier'), local_steps_in='storage', local_save_interval_steps=1, tier_keep=2))
   root = faulty_gcs.path('ckpt')
   base = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
   options = ocp.CheckpointManagerOptions(save_interval_steps=100)

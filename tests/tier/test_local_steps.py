@@ -27,7 +27,7 @@ from orbax_pathways.tier import store as tier_store
 pytestmark = pytest.mark.multiprocess
 
 WORKER = local_steps_worker.__file__
-LOCAL = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '10'}
+LOCAL = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '10', 'ORBAX_PATHWAYS_LOCAL_STEPS_IN': 'storage'}
 
 
 def _save(base, layout, env=None):
@@ -389,7 +389,7 @@ def test_one_process_and_pathways_workers_save_and_resume_a_local_only_step(tmp_
 
   root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
   orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), transport=transport,
-                                                local_save_interval_steps=10))
+                                                local_steps_in='storage', local_save_interval_steps=10))
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('x', 'y'))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x', 'y'))
   base = np.arange(128 * 64, dtype=np.float32).reshape(128, 64)
@@ -434,7 +434,7 @@ def test_a_tier_that_cannot_take_the_step_costs_the_local_save_only(tmp_path, ca
   root, blocker = tmp_path / 'ckpt', tmp_path / 'a_file'
   blocker.write_text('not a directory')
   orbax_pathways.install(orbax_pathways.Options(tier_dir=str(blocker / 'tier'),
-                                                local_save_interval_steps=10))
+                                                local_steps_in='storage', local_save_interval_steps=10))
   x = jax.device_put(np.arange(64, dtype=np.float32))
   options = ocp.CheckpointManagerOptions(save_interval_steps=100)
   caplog.set_level(logging.WARNING, logger='orbax_pathways')
@@ -457,7 +457,7 @@ def test_a_tier_that_cannot_take_the_step_costs_the_local_save_only(tmp_path, ca
 
 def _busy_run(root, tiers, env):
   res = run_processes(WORKER, 3, 2, args=['save', str(root), 'sharded'], timeout=400,
-                      env={'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '5',
+                      env={'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '5', 'ORBAX_PATHWAYS_LOCAL_STEPS_IN': 'storage',
                            'ORBAX_PATHWAYS_TIER_KEEP': '10',
                            'ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY': 'skip', **env},
                       per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers])
@@ -499,7 +499,7 @@ def test_after_wait_until_finished_no_process_lists_a_step_the_primary_host_stil
   then failed on a step gone under it: CI of 2026-12-05)."""
   root, tiers = tmp_path / 'ckpt', [tmp_path / f'node{i}' for i in range(3)]
   res = run_processes(WORKER, 3, 2, args=['save', str(root), 'sharded'], timeout=400,
-                      env={'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '5',
+                      env={'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '5', 'ORBAX_PATHWAYS_LOCAL_STEPS_IN': 'storage',
                            'ORBAX_PATHWAYS_TIER_KEEP': '2', 'SLOW_RETENTION': '1'},
                       per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers])
   results = [r.results for r in res]

@@ -47,7 +47,7 @@ def _abstract(sharding) -> dict:
 def _save_run(root, tier, caplog) -> jax.sharding.Sharding:
   """Steps 0..7 through a v1 Checkpointer saving to storage every 10 steps, with local-only
   steps every 2 (the newest 2 kept)."""
-  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), local_save_interval_steps=2,
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), local_steps_in='storage', local_save_interval_steps=2,
                                                 tier_keep=2))
   sharding = jax.sharding.NamedSharding(mesh(), jax.sharding.PartitionSpec('data', 'model'))
   policy = v1.training.save_decision_policies.FixedIntervalPolicy(10)
@@ -126,7 +126,7 @@ def test_a_v1_checkpointer_whose_tier_is_gone_resumes_storage_s_step(tmp_path, c
   root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
   sharding = _save_run(root, tier, caplog)
   orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tmp_path / 'new_tier'),
-                                                local_save_interval_steps=2, tier_keep=2))
+                                                local_steps_in='storage', local_save_interval_steps=2, tier_keep=2))
   caplog.clear()
   with v1.training.Checkpointer(root) as ckptr:
     step, got = preemption.resume(ckptr, lambda: None, abstract_state=_abstract(sharding))
@@ -142,7 +142,7 @@ def test_a_v1_loop_that_donates_its_state_right_after_save_resumes_the_values_sa
   donates its arrays to the next step and overwrites its numpy leaf in place as soon as
   ``save()`` returns, and the resume still reads step 6's values."""
   orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tmp_path / 'tier'),
-                                                local_save_interval_steps=2, tier_keep=2))
+                                                local_steps_in='storage', local_save_interval_steps=2, tier_keep=2))
   sharding = jax.sharding.NamedSharding(mesh(), jax.sharding.PartitionSpec('data', 'model'))
   own = jax.jit(lambda t: jax.tree.map(lambda x: x + 0, t))  # buffers jax owns, donatable
   spoil = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 - 1, t), donate_argnums=0)
@@ -176,7 +176,7 @@ def test_three_processes_save_through_v1_and_resume_from_the_tiers_then_on_two(t
   v1's timeout). Every process passes step 20 over, storage's step 0 is resumed, and step 20,
   newer than the step resumed from, is deleted."""
   root, tiers = tmp_path / 'ckpt', [tmp_path / f'node{i}' for i in range(3)]
-  env = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '10',
+  env = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '10', 'ORBAX_PATHWAYS_LOCAL_STEPS_IN': 'storage',
          'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': '5'}
   res = run_processes(WORKER, 3, 2, args=['save', str(root)], timeout=400, env=env,
                       per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers])
@@ -201,7 +201,7 @@ def test_a_v1_preemption_save_is_local_committed_before_its_storage_save(tmp_pat
   its local-only copy commits (one log line says so) before v1's storage save of the same step
   begins; both are then there, and the resume reads it (the storage step, the newest)."""
   orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tmp_path / 'tier'),
-                                                local_save_interval_steps=10))
+                                                local_steps_in='storage', local_save_interval_steps=10))
   sharding = jax.sharding.NamedSharding(mesh(), jax.sharding.PartitionSpec('data', 'model'))
   policies = v1.training.save_decision_policies
   policy = policies.AnySavePolicy([policies.FixedIntervalPolicy(100),

@@ -60,7 +60,7 @@ def test_a_local_save_every_step_writes_over_the_pages_of_the_step_it_replaced(t
   more than one entry's files, 0600 in 0700 directories; resume reads the newest step exactly,
   nothing from storage."""
   root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
-  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), local_save_interval_steps=1))
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), local_steps_in='storage', local_save_interval_steps=1))
   options = ocp.CheckpointManagerOptions(save_interval_steps=100)
   seen: dict[int, set[int]] = {}
   with ocp.CheckpointManager(root, options=options) as m:
