@@ -165,7 +165,8 @@ def _kept(tier_dir: str, req: Mapping[str, Any]) -> str:
   if fsafe.is_dir(path):
     return path
   path = os.path.join(tier_dir, format_names.NODE_STEPS_DIR, digest, str(step))
-  if fsafe.is_dir(path) and _saved_by(path, writer):
+  if (fsafe.is_dir(path) and fsafe.exists(os.path.join(path, format_names.COMMIT_SUCCESS_FILE))
+      and _saved_by(path, writer)):  # committed: a save killed midway is never served
     return path
   raise FileNotFoundError(f'no part of {writer}\'s node step {step} here')
 

@@ -195,7 +195,7 @@ def assemble(base: str, parts: Mapping[int, str], item: str, into: str) -> None:
                        f'{trees} and no {record}')
     _link_tree(os.path.join(part_item, trees[0]), os.path.join(item_dir, trees[0]))
     _link_file(os.path.join(part_item, format_names.PATHWAYS_DIR, record),
-                    os.path.join(item_dir, format_names.PATHWAYS_DIR, record))
+               os.path.join(item_dir, format_names.PATHWAYS_DIR, record))
   compat.merge_ocdbt(item_dir)
 
 
