@@ -49,6 +49,7 @@ class SimulatedFleet:
     self.client, self.me, self.n, self.value, self.leader = client, me, n, value, leader
     self.calls: collections.Counter[str] = collections.Counter()
     self.values_read = 0
+    self.bytes_read = 0  # the values' bytes the service sent back
     self.fill_s = 0.0  # writing the simulated processes' keys: not the process under test's
     self._filled: set[str] = set()
 
@@ -80,6 +81,7 @@ class SimulatedFleet:
     self.calls['try_get'] += 1
     found = self.client.key_value_try_get(key)
     self.values_read += 1
+    self.bytes_read += len(found or '')
     return found
 
   def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
@@ -87,6 +89,7 @@ class SimulatedFleet:
     self.calls['blocking_get'] += 1
     found = self.client.blocking_key_value_get(key, timeout_ms)
     self.values_read += 1
+    self.bytes_read += len(found or '')
     return found
 
   def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
@@ -94,6 +97,7 @@ class SimulatedFleet:
     self.calls['dir_get'] += 1
     found = self.client.key_value_dir_get(prefix)
     self.values_read += len(found)
+    self.bytes_read += sum(len(v) for _, v in found)
     return found
 
   def key_value_delete(self, key: str) -> None:
@@ -129,7 +133,7 @@ def _cases() -> dict[str, tuple[Callable[[str, int | None], str], Callable[[int]
   from orbax_pathways._compat import jax_distributed  # pylint: disable=g-import-not-at-top
   from orbax_pathways._compat import orbax_manager_state as _oms  # pylint: disable=g-import-not-at-top
   agreement.configure(agreement.Agreement(timeout_s=60.0))
-  mngr = types.SimpleNamespace()
+  mngr = types.SimpleNamespace(directory='/nonexistent/agreement_scale')
 
   options = types.SimpleNamespace(tier_dir=None, tier_peer_timeout_s=60.0)
 
@@ -142,6 +146,31 @@ def _cases() -> dict[str, tuple[Callable[[str, int | None], str], Callable[[int]
       return '1'
     return (node_steps.holdings(p, [9, 7], {}, '') if p is not None  # every node holds 9 and 7
             else json.dumps({'steps': [9, 7], 'fetch': {}}))
+
+  # Onto another layout: a job of n processes restarting from node step 9 that 2n processes
+  # saved (half its nodes lost; each live node holds its own part and its partner's copy).
+  saved_by: dict[str, int] = {}
+
+  def elastic_member(p: int, n: int) -> str:
+    return node_steps.holdings(p, [9], {p + n: [9]}, f'10.0.{p // 256}.{p % 256}:4000',
+                               parts={9: [p, p + n]}, counts={9: 2 * n})
+
+  def elastic_values(rnd: str, p: int | None) -> str:
+    n = saved_by['n']
+    if 'node_steps' not in rnd:
+      return '1'
+    if p is not None:
+      return elastic_member(p, n)
+    return node_steps._decide([elastic_member(q, n) for q in range(n)])  # pylint: disable=protected-access
+
+  def elastic(n: int) -> Any:
+    saved_by['n'] = n
+    me = _oms.process_index()
+    # No tier here (so no server, and no part keys published): the round alone. A process
+    # restoring reads one key per part its node lacks (node_gather), whatever the fleet.
+    return (node_steps._agreed(  # pylint: disable=protected-access
+        mngr, options, [9], {me + n: [9]}, timeout_s=60.0, parts={9: [me, me + n]},
+        counts={9: 2 * n}), recovery.all_processes_ok(mngr, True, 9))
 
   def preemption(n: int) -> Any:
     return decision._kv_agreement(  # pylint: disable=protected-access
@@ -160,6 +189,7 @@ def _cases() -> dict[str, tuple[Callable[[str, int | None], str], Callable[[int]
     return out
 
   return {'resume (2 rounds)': (resume_values, resume),
+          'resume onto another layout': (elastic_values, elastic),
           'preemption agreement': (lambda rnd, p: '0', preemption),
           'resume, gathered by all': (lambda rnd, p: '1', gathered_by_all)}
 
@@ -177,7 +207,8 @@ def run(fleets: tuple[int, ...]) -> list[dict]:
         began = time.perf_counter()
         fn(n)
         rows.append({'case': name, 'n': n, 'role': role, 'requests': sum(fleet.calls.values()),
-                     'values_read': fleet.values_read, 'calls': dict(fleet.calls),
+                     'values_read': fleet.values_read, 'bytes_read': fleet.bytes_read,
+                     'calls': dict(fleet.calls),
                      'seconds': round(time.perf_counter() - began - fleet.fill_s, 4)})
   return rows
 
@@ -188,10 +219,11 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument('--json-out')
   a = ap.parse_args(argv)
   rows = run(tuple(int(x) for x in a.fleets.split(',')))
-  print(f'{"case":26} {"N":>6} {"role":7} {"requests":>8} {"values read":>11} {"s":>7}')
+  print(f'{"case":26} {"N":>6} {"role":7} {"requests":>8} {"values read":>11} '
+        f'{"bytes read":>11} {"s":>7}')
   for r in rows:
     print(f'{r["case"]:26} {r["n"]:>6} {r["role"]:7} {r["requests"]:>8} '
-          f'{r["values_read"]:>11} {r["seconds"]:>7.3f}')
+          f'{r["values_read"]:>11} {r["bytes_read"]:>11} {r["seconds"]:>7.3f}')
   if a.json_out:
     with open(a.json_out, 'w') as f:
       json.dump(rows, f, indent=1)

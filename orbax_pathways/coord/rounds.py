@@ -97,6 +97,12 @@ def host_key(process: int) -> str:
 SECRET_KEY = f'{ROOT}/tier_peer_secret'  # the job's peer secret (``peer/exchange.job_secret``)
 
 
+def node_part_key(round_key_: str, step: int, writer: int) -> str:
+  """Where a node steps round's member says its node holds ``writer``'s part of node ``step``
+  (its process and server address: ``multitier/node_steps._agreed``), beside the round."""
+  return f'{round_key_}.parts/{int(step)}/{int(writer)}'
+
+
 def partner_address_key(process: int) -> str:
   """Where process ``process``'s tier server takes partner copies (``fleet/partner_copy.py``)."""
   return f'{ROOT}/tier_partner/{process}'
@@ -144,6 +150,12 @@ def poll(client: Any, key: str, done: Callable[[str | None], bool], timeout_s: f
 
 def _shown(processes: Seq[int]) -> str:
   return ', '.join(map(str, processes[:16])) + (' ...' if len(processes) > 16 else '')
+
+
+def delete_quietly(client: Any, key: str) -> None:
+  """Deletes ``key`` (one request); a failure is ignored (a key left behind is never read:
+  every key names its round)."""
+  _quietly(client.key_value_delete, key)
 
 
 def _quietly(fn, *args) -> None:

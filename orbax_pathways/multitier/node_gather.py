@@ -24,8 +24,9 @@ records (``_pathways/p<i>.msgpack``). What a restoring process does, on its own 
 
 What grows with what: a process reads the parts its devices overlap (for a state sharded over
 every device, about ``old processes / new processes + 1`` parts), each whole: a part's bytes
-beyond the boxes it needs are fetched too. The round's verdict names, per old process, a node
-holding its part (``node_steps._decide``).
+beyond the boxes it needs are fetched too. Where each part is: one key-value read per part this
+node lacks, published by the process holding it beside the resume's round
+(``node_steps._agreed``).
 """
 
 from __future__ import annotations
@@ -199,12 +200,14 @@ def assemble(base: str, parts: Mapping[int, str], item: str, into: str) -> None:
   compat.merge_ocdbt(item_dir)
 
 
-def restore(root: str, digest: str, step: int, holders: Mapping[int, tuple[int, str]],
-            abstract_state: Any, item: str | None, timeout_s: float,
+def restore(root: str, digest: str, step: int, holders: Callable[[int], tuple[int, str] | None],
+            first: int | None, abstract_state: Any, item: str | None, timeout_s: float,
             restore_from: Callable[[str], Any]) -> Any:
   """Node step ``step`` restored as ``abstract_state`` onto this process's devices from the
-  parts it needs (module docstring): ``holders`` names, per saving process, a process whose
-  node holds its part and that server's address; ``restore_from(directory)`` restores step
+  parts it needs (module docstring): ``holders(process)`` is the process whose node holds that
+  saving process's part and that server's address (None: no live node), asked only for the
+  parts this node lacks; ``first`` a saving process whose part some live node holds (the
+  step's metadata, where this node holds no part); ``restore_from(directory)`` restores step
   ``step`` of the Orbax step directory ``directory`` (the node steps' handlers). Raises why
   not (a part nobody holds, a fetch that failed, a box no part covers)."""
   here = parts_here(root, digest, step)
@@ -216,8 +219,8 @@ def restore(root: str, digest: str, step: int, holders: Mapping[int, tuple[int, 
   secret: list[bytes] = []
 
   def fetch(writer: str, into: str, only: Callable[[str], bool] | None = None) -> None:
-    holder = holders.get(int(writer[1:]))
-    if holder is None or not holder[1]:
+    holder = holders(int(writer[1:]))
+    if holder is None:
       raise LookupError(f'no live node holds process {writer[1:]}\'s part of node step {step}')
     if not secret:
       secret.append(exchange.job_secret(jax_distributed.distributed_client(), timeout_s))
@@ -231,9 +234,9 @@ def restore(root: str, digest: str, step: int, holders: Mapping[int, tuple[int, 
     # process was killed before writing it does not), else fetched from a node holding one.
     meta = next((here[w] for w in sorted(here)
                  if node_layout.read_processes(here[w]) is not None), None)
-    if meta is None and holders:
+    if meta is None and first is not None:
       meta = os.path.join(work, 'metadata')
-      fetch(node_copy.writer_name(min(holders)), meta, _is_metadata)
+      fetch(node_copy.writer_name(first), meta, _is_metadata)
     elif meta is None:
       raise LookupError(f'no node holds a part of node step {step}')
     saved = node_layout.read_processes(meta)
@@ -244,8 +247,9 @@ def restore(root: str, digest: str, step: int, holders: Mapping[int, tuple[int, 
     count, runs = saved
     name = _item_of(meta, item, step)
     need = node_parts.needed(_plan(abstract_state, os.path.join(meta, name), step), runs,
-                             count, local=set(here), available=set(here) | set(holders))
-    lost = sorted(w for w in need if w not in here and w not in holders)
+                             count, local=set(here),
+                             live=lambda w: w in here or holders(w) is not None)
+    lost = sorted(w for w in need if w not in here and holders(w) is None)
     if lost:
       raise LookupError(f'node step {step}: the parts of processes {lost} hold shards this '
                         f'process\'s devices need now, and no live node holds them')

@@ -255,12 +255,14 @@ def _decide(values: list[str]) -> str:
   member its own part from its node, or from the node keeping its copy (``fetch``: fetched
   first). A step saved by another process count, or one some member would take from a step
   another process saved on its node (``other``), is restored onto the current layout
-  (``elastic``: per saving process whose part some live node holds, a member whose node holds
-  it and that server's address; ``node_gather.py``): a process that needs a part no live node
-  holds fails its restore before it fetches anything, and every process passes the step over
-  (a state whole in every slice needs one slice's parts only). A step whose layout no member
-  knows (saved before the parts recorded it) is tried as it was saved, or from the step
-  another process saved on a member's node (``other``)."""
+  (``elastic``: the lowest saving process whose part a live node holds, where a process whose
+  node holds none reads the step's metadata; ``node_gather.py``). Who holds each part the
+  members say beside the round (``_agreed``), so the verdict stays the same size at any fleet.
+  A process that needs a part no live node holds fails its restore before it fetches
+  anything, and every process passes the step over (a state whole in every slice needs one
+  slice's parts only). A step whose layout no member knows (saved before the parts recorded
+  it) is tried as it was saved, or from the step another process saved on a member's node
+  (``other``)."""
   held = [json.loads(v) for v in values]
   own = {int(v['p']): set(v['own']) for v in held}
   other = {int(v['p']): set(v.get('other', ())) for v in held}
@@ -288,8 +290,8 @@ def _decide(values: list[str]) -> str:
     as_saved = counts.get(s, len(own)) == len(own) and all((q, s) in keepers for q in lacking)
     if s in counts and not as_saved and holders.get(s):
       steps.append(s)
-      elastic[str(s)] = {str(w): list(h) for w, h in sorted(holders[s].items())
-                         if w < counts[s]}
+      served = sorted(w for w, h in holders[s].items() if w < counts[s] and h[1])
+      elastic[str(s)] = served[0] if served else min(holders[s])
     elif plain:
       steps.append(s)
       fetched = {str(q): list(keepers[(q, s)]) for q in lacking if (q, s) in keepers}
@@ -299,26 +301,47 @@ def _decide(values: list[str]) -> str:
                     separators=(',', ':'))
 
 
+class Parts:
+  """Where the parts of one node step restored onto the current layout are (``_agreed``): per
+  saving process, the process whose node holds its part and that server's address, read from
+  the key its holder published beside the round (one read per part looked up, remembered);
+  ``first``: a saving process whose part some live node holds."""
+
+  def __init__(self, client: Any, round_key: str, step: int, first: int):
+    self._client, self._key, self._step, self.first = client, round_key, step, first
+    self._found: dict[int, tuple[int, str] | None] = {}
+
+  def __call__(self, writer: int) -> tuple[int, str] | None:
+    if writer not in self._found:
+      got = rounds.try_read(self._client, rounds.node_part_key(self._key, self._step, writer))
+      who, _, address = (got or '').partition(' ')
+      self._found[writer] = (int(who), address) if who.isdigit() and address else None
+    return self._found[writer]
+
+
 def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int]],
             timeout_s: float, other: Sequence[int] = (),
             parts: Mapping[int, Sequence[int]] | None = None,
-            counts: Mapping[int, int] | None = None,
-            ) -> tuple[list[int], dict[int, tuple[int, str]], dict[int, dict[int, tuple[int, str]]]]:
+            counts: Mapping[int, int] | None = None, published: list[str] | None = None,
+            ) -> tuple[list[int], dict[int, tuple[int, str]], dict[int, Parts]]:
   """The steps every process of ``mngr`` can restore, newest first; for this process the
   steps it must first fetch (step -> the process keeping its copy and that server's address);
-  and the steps restored onto the current layout (step -> per saving process, a process whose
-  node holds its part and that server's address): one round (each member publishes its
-  holdings, the leader the verdict, ``_decide``). A process whose node keeps copies, or holds
-  parts that may be restored onto another layout (steps saved by another process count, or by
-  another process), starts its server first (``partner_copy.ready``)."""
+  and the steps restored onto the current layout (step -> where their parts are, ``Parts``):
+  one round (each member publishes its holdings, the leader the verdict, ``_decide``). A
+  process whose node keeps copies, or holds parts that may be restored onto another layout
+  (steps saved by another process count, or by another process), starts its server first
+  (``partner_copy.ready``); for the latter it also publishes, before its holdings, a key per
+  part its node holds (``rounds.node_part_key``: a few per process, whatever the fleet),
+  whose names it adds to ``published`` (the caller deletes them once every process is past
+  the resume)."""
   client = jax_distributed.distributed_client()
   part = _oms.manager_participants(mngr)
   n, me = jax_distributed.process_count(), _oms.process_index()
   if client is None or n <= 1 or part.size(n) <= 1 or not part.includes(me, n):
     return sorted(set(held) | set(other), reverse=True), {}, {}
   address = ''
-  serves = bool(copies) or bool(other) or any(c != n for c in (counts or {}).values())
-  cfg = node_layout.tier(options, mngr) if serves else None
+  moved = {s for s, c in (counts or {}).items() if c != n} | set(other)
+  cfg = node_layout.tier(options, mngr) if copies or moved else None
   if cfg is not None:
     try:
       address = partner_copy.ready(cfg, client, me, options.tier_peer_timeout_s) or ''
@@ -326,15 +349,23 @@ def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int
       log.warning('orbax_pathways.preemption.resume: this node holds node steps of other '
                   'processes but cannot serve them (%s: %s).', type(e).__name__, e)
   seq = rounds.sequence(part.name('node_steps'), keep=1)
+  key = seq.next()
+  if address:
+    for s in sorted(moved):
+      for w in (parts or {}).get(s, ()):
+        name = rounds.node_part_key(key, s, w)
+        rounds.put(client, name, f'{me} {address}')
+        if published is not None:
+          published.append(name)
   value = holdings(me, held, copies, address, other, parts, counts)
   verdict = json.loads(rounds.agree(
-      client, seq, seq.next(), me=me, members=part.members(n), count=n, leader=part.leader(n),
+      client, seq, key, me=me, members=part.members(n), count=n, leader=part.leader(n),
       value=value, decide=_decide, timeout_s=timeout_s,
       what=f'orbax_pathways: node steps every process can restore, {part.describe(n)}'))
   mine = {int(s): (int(who[str(me)][0]), str(who[str(me)][1]))
           for s, who in verdict['fetch'].items() if str(me) in who}
-  elastic = {int(s): {int(w): (int(h[0]), str(h[1])) for w, h in by.items()}
-             for s, by in verdict.get('elastic', {}).items()}
+  elastic = {int(s): Parts(client, key, int(s), int(first))
+             for s, first in verdict.get('elastic', {}).items()}
   return [int(s) for s in verdict['steps']], mine, elastic
 
 
@@ -501,15 +532,17 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
       if saved is not None:
         counts[s] = saved[0]
         break
+  published: list[str] = []
   agreed, fetch, elastic = (
-      _agreed(mngr, options, held, copies, timeout_s, other, parts, counts)
+      _agreed(mngr, options, held, copies, timeout_s, other, parts, counts, published)
       if abstract_state is not None else ([], {}, {}))
   chosen = None
   for step in agreed:
     try:
       if step in elastic:
         state = node_gather.restore(
-            root, digest, step, elastic[step], abstract_state, item, timeout_s,
+            root, digest, step, elastic[step], elastic[step].first, abstract_state, item,
+            timeout_s,
             functools.partial(_restore_at, options, step=step,
                               abstract_state=abstract_state, item=item))
       else:
@@ -552,4 +585,8 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
   # And the copies of them this node keeps.
   node_partners.drop_copies(root, digest, copies,
                             None if chosen is None else chosen[0])
+  # Every process is past the last step tried (its agreement round): no one looks a part up.
+  client = jax_distributed.distributed_client()
+  for name in published:
+    rounds.delete_quietly(client, name)
   return chosen

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from typing import Any, Container, Iterable, Sequence
+from typing import Any, Callable, Container, Iterable, Sequence
 
 import numpy as np
 
@@ -87,14 +87,14 @@ def saved_boxes(record: SavedLayout | None, shape: Sequence[int]
 
 def needed(arrays: Iterable[tuple[SavedLayout | None, Sequence[int], Sequence[Box]]],
            runs: Sequence[Sequence[int]], writers: int, local: Container[int],
-           available: Container[int] | None = None) -> set[int]:
+           live: Callable[[int], bool] | None = None) -> set[int]:
   """The writers (saving processes) whose parts hold every box of ``arrays``: per array its
   ``SavedLayout`` (None: a numpy or scalar leaf, which every part holds), its shape
   and the boxes this process's devices hold now. Each distinct saved box overlapping one of
   them is taken from one process that held it: one in ``local`` (parts this node holds) where
-  there is one, else one already chosen, else the lowest, among those in ``available`` (parts
-  some live node holds; None: all) where any is. An array whose layout is ``UNKNOWN`` needs
-  every writer."""
+  there is one, else one already chosen, else the lowest, among those ``live`` says some live
+  node holds (asked in that order, only until one answers yes; None: all) where any is. An
+  array whose layout is ``UNKNOWN`` needs every writer."""
   need: set[int] = set()
   any_one: list[bool] = []
   for record, shape, boxes in arrays:
@@ -118,11 +118,11 @@ def needed(arrays: Iterable[tuple[SavedLayout | None, Sequence[int], Sequence[Bo
       for holders in by_box.values():
         if -1 in holders or not holders:
           return set(range(writers))
-        live = [p for p in holders if available is None or p in available] or holders
-        pick = ([p for p in live if p in local] or [p for p in live if p in need]
-                or sorted(live))[0]
+        order = list(dict.fromkeys([p for p in holders if p in local]
+                                   + [p for p in holders if p in need] + sorted(holders)))
+        pick = next((p for p in order if p in local or live is None or live(p)), order[0])
         need.add(pick)
   if any_one and not need:
     need.add(next((w for w in range(writers) if w in local),
-                  next((w for w in range(writers) if available is None or w in available), 0)))
+                  next((w for w in range(writers) if live is None or live(w)), 0)))
   return need

@@ -31,6 +31,11 @@ def test_a_members_requests_do_not_grow_with_the_fleet_on_the_real_service(tmp_p
     assert (member['requests'], member['values_read']) == (4, 2), member
     leader = rows[('resume (2 rounds)', 'leader', n)]
     assert leader['requests'] <= 6 and leader['values_read'] == 2 * (n - 1), leader
+    # Onto another layout (a step twice as many processes saved): the verdict a member reads
+    # is the same size at every fleet (who holds which part is published beside the round).
+    member = rows[('resume onto another layout', 'member', n)]
+    assert (member['requests'], member['values_read']) == (4, 2), member
+    assert member['bytes_read'] == rows[('resume onto another layout', 'member', 4)]['bytes_read']
     member = rows[('preemption agreement', 'member', n)]
     assert (member['requests'], member['values_read']) == (2, 1), member
     leader = rows[('preemption agreement', 'leader', n)]

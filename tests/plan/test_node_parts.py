@@ -58,8 +58,11 @@ def test_a_process_needs_the_parts_its_boxes_overlap_and_prefers_its_nodes():
   assert node_parts.needed([(replicated, (24,), [Box((0,), (24,))])], runs, 4,
                            local={2, 3}) == {2}
   # Of the parts some live node holds: process 0's is on none.
+  asked = []
+  live = lambda p: asked.append(p) or p in (1, 2)  # pylint: disable=unnecessary-lambda-assignment
   assert node_parts.needed([(replicated, (24,), [Box((0,), (24,))])], runs, 4, local=set(),
-                           available={1, 2}) == {1}
+                           live=live) == {1}
+  assert asked == [0, 1]  # asked only until one is live
   assert node_parts.needed([(None, (3,), [Box((0,), (3,))])], runs, 4, local={3}) == {3}
   assert node_parts.needed([(sharded, (64, 16), [Box((48, 0), (64, 16))]),
                             (None, (3,), [Box((0,), (3,))])], runs, 4, local=set()) == {3}
