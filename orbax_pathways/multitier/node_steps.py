@@ -237,12 +237,14 @@ def holdings(me: int, own: list[int], copies: dict[int, list[int]], address: str
   holds that another process saved (``_others``: restorable by this process where they hold
   what it needs now), and per step the parts its node holds (``parts``: the saving processes,
   own, others' and copies) and how many processes saved it (``counts``) (JSON)."""
-  return json.dumps({'p': me, 'own': sorted(own), 'addr': address,
-                     'copies': {str(q): v for q, v in copies.items()},
-                     'other': sorted(other),
-                     'parts': {str(s): sorted(w) for s, w in (parts or {}).items()},
-                     'n': {str(s): c for s, c in (counts or {}).items()}},
-                    separators=(',', ':'))
+  value: dict[str, Any] = {'p': me, 'own': sorted(own), 'addr': address,
+                           'copies': {str(q): v for q, v in copies.items()},
+                           'other': sorted(other)}
+  if parts:  # the common case (the same processes on the same nodes) leaves them out
+    value['parts'] = {str(s): sorted(w) for s, w in parts.items()}
+  if counts:
+    value['n'] = {str(s): c for s, c in counts.items()}
+  return json.dumps(value, separators=(',', ':'))
 
 
 def _decide(values: list[str]) -> str:
@@ -522,16 +524,17 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
   other = _others(node, [s for s in listed if s not in held], item)
   digest = node_layout.digest_of(mngr)
   copies = node_partners.copies_held(root, digest, newest_storage)
+  # The parts of steps saved by another process count or by another process (restored onto
+  # the current layout): said in the round only for those, so the usual resume (the same
+  # processes on the same nodes) publishes what it did before.
   parts: dict[int, list[int]] = {}
   counts: dict[int, int] = {}
+  n = jax_distributed.process_count()
   for s in sorted(set(listed).union(*copies.values())):
     here = node_gather.parts_here(root, digest, s)
-    parts[s] = sorted(here)
-    for path in here.values():
-      saved = node_layout.read_processes(path)
-      if saved is not None:
-        counts[s] = saved[0]
-        break
+    saved = next((c for c in map(node_layout.read_processes, here.values()) if c), None)
+    if saved is not None and (saved[0] != n or s in other):
+      parts[s], counts[s] = sorted(here), saved[0]
   published: list[str] = []
   agreed, fetch, elastic = (
       _agreed(mngr, options, held, copies, timeout_s, other, parts, counts, published)
