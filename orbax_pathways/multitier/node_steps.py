@@ -46,13 +46,12 @@ iterator's own handler), Pathways (the colocated transport).
 
 A resume onto another process count (or with processes on other processes' nodes) restores
 a node step onto the current layout (``node_gather.py``): each part of a node step records
-which process saved each device (``node_layout.write_processes``), each process publishes the
-parts its node holds, and where every saving process's part is on some live node (its own node,
-or the node keeping its copy), each process fetches the parts its devices overlap now from the
-nodes holding them, joins them and restores. Where some part is on no live node, a state whole
-in every slice still resumes on fewer slices from the step each process's node holds, whoever
-saved it (``_others``); otherwise every process passes the step over and the resume goes on
-to storage. Where node steps lie: ``node_layout.py``; their partner copies:
+which process saved each device (``node_layout.write_processes``), each process says which
+parts its node holds (its own steps, others' steps, partner copies), and each process fetches
+the parts its devices overlap now from the nodes holding them, joins them and restores. Where
+a part some process needs is on no live node, every process passes the step over and the
+resume goes on to an older step, or to storage (a state whole in every slice needs one
+slice's parts only). Where node steps lie: ``node_layout.py``; their partner copies:
 ``node_partners.py``.
 """
 
