@@ -157,9 +157,9 @@ def _resume(client: FakeKV, monkeypatch, step: int) -> bool:
 def _node_steps(client: FakeKV, monkeypatch, step: int) -> list[int]:
   del client, monkeypatch, step
   options = types.SimpleNamespace(tier_dir=None, tier_peer_timeout_s=30.0)
-  steps, fetch = node_steps._agreed(types.SimpleNamespace(), options, [9, 7], {},  # pylint: disable=protected-access
-                                    timeout_s=30.0)
-  assert fetch == {}
+  steps, fetch, elastic = node_steps._agreed(types.SimpleNamespace(), options, [9, 7], {},  # pylint: disable=protected-access
+                                             timeout_s=30.0)
+  assert fetch == {} and elastic == {}
   return steps
 
 

@@ -168,17 +168,6 @@ def test_a_restart_on_more_processes_resumes_from_the_nodes_new_nodes_included(s
     assert r.result['sources'].get('storage', 0) == 0 and r.result['sources']['node'] > 0
 
 
-def test_a_restart_on_fewer_processes_passes_a_step_over_when_a_part_is_on_no_live_node(saved):
-  """The same restart on nodes 0 and 1: process 2's part of step 9 (on node 2, its copy on node
-  3) is on no live node, so step 9 cannot be completed; the restart resumes storage step 8
-  with the values saved."""
-  tmp_path, _ = saved
-  resumed = _run(tmp_path, 'resume', 8, processes=2, devices=4)
-  for r in resumed:
-    assert r.result is not None, r.stderr_tail
-    assert r.result['resumed'] == 8 and r.result['equal'], r.result
-
-
 def test_state_whole_in_every_slice_resumes_from_the_survivors_nodes_on_fewer_processes(
     tmp_path):
   """Three processes, a slice each, the state whole in every slice; node 0 is lost and the job
