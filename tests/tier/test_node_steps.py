@@ -143,7 +143,8 @@ def test_a_restart_on_fewer_processes_resumes_the_sharded_state_from_the_nodes(s
   and 1 saved, process 1's what processes 2 and 3 saved. Node 0 holds its own part and the copy
   of process 3's, node 2 its own and the copy of process 1's. The restart resumes node step 9
   with the values saved and no byte from storage (each process fetches the part it lacks from
-  the other's node), and goes on saving."""
+  the other's node), and goes on saving; nothing of the parts it joined is left on a node
+  beside its node steps and copies."""
   tmp_path, _ = saved
   shutil.rmtree(tmp_path / 'node1')
   shutil.rmtree(tmp_path / 'node3')
@@ -153,6 +154,9 @@ def test_a_restart_on_fewer_processes_resumes_the_sharded_state_from_the_nodes(s
     assert r.result['resumed'] == 9 and r.result['equal'], r.stderr_tail[-6000:]
     assert r.result['sources'].get('storage', 0) == 0 and r.result['sources']['node'] > 0
     assert 10 in r.result['node_steps'], r.result
+  for node in ('node0', 'node2'):
+    names = os.listdir(tmp_path / node / '.node-steps')
+    assert len(names) == 2 and sum(n.endswith('.copies') for n in names) == 1, names
 
 
 def test_a_restart_on_more_processes_resumes_from_the_nodes_new_nodes_included(saved):
