@@ -89,8 +89,13 @@ def parts_here(root: str, digest: str, step: int) -> dict[int, str]:
 def _is_metadata(rel: str) -> bool:
   """Whether a part's file (relative path) is metadata: anything but its OCDBT trees."""
   parts = rel.split('/')
-  return not (len(parts) > 1 and (parts[1] in ('d', 'manifest.ocdbt')
-                                  or parts[1].startswith(_OCDBT_PREFIX)))
+  return not (len(parts) > 1 and _is_ocdbt(parts[1]))
+
+
+def _is_ocdbt(name: str) -> bool:
+  """Whether ``name`` in an item directory is of its OCDBT trees (the merged tree's manifest
+  and nodes, or a process's tree), not of its Orbax metadata or records."""
+  return name in ('d', 'manifest.ocdbt') or name.startswith(_OCDBT_PREFIX)
 
 
 def _item_of(step_dir: str, item: str | None, step: int) -> str:
@@ -175,7 +180,7 @@ def assemble(base: str, parts: Mapping[int, str], item: str, into: str) -> None:
   os.mkdir(item_dir, fsafe.DIR_MODE)
   for name in fsafe.names(src_item):
     path = os.path.join(src_item, name)
-    if name in ('d', 'manifest.ocdbt') or name.startswith(_OCDBT_PREFIX):
+    if _is_ocdbt(name):
       continue
     if name == format_names.PATHWAYS_DIR:
       os.mkdir(os.path.join(item_dir, name), fsafe.DIR_MODE)
