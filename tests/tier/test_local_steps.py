@@ -211,7 +211,7 @@ def test_with_partner_copies_a_flipped_byte_is_read_from_the_partners_copy(copie
 
 
 def test_a_partner_that_is_gone_costs_the_copy_not_the_step(tmp_path):
-  """Node 1's server is gone once it published its address: node 0's copies to it fail (one
+  """Node 1's server is gone before it publishes its address: node 0's copies to it fail (one
   warning naming the partner, within the deadline), the step still commits everywhere with
   node 0's share in one copy, and the other copies land."""
   base = tmp_path / 'save'

@@ -18,7 +18,7 @@ tier, in the middle of that step's commit (no process finishes it).
 ``DONATE=1``: right after each ``save()`` the step's arrays are donated to a jitted step and
 its numpy leaf is overwritten in place (what a training loop does next).
 ``PARTNER_GONE=1`` (with ``ORBAX_PATHWAYS_LOCAL_COPIES=2``): this process's tier server is gone
-once it published its address (a partner whose process went away): its senders' copies fail.
+before it publishes its address (a partner whose process went away): its senders' copies fail.
 ``BUSY_AT=S`` (with ``ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY=skip``): the primary host's commit of
 local-only step ``S`` (its index merge, after every process's writes) waits until its loop's
 ``save()`` of step ``2 S`` returned (a primary host slow to commit: storage round trips), so that
@@ -115,15 +115,17 @@ def main() -> None:
 
     tier_store.write_entry = write_then_die
   if os.environ.get('PARTNER_GONE'):
-    from orbax_pathways.fleet import partner_copy  # pylint: disable=g-import-not-at-top
     from orbax_pathways.peer import server as peer_server  # pylint: disable=g-import-not-at-top
-    ready = partner_copy.ready
+    serve = peer_server.serve
 
-    def ready_then_gone(*a, **k):
-      ready(*a, **k)
+    def serve_then_gone(*a, **k):
+      # Closed before its address is published: a sender that reads the address at once never
+      # finds the server still listening.
+      address = serve(*a, **k)
       peer_server.stop_serving()
+      return address
 
-    partner_copy.ready = ready_then_gone
+    peer_server.serve = serve_then_gone
 
   busy_at = int(os.environ.get('BUSY_AT') or os.environ.get('SLOW_AFTER') or '0')
   released = None
