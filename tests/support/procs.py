@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -175,8 +176,31 @@ def last_json(stdout: str):
   return json.loads(lines[-1])
 
 
+def _ephemeral_start() -> int:
+  try:
+    with open('/proc/sys/net/ipv4/ip_local_port_range') as f:
+      return int(f.read().split()[0])
+  except (OSError, ValueError, IndexError):
+    return 32768  # Linux's default
+
+
 def free_port() -> int:
-  """A TCP port free on 127.0.0.1 right now (whoever needs it binds it a moment later)."""
+  """A TCP port free on 127.0.0.1 right now (whoever needs it binds it a moment later).
+
+  Picked at random below the kernel's ephemeral range, not with ``bind(0)``: between this call
+  and the bind, every outgoing connection of the suite (gloo, gRPC, HTTP to fake-gcs-server) takes
+  a local port from the ephemeral range, and one of them taking this port made a coordinator's
+  start fail ("Failed to start RPC server")."""
+  top = _ephemeral_start()
+  pick = random.SystemRandom()
+  for _ in range(64):
+    port = pick.randrange(max(1024, top - 12000), top)
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+      try:
+        s.bind(('127.0.0.1', port))
+      except OSError:
+        continue
+      return port
   with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
     s.bind(('127.0.0.1', 0))
     return s.getsockname()[1]
