@@ -53,7 +53,9 @@ def child_env(extra: Mapping[str, object] | None = None, *, devices: int | None 
   """``base`` (default ``os.environ``) for a child interpreter, as the module docstring says:
   CPU backend, ``devices`` virtual CPU devices (None: no device-count flag), ``PYTHONPATH``
   reaching ``support``, no metadata-server probe, the tier off; then ``extra`` (values turned
-  into strings), which wins; then the names in ``unset`` removed."""
+  into strings), which wins; then the names in ``unset`` removed. The child's modules are
+  byte-compiled first (``byte_compile``)."""
+  byte_compile()
   env = dict(os.environ if base is None else base)
   env['JAX_PLATFORMS'] = 'cpu'
   flags = _DEVICE_COUNT_FLAG.sub('', env.get('XLA_FLAGS', '')).strip()
@@ -174,6 +176,25 @@ def last_json(stdout: str):
   lines = [l for l in stdout.splitlines() if l.startswith('{')]
   assert lines, f'no JSON line in the output:\n{stdout[-3000:]}'
   return json.loads(lines[-1])
+
+
+_compiled = False
+
+
+def byte_compile() -> None:
+  """Writes the byte-code of the package, the tests' support modules, the integration harness
+  and the benchmarks (once per process), as ``pip install`` of a wheel does for an installed
+  package. Where ``PYTHONDONTWRITEBYTECODE`` is set (CI's machines and this project's VMs set
+  it) an editable install has none, so every child interpreter would compile every module it
+  imports, about 0.2-0.3 CPU-s each, and a benchmark would charge that to the package's first
+  save or restore in each process while Orbax's installed modules come compiled."""
+  global _compiled
+  if _compiled:
+    return
+  import compileall  # pylint: disable=import-outside-toplevel
+  for sub in ('orbax_pathways', os.path.join('tests', 'support'), 'integration', 'benchmarks'):
+    compileall.compile_dir(os.path.join(REPO, sub), quiet=2)
+  _compiled = True
 
 
 def _ephemeral_start() -> int:
