@@ -22,6 +22,17 @@ from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import fsafe
 
 
+def kept(keep: int) -> int:
+  """How many of its node steps a node holds (and of each partner's copies) for a retention of
+  ``keep`` local-only steps (``Options.local_steps_keep``, else ``tier_keep``): at least two.
+  A node step commits on each process by itself, with no barrier, so every process commits step
+  ``s`` at its own moment. A node that dropped the step before ``s`` as soon as its own ``s``
+  committed would, at a kill before some other process committed ``s``, leave no step every node
+  holds, and the restart would fall back to storage. The step before the newest stays until the
+  next one commits; listings show ``keep`` steps as before (``multitier/emergency.py``)."""
+  return max(2, keep)
+
+
 def tier(options: Any, mngr: Any) -> tier_config.TierConfig | None:
   """This node's tier for ``mngr``'s node steps: the directory its builder assigned (Orbax's
   emergency manager's ``local_directory``, ``tier/assigned.py``), else the one the user named

@@ -105,7 +105,8 @@ def copy_to_partner(mngr: Any, options: Any, step: int, keep: int) -> bool:
     if address is None:
       address = str(rounds.wait_for(client, rounds.partner_address_key(to), timeout_s))
     why = node_copy.send(step_dir, node_layout.digest_of(mngr), node_copy.writer_name(me), step,
-                         keep, address, exchange.cached_secret() or b'', timeout_s)
+                         node_layout.kept(keep), address, exchange.cached_secret() or b'',
+                         timeout_s)
   except Exception as e:  # pylint: disable=broad-except  (a copy never fails training)
     address, why = None, f'{type(e).__name__}: {e}'
   with _partners.lock:

@@ -8,8 +8,9 @@ directory>``, whose array handler writes every shard this process holds (Orbax's
 and signals are its own (``_compat/orbax_process_local.alone``). So a local-only save makes no
 storage request and meets no other process (no barrier: Orbax's own skip a manager of one
 process, and its signals stay in the save's namespace), and a storage
-save never waits for it (nor it for a storage save). Each node keeps its newest ``keep`` steps
-(Orbax's own retention of that manager, on this node only). The step is in Orbax's format there
+save never waits for it (nor it for a storage save). Each node keeps its newest ``keep`` steps,
+and at least two (``node_layout.kept``: the step before the newest, for a process that had not
+committed the newest at a kill), by Orbax's own retention of that manager, on this node only. The step is in Orbax's format there
 (``PyTreeSave`` / ``JsonSave`` items of ``jax.Array``, numpy and scalar leaves, each written by
 this process; a ``StandardSave`` is saved as the ``PyTreeSave`` it wraps).
 
@@ -190,7 +191,7 @@ def manager(mngr: Any, options: Any, keep: int) -> Any | None:
   node = ocp.CheckpointManager(
       node_layout.directory(mngr, root),
       options=ocp.CheckpointManagerOptions(
-          save_interval_steps=1, max_to_keep=max(1, keep), create=False,
+          save_interval_steps=1, max_to_keep=node_layout.kept(keep), create=False,
           save_root_metadata=False, enable_async_checkpointing=False,
           multiprocessing_options=mp),
       handler_registry=registry)

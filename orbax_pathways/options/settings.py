@@ -141,7 +141,8 @@ class Options:
   local_steps_keep: local-only steps kept per checkpoint directory (multi-tier,
     ``local_save_interval_steps``; ``ORBAX_PATHWAYS_LOCAL_STEPS_KEEP``). None (default): as
     many as ``tier_keep``. A retention of its own: the tier's copies of storage steps follow
-    ``tier_keep``, the local-only steps (and node steps) this.
+    ``tier_keep``, the local-only steps (and node steps) this. A node holds at least two node
+    steps whatever it says (``multitier/node_layout.kept``); listings show this many.
   local_steps_in: where a local-only step's Orbax files and records go
     (``ORBAX_PATHWAYS_LOCAL_STEPS_IN``). ``'nodes'`` (default): each process saves its part of
     the step alone into its node's tier

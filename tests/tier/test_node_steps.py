@@ -17,16 +17,18 @@ pytestmark = pytest.mark.multiprocess
 WORKER = os.path.join(os.path.dirname(workers.__file__), 'node_steps_worker.py')
 
 
-def _run(tmp_path, mode, last, processes=4, devices=2, nodes=None, layout=''):
+def _run(tmp_path, mode, last, processes=4, devices=2, nodes=None, layout='', keep=2):
   """``nodes``: the node (tier directory) number of each process, in process order (default:
-  process i on node i); ``layout``: the worker's ``LAYOUT``."""
+  process i on node i); ``layout``: the worker's ``LAYOUT``; ``keep``: ``tier_keep`` (None:
+  the default)."""
   nodes = [tmp_path / f'node{i}' for i in (nodes or range(processes))]
+  env = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': 1, 'ORBAX_PATHWAYS_LOCAL_STEPS_IN': 'nodes',
+         'ORBAX_PATHWAYS_LOCAL_COPIES': 2, 'DUMP_S': 150, 'LAYOUT': layout}
+  if keep is not None:
+    env['ORBAX_PATHWAYS_TIER_KEEP'] = keep
   return run_processes(
       WORKER, processes, devices_per_process=devices, shared_dir=str(tmp_path),
-      args=[mode, tmp_path / 'ckpt', last], timeout=170,
-      env={'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': 1, 'ORBAX_PATHWAYS_TIER_KEEP': 2,
-           'ORBAX_PATHWAYS_LOCAL_STEPS_IN': 'nodes', 'ORBAX_PATHWAYS_LOCAL_COPIES': 2,
-           'DUMP_S': 150, 'LAYOUT': layout},
+      args=[mode, tmp_path / 'ckpt', last], timeout=170, env=env,
       per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': n} for n in nodes])
 
 
@@ -113,6 +115,26 @@ def test_a_step_one_node_never_finished_is_never_chosen(saved):
     assert r.result is not None, r.stderr_tail
     assert r.result['resumed'] == 8 and r.result['equal'], r.result
     assert 9 not in r.result['node_steps'], r.result
+
+
+def test_a_kill_before_one_process_committed_the_newest_step_costs_that_step_only(tmp_path):
+  """The default retention (one local-only step): each node still holds the step before its
+  newest, and so does each partner's copy. Process 2 had not committed step 11 when the job
+  was killed (its node lacks it, and so does its partner's copy), while every other node had
+  committed 11: the restart resumes node step 10 from the nodes, not storage's step 8."""
+  results = _run(tmp_path, 'save', 11, keep=None)
+  for r in results:
+    assert r.result is not None, r.stderr_tail
+    assert r.result['storage_steps'] == [0, 4, 8], r.result
+    assert r.result['node_steps'] == [10, 11], r.result
+  assert sorted(os.listdir(_copy(tmp_path, 1, 11).parent)) == ['10', '11']
+  shutil.rmtree(os.path.join(results[2].result['node_dir'], '11'))
+  shutil.rmtree(_copy(tmp_path, 2, 11))
+  resumed = _run(tmp_path, 'resume', 11, keep=None)
+  for r in resumed:
+    assert r.result is not None, r.stderr_tail
+    assert r.result['resumed'] == 10 and r.result['equal'], r.result
+    assert r.result['sources'].get('storage', 0) == 0, r.result
 
 
 def test_a_lost_node_is_resumed_from_its_partners_copy(saved):
