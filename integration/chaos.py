@@ -183,9 +183,13 @@ class Chaos:
         self._wait(lambda: all(c is not None for c in job.codes()), 'the last run')
         return None
       self._inject(job, plan, first, record)
+      record.setdefault('trained_by', job.trained())
       if record.get('last_trained') is None:
         record['last_trained'] = max((s for s in job.trained() if s is not None),
                                      default=None)
+      if self.args.local_steps_in == 'nodes':
+        record['node_steps'] = [self._committed_node_steps(self.tier(i))
+                                for i in range(self.nodes)]
       if record['last_trained'] is None and previous is not None:
         record['last_trained'] = previous.get('last_trained')
       if n == 3 and plan['kind'] != 'node_lost':
@@ -257,6 +261,7 @@ class Chaos:
       if not self._wait_trained(job, target):
         record['detail'] = f'a process ended before the fault\n{job.tails()}'
       job.stop()
+      record['trained_by'] = job.trained()
       record['last_trained'] = max((s for s in job.trained() if s is not None), default=None)
       job = Job(self, job.n, plan)
     if kind in KILLS:
@@ -344,6 +349,21 @@ class Chaos:
       f.seek(at)
       f.write(bytes([b[0] ^ 0x01]))
     return path
+
+  @staticmethod
+  def _committed_node_steps(node: str) -> list[int]:
+    """The node steps committed in ``node`` as the restart finds them (what a resume may choose
+    from; a step some node lacks explains steps lost past the local interval)."""
+    base = os.path.join(node, '.node-steps')
+    steps = []
+    for digest in (os.listdir(base) if os.path.isdir(base) else []):
+      if digest.endswith('.copies') or not os.path.isdir(os.path.join(base, digest)):
+        continue
+      for name in os.listdir(os.path.join(base, digest)):
+        if name.isdigit() and os.path.exists(
+            os.path.join(base, digest, name, 'commit_success.txt')):
+          steps.append(int(name))
+    return sorted(steps)
 
   @staticmethod
   def _node_step_files(node: str, copies: bool) -> dict[int, list[str]]:
