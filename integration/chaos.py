@@ -273,6 +273,12 @@ class Chaos:
         record['codes'] = job.codes()
       finally:
         job.stop()
+      if plan.get('when') == 'resume':
+        # A restart whose resume ended before the kill's delay trained on: its steps count.
+        again = [s for s in job.trained() if s is not None]
+        if again:
+          record['trained_by'] = job.trained()
+          record['last_trained'] = max(again + [record.get('last_trained') or -1])
       return
     if not self._wait_trained(job, target):
       record['codes'] = job.codes()
