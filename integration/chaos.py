@@ -64,6 +64,16 @@ KINDS = KILLS + ('node_lost', 'sigterm_all', 'sigterm_one', 'storage_errors', 's
                  'storage_dropped', 'flip_tier_chunk', 'flip_partner_copy',
                  'flip_storage_chunk', 'flip_metadata')
 
+def newer_whole(record: dict) -> int | None:
+  """The newest step every node held committed, or storage held committed, when the fault's
+  restart started (None where the record has neither: storage mode, a lost node)."""
+  nodes, storage = record.get('node_steps'), record.get('storage_steps') or []
+  if not nodes or record.get('kind') == 'node_lost':
+    return None
+  everywhere = set(nodes[0]).intersection(*nodes[1:])
+  return max(everywhere | set(storage), default=None)
+
+
 class Chaos:
   """The soak: fake-gcs-server behind the fault proxy, 4 node directories, the schedule."""
 
@@ -190,6 +200,7 @@ class Chaos:
       if self.args.local_steps_in == 'nodes':
         record['node_steps'] = [self._committed_node_steps(self.tier(i))
                                 for i in range(self.nodes)]
+        record['storage_steps'] = self._committed_storage_steps()
       if record['last_trained'] is None and previous is not None:
         record['last_trained'] = previous.get('last_trained')
       if n == 3 and plan['kind'] != 'node_lost':
@@ -356,6 +367,12 @@ class Chaos:
       f.write(bytes([b[0] ^ 0x01]))
     return path
 
+  def _committed_storage_steps(self) -> list[int]:
+    """The storage steps committed (Orbax's ``commit_success.txt``) as the restart finds them."""
+    return sorted({int(n.split('/')[1]) for n in self.gcs.list_objects(self.bucket)
+                   if n.count('/') == 2 and n.split('/')[1].isdigit()
+                   and n.endswith('/commit_success.txt')})
+
   @staticmethod
   def _committed_node_steps(node: str) -> list[int]:
     """The node steps committed in ``node`` as the restart finds them (what a resume may choose
@@ -466,6 +483,15 @@ def main(argv=None) -> int:
   over = [r for r in records if (r.get('steps_lost') or 0) > args.local_every]
   print(f'steps lost over the local interval ({args.local_every}): {len(over)} of '
         f'{len(records)}' + (f' ({", ".join(sorted({r["kind"] for r in over}))})' if over else ''))
+  if args.local_steps_in == 'nodes' and over:
+    # Over the interval is the goal's exception where every copy of the steps between was lost
+    # (a storage step whose commit the fault stopped, a node step some process had not
+    # committed): listed are those where a newer step was whole on every node or in storage.
+    missed = [r for r in over if (newer_whole(r) or -1) > (r.get('resumed_step') or -1)]
+    print(f'  of them with a newer step whole on every node or committed in storage at the '
+          f'fault: {len(missed)}' + ''.join(
+              f'\n    fault {r["index"]} {r["kind"]}: resumed {r.get("resumed_step")}, '
+              f'step {newer_whole(r)} was whole' for r in missed))
   if args.json_out:
     with open(args.json_out, 'w', encoding='utf-8') as f:
       json.dump({'seed': args.seed, 'faults': records, 'summary': line,
