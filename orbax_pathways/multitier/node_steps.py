@@ -10,9 +10,10 @@ storage request and meets no other process (no barrier: Orbax's own skip a manag
 process, and its signals stay in the save's namespace), and a storage
 save never waits for it (nor it for a storage save). Each node keeps its newest ``keep`` steps,
 and at least two (``node_layout.kept``: the step before the newest, for a process that had not
-committed the newest at a kill), by Orbax's own retention of that manager, on this node only. The step is in Orbax's format there
-(``PyTreeSave`` / ``JsonSave`` items of ``jax.Array``, numpy and scalar leaves, each written by
-this process; a ``StandardSave`` is saved as the ``PyTreeSave`` it wraps).
+committed the newest at a kill), by Orbax's own retention of that manager, on this node only.
+The step is in Orbax's format there (``PyTreeSave`` / ``JsonSave`` items of ``jax.Array``,
+numpy and scalar leaves, each written by this process; a ``StandardSave`` is saved as the
+``PyTreeSave`` it wraps).
 
 Who calls what, on which host (every process that calls the manager):
 
