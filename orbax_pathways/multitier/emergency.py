@@ -238,9 +238,9 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
     self._probed = None
     self._passed_over.pop(step, None)  # saved again (a rollback): a new step of that number
     kwargs = {} if custom_metadata is None else {'custom_metadata': custom_metadata}
+    # A storage step on the local interval is saved on the nodes too, as Orbax's local manager
+    # saves it (``local_steps.LocalStepHooks.after_save``).
     saved = bool(self._mngr.save(step, args=args, force=force, **kwargs))
-    if saved and self._local_due(step):  # Orbax's local manager saves this step too
-      local_steps.save_on_node_too(self._mngr, step, args)
     return saved or self._local_due(step)
 
   # -- restoring -----------------------------------------------------------------------------

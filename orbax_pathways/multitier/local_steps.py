@@ -109,6 +109,10 @@ class _Background(NamedTuple):
 # Manager -> its newest background local-only save. At most two at a time: one committing,
 # and the next, whose snapshot is taken, waiting for that commit to start its own save.
 _running: 'weakref.WeakKeyDictionary[Any, _Background]' = weakref.WeakKeyDictionary()
+# A storage step on the local interval whose save is under way: (step, args, kwargs), kept from
+# ``save_args`` to ``after_save`` (``LocalStepHooks.after_save``: its node step too).
+_storage_too: 'weakref.WeakKeyDictionary[Any, tuple[int, tuple, dict]]' = (
+    weakref.WeakKeyDictionary())
 _in_background = threading.local()  # .active on a background save's own thread
 
 
@@ -169,7 +173,7 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
   def save_locally(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> None:
     """Saves step ``step`` of ``mngr`` locally (node step or local-only step) when it is on
     the local interval: a step Orbax's policy declined (``save_declined``), or a storage step
-    the emergency drop-in also keeps on the nodes (``save_on_node_too``). The loop's thread."""
+    also kept on the nodes (``after_save``). The loop's thread."""
     every = self.policy(mngr).interval
     if (every <= 0 or step % every or _oms.is_local_manager(mngr)
         or _oms.manager_read_only(mngr)):  # an evaluator's save() writes nothing anywhere
@@ -290,9 +294,14 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
   def save_args(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> None:
     """The preemption save goes to memory first: its local-only copy is saved and committed
     (the tiers and the small records: seconds) before Orbax's storage save of the step begins,
-    so a job whose grace period ends before the storage commit still resumes from it."""
-    if (self.policy(mngr).interval <= 0 or _oms.is_local_manager(mngr)
-        or not mngr.reached_preemption(step)):  # latched per step: the save asks it next
+    so a job whose grace period ends before the storage commit still resumes from it. Any other
+    storage step on the local interval is kept for ``after_save`` when node steps take it."""
+    every = self.policy(mngr).interval
+    if every <= 0 or _oms.is_local_manager(mngr):
+      return
+    if not mngr.reached_preemption(step):  # latched per step: the save asks it next
+      if step % every == 0 and self._node_args(mngr, args, kwargs) is not None:
+        _storage_too[mngr] = (step, args, kwargs)
       return
     on_node = self._save_on_node(mngr, step, args, kwargs)
     if on_node:
@@ -303,14 +312,35 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
       log.info('orbax_pathways: preemption step %d is local-committed (node-local tiers); its '
                'storage save starts now.', step)
 
+  def after_save(self, mngr: Any, step: int, saved: bool) -> None:
+    """A storage step on the local interval is saved as a node step too, as Orbax's emergency
+    manager saves every step on its local interval locally, storage steps too: a storage step
+    commits later than a node step, so a job killed before that commit resumes this step from
+    the nodes (at most the local interval lost), as Orbax's class resumes it from its local
+    copy. Snapshot taken here, save on the background thread, as for a declined step."""
+    found = _storage_too.pop(mngr, None)
+    if saved and found is not None and found[0] == step:
+      self.save_locally(mngr, step, found[1], found[2])
+
+  def save_error(self, mngr: Any, step: int, error: BaseException) -> BaseException | None:
+    _storage_too.pop(mngr, None)  # the loop's arrays are not held past a failed save
+    return None
+
+  def _node_args(self, mngr: Any, args: tuple, kwargs: dict) -> Any:
+    """The save's ``args=`` where node steps take it (``node_steps.applies``), else None."""
+    given = kwargs.get('args')
+    if (args or set(kwargs) - {'force', 'metrics', 'custom_metadata'} != {'args'}
+        or not node_steps.applies(mngr, self.options(), given)):
+      return None
+    return given
+
   def _save_on_node(self, mngr: Any, step: int, args: tuple, kwargs: dict) -> bool | None:
     """The preemption step saved by this process alone into its node, in the loop's thread,
     when node steps take the manager's local-only steps (``node_steps.applies``): True once
     saved, False when it failed (logged), None when node steps do not apply. The previous
     background node save ends first; no storage save is waited for."""
-    given = kwargs.get('args')
-    if (args or set(kwargs) - {'force', 'metrics', 'custom_metadata'} != {'args'}
-        or not node_steps.applies(mngr, self.options(), given)):
+    given = self._node_args(mngr, args, kwargs)
+    if given is None:
       return None
     try:
       join(mngr)
@@ -413,21 +443,6 @@ def on_nodes(mngr: Any) -> tuple[Any, int] | None:
     return None
   join(mngr)  # a node save still running: listed once saved
   return hook.options(), hook.policy(mngr).keep
-
-
-def save_on_node_too(mngr: Any, step: int, args: Any) -> None:
-  """Also saves storage step ``step`` of ``mngr`` as a node step (``node_steps``), where its
-  local-only steps are node steps (``on_nodes``) and ``args`` can be saved there: Orbax's
-  emergency manager saves every step on its local interval locally, storage steps too (the
-  drop-in, ``multitier/emergency.py``, calls it after a storage save it started). A storage
-  step commits later than a node step, so a job killed before that commit resumes this step
-  from the nodes, as Orbax's class resumes it from its local copy. Snapshot taken here, save
-  on the background thread, as for a declined step."""
-  hook = next((h for h in _om.registered() if isinstance(h, LocalStepHooks)), None)
-  if (hook is None or _oms.is_local_manager(mngr)
-      or not node_steps.applies(mngr, hook.options(), args)):
-    return
-  hook.save_locally(mngr, step, (), {'args': args})
 
 
 def resume_on_nodes(mngr: Any, abstract_state: Any, newest_storage: int | None,

@@ -44,8 +44,9 @@ def _copy(tmp_path, process, step):
 
 @pytest.fixture(scope='module')
 def _saved_once(tmp_path_factory):
-  """Steps 0..9, storage every 4: storage holds 0, 4, 8; every node holds 7 and 9, and a copy
-  of its partner's (``local_copies=2``). Saved once per module; kept aside whole."""
+  """Steps 0..9, storage every 4: storage holds 0, 4, 8; every node holds 8 (a storage step on
+  the local interval is saved there too) and 9, and a copy of its partner's
+  (``local_copies=2``). Saved once per module; kept aside whole."""
   base = tmp_path_factory.mktemp('node_steps')
   results = _run(base, 'save', 9)
   for r in results:
@@ -67,7 +68,7 @@ def saved(_saved_once):
 def test_local_only_steps_live_on_the_nodes_alone_and_resume_from_them(saved):
   """Storage holds its own steps and nothing of a local-only step (no hidden directory, no
   record), and local-only saves ask nothing of jax's key-value store; each node holds its
-  newest two local-only steps in Orbax's format; a restart on the
+  newest two steps on the local interval in Orbax's format; a restart on the
   same processes resumes step 9 from the nodes, each process its own part, with the values
   saved, and goes on saving."""
   tmp_path, results = saved
@@ -76,7 +77,7 @@ def test_local_only_steps_live_on_the_nodes_alone_and_resume_from_them(saved):
     # Local-only steps 5-7, saved and committed: not one call of jax's coordination-service
     # client on any process (no barrier, no key).
     assert r.result['kv_calls'] == {}, r.result
-    assert r.result['node_steps'] == [7, 9], r.result
+    assert r.result['node_steps'] == [8, 9], r.result
     node_dir = r.result['node_dir']
     assert node_dir.startswith(str(tmp_path / f'node{r.process_id}')), node_dir
     assert oct(os.stat(node_dir).st_mode & 0o777) == '0o700'
@@ -101,6 +102,21 @@ def test_local_only_steps_live_on_the_nodes_alone_and_resume_from_them(saved):
     assert 2 <= calls['blocking_key_value_get'] <= 3 and sum(calls.values()) <= 8, calls
   assert sum(leader.values()) <= 2 * (3 + 3 * len(members)) + 3, leader
   assert leader.get('key_value_try_get', 0) <= 1, leader  # the secret's; no polling
+
+
+def test_a_storage_step_whose_commit_was_lost_resumes_from_its_node_step(saved):
+  """Storage step 8 never committed (the job was killed in its commit: storage lists 0 and 4)
+  and node 2 lacks node step 9 (nor did its copy land): the restart resumes step 8 from the
+  nodes, which saved it too as it is on the local interval, with no byte from storage."""
+  tmp_path, results = saved
+  shutil.rmtree(tmp_path / 'ckpt' / '8')
+  shutil.rmtree(os.path.join(results[2].result['node_dir'], '9'))
+  shutil.rmtree(_copy(tmp_path, 2, 9))
+  resumed = _run(tmp_path, 'resume', 9)
+  for r in resumed:
+    assert r.result is not None, r.stderr_tail
+    assert r.result['resumed'] == 8 and r.result['equal'], r.result
+    assert r.result['sources'].get('storage', 0) == 0 and r.result['sources']['node'] > 0
 
 
 def test_a_step_one_node_never_finished_is_never_chosen(saved):
@@ -203,7 +219,7 @@ def test_state_whole_in_every_slice_resumes_from_the_survivors_nodes_on_fewer_pr
   saved = _run(tmp_path, 'save', 9, processes=3, layout='slices')
   for r in saved:
     assert r.result is not None, r.stderr_tail
-    assert r.result['storage_steps'] == [0, 4, 8] and r.result['node_steps'] == [7, 9], r.result
+    assert r.result['storage_steps'] == [0, 4, 8] and r.result['node_steps'] == [8, 9], r.result
   shutil.rmtree(tmp_path / 'node0')
   resumed = _run(tmp_path, 'resume', 10, processes=2, nodes=[1, 2], layout='slices')
   for r in resumed:
