@@ -300,7 +300,10 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     if every <= 0 or _oms.is_local_manager(mngr):
       return
     if not mngr.reached_preemption(step):  # latched per step: the save asks it next
-      if step % every == 0 and self._node_args(mngr, args, kwargs) is not None:
+      # Node steps are saved on the background thread only (where this process holds its own
+      # shards): elsewhere a local save of a storage step would be a second one in storage.
+      if (step % every == 0 and self._background()
+          and self._node_args(mngr, args, kwargs) is not None):
         _storage_too[mngr] = (step, args, kwargs)
       return
     on_node = self._save_on_node(mngr, step, args, kwargs)

@@ -422,6 +422,32 @@ def test_one_process_and_pathways_workers_save_and_resume_a_local_only_step(tmp_
   assert st.transport == transport and st.bytes_by_source.get('storage', 0) == 0, st
 
 
+def test_under_pathways_a_storage_step_is_not_saved_again_as_a_local_only_step(tmp_path):
+  """The colocated transport (Pathways) with node steps asked for (the default): its local-only
+  steps keep storage's records (node steps are saved on the background thread only), and a
+  storage step on the local interval is saved once, in storage: no local-only copy of it."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import orbax_pathways  # pylint: disable=g-import-not-at-top
+
+  root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), transport='colocated',
+                                                local_steps_in='nodes', local_save_interval_steps=5))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('x', 'y'))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x', 'y'))
+  base = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+  with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
+      save_interval_steps=10)) as m:
+    for step in range(13):
+      m.save(step, args=ocp.args.StandardSave({'w': jax.device_put(base + step, sharding)}))
+    m.wait_until_finished()
+    assert m.all_steps() == [0, 10]
+  local = sorted(n for n in os.listdir(root / '.orbax-pathways-local') if n.isdigit())
+  assert local == ['5'], local
+  assert not (tier / '.node-steps').exists()
+
+
 def test_a_tier_that_cannot_take_the_step_costs_the_local_save_only(tmp_path, caplog):
   """The tier directory cannot be made (a file is in its way): the local-only save of step 10
   fails with one warning naming the step, training goes on, nothing of step 10 is listed or
