@@ -49,6 +49,10 @@ def worker(argv) -> None:
   start_arrays = {k: jax.make_array_from_callback(b.shape, shardings[k], lambda i, b=b: b[i])
                   for k, b in bases.items()}
   add = jax.jit(lambda a, k: a + k)
+  # A training step is collective (a gradient all-reduce): no process trains a step before every
+  # process has reached it, so the processes' loops run in step, as a training job's do. The
+  # sum over the state sharded across every process is that all-reduce here.
+  reduce_all = jax.jit(lambda a: a.sum())
 
   def state(step: int):
     return {k: add(a, np.float32(step)) for k, a in start_arrays.items()}
@@ -106,7 +110,7 @@ def worker(argv) -> None:
   for k in range(first, until):
     time.sleep(STEP_S)
     s = state(k)
-    jax.block_until_ready(s)
+    jax.block_until_ready((s, reduce_all(s['w'])))
     if armed is None and mine and plan.get('when') in ('in_save', 'after_save') and due(k):
       armed = k
     if k == armed and plan['when'] == 'in_save':
