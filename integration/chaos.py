@@ -487,7 +487,8 @@ def main(argv=None) -> int:
     # Over the interval is the goal's exception where every copy of the steps between was lost
     # (a storage step whose commit the fault stopped, a node step some process had not
     # committed): listed are those where a newer step was whole on every node or in storage.
-    missed = [r for r in over if (newer_whole(r) or -1) > (r.get('resumed_step') or -1)]
+    missed = [r for r in over if newer_whole(r) is not None
+              and (r.get('resumed_step') is None or newer_whole(r) > r['resumed_step'])]
     print(f'  of them with a newer step whole on every node or committed in storage at the '
           f'fault: {len(missed)}' + ''.join(
               f'\n    fault {r["index"]} {r["kind"]}: resumed {r.get("resumed_step")}, '
