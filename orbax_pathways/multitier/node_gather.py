@@ -20,7 +20,9 @@ records (``_pathways/p<i>.msgpack``). What a restoring process does, on its own 
    multi-process save (``_compat/orbax.merge_ocdbt``); files this node holds are hard links;
 5. restores it with the node steps' handlers (every chunk read is checked against the records of
    the part that wrote it; a box no gathered part covers raises, and the resume passes the step
-   over on every process), then removes the scratch directory.
+   over on every process), then removes the scratch directory. Where a part proves damaged
+   (a fetch or the restore fails), the parts used are fetched once more from the other node
+   holding each (a part is kept as saved and as its partner's copy) and the step joined again.
 
 What grows with what: a process reads the parts its devices overlap (for a state sharded over
 every device, about ``old processes / new processes + 1`` parts), each whole: a part's bytes
@@ -207,14 +209,19 @@ def assemble(base: str, parts: Mapping[int, str], item: str, into: str) -> None:
 
 def restore(root: str, digest: str, step: int, holders: Callable[[int], tuple[int, str] | None],
             first: int | None, abstract_state: Any, item: str | None, timeout_s: float,
-            restore_from: Callable[[str], Any]) -> Any:
+            restore_from: Callable[[str], Any],
+            others: Callable[[int, int | None], tuple[int, str] | None] | None = None) -> Any:
   """Node step ``step`` restored as ``abstract_state`` onto this process's devices from the
   parts it needs (module docstring): ``holders(process)`` is the process whose node holds that
   saving process's part and that server's address (None: no live node), asked only for the
   parts this node lacks; ``first`` a saving process whose part some live node holds (the
   step's metadata, where this node holds no part); ``restore_from(directory)`` restores step
-  ``step`` of the Orbax step directory ``directory`` (the node steps' handlers). Raises why
-  not (a part nobody holds, a fetch that failed, a box no part covers)."""
+  ``step`` of the Orbax step directory ``directory`` (the node steps' handlers). Where the
+  fetches or the restore fail (a damaged part: a chunk's checksum, a tree unreadable) and
+  ``others(process, than)`` names another holder of a part used (a part is held as saved and
+  as its partner's copy; ``than``: the process that served it, None for this node), those
+  parts are fetched from there and the step is joined and restored once more. Raises why not
+  (a part nobody holds, a fetch that failed, a box no part covers, the second try failing)."""
   here = parts_here(root, digest, step)
   scratch = os.path.join(root, format_names.NODE_STEPS_DIR, digest + GATHER_SUFFIX)
   fsafe.remove_tree(scratch)  # what an earlier restore left when its process was killed
@@ -223,8 +230,9 @@ def restore(root: str, digest: str, step: int, holders: Callable[[int], tuple[in
   os.mkdir(work, fsafe.DIR_MODE)
   secret: list[bytes] = []
 
-  def fetch(writer: str, into: str, only: Callable[[str], bool] | None = None) -> None:
-    holder = holders(int(writer[1:]))
+  def fetch(writer: str, into: str, only: Callable[[str], bool] | None = None,
+            holder: tuple[int, str] | None = None) -> None:
+    holder = holder or holders(int(writer[1:]))
     if holder is None:
       raise LookupError(f'no live node holds process {writer[1:]}\'s part of node step {step}')
     if not secret:
@@ -233,6 +241,12 @@ def restore(root: str, digest: str, step: int, holders: Callable[[int], tuple[in
     if why is not None:
       raise RuntimeError(f'orbax_pathways: process {writer[1:]}\'s part of node step {step} '
                          f'could not be fetched from process {holder[0]} ({holder[1]}): {why}')
+
+  def join_and_restore(parts: Mapping[int, str], name: str, meta: str, into: str) -> Any:
+    merged = os.path.join(work, into)
+    os.mkdir(merged, fsafe.DIR_MODE)
+    assemble(meta, parts, name, os.path.join(merged, str(step)))
+    return restore_from(merged)
 
   try:
     # The step's metadata: from a part this node holds that says its layout (a part whose
@@ -258,17 +272,32 @@ def restore(root: str, digest: str, step: int, holders: Callable[[int], tuple[in
     if lost:
       raise LookupError(f'node step {step}: the parts of processes {lost} hold shards this '
                         f'process\'s devices need now, and no live node holds them')
-    parts = {}
-    for writer in sorted(need):
-      if writer in here:
-        parts[writer] = here[writer]
-      else:
-        parts[writer] = os.path.join(work, node_copy.writer_name(writer))
-        fetch(node_copy.writer_name(writer), parts[writer])
-    merged = os.path.join(work, 'merged')
-    os.mkdir(merged, fsafe.DIR_MODE)
-    assemble(meta, parts, name, os.path.join(merged, str(step)))
-    state = restore_from(merged)
+    parts: dict[int, str] = {}
+    served: dict[int, int | None] = {}  # writer -> the process whose node gave it (None: here)
+    try:
+      for writer in sorted(need):
+        if writer in here:
+          parts[writer], served[writer] = here[writer], None
+        else:
+          parts[writer] = os.path.join(work, node_copy.writer_name(writer))
+          holder = holders(writer)
+          served[writer] = None if holder is None else holder[0]
+          fetch(node_copy.writer_name(writer), parts[writer], holder=holder)
+      state = join_and_restore(parts, name, meta, 'merged')
+    except Exception as e:  # pylint: disable=broad-except  (tried once more from other holders)
+      again = {w: h for w in served
+               if (h := others(w, served[w]) if others is not None else None) is not None}
+      if not again:
+        raise
+      log.warning('orbax_pathways.preemption.resume: node step %d failed to restore onto this '
+                  'layout from the parts of processes %s (%s: %s); fetching %s from the other '
+                  'nodes holding them.', step, sorted(need), type(e).__name__, str(e)[:300],
+                  ', '.join(f'process {w}\'s part from process {h[0]}'
+                            for w, h in sorted(again.items())))
+      for w, h in sorted(again.items()):
+        parts[w] = os.path.join(work, node_copy.writer_name(w) + '.again')
+        fetch(node_copy.writer_name(w), parts[w], holder=h)
+      state = join_and_restore(parts, name, meta, 'merged.again')
     log.info('orbax_pathways.preemption.resume: node step %d restored onto this layout from '
              'the parts of processes %s (%d fetched from other nodes).', step, sorted(need),
              sum(1 for w in need if w not in here))

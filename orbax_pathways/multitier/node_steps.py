@@ -307,25 +307,40 @@ def _decide(values: list[str]) -> str:
 class Parts:
   """Where the parts of one node step restored onto the current layout are (``_agreed``): per
   saving process, the process whose node holds its part and that server's address, read from
-  the key its holder published beside the round (one read per part looked up, remembered);
-  ``first``: a saving process whose part some live node holds."""
+  the keys its holders published beside the round (one read per key looked up, remembered);
+  ``first``: a saving process whose part some live node holds. A part may be held twice, as
+  saved and as a partner's copy: ``__call__`` names the first, ``other`` the holder besides
+  the one that served a part that failed."""
 
-  def __init__(self, client: Any, round_key: str, step: int, first: int):
+  def __init__(self, client: Any, round_key: str, step: int, first: int, me: int):
     self._client, self._key, self._step, self.first = client, round_key, step, first
-    self._found: dict[int, tuple[int, str] | None] = {}
+    self._me = me
+    self._found: dict[tuple[int, bool], tuple[int, str] | None] = {}
+
+  def _holder(self, writer: int, copy: bool) -> tuple[int, str] | None:
+    if (writer, copy) not in self._found:
+      got = rounds.try_read(self._client,
+                            rounds.node_part_key(self._key, self._step, writer, copy))
+      who, _, address = (got or '').partition(' ')
+      self._found[(writer, copy)] = (int(who), address) if who.isdigit() and address else None
+    return self._found[(writer, copy)]
 
   def __call__(self, writer: int) -> tuple[int, str] | None:
-    if writer not in self._found:
-      got = rounds.try_read(self._client, rounds.node_part_key(self._key, self._step, writer))
-      who, _, address = (got or '').partition(' ')
-      self._found[writer] = (int(who), address) if who.isdigit() and address else None
-    return self._found[writer]
+    return self._holder(writer, False) or self._holder(writer, True)
+
+  def other(self, writer: int, than: int | None) -> tuple[int, str] | None:
+    """A holder of ``writer``'s part other than process ``than`` (None: this process, whose
+    node's part failed), or None."""
+    than = self._me if than is None else than
+    return next((h for h in (self._holder(writer, True), self._holder(writer, False))
+                 if h is not None and h[0] != than), None)
 
 
 def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int]],
             timeout_s: float, other: Sequence[int] = (),
             parts: Mapping[int, Sequence[int]] | None = None,
             counts: Mapping[int, int] | None = None, published: list[str] | None = None,
+            copied: frozenset[tuple[int, int]] = frozenset(),
             ) -> tuple[list[int], dict[int, tuple[int, str]], dict[int, Parts]]:
   """The steps every process of ``mngr`` can restore, newest first; for this process the
   steps it must first fetch (step -> the process keeping its copy and that server's address);
@@ -334,9 +349,9 @@ def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int
   process whose node keeps copies, or holds parts that may be restored onto another layout
   (steps saved by another process count, or by another process), starts its server first
   (``partner_copy.ready``); for the latter it also publishes, before its holdings, a key per
-  part its node holds (``rounds.node_part_key``: a few per process, whatever the fleet),
-  whose names it adds to ``published`` (the caller deletes them once every process is past
-  the resume)."""
+  part its node holds (``rounds.node_part_key``: a few per process, whatever the fleet; those
+  of ``copied``, (step, saving process) pairs, as partner copies), whose names it adds to
+  ``published`` (the caller deletes them once every process is past the resume)."""
   client = jax_distributed.distributed_client()
   part = _oms.manager_participants(mngr)
   n, me = jax_distributed.process_count(), _oms.process_index()
@@ -356,7 +371,7 @@ def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int
   if address:
     for s in sorted(moved):
       for w in (parts or {}).get(s, ()):
-        name = rounds.node_part_key(key, s, w)
+        name = rounds.node_part_key(key, s, w, (s, w) in copied)
         rounds.put(client, name, f'{me} {address}')
         if published is not None:
           published.append(name)
@@ -367,7 +382,7 @@ def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int
       what=f'orbax_pathways: node steps every process can restore, {part.describe(n)}'))
   mine = {int(s): (int(who[str(me)][0]), str(who[str(me)][1]))
           for s, who in verdict['fetch'].items() if str(me) in who}
-  elastic = {int(s): Parts(client, key, int(s), int(first))
+  elastic = {int(s): Parts(client, key, int(s), int(first), me)
              for s, first in verdict.get('elastic', {}).items()}
   return [int(s) for s in verdict['steps']], mine, elastic
 
@@ -530,15 +545,19 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
   # processes on the same nodes) publishes what it did before.
   parts: dict[int, list[int]] = {}
   counts: dict[int, int] = {}
+  copied: set[tuple[int, int]] = set()  # of those, the parts this node keeps as copies
   n = jax_distributed.process_count()
+  in_copies = node_layout.copies_dir(root, digest) + os.sep
   for s in sorted(set(listed).union(*copies.values())):
     here = node_gather.parts_here(root, digest, s)
     saved = next((c for c in map(node_layout.read_processes, here.values()) if c), None)
     if saved is not None and (saved[0] != n or s in other):
       parts[s], counts[s] = sorted(here), saved[0]
+      copied.update((s, w) for w, path in here.items() if path.startswith(in_copies))
   published: list[str] = []
   agreed, fetch, elastic = (
-      _agreed(mngr, options, held, copies, timeout_s, other, parts, counts, published)
+      _agreed(mngr, options, held, copies, timeout_s, other, parts, counts, published,
+              frozenset(copied))
       if abstract_state is not None else ([], {}, {}))
   chosen = None
   for step in agreed:
@@ -548,7 +567,8 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
             root, digest, step, elastic[step], elastic[step].first, abstract_state, item,
             timeout_s,
             functools.partial(_restore_at, options, step=step,
-                              abstract_state=abstract_state, item=item))
+                              abstract_state=abstract_state, item=item),
+            elastic[step].other)
       else:
         if step in fetch:
           node_partners.fetch(mngr, options, root, step, fetch[step], timeout_s)
