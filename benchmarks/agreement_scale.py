@@ -6,8 +6,9 @@ What runs: the package's own agreements, unchanged: ``multitier/node_steps._agre
 steps every node holds) and ``multitier/resume.all_processes_ok`` (every process restored
 the step) — the two rounds of a resume from node steps — and
 ``preemption/decision._kv_agreement`` (every ``agreement_interval`` steps with jax's preemption
-service off), against jax's real coordination service (``jax.distributed`` with one process on
-127.0.0.1). The process under test plays process ``me`` of ``N``; the other ``N - 1`` cannot
+service off), against jax's real coordination service (its service and a client of this
+process's own on 127.0.0.1, with the job simulated around it: ``tests/support/kv_fleet.py``).
+The process under test plays process ``me`` of ``N``; the other ``N - 1`` cannot
 run here, so their keys are written into the same service before the process under test first
 touches a round (uncounted), and, when ``me`` is not the leader, the leader's verdict too.
 Every call of the process under test is counted, with the values the service sent back.
@@ -27,100 +28,19 @@ Run: ``python benchmarks/agreement_scale.py [--fleets 64,1024,16384] [--json-out
 from __future__ import annotations
 
 import argparse
-import collections
+import functools
 import json
-import socket
+import os
 import sys
 import time
 import types
 from typing import Any, Callable
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                'tests'))
+from support import kv_fleet  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 FLEETS = (64, 1024, 16384)
-
-
-class SimulatedFleet:
-  """jax's client as process ``me`` of ``n`` sees it: calls go to the real service and are
-  counted; the first touch of a round writes the other members' values and, for a member, the
-  leader's verdict, uncounted: ``value(round key, process)``, the verdict's with process None
-  (every member agrees)."""
-
-  def __init__(self, client: Any, me: int, n: int, value: Callable[[str, int | None], str],
-               leader: int = 0):
-    self.client, self.me, self.n, self.value, self.leader = client, me, n, value, leader
-    self.calls: collections.Counter[str] = collections.Counter()
-    self.values_read = 0
-    self.bytes_read = 0  # the values' bytes the service sent back
-    self.fill_s = 0.0  # writing the simulated processes' keys: not the process under test's
-    self._filled: set[str] = set()
-
-  def _round(self, key: str) -> str:
-    head, _, last = key.rstrip('/').rpartition('/')
-    return head if (last.isdigit() or last in ('verdict', 'progress')) and key[-1:] != '/' \
-        else key.rstrip('/')
-
-  def _fill(self, key: str) -> None:
-    rnd = self._round(key)
-    if rnd in self._filled:
-      return
-    began = time.perf_counter()
-    self._filled.add(rnd)
-    for p in range(self.n):
-      if p != self.me:
-        self.client.key_value_set(f'{rnd}/{p}', self.value(rnd, p), allow_overwrite=True)
-    if self.me != self.leader:
-      self.client.key_value_set(f'{rnd}/verdict', self.value(rnd, None), allow_overwrite=True)
-    self.fill_s += time.perf_counter() - began
-
-  def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
-    self._fill(key)
-    self.calls['set'] += 1
-    self.client.key_value_set(key, value, allow_overwrite=allow_overwrite)
-
-  def key_value_try_get(self, key: str) -> str:
-    self._fill(key)
-    self.calls['try_get'] += 1
-    found = self.client.key_value_try_get(key)
-    self.values_read += 1
-    self.bytes_read += len(found or '')
-    return found
-
-  def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
-    self._fill(key)
-    self.calls['blocking_get'] += 1
-    found = self.client.blocking_key_value_get(key, timeout_ms)
-    self.values_read += 1
-    self.bytes_read += len(found or '')
-    return found
-
-  def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
-    self._fill(prefix)
-    self.calls['dir_get'] += 1
-    found = self.client.key_value_dir_get(prefix)
-    self.values_read += len(found)
-    self.bytes_read += sum(len(v) for _, v in found)
-    return found
-
-  def key_value_delete(self, key: str) -> None:
-    self.calls['delete'] += 1
-    self.client.key_value_delete(key)
-
-
-def _start_service() -> Any:
-  import jax  # pylint: disable=g-import-not-at-top
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    port = s.getsockname()[1]
-  jax.distributed.initialize(f'127.0.0.1:{port}', num_processes=1, process_id=0)
-  from orbax_pathways._compat import jax_distributed  # pylint: disable=g-import-not-at-top
-  return jax_distributed.distributed_client()
-
-
-def _as_process(fleet: SimulatedFleet) -> None:
-  from orbax_pathways._compat import jax_distributed  # pylint: disable=g-import-not-at-top
-  from orbax_pathways._compat import orbax_manager_state as _oms  # pylint: disable=g-import-not-at-top
-  jax_distributed.distributed_client = lambda: fleet
-  jax_distributed.process_count = lambda: fleet.n
-  _oms.process_index = lambda: fleet.me
 
 
 def _cases() -> dict[str, tuple[Callable[[str, int | None], str], Callable[[int], Any]]]:
@@ -196,13 +116,18 @@ def _cases() -> dict[str, tuple[Callable[[str, int | None], str], Callable[[int]
 
 def run(fleets: tuple[int, ...]) -> list[dict]:
   from orbax_pathways.preemption import decision  # pylint: disable=g-import-not-at-top
-  client = _start_service()
+  with kv_fleet.Service() as service:
+    return _rows(service.client, fleets, decision)
+
+
+def _rows(client: Any, fleets: tuple[int, ...], decision: Any) -> list[dict]:
   rows = []
   for name, (value, fn) in _cases().items():
     for n in fleets:
       for role, me in (('member', 1), ('leader', 0)):
-        fleet = SimulatedFleet(client, me, n, value)
-        _as_process(fleet)
+        fleet = kv_fleet.Fleet(client, me, n, value,
+                               verdict=None if me == 0 else functools.partial(value, p=None))
+        kv_fleet.as_process(fleet)
         decision.reset()  # no answer of an earlier case remembered
         began = time.perf_counter()
         fn(n)

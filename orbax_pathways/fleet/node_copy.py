@@ -29,6 +29,7 @@ node step saved, and per step fetched; the bytes are this process's part of the 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import stat
 import time
@@ -54,6 +55,20 @@ def copy_dir(tier_dir: str, digest: str, writer: str, step: int | str) -> str:
 
 def writer_name(process: int) -> str:
   return f'p{int(process)}'
+
+
+_RECORD_RE = re.compile(r'^p(\d+)' + re.escape(format_names.PATHWAYS_SUFFIX) + '$')
+
+
+def saver(step_dir: str) -> int | None:
+  """The process that saved the node step at ``step_dir`` (its writer record, ``p<i>``, in an
+  item's ``_pathways``), or None when no item has one (JSON only: the same on every process)."""
+  for item in fsafe.subdirs(step_dir):
+    for name in fsafe.names(os.path.join(step_dir, item, format_names.PATHWAYS_DIR)):
+      found = _RECORD_RE.match(name)
+      if found:
+        return int(found.group(1))
+  return None
 
 
 def relative_parts(rel: Any) -> list[str]:

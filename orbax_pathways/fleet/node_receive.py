@@ -149,13 +149,6 @@ def commit(sock: socket.socket, req: Mapping[str, Any], tier: tier_config.TierCo
   return b''
 
 
-def _saved_by(step_dir: str, writer: str) -> bool:
-  """Whether the node step at ``step_dir`` is ``writer``'s part (an item holds its record)."""
-  record = writer + format_names.PATHWAYS_SUFFIX
-  return any(record in fsafe.names(os.path.join(step_dir, item, format_names.PATHWAYS_DIR))
-             for item in fsafe.subdirs(step_dir))
-
-
 def _kept(tier_dir: str, req: Mapping[str, Any]) -> str:
   """The directory of ``writer``'s part of a node step on this node: the copy it keeps, else
   the step a process saved in this node's own node steps (a resume onto another layout reads
@@ -165,9 +158,11 @@ def _kept(tier_dir: str, req: Mapping[str, Any]) -> str:
   if fsafe.is_dir(path):
     return path
   path = os.path.join(tier_dir, format_names.NODE_STEPS_DIR, digest, str(step))
-  if (fsafe.is_dir(path) and fsafe.exists(os.path.join(path, format_names.COMMIT_SUCCESS_FILE))
-      and _saved_by(path, writer)):  # committed: a save killed midway is never served
-    return path
+  # committed: a save killed midway is never served
+  if fsafe.is_dir(path) and fsafe.exists(os.path.join(path, format_names.COMMIT_SUCCESS_FILE)):
+    saved_by = node_copy.saver(path)
+    if saved_by is not None and node_copy.writer_name(saved_by) == writer:
+      return path
   raise FileNotFoundError(f'no part of {writer}\'s node step {step} here')
 
 

@@ -27,8 +27,9 @@ records (``_pathways/p<i>.msgpack``). What a restoring process does, on its own 
 What grows with what: a process reads the parts its devices overlap (for a state sharded over
 every device, about ``old processes / new processes + 1`` parts), each whole: a part's bytes
 beyond the boxes it needs are fetched too. Where each part is: one key-value read per part this
-node lacks, published by the process holding it beside the resume's round
-(``node_steps._agreed``).
+node lacks (two where its node as saved is gone: the part's key, then its copy's), published by
+the processes holding it beside the resume's round (``node_steps._agreed``); after a failure,
+one more per part used.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from typing import Any, Iterable
 
 import msgpack
@@ -61,18 +60,8 @@ def directory(mngr: Any, root: str) -> str:
   return fsafe.private_dirs(root, format_names.NODE_STEPS_DIR, digest_of(mngr))
 
 
-_RECORD_RE = re.compile(r'^p(\d+)' + re.escape(format_names.PATHWAYS_SUFFIX) + '$')
-
-
-def saver(step_dir: str) -> int | None:
-  """The process that saved the node step at ``step_dir`` (its writer record, ``p<i>``, in an
-  item's ``_pathways``), or None when no item has one (JSON only: the same on every process)."""
-  for item in fsafe.subdirs(step_dir):
-    for name in fsafe.names(os.path.join(step_dir, item, format_names.PATHWAYS_DIR)):
-      found = _RECORD_RE.match(name)
-      if found:
-        return int(found.group(1))
-  return None
+# The process that saved a node step (its writer record): used here and by the peer channel.
+saver = node_copy.saver
 
 
 def copies_dir(root: str, digest: str) -> str:

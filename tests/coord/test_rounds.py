@@ -3,22 +3,21 @@ what one process asks of jax's coordination service per round does not grow with
 (one directory read, then blocking reads only for the processes still missing), and a round
 that some processes never answer names them, the round and the deadline.
 
-The key-value client here is a stand-in for jax's coordination-service client (its interface,
-not storage): it plays the process under test's part against a job of ``n`` processes whose
-other members have published their key of any round already (but ``late`` ones, which arrive
-``LATE_S`` after the first request, and ``silent`` ones, never), and whose leader has published
-its verdict when the process under test is not the leader. It counts the requests by kind.
-The agreements run as the package runs them: the preemption agreement, the resume agreement,
-the resume's agreement on the node steps every process can restore, the writer-lease round, the
-save liveness round and the tier's peer exchange. The same counts against jax's real service,
-every member on time: ``test_agreement_scale.py``.
+Against jax's real coordination service (``support/kv_fleet.py``: the service of this test
+process, one per test), the process under test plays its part in a job of ``n`` processes
+whose other members cannot run here: their keys of a round are written into the service when
+the process under test first touches it (but ``late`` ones, ``LATE_S`` later, and ``silent``
+ones, never), and the leader's verdict where the process under test is not the leader. Its
+requests are counted by kind. The agreements run as the package runs them: the preemption
+agreement, the resume agreement, the resume's agreement on the node steps every process can
+restore, the writer-lease round, the save liveness round and the tier's peer exchange. The same
+counts every member on time, in a process with ``jax.distributed`` up:
+``test_agreement_scale.py``.
 """
 
 from __future__ import annotations
 
-import collections
 import json
-import threading
 import time
 import types
 
@@ -34,105 +33,43 @@ from orbax_pathways.preemption import decision
 from orbax_pathways.preemption import notice
 from orbax_pathways.multitier import resume as recovery
 from orbax_pathways.peer import exchange
-from orbax_pathways._compat import jax_distributed
-from orbax_pathways._compat import orbax_manager_state as _oms
+from support import kv_fleet
 
 FLEETS = (4, 64, 1024)
-LATE_S = 0.4
+LATE_S = kv_fleet.LATE_S
 
 
-class FakeKV:
-  """jax's distributed client as the process ``me`` of ``n`` sees it (see the module
-  docstring). ``value(p)`` is what process ``p`` published."""
+@pytest.fixture
+def service():
+  """jax's coordination service, this test's own (a fresh store)."""
+  with kv_fleet.Service() as s:
+    yield s
 
-  def __init__(self, me: int, n: int, value, *, late=(), silent=(), verdict: str | None = None):
-    self.me, self.n, self.value = me, n, value
-    self.late, self.silent = set(late), set(silent)
-    self.verdict = verdict  # the leader's verdict, when this process waits for one
-    self.stored: dict[str, str] = {}
-    self.calls: collections.Counter[str] = collections.Counter()
-    self.values_read = 0  # the other processes' values this process was sent
-    self.cond = threading.Condition()
-    self.t0: float | None = None
 
-  def _start(self, kind: str) -> None:
-    self.calls[kind] += 1
-    if self.t0 is None:
-      self.t0 = time.monotonic()
+@pytest.fixture
+def fleet(service):
+  """``fleet(me, n, value, late=, silent=, verdict=)``: a ``kv_fleet.Fleet`` on the service;
+  ``value(p)`` is what process ``p`` publishes in every round."""
+  made = []
 
-  def _other(self, key: str) -> str | None:
-    """The value of another process's key (``<round>/<p>``, ``<round>/verdict``) if it is there."""
-    last = key.rpartition('/')[2]
-    if last == rounds.VERDICT:
-      return self.verdict
-    if not last.isdigit() or not key.startswith(rounds.ROOT + '/'):
-      return None
-    p = int(last)
-    if p == self.me or not 0 <= p < self.n or p in self.silent:
-      return None
-    if p in self.late and time.monotonic() < self.t0 + LATE_S:
-      return None
-    return self.value(p)
-
-  def _get(self, key: str) -> str | None:
-    return self.stored[key] if key in self.stored else self._other(key)
-
-  def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
-    self._start('set')
-    if not allow_overwrite and self._get(key) is not None:
-      raise RuntimeError(f'ALREADY_EXISTS: {key}')
-    self.stored[key] = value
-
-  def key_value_try_get(self, key: str) -> str:
-    self._start('try_get')
-    found = self._get(key)
-    if found is None:
-      raise RuntimeError(f'NOT_FOUND: {key}')
-    self.values_read += 1
-    return found
-
-  def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
-    self._start('blocking_get')
-    end = time.monotonic() + timeout_ms / 1000
-    while True:
-      found = self._get(key)
-      if found is not None:
-        self.values_read += 1
-        return found
-      if time.monotonic() >= end:
-        raise RuntimeError(f'DEADLINE_EXCEEDED: {key}')
-      time.sleep(min(0.01, max(end - time.monotonic(), 0)))
-
-  def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
-    self._start('dir_get')
-    base = prefix.rstrip('/')
-    keys = {f'{base}/{p}' for p in range(self.n)} | {k for k in self.stored if k.startswith(prefix)}
-    found = [(k, v) for k in sorted(keys) for v in [self._get(k)] if v is not None]
-    self.values_read += len(found)
-    return found
-
-  def key_value_delete(self, key: str) -> None:
-    self._start('delete')
-    for k in [k for k in self.stored if k == key or k.startswith(key + '/')]:
-      del self.stored[k]
-
-  def requests(self) -> int:
-    return sum(self.calls.values())
+  def make(me, n, value, **kwargs):
+    f = kv_fleet.Fleet(service.client, me, n, lambda rnd, p: value(p), **kwargs)
+    made.append(f)
+    return f
+  yield make
+  for f in made:
+    f.settle()
 
 
 @pytest.fixture
 def as_process(monkeypatch):
-  """Makes this interpreter process ``me`` of ``n`` with ``client`` as its key-value client
-  (the package reads them through ``_compat``)."""
-  def become(client: FakeKV):
-    monkeypatch.setattr(jax_distributed, 'distributed_client', lambda: client)
-    monkeypatch.setattr(jax_distributed, 'process_count', lambda: client.n)
-    monkeypatch.setattr(_oms, 'process_index', lambda: client.me)
-  yield become
+  """Makes this interpreter process ``client.me`` of ``client.n`` with ``client`` as its
+  key-value client (the package reads them through ``_compat``)."""
+  yield lambda client: kv_fleet.as_process(client, monkeypatch)
   decision.reset()
 
 
-def _bounded(client: FakeKV, late: int) -> None:
+def _bounded(client: kv_fleet.Fleet, late: int) -> None:
   """One directory read (again only once late keys arrived), blocking reads only for the late
   ones, a few sets (a leader's progress, one per wave of arrivals) and deletes: nothing that
   grows with the fleet."""
@@ -143,18 +80,18 @@ def _bounded(client: FakeKV, late: int) -> None:
   assert client.requests() <= 4 + 2 * late, client.calls
 
 
-def _preemption(client: FakeKV, monkeypatch, step: int) -> bool:
+def _preemption(client: kv_fleet.Fleet, monkeypatch, step: int) -> bool:
   del monkeypatch
   return decision._kv_agreement(step, participants_lib.Participants(None, 0),  # pylint: disable=protected-access
                                 decision.Agreement(interval=1, timeout_s=30.0))
 
 
-def _resume(client: FakeKV, monkeypatch, step: int) -> bool:
+def _resume(client: kv_fleet.Fleet, monkeypatch, step: int) -> bool:
   monkeypatch.setattr(agreement._state, 'current', decision.Agreement(timeout_s=30.0))  # pylint: disable=protected-access
   return recovery.all_processes_ok(types.SimpleNamespace(), True, step)
 
 
-def _node_steps(client: FakeKV, monkeypatch, step: int) -> list[int]:
+def _node_steps(client: kv_fleet.Fleet, monkeypatch, step: int) -> list[int]:
   del client, monkeypatch, step
   options = types.SimpleNamespace(tier_dir=None, tier_peer_timeout_s=30.0)
   steps, fetch, elastic = node_steps._agreed(types.SimpleNamespace(), options, [9, 7], {},  # pylint: disable=protected-access
@@ -171,7 +108,7 @@ _HOLDS_9_7 = '{"steps":[9,7],"fetch":{}}'  # the verdict: every node holds 9 and
 @pytest.mark.parametrize('late', [2])
 @pytest.mark.parametrize('agreement', [_preemption, _resume, _node_steps])
 def test_every_process_agreement_requests_do_not_grow(agreement, late, me, n, as_process,
-                                                      monkeypatch):
+                                                      monkeypatch, fleet):
   """The leader (process 0) gathers the others' values, two of them late, and publishes the
   verdict; every other process publishes its value and reads the verdict: two requests and
   one value, whatever the fleet. (With every member on time, against jax's real service:
@@ -181,7 +118,7 @@ def test_every_process_agreement_requests_do_not_grow(agreement, late, me, n, as
   flag = {_preemption: '0', _resume: '1', _node_steps: _HOLDS_9_7}[agreement]
   value = ((lambda p: node_steps.holdings(p, [7, 9], {}, '')) if agreement is _node_steps
            else (lambda p: flag))
-  client = FakeKV(me, n, value, late=range(n - late, n),
+  client = fleet(me, n, value, late=range(n - late, n),
                   verdict=None if me == 0 else flag)
   as_process(client)
   assert agreement(client, monkeypatch, step=7 + n) == {'0': False, '1': True}.get(flag, [9, 7])
@@ -193,18 +130,18 @@ def test_every_process_agreement_requests_do_not_grow(agreement, late, me, n, as
     assert client.values_read == 1 and client.requests() == 2, client.calls
 
 
-def test_a_members_wait_names_the_processes_its_leader_missed(as_process):
+def test_a_members_wait_names_the_processes_its_leader_missed(as_process, fleet, service):
   """The leader's gather times out: it names the silent processes, and so does every member,
   at once (from the leader's verdict), not at its own deadline."""
-  leader = FakeKV(0, 64, lambda p: '1', silent=[5, 9])
+  leader = fleet(0, 64, lambda p: '1', silent=[5, 9])
   as_process(leader)
   with pytest.raises(rounds.PeerTimeoutError) as e:
     rounds.agree(leader, rounds.Sequence('test/agree', keep=1), 'orbax_pathways/test/agree/1',
                  me=0, members=range(64), count=64, leader=0, what='orbax_pathways: test',
                  value='1', decide=lambda v: '1', timeout_s=0.3)
   assert e.value.missing == (5, 9)
-  verdict = leader.stored[f'orbax_pathways/test/agree/1/{rounds.VERDICT}']
-  member = FakeKV(1, 64, lambda p: '1', verdict=verdict)
+  verdict = service.client.key_value_try_get(f'orbax_pathways/test/agree/1/{rounds.VERDICT}')
+  member = fleet(1, 64, lambda p: '1', verdict=verdict)
   began = time.monotonic()
   with pytest.raises(rounds.PeerTimeoutError) as e:
     rounds.agree(member, rounds.Sequence('test/agree', keep=1), 'orbax_pathways/test/agree/1',
@@ -216,8 +153,8 @@ def test_a_members_wait_names_the_processes_its_leader_missed(as_process):
                                  'process 0, which answers for this round'), str(e.value)
 
 
-def test_a_member_whose_leader_is_gone_names_it():
-  member = FakeKV(1, 8, lambda p: '1', silent=[0])
+def test_a_member_whose_leader_is_gone_names_it(fleet):
+  member = fleet(1, 8, lambda p: '1', silent=[0])
   with pytest.raises(rounds.PeerTimeoutError) as e:
     rounds.agree(member, rounds.Sequence('test/gone', keep=1), 'orbax_pathways/test/gone/1',
                  me=1, members=range(8), count=8, leader=0, what='orbax_pathways: test',
@@ -229,13 +166,13 @@ def test_a_member_whose_leader_is_gone_names_it():
 
 @pytest.mark.parametrize('n', FLEETS)
 @pytest.mark.parametrize('late', [0, 2])
-def test_save_liveness_round_requests_do_not_grow(late, n):
-  client = FakeKV(0, n, lambda p: liveness.OK, late=range(n - late, n))
+def test_save_liveness_round_requests_do_not_grow(late, n, fleet):
+  client = fleet(0, n, lambda p: liveness.OK, late=range(n - late, n))
   rnd = liveness.SaveRound(client, f'{rounds.ROOT}/save/test/{n}/{late}', 0, range(n), 0,
                            '/ckpt/1', n, timeout_s=30.0)
   rnd.writes_done(None, 0.0)  # the primary: every process reported ok
   _bounded(client, late)
-  other = FakeKV(1, n, lambda p: liveness.OK, verdict=liveness.OK)
+  other = fleet(1, n, lambda p: liveness.OK, verdict=liveness.OK)
   liveness.SaveRound(other, rnd.key, 1, range(n), 0, '/ckpt/1', n, timeout_s=30.0).writes_done(
       None, 0.0)
   _bounded(other, 0)
@@ -244,18 +181,18 @@ def test_save_liveness_round_requests_do_not_grow(late, n):
 @pytest.mark.parametrize('n', FLEETS)
 @pytest.mark.parametrize('me', [0, 1])
 @pytest.mark.parametrize('primary', [None, 0])
-def test_lease_round_requests_do_not_grow(primary, me, n):
+def test_lease_round_requests_do_not_grow(primary, me, n, fleet):
   part = participants_lib.Participants(None, primary)
   leader = part.leader(n)
-  client = FakeKV(me, n, lambda p: 'ok', verdict=None if me == leader else 'ok')
+  client = fleet(me, n, lambda p: 'ok', verdict=None if me == leader else 'ok')
   assert lease._agree(client, part, me, n, None) is None  # pylint: disable=protected-access
   _bounded(client, 0)
 
 
 @pytest.mark.parametrize('n', FLEETS)
 @pytest.mark.parametrize('late', [0, 2])
-def test_peer_exchange_requests_do_not_grow(late, n):
-  client = FakeKV(0, n, lambda p: json.dumps({'addr': f'h{p}:1', 'entries': []}),
+def test_peer_exchange_requests_do_not_grow(late, n, fleet):
+  client = fleet(0, n, lambda p: json.dumps({'addr': f'h{p}:1', 'entries': []}),
                   late=range(n - late, n))
   ex = exchange.Exchange(client, 0, n, timeout_s=30.0)
   prefix = ex.prefix(f'/ckpt/{n}/{late}/item')
@@ -267,9 +204,9 @@ def test_peer_exchange_requests_do_not_grow(late, n):
 
 
 @pytest.mark.parametrize('n', [64, 1024])
-def test_silent_processes_are_named(n):
+def test_silent_processes_are_named(n, fleet):
   silent = [5, 9] if n == 64 else list(range(100, 120))
-  client = FakeKV(0, n, lambda p: '0', silent=silent)
+  client = fleet(0, n, lambda p: '0', silent=silent)
   rnd = rounds.Round(client, rounds.round_key('test/silent', n), me=0, members=range(n),
                      count=n, what='orbax_pathways: test agreement')
   rnd.publish('0')
@@ -286,8 +223,8 @@ def test_silent_processes_are_named(n):
   assert client.calls['blocking_get'] <= 2 and client.calls['try_get'] == 0, client.calls
 
 
-def test_old_rounds_are_deleted_once_everyone_is_past_them():
-  client = FakeKV(0, 3, lambda p: '0')
+def test_old_rounds_are_deleted_once_everyone_is_past_them(fleet):
+  client = fleet(0, 3, lambda p: '0')
   seq = rounds.Sequence('test/retire', keep=2)
   keys = []
   for _ in range(4):
@@ -297,56 +234,20 @@ def test_old_rounds_are_deleted_once_everyone_is_past_them():
     rnd.gather(5.0)
     seq.retire(client, 0, whole=True)
   assert keys == [f'{rounds.ROOT}/test/retire/{i}' for i in range(1, 5)]
-  assert sorted(client.stored) == [f'{k}/0' for k in keys[2:]]  # rounds 1 and 2 are gone
+  # rounds 1 and 2 are gone, every member's key; 3 and 4 are kept
+  assert client.keys(f'{rounds.ROOT}/test/retire/') == [f'{k}/{p}' for k in keys[2:]
+                                                        for p in range(3)]
   assert notice.pending() is False  # nothing here touched the process's notice
 
 
-class SharedKV:
-  """One store that every simulated process of a job publishes into (jax's service semantics);
-  counts the requests and the keys returned while ``counting``."""
-
-  def __init__(self) -> None:
-    self.store: dict[str, str] = {}
-    self.calls: collections.Counter[str] = collections.Counter()
-    self.values_read = 0  # the other processes' values this process was sent
-    self.keys = 0
-    self.counting = False
-
-  def key_value_set(self, key, value, allow_overwrite=False):
-    if not allow_overwrite and key in self.store:
-      raise RuntimeError(f'ALREADY_EXISTS: {key}')
-    self.store[key] = value
-
-  def key_value_try_get(self, key):
-    self.calls['try_get'] += self.counting
-    if key not in self.store:
-      raise RuntimeError(f'NOT_FOUND: {key}')
-    return self.store[key]
-
-  def blocking_key_value_get(self, key, timeout_ms):
-    self.calls['blocking_get'] += self.counting
-    if key not in self.store:
-      raise RuntimeError(f'DEADLINE_EXCEEDED: {key}')
-    return self.store[key]
-
-  def key_value_dir_get(self, prefix):
-    found = [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
-    self.calls['dir_get'] += self.counting
-    self.keys += len(found) * self.counting
-    return found
-
-  def key_value_delete(self, key):
-    for k in [k for k in self.store if k == key or k.startswith(key + '/')]:
-      del self.store[k]
-
-
 @pytest.mark.parametrize('n', FLEETS)
-def test_a_reader_reads_only_the_holders_of_the_writer_it_lacks(n):
+def test_a_reader_reads_only_the_holders_of_the_writer_it_lacks(n, service):
   """Each of ``n`` processes publishes its key and one holder key for its own writer; a reader
   that lacks writer p1's chunks reads one key in one request, whatever ``n``; a gather of the
   round reads the processes' keys only (the holder keys sit beside the round); the holder
   keys of the restore before last go with it."""
-  kv = SharedKV()
+  kv = kv_fleet.Counted(service.client)  # every simulated process publishes through it
+  kv.counting = False
   exchanges = [exchange.Exchange(kv, me, n, timeout_s=1.0) for me in range(n)]
   prefixes = []
   for _ in range(3):  # three restores of the item: the first one's keys are retired by the third
@@ -361,9 +262,9 @@ def test_a_reader_reads_only_the_holders_of_the_writer_it_lacks(n):
   assert found == {1: {'addr': 'h1:1', 'entries': [('p1', 's1')]}}
   assert exchange.to_ask(found, {'p1': 's1'}, me=0) == [1]
   assert exchange.to_ask(found, {'p1': 'another save'}, me=0) == []  # a stale entry is not asked
-  assert (dict(kv.calls), kv.keys) == ({'dir_get': 1}, 1)
+  assert (dict(kv.calls), kv.values_read) == ({'dir_get': 1}, 1)
   got, missing = reader.gather(prefixes[-1])
-  assert (len(got), missing, kv.keys) == (n - 1, [], 1 + n)
-  assert not [k for k in kv.store if k.startswith(prefixes[0] + '.h/')]  # retired by the third
-  assert f'{prefixes[0]}/0' not in kv.store
-  assert len([k for k in kv.store if k.startswith(prefixes[1] + '.h/')]) == n  # before last: kept
+  assert (len(got), missing, kv.values_read) == (n - 1, [], 1 + n)
+  assert not kv.keys(prefixes[0] + '.h/')  # retired by the third
+  assert f'{prefixes[0]}/0' not in kv.keys(prefixes[0] + '/')
+  assert len(kv.keys(prefixes[1] + '.h/')) == n  # before last: kept
