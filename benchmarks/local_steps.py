@@ -34,8 +34,9 @@ restart's ``latest_step()`` / ``restore()`` or ``preemption.resume`` alone):
 Then 4 fresh processes (3 with ``--lose-node``: the 4th node and its tier gone; 4 with
 ``--replace-node``: the 4th node's tier gone, a new node in its place) run
 ``preemption.resume`` and one training step. ``--leaves N`` splits the state's rows into N arrays (a model's leaves: per-array work on
-storage shows with many). ``--layout replicated`` splits the state over
-each slice's devices only (every slice holds all of it) instead of over every device. Reported per mode: the
+storage shows with many). ``--layout replicated`` (and ``--api emergency``,
+whose slices are replicas) splits the state over each slice's devices only instead of over every
+device: every process then holds and saves all of it, 4 x ``--mib``. Reported per mode: the
 step resumed from and the steps lost, seconds from the resume call to the end of the first step
 after it (slowest process, between barriers), bytes read from storage, and the training loop's
 mean step time against the step time with no checkpointing (``--steps`` steps, measured in the
@@ -87,7 +88,10 @@ WORKER = os.path.join(HERE, 'local_steps_worker.py')  # one process of a run
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument('--mib', type=float, default=32.0, help='MiB of state per process')
+  p.add_argument('--mib', type=float, default=32.0,
+                 help='MiB of state per process when it is sharded over every device: the '
+                      'state is 4 x MIB in all; with --layout replicated (and --api emergency) '
+                      'every process holds all of it')
   p.add_argument('--steps', type=int, default=96, help='steps trained before the kill')
   p.add_argument('--step-s', type=float, default=0.1, help='seconds of one training step')
   p.add_argument('--storage-every', type=int, default=50)
@@ -306,8 +310,15 @@ def _steady(train, args) -> dict:
           'warm_up_write_s': [w[0] for w in (train[0].get('write_s') or [])[:last - 1] if w]}
 
 
+def held_mib(args) -> float:
+  """MiB of state each process holds and saves: ``--mib``, or the whole state (4 x ``--mib``)
+  where every slice holds all of it."""
+  return args.mib * (4 if args.layout == 'replicated' else 1)
+
+
 def table(results, args) -> str:
-  lines = [f'4 processes x 2 CPU devices, {args.mib:g} MiB per process ({args.layout}'
+  lines = [f'4 processes x 2 CPU devices, {held_mib(args):g} MiB of state held per process '
+           f'({4 * args.mib:g} MiB in all, {args.layout}'
            + (f', {args.leaves} arrays' if args.leaves > 1 else '') + '), '
            + ("Orbax v1's training.Checkpointer, " if args.api == 'v1' else '')
            + ("Orbax's emergency CheckpointManager as MaxText builds it (stock: Orbax "
@@ -405,8 +416,8 @@ def table(results, args) -> str:
     lines.append(f"resume time multi_tier / storage_only: "
                  f"{by['multi_tier']['resume_s'] / by['storage_only']['resume_s']:.2f}")
   lines.append('')
-  lines.append(f'Peak resident memory of the largest process over the training run ({args.mib} '
-               'MiB of state per process): ' + ', '.join(
+  lines.append(f'Peak resident memory of the largest process over the training run '
+               f'({held_mib(args):g} MiB of state held per process): ' + ', '.join(
                    f"{r['mode']} {r['peak_rss_mib']:.0f} MiB" for r in results
                    if r.get('peak_rss_mib')))
   return '\n'.join(lines)

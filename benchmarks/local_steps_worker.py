@@ -38,14 +38,28 @@ devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 mesh = jax.sharding.Mesh(np.array(devices).reshape(n // 2, 2), ('x', 'y'))  # a slice a process
 # sharded: over every device; replicated: over each slice's 2 devices, every slice holding all
 sharding = jax.sharding.NamedSharding(mesh, P('x', 'y') if layout == 'sharded' else P(None, 'y'))
-base = np.arange(rows * 1024, dtype=np.float32).reshape(rows, 1024)
 part = rows // n_leaves
-bases = ({'w': base} if n_leaves == 1 else
-         {f'w{k:03d}': base[k * part:(k + 1) * part] for k in range(n_leaves)})
+# The state's values: element (r, c) of the whole (rows, 1024) array is r * 1024 + c (as
+# float32), plus the step. Each leaf is a band of rows; a shard's values are computed from its
+# index alone, so no process holds the whole array beside its shards (at 256 MiB per process
+# that would be 1 GiB more on each).
+bands = ({'w': 0} if n_leaves == 1 else {f'w{k:03d}': k * part for k in range(n_leaves)})
+shape = (part, 1024)
+
+
+def values(row0, index):
+  """The base values of the shard at ``index`` (slices) of the leaf whose rows start at
+  ``row0``."""
+  r = range(*index[0].indices(part))
+  c = range(*index[1].indices(1024))
+  return ((np.arange(r.start, r.stop, dtype=np.int64)[:, None] + row0) * 1024
+          + np.arange(c.start, c.stop, dtype=np.int64)[None, :]).astype(np.float32)
+
 
 def state(step):
-  return {name: jax.make_array_from_callback(b.shape, sharding, lambda i, b=b: b[i] + step)
-          for name, b in bases.items()}
+  return {name: jax.make_array_from_callback(shape, sharding,
+                                             lambda i, r0=r0: values(r0, i) + np.float32(step))
+          for name, r0 in bands.items()}
 
 if update == 'device':  # the same values, computed where a training step computes: on the devices
   _base = state(0)
@@ -65,8 +79,8 @@ def manager():
       # Orbax's class wants the persistent directory to exist; on GCS, one object makes it.
       (epath.Path(root) / '.created').write_text('')
     multihost_utils.sync_global_devices('persistent directory')
-    abstract = {name: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding)
-                for name, b in bases.items()}
+    abstract = {name: jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
+                for name in bands}
     return em.CheckpointManager(
         os.environ['ORBAX_PATHWAYS_TIER_DIR'], root, global_mesh=mesh, abstract_state=abstract,
         options=em.CheckpointManagerOptions(
@@ -166,8 +180,8 @@ if mode == 'train':
                     'steady': steady if train_only else None})
     mp_worker.stop_all_now()
 else:
-  target = {name: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding)
-            for name, b in bases.items()}
+  target = {name: jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
+              for name in bands}
   from etils import epath
   # The storage steps committed when the job was killed (Orbax's own test of a finished step).
   committed = sorted(int(p.name) for p in epath.Path(root).iterdir()
@@ -185,9 +199,9 @@ else:
     time.sleep(step_s)  # the first training step after it
     multihost_utils.sync_global_devices('after')
     wall = time.perf_counter() - t0
-  for name, b in bases.items():
+  for name, r0 in bands.items():
     for sh in got[name].addressable_shards:
-      np.testing.assert_array_equal(np.asarray(sh.data), b[sh.index] + step)
+      np.testing.assert_array_equal(np.asarray(sh.data), values(r0, sh.index) + np.float32(step))
   st = stats.last_restore()  # None where Orbax's own handlers restored (stock's emergency manager)
   mp_worker.emit({'step': step, 'resume_s': wall, 'restore_s': restore_s,
                   'storage_steps': committed,

@@ -64,13 +64,34 @@ KINDS = KILLS + ('node_lost', 'sigterm_all', 'sigterm_one', 'storage_errors', 's
                  'storage_dropped', 'flip_tier_chunk', 'flip_partner_copy',
                  'flip_storage_chunk', 'flip_metadata')
 
+def _damaged_node_step(record: dict) -> tuple[int, int] | None:
+  """(node, step) of the node step whose own data file a ``flip_tier_chunk`` damaged (its path:
+  ``<base>/node<i>/.node-steps/<digest>/<step>/...``), else None."""
+  parts = str(record.get('damaged') or '').split(os.sep)
+  if record.get('kind') != 'flip_tier_chunk' or '.node-steps' not in parts:
+    return None
+  at = parts.index('.node-steps')
+  node, digest, step = parts[at - 1], parts[at + 1], parts[at + 2]
+  if not node.startswith('node') or digest.endswith('.copies') or not step.isdigit():
+    return None
+  return int(node[4:]), int(step)
+
+
 def newer_whole(record: dict) -> int | None:
-  """The newest step every node held committed, or storage held committed, when the fault's
+  """The newest step every node held committed (a node's own step damaged by the fault only
+  where a partner's copy of it was committed too), or storage held committed, when the fault's
   restart started (None where the record has neither: storage mode, a lost node)."""
   nodes, storage = record.get('node_steps'), record.get('storage_steps') or []
   if not nodes or record.get('kind') == 'node_lost':
     return None
-  everywhere = set(nodes[0]).intersection(*nodes[1:])
+  held = [set(n) for n in nodes]
+  damaged = _damaged_node_step(record)
+  copies = record.get('node_copies')  # not in records taken before they were recorded
+  if damaged is not None and copies is not None and damaged[0] < len(held):
+    node, step = damaged
+    if not any(step in c.get(str(node), ()) for c in copies):
+      held[node].discard(step)  # damaged, and no copy to restore it from
+  everywhere = held[0].intersection(*held[1:])
   return max(everywhere | set(storage), default=None)
 
 
@@ -200,6 +221,8 @@ class Chaos:
       if self.args.local_steps_in == 'nodes':
         record['node_steps'] = [self._committed_node_steps(self.tier(i))
                                 for i in range(self.nodes)]
+        record['node_copies'] = [self._committed_copies(self.tier(i))
+                                 for i in range(self.nodes)]
         record['storage_steps'] = self._committed_storage_steps()
       if record['last_trained'] is None and previous is not None:
         record['last_trained'] = previous.get('last_trained')
@@ -387,6 +410,26 @@ class Chaos:
             os.path.join(base, digest, name, 'commit_success.txt')):
           steps.append(int(name))
     return sorted(steps)
+
+  @staticmethod
+  def _committed_copies(node: str) -> dict[str, list[int]]:
+    """Saving process -> the node steps whose partner copy ``node`` keeps committed, as the
+    restart finds them (``<node>/.node-steps/<digest>.copies/p<process>/<step>/``)."""
+    base = os.path.join(node, '.node-steps')
+    found: dict[str, list[int]] = {}
+    for digest in (os.listdir(base) if os.path.isdir(base) else []):
+      copies = os.path.join(base, digest)
+      if not digest.endswith('.copies') or not os.path.isdir(copies):
+        continue
+      for writer in os.listdir(copies):
+        wdir = os.path.join(copies, writer)
+        if not writer.startswith('p') or not writer[1:].isdigit() or not os.path.isdir(wdir):
+          continue
+        steps = sorted(int(n) for n in os.listdir(wdir) if n.isdigit() and os.path.exists(
+            os.path.join(wdir, n, 'commit_success.txt')))
+        if steps:
+          found[writer[1:]] = steps
+    return found
 
   @staticmethod
   def _node_step_files(node: str, copies: bool) -> dict[int, list[str]]:

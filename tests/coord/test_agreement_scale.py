@@ -2,7 +2,7 @@
 simulated processes (``benchmarks/agreement_scale.py`` in a process of its own: it starts
 ``jax.distributed`` there). A member's requests and the values it reads stay the same at every
 size; only the leader reads one value per member. ``test_rounds.py`` covers late and silent
-members with a stand-in client."""
+members, on the same real service (``support/kv_fleet.py``)."""
 
 from __future__ import annotations
 
