@@ -275,15 +275,22 @@ def restore(root: str, digest: str, step: int, holders: Callable[[int], tuple[in
                         f'process\'s devices need now, and no live node holds them')
     parts: dict[int, str] = {}
     served: dict[int, int | None] = {}  # writer -> the process whose node gave it (None: here)
-    try:
-      for writer in sorted(need):
-        if writer in here:
+
+    def gather(writers: list[int], suffix: str, alternates: Mapping[int, tuple[int, str]]):
+      for writer in writers:
+        if writer in alternates:  # the second try: from the other node holding it
+          holder: tuple[int, str] | None = alternates[writer]
+        elif writer in here and not suffix:
           parts[writer], served[writer] = here[writer], None
+          continue
         else:
-          parts[writer] = os.path.join(work, node_copy.writer_name(writer))
           holder = holders(writer)
-          served[writer] = None if holder is None else holder[0]
-          fetch(node_copy.writer_name(writer), parts[writer], holder=holder)
+        parts[writer] = os.path.join(work, node_copy.writer_name(writer) + suffix)
+        served[writer] = None if holder is None else holder[0]
+        fetch(node_copy.writer_name(writer), parts[writer], holder=holder)
+
+    try:
+      gather(sorted(need), '', {})
       state = join_and_restore(parts, name, meta, 'merged')
     except Exception as e:  # pylint: disable=broad-except  (tried once more from other holders)
       again = {w: h for w in served
@@ -295,9 +302,11 @@ def restore(root: str, digest: str, step: int, holders: Callable[[int], tuple[in
                   'nodes holding them.', step, sorted(need), type(e).__name__, str(e)[:300],
                   ', '.join(f'process {w}\'s part from process {h[0]}'
                             for w, h in sorted(again.items())))
-      for w, h in sorted(again.items()):
-        parts[w] = os.path.join(work, node_copy.writer_name(w) + '.again')
-        fetch(node_copy.writer_name(w), parts[w], holder=h)
+      # The parts with another holder from there; the rest as before (those the first try
+      # fetched whole are kept; one it had not reached yet is fetched now).
+      unfetched = [w for w in sorted(need) if w not in served]
+      gather(sorted(again), '.again', again)
+      gather(unfetched, '', {})
       state = join_and_restore(parts, name, meta, 'merged.again')
     log.info('orbax_pathways.preemption.resume: node step %d restored onto this layout from '
              'the parts of processes %s (%d fetched from other nodes).', step, sorted(need),
