@@ -62,11 +62,7 @@ SUITES = [
     Suite('v0_checkpoint_manager_slice_test', 'checkpoint_manager_slice_test.py', 4),
     Suite('em_single_slice_checkpoint_manager_test',
           'experimental/emergency/single_slice_checkpoint_manager_test.py', 4),
-    Suite('em_checkpoint_manager_test', 'experimental/emergency/checkpoint_manager_test.py', 4,
-          'not test_local_restore_by_broadcast',
-          'process 0 empties persistent_directory with no barrier while the others restore: with '
-          'the drop-in the processes then fail at different points and the file ends in '
-          'barrier time-outs (docs/upstream_tests.md, H)'),
+    Suite('em_checkpoint_manager_test', 'experimental/emergency/checkpoint_manager_test.py', 4),
     # The emergency manager's peers: Orbax's other multi-tier managers and their helpers, run
     # with the package imported to show that its drop-in leaves them Orbax's.
     Suite('em_mesh_consistency_test', 'experimental/emergency/mesh_consistency_test.py', 1),

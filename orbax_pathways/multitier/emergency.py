@@ -253,14 +253,17 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
         restore_args=ocp.checkpoint_utils.construct_restore_args(self._abstract_state))
     return ocp.args.Composite(**{STATE: state, **extra})
 
-  def _restore_local(self, step: int, extra: dict[str, Any]) -> tuple[Any, BaseException | None]:
-    """A local-only step restored on every process or on none (one agreement round)."""
+  def _restore_local(self, step: int, extra: dict[str, Any],
+                     as_saved: bool = False) -> tuple[Any, BaseException | None]:
+    """A local-only step restored on every process or on none (one agreement round);
+    ``as_saved``: a node step each process saved with the job's current layout only."""
     nodes = local_steps.on_nodes(self._mngr)
     inner = local_steps.local_manager(self._mngr)
     state, error = None, None
     try:
       if nodes is not None:
-        state = node_steps.restore_items(self._mngr, *nodes, step, self._args(extra))
+        restore = node_steps.restore_as_saved if as_saved else node_steps.restore_items
+        state = restore(self._mngr, *nodes, step, self._args(extra))
       elif inner is None:
         raise FileNotFoundError(f'no local-only steps under {local_steps.directory_of(self._mngr)}')
       else:
@@ -315,9 +318,10 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
 
   def restore(self, step: int | None, args: Any = None) -> Any:
     """``Composite(state=...)`` (and the other items ``args`` names, e.g. ``dataset``) of
-    ``step`` (None: ``latest_step()``), onto ``abstract_state``'s shardings: from storage for a
-    storage step, from the node-local tiers only for a local-only step (every process or
-    none)."""
+    ``step`` (None: ``latest_step()``), onto ``abstract_state``'s shardings: from the node-local
+    tiers only for a local-only step (every process or none); for a storage step on the local
+    interval with node steps, from the nodes where every process's node holds it as saved, else
+    from storage; from storage for the other storage steps."""
     self._started = True
     if step is None:
       step = self.latest_step()
@@ -339,6 +343,16 @@ class EmergencyCheckpointManager(orbax_emergency.stock_class()):  # type: ignore
       if error is not None:
         raise error
       return ocp.args.Composite(**{k: state[k] for k in (STATE, *extra)})
+    if self._multislice and self._local_due(step) and local_steps.on_nodes(self._mngr):
+      # A storage step on the local interval is a node step too: restored from the nodes
+      # first, as Orbax's class restores a step from its slices' local copies before its
+      # persistent one. Decided by the step's number and the options alone, so every process
+      # takes this branch; where any process's node lacks it, every process reads storage.
+      state, error = self._restore_local(step, extra, as_saved=True)
+      if error is None:
+        return ocp.args.Composite(**{k: state[k] for k in (STATE, *extra)})
+      log.info('orbax_pathways: emergency CheckpointManager: step %d restored from storage '
+               '(its node step: %s).', step, f'{type(error).__name__}: {str(error)[:300]}')
     restored = self._mngr.restore(step, args=self._args(extra))
     return ocp.args.Composite(**{k: restored[k] for k in (STATE, *extra)})
 

@@ -80,6 +80,7 @@ from orbax_pathways.multitier import node_gather
 from orbax_pathways.multitier import node_layout
 from orbax_pathways.multitier import node_partners
 from orbax_pathways.fleet import partner_copy
+from orbax_pathways.plan import node_parts
 from orbax_pathways.tier import fsafe
 
 log = logging.getLogger('orbax_pathways')
@@ -501,6 +502,24 @@ def restore_items(mngr: Any, options: Any, keep: int, step: int, args: Any) -> A
   with orbax_process_local.alone(_oms.process_index()):
     node.reload()
     return node.restore(step, args=args)
+
+
+def restore_as_saved(mngr: Any, options: Any, keep: int, step: int, args: Any) -> Any:
+  """``restore_items`` of a node step this process saved into its node with the job's current
+  layout (its process count and which process holds each device); ``FileNotFoundError``
+  otherwise (the caller agrees with the other processes on the outcome, and reads storage where
+  any process could not). The emergency drop-in's restore of a storage step that is a node
+  step too, as Orbax's class restores a step from its local copies first."""
+  node = manager(mngr, options, keep)
+  if node is not None:
+    path = os.path.join(str(node.directory), str(step))
+    saved = node_layout.read_processes(path)
+    here = (jax_distributed.process_count(),
+            node_parts.encode_processes(_device_processes()))
+    if step in listed(mngr, options, keep) and saved is not None and saved == here:
+      return restore_items(mngr, options, keep, step, args)
+  raise FileNotFoundError(f'no node step {step} this process saved with this layout in its node '
+                          f'({directory_of(mngr)})')
 
 
 def delete(mngr: Any, options: Any, keep: int, step: int) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -24,6 +25,7 @@ from orbax.checkpoint.experimental.emergency import checkpoint_manager as em
 import pytest
 
 import orbax_pathways  # pylint: disable=unused-import
+from orbax_pathways import stats
 from orbax_pathways._compat import orbax_emergency
 from orbax_pathways.multitier import emergency as dropin
 from support.arrays import mesh as make_mesh
@@ -214,6 +216,40 @@ def test_with_node_steps_local_steps_live_in_the_local_directory_alone(tmp_path)
     with _build(tmp_path, m, abstract) as fresh:
       assert fresh.latest_step() == 4  # 5 passed over: storage's newest
       _assert_step(fresh.restore(4)['state'], m, 4)
+  finally:
+    orbax_pathways.install(orbax_pathways.Options())
+
+
+def test_with_node_steps_a_storage_step_is_restored_from_the_nodes_first(tmp_path):
+  """A storage step on the local interval is a node step too: ``restore`` reads it from the
+  nodes, as Orbax's class restores from its slices' local copies first, so it comes back with
+  its persistent directory emptied (Orbax's ``test_local_restore_by_broadcast``); where the
+  node lacks it, it is read from storage."""
+  orbax_pathways.install(orbax_pathways.Options(local_steps_in='nodes'))
+  try:
+    m = make_mesh((2, 4), ('replica', 'data'))
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
+    with _build(tmp_path, m, abstract) as mngr:
+      for s in range(5):
+        mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s))))
+      mngr.wait_until_finished()
+      (node,) = [p for p in (tmp_path / 'local' / '.node-steps').iterdir()]
+      assert sorted(n for n in os.listdir(node) if n.isdigit()) == ['3', '4']
+      for name in os.listdir(tmp_path / 'persistent'):  # storage emptied under the manager
+        path = tmp_path / 'persistent' / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+      _assert_step(mngr.restore(4)['state'], m, 4)
+      assert stats.last_restore().bytes_by_source.get('storage', 0) == 0
+      with pytest.raises(Exception, match='2'):  # not on the nodes: storage, which lost it
+        mngr.restore(2)
+    (tmp_path / 'again').mkdir()
+    _, abstract = _saved(tmp_path / 'again', 5)  # and with storage whole: the node step
+    with _build(tmp_path / 'again', m, abstract) as fresh:
+      assert fresh.latest_step() == 4
+      _assert_step(fresh.restore(4)['state'], m, 4)
+      assert stats.last_restore().bytes_by_source.get('storage', 0) == 0
+      _assert_step(fresh.restore(2)['state'], m, 2)  # no node step 2 any more: from storage
+      assert stats.last_restore().bytes_by_source.get('storage', 0) > 0
   finally:
     orbax_pathways.install(orbax_pathways.Options())
 
