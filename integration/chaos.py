@@ -2,7 +2,7 @@
 each followed by a restart through ``preemption.resume`` and more training; counts recoveries.
 
     python integration/chaos.py --faults 20 --seed 0 [--json-out F] [--keep] [--fast-start]
-        [--local-steps-in nodes]
+        [--local-steps-in nodes|storage]
 
 The job: 4 ``jax.distributed`` processes (2 CPU devices each; each process a node with its own
 node-local tier directory and its own slice), an unchanged ``CheckpointManager`` (storage every
@@ -498,9 +498,11 @@ def main(argv=None) -> int:
   p.add_argument('--deadline', type=float, default=180.0,
                  help='seconds any phase may take before it counts as a hang')
   p.add_argument('--kinds', default='', help='comma-separated subset of the kinds (default all)')
-  p.add_argument('--local-steps-in', default='storage', choices=('storage', 'nodes'),
-                 help="Options.local_steps_in of the job (default storage; nodes: each process "
-                      'saves its part of a local-only step alone into its node)')
+  p.add_argument('--local-steps-in', default='nodes', choices=('storage', 'nodes'),
+                 help="Options.local_steps_in of the job (default nodes, the package's: each "
+                      'process saves its part of a local-only step alone into its node; storage: '
+                      "their records in storage, the path of data iterators' and Pathways' "
+                      'local-only steps)')
   p.add_argument('--fast-start', action='store_true',
                  help="fork the jobs' processes from a process that has imported jax and Orbax "
                       '(tests/support/zygote.py): the CI smoke\'s choice; the resume times then '
