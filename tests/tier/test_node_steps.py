@@ -211,18 +211,19 @@ def test_a_restart_on_more_processes_resumes_from_the_nodes_new_nodes_included(s
 
 
 def test_a_flipped_byte_in_a_part_restored_onto_another_layout_is_taken_from_its_copy(saved):
-  """A bit of node 0's own step 9 flipped, and the job restarts on eight processes of one
-  device each (as above): process 0's devices need the part node 0 saved, which fails its
-  checksum; it fetches that part from the copy process 1's node keeps and joins the step
-  again. Every process resumes node step 9 with the values saved, no byte from storage."""
+  """A bit of each data file of node 0's own step 9 flipped, and the job restarts on eight
+  processes of one device each (as above): process 0's device needs half of the part node 0
+  saved, which fails its checksum; it fetches that part from the copy process 1's node keeps
+  and joins the step again. Every process resumes node step 9 with the values saved, no byte
+  from storage."""
   tmp_path, _ = saved
   data = [p for p in (tmp_path / 'node0').rglob('*') if p.is_file() and '/9/default/' in str(p)
           and '/d/' in str(p) and '.copies' not in str(p)]
   assert data, 'no OCDBT data file in node 0\'s step 9'
-  biggest = max(data, key=lambda p: p.stat().st_size)
-  raw = bytearray(biggest.read_bytes())
-  raw[len(raw) // 2] ^= 0x10
-  biggest.write_bytes(bytes(raw))
+  for path in data:  # a bit of each: the chunks' and the B-tree's alike
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
   resumed = _run(tmp_path, 'resume', 10, processes=8, devices=1)
   for r in resumed:
     assert r.result is not None, r.stderr_tail
