@@ -59,8 +59,10 @@ def _still_complete(mngr, step: int) -> bool:
 def _damaged_warning(step: int, path, error: BaseException | None, fallback_step: int) -> str:
   what = ('another process of this job failed to restore it' if error is None else
           f'{type(error).__name__}: {str(error)[:1000]}')
+  instead = (f'Resuming step {step} from the nodes\' copy of it (a node step) instead'
+             if fallback_step == step else f'Resuming from step {fallback_step} instead')
   return (f'orbax_pathways.preemption.resume: step {step} at {path} is DAMAGED and was '
-          f'skipped ({what}). Resuming from step {fallback_step} instead. The damaged step stays '
+          f'skipped ({what}). {instead}. The damaged step stays '
           f'on storage for inspection (`orbax-pathways verify {path}`); this manager no longer '
           'lists it, so saving that step again replaces it. Pass fallback=False to raise '
           'instead.')
@@ -102,6 +104,17 @@ def _from_local_step(mngr, abstract_state: Any, newest_storage: int | None, list
                     f'{type(error).__name__}: {str(error)[:500]}' if error is not None
                     else 'another process of this job could not complete it')
   return None
+
+
+def _report_damaged(mngr: Any, damaged: list[tuple[int, Any, BaseException | None]],
+                    resumed: int) -> None:
+  """The loud warning for each storage step that failed before ``resumed`` restored; they are
+  dropped from ``mngr``'s listing so that training saves normally."""
+  for s, p, err in damaged:
+    message = _damaged_warning(s, p, err, resumed)
+    logging.error(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    _oms.forget_step(mngr, s)
 
 
 def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
@@ -162,11 +175,7 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
     path = _oms.manager_step_path(mngr, step)
     state, error = _try_restore(mngr, step, abstract_state, v1)
     if all_processes_ok(mngr, error is None, step):
-      for s, p, err in damaged:
-        message = _damaged_warning(s, p, err, step)
-        logging.error(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-        _oms.forget_step(mngr, s)
+      _report_damaged(mngr, damaged, step)
       local_steps.drop_newer(mngr, step, listed)
       return step, state
     if error is not None and not _still_complete(mngr, step):
@@ -188,3 +197,17 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
                     'trying the next older step.', step, path,
                     type(error).__name__ if error else 'on another process')
     damaged.append((step, path, error))
+    if abstract_state is not None:
+      # The node steps between the next older storage step and this one (this step's own node
+      # copy included: a storage step on the local interval is saved into the nodes too),
+      # whole on the nodes where storage lost this step. Those newer than it were tried (and
+      # dropped) above. Every process is here: the step failed on all of them alike.
+      below = latest_complete_step(mngr, exclude={d[0] for d in damaged})
+      found = local_steps.resume_on_nodes(
+          mngr, abstract_state, below,
+          all_ok=lambda ok, s: all_processes_ok(mngr, ok, s),
+          timeout_s=agreement_lib.current().timeout_s)
+      if found is not None:
+        _report_damaged(mngr, damaged, found[0])
+        local_steps.drop_newer(mngr, found[0], listed)
+        return found

@@ -119,6 +119,25 @@ def test_a_storage_step_whose_commit_was_lost_resumes_from_its_node_step(saved):
     assert r.result['sources'].get('storage', 0) == 0 and r.result['sources']['node'] > 0
 
 
+def test_a_damaged_storage_step_is_resumed_from_its_node_step(saved):
+  """Storage step 8's metadata is damaged and node 2 lacks node step 9 (nor did its copy
+  land): storage's step 8 fails to restore, and the restart resumes step 8 from the nodes (a
+  storage step on the local interval is a node step too) instead of storage's step 4, with no
+  byte from storage and the damaged step named."""
+  tmp_path, results = saved
+  (tmp_path / 'ckpt' / '8' / 'default' / '_METADATA').write_bytes(b'{damaged')
+  shutil.rmtree(os.path.join(results[2].result['node_dir'], '9'))
+  shutil.rmtree(_copy(tmp_path, 2, 9))
+  resumed = _run(tmp_path, 'resume', 9)
+  for r in resumed:
+    assert r.result is not None, r.stderr_tail
+    assert r.result['resumed'] == 8 and r.result['equal'], r.stderr_tail[-6000:]
+    assert r.result['sources'].get('storage', 0) == 0 and r.result['sources']['node'] > 0
+  assert ("is DAMAGED and was skipped" in resumed[0].stderr_tail
+          and "Resuming step 8 from the nodes' copy of it" in resumed[0].stderr_tail), (
+              resumed[0].stderr_tail[-6000:])
+
+
 def test_a_step_one_node_never_finished_is_never_chosen(saved):
   """Node 2 lacks step 9 (its process died while saving it): the restart resumes storage
   step 8, never a step some process cannot restore, and every node drops 9 (a rolled-back run's
