@@ -51,9 +51,10 @@ def _race(run: Background, timeout=900):
 def _check(fields, deleted):
   assert fields['lost'] == '0' and fields['stranded'] == '0'
   assert fields['wrong'] == '0' and fields['unexplained'] == '0'
-  # The race actually happened (a floor, not a speed: on 2 loaded cores the trainer saved 17
-  # steps in its 15 s).
-  assert int(fields['saves']) >= 10, fields
+  # The race actually happened: the trainer's saves each deleted the step before
+  # (max_to_keep=1) while the evaluators read. A floor of deletions, not a speed: on 2 cores it
+  # saved 17 steps in its 15 s beside the suite, 6 with three fault soaks beside it too.
+  assert int(fields['saves']) >= 5, fields
   assert int(fields['eval_ok']) >= 5, fields
   # A reader that loses the race to retention is told so, not handed a cryptic storage error.
   assert all('was deleted while it was being restored' in m for m in deleted), deleted
