@@ -177,81 +177,83 @@ def test_a_damaged_local_only_step_is_passed_over_for_the_newest_storage_step(tm
   assert 'local-only step 3 cannot be restored' in caplog.text, caplog.text
 
 
-def test_with_node_steps_local_steps_live_in_the_local_directory_alone(tmp_path):
+@pytest.fixture
+def node_steps_installed():
+  """The package installed with ``local_steps_in='nodes'`` for the test; its defaults after."""
+  orbax_pathways.install(orbax_pathways.Options(local_steps_in='nodes'))
+  yield
+  orbax_pathways.install(orbax_pathways.Options())
+
+
+def test_with_node_steps_local_steps_live_in_the_local_directory_alone(tmp_path,
+                                                                    node_steps_installed):
   """``local_steps_in='nodes'``: MaxText's construction, unchanged, saves its local steps (the
   state and the data iterator's JSON) into ``local_directory`` alone, in Orbax's format, nothing
   of them in the persistent directory; it lists and restores them as before, and a fresh
   manager resumes the newest (a damaged one passed over for the one before)."""
-  orbax_pathways.install(orbax_pathways.Options(local_steps_in='nodes'))
-  try:
-    m = make_mesh((2, 4), ('replica', 'data'))
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
-    with _build(tmp_path, m, abstract) as mngr:
-      for s in range(6):
-        mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s)),
-                                             dataset=ocp.args.JsonSave({'pos': s})))
-        if s == 4:  # a storage step on the local interval: in the node too, as Orbax's class
-          mngr.wait_until_finished()  # keeps it in its local directory
-          (node,) = [p for p in (tmp_path / 'local' / '.node-steps').iterdir()]
-          assert sorted(n for n in os.listdir(node) if n.isdigit()) == ['3', '4']
-      mngr.wait_until_finished()
-      assert list(mngr.all_steps()) == [0, 2, 4, 5] and mngr.latest_step() == 5
-      got = mngr.restore(5, args=ocp.args.Composite(dataset=ocp.args.JsonRestore()))
-      _assert_step(got['state'], m, 5)
-      assert got['dataset'] == {'pos': 5}
-    assert sorted(os.listdir(tmp_path / 'persistent')) == ['0', '2', '4']  # no local-only step
-    (node,) = [p for p in (tmp_path / 'local' / '.node-steps').iterdir()]
-    # local.max_to_keep is Orbax's default, 1, as the listing says; the node also holds the step
-    # before (a step commits on each process at its own moment).
-    assert sorted(os.listdir(node)) == ['4', '5']
-    assert {'_CHECKPOINT_METADATA', 'dataset', 'state'} <= set(os.listdir(node / '5'))
-    with _build(tmp_path, m, abstract) as fresh:
-      assert fresh.latest_step() == 5
-      _assert_step(fresh.restore(5)['state'], m, 5)
-    for path in (node / '5' / 'state').rglob('*'):  # every data file of step 5 damaged
-      if path.is_file() and '/d/' in str(path):
-        raw = bytearray(path.read_bytes())
-        raw[len(raw) // 2] ^= 0x10
-        path.write_bytes(bytes(raw))
-    with _build(tmp_path, m, abstract) as fresh:
-      assert fresh.latest_step() == 4  # 5 passed over: storage's newest
-      _assert_step(fresh.restore(4)['state'], m, 4)
-  finally:
-    orbax_pathways.install(orbax_pathways.Options())
+  m = make_mesh((2, 4), ('replica', 'data'))
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
+  with _build(tmp_path, m, abstract) as mngr:
+    for s in range(6):
+      mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s)),
+                                           dataset=ocp.args.JsonSave({'pos': s})))
+      if s == 4:  # a storage step on the local interval: in the node too, as Orbax's class
+        mngr.wait_until_finished()  # keeps it in its local directory
+        (node,) = [p for p in (tmp_path / 'local' / '.node-steps').iterdir()]
+        assert sorted(n for n in os.listdir(node) if n.isdigit()) == ['3', '4']
+    mngr.wait_until_finished()
+    assert list(mngr.all_steps()) == [0, 2, 4, 5] and mngr.latest_step() == 5
+    got = mngr.restore(5, args=ocp.args.Composite(dataset=ocp.args.JsonRestore()))
+    _assert_step(got['state'], m, 5)
+    assert got['dataset'] == {'pos': 5}
+  assert sorted(os.listdir(tmp_path / 'persistent')) == ['0', '2', '4']  # no local-only step
+  (node,) = [p for p in (tmp_path / 'local' / '.node-steps').iterdir()]
+  # local.max_to_keep is Orbax's default, 1, as the listing says; the node also holds the step
+  # before (a step commits on each process at its own moment).
+  assert sorted(os.listdir(node)) == ['4', '5']
+  assert {'_CHECKPOINT_METADATA', 'dataset', 'state'} <= set(os.listdir(node / '5'))
+  with _build(tmp_path, m, abstract) as fresh:
+    assert fresh.latest_step() == 5
+    _assert_step(fresh.restore(5)['state'], m, 5)
+  for path in (node / '5' / 'state').rglob('*'):  # every data file of step 5 damaged
+    if path.is_file() and '/d/' in str(path):
+      raw = bytearray(path.read_bytes())
+      raw[len(raw) // 2] ^= 0x10
+      path.write_bytes(bytes(raw))
+  with _build(tmp_path, m, abstract) as fresh:
+    assert fresh.latest_step() == 4  # 5 passed over: storage's newest
+    _assert_step(fresh.restore(4)['state'], m, 4)
 
 
-def test_with_node_steps_a_storage_step_is_restored_from_the_nodes_first(tmp_path):
+def test_with_node_steps_a_storage_step_is_restored_from_the_nodes_first(tmp_path,
+                                                                    node_steps_installed):
   """A storage step on the local interval is a node step too: ``restore`` reads it from the
   nodes, as Orbax's class restores from its slices' local copies first, so it comes back with
   its persistent directory emptied (Orbax's ``test_local_restore_by_broadcast``); where the
   node lacks it, it is read from storage."""
-  orbax_pathways.install(orbax_pathways.Options(local_steps_in='nodes'))
-  try:
-    m = make_mesh((2, 4), ('replica', 'data'))
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
-    with _build(tmp_path, m, abstract) as mngr:
-      for s in range(5):
-        mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s))))
-      mngr.wait_until_finished()
-      (node,) = [p for p in (tmp_path / 'local' / '.node-steps').iterdir()]
-      assert sorted(n for n in os.listdir(node) if n.isdigit()) == ['3', '4']
-      for name in os.listdir(tmp_path / 'persistent'):  # storage emptied under the manager
-        path = tmp_path / 'persistent' / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-      _assert_step(mngr.restore(4)['state'], m, 4)
-      assert stats.last_restore().bytes_by_source.get('storage', 0) == 0
-      with pytest.raises(Exception, match='2'):  # not on the nodes: storage, which lost it
-        mngr.restore(2)
-    (tmp_path / 'again').mkdir()
-    _, abstract = _saved(tmp_path / 'again', 5)  # and with storage whole: the node step
-    with _build(tmp_path / 'again', m, abstract) as fresh:
-      assert fresh.latest_step() == 4
-      _assert_step(fresh.restore(4)['state'], m, 4)
-      assert stats.last_restore().bytes_by_source.get('storage', 0) == 0
-      _assert_step(fresh.restore(2)['state'], m, 2)  # no node step 2 any more: from storage
-      assert stats.last_restore().bytes_by_source.get('storage', 0) > 0
-  finally:
-    orbax_pathways.install(orbax_pathways.Options())
+  m = make_mesh((2, 4), ('replica', 'data'))
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
+  with _build(tmp_path, m, abstract) as mngr:
+    for s in range(5):
+      mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s))))
+    mngr.wait_until_finished()
+    (node,) = [p for p in (tmp_path / 'local' / '.node-steps').iterdir()]
+    assert sorted(n for n in os.listdir(node) if n.isdigit()) == ['3', '4']
+    for name in os.listdir(tmp_path / 'persistent'):  # storage emptied under the manager
+      path = tmp_path / 'persistent' / name
+      shutil.rmtree(path) if path.is_dir() else path.unlink()
+    _assert_step(mngr.restore(4)['state'], m, 4)
+    assert stats.last_restore().bytes_by_source.get('storage', 0) == 0
+    with pytest.raises(Exception, match='2'):  # not on the nodes: storage, which lost it
+      mngr.restore(2)
+  (tmp_path / 'again').mkdir()
+  _, abstract = _saved(tmp_path / 'again', 5)  # and with storage whole: the node step
+  with _build(tmp_path / 'again', m, abstract) as fresh:
+    assert fresh.latest_step() == 4
+    _assert_step(fresh.restore(4)['state'], m, 4)
+    assert stats.last_restore().bytes_by_source.get('storage', 0) == 0
+    _assert_step(fresh.restore(2)['state'], m, 2)  # no node step 2 any more: from storage
+    assert stats.last_restore().bytes_by_source.get('storage', 0) > 0
 
 
 def test_stock_orbax_reads_the_persistent_steps(tmp_path):
