@@ -79,8 +79,12 @@ def main() -> None:
   # exited (no barrier is possible with a dead process), or jax's error poll in a survivor still
   # shutting down sees the service gone and ends that process with an error (seen in CI).
   if me != 0:
-    with open(os.path.join(shared, f'pid.{me}'), 'w') as f:
+    # Written whole then renamed: process 0 must never read the file half-written (an empty
+    # pid would end its wait at once, which is the very race this wait exists to prevent).
+    path = os.path.join(shared, f'pid.{me}')
+    with open(path + '.tmp', 'w') as f:
       f.write(str(os.getpid()))
+    os.replace(path + '.tmp', path)
   else:
     deadline = time.monotonic() + 120
     for p in range(1, n - 1):
