@@ -252,6 +252,29 @@ def test_a_flipped_byte_in_a_part_restored_onto_another_layout_is_taken_from_its
       resumed[0].stderr_tail[-6000:])
 
 
+def test_a_flipped_byte_in_a_partners_copy_restored_onto_another_layout_is_taken_from_the_saver(
+    saved):
+  """A bit of each data file of the copy node 2 keeps of process 1's step 9 flipped (process
+  1's own step 9 whole), and the job restarts on eight processes of one device each: process 2
+  joins the copy its node holds, which fails its checksum, fetches process 1's part from node
+  1, and joins again. Every process resumes node step 9 with the values saved, no byte from
+  storage."""
+  tmp_path, _ = saved
+  data = [p for p in _copy(tmp_path, 1, 9).rglob('*') if p.is_file() and '/d/' in str(p)]
+  assert data, 'no OCDBT data file in the copy of process 1\'s step 9'
+  for path in data:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+  resumed = _run(tmp_path, 'resume', 10, processes=8, devices=1)
+  for r in resumed:
+    assert r.result is not None, r.stderr_tail
+    assert r.result['resumed'] == 9 and r.result['equal'], r.stderr_tail[-6000:]
+    assert r.result['sources'].get('storage', 0) == 0, r.result
+  assert "fetching process 1's part from process 1" in resumed[2].stderr_tail, (
+      resumed[2].stderr_tail[-6000:])
+
+
 def test_state_whole_in_every_slice_resumes_from_the_survivors_nodes_on_fewer_processes(
     tmp_path):
   """Three processes, a slice each, the state whole in every slice; node 0 is lost and the job
