@@ -284,6 +284,8 @@ class Chaos:
     lost = None if last is None else last - (-1 if step is None else step)
     previous.update(recovered=True, resumed_step=step, steps_lost=lost,
                     resume_wall_s=job.first_trained_at())
+    if lost is not None and lost > self.args.local_every:  # kept to explain it
+      previous['resume_log'] = job.package_log()
 
   def _inject(self, job: Job, plan: dict, first: int, record: dict) -> None:
     kind = plan['kind']

@@ -118,5 +118,21 @@ class Job:
     return '\n'.join(out)
 
 
+  def package_log(self, per_process: int = 12) -> list[list[str]]:
+    """Per process, the last ``per_process`` lines of its stderr that the package logged
+    (``orbax_pathways``, less the lease taken over at each start): why a resume passed a step
+    over, what it fetched from where."""
+    out = []
+    for i in range(self.n):
+      try:
+        with open(os.path.join(self.dir, f'{i}.err'), errors='replace') as f:
+          lines = [line.rstrip()[:400] for line in f
+                   if 'orbax_pathways' in line and 'took over the writer lease' not in line]
+      except OSError:
+        lines = []
+      out.append(lines[-per_process:])
+    return out
+
+
 class Hang(Exception):
   """A phase of a run took longer than ``--deadline``."""
