@@ -2,7 +2,7 @@
 """What one process asks of jax's key-value store to resume from node steps and to agree on a
 preemption step, at 64, 1,024 and 16,384 simulated processes.
 
-What runs: the package's own agreements, unchanged: ``multitier/node_steps._agreed`` (the node
+What runs: the package's own agreements, unchanged: ``multitier/node_round.agreed`` (the node
 steps every node holds) and ``multitier/resume.all_processes_ok`` (every process restored
 the step) — the two rounds of a resume from node steps — and
 ``preemption/decision._kv_agreement`` (every ``agreement_interval`` steps with jax's preemption
@@ -46,7 +46,8 @@ FLEETS = (64, 1024, 16384)
 def _cases() -> dict[str, tuple[Callable[[str, int | None], str], Callable[[int], Any]]]:
   from orbax_pathways.coord import agreement  # pylint: disable=g-import-not-at-top
   from orbax_pathways.coord import rounds  # pylint: disable=g-import-not-at-top
-  from orbax_pathways.multitier import node_steps  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.multitier import node_round  # pylint: disable=g-import-not-at-top
+  from orbax_pathways.plan import node_verdict  # pylint: disable=g-import-not-at-top
   from orbax_pathways.preemption import decision  # pylint: disable=g-import-not-at-top
   from orbax_pathways.multitier import resume as recovery  # pylint: disable=g-import-not-at-top
   from orbax_pathways.coord import participants  # pylint: disable=g-import-not-at-top
@@ -58,13 +59,13 @@ def _cases() -> dict[str, tuple[Callable[[str, int | None], str], Callable[[int]
   options = types.SimpleNamespace(tier_dir=None, tier_peer_timeout_s=60.0)
 
   def resume(n: int) -> Any:
-    steps = node_steps._agreed(mngr, options, [9, 7], {}, timeout_s=60.0)  # pylint: disable=protected-access
+    steps = node_round.agreed(mngr, options, [9, 7], {}, timeout_s=60.0)
     return steps, recovery.all_processes_ok(mngr, True, 9)
 
   def resume_values(rnd: str, p: int | None) -> str:
     if 'node_steps' not in rnd:  # the step restored: every process did
       return '1'
-    return (node_steps.holdings(p, [9, 7], {}, '') if p is not None  # every node holds 9 and 7
+    return (node_verdict.holdings(p, [9, 7], {}, '') if p is not None  # every node holds 9 and 7
             else json.dumps({'steps': [9, 7], 'fetch': {}}))
 
   # Onto another layout: a job of n processes restarting from node step 9 that 2n processes
@@ -72,7 +73,7 @@ def _cases() -> dict[str, tuple[Callable[[str, int | None], str], Callable[[int]
   saved_by: dict[str, int] = {}
 
   def elastic_member(p: int, n: int) -> str:
-    return node_steps.holdings(p, [9], {p + n: [9]}, f'10.0.{p // 256}.{p % 256}:4000',
+    return node_verdict.holdings(p, [9], {p + n: [9]}, f'10.0.{p // 256}.{p % 256}:4000',
                                parts={9: [p, p + n]}, counts={9: 2 * n})
 
   def elastic_values(rnd: str, p: int | None) -> str:
@@ -81,14 +82,14 @@ def _cases() -> dict[str, tuple[Callable[[str, int | None], str], Callable[[int]
       return '1'
     if p is not None:
       return elastic_member(p, n)
-    return node_steps._decide([elastic_member(q, n) for q in range(n)])  # pylint: disable=protected-access
+    return node_verdict.decide([elastic_member(q, n) for q in range(n)])
 
   def elastic(n: int) -> Any:
     saved_by['n'] = n
     me = _oms.process_index()
     # No tier here (so no server, and no part keys published): the round alone. A process
     # restoring reads one key per part its node lacks (node_gather), whatever the fleet.
-    return (node_steps._agreed(  # pylint: disable=protected-access
+    return (node_round.agreed(
         mngr, options, [9], {me + n: [9]}, timeout_s=60.0, parts={9: [me, me + n]},
         counts={9: 2 * n}), recovery.all_processes_ok(mngr, True, 9))
 

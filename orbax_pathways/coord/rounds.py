@@ -99,7 +99,7 @@ SECRET_KEY = f'{ROOT}/tier_peer_secret'  # the job's peer secret (``peer/exchang
 
 def node_part_key(round_key_: str, step: int, writer: int, copy: bool = False) -> str:
   """Where a node steps round's member says its node holds ``writer``'s part of node ``step``
-  (its process and server address: ``multitier/node_steps._agreed``), beside the round: the
+  (its process and server address: ``multitier/node_round.agreed``), beside the round: the
   part as saved, or with ``copy`` a partner's copy of it (so that a restore finding one of
   the two damaged can take the other)."""
   return f'{round_key_}.parts/{int(step)}/{int(writer)}' + ('.copy' if copy else '')

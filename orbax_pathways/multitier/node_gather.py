@@ -3,7 +3,7 @@ need now from the nodes that hold them, joins them into one Orbax checkpoint, an
 
 Called by ``node_steps.resume`` on every process of the manager, for a step the resume's round
 marked as restored this way (the job now has another process count, or a process runs on a
-node another process saved: ``node_steps._decide``). A node step is one part per saving
+node another process saved: ``plan/node_verdict.decide``). A node step is one part per saving
 process (writer ``p<i>``: the shards its devices held, every numpy and scalar leaf), each an
 Orbax checkpoint of that process alone, with its own OCDBT tree (``ocdbt.process_<i>``) and
 records (``_pathways/p<i>.msgpack``). What a restoring process does, on its own host:
@@ -28,7 +28,7 @@ What grows with what: a process reads the parts its devices overlap (for a state
 every device, about ``old processes / new processes + 1`` parts), each whole: a part's bytes
 beyond the boxes it needs are fetched too. Where each part is: one key-value read per part this
 node lacks (two where its node as saved is gone: the part's key, then its copy's), published by
-the processes holding it beside the resume's round (``node_steps._agreed``); after a failure,
+the processes holding it beside the resume's round (``node_round.agreed``); after a failure,
 one more per part used.
 """
 

@@ -54,16 +54,16 @@ the parts its devices overlap now from the nodes holding them, joins them and re
 a part some process needs is on no live node, every process passes the step over and the
 resume goes on to an older step, or to storage (a state whole in every slice needs one
 slice's parts only). Where node steps lie: ``node_layout.py``; their partner copies:
-``node_partners.py``.
+``node_partners.py``; the resume's round: ``node_round.py`` (its verdict, pure:
+``plan/node_verdict.py``).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable
 import weakref
 
 import jax
@@ -79,7 +79,7 @@ from orbax_pathways.coord import rounds
 from orbax_pathways.multitier import node_gather
 from orbax_pathways.multitier import node_layout
 from orbax_pathways.multitier import node_partners
-from orbax_pathways.fleet import partner_copy
+from orbax_pathways.multitier import node_round
 from orbax_pathways.plan import node_parts
 from orbax_pathways.tier import fsafe
 
@@ -229,163 +229,6 @@ def save(mngr: Any, options: Any, step: int, args: Any, keep: int,
   node_layout.write_processes(os.path.join(str(node.directory), str(step)),
                               jax_distributed.process_count(),
                               _device_processes())
-
-
-def holdings(me: int, own: list[int], copies: dict[int, list[int]], address: str,
-             other: Sequence[int] = (), parts: Mapping[int, Sequence[int]] | None = None,
-             counts: Mapping[int, int] | None = None) -> str:
-  """A member's value in the node steps round: its process, the steps its node holds of its
-  own, the copies it keeps (process -> steps), its server's address, the steps its node
-  holds that another process saved (``_others``: restorable by this process where they hold
-  what it needs now), and per step the parts its node holds (``parts``: the saving processes,
-  own, others' and copies) and how many processes saved it (``counts``) (JSON)."""
-  value: dict[str, Any] = {'p': me, 'own': sorted(own), 'addr': address,
-                           'copies': {str(q): v for q, v in copies.items()},
-                           'other': sorted(other)}
-  if parts:  # the common case (the same processes on the same nodes) leaves them out
-    value['parts'] = {str(s): sorted(w) for s, w in parts.items()}
-  if counts:
-    value['n'] = {str(s): c for s, c in counts.items()}
-  return json.dumps(value, separators=(',', ':'))
-
-
-def _decide(values: list[str]) -> str:
-  """The leader's verdict on the members' holdings (JSON, one per member: ``p``, its ``own``
-  steps, the ``copies`` it keeps by process, its server's ``addr``, the ``other`` steps its
-  node holds, the ``parts`` of each step its node holds and the step's saving process count
-  ``n``): the steps every member can restore, newest first, and how.
-
-  A step saved by as many processes as the job has now is restored as it was saved, each
-  member its own part from its node, or from the node keeping its copy (``fetch``: fetched
-  first). A step saved by another process count, or one some member would take from a step
-  another process saved on its node (``other``), is restored onto the current layout
-  (``elastic``: the lowest saving process whose part a live node holds, where a process whose
-  node holds none reads the step's metadata; ``node_gather.py``). Who holds each part the
-  members say beside the round (``_agreed``), so the verdict stays the same size at any fleet.
-  A process that needs a part no live node holds fails its restore before it fetches
-  anything, and every process passes the step over (a state whole in every slice needs one
-  slice's parts only). A step whose layout no member knows (saved before the parts recorded
-  it) is tried as it was saved, or from the step another process saved on a member's node
-  (``other``)."""
-  held = [json.loads(v) for v in values]
-  own = {int(v['p']): set(v['own']) for v in held}
-  other = {int(v['p']): set(v.get('other', ())) for v in held}
-  keepers: dict[tuple[int, int], tuple[int, str]] = {}
-  holders: dict[int, dict[int, tuple[int, str]]] = {}
-  counts: dict[int, int] = {}
-  for v in held:
-    p, addr = int(v['p']), v.get('addr') or ''
-    for q, steps in v.get('copies', {}).items():
-      for s in steps:
-        if addr and int(q) != p:
-          keepers.setdefault((int(q), s), (p, addr))
-    for s, writers in v.get('parts', {}).items():
-      for w in writers:
-        got = holders.setdefault(int(s), {}).get(int(w))
-        if got is None or (addr and not got[1]):
-          holders[int(s)][int(w)] = (p, addr)
-    for s, c in v.get('n', {}).items():
-      counts.setdefault(int(s), int(c))
-  steps, fetch, elastic = [], {}, {}
-  for s in sorted(set().union(*own.values(), *other.values(), (s for _, s in keepers),
-                              holders), reverse=True):
-    lacking = [q for q in sorted(own) if s not in own[q]]
-    plain = all((q, s) in keepers or s in other[q] for q in lacking)
-    as_saved = counts.get(s, len(own)) == len(own) and all((q, s) in keepers for q in lacking)
-    if s in counts and not as_saved and holders.get(s):
-      steps.append(s)
-      served = sorted(w for w, h in holders[s].items() if w < counts[s] and h[1])
-      elastic[str(s)] = served[0] if served else min(holders[s])
-    elif plain:
-      steps.append(s)
-      fetched = {str(q): list(keepers[(q, s)]) for q in lacking if (q, s) in keepers}
-      if fetched:
-        fetch[str(s)] = fetched
-  return json.dumps({'steps': steps, 'fetch': fetch, 'elastic': elastic},
-                    separators=(',', ':'))
-
-
-class Parts:
-  """Where the parts of one node step restored onto the current layout are (``_agreed``): per
-  saving process, the process whose node holds its part and that server's address, read from
-  the keys its holders published beside the round (one read per key looked up, remembered);
-  ``first``: a saving process whose part some live node holds. A part may be held twice, as
-  saved and as a partner's copy: ``__call__`` names the first, ``other`` the holder besides
-  the one that served a part that failed."""
-
-  def __init__(self, client: Any, round_key: str, step: int, first: int, me: int):
-    self._client, self._key, self._step, self.first = client, round_key, step, first
-    self._me = me
-    self._found: dict[tuple[int, bool], tuple[int, str] | None] = {}
-
-  def _holder(self, writer: int, copy: bool) -> tuple[int, str] | None:
-    if (writer, copy) not in self._found:
-      got = rounds.try_read(self._client,
-                            rounds.node_part_key(self._key, self._step, writer, copy))
-      who, _, address = (got or '').partition(' ')
-      self._found[(writer, copy)] = (int(who), address) if who.isdigit() and address else None
-    return self._found[(writer, copy)]
-
-  def __call__(self, writer: int) -> tuple[int, str] | None:
-    return self._holder(writer, False) or self._holder(writer, True)
-
-  def other(self, writer: int, than: int | None) -> tuple[int, str] | None:
-    """A holder of ``writer``'s part other than process ``than`` (None: this process, whose
-    node's part failed), or None."""
-    than = self._me if than is None else than
-    return next((h for h in (self._holder(writer, True), self._holder(writer, False))
-                 if h is not None and h[0] != than), None)
-
-
-def _agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int]],
-            timeout_s: float, other: Sequence[int] = (),
-            parts: Mapping[int, Sequence[int]] | None = None,
-            counts: Mapping[int, int] | None = None, published: list[str] | None = None,
-            copied: frozenset[tuple[int, int]] = frozenset(),
-            ) -> tuple[list[int], dict[int, tuple[int, str]], dict[int, Parts]]:
-  """The steps every process of ``mngr`` can restore, newest first; for this process the
-  steps it must first fetch (step -> the process keeping its copy and that server's address);
-  and the steps restored onto the current layout (step -> where their parts are, ``Parts``):
-  one round (each member publishes its holdings, the leader the verdict, ``_decide``). A
-  process whose node keeps copies, or holds parts that may be restored onto another layout
-  (steps saved by another process count, or by another process), starts its server first
-  (``partner_copy.ready``); for the latter it also publishes, before its holdings, a key per
-  part its node holds (``rounds.node_part_key``: a few per process, whatever the fleet; those
-  of ``copied``, (step, saving process) pairs, as partner copies), whose names it adds to
-  ``published`` (the caller deletes them once every process is past the resume)."""
-  client = jax_distributed.distributed_client()
-  part = _oms.manager_participants(mngr)
-  n, me = jax_distributed.process_count(), _oms.process_index()
-  if client is None or n <= 1 or part.size(n) <= 1 or not part.includes(me, n):
-    return sorted(set(held) | set(other), reverse=True), {}, {}
-  address = ''
-  moved = {s for s, c in (counts or {}).items() if c != n} | set(other)
-  cfg = node_layout.tier(options, mngr) if copies or moved else None
-  if cfg is not None:
-    try:
-      address = partner_copy.ready(cfg, client, me, options.tier_peer_timeout_s) or ''
-    except Exception as e:  # pylint: disable=broad-except  (its copies are not offered)
-      log.warning('orbax_pathways.preemption.resume: this node holds node steps of other '
-                  'processes but cannot serve them (%s: %s).', type(e).__name__, e)
-  seq = rounds.sequence(part.name('node_steps'), keep=1)
-  key = seq.next()
-  if address:
-    for s in sorted(moved):
-      for w in (parts or {}).get(s, ()):
-        name = rounds.node_part_key(key, s, w, (s, w) in copied)
-        rounds.put(client, name, f'{me} {address}')
-        if published is not None:
-          published.append(name)
-  value = holdings(me, held, copies, address, other, parts, counts)
-  verdict = json.loads(rounds.agree(
-      client, seq, key, me=me, members=part.members(n), count=n, leader=part.leader(n),
-      value=value, decide=_decide, timeout_s=timeout_s,
-      what=f'orbax_pathways: node steps every process can restore, {part.describe(n)}'))
-  mine = {int(s): (int(who[str(me)][0]), str(who[str(me)][1]))
-          for s, who in verdict['fetch'].items() if str(me) in who}
-  elastic = {int(s): Parts(client, key, int(s), int(first), me)
-             for s, first in verdict.get('elastic', {}).items()}
-  return [int(s) for s in verdict['steps']], mine, elastic
 
 
 def _others(node: Any, steps: list[int], item: str | None) -> list[int]:
@@ -575,8 +418,8 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
       copied.update((s, w) for w, path in here.items() if path.startswith(in_copies))
   published: list[str] = []
   agreed, fetch, elastic = (
-      _agreed(mngr, options, held, copies, timeout_s, other, parts, counts, published,
-              frozenset(copied))
+      node_round.agreed(mngr, options, held, copies, timeout_s, other, parts, counts,
+                        published, frozenset(copied))
       if abstract_state is not None else ([], {}, {}))
   chosen = None
   for step in agreed:

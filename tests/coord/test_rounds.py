@@ -28,7 +28,8 @@ from orbax_pathways.coord import liveness
 from orbax_pathways.coord import participants as participants_lib
 from orbax_pathways.coord import rounds
 from orbax_pathways.manager import lease
-from orbax_pathways.multitier import node_steps
+from orbax_pathways.multitier import node_round
+from orbax_pathways.plan import node_verdict
 from orbax_pathways.preemption import decision
 from orbax_pathways.preemption import notice
 from orbax_pathways.multitier import resume as recovery
@@ -94,7 +95,7 @@ def _resume(client: kv_fleet.Fleet, monkeypatch, step: int) -> bool:
 def _node_steps(client: kv_fleet.Fleet, monkeypatch, step: int) -> list[int]:
   del client, monkeypatch, step
   options = types.SimpleNamespace(tier_dir=None, tier_peer_timeout_s=30.0)
-  steps, fetch, elastic = node_steps._agreed(types.SimpleNamespace(), options, [9, 7], {},  # pylint: disable=protected-access
+  steps, fetch, elastic = node_round.agreed(types.SimpleNamespace(), options, [9, 7], {},
                                              timeout_s=30.0)
   assert fetch == {} and elastic == {}
   return steps
@@ -116,7 +117,7 @@ def test_every_process_agreement_requests_do_not_grow(agreement, late, me, n, as
   # No notice anywhere (a True answer would notify this process): all answer '0'; every
   # process restored the step: all answer '1'; every node holds steps 9 and 7: '9,7'.
   flag = {_preemption: '0', _resume: '1', _node_steps: _HOLDS_9_7}[agreement]
-  value = ((lambda p: node_steps.holdings(p, [7, 9], {}, '')) if agreement is _node_steps
+  value = ((lambda p: node_verdict.holdings(p, [7, 9], {}, '')) if agreement is _node_steps
            else (lambda p: flag))
   client = fleet(me, n, value, late=range(n - late, n),
                   verdict=None if me == 0 else flag)

@@ -1,4 +1,4 @@
-"""The leader's verdict of the node steps round (``multitier/node_steps._decide``, pure): which
+"""The leader's verdict of the node steps round (``plan/node_verdict.decide``, pure): which
 steps every process can restore, from its own node, from the copy a partner keeps, or onto the
 current layout from the parts the live nodes hold, and who fetches what from whom."""
 
@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import json
 
-from orbax_pathways.multitier import node_steps
+from orbax_pathways.plan import node_verdict
 
 
 def _verdict(*values: str) -> dict:
-  return json.loads(node_steps._decide(list(values)))  # pylint: disable=protected-access
+  return json.loads(node_verdict.decide(list(values)))
 
 
 def test_steps_every_node_holds_need_no_fetch():
-  v = _verdict(node_steps.holdings(0, [7, 9], {}, ''), node_steps.holdings(1, [9, 7], {}, ''))
+  v = _verdict(node_verdict.holdings(0, [7, 9], {}, ''), node_verdict.holdings(1, [9, 7], {}, ''))
   assert v == {'steps': [9, 7], 'fetch': {}, 'elastic': {}}
 
 
@@ -22,9 +22,9 @@ def test_a_lost_nodes_part_comes_from_the_copy_its_partner_keeps():
   """Process 1's node is new (it holds nothing); process 2 keeps its copies of 9 and 7, but
   nobody keeps process 0's copy of 5: 9 and 7 can be restored (process 1 fetching from process
   2's server), 5 cannot."""
-  v = _verdict(node_steps.holdings(0, [9, 7, 5], {}, ''),
-               node_steps.holdings(1, [], {}, ''),
-               node_steps.holdings(2, [9, 7, 5], {1: [9, 7]}, '10.0.0.3:4000'))
+  v = _verdict(node_verdict.holdings(0, [9, 7, 5], {}, ''),
+               node_verdict.holdings(1, [], {}, ''),
+               node_verdict.holdings(2, [9, 7, 5], {1: [9, 7]}, '10.0.0.3:4000'))
   assert v == {'steps': [9, 7], 'fetch': {'9': {'1': [2, '10.0.0.3:4000']},
                                           '7': {'1': [2, '10.0.0.3:4000']}},
                'elastic': {}}
@@ -33,8 +33,8 @@ def test_a_lost_nodes_part_comes_from_the_copy_its_partner_keeps():
 def test_a_copy_whose_keeper_serves_nothing_is_not_counted():
   """A copy offered without a server address (its node could not serve it), or a process's
   copy of its own step, does not make a step restorable."""
-  v = _verdict(node_steps.holdings(0, [9], {1: [9]}, ''),
-               node_steps.holdings(1, [], {1: [9]}, '10.0.0.2:1'))
+  v = _verdict(node_verdict.holdings(0, [9], {1: [9]}, ''),
+               node_verdict.holdings(1, [], {1: [9]}, '10.0.0.2:1'))
   assert v == {'steps': [], 'fetch': {}, 'elastic': {}}
 
 
@@ -42,9 +42,9 @@ def test_a_step_another_process_saved_on_a_members_node_counts_after_its_own_and
   """Process 1 runs on a node process 2 saved 9 and 7 on (a restart onto fewer processes): 9 is
   restorable, process 1 restoring that node's step, no fetch; where a copy of process 1's own
   step is kept (7), it is fetched instead."""
-  v = _verdict(node_steps.holdings(0, [9, 7], {}, ''),
-               node_steps.holdings(1, [], {}, '', other=[9, 7]),
-               node_steps.holdings(2, [9, 7], {1: [7]}, '10.0.0.3:4000'))
+  v = _verdict(node_verdict.holdings(0, [9, 7], {}, ''),
+               node_verdict.holdings(1, [], {}, '', other=[9, 7]),
+               node_verdict.holdings(2, [9, 7], {1: [7]}, '10.0.0.3:4000'))
   assert v == {'steps': [9, 7], 'fetch': {'7': {'1': [2, '10.0.0.3:4000']}}, 'elastic': {}}
 
 
@@ -57,9 +57,9 @@ def test_a_step_saved_by_more_processes_is_restored_onto_the_layout_from_the_liv
   fails its restore and every process passes the step over; a state whole in every slice
   needs one slice's parts only."""
   v = _verdict(
-      node_steps.holdings(0, [9, 7], {3: [9]}, '10.0.0.1:1', parts={9: [0, 3], 7: [0]},
+      node_verdict.holdings(0, [9, 7], {3: [9]}, '10.0.0.1:1', parts={9: [0, 3], 7: [0]},
                           counts={9: 4, 7: 4}),
-      node_steps.holdings(1, [], {1: [9]}, '10.0.0.3:3', other=[9, 7], parts={9: [1, 2], 7: [2]},
+      node_verdict.holdings(1, [], {1: [9]}, '10.0.0.3:3', other=[9, 7], parts={9: [1, 2], 7: [2]},
                           counts={9: 4, 7: 4}))
   assert v == {'steps': [9, 7], 'fetch': {}, 'elastic': {'9': 0, '7': 0}}
 
@@ -70,10 +70,10 @@ def test_a_step_saved_by_as_many_processes_is_restored_as_saved_when_it_can_be()
   step on its node (its processes moved between nodes) gets the step restored onto the
   layout."""
   as_saved = _verdict(
-      node_steps.holdings(0, [9], {}, '', parts={9: [0]}, counts={9: 2}),
-      node_steps.holdings(1, [9], {0: [9]}, 'a:1', parts={9: [1, 0]}, counts={9: 2}))
+      node_verdict.holdings(0, [9], {}, '', parts={9: [0]}, counts={9: 2}),
+      node_verdict.holdings(1, [9], {0: [9]}, 'a:1', parts={9: [1, 0]}, counts={9: 2}))
   assert as_saved == {'steps': [9], 'fetch': {}, 'elastic': {}}
   moved = _verdict(
-      node_steps.holdings(0, [], {}, 'a:0', other=[9], parts={9: [1]}, counts={9: 2}),
-      node_steps.holdings(1, [], {}, 'a:1', other=[9], parts={9: [0]}, counts={9: 2}))
+      node_verdict.holdings(0, [], {}, 'a:0', other=[9], parts={9: [1]}, counts={9: 2}),
+      node_verdict.holdings(1, [], {}, 'a:1', other=[9], parts={9: [0]}, counts={9: 2}))
   assert moved == {'steps': [9], 'fetch': {}, 'elastic': {'9': 0}}
