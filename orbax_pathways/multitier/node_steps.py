@@ -320,6 +320,13 @@ def active(mngr: Any, options: Any) -> bool:
           and orbax_process_local.install() and node_layout.tier_root(options, mngr) is not None)
 
 
+def _own(node: Any, me: int) -> list[int]:
+  """The steps of ``node`` (just reloaded) that process ``me`` saved, newest first."""
+  return sorted((s for s in node.all_steps()
+                 if node_layout.saver(os.path.join(str(node.directory), str(s))) in (None, me)),
+                reverse=True)
+
+
 def listed(mngr: Any, options: Any, keep: int) -> list[int]:
   """This process's own node steps of ``mngr`` in its node, newest first (Orbax's emergency
   manager's listing of its local steps)."""
@@ -329,10 +336,7 @@ def listed(mngr: Any, options: Any, keep: int) -> list[int]:
   me = _oms.process_index()
   with orbax_process_local.alone(me):
     node.reload()
-    steps = list(node.all_steps())
-  return sorted((s for s in steps
-                 if node_layout.saver(os.path.join(str(node.directory), str(s))) in (None, me)),
-                reverse=True)
+    return _own(node, me)
 
 
 def restore_items(mngr: Any, options: Any, keep: int, step: int, args: Any) -> Any:
@@ -355,12 +359,15 @@ def restore_as_saved(mngr: Any, options: Any, keep: int, step: int, args: Any) -
   step too, as Orbax's class restores a step from its local copies first."""
   node = manager(mngr, options, keep)
   if node is not None:
-    path = os.path.join(str(node.directory), str(step))
-    saved = node_layout.read_processes(path)
+    me = _oms.process_index()
+    saved = node_layout.read_processes(os.path.join(str(node.directory), str(step)))
     here = (jax_distributed.process_count(),
             node_parts.encode_processes(_device_processes()))
-    if step in listed(mngr, options, keep) and saved is not None and saved == here:
-      return restore_items(mngr, options, keep, step, args)
+    if saved is not None and saved == here:
+      with orbax_process_local.alone(me):
+        node.reload()
+        if step in _own(node, me):
+          return node.restore(step, args=args)
   raise FileNotFoundError(f'no node step {step} this process saved with this layout in its node '
                           f'({directory_of(mngr)})')
 
