@@ -435,19 +435,23 @@ class Chaos:
 
   @staticmethod
   def _node_step_files(node: str, copies: bool) -> dict[int, list[str]]:
-    """Step -> the data files of the node steps in ``node`` (``local_steps_in='nodes'``):
-    its own (``<node>/.node-steps/<digest>/<step>/<item>/.../d/``), or with ``copies`` those it
-    keeps for its partner (``<digest>.copies/p<process>/<step>/...``)."""
+    """Step -> the data files of the node steps in ``node`` (``local_steps_in='nodes'``;
+    ``support/damage.is_node_data_file``: chunk files, or an older step's OCDBT data files):
+    its own (``<node>/.node-steps/<digest>/<step>/...``), or with ``copies`` those it keeps for
+    its partner (``<digest>.copies/p<process>/<step>/...``)."""
+    from support import damage  # pylint: disable=g-import-not-at-top  (tests/ on sys.path: main)
     base = os.path.join(node, '.node-steps')
     found: dict[int, list[str]] = {}
     for dirpath, _, filenames in os.walk(base):
       parts = os.path.relpath(dirpath, base).split(os.sep)
-      if parts[0].endswith('.copies') != copies or os.path.basename(dirpath) != 'd':
+      if parts[0].endswith('.copies') != copies or len(parts) < (3 if copies else 2):
         continue
       step = parts[2] if copies else parts[1]
       if step.isdigit():
-        found.setdefault(int(step), []).extend(os.path.join(dirpath, f) for f in filenames)
-    return found
+        found.setdefault(int(step), []).extend(
+            os.path.join(dirpath, f) for f in filenames
+            if damage.is_node_data_file(os.path.join(dirpath, f)))
+    return {s: files for s, files in found.items() if files}
 
   def _flip_object(self, kind: str, pick: float) -> str:
     """Flips one bit of a chunk or metadata object of the newest step in storage."""

@@ -347,8 +347,9 @@ class SourceChain:
     """One log line for this restore if any source fell back."""
     if self.problems:
       log.warning('orbax_pathways: node-local copy of %s: %d chunk(s) or peer(s) not usable, '
-                  'read from storage instead (first: %s)', self.where, len(self.problems),
-                  self.problems[0])
+                  'read %s instead (first: %s)', self.where, len(self.problems),
+                  'through tensorstore' if format_names.is_node_step(self.where)
+                  else 'from storage', self.problems[0])
 
 
 GROUP_BYTES = 32 << 20  # a region's chunks are filled by one thread up to this many bytes

@@ -44,9 +44,11 @@ from orbax_pathways.transports import base as transports
 
 
 def _leaf(value: jax.Array, info: Any, arg: Any, options: options_lib.Options,
-          num_slices: int | None) -> tuple[jax.Array, values.SaveLeaf]:
+          num_slices: int | None, split_axes: tuple[int, ...] | None = None,
+          ) -> tuple[jax.Array, values.SaveLeaf]:
   """(the array to write, its description): PRNG keys are written as their key data, with the
-  key implementation in Orbax's ext_metadata."""
+  key implementation in Orbax's ext_metadata. ``split_axes``: the axes chunks are split along
+  where the save's ``SaveArgs.shard_axes`` names none (the handler's ``split_axes``)."""
   ext = None
   if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
     ext = {compat.random_key_impl_field(): str(jax.random.key_impl(value))}
@@ -55,7 +57,7 @@ def _leaf(value: jax.Array, info: Any, arg: Any, options: options_lib.Options,
   if stored != value.dtype:  # a cast tensorstore cannot do fails here, before anything is written
     cast_lib.check(value.dtype, stored, what=f'array {info.name!r}')
   chunk_cap = getattr(arg, 'chunk_byte_size', None)
-  shard_axes = getattr(arg, 'shard_axes', None)
+  shard_axes = getattr(arg, 'shard_axes', None) or split_axes
   return value, values.SaveLeaf(
       name=info.name, shape=tuple(value.shape), dtype=np.dtype(value.dtype), stored_dtype=stored,
       compress=options.compress(stored, bool(info.use_compression)),
@@ -84,6 +86,11 @@ class ProxyArrayHandler(compat.ArrayHandler):
   Takes Orbax's constructor arguments with Orbax's defaults: built directly it has no
   array-metadata store, like ``ArrayHandler()``; the handler ``install()`` registers takes the
   settings of the one it replaces (Orbax's default has a store)."""
+
+  # Chunks are split along these axes only where a save's SaveArgs name none (None: any axis,
+  # roughly square chunks). Node steps (``multitier/node_steps.py``) set (0,): each chunk is then
+  # one run of its shard's buffer, which a restore maps from the node's file in place of a copy.
+  split_axes: tuple[int, ...] | None = None
 
   def __init__(self, *, options: options_lib.Options | None = None, **kwargs):
     super().__init__(**kwargs)
@@ -148,7 +155,7 @@ class ProxyArrayHandler(compat.ArrayHandler):
   async def serialize(self, values_: Sequence[jax.Array], infos: Sequence[Any],
                       args: Sequence[Any] | None = None) -> list[Any]:
     args = list(args or [compat.SaveArgs()] * len(values_))
-    converted = [_leaf(v, i, a, self.options, self.options.num_slices)
+    converted = [_leaf(v, i, a, self.options, self.options.num_slices, self.split_axes)
                  for v, i, a in zip(values_, infos, args)]
     arrays = [a for a, _ in converted]
     leaves = [leaf for _, leaf in converted]

@@ -5,8 +5,9 @@ Called by ``node_steps.resume`` on every process of the manager, for a step the 
 marked as restored this way (the job now has another process count, or a process runs on a
 node another process saved: ``plan/node_verdict.decide``). A node step is one part per saving
 process (writer ``p<i>``: the shards its devices held, every numpy and scalar leaf), each an
-Orbax checkpoint of that process alone, with its own OCDBT tree (``ocdbt.process_<i>``) and
-records (``_pathways/p<i>.msgpack``). What a restoring process does, on its own host:
+Orbax checkpoint of that process alone, without OCDBT (a file per chunk; an older node step:
+its own OCDBT tree, ``ocdbt.process_<i>``) and with its records (``_pathways/p<i>.msgpack``).
+What a restoring process does, on its own host:
 
 1. reads the step's layout from a part this node holds (its own, another process's saved here,
    or a partner copy), or fetches the metadata files of one (no array bytes) from the node of
@@ -15,9 +16,10 @@ records (``_pathways/p<i>.msgpack``). What a restoring process does, on its own 
    shardings and which process saved each device), preferring parts this node holds;
 3. fetches each part it needs and lacks, whole, from a node holding it (``fleet/node_copy.py``:
    the job's peer channel, authenticated, every file checked against its crc32c and size);
-4. joins them in a scratch directory beside this node's node steps: the items' Orbax metadata
-   from one part, every part's OCDBT tree and record, the trees merged as Orbax merges a
-   multi-process save (``_compat/orbax.merge_ocdbt``); files this node holds are hard links;
+4. joins them in a scratch directory beside this node's node steps (``assemble``): the items'
+   Orbax metadata from one part, every part's chunk files (each chunk once) and record (an
+   older step's OCDBT trees merged as Orbax merges a multi-process save,
+   ``_compat/orbax.merge_ocdbt``); files are hard links;
 5. restores it with the node steps' handlers (every chunk read is checked against the records of
    the part that wrote it; a box no gathered part covers raises, and the resume passes the step
    over on every process), then removes the scratch directory. Where a part proves damaged
@@ -62,6 +64,8 @@ GATHER_SUFFIX = '.gather'
 _WRITER_RECORD = re.compile(r'^p\d+' + re.escape(format_names.PATHWAYS_SUFFIX) + '$')
 INDEX = records_lib.INDEX_FILENAME
 _OCDBT_PREFIX = 'ocdbt.process_'
+_ZARRAY = '.zarray'
+_ZARR_CHUNK = re.compile(r'^\d+(\.\d+)*$')  # a zarr v2 chunk file ('.' separator)
 
 
 def _committed(step_dir: str) -> bool:
@@ -90,15 +94,23 @@ def parts_here(root: str, digest: str, step: int) -> dict[int, str]:
 
 
 def _is_metadata(rel: str) -> bool:
-  """Whether a part's file (relative path) is metadata: anything but its OCDBT trees."""
+  """Whether a part's file (relative path) is metadata: anything but its arrays' bytes (its
+  OCDBT trees, or its zarr chunk files)."""
   parts = rel.split('/')
-  return not (len(parts) > 1 and _is_ocdbt(parts[1]))
+  return not ((len(parts) > 1 and _is_ocdbt(parts[1]))
+              or (len(parts) == 3 and _ZARR_CHUNK.match(parts[2]) is not None))
 
 
 def _is_ocdbt(name: str) -> bool:
   """Whether ``name`` in an item directory is of its OCDBT trees (the merged tree's manifest
   and nodes, or a process's tree), not of its Orbax metadata or records."""
   return name in ('d', 'manifest.ocdbt') or name.startswith(_OCDBT_PREFIX)
+
+
+def _zarr_arrays(item_dir: str) -> list[str]:
+  """The arrays of an item saved without OCDBT: its directories holding a ``.zarray``."""
+  return [n for n in fsafe.subdirs(item_dir)
+          if fsafe.exists(os.path.join(item_dir, n, _ZARRAY))]
 
 
 def _item_of(step_dir: str, item: str | None, step: int) -> str:
@@ -173,14 +185,18 @@ def _link_tree(src: str, dst: str) -> None:
 
 def assemble(base: str, parts: Mapping[int, str], item: str, into: str) -> None:
   """One Orbax step at ``into`` (new) from the parts of a node step: the step's and the item's
-  metadata from ``base`` (any part, or its metadata alone), each part's OCDBT tree and record
-  from ``parts`` (writer -> part directory), the trees merged into the item's."""
+  metadata from ``base`` (any part, or its metadata alone), each part's arrays and record from
+  ``parts`` (writer -> part directory). A part saved without OCDBT (each chunk a file of its
+  own) gives its chunk files, each linked once (a chunk several processes held, replicated, is
+  the same bytes in each part, and the records check whichever is read); a part saved as OCDBT
+  (as older versions saved node steps) gives its tree, the trees then merged into the item's."""
   os.mkdir(into, fsafe.DIR_MODE)
   for name in fsafe.names(base):
     if name != item and not fsafe.is_dir(os.path.join(base, name)):
       _link_file(os.path.join(base, name), os.path.join(into, name))
   src_item, item_dir = os.path.join(base, item), os.path.join(into, item)
   os.mkdir(item_dir, fsafe.DIR_MODE)
+  arrays = set(_zarr_arrays(src_item))
   for name in fsafe.names(src_item):
     path = os.path.join(src_item, name)
     if _is_ocdbt(name):
@@ -190,22 +206,40 @@ def assemble(base: str, parts: Mapping[int, str], item: str, into: str) -> None:
       for rec in fsafe.names(path):  # the numpy leaves' records; the writers' come with them
         if not _WRITER_RECORD.match(rec) and rec != INDEX:
           _link_file(os.path.join(path, rec), os.path.join(item_dir, name, rec))
+    elif name in arrays:  # its zarr metadata here; its chunks come with the parts
+      os.mkdir(os.path.join(item_dir, name), fsafe.DIR_MODE)
+      for f in fsafe.names(path):
+        if _ZARR_CHUNK.match(f) is None:
+          _link_file(os.path.join(path, f), os.path.join(item_dir, name, f))
     elif fsafe.is_dir(path):
       _link_tree(path, os.path.join(item_dir, name))
     else:
       _link_file(path, os.path.join(item_dir, name))
+  ocdbt = None
   for writer, part in sorted(parts.items()):
     part_item = os.path.join(part, item)
     trees = [n for n in fsafe.subdirs(part_item) if n.startswith(_OCDBT_PREFIX)]
     record = node_copy.writer_name(writer) + format_names.PATHWAYS_SUFFIX
-    if len(trees) != 1 or record not in fsafe.names(os.path.join(part_item,
-                                                                   format_names.PATHWAYS_DIR)):
+    has_record = record in fsafe.names(os.path.join(part_item, format_names.PATHWAYS_DIR))
+    held = sorted(set(_zarr_arrays(part_item)) & arrays)
+    if not has_record or len(trees) > 1 or (trees and held) or (not trees and not held):
       raise ValueError(f'{part_item} is not process {writer}\'s part of a node step: it holds '
-                       f'{trees} and no {record}')
-    _link_tree(os.path.join(part_item, trees[0]), os.path.join(item_dir, trees[0]))
+                       f'the OCDBT trees {trees}, the arrays {held[:4]} of the step\'s '
+                       f'{len(arrays)}, and {"a" if has_record else "no"} {record}')
+    if ocdbt is not None and ocdbt != bool(trees):
+      raise ValueError(f'{part_item}: the parts of node step {into} mix OCDBT and zarr files')
+    ocdbt = bool(trees)
+    if trees:
+      _link_tree(os.path.join(part_item, trees[0]), os.path.join(item_dir, trees[0]))
+    for name in held:
+      for f in fsafe.names(os.path.join(part_item, name)):
+        dst = os.path.join(item_dir, name, f)
+        if _ZARR_CHUNK.match(f) is not None and not fsafe.exists(dst):
+          _link_file(os.path.join(part_item, name, f), dst)
     _link_file(os.path.join(part_item, format_names.PATHWAYS_DIR, record),
                os.path.join(item_dir, format_names.PATHWAYS_DIR, record))
-  compat.merge_ocdbt(item_dir)
+  if ocdbt:
+    compat.merge_ocdbt(item_dir)
 
 
 def restore(root: str, digest: str, step: int, holders: Callable[[int], tuple[int, str] | None],

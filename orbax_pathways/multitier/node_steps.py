@@ -13,7 +13,8 @@ and at least two (``node_layout.kept``: the step before the newest, for a proces
 committed the newest at a kill), by Orbax's own retention of that manager, on this node only.
 The step is in Orbax's format there (``PyTreeSave`` / ``JsonSave`` items of ``jax.Array``,
 numpy and scalar leaves, each written by this process; a ``StandardSave`` is saved as the
-``PyTreeSave`` it wraps).
+``PyTreeSave`` it wraps), without OCDBT and in row-band chunks (``_registry``), so that a
+restore on the node maps each chunk file into the restored array (``fleet/step_files.py``).
 
 Who calls what, on which host (every process that calls the manager):
 
@@ -168,11 +169,16 @@ def _registry(options: Any) -> Any:
   numpy = orbax_v0.ProxyNumpyHandler(options=options)
   scalar = orbax_v0.ProxyScalarHandler(options=options)
   numpy.every_process = scalar.every_process = True
+  arrays = orbax_v0.ProxyArrayHandler(options=options, primary_host=None, replica_id=None,
+                                      use_replica_parallel=False)
+  arrays.split_axes = (0,)  # row bands: each chunk one run of its shard (mapped at restore)
   types = ocp.type_handlers.create_type_handler_registry(
       (int, scalar), (float, scalar), (np.number, scalar), (np.ndarray, numpy),
-      (jax.Array, orbax_v0.ProxyArrayHandler(options=options, primary_host=None,
-                                             replica_id=None, use_replica_parallel=False)))
-  tree = ocp.PyTreeCheckpointHandler(multiprocessing_options=mp, type_handler_registry=types)
+      (jax.Array, arrays))
+  # Without OCDBT: each chunk is a file of its own on the node, which a restore on this node
+  # maps into the restored array in place of reading and copying it (``fleet/step_files.py``).
+  tree = ocp.PyTreeCheckpointHandler(multiprocessing_options=mp, type_handler_registry=types,
+                                     use_ocdbt=False)
   json = ocp.JsonCheckpointHandler(multiprocessing_options=mp)
   registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
   for args_type, handler in ((ocp.args.PyTreeSave, tree), (ocp.args.PyTreeRestore, tree),

@@ -32,6 +32,7 @@ from orbax_pathways.plan import sources as plan_sources
 from orbax_pathways.storage import writer as writer_lib
 from orbax_pathways.transports import base
 from orbax_pathways.fleet import chain as tier_chain
+from orbax_pathways.fleet import step_files
 from orbax_pathways.peer import exchange as tier_exchange
 from orbax_pathways.fleet import partner_copy
 from orbax_pathways.fleet import relay as tier_relay
@@ -381,6 +382,9 @@ class InProcessTransport(base.ConfiguredTransport):
           tier_chain.for_restore, cfg.tier, item.directory, peers=peers,
           relay_targets=relay_targets(targets, share.context_for(item, cfg.context))
           if peers is not None else None)
+    if chain is None and format_names.is_node_step(item.directory) and not item.use_ocdbt:
+      # A node step on this node: its chunk files mapped into the arrays' buffers.
+      chain = tier_chain.SourceChain([step_files.StepFiles()], item.directory)
     if chain is None and format_names.is_local_only(item.directory):
       raise errors.LocalStepIncompleteError(
           f'{item.directory} is a local-only step, whose array bytes are in the node-local '

@@ -30,6 +30,7 @@ from orbax_pathways._compat import orbax_emergency
 from orbax_pathways.multitier import emergency as dropin
 from support.arrays import mesh as make_mesh
 from support.arrays import put
+from support import damage
 from support import procs
 from support.mp_harness import run_processes
 from support.workers import emergency_dropin_worker
@@ -215,11 +216,10 @@ def test_with_node_steps_local_steps_live_in_the_local_directory_alone(tmp_path,
   with _build(tmp_path, m, abstract) as fresh:
     assert fresh.latest_step() == 5
     _assert_step(fresh.restore(5)['state'], m, 5)
-  for path in (node / '5' / 'state').rglob('*'):  # every data file of step 5 damaged
-    if path.is_file() and '/d/' in str(path):
-      raw = bytearray(path.read_bytes())
-      raw[len(raw) // 2] ^= 0x10
-      path.write_bytes(bytes(raw))
+  for path in damage.node_data_files(node / '5' / 'state'):  # every data file of step 5 damaged
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
   with _build(tmp_path, m, abstract) as fresh:
     assert fresh.latest_step() == 4  # 5 passed over: storage's newest
     _assert_step(fresh.restore(4)['state'], m, 4)

@@ -6,8 +6,29 @@ damage are found by content (a run of the array's stored bytes), never by guessi
 
 from __future__ import annotations
 
+import os
 import pathlib
+import re
 from typing import Iterable
+
+_CHUNK = re.compile(r'^\d+(\.\d+)*$')  # a zarr v2 chunk key with the '.' separator
+
+
+def is_node_data_file(path: str | os.PathLike) -> bool:
+  """Whether ``path`` holds array bytes of a node step (``multitier/node_steps.py``): a chunk
+  file of one of its arrays (zarr without OCDBT: a file per chunk beside the array's
+  ``.zarray``), or a data file (``d/``) of a node step saved as OCDBT, as older versions did."""
+  p = pathlib.Path(path)
+  if p.parent.name == 'd':
+    return True
+  return bool(_CHUNK.match(p.name)) and (p.parent / '.zarray').is_file()
+
+
+def node_data_files(directory: str | os.PathLike) -> list[pathlib.Path]:
+  """Every data file (``is_node_data_file``) under ``directory``: a node step, one of its
+  items, or a partner copy; sorted."""
+  return sorted(p for p in pathlib.Path(directory).rglob('*')
+                if p.is_file() and is_node_data_file(p))
 
 
 def flip_bit_in(files: Iterable[pathlib.Path], needle: bytes, *, what: str,

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 
+from support import damage
 from support import workers
 from support.mp_harness import run_processes
 
@@ -30,6 +31,14 @@ def _run(tmp_path, mode, last, processes=4, devices=2, nodes=None, layout='', ke
       WORKER, processes, devices_per_process=devices, shared_dir=str(tmp_path),
       args=[mode, tmp_path / 'ckpt', last], timeout=170, env=env,
       per_process_env=[{'ORBAX_PATHWAYS_TIER_DIR': n} for n in nodes])
+
+
+def _own(tmp_path, process, step):
+  """Where process ``process``'s node keeps its own node step ``step``."""
+  digests = [n for n in os.listdir(tmp_path / f'node{process}' / '.node-steps')
+             if not n.endswith('.copies')]
+  assert len(digests) == 1, digests
+  return tmp_path / f'node{process}' / '.node-steps' / digests[0] / str(step)
 
 
 def _copy(tmp_path, process, step):
@@ -236,10 +245,9 @@ def test_a_flipped_byte_in_a_part_restored_onto_another_layout_is_taken_from_its
   and joins the step again. Every process resumes node step 9 with the values saved, no byte
   from storage."""
   tmp_path, _ = saved
-  data = [p for p in (tmp_path / 'node0').rglob('*') if p.is_file() and '/9/default/' in str(p)
-          and '/d/' in str(p) and '.copies' not in str(p)]
-  assert data, 'no OCDBT data file in node 0\'s step 9'
-  for path in data:  # a bit of each: the chunks' and the B-tree's alike
+  data = damage.node_data_files(_own(tmp_path, 0, 9))
+  assert data, 'no data file in node 0\'s step 9'
+  for path in data:  # a bit of each
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0x10
     path.write_bytes(bytes(raw))
@@ -260,8 +268,8 @@ def test_a_flipped_byte_in_a_partners_copy_restored_onto_another_layout_is_taken
   1, and joins again. Every process resumes node step 9 with the values saved, no byte from
   storage."""
   tmp_path, _ = saved
-  data = [p for p in _copy(tmp_path, 1, 9).rglob('*') if p.is_file() and '/d/' in str(p)]
-  assert data, 'no OCDBT data file in the copy of process 1\'s step 9'
+  data = damage.node_data_files(_copy(tmp_path, 1, 9))
+  assert data, 'no data file in the copy of process 1\'s step 9'
   for path in data:
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0x10
@@ -295,14 +303,13 @@ def test_state_whole_in_every_slice_resumes_from_the_survivors_nodes_on_fewer_pr
 
 
 def test_a_flipped_byte_in_one_nodes_step_is_caught_and_restored_from_the_partners_copy(saved):
-  """A bit of node 1's step 9 flipped (its OCDBT data files, not the copies it keeps): that
+  """A bit of node 1's step 9 flipped (its biggest data file, not the copies it keeps): that
   process's restore fails its checksum, it fetches its part of step 9 from the copy its
   partner (process 2) keeps, and every process resumes step 9 with the values saved, no byte
   from storage."""
   tmp_path, results = saved
-  data = [p for p in (tmp_path / 'node1').rglob('*') if p.is_file() and '/9/default/' in str(p)
-          and '/d/' in str(p) and '.copies' not in str(p)]
-  assert data, 'no OCDBT data file in node 1\'s step 9'
+  data = damage.node_data_files(_own(tmp_path, 1, 9))
+  assert data, 'no data file in node 1\'s step 9'
   biggest = max(data, key=lambda p: p.stat().st_size)
   raw = bytearray(biggest.read_bytes())
   raw[len(raw) // 2] ^= 0x10
@@ -320,9 +327,9 @@ def test_a_flipped_byte_in_a_partners_copy_is_caught_and_passed_over(saved):
   restore of the fetched step fails its checksum, no process uses step 9, and the restart
   resumes storage step 8 with the right values."""
   tmp_path, _ = saved
-  data = [p for p in _copy(tmp_path, 2, 9).rglob('*') if p.is_file() and '/d/' in str(p)]
-  assert data, 'no OCDBT data file in the copy of process 2\'s step 9'
-  for path in data:  # a bit of each OCDBT data file: the chunks' and the B-tree's alike
+  data = damage.node_data_files(_copy(tmp_path, 2, 9))
+  assert data, 'no data file in the copy of process 2\'s step 9'
+  for path in data:  # a bit of each
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0x10
     path.write_bytes(bytes(raw))
