@@ -41,6 +41,7 @@ from orbax_pathways._compat import orbax_emergency
 from orbax_pathways._compat import orbax_finalize
 from orbax_pathways._compat import orbax_liveness
 from orbax_pathways._compat import orbax_loop
+from orbax_pathways._compat import orbax_logs
 from orbax_pathways._compat import orbax_manager
 from orbax_pathways._compat import orbax_signals
 from orbax_pathways._compat import orbax_small_writes
@@ -358,6 +359,7 @@ def uninstall() -> None:
     orbax_emergency.uninstall()
     storage_clients.uninstall()  # gcsfs / google-cloud-storage deadlines (set by the Engine)
     orbax_loop.uninstall()
+    orbax_logs.uninstall()
     if _state.previous is not None:
       compat.register_array_handler(_state.previous)
     if _state.previous_numpy is not None:

@@ -72,6 +72,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from orbax_pathways._compat import jax_distributed
+from orbax_pathways._compat import orbax_logs
 from orbax_pathways._compat import orbax_manager_state as _oms
 from orbax_pathways._compat import orbax_process_local
 from orbax_pathways._compat import orbax_v1_training as _v1
@@ -196,6 +197,7 @@ def manager(mngr: Any, options: Any, keep: int) -> Any | None:
   if root is None:
     return None
   registry, mp = _registry(options)
+  orbax_logs.install()  # Orbax's "no OCDBT trees to merge" at each save: node steps have none
   node = ocp.CheckpointManager(
       node_layout.directory(mngr, root),
       options=ocp.CheckpointManagerOptions(

@@ -6,6 +6,7 @@ devices, a real v0 ``CheckpointManager``, a real tier directory."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import jax
@@ -45,17 +46,20 @@ def _mapping_at(address: int) -> str | None:
 
 
 @pytest.fixture
-def saved(tmp_path):
+def saved(tmp_path, caplog):
   """Storage step 0 and node steps 1-3 (the node keeps 2 and 3) of a process of 2 devices."""
   root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
   orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), local_save_interval_steps=1,
                                                 tier_keep=2, local_steps_in='nodes'))
   m = mesh((2,), ('data',), devices=jax.devices()[:2])
+  caplog.set_level(logging.WARNING)
   with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
       save_interval_steps=10)) as mngr:
     for step in range(4):
       mngr.save(step, args=ocp.args.StandardSave(_state(step, m)))
     mngr.wait_until_finished()
+  # Orbax's warning that a save had no OCDBT trees to merge is not said about node steps.
+  assert not [r for r in caplog.records if 'Skipping merge' in r.getMessage()]
   (node,) = (tier / '.node-steps').iterdir()
   yield root, node, m
   orbax_pathways.install(orbax_pathways.Options())
@@ -108,3 +112,17 @@ def test_a_flipped_byte_in_a_mapped_chunk_fails_the_step_and_resume_goes_back(sa
   for k, want in _state(2, m).items():
     np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want))
   assert any('node step 3 cannot be restored' in r.getMessage() for r in caplog.records)
+
+
+def test_stock_orbax_reads_a_node_step(saved):
+  """Orbax's own PyTree handler and ArrayHandler (not the package's) restore node step 3 from
+  the node with the shardings it was saved with: a node step is Orbax's format."""
+  _, node, m = saved
+  abstract = _abstract(m)
+  registry = ocp.type_handlers.create_type_handler_registry(
+      (jax.Array, ocp.type_handlers.ArrayHandler()))
+  with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) as ckptr:
+    got = ckptr.restore(node / '3' / 'default', args=ocp.args.PyTreeRestore(
+        abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)))
+  for k, want in _state(3, m).items():
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want))
