@@ -42,7 +42,7 @@ from orbax_pathways.peer import wire
 from orbax_pathways.tier import fsafe
 
 MIN_RATE = 64 << 20  # bytes per second a copy's file is allowed at least, beyond timeout_s
-MAX_FILES = 1 << 16  # files of one node step (Orbax's OCDBT files: a handful per item)
+MAX_FILES = 1 << 16  # files of one node step (a file per chunk, .zarray per array, metadata)
 MAX_DEPTH = 8  # directories below a node step's directory
 COPIES_SUFFIX = '.copies'
 
