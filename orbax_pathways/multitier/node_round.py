@@ -78,7 +78,10 @@ def agreed(mngr: Any, options: Any, held: list[int], copies: dict[int, list[int]
   if client is None or n <= 1 or part.size(n) <= 1 or not part.includes(me, n):
     return sorted(set(held) | set(other), reverse=True), {}, {}
   address = ''
-  moved = {s for s, c in (counts or {}).items() if c != n} | set(other)
+  # Steps saved by another process count or by another process, and steps whose layout this
+  # node does not know (``parts`` without a count): their parts may be fetched by others.
+  moved = ({s for s, c in (counts or {}).items() if c != n} | set(other)
+           | {s for s in (parts or {}) if s not in (counts or {})})
   cfg = node_layout.tier(options, mngr) if copies or moved else None
   if cfg is not None:
     try:

@@ -428,8 +428,13 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
   for s in sorted(set(listed).union(*copies.values())):
     here = node_gather.parts_here(root, digest, s)
     saved = next((c for c in map(node_layout.read_processes, here.values()) if c), None)
-    if saved is not None and (saved[0] != n or s in other):
-      parts[s], counts[s] = sorted(here), saved[0]
+    # Parts whose layout this node does not know (a kill between a step's commit and its
+    # ``_node_processes.msgpack``) are said too: another node's part may know it, and the
+    # step can then be restored onto another layout with this node's part in it.
+    if here and (saved is None or saved[0] != n or s in other):
+      parts[s] = sorted(here)
+      if saved is not None:
+        counts[s] = saved[0]
       copied.update((s, w) for w, path in here.items() if path.startswith(in_copies))
   published: list[str] = []
   agreed, fetch, elastic = (

@@ -283,6 +283,25 @@ def test_a_flipped_byte_in_a_partners_copy_restored_onto_another_layout_is_taken
       resumed[2].stderr_tail[-6000:])
 
 
+def test_a_part_whose_layout_file_was_never_written_is_still_gathered_onto_another_layout(
+    saved):
+  """Node 1's step 9 lacks ``_node_processes.msgpack`` (its process was killed between the
+  step's commit and that write, before its partner copy landed: node 2 holds no copy of it;
+  nor does node 1 hold process 0's copy, so nothing on node 1 says the layout), and the job
+  restarts on eight processes of one device each: the other parts say the step's layout, node
+  1 still offers its part, and every process resumes node step 9 with the values saved, no
+  byte from storage."""
+  tmp_path, _ = saved
+  (_own(tmp_path, 1, 9) / '_node_processes.msgpack').unlink()
+  shutil.rmtree(_copy(tmp_path, 1, 9))
+  shutil.rmtree(_copy(tmp_path, 0, 9))
+  resumed = _run(tmp_path, 'resume', 10, processes=8, devices=1)
+  for r in resumed:
+    assert r.result is not None, r.stderr_tail
+    assert r.result['resumed'] == 9 and r.result['equal'], r.stderr_tail[-6000:]
+    assert r.result['sources'].get('storage', 0) == 0, r.result
+
+
 def test_state_whole_in_every_slice_resumes_from_the_survivors_nodes_on_fewer_processes(
     tmp_path):
   """Three processes, a slice each, the state whole in every slice; node 0 is lost and the job
