@@ -28,6 +28,7 @@ storage's index records for its writer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -35,7 +36,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Container, Mapping, Protocol, Sequence
+from typing import Any, Container, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -68,6 +69,19 @@ _COPIES = ('local', 'peer')  # the sources that hold tier copies (a failed one t
 
 class SourceError(Exception):
   """A source cannot provide a chunk it listed (missing or unreadable file, lost peer)."""
+
+
+@contextlib.contextmanager
+def source_errors(path: str) -> Iterator[None]:
+  """Reading the file ``path`` into a region buffer: what fails is a ``SourceError`` naming it
+  (the chain then asks the next source, else storage)."""
+  try:
+    yield
+  except OSError as e:  # fsafe.UnsafeError too: a symlink, a FIFO, another size
+    what = e.strerror or str(e)
+    raise SourceError(what if path in what else f'{path}: {what}') from e
+  except (ValueError, BufferError) as e:  # a mapping that cannot be made: never a crash
+    raise SourceError(f'{path}: {e}') from e
 
 
 class Source(Protocol):
@@ -158,7 +172,7 @@ class LocalSource:
     path, band = self._file(read, chunk, place.dtype)
     record = read.chunks.get(chunk.start)
     size = record.nbytes if record is not None else place.nbytes
-    try:
+    with source_errors(path):
       if band is not None:
         size = math.prod(band[1]) * place.dtype.itemsize
         if self._in_mapped_band(place, path, band, size):
@@ -169,11 +183,6 @@ class LocalSource:
         return
       with fsafe.open_regular(path, size) as f:
         place.fill_from_file(f.fileno(), path)
-    except OSError as e:  # fsafe.UnsafeError too: a symlink, a FIFO, another size
-      what = e.strerror or str(e)
-      raise SourceError(what if path in what else f'{path}: {what}') from e
-    except (ValueError, BufferError) as e:  # a mapping that cannot be made: never a crash
-      raise SourceError(f'{path}: {e}') from e
 
   def _in_mapped_band(self, place: chunk_read.Place, path: str,
                       band: tuple[tuple[int, ...], tuple[int, ...]], size: int) -> bool:

@@ -84,14 +84,8 @@ class StepFiles:
     path = os.path.join(directory, key)
     record = read.chunks.get(chunk.start)
     size = record.nbytes if record is not None else place.nbytes
-    try:
-      with fsafe.open_regular(path, size) as f:
-        place.fill_from_file(f.fileno(), path)
-    except OSError as e:  # fsafe.UnsafeError too: a symlink, a FIFO, another size
-      what = e.strerror or str(e)
-      raise chain_lib.SourceError(what if path in what else f'{path}: {what}') from e
-    except (ValueError, BufferError) as e:  # a mapping that cannot be made: never a crash
-      raise chain_lib.SourceError(f'{path}: {e}') from e
+    with chain_lib.source_errors(path), fsafe.open_regular(path, size) as f:
+      place.fill_from_file(f.fileno(), path)
 
   def read_chunk(self, read: Any, chunk: Box, dtype: np.dtype) -> np.ndarray:
     """The chunk's bytes as a new array (the ``Source`` protocol; the chain uses

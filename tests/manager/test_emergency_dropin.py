@@ -216,10 +216,8 @@ def test_with_node_steps_local_steps_live_in_the_local_directory_alone(tmp_path,
   with _build(tmp_path, m, abstract) as fresh:
     assert fresh.latest_step() == 5
     _assert_step(fresh.restore(5)['state'], m, 5)
-  for path in damage.node_data_files(node / '5' / 'state'):  # every data file of step 5 damaged
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0x10
-    path.write_bytes(bytes(raw))
+  # Every data file of step 5 damaged.
+  damage.flip_middle_bit(damage.node_data_files(node / '5' / 'state'))
   with _build(tmp_path, m, abstract) as fresh:
     assert fresh.latest_step() == 4  # 5 passed over: storage's newest
     _assert_step(fresh.restore(4)['state'], m, 4)

@@ -24,6 +24,15 @@ def is_node_data_file(path: str | os.PathLike) -> bool:
   return bool(_CHUNK.match(p.name)) and (p.parent / '.zarray').is_file()
 
 
+def flip_middle_bit(files: Iterable[pathlib.Path]) -> None:
+  """Flips bit 4 of the middle byte of each of ``files`` (a chunk's bytes, or an OCDBT data
+  file's chunks and B-tree alike)."""
+  for path in files:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
 def node_data_files(directory: str | os.PathLike) -> list[pathlib.Path]:
   """Every data file (``is_node_data_file``) under ``directory``: a node step, one of its
   items, or a partner copy; sorted."""

@@ -51,6 +51,17 @@ def _copy(tmp_path, process, step):
           / f'p{process}' / str(step))
 
 
+def _resumes_9_on_eight(tmp_path):
+  """The job restarted on eight processes of one device each; asserts that every process
+  resumed node step 9 with the values saved and no byte from storage; returns the results."""
+  resumed = _run(tmp_path, 'resume', 10, processes=8, devices=1)
+  for r in resumed:
+    assert r.result is not None, r.stderr_tail
+    assert r.result['resumed'] == 9 and r.result['equal'], r.stderr_tail[-6000:]
+    assert r.result['sources'].get('storage', 0) == 0, r.result
+  return resumed
+
+
 @pytest.fixture(scope='module')
 def _saved_once(tmp_path_factory):
   """Steps 0..9, storage every 4: storage holds 0, 4, 8; every node holds 8 (a storage step on
@@ -231,11 +242,8 @@ def test_a_restart_on_more_processes_resumes_from_the_nodes_new_nodes_included(s
   values saved and no byte from storage: the processes on new nodes fetch the step's metadata
   and then the part they need from the nodes holding them."""
   tmp_path, _ = saved
-  resumed = _run(tmp_path, 'resume', 10, processes=8, devices=1)
-  for r in resumed:
-    assert r.result is not None, r.stderr_tail
-    assert r.result['resumed'] == 9 and r.result['equal'], r.stderr_tail[-6000:]
-    assert r.result['sources'].get('storage', 0) == 0 and r.result['sources']['node'] > 0
+  for r in _resumes_9_on_eight(tmp_path):
+    assert r.result['sources']['node'] > 0, r.result
 
 
 def test_a_flipped_byte_in_a_part_restored_onto_another_layout_is_taken_from_its_copy(saved):
@@ -247,15 +255,8 @@ def test_a_flipped_byte_in_a_part_restored_onto_another_layout_is_taken_from_its
   tmp_path, _ = saved
   data = damage.node_data_files(_own(tmp_path, 0, 9))
   assert data, 'no data file in node 0\'s step 9'
-  for path in data:  # a bit of each
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0x10
-    path.write_bytes(bytes(raw))
-  resumed = _run(tmp_path, 'resume', 10, processes=8, devices=1)
-  for r in resumed:
-    assert r.result is not None, r.stderr_tail
-    assert r.result['resumed'] == 9 and r.result['equal'], r.stderr_tail[-6000:]
-    assert r.result['sources'].get('storage', 0) == 0, r.result
+  damage.flip_middle_bit(data)  # a bit of each
+  resumed = _resumes_9_on_eight(tmp_path)
   assert "fetching process 0's part from process 1" in resumed[0].stderr_tail, (
       resumed[0].stderr_tail[-6000:])
 
@@ -270,15 +271,8 @@ def test_a_flipped_byte_in_a_partners_copy_restored_onto_another_layout_is_taken
   tmp_path, _ = saved
   data = damage.node_data_files(_copy(tmp_path, 1, 9))
   assert data, 'no data file in the copy of process 1\'s step 9'
-  for path in data:
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0x10
-    path.write_bytes(bytes(raw))
-  resumed = _run(tmp_path, 'resume', 10, processes=8, devices=1)
-  for r in resumed:
-    assert r.result is not None, r.stderr_tail
-    assert r.result['resumed'] == 9 and r.result['equal'], r.stderr_tail[-6000:]
-    assert r.result['sources'].get('storage', 0) == 0, r.result
+  damage.flip_middle_bit(data)
+  resumed = _resumes_9_on_eight(tmp_path)
   assert "fetching process 1's part from process 1" in resumed[2].stderr_tail, (
       resumed[2].stderr_tail[-6000:])
 
@@ -295,11 +289,7 @@ def test_a_part_whose_layout_file_was_never_written_is_still_gathered_onto_anoth
   (_own(tmp_path, 1, 9) / '_node_processes.msgpack').unlink()
   shutil.rmtree(_copy(tmp_path, 1, 9))
   shutil.rmtree(_copy(tmp_path, 0, 9))
-  resumed = _run(tmp_path, 'resume', 10, processes=8, devices=1)
-  for r in resumed:
-    assert r.result is not None, r.stderr_tail
-    assert r.result['resumed'] == 9 and r.result['equal'], r.stderr_tail[-6000:]
-    assert r.result['sources'].get('storage', 0) == 0, r.result
+  _resumes_9_on_eight(tmp_path)
 
 
 def test_state_whole_in_every_slice_resumes_from_the_survivors_nodes_on_fewer_processes(
@@ -329,10 +319,7 @@ def test_a_flipped_byte_in_one_nodes_step_is_caught_and_restored_from_the_partne
   tmp_path, results = saved
   data = damage.node_data_files(_own(tmp_path, 1, 9))
   assert data, 'no data file in node 1\'s step 9'
-  biggest = max(data, key=lambda p: p.stat().st_size)
-  raw = bytearray(biggest.read_bytes())
-  raw[len(raw) // 2] ^= 0x10
-  biggest.write_bytes(bytes(raw))
+  damage.flip_middle_bit([max(data, key=lambda p: p.stat().st_size)])
   resumed = _run(tmp_path, 'resume', 10)
   for r in resumed:
     assert r.result is not None, r.stderr_tail
@@ -348,10 +335,7 @@ def test_a_flipped_byte_in_a_partners_copy_is_caught_and_passed_over(saved):
   tmp_path, _ = saved
   data = damage.node_data_files(_copy(tmp_path, 2, 9))
   assert data, 'no data file in the copy of process 2\'s step 9'
-  for path in data:  # a bit of each
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0x10
-    path.write_bytes(bytes(raw))
+  damage.flip_middle_bit(data)  # a bit of each
   shutil.rmtree(tmp_path / 'node2')
   resumed = _run(tmp_path, 'resume', 8)
   for r in resumed:

@@ -102,10 +102,7 @@ def test_a_flipped_byte_in_a_mapped_chunk_fails_the_step_and_resume_goes_back(sa
   tensorstore's read of the same file, the step is passed over, and the resume restores node
   step 2, exact."""
   root, node, m = saved
-  path = node / '3' / 'default' / 'w' / '1.0'
-  raw = bytearray(path.read_bytes())
-  raw[len(raw) // 2] ^= 0x10
-  path.write_bytes(bytes(raw))
+  damage.flip_middle_bit([node / '3' / 'default' / 'w' / '1.0'])
   with ocp.CheckpointManager(root) as mngr:
     step, got = preemption.resume(mngr, lambda: None, abstract_state=_abstract(m))
   assert step == 2
