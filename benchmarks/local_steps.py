@@ -56,6 +56,12 @@ the tier's memory; a run trains for far longer than they last), with the warm-up
 writes listed. Process 0's Orbax duration events over the saving loop (``jax.monitoring``:
 where ``save()`` and the background commit spend their time) close the report.
 
+Memory: ``--values noise`` gives the state about as little to compress as trained weights
+(the default, an arange, shrinks several times under the zstd Orbax's stock saves use, and
+node steps keep float chunks raw so that a restore maps them); ``--tier-parent`` puts each
+process's tier (node steps, and stock's ``local_directory``) on a local disk instead of
+``/dev/shm``, for states whose steps do not fit beside the processes in this machine's memory.
+
 Timings are wall clock on a shared machine; compare within one run. The resumed state is checked
 against the values of the step it came from in every process.
 """
@@ -132,6 +138,13 @@ def parse_args(argv=None):
                  help='train, kill and restart each mode this many times (a summary per mode '
                       'follows the table: the storage steps committed at the kill, the steps '
                       'resumed, steps lost, restore seconds)')
+  p.add_argument('--values', choices=('arange', 'noise'), default='arange',
+                 help="the state's values: arange (r * 1024 + c, which zstd shrinks several "
+                      "times: Orbax's default compression makes stock's copies small) or noise "
+                      '(a hashed mantissa in [1, 2), about as compressible as trained weights)')
+  p.add_argument('--tier-parent', default=None,
+                 help='where each process\'s tier directory is made (default /dev/shm: node '
+                      'memory); a local disk path keeps the steps in the page cache instead')
   p.add_argument('--json-out', default=None)
   p.add_argument('--timeout', type=float, default=900, help='seconds per multi-process run')
   return p.parse_args(argv)
@@ -197,8 +210,8 @@ def _uploads(entries) -> list[str]:
 
 def one_mode(mode, args, bucket, run_processes, server_pid=None, proxy=None) -> dict:
   root = f'gs://{bucket}/{mode}'
-  tiers = [tempfile.mkdtemp(prefix=f'orbax-pathways-bench-{mode}-{i}-',
-                            dir='/dev/shm' if os.access('/dev/shm', os.W_OK) else None)
+  parent = args.tier_parent or ('/dev/shm' if os.access('/dev/shm', os.W_OK) else None)
+  tiers = [tempfile.mkdtemp(prefix=f'orbax-pathways-bench-{mode}-{i}-', dir=parent)
            for i in range(4)]
   tiered = mode != 'storage_only'
   env = {# stock: Orbax alone (the package imported, nothing installed)
@@ -208,6 +221,7 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None, proxy=None) -> 
              args.local_every if tiered and args.api != 'emergency' else 0),
          'ORBAX_PATHWAYS_LOCAL_COPIES': '2' if mode.endswith('_copies') else '1',
          'ORBAX_PATHWAYS_LOCAL_SAVE_WHEN_BUSY': args.when_busy,
+         'ORBAX_PATHWAYS_BENCH_VALUES': args.values,
          'ORBAX_PATHWAYS_LOCAL_STEPS_IN': ('nodes' if mode.startswith('multi_tier_nodes')
                                            else 'storage')}
   per_tier = list(tiers) if tiered else ['off'] * 4  # storage only: no tier at all

@@ -47,13 +47,25 @@ bands = ({'w': 0} if n_leaves == 1 else {f'w{k:03d}': k * part for k in range(n_
 shape = (part, 1024)
 
 
+noise = os.environ.get('ORBAX_PATHWAYS_BENCH_VALUES') == 'noise'
+
+
 def values(row0, index):
   """The base values of the shard at ``index`` (slices) of the leaf whose rows start at
-  ``row0``."""
+  ``row0``: r * 1024 + c, or with ``--values noise`` a float32 in [1, 2) whose 23 mantissa
+  bits are a hash of r * 1024 + c (as little to compress as in trained weights: their exponents
+  alike, their mantissas random)."""
   r = range(*index[0].indices(part))
   c = range(*index[1].indices(1024))
-  return ((np.arange(r.start, r.stop, dtype=np.int64)[:, None] + row0) * 1024
-          + np.arange(c.start, c.stop, dtype=np.int64)[None, :]).astype(np.float32)
+  flat = ((np.arange(r.start, r.stop, dtype=np.int64)[:, None] + row0) * 1024
+          + np.arange(c.start, c.stop, dtype=np.int64)[None, :])
+  if not noise:
+    return flat.astype(np.float32)
+  x = flat.astype(np.uint64)  # splitmix64's finalizer: every bit of the index mixed into all
+  x = (x ^ (x >> np.uint64(30))) * np.uint64(0xbf58476d1ce4e5b9)
+  x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94d049bb133111eb)
+  x = x ^ (x >> np.uint64(31))
+  return ((x >> np.uint64(41)).astype(np.uint32) | np.uint32(0x3F800000)).view(np.float32)
 
 
 def state(step):
