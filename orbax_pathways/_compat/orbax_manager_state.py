@@ -150,7 +150,7 @@ def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike, keep: 
   kept): ``directory``, one step per save it is asked for, the newest ``keep`` kept, the same
   processes (``MultiprocessingOptions``, with barrier names of its own, the processes named so
   that its barriers are key-value ones: ``multitier/local_steps.py`` runs its saves on a
-  background thread), async mode, step names, read-only mode and handlers (``_handlers_of``)
+  background thread), async mode, step names, read-only mode and handlers (``handlers_of``)
   as ``mngr``. Its saves go through Orbax's own save and commit; only the array handler knows
   the directory is a local-only one (``format.names.is_local_only``). ``wrap_deleter(orbax's
   deleter, directory, this process deletes, timeout_s)``: the deleter it uses instead
@@ -183,7 +183,7 @@ def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike, keep: 
   # The manager's own handlers (its settings, its custom handlers); the rest, as for a manager
   # built without item handlers, from the save's arguments.
   inner = ocp.CheckpointManager(directory, options=inner_options,
-                                handler_registry=_handlers_of(mngr))
+                                handler_registry=handlers_of(mngr))
   if wrap_deleter is not None:  # the hidden manager's retention (``multitier/trailing_deleter``)
     timeout = getattr(options.async_options, 'timeout_secs', None) or _DEFAULT_TIMEOUT_S
     inner._checkpoint_deleter = wrap_deleter(  # pylint: disable=protected-access
@@ -197,7 +197,7 @@ def local_manager(mngr: ocp.CheckpointManager, directory: epath.PathLike, keep: 
 _METRICS_ITEM = 'metrics'  # Orbax's CheckpointManager's own item (its metrics handler)
 
 
-def _handlers_of(mngr: ocp.CheckpointManager) -> Any:
+def handlers_of(mngr: ocp.CheckpointManager) -> Any:
   """A handler registry holding the very handler objects ``mngr`` holds, per item and argument
   type: those of its ``item_handlers`` or ``handler_registry``, and any Orbax registered for it
   lazily before this call. So a local-only step is saved and restored by the handlers its
@@ -211,7 +211,8 @@ def _handlers_of(mngr: ocp.CheckpointManager) -> Any:
   manager and its hidden manager (``multitier/local_steps.py``); Orbax's PyTree handlers hold no
   barrier of their own (of their process options they read only the primary host); and
   arguments of a handler that ``multitier/local_detach.py`` cannot copy (a custom one) are saved
-  in the training loop's thread, not the background."""
+  in the training loop's thread, not the background. Node steps (``multitier/node_loop_items``)
+  take from it the synchronous handler of an item saved in the loop's thread."""
   registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
   checkpointer = getattr(mngr, '_checkpointer', None)  # pylint: disable=protected-access
   composite = getattr(checkpointer, 'handler', None)

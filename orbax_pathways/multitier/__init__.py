@@ -7,6 +7,8 @@ Modules, each one job:
   (the hidden manager of its records in storage, or node steps).
 - ``node_steps``: a local-only step saved by each process alone into its node
   (``Options.local_steps_in='nodes'``), and its resume.
+- ``node_loop_items``: a node step's items only their own handler can save (a data
+  iterator's), saved in the loop's thread and moved into the step by its save.
 - ``local_busy``: a local-only save due while the previous one is busy: wait or skip, every
   process alike.
 - ``local_detach``: the arguments of a background local-only save, detached from the loop.

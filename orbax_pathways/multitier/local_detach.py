@@ -6,7 +6,8 @@ Pure over the arguments' structure (no I/O, no device): ``detach`` returns the a
 later and the ``jax.Array`` leaves whose shards ``transports/snapshots.take`` must copy to host
 before ``save()`` returns; or ``None`` when some item is of a kind this module cannot copy
 without running its handler (a data iterator, whose handler reads the iterator's position when
-it saves; a custom handler's arguments): such a save runs in the loop's thread, as Orbax's own.
+it saves; a custom handler's arguments): such a save runs in the loop's thread, as Orbax's own,
+or (``loop_items=True``, for node steps) those items alone do.
 
 What is detached: ``args.Composite`` of the items below; ``StandardSave`` / ``PyTreeSave`` /
 ``ArraySave`` trees of ``jax.Array`` (kept: their host copies are taken), numpy arrays (copied),
@@ -36,6 +37,10 @@ class Detached(NamedTuple):
   args: tuple  # the save's positional arguments after the step, detached
   kwargs: dict  # its keyword arguments, detached
   arrays: list  # the jax.Array leaves whose shards must be copied to host now
+  # ``detach(..., loop_items=True)``: the items of ``args=`` (a Composite) that cannot be
+  # copied, by name, as given (left out of ``kwargs['args']``): their handlers save them in the
+  # loop's thread (``multitier/node_steps.stage``).
+  loop_items: dict = {}
 
 
 class _Unsupported(Exception):
@@ -69,12 +74,42 @@ def _item(a: Any, arrays: list) -> Any:
   raise _Unsupported(type(a).__name__)
 
 
-def detach(args: tuple, kwargs: dict) -> Detached | None:
+def _copyable(a: Any) -> bool:
+  """Whether ``_item`` copies ``a`` (checked, nothing copied)."""
+  leaf_ok = lambda x: isinstance(x, (jax.Array, np.ndarray) + _IMMUTABLE)
+  if isinstance(a, ocp.args.Composite):
+    return all(_copyable(v) for v in a.values())
+  if isinstance(a, _TREES):
+    return all(leaf_ok(x) for x in jax.tree.leaves(a.item))
+  if isinstance(a, _v1.v1_args_type()):
+    return all(leaf_ok(x) for x in jax.tree.leaves(a.checkpointable))
+  return isinstance(a, ocp.args.JsonSave)
+
+
+def _split(a: Any) -> tuple[Any, dict]:
+  """``args=`` without its top-level Composite items ``_item`` cannot copy, and those items."""
+  if not isinstance(a, ocp.args.Composite):
+    return a, {}
+  loop = {name: v for name, v in a.items() if not _copyable(v)}
+  if not loop:
+    return a, {}
+  return type(a)(**{name: v for name, v in a.items() if name not in loop}), loop
+
+
+def detach(args: tuple, kwargs: dict, loop_items: bool = False) -> Detached | None:
   """``CheckpointManager.save(step, *args, **kwargs)``'s arguments, detached (None: some item
-  cannot be; run the save in the loop's thread)."""
+  cannot be; run the save in the loop's thread). ``loop_items``: a ``Composite`` item that
+  cannot be is set aside in ``Detached.loop_items`` instead (its handler saves it in the loop's
+  thread), unless no item of ``args=`` could be detached."""
   unknown = set(kwargs) - {'args', 'custom_metadata'}
   if unknown or len(args) > 1 or (args and 'args' in kwargs):
     return None  # the legacy ``items=`` / ``save_kwargs=`` forms
+  loop: dict = {}
+  if loop_items and not args and kwargs.get('args') is not None:
+    given, loop = _split(kwargs['args'])
+    if loop and not len(given):
+      return None
+    kwargs = dict(kwargs, args=given)
   arrays: list = []
   try:
     out_args = tuple(_item(a, arrays) for a in args)
@@ -84,4 +119,4 @@ def detach(args: tuple, kwargs: dict) -> Detached | None:
     return None
   if not out_args and out_kwargs.get('args') is None:
     return None
-  return Detached(out_args, out_kwargs, arrays)
+  return Detached(out_args, out_kwargs, arrays, loop)

@@ -42,7 +42,9 @@ Who calls what, on which host (every process that calls the manager):
 With ``Options.local_steps_in='nodes'``, a background local-only save of a tree or JSON
 (``node_steps.applies``) goes to this process's node instead (``node_steps.save``, on the same
 background thread, one at a time): no hidden manager, no storage request, no barrier, and a
-storage save does not wait for it (``before_save``); ``resume_on_nodes`` is its resume.
+storage save does not wait for it (``before_save``); ``resume_on_nodes`` is its resume. Its
+``Composite`` items only their handler can save (a data iterator's) are saved by that handler
+in the loop's thread first (``node_steps.stage``), the rest from the snapshot as above.
 
 The hidden manager is a ``CheckpointManager`` like any other, so the package's other hooks run
 on it too (the writer lease, retention, the tier's commit); this module's hooks skip it.
@@ -179,7 +181,10 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
         or _oms.manager_read_only(mngr)):  # an evaluator's save() writes nothing anywhere
       return
     kwargs = {k: v for k, v in kwargs.items() if k not in ('force', 'metrics')}
-    detached = local_detach.detach(args, kwargs) if self._background() else None
+    detached = (local_detach.detach(args, kwargs, loop_items=self._on_nodes(mngr))
+                if self._background() else None)
+    if detached is not None and detached.loop_items and not self._node_step(mngr, detached):
+      detached = None  # items only their handler can save, and no node step: Orbax's own save
     if detached is None:
       self._save(mngr, step, args, kwargs)
     elif self._when_busy() == 'skip' and not local_busy.go(mngr, step, _busy(mngr)):
@@ -199,10 +204,14 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
     previous = _running.get(mngr)
     if previous is not None:
       previous.handed_off.wait()
-    on_node = (not detached.args
-               and set(detached.kwargs) - {'custom_metadata'} == {'args'}
-               and node_steps.applies(mngr, self.options(), detached.kwargs['args']))
+    on_node = self._node_step(mngr, detached)
     try:
+      if on_node and detached.loop_items:  # saved by their handlers now, in the loop's thread
+        staged = node_steps.stage(mngr, self.options(), self.policy(mngr).keep, step,
+                                  detached.loop_items)
+        given = node_steps.joined(detached.kwargs['args'], staged)
+        detached = local_detach.Detached(detached.args, dict(detached.kwargs, args=given),
+                                         detached.arrays)
       if on_node:
         inner = None
       else:
@@ -226,6 +235,17 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
         name=f'orbax_pathways-local-save-{step}', daemon=True)
     _running[mngr] = _Background(thread, handed_off, on_node=inner is None)
     thread.start()
+
+  def _on_nodes(self, mngr: Any) -> bool:
+    """Whether ``mngr``'s local-only steps may be node steps here (``node_steps.active``)."""
+    return node_steps.active(mngr, self.options())
+
+  def _node_step(self, mngr: Any, detached: local_detach.Detached) -> bool:
+    """Whether the detached save goes to this process's node (``node_steps.applies``)."""
+    return (not detached.args
+            and set(detached.kwargs) - {'custom_metadata'} == {'args'}
+            and node_steps.applies(mngr, self.options(), detached.kwargs['args'],
+                                   detached.loop_items))
 
   def _run_on_node(self, mngr: Any, inner: None, step: int,
                    holder: list[local_detach.Detached], taken: snapshots.Taken,

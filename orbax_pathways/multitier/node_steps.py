@@ -43,9 +43,17 @@ Orbax's emergency manager (the drop-in of ``multitier/emergency.py``) saves node
 ``local_directory`` (``node_layout.tier``), and lists, restores and deletes them there
 (``listed``, ``restore_items``, ``delete``; its restart through ``resume`` with ``item='state'``).
 
+A ``Composite`` item only its own handler can save (a data iterator, whose handler reads the
+iterator's position as it saves; a custom handler's arguments) is saved by that handler in the
+loop's thread into the node, and moved into the step by its save (``node_loop_items.py``);
+restores with that item's restore arguments read it through the same handler
+(``_restore_items``).
+
 Not done on the nodes yet (those saves keep their local-only steps in storage's records, the
-hidden manager of ``multitier/local_steps.py``): arguments other than trees and JSON (a data
-iterator's own handler), Pathways (the colocated transport).
+hidden manager of ``multitier/local_steps.py``): an item whose handler saves in the background
+(an ``AsyncCheckpointHandler`` other than Orbax's PyTree and JSON ones), a v1 checkpointable
+that is not a tree (a data iterator under v1's ``training.Checkpointer``), the legacy ``items=``
+form, Pathways (the colocated transport).
 
 A resume onto another process count (or with processes on other processes' nodes) restores
 a node step onto the current layout (``node_gather.py``): each part of a node step records
@@ -80,6 +88,7 @@ from orbax_pathways._util import said
 from orbax_pathways.coord import rounds
 from orbax_pathways.multitier import node_gather
 from orbax_pathways.multitier import node_layout
+from orbax_pathways.multitier import node_loop_items
 from orbax_pathways.multitier import node_partners
 from orbax_pathways.multitier import node_round
 from orbax_pathways.plan import node_parts
@@ -108,12 +117,25 @@ def _v1_tree(a: Any) -> Any:
 def _convertible(a: Any) -> bool:
   if isinstance(a, ocp.args.Composite):
     return all(_convertible(v) for v in a.values())
+  if node_loop_items.is_staged(a):
+    return True
   if isinstance(a, _TREES):
     return _tree_leaves_ok(a.item)
   tree = _v1_tree(a)
   if tree is not None:
     return isinstance(tree, (dict, list, tuple)) and _tree_leaves_ok(tree)
   return isinstance(a, ocp.args.JsonSave)
+
+
+def _split(a: Any) -> tuple[Any, dict[str, Any]]:
+  """``args=`` without its ``Composite`` items node steps cannot save from copies, and those
+  items by name (saved by their handlers in the loop's thread: ``node_loop_items``)."""
+  if not isinstance(a, ocp.args.Composite):
+    return a, {}
+  loop = {k: v for k, v in a.items() if not _convertible(v)}
+  if not loop:
+    return a, {}
+  return ocp.args.Composite(**{k: v for k, v in a.items() if k not in loop}), loop
 
 
 def node_args(a: Any) -> Any:
@@ -134,11 +156,12 @@ def _device_processes() -> tuple[tuple[int, int], ...]:
   return tuple((d.id, d.process_index) for d in jax.devices())
 
 
-def applies(mngr: Any, options: Any, args: Any) -> bool:
+def applies(mngr: Any, options: Any, args: Any, loop_items: dict | None = None) -> bool:
   """Whether this local-only save of ``mngr`` goes to the nodes: ``Options.local_steps_in``
   is ``'nodes'``, a tier directory is named, and ``args`` (the detached ``args=``) are trees of
-  ``jax.Array``, numpy and scalar leaves, or JSON (one log line, once per manager, when they
-  are not)."""
+  ``jax.Array``, numpy and scalar leaves, or JSON, but for ``Composite`` items a synchronous
+  handler of ``mngr`` saves in the loop's thread (a data iterator's; ``loop_items``: such items
+  detached apart, ``local_detach``); one log line, once per manager, when they are not."""
   if getattr(options, 'local_steps_in', 'storage') != 'nodes':
     return False
   if not orbax_process_local.install():  # this Orbax lacks a target: warned once, storage path
@@ -149,11 +172,14 @@ def applies(mngr: Any, options: Any, args: Any) -> bool:
               '(Options.tier_dir or ORBAX_PATHWAYS_TIER_DIR); the local-only steps of %s '
               'keep their records in storage.', 'nodes', mngr.directory)
     return False
-  if args is None or not _convertible(args):
+  given, loop = _split(args) if args is not None else (None, {})
+  loop = {**loop, **(loop_items or {})}
+  if (given is None or not _convertible(given)
+      or any(node_loop_items.handler_for(mngr, k, v) is None for k, v in loop.items())):
     said.once(logging.INFO, ('node-steps-args', str(mngr.directory)),
               'orbax_pathways: the local-only steps of %s keep their records in storage: their '
-              'arguments are not trees of jax.Array, numpy and scalar leaves, or JSON '
-              '(Options.local_steps_in=%r '
+              'arguments are not trees of jax.Array, numpy and scalar leaves, JSON, or items '
+              'a synchronous handler saves (Options.local_steps_in=%r '
               'saves those on the nodes only).', mngr.directory, 'nodes')
     return False
   return True
@@ -198,6 +224,7 @@ def manager(mngr: Any, options: Any, keep: int) -> Any | None:
     return None
   registry, mp = _registry(options)
   orbax_logs.install()  # Orbax's "no OCDBT trees to merge" at each save: node steps have none
+  node_loop_items.discard(node_layout.directory(mngr, root))  # an earlier run's, unsaved
   node = ocp.CheckpointManager(
       node_layout.directory(mngr, root),
       options=ocp.CheckpointManagerOptions(
@@ -223,17 +250,40 @@ def close(mngr: Any) -> None:
     found.close()
 
 
-def save(mngr: Any, options: Any, step: int, args: Any, keep: int,
-         custom_metadata: dict | None = None) -> None:
-  """Saves ``args`` (the detached ``args=``) as node step ``step`` of ``mngr`` on this process
-  alone, with the save's ``custom_metadata`` (the background thread of
-  ``multitier/local_steps.py``)."""
+def _node(mngr: Any, options: Any, keep: int) -> Any:
   node = manager(mngr, options, keep)
   if node is None:
     raise RuntimeError(f'orbax_pathways: no node-local tier directory for the local-only '
                        f'steps of {mngr.directory}')
-  with orbax_process_local.alone(_oms.process_index()):
-    node.save(step, args=node_args(args), force=True, custom_metadata=custom_metadata)
+  return node
+
+
+def stage(mngr: Any, options: Any, keep: int, step: int, items: dict[str, Any]) -> dict[str, Any]:
+  """``node_loop_items.stage`` into this process's node steps of ``mngr`` (the loop's thread,
+  ``multitier/local_steps.py``): the arguments standing for ``items`` in ``save``'s."""
+  return node_loop_items.stage(mngr, str(_node(mngr, options, keep).directory), step, items)
+
+
+def joined(args: Any, staged: dict[str, Any]) -> Any:
+  """``args`` (a ``Composite``) with the ``staged`` items (``stage``) beside its own."""
+  return ocp.args.Composite(**dict(args.items()), **staged)
+
+
+def save(mngr: Any, options: Any, step: int, args: Any, keep: int,
+         custom_metadata: dict | None = None) -> None:
+  """Saves ``args`` (the detached ``args=``, its loop items staged: ``stage``) as node step
+  ``step`` of ``mngr`` on this process alone, with the save's ``custom_metadata`` (the
+  background thread of ``multitier/local_steps.py``; the loop's thread for the preemption step,
+  whose loop items are staged here)."""
+  node = _node(mngr, options, keep)
+  try:
+    given, loop = _split(args)
+    if loop:
+      given = joined(given, stage(mngr, options, keep, step, loop))
+    with orbax_process_local.alone(_oms.process_index()):
+      node.save(step, args=node_args(given), force=True, custom_metadata=custom_metadata)
+  finally:
+    node_loop_items.discard(str(node.directory), step)
   node_layout.write_processes(os.path.join(str(node.directory), str(step)),
                               jax_distributed.process_count(),
                               _device_processes())
@@ -347,6 +397,28 @@ def listed(mngr: Any, options: Any, keep: int) -> list[int]:
     return _own(node, me)
 
 
+def _restore_items(node: Any, mngr: Any, options: Any, step: int, args: Any) -> Any:
+  """``node.restore(step, args=args)``; where ``args`` name an item the node steps' handlers
+  do not restore (a loop item's own restore arguments, ``node_loop_items``), through a manager
+  of its own over the same directory that has ``mngr``'s handlers for such items too (the node
+  manager's Orbax handler registry keeps the handler each item was saved with)."""
+  registry, mp = _registry(options)
+  if all(registry.has(None, v) for v in args.values()):
+    return node.restore(step, args=args)
+  for (name, args_type), handler in _oms.handlers_of(mngr).get_all_entries().items():
+    if name is not None and not registry.has(None, args_type):
+      registry.add(name, args_type, handler)
+  own = ocp.CheckpointManager(
+      node.directory, options=ocp.CheckpointManagerOptions(
+          create=False, save_root_metadata=False, enable_async_checkpointing=False,
+          read_only=True, multiprocessing_options=mp),
+      handler_registry=registry)
+  try:
+    return own.restore(step, args=args)
+  finally:
+    own.close()
+
+
 def restore_items(mngr: Any, options: Any, keep: int, step: int, args: Any) -> Any:
   """``args`` (a ``Composite``) of node step ``step`` from this process's node alone (the
   caller agrees with the other processes on the outcome)."""
@@ -356,7 +428,7 @@ def restore_items(mngr: Any, options: Any, keep: int, step: int, args: Any) -> A
                             f'{mngr.directory}')
   with orbax_process_local.alone(_oms.process_index()):
     node.reload()
-    return node.restore(step, args=args)
+    return _restore_items(node, mngr, options, step, args)
 
 
 def restore_as_saved(mngr: Any, options: Any, keep: int, step: int, args: Any) -> Any:
@@ -375,7 +447,7 @@ def restore_as_saved(mngr: Any, options: Any, keep: int, step: int, args: Any) -
       with orbax_process_local.alone(me):
         node.reload()
         if step in _own(node, me):
-          return node.restore(step, args=args)
+          return _restore_items(node, mngr, options, step, args)
   raise FileNotFoundError(f'no node step {step} this process saved with this layout in its node '
                           f'({directory_of(mngr)})')
 

@@ -357,17 +357,17 @@ def test_an_item_directory_in_a_step_this_save_created_is_made_without_an_existe
 
 
 def test_the_hidden_manager_takes_the_very_handlers_of_its_manager(tmp_path):
-  """``orbax_manager_state._handlers_of`` reads Orbax's private composite handler registry: the
+  """``orbax_manager_state.handlers_of`` reads Orbax's private composite handler registry: the
   manager's handler objects per item and argument type, save and restore, without Orbax's
   metrics item; an empty registry for a manager built without handlers."""
   from orbax_pathways._compat import orbax_manager_state  # pylint: disable=g-import-not-at-top
   handler = ocp.StandardCheckpointHandler(use_ocdbt=False)
   with ocp.CheckpointManager(tmp_path / 'a', item_handlers=handler) as m:
-    got = orbax_manager_state._handlers_of(m).get_all_entries()  # pylint: disable=protected-access
+    got = orbax_manager_state.handlers_of(m).get_all_entries()
   assert {k: v for k, v in got.items()} == {('default', ocp.args.StandardSave): handler,
                                             ('default', ocp.args.StandardRestore): handler}, got
   with ocp.CheckpointManager(tmp_path / 'b') as m:
-    empty = orbax_manager_state._handlers_of(m)  # pylint: disable=protected-access
+    empty = orbax_manager_state.handlers_of(m)
     assert not empty.get_all_entries()
 
 

@@ -55,6 +55,21 @@ def test_what_it_cannot_copy_runs_in_the_loop_s_thread(build):
   assert local_detach.detach(args, kwargs) is None
 
 
+def test_with_loop_items_an_item_it_cannot_copy_is_set_apart_as_given():
+  """``loop_items=True`` (node steps): the items their handler must save in the loop's thread
+  are returned as given, apart from the detached rest; a save of such items alone, or of an
+  unknown leaf inside a tree, still runs in the loop's thread."""
+  w, it = jnp.ones(2), ocp.args.JsonRestore()  # JsonRestore: an argument kind it does not know
+  d = local_detach.detach((), {'args': ocp.args.Composite(state=ocp.args.PyTreeSave({'w': w}),
+                                                          iter=it)}, loop_items=True)
+  assert d is not None and d.loop_items == {'iter': it} and d.arrays == [w]
+  assert list(d.kwargs['args'].keys()) == ['state']
+  alone = ((), {'args': ocp.args.Composite(iter=it)})
+  assert local_detach.detach(*alone, loop_items=True) is None
+  tree = ((), {'args': ocp.args.Composite(state=ocp.args.StandardSave({'it': _Iterator()}))})
+  assert local_detach.detach(*tree, loop_items=True) is None
+
+
 def test_one_array_in_two_leaves_is_listed_twice_and_copied_once():
   from orbax_pathways.transports import snapshots  # pylint: disable=g-import-not-at-top
   a = jax.device_put(jnp.arange(8.0))

@@ -1,0 +1,171 @@
+"""Node steps with an item only its own handler can save (``multitier/node_loop_items.py``): a
+data iterator, whose handler reads the iterator's position as it saves (as grain's does). Its
+handler saves it in the training loop's thread; the step's arrays are saved on the background
+thread; the step lands in the node alone, with nothing of it in storage. One process, 8 CPU
+devices, a real v0 ``CheckpointManager`` and Orbax's emergency one (the drop-in), real tier
+directories."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint.experimental.emergency import checkpoint_manager as em
+import pytest
+
+import orbax_pathways
+from support import damage
+from support.arrays import mesh as make_mesh
+from support.arrays import put
+
+
+class _Iterator:
+  """A data iterator: its position moves on at every training step."""
+
+  def __init__(self, pos: int = 0):
+    self.pos = pos
+
+
+@dataclasses.dataclass
+class IteratorSave(ocp.args.CheckpointArgs):
+  item: _Iterator
+
+
+@dataclasses.dataclass
+class IteratorRestore(ocp.args.CheckpointArgs):
+  item: _Iterator
+
+
+class IteratorHandler(ocp.CheckpointHandler):
+  """As grain's handler: the iterator's position when ``save`` runs, a JSON file per process."""
+
+  def save(self, directory, args):
+    name = f'process_{jax.process_index()}-of-{jax.process_count()}.json'
+    (directory / name).write_text(json.dumps({'pos': args.item.pos}))
+
+  def restore(self, directory, args):
+    name = f'process_{jax.process_index()}-of-{jax.process_count()}.json'
+    args.item.pos = json.loads((directory / name).read_text())['pos']
+    return args.item
+
+
+ocp.args.register_with_handler(IteratorHandler, for_save=True)(IteratorSave)
+ocp.args.register_with_handler(IteratorHandler, for_restore=True)(IteratorRestore)
+
+
+def _state(m, step):
+  return {'w': put(np.arange(1 << 16, dtype=np.float32).reshape(256, 256) + 1000 * step, m,
+                   'data')}
+
+
+def _assert_state(restored, m, step):
+  np.testing.assert_array_equal(np.asarray(restored['w']), np.asarray(_state(m, step)['w']))
+
+
+def _item_handlers(step_dir):
+  return json.loads((step_dir / '_CHECKPOINT_METADATA').read_text())['item_handlers']
+
+
+def _files(root):
+  return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root)
+                for f in fs)
+
+
+@pytest.fixture
+def node_steps_installed():
+  orbax_pathways.install(orbax_pathways.Options(local_steps_in='nodes'))
+  yield
+  orbax_pathways.install(orbax_pathways.Options())
+
+
+def test_emergency_drop_in_saves_a_data_iterator_into_the_node_at_the_save(
+    tmp_path, node_steps_installed):
+  """Orbax's emergency manager, local every step, persistent every 2, a data iterator beside
+  the state: each local-only step is in ``local_directory`` alone, the iterator at the position
+  it had when ``save()`` ran (it moves on right after, while the step is still saved), named
+  with its own handler as Orbax's persistent step names it; no staging left; restored (and
+  resumed by a fresh manager) with the iterator's restore arguments."""
+  m = make_mesh((2, 4), ('replica', 'data'))
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
+  (tmp_path / 'local').mkdir()
+  (tmp_path / 'persistent').mkdir()
+  options = em.CheckpointManagerOptions(
+      local=em.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=2),
+      persistent=em.PersistentCheckpointOptions(save_interval_steps=2))
+  it = _Iterator()
+
+  def build():
+    return em.CheckpointManager(tmp_path / 'local', tmp_path / 'persistent', m, abstract,
+                                options=options)
+
+  with build() as mngr:
+    for s in range(6):
+      it.pos = 10 * s
+      mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s)),
+                                           dataset=IteratorSave(it)))
+      it.pos = -1  # the next batches are drawn while the local save runs
+    mngr.wait_until_finished()
+    got = mngr.restore(5, args=ocp.args.Composite(dataset=IteratorRestore(_Iterator())))
+    _assert_state(got['state'], m, 5)
+    assert got['dataset'].pos == 50
+  # Nothing of the local-only steps in storage (no hidden directory of their records).
+  assert sorted(os.listdir(tmp_path / 'persistent')) == ['0', '2', '4']
+  (node,) = (tmp_path / 'local' / '.node-steps').iterdir()
+  assert sorted(os.listdir(node)) == ['4', '5']  # no staging directory left
+  dataset = node / '5' / 'dataset'
+  # The files Orbax's save through the iterator's handler wrote for storage step 4.
+  assert 'process_0-of-1.json' in os.listdir(dataset)
+  assert sorted(os.listdir(dataset)) == sorted(os.listdir(tmp_path / 'persistent' / '4' / 'dataset'))
+  assert json.loads((dataset / 'process_0-of-1.json').read_text()) == {'pos': 50}
+  assert (_item_handlers(node / '5')['dataset']
+          == _item_handlers(tmp_path / 'persistent' / '4')['dataset'])
+  assert 'IteratorHandler' in _item_handlers(node / '5')['dataset']
+  with build() as fresh:
+    assert fresh.latest_step() == 5
+    got = fresh.restore(5, args=ocp.args.Composite(dataset=IteratorRestore(_Iterator())))
+    _assert_state(got['state'], m, 5)
+    assert got['dataset'].pos == 50
+  # Step 5's array damaged: a fresh manager resumes step 4 (its node copy), iterator and all.
+  damage.flip_middle_bit(damage.node_data_files(node / '5' / 'state'))
+  with build() as fresh:
+    assert fresh.latest_step() == 4
+    got = fresh.restore(4, args=ocp.args.Composite(dataset=IteratorRestore(_Iterator())))
+    _assert_state(got['state'], m, 4)
+    assert got['dataset'].pos == 40
+
+
+def test_v0_manager_saves_a_data_iterator_into_the_node_and_stock_orbax_reads_it(tmp_path):
+  """A v0 ``CheckpointManager`` (storage every 10 steps, local every step, MaxText's
+  ``items`` + ``iter``): the local-only steps are node steps holding the iterator as its
+  handler wrote it at the save, and none of their files is in storage; stock Orbax's own
+  manager over the node directory restores the step, iterator and all."""
+  root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), local_save_interval_steps=1,
+                                                tier_keep=2, local_steps_in='nodes'))
+  m = make_mesh((8,), ('data',))
+  it = _Iterator()
+  try:
+    with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
+        save_interval_steps=10)) as mngr:
+      for s in range(4):
+        it.pos = 7 * s
+        mngr.save(s, args=ocp.args.Composite(items=ocp.args.StandardSave(_state(m, s)),
+                                             iter=IteratorSave(it)))
+        it.pos = -1
+      mngr.wait_until_finished()
+  finally:
+    orbax_pathways.install(orbax_pathways.Options())
+  assert sorted(os.listdir(root)) == ['0']  # storage step 0 alone: no hidden local directory
+  (node,) = (tier / '.node-steps').iterdir()
+  assert sorted(os.listdir(node)) == ['2', '3']
+  assert json.loads((node / '3' / 'iter' / 'process_0-of-1.json').read_text()) == {'pos': 21}
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
+  with ocp.CheckpointManager(node, options=ocp.CheckpointManagerOptions(read_only=True)) as stock:
+    got = stock.restore(3, args=ocp.args.Composite(
+        items=ocp.args.StandardRestore(abstract), iter=IteratorRestore(_Iterator())))
+  _assert_state(got['items'], m, 3)
+  assert got['iter'].pos == 21
