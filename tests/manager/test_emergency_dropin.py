@@ -14,6 +14,7 @@ nothing from storage, when a partner of another slice kept the lost node's share
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -305,8 +306,8 @@ def test_options_the_drop_in_does_not_map_keep_orbaxs_own_class(tmp_path):
 # Several processes, one slice each.
 
 
-def _save(tmp_path, copies):
-  env = {'ORBAX_PATHWAYS_LOCAL_COPIES': str(copies)}
+def _save(tmp_path, copies, dataset='json'):
+  env = {'ORBAX_PATHWAYS_LOCAL_COPIES': str(copies), 'DATASET': dataset}
   res = run_processes(WORKER, 4, 2, args=['save'], shared_dir=str(tmp_path), timeout=300,
                       env=env)
   for r in res:
@@ -315,8 +316,9 @@ def _save(tmp_path, copies):
     assert out['saved'] == [True] * 7 and out['steps'] == [0, 4, 6], out
 
 
-def _restart(tmp_path, nodes, copies):
-  env = {'ORBAX_PATHWAYS_LOCAL_COPIES': str(copies), 'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': '5'}
+def _restart(tmp_path, nodes, copies, dataset='json'):
+  env = {'ORBAX_PATHWAYS_LOCAL_COPIES': str(copies), 'ORBAX_PATHWAYS_TIER_PEER_TIMEOUT_S': '5',
+         'DATASET': dataset}
   res = run_processes(WORKER, len(nodes), 2, args=['restart'], shared_dir=str(tmp_path),
                       timeout=300, env=env, per_process_env=[{'NODE': str(n)} for n in nodes])
   return [(r.results[0], r.stderr_tail) for r in res]
@@ -333,6 +335,28 @@ def test_a_lost_node_resumes_the_local_only_step_on_fewer_slices_from_partner_co
     assert out['dataset'] == {'step': 6}
     assert out['bytes_by_source'].get('storage', 0) == 0, out['bytes_by_source']
     assert sum(out['bytes_by_source'].values()) > 0
+
+
+@pytest.mark.multiprocess
+def test_a_data_iterator_is_saved_by_each_process_into_its_node_and_resumed_with_the_step(
+    tmp_path):
+  """The dataset a data iterator its own handler saves (as grain's), 4 slices: each process
+  saves its position at ``save()`` into its own node (the iterator moves on right after),
+  nothing of the local-only steps reaches the persistent directory, and a restart on the same
+  nodes resumes step 6 with each process's own position and no byte from storage."""
+  _save(tmp_path, copies=2, dataset='iterator')
+  assert sorted(p for p in os.listdir(tmp_path / 'persistent')
+                if not p.startswith('orbax-pathways-lease')) == ['0', '4']
+  for i in range(4):
+    (node,) = [p for p in (tmp_path / 'local' / str(i) / '.node-steps').iterdir()
+               if p.name.isalnum()]
+    got = (node / '6' / 'dataset' / f'process_{i}-of-4.json').read_text()
+    assert json.loads(got) == {'pos': 600 + i}
+  for i, (out, tail) in enumerate(_restart(tmp_path, [0, 1, 2, 3], copies=2,
+                                           dataset='iterator')):
+    assert out['step'] == 6 and out['exact'], (out, tail[-2000:])
+    assert out['dataset'] == {'pos': 600 + i}
+    assert out['bytes_by_source'].get('storage', 0) == 0, out['bytes_by_source']
 
 
 @pytest.mark.multiprocess

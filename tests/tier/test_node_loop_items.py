@@ -7,7 +7,6 @@ directories."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -19,42 +18,9 @@ import pytest
 
 import orbax_pathways
 from support import damage
+from support import iterators
 from support.arrays import mesh as make_mesh
 from support.arrays import put
-
-
-class _Iterator:
-  """A data iterator: its position moves on at every training step."""
-
-  def __init__(self, pos: int = 0):
-    self.pos = pos
-
-
-@dataclasses.dataclass
-class IteratorSave(ocp.args.CheckpointArgs):
-  item: _Iterator
-
-
-@dataclasses.dataclass
-class IteratorRestore(ocp.args.CheckpointArgs):
-  item: _Iterator
-
-
-class IteratorHandler(ocp.CheckpointHandler):
-  """As grain's handler: the iterator's position when ``save`` runs, a JSON file per process."""
-
-  def save(self, directory, args):
-    name = f'process_{jax.process_index()}-of-{jax.process_count()}.json'
-    (directory / name).write_text(json.dumps({'pos': args.item.pos}))
-
-  def restore(self, directory, args):
-    name = f'process_{jax.process_index()}-of-{jax.process_count()}.json'
-    args.item.pos = json.loads((directory / name).read_text())['pos']
-    return args.item
-
-
-ocp.args.register_with_handler(IteratorHandler, for_save=True)(IteratorSave)
-ocp.args.register_with_handler(IteratorHandler, for_restore=True)(IteratorRestore)
 
 
 def _state(m, step):
@@ -64,6 +30,11 @@ def _state(m, step):
 
 def _assert_state(restored, m, step):
   np.testing.assert_array_equal(np.asarray(restored['w']), np.asarray(_state(m, step)['w']))
+
+
+def _fresh():
+  """Restore arguments for a new iterator (a restarted job's)."""
+  return iterators.IteratorRestore(iterators.Iterator())
 
 
 def _item_handlers(step_dir):
@@ -96,7 +67,7 @@ def test_emergency_drop_in_saves_a_data_iterator_into_the_node_at_the_save(
   options = em.CheckpointManagerOptions(
       local=em.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=2),
       persistent=em.PersistentCheckpointOptions(save_interval_steps=2))
-  it = _Iterator()
+  it = iterators.Iterator()
 
   def build():
     return em.CheckpointManager(tmp_path / 'local', tmp_path / 'persistent', m, abstract,
@@ -106,10 +77,10 @@ def test_emergency_drop_in_saves_a_data_iterator_into_the_node_at_the_save(
     for s in range(6):
       it.pos = 10 * s
       mngr.save(s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(m, s)),
-                                           dataset=IteratorSave(it)))
+                                           dataset=iterators.IteratorSave(it)))
       it.pos = -1  # the next batches are drawn while the local save runs
     mngr.wait_until_finished()
-    got = mngr.restore(5, args=ocp.args.Composite(dataset=IteratorRestore(_Iterator())))
+    got = mngr.restore(5, args=ocp.args.Composite(dataset=_fresh()))
     _assert_state(got['state'], m, 5)
     assert got['dataset'].pos == 50
   # Nothing of the local-only steps in storage (no hidden directory of their records).
@@ -119,21 +90,22 @@ def test_emergency_drop_in_saves_a_data_iterator_into_the_node_at_the_save(
   dataset = node / '5' / 'dataset'
   # The files Orbax's save through the iterator's handler wrote for storage step 4.
   assert 'process_0-of-1.json' in os.listdir(dataset)
-  assert sorted(os.listdir(dataset)) == sorted(os.listdir(tmp_path / 'persistent' / '4' / 'dataset'))
+  stored = tmp_path / 'persistent' / '4' / 'dataset'
+  assert sorted(os.listdir(dataset)) == sorted(os.listdir(stored))
   assert json.loads((dataset / 'process_0-of-1.json').read_text()) == {'pos': 50}
   assert (_item_handlers(node / '5')['dataset']
           == _item_handlers(tmp_path / 'persistent' / '4')['dataset'])
   assert 'IteratorHandler' in _item_handlers(node / '5')['dataset']
   with build() as fresh:
     assert fresh.latest_step() == 5
-    got = fresh.restore(5, args=ocp.args.Composite(dataset=IteratorRestore(_Iterator())))
+    got = fresh.restore(5, args=ocp.args.Composite(dataset=_fresh()))
     _assert_state(got['state'], m, 5)
     assert got['dataset'].pos == 50
   # Step 5's array damaged: a fresh manager resumes step 4 (its node copy), iterator and all.
   damage.flip_middle_bit(damage.node_data_files(node / '5' / 'state'))
   with build() as fresh:
     assert fresh.latest_step() == 4
-    got = fresh.restore(4, args=ocp.args.Composite(dataset=IteratorRestore(_Iterator())))
+    got = fresh.restore(4, args=ocp.args.Composite(dataset=_fresh()))
     _assert_state(got['state'], m, 4)
     assert got['dataset'].pos == 40
 
@@ -147,14 +119,14 @@ def test_v0_manager_saves_a_data_iterator_into_the_node_and_stock_orbax_reads_it
   orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), local_save_interval_steps=1,
                                                 tier_keep=2, local_steps_in='nodes'))
   m = make_mesh((8,), ('data',))
-  it = _Iterator()
+  it = iterators.Iterator()
   try:
     with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
         save_interval_steps=10)) as mngr:
       for s in range(4):
         it.pos = 7 * s
         mngr.save(s, args=ocp.args.Composite(items=ocp.args.StandardSave(_state(m, s)),
-                                             iter=IteratorSave(it)))
+                                             iter=iterators.IteratorSave(it)))
         it.pos = -1
       mngr.wait_until_finished()
   finally:
@@ -166,6 +138,6 @@ def test_v0_manager_saves_a_data_iterator_into_the_node_and_stock_orbax_reads_it
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
   with ocp.CheckpointManager(node, options=ocp.CheckpointManagerOptions(read_only=True)) as stock:
     got = stock.restore(3, args=ocp.args.Composite(
-        items=ocp.args.StandardRestore(abstract), iter=IteratorRestore(_Iterator())))
+        items=ocp.args.StandardRestore(abstract), iter=_fresh()))
   _assert_state(got['items'], m, 3)
   assert got['iter'].pos == 21

@@ -18,6 +18,10 @@ as a preempted job does).
 state of this topology), ``latest_step()`` and ``restore`` of it with the dataset; checks every
 addressable shard against that step's values; emits the step, the dataset and the bytes by
 source of the restore.
+
+``DATASET=iterator``: the dataset is a data iterator saved by its own handler
+(``support/iterators.py``) at position ``100 * step + process``, moved on right after each
+``save()``; the restart emits its restored position as ``{'pos': ...}``.
 """
 
 from __future__ import annotations
@@ -71,17 +75,33 @@ def main() -> None:
       persistent=em.PersistentCheckpointOptions(save_interval_steps=4))
   mngr = em.CheckpointManager(local, persistent, global_mesh=mesh, abstract_state=abstract,
                               options=options)
+  iterator = os.environ.get('DATASET') == 'iterator'
+  if iterator:
+    from support import iterators  # pylint: disable=g-import-not-at-top
   if mode == 'save':
-    saved = [bool(mngr.save(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeSave(state(step)), dataset=ocp.args.JsonSave({'step': step}))))
-             for step in range(7)]
+    it = iterators.Iterator() if iterator else None
+    saved = []
+    for step in range(7):
+      if iterator:
+        it.pos = 100 * step + me
+        dataset = iterators.IteratorSave(it)
+      else:
+        dataset = ocp.args.JsonSave({'step': step})
+      saved.append(bool(mngr.save(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeSave(state(step)), dataset=dataset))))
+      if iterator:
+        it.pos = -1  # the next batches are drawn while the local save runs
     mngr.wait_until_finished()
     mp_worker.emit({'saved': saved, 'steps': list(mngr.all_steps()),
                     'class': type(mngr).__name__})
     multihost_utils.sync_global_devices('saved')
     mp_worker.stop_all_now()  # stopped, not closed: a preempted job
   step = mngr.latest_step()
-  got = mngr.restore(step, args=ocp.args.Composite(dataset=ocp.args.JsonRestore()))
+  got = mngr.restore(step, args=ocp.args.Composite(
+      dataset=(iterators.IteratorRestore(iterators.Iterator()) if iterator
+               else ocp.args.JsonRestore())))
+  if iterator:
+    got = dict(got, dataset={'pos': got['dataset'].pos})
   want = values(step)
   for k, arr in got['state'].items():
     assert arr.sharding.is_equivalent_to(shardings[k], arr.ndim), (k, arr.sharding)
