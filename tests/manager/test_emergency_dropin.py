@@ -352,6 +352,10 @@ def test_a_data_iterator_is_saved_by_each_process_into_its_node_and_resumed_with
                if p.name.isalnum()]
     got = (node / '6' / 'dataset' / f'process_{i}-of-4.json').read_text()
     assert json.loads(got) == {'pos': 600 + i}
+    # Its partner (the next slice's node) keeps a copy of it, iterator and all.
+    copy = (tmp_path / 'local' / str((i + 1) % 4) / '.node-steps' / f'{node.name}.copies'
+            / f'p{i}' / '6' / 'dataset' / f'process_{i}-of-4.json')
+    assert copy.read_text() == got
   for i, (out, tail) in enumerate(_restart(tmp_path, [0, 1, 2, 3], copies=2,
                                            dataset='iterator')):
     assert out['step'] == 6 and out['exact'], (out, tail[-2000:])
