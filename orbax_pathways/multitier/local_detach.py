@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -86,11 +86,12 @@ def _copyable(a: Any) -> bool:
   return isinstance(a, ocp.args.JsonSave)
 
 
-def _split(a: Any) -> tuple[Any, dict]:
-  """``args=`` without its top-level Composite items ``_item`` cannot copy, and those items."""
+def split(a: Any, keeps: Callable[[Any], bool] = _copyable) -> tuple[Any, dict]:
+  """``args=`` without its top-level ``Composite`` items ``keeps`` refuses (default: those
+  ``_item`` cannot copy), and those items by name; ``a`` itself where it refuses none."""
   if not isinstance(a, ocp.args.Composite):
     return a, {}
-  loop = {name: v for name, v in a.items() if not _copyable(v)}
+  loop = {name: v for name, v in a.items() if not keeps(v)}
   if not loop:
     return a, {}
   return type(a)(**{name: v for name, v in a.items() if name not in loop}), loop
@@ -106,7 +107,7 @@ def detach(args: tuple, kwargs: dict, loop_items: bool = False) -> Detached | No
     return None  # the legacy ``items=`` / ``save_kwargs=`` forms
   loop: dict = {}
   if loop_items and not args and kwargs.get('args') is not None:
-    given, loop = _split(kwargs['args'])
+    given, loop = split(kwargs['args'])
     if loop and not len(given):
       return None
     kwargs = dict(kwargs, args=given)

@@ -181,9 +181,10 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
         or _oms.manager_read_only(mngr)):  # an evaluator's save() writes nothing anywhere
       return
     kwargs = {k: v for k, v in kwargs.items() if k not in ('force', 'metrics')}
-    detached = (local_detach.detach(args, kwargs, loop_items=self._on_nodes(mngr))
+    detached = (local_detach.detach(args, kwargs, loop_items=True)
                 if self._background() else None)
-    if detached is not None and detached.loop_items and not self._node_step(mngr, detached):
+    on_node = detached is not None and self._node_step(mngr, detached)
+    if detached is not None and detached.loop_items and not on_node:
       detached = None  # items only their handler can save, and no node step: Orbax's own save
     if detached is None:
       self._save(mngr, step, args, kwargs)
@@ -193,18 +194,19 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
                 'still commits (Options.local_save_when_busy=%r; later skips are not logged).',
                 step, directory_of(mngr), 'skip')
     else:
-      self._start(mngr, step, detached)
+      self._start(mngr, step, detached, on_node)
 
-  def _start(self, mngr: Any, step: int, detached: local_detach.Detached) -> None:
+  def _start(self, mngr: Any, step: int, detached: local_detach.Detached,
+             on_node: bool) -> None:
     """The loop's part of a background local-only save: the previous one's writes finished
     (its host copies consumed; it may still be committing), the snapshot taken, the thread
     started. The loop never waits for the previous save's commit: this save starts once that
     commit is done, on its own thread, so saves still commit one at a time and in order, and
-    no more than one save's host copies are held at once."""
+    no more than one save's host copies are held at once. ``on_node``: saved as a node step
+    (``_node_step``)."""
     previous = _running.get(mngr)
     if previous is not None:
       previous.handed_off.wait()
-    on_node = self._node_step(mngr, detached)
     try:
       if on_node and detached.loop_items:  # saved by their handlers now, in the loop's thread
         staged = node_steps.stage(mngr, self.options(), self.policy(mngr).keep, step,
@@ -235,10 +237,6 @@ class LocalStepHooks(hooks_lib.ManagerHooks):
         name=f'orbax_pathways-local-save-{step}', daemon=True)
     _running[mngr] = _Background(thread, handed_off, on_node=inner is None)
     thread.start()
-
-  def _on_nodes(self, mngr: Any) -> bool:
-    """Whether ``mngr``'s local-only steps may be node steps here (``node_steps.active``)."""
-    return node_steps.active(mngr, self.options())
 
   def _node_step(self, mngr: Any, detached: local_detach.Detached) -> bool:
     """Whether the detached save goes to this process's node (``node_steps.applies``)."""

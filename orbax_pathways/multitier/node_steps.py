@@ -86,6 +86,7 @@ from orbax_pathways._compat import orbax_process_local
 from orbax_pathways._compat import orbax_v1_training as _v1
 from orbax_pathways._util import said
 from orbax_pathways.coord import rounds
+from orbax_pathways.multitier import local_detach
 from orbax_pathways.multitier import node_gather
 from orbax_pathways.multitier import node_layout
 from orbax_pathways.multitier import node_loop_items
@@ -97,6 +98,9 @@ from orbax_pathways.tier import fsafe
 log = logging.getLogger('orbax_pathways')
 
 _TREES = (ocp.args.StandardSave, ocp.args.PyTreeSave)
+# The argument types the node manager's own handlers take (``_registry``).
+_TREE_ARG_TYPES = (ocp.args.PyTreeSave, ocp.args.PyTreeRestore)
+_ARG_TYPES = _TREE_ARG_TYPES + (ocp.args.JsonSave, ocp.args.JsonRestore)
 # Manager -> this process's manager of its node steps (built at the first node save or resume).
 _managers: 'weakref.WeakKeyDictionary[Any, Any]' = weakref.WeakKeyDictionary()
 
@@ -125,17 +129,6 @@ def _convertible(a: Any) -> bool:
   if tree is not None:
     return isinstance(tree, (dict, list, tuple)) and _tree_leaves_ok(tree)
   return isinstance(a, ocp.args.JsonSave)
-
-
-def _split(a: Any) -> tuple[Any, dict[str, Any]]:
-  """``args=`` without its ``Composite`` items node steps cannot save from copies, and those
-  items by name (saved by their handlers in the loop's thread: ``node_loop_items``)."""
-  if not isinstance(a, ocp.args.Composite):
-    return a, {}
-  loop = {k: v for k, v in a.items() if not _convertible(v)}
-  if not loop:
-    return a, {}
-  return ocp.args.Composite(**{k: v for k, v in a.items() if k not in loop}), loop
 
 
 def node_args(a: Any) -> Any:
@@ -172,7 +165,8 @@ def applies(mngr: Any, options: Any, args: Any, loop_items: dict | None = None) 
               '(Options.tier_dir or ORBAX_PATHWAYS_TIER_DIR); the local-only steps of %s '
               'keep their records in storage.', 'nodes', mngr.directory)
     return False
-  given, loop = _split(args) if args is not None else (None, {})
+  # Items node steps cannot save from copies: their handlers save them in the loop's thread.
+  given, loop = local_detach.split(args, _convertible) if args is not None else (None, {})
   loop = {**loop, **(loop_items or {})}
   if (given is None or not _convertible(given)
       or any(node_loop_items.handler_for(mngr, k, v) is None for k, v in loop.items())):
@@ -208,9 +202,8 @@ def _registry(options: Any) -> Any:
                                      use_ocdbt=False)
   json = ocp.JsonCheckpointHandler(multiprocessing_options=mp)
   registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-  for args_type, handler in ((ocp.args.PyTreeSave, tree), (ocp.args.PyTreeRestore, tree),
-                             (ocp.args.JsonSave, json), (ocp.args.JsonRestore, json)):
-    registry.add(None, args_type, handler)
+  for args_type in _ARG_TYPES:
+    registry.add(None, args_type, tree if args_type in _TREE_ARG_TYPES else json)
   return registry, mp
 
 
@@ -277,7 +270,7 @@ def save(mngr: Any, options: Any, step: int, args: Any, keep: int,
   whose loop items are staged here)."""
   node = _node(mngr, options, keep)
   try:
-    given, loop = _split(args)
+    given, loop = local_detach.split(args, _convertible)
     if loop:
       given = joined(given, stage(mngr, options, keep, step, loop))
     with orbax_process_local.alone(_oms.process_index()):
@@ -402,11 +395,11 @@ def _restore_items(node: Any, mngr: Any, options: Any, step: int, args: Any) -> 
   do not restore (a loop item's own restore arguments, ``node_loop_items``), through a manager
   of its own over the same directory that has ``mngr``'s handlers for such items too (the node
   manager's Orbax handler registry keeps the handler each item was saved with)."""
-  registry, mp = _registry(options)
-  if all(registry.has(None, v) for v in args.values()):
+  if all(type(v) in _ARG_TYPES for v in args.values()):
     return node.restore(step, args=args)
+  registry, mp = _registry(options)
   for (name, args_type), handler in _oms.handlers_of(mngr).get_all_entries().items():
-    if name is not None and not registry.has(None, args_type):
+    if name is not None and args_type not in _ARG_TYPES:
       registry.add(name, args_type, handler)
   own = ocp.CheckpointManager(
       node.directory, options=ocp.CheckpointManagerOptions(
