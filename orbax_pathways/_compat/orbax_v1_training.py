@@ -12,6 +12,9 @@ Checkpointer:
   local-only): ``follow_v1_checkpointer`` gives the hidden manager of local-only steps a
   checkpointer that saves those arguments.
 - ``multitier/local_detach.py``: ``v1_args_type`` (to detach the arguments for a background save).
+- ``multitier/node_loop_items.py`` (the loop's thread, inside v1's ``save``): ``v1_handler`` and
+  ``save_now`` (a checkpointable that is not a tree, a data iterator, saved by v1's own handler
+  into the node).
 - ``multitier/resume.py``: ``v0_manager_of`` (resume takes a v1 Checkpointer) and ``load``
   (a step read as v1's ``load`` reads it, joining its peers' last barrier when it fails here).
 
@@ -20,9 +23,12 @@ SUPPORTED = ``supported.ORBAX``; the private modules through ``src.py``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from typing import Any
 
+from etils import epath
 import jax
 import orbax.checkpoint as ocp
 
@@ -43,6 +49,65 @@ def v1_args_type() -> Any:
   """The class of Orbax v1's compatibility ``Args`` (``Args(checkpointable)``): what v1's
   ``training.Checkpointer`` hands its v0 manager for each checkpointable, in a ``Composite``."""
   return src.orbax_v1('handlers.compatibility').Args
+
+
+def v1_handler(handler: Any) -> Any | None:
+  """The v1 ``CheckpointableHandler`` that ``handler`` (a v0 handler of v1's per-save
+  checkpointer, ``handlers_of``) wraps, or None where it is not v1's compatibility handler. v1
+  builds it for this save alone (``resolve_handler_for_save`` constructs one per call), so
+  no other save uses it meanwhile."""
+  compat = src.orbax_v1('handlers.compatibility').CompatibilityCheckpointHandler
+  if not isinstance(handler, compat):
+    return None
+  return handler._handler  # pylint: disable=protected-access
+
+
+class _Created(ocp.v1.path.PathAwaitingCreation):
+  """A directory that exists already: what v1's handlers await is there at once (no signal,
+  no other process: a node step is this process's alone)."""
+
+  def __init__(self, path: epath.Path):
+    self._path = path
+
+  def __truediv__(self, other: Any) -> '_Created':
+    return _Created(self._path / other)
+
+  async def await_creation(self) -> epath.Path:
+    return self._path
+
+  @property
+  def path(self) -> epath.Path:
+    return self._path
+
+
+def save_now(handler: Any, directory: epath.Path, checkpointable: Any) -> None:
+  """Runs both phases of v1 ``handler``'s save of ``checkpointable`` into ``directory`` (made
+  already) in the calling thread: the snapshot it takes as ``save`` is awaited (a data iterator's
+  position), then the writes it returns. In a thread of its own where the caller runs an event
+  loop already (v1's handlers are coroutines)."""
+
+  async def both() -> None:
+    background = await handler.save(_Created(directory), checkpointable)
+    await background
+
+  try:
+    asyncio.get_running_loop()
+  except RuntimeError:
+    asyncio.run(both())
+    return
+  failed: list[BaseException] = []
+
+  def run() -> None:
+    try:
+      asyncio.run(both())
+    except BaseException as e:  # pylint: disable=broad-except  (raised in the caller's thread)
+      failed.append(e)
+
+  worker = threading.Thread(target=run, name='orbax_pathways-v1-item-save')
+  worker.start()
+  worker.join()
+  if failed:
+    raise failed[0]
 
 
 def _is_v1_args(args: Any) -> bool:

@@ -114,13 +114,12 @@ def _zarr_arrays(item_dir: str) -> list[str]:
 
 
 def _item_of(step_dir: str, item: str | None, step: int) -> str:
-  items = fsafe.subdirs(step_dir)
-  if item is not None and item in items:
-    return item
-  if item is None and len(items) == 1:
-    return items[0]
-  raise ValueError(f'node step {step} holds the items {items}: a restore onto another layout '
-                   f'takes a step of one tree{"" if item is None else f" ({item!r})"}')
+  name = node_layout.tree_item(step_dir, item)
+  if name is None:
+    raise ValueError(f'node step {step} holds the items {fsafe.subdirs(step_dir)}: a restore '
+                     'onto another layout takes a step of one tree'
+                     f'{"" if item is None else f" ({item!r})"}')
+  return name
 
 
 def _layout(record: records_lib.ShardingRecord | None) -> node_parts.SavedLayout:

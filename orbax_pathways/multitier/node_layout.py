@@ -60,6 +60,29 @@ def directory(mngr: Any, root: str) -> str:
   return fsafe.private_dirs(root, format_names.NODE_STEPS_DIR, digest_of(mngr))
 
 
+# The item of a node step holding a tree, as Orbax v1's ``load`` finds it (its
+# ``checkpointable_name='AUTO'``, a name v1 reserves): the one item of the step, else the
+# first by name that holds a tree (v1 checkpointables beside it: a data iterator).
+AUTO_ITEM = 'AUTO'
+_TREE_METADATA = '_METADATA'  # what Orbax's PyTree handler writes into a tree item
+
+
+def tree_item(step_dir: str, item: str | None) -> str | None:
+  """The item of the node step at ``step_dir`` a resume restores its tree from: ``item`` where
+  the step holds it; with ``item=None`` its one item (a v0 save's ``default`` or one other);
+  with ``AUTO_ITEM`` that, else the first item by name that holds a tree. None where there is
+  none."""
+  items = fsafe.subdirs(step_dir)
+  if item is not None and item != AUTO_ITEM:
+    return item if item in items else None
+  if len(items) == 1:
+    return items[0]
+  if item == AUTO_ITEM:
+    return next((n for n in sorted(items)
+                 if fsafe.exists(os.path.join(step_dir, n, _TREE_METADATA))), None)
+  return None
+
+
 # The process that saved a node step (its writer record): used here and by the peer channel.
 saver = node_copy.saver
 

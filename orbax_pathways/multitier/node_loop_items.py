@@ -14,7 +14,10 @@ Who calls what, on which host (every process that calls the manager, its own nod
   with (its ``item_handlers`` or ``handler_registry``, else the one Orbax registered for the
   arguments' type); None where there is none, or where it saves in the background
   (an ``AsyncCheckpointHandler``: Orbax's own save would call it after ``save()`` returned, and
-  its object is the user's manager's, which may be committing a storage save with it).
+  its object is the user's manager's, which may be committing a storage save with it). Orbax
+  v1's handler of a checkpointable (a ``StatefulCheckpointable`` data iterator under v1's
+  ``training.Checkpointer``) is taken: v1 made its compatibility handler for this save alone,
+  and ``stage`` runs both phases of v1's save in the loop's thread.
 - ``stage(mngr, node_dir, step, items)``: ``local_steps.LocalStepHooks._start`` and
   ``node_steps.save`` (the loop's thread): each item saved by its handler into the staging
   directory; returns the arguments that stand for them in the node step's ``Composite``.
@@ -34,6 +37,7 @@ from etils import epath
 import orbax.checkpoint as ocp
 
 from orbax_pathways._compat import orbax_manager_state as _oms
+from orbax_pathways._compat import orbax_v1_training as _v1
 from orbax_pathways.tier import fsafe
 
 LOOP_ITEMS_DIR = '.loop-items'  # <node steps>/.loop-items/<step>/<item>: not a step name
@@ -56,7 +60,7 @@ def handler_for(mngr: Any, name: str, args: Any) -> Any | None:
       handler = ocp.args.get_registered_handler_cls(args)()
     except Exception:  # pylint: disable=broad-except  (no handler: the storage path keeps it)
       return None
-  if isinstance(handler, ocp.AsyncCheckpointHandler):
+  if isinstance(handler, ocp.AsyncCheckpointHandler) and _v1.v1_handler(handler) is None:
     return None
   return handler
 
@@ -131,8 +135,12 @@ def stage(mngr: Any, node_dir: str, step: int, items: dict[str, Any]) -> dict[st
                        f'of {mngr.directory}')
     path = os.path.join(base, name)
     os.mkdir(path, 0o700)
-    handler.save(epath.Path(path), args=args)
-    handler.finalize(epath.Path(path))
+    v1 = _v1.v1_handler(handler)
+    if v1 is not None:  # Orbax v1's handler of a checkpointable: both its phases, here
+      _v1.save_now(v1, epath.Path(path), args.checkpointable)
+    else:
+      handler.save(epath.Path(path), args=args)
+      handler.finalize(epath.Path(path))
     out[name] = _staged_type(handler.typestr())(path=path)
   return out
 

@@ -36,8 +36,10 @@ every process's node holds its part or a node keeps a copy of it, and a process 
 its part (a new node in place of a lost one) fetches it from that copy before restoring.
 
 Orbax v1's ``training.Checkpointer`` saves node steps too: its checkpointable (a tree) is saved
-as a ``PyTreeSave`` under its name, with the save's ``custom_metadata``, and a resume of a v1
-Checkpointer restores that item (``_restore``) as v1's ``load`` would return it.
+as a ``PyTreeSave`` under its name, with the save's ``custom_metadata``, a checkpointable that is
+not a tree (a v1 data iterator) by v1's own handler as a loop item (below), and a resume of a v1
+Checkpointer restores the tree (``_restore``, ``node_layout.AUTO_ITEM``) as v1's ``load`` would
+return it.
 
 Orbax's emergency manager (the drop-in of ``multitier/emergency.py``) saves node steps into its
 ``local_directory`` (``node_layout.tier``), and lists, restores and deletes them there
@@ -51,9 +53,9 @@ restores with that item's restore arguments read it through the same handler
 
 Not done on the nodes yet (those saves keep their local-only steps in storage's records, the
 hidden manager of ``multitier/local_steps.py``): an item whose handler saves in the background
-(an ``AsyncCheckpointHandler`` other than Orbax's PyTree and JSON ones), a v1 checkpointable
-that is not a tree (a data iterator under v1's ``training.Checkpointer``), the legacy ``items=``
-form, Pathways (the colocated transport).
+(a v0 manager's ``AsyncCheckpointHandler`` other than Orbax's PyTree and JSON ones), a save of
+such items alone (no tree beside them), the legacy ``items=`` form, Pathways (the colocated
+transport).
 
 A resume onto another process count (or with processes on other processes' nodes) restores
 a node step onto the current layout (``node_gather.py``): each part of a node step records
@@ -293,7 +295,7 @@ def _others(node: Any, steps: list[int], item: str | None) -> list[int]:
   out = []
   for s in steps:
     items = fsafe.subdirs(os.path.join(str(node.directory), str(s)))
-    if len(items) == 1 and (item is None or items == [item]):
+    if len(items) == 1 and (item in (None, node_layout.AUTO_ITEM) or items == [item]):
       out.append(s)
   return out
 
@@ -332,17 +334,17 @@ def _from_partner_copy(mngr: Any, options: Any, root: str, node: Any, step: int,
 def _restore(node: Any, step: int, abstract_state: Any, item: str | None = None) -> Any:
   """Node step ``step`` restored by this process's node manager as ``abstract_state``: its
   item ``item`` (Orbax's emergency manager's ``state``), else its one item, ``default`` (a v0
-  save's) or another name (the checkpointable an Orbax v1 ``training.Checkpointer`` saved,
-  whose tree its ``load`` returns)."""
+  save's) or another name; for an Orbax v1 ``training.Checkpointer`` (``node_layout.AUTO_ITEM``)
+  the tree its ``load`` returns, beside a data iterator too (``node_layout.tree_item``)."""
   tree = ocp.args.PyTreeRestore(
       abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
-  items = fsafe.subdirs(os.path.join(str(node.directory), str(step)))
-  if item is None and items == ['default']:
+  step_dir = os.path.join(str(node.directory), str(step))
+  name = node_layout.tree_item(step_dir, item)
+  if name is None:
+    raise ValueError(f'node step {step} holds the items {fsafe.subdirs(step_dir)}: a resume '
+                     f'restores a step of one tree{"" if item is None else f" ({item!r})"}')
+  if item is None and name == 'default':
     return node.restore(step, args=tree)
-  if item is None and len(items) != 1:
-    raise ValueError(f'node step {step} holds the items {items}: a resume restores a step of '
-                     'one tree')
-  name = item if item is not None else items[0]
   return node.restore(step, args=ocp.args.Composite(**{name: tree}))[name]
 
 

@@ -15,6 +15,7 @@ from absl import logging
 
 from orbax_pathways import errors
 from orbax_pathways.multitier import local_steps
+from orbax_pathways.multitier import node_layout
 from orbax_pathways.manager import retention
 from orbax_pathways.coord import rounds
 from orbax_pathways._compat import jax_distributed
@@ -141,6 +142,9 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
   ``Context``.
   """
   mngr, v1 = _v1.v0_manager_of(mngr)
+  # A v1 Checkpointer's node step is read as its ``load`` reads a step: the tree beside a data
+  # iterator too. A v0 manager's holds one tree.
+  item = None if v1 is None else node_layout.AUTO_ITEM
 
   mngr.wait_until_finished()
   if _oms.is_primary_host(_oms.manager_primary_host(mngr)) and not _oms.manager_read_only(mngr):
@@ -151,7 +155,7 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
   found = local_steps.resume_on_nodes(
       mngr, abstract_state, latest_complete_step(mngr),
       all_ok=lambda ok, step: all_processes_ok(mngr, ok, step),
-      timeout_s=agreement_lib.current().timeout_s)
+      timeout_s=agreement_lib.current().timeout_s, item=item)
   if found is not None:
     return found
   # The local-only steps, listed once before any agreement round (local_steps.drop_newer).
@@ -206,7 +210,7 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
       found = local_steps.resume_on_nodes(
           mngr, abstract_state, below,
           all_ok=lambda ok, s: all_processes_ok(mngr, ok, s),
-          timeout_s=agreement_lib.current().timeout_s)
+          timeout_s=agreement_lib.current().timeout_s, item=item)
       if found is not None:
         _report_damaged(mngr, damaged, found[0])
         local_steps.drop_newer(mngr, found[0], listed)

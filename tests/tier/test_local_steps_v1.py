@@ -14,6 +14,7 @@ Orbax v1, real tier directories; multi-process local-only steps: ``test_local_st
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -195,6 +196,36 @@ def test_three_processes_save_through_v1_and_resume_from_the_tiers_then_on_two(t
     (one,) = r.results
     assert one['step'] == 0 and one['exact'], one
   assert not [n for n in os.listdir(root / '.orbax-pathways-local') if n.isdigit()]
+
+
+@pytest.mark.multiprocess
+def test_two_processes_save_a_v1_data_iterator_into_their_nodes_and_resume_from_them(tmp_path):
+  """Two ``jax.distributed`` processes (two devices each) save the state and a v1 data iterator
+  through v1 Checkpointers (storage every 100, local-only every 10, node steps; the iterator
+  moves on right after each ``save()``): nothing of the local-only steps is in storage, each
+  node's step 20 holds its own process's iterator file at that process's position at the
+  save, and a restart resumes step 20's state from the nodes alone, exact."""
+  root, tiers = tmp_path / 'ckpt', [tmp_path / f'node{i}' for i in range(2)]
+  env = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '10', 'ORBAX_PATHWAYS_LOCAL_STEPS_IN': 'nodes',
+         'V1_ITERATOR': '1'}
+  per_process = [{'ORBAX_PATHWAYS_TIER_DIR': str(t)} for t in tiers]
+  res = run_processes(WORKER, 2, 2, args=['save', str(root)], timeout=400, env=env,
+                      per_process_env=per_process)
+  assert [r.results for r in res] == [[{'steps': [0]}]] * 2
+  assert sorted(os.listdir(root)) == ['0']
+  for i, t in enumerate(tiers):
+    (node,) = (t / '.node-steps').iterdir()
+    assert sorted(os.listdir(node), key=int) == ['10', '20']
+    assert [n for n in os.listdir(node / '20' / 'iter') if n.startswith('process_')] == [
+        f'process_{i}-of-2.json']  # its own process's alone
+    assert json.loads((node / '20' / 'iter' / f'process_{i}-of-2.json').read_text()) == {
+        'pos': 2000 + i}
+  res = run_processes(WORKER, 2, 2, args=['resume', str(root)], timeout=400, env=env,
+                      per_process_env=per_process)
+  for r in res:
+    (one,) = r.results
+    assert one['step'] == 20 and one['exact'], one
+    assert one['bytes_by_source'].get('storage', 0) == 0, one
 
 
 def test_a_v1_preemption_save_is_local_committed_before_its_storage_save(tmp_path, caplog):

@@ -2,8 +2,8 @@
 data iterator, whose handler reads the iterator's position as it saves (as grain's does). Its
 handler saves it in the training loop's thread; the step's arrays are saved on the background
 thread; the step lands in the node alone, with nothing of it in storage. One process, 8 CPU
-devices, a real v0 ``CheckpointManager`` and Orbax's emergency one (the drop-in), real tier
-directories."""
+devices, a real v0 ``CheckpointManager``, Orbax's emergency one (the drop-in) and Orbax v1's
+``training.Checkpointer``, real tier directories."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from orbax.checkpoint.experimental.emergency import checkpoint_manager as em
 import pytest
 
 import orbax_pathways
+from orbax_pathways import preemption
 from support import damage
 from support import iterators
 from support.arrays import mesh as make_mesh
@@ -141,3 +142,43 @@ def test_v0_manager_saves_a_data_iterator_into_the_node_and_stock_orbax_reads_it
         items=ocp.args.StandardRestore(abstract), iter=_fresh()))
   _assert_state(got['items'], m, 3)
   assert got['iter'].pos == 21
+
+
+def test_v1_checkpointer_saves_a_data_iterator_into_the_node_and_stock_v1_reads_it(tmp_path):
+  """Orbax v1's ``training.Checkpointer`` (storage every 10 steps, local every step) saving
+  the state and a v1 ``StatefulCheckpointable`` data iterator, as MaxText's v1 trainers save
+  grain's: the local-only steps are node steps holding the iterator at its position at
+  ``save()``, named with v1's handler as storage step 0 names it, and none of their files is
+  in storage; stock v1's ``load_checkpointables`` of the node step gives both back, and
+  ``preemption.resume`` through a new Checkpointer resumes the newest node step's tree."""
+  root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), local_save_interval_steps=1,
+                                                tier_keep=2, local_steps_in='nodes'))
+  m = make_mesh((8,), ('data',))
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
+  policy = ocp.v1.training.save_decision_policies.FixedIntervalPolicy(10)
+  it = iterators.V1Iterator()
+  try:
+    with ocp.v1.training.Checkpointer(root, save_decision_policy=policy) as ckptr:
+      for s in range(4):
+        it.pos = 7 * s
+        ckptr.save_checkpointables(s, {'pytree': _state(m, s), 'iter': it})
+        it.pos = -1  # the next batches are drawn while the local-only save runs
+      ckptr.wait()
+    assert sorted(os.listdir(root)) == ['0']  # storage step 0 alone: no hidden local directory
+    (node,) = (tier / '.node-steps').iterdir()
+    assert sorted(os.listdir(node)) == ['2', '3']  # no staging directory left
+    assert json.loads((node / '3' / 'iter' / 'process_0-of-1.json').read_text()) == {'pos': 21}
+    assert sorted(os.listdir(node / '3' / 'iter')) == sorted(os.listdir(root / '0' / 'iter'))
+    assert _item_handlers(node / '3')['iter'] == _item_handlers(root / '0')['iter']
+    assert 'StatefulCheckpointableHandler' in _item_handlers(node / '3')['iter']
+    fresh = iterators.V1Iterator()
+    got = ocp.v1.load_checkpointables(node / '3', {'pytree': abstract, 'iter': fresh})
+    _assert_state(got['pytree'], m, 3)
+    assert fresh.pos == 21
+    with ocp.v1.training.Checkpointer(root, save_decision_policy=policy) as ckptr:
+      step, state = preemption.resume(ckptr, lambda: None, abstract_state=abstract)
+    assert step == 3
+    _assert_state(state, m, 3)
+  finally:
+    orbax_pathways.install(orbax_pathways.Options())

@@ -8,7 +8,10 @@ saving through Orbax v1's ``training.Checkpointer``.
 steps every ``ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS``, set by the test): 'w' split over every
 device, 'r' replicated, the numpy leaf 'n'; right after each ``save()`` the arrays are donated
 to a jitted step and 'n' is overwritten in place (the loop goes on while the local-only save
-runs in the background). Emits v1's storage steps. The values and layout are
+runs in the background). With ``V1_ITERATOR=1`` a v1 data iterator
+(``support.iterators.V1Iterator``, at position ``100 * step + process``, moved on right after
+``save()``) is saved beside the state through ``save_checkpointables``, as MaxText's v1
+trainers save grain's. Emits v1's storage steps. The values and layout are
 ``local_steps_worker.py``'s (``sharded``). ``resume``: ``preemption.resume`` through a
 v1 Checkpointer onto the current processes (a mesh of however many there are), checks every
 addressable shard against the step it returned, emits the step and the bytes by source.
@@ -16,6 +19,7 @@ addressable shard against the step it returned, emits the step and the bytes by 
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -31,6 +35,7 @@ def main() -> None:
   from orbax_pathways import preemption  # pylint: disable=g-import-not-at-top
   from orbax_pathways import stats  # pylint: disable=g-import-not-at-top
 
+  from support import iterators  # pylint: disable=g-import-not-at-top
   from support.workers import local_steps_worker as same  # pylint: disable=g-import-not-at-top
   mode, root = sys.argv[1], sys.argv[2]
   shard = same.shardings('sharded')
@@ -42,11 +47,17 @@ def main() -> None:
   if mode == 'save':
     own = jax.jit(lambda t: jax.tree.map(lambda x: x + 0, t))  # buffers jax owns
     spoil = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 - 1, t), donate_argnums=0)
+    it = iterators.V1Iterator() if os.environ.get('V1_ITERATOR') == '1' else None
     with ocp.v1.training.Checkpointer(root, save_decision_policy=policy) as ckptr:
       for step in range(26):
         st = state(step)
         st = {**own({k: st[k] for k in shard}), 'n': st['n']}
-        ckptr.save(step, st)
+        if it is None:
+          ckptr.save(step, st)
+        else:
+          it.pos = 100 * step + jax.process_index()
+          ckptr.save_checkpointables(step, {'state': st, 'iter': it})
+          it.pos = -1
         spoil({k: st[k] for k in shard})
         st['n'][...] = -1
       ckptr.wait()
