@@ -16,7 +16,9 @@ Checkpointer:
   ``save_now`` (a checkpointable that is not a tree, a data iterator, saved by v1's own handler
   into the node).
 - ``multitier/resume.py``: ``v0_manager_of`` (resume takes a v1 Checkpointer) and ``load``
-  (a step read as v1's ``load`` reads it, joining its peers' last barrier when it fails here).
+  (a step read as v1's ``load`` or ``load_checkpointables`` reads it, joining its peers' last
+  barrier when it fails here); ``multitier/node_steps.py``: ``load_items`` (a node step's data
+  iterator, by v1's handler, this process alone).
 
 SUPPORTED = ``supported.ORBAX``; the private modules through ``src.py``.
 """
@@ -90,24 +92,7 @@ def save_now(handler: Any, directory: epath.Path, checkpointable: Any) -> None:
     background = await handler.save(_Created(directory), checkpointable)
     await background
 
-  try:
-    asyncio.get_running_loop()
-  except RuntimeError:
-    asyncio.run(both())
-    return
-  failed: list[BaseException] = []
-
-  def run() -> None:
-    try:
-      asyncio.run(both())
-    except BaseException as e:  # pylint: disable=broad-except  (raised in the caller's thread)
-      failed.append(e)
-
-  worker = threading.Thread(target=run, name='orbax_pathways-v1-item-save')
-  worker.start()
-  worker.join()
-  if failed:
-    raise failed[0]
+  _run(both())
 
 
 def _is_v1_args(args: Any) -> bool:
@@ -167,9 +152,12 @@ def _with_processes(handler: Any, options: Any) -> Any:
           async_options=handler._async_options))
 
 
-def load(checkpointer: Any, path: Any, abstract_state: Any) -> Any:
+def load(checkpointer: Any, path: Any, abstract_state: Any,
+         checkpointables: dict[str, Any] | None = None) -> Any:
   """The pytree of the step directory ``path`` as ``checkpointer``'s own ``load`` reads it: v1's
   ``load`` under the Checkpointer's ``Context`` (the active one, else its own, as it chooses).
+  With ``checkpointables`` (name -> abstract checkpointable: a tree's abstract state, a data
+  iterator), v1's ``load_checkpointables`` of them instead, and what it returns.
 
   v1's ``load`` ends in a barrier of every process (``_load_impl``). A process whose read fails
   (a chunk no live process holds, a checksum that does not match) would leave the others waiting
@@ -185,6 +173,8 @@ def load(checkpointer: Any, path: Any, abstract_state: Any) -> Any:
   with context_mod.get_context(own) as context:
     before = sync.get_operation_id()
     try:
+      if checkpointables is not None:
+        return ocp.v1.load_checkpointables(path, checkpointables)
       return ocp.v1.load(path, abstract_state)
     except Exception:
       operation = sync.get_operation_id()
@@ -198,3 +188,49 @@ def load(checkpointer: Any, path: Any, abstract_state: Any) -> Any:
           log.warning('orbax_pathways: after a failed load of %s, joining the peers\' barrier '
                       'failed too: %s', path, barrier_error)
       raise
+
+
+def load_items(checkpointer: Any, step_dir: Any, checkpointables: dict[str, Any]) -> dict[str, Any]:
+  """Each of ``checkpointables`` (name -> abstract checkpointable that is not a tree: a data
+  iterator) loaded from its item of the node step at ``step_dir`` by the v1 handler v1's
+  ``load`` would resolve for it under ``checkpointer``'s ``Context``, in the calling thread on
+  this process alone: a node step is its own process's, so no barrier (v1's ``load`` ends in one
+  of every process). Called by ``multitier/node_steps.resume`` once the step's tree restored."""
+  context_mod = src.orbax_v1('context.context')
+  registration = src.orbax_v1('handlers.registration')
+  out: dict[str, Any] = {}
+  with context_mod.get_context(checkpointer._context) as context:  # pylint: disable=protected-access
+    registry = context.checkpointables_options.registry
+    for name, abstract in checkpointables.items():
+      handler = registration.resolve_handler_for_load(registry, abstract, name=name)
+
+      async def both(handler=handler, name=name, abstract=abstract) -> Any:
+        background = await handler.load(epath.Path(step_dir) / name, abstract)
+        return await background
+
+      out[name] = _run(both())
+  return out
+
+
+def _run(coro: Any) -> Any:
+  """``coro`` run to its end in the calling thread, or in a thread of its own where the caller
+  runs an event loop already."""
+  try:
+    asyncio.get_running_loop()
+  except RuntimeError:
+    return asyncio.run(coro)
+  result: list[Any] = []
+  failed: list[BaseException] = []
+
+  def run() -> None:
+    try:
+      result.append(asyncio.run(coro))
+    except BaseException as e:  # pylint: disable=broad-except  (raised in the caller's thread)
+      failed.append(e)
+
+  worker = threading.Thread(target=run, name='orbax_pathways-v1-item')
+  worker.start()
+  worker.join()
+  if failed:
+    raise failed[0]
+  return result[0]

@@ -15,5 +15,7 @@ Modules, each one job:
 - ``trailing_deleter``: the hidden manager's retention, on a thread after each commit.
 - ``resume``: ``preemption.resume``: the newest complete step that restores, storage steps,
   local-only steps and node steps alike, every process agreeing on each step tried.
+- ``resume_args``: a resume's ``args=`` (every item's restore arguments: a data iterator beside
+  the state) as its one tree and the other items.
 - ``emergency``: Orbax's emergency ``CheckpointManager`` as a drop-in on this path.
 """

@@ -301,12 +301,13 @@ def _others(node: Any, steps: list[int], item: str | None) -> list[int]:
 
 
 def _from_partner_copy(mngr: Any, options: Any, root: str, node: Any, step: int,
-                       abstract_state: Any, item: str | None, timeout_s: float,
+                       restore: Callable[[int], Any], timeout_s: float,
                        why: BaseException) -> Any | None:
   """This process's part of node step ``step`` restored from the copy its partner keeps
   (``Options.local_copies=2``), fetched over this node's failed one; None where there is no
   partner, its server did not publish its address (it keeps no copies) or the copy fails too.
-  One key-value read, only after a failure."""
+  ``restore(step)``: the step restored from this node (``resume``'s). One key-value read, only
+  after a failure."""
   to = node_partners.partner(mngr, options)
   client = jax_distributed.distributed_client()
   if to is None or client is None:
@@ -318,7 +319,7 @@ def _from_partner_copy(mngr: Any, options: Any, root: str, node: Any, step: int,
     node_partners.fetch(mngr, options, root, step, (to, address), timeout_s)
     with orbax_process_local.alone(_oms.process_index()):
       node.reload()
-      state = _restore(node, step, abstract_state, item)
+      state = restore(step)
   except Exception as e:  # pylint: disable=broad-except  (the step is passed over as before)
     log.warning('orbax_pathways.preemption.resume: node step %d failed on this node (%s), and '
                 'restoring it from process %d\'s node (this process\'s partner, which keeps its '
@@ -414,6 +415,17 @@ def _restore_items(node: Any, mngr: Any, options: Any, step: int, args: Any) -> 
     own.close()
 
 
+def _restore_others(node: Any, mngr: Any, options: Any, step: int, others: dict,
+                    v1: Any) -> dict:
+  """The items ``others`` of node step ``step`` beside its tree (``resume``), each by its own
+  handler on this process alone: a v0 manager's through its handlers (``_restore_items``), an
+  Orbax v1 Checkpointer's through v1's (``_v1.load_items``)."""
+  if v1 is not None:
+    return _v1.load_items(v1, os.path.join(str(node.directory), str(step)), others)
+  got = _restore_items(node, mngr, options, step, ocp.args.Composite(**others))
+  return {name: got[name] for name in others}
+
+
 def restore_items(mngr: Any, options: Any, keep: int, step: int, args: Any) -> Any:
   """``args`` (a ``Composite``) of node step ``step`` from this process's node alone (the
   caller agrees with the other processes on the outcome)."""
@@ -460,13 +472,17 @@ def delete(mngr: Any, options: Any, keep: int, step: int) -> None:
 
 def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
            newest_storage: int | None, *, all_ok: Callable[[bool, int], bool],
-           timeout_s: float, item: str | None = None) -> tuple[int, Any] | None:
+           timeout_s: float, item: str | None = None, others: dict | None = None,
+           v1: Any = None) -> tuple[int, Any] | None:
   """``(step, state)`` from the newest node step newer than ``newest_storage`` that every
   process restored from its own node, or None (module docstring). Every process of ``mngr``
   calls it, whether or not its node holds any. ``all_ok(ok, step)``: whether every process
   restored ``step`` (``multitier.resume``'s agreement round); ``timeout_s``: the longest
   silence of the round that agrees on the candidates; ``item``: the step's item that
-  ``abstract_state`` describes (``_restore``)."""
+  ``abstract_state`` describes (``_restore``). ``others``: the step's other items to restore
+  beside it (a data iterator; v0: name -> restore arguments, v1, the Orbax v1 Checkpointer
+  ``v1``: name -> abstract checkpointable; ``_restore_others``); the state is then ``(tree,
+  {name: item})``, and only a step this process saved, onto the layout it saved, is taken."""
   if getattr(options, 'local_steps_in', 'storage') != 'nodes' or not orbax_process_local.install():
     return None
   node = manager(mngr, options, keep)
@@ -475,13 +491,20 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
     return None
   me = _oms.process_index()
   alone = lambda: orbax_process_local.alone(me)  # pylint: disable=unnecessary-lambda-assignment
+
+  def own(step: int) -> Any:  # this node's step (inside ``alone``, reloaded)
+    state = _restore(node, step, abstract_state, item)
+    return (state if not others
+            else (state, _restore_others(node, mngr, options, step, others, v1)))
+
   with alone():
     node.reload()
     listed = [s for s in node.all_steps() if newest_storage is None or s > newest_storage]
   # This process's own steps; a node this process now runs on may hold another's (``_others``).
   held = [s for s in listed
           if node_layout.saver(os.path.join(str(node.directory), str(s))) in (None, me)]
-  other = _others(node, [s for s in listed if s not in held], item)
+  # With other items (a data iterator: its process's own), only this process's own steps.
+  other = _others(node, [s for s in listed if s not in held], item) if not others else []
   digest = node_layout.digest_of(mngr)
   copies = node_partners.copies_held(root, digest, newest_storage)
   # The parts of steps saved by another process count or by another process (restored onto
@@ -511,6 +534,10 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
   chosen = None
   for step in agreed:
     try:
+      if step in elastic and others:
+        raise ValueError(f'node step {step} would be restored onto another layout, and its '
+                         f'items {sorted(others)} are restored only by the process that saved '
+                         'them, onto its layout')
       if step in elastic:
         state = node_gather.restore(
             root, digest, step, elastic[step], elastic[step].first, abstract_state, item,
@@ -524,13 +551,12 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
           held.append(step)
         with alone():
           node.reload()
-          state = _restore(node, step, abstract_state, item)
+          state = own(step)
       error = None
     except Exception as e:  # pylint: disable=broad-except
       state, error = None, e
       if step in held and step not in fetch and step not in elastic:  # a damaged own step
-        state = _from_partner_copy(mngr, options, root, node, step, abstract_state, item,
-                                   timeout_s, e)
+        state = _from_partner_copy(mngr, options, root, node, step, own, timeout_s, e)
         error = None if state is not None else e
     if all_ok(error is None, step):
       log.info('orbax_pathways.preemption.resume: resumed from node step %d (newer than the '

@@ -16,6 +16,7 @@ from absl import logging
 from orbax_pathways import errors
 from orbax_pathways.multitier import local_steps
 from orbax_pathways.multitier import node_layout
+from orbax_pathways.multitier import resume_args
 from orbax_pathways.manager import retention
 from orbax_pathways.coord import rounds
 from orbax_pathways._compat import jax_distributed
@@ -69,22 +70,24 @@ def _damaged_warning(step: int, path, error: BaseException | None, fallback_step
           'instead.')
 
 
-def _try_restore(mngr, step: int, abstract_state: Any,
-                 v1: Any = None) -> tuple[Any, BaseException | None]:
-  """``mngr.restore(step)`` with ``abstract_state``: (state, None), or (None, the error).
-  ``v1``: the Orbax v1 ``training.Checkpointer`` whose manager (or hidden manager of local-only
-  steps) ``mngr`` is; its steps are read as v1's ``load`` reads them."""
+def _try_restore(mngr, step: int, abstract_state: Any, v1: Any = None,
+                 args: Any = None) -> tuple[Any, BaseException | None]:
+  """``mngr.restore(step)`` with ``abstract_state`` (or ``args``, every item's: ``resume``):
+  (state, None), or (None, the error). ``v1``: the Orbax v1 ``training.Checkpointer`` whose
+  manager (or hidden manager of local-only steps) ``mngr`` is; its steps are read as v1's
+  ``load`` (``load_checkpointables``) reads them."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   try:
     if v1 is None:
-      return mngr.restore(step, args=ocp.args.StandardRestore(abstract_state)), None
-    return _v1.load(v1, _oms.manager_step_path(mngr, step), abstract_state), None
+      return mngr.restore(step, args=(args if args is not None
+                                      else ocp.args.StandardRestore(abstract_state))), None
+    return _v1.load(v1, _oms.manager_step_path(mngr, step), abstract_state, args), None
   except Exception as e:  # pylint: disable=broad-except
     return None, e
 
 
 def _from_local_step(mngr, abstract_state: Any, newest_storage: int | None, listed: list[int],
-                     v1: Any = None):
+                     v1: Any = None, args: Any = None):
   """``(step, state)`` of the newest local-only step of ``listed`` newer than ``newest_storage``
   that every process restored (one agreement round per step tried, as for storage steps), or
   None. A step that cannot be completed (a chunk in no live process's tier:
@@ -94,7 +97,7 @@ def _from_local_step(mngr, abstract_state: Any, newest_storage: int | None, list
   if inner is None:
     return None
   for step in [s for s in listed if newest_storage is None or s > newest_storage]:
-    state, error = _try_restore(inner, step, abstract_state, v1)
+    state, error = _try_restore(inner, step, abstract_state, v1, args)
     if all_processes_ok(mngr, error is None, step):
       logging.info('orbax_pathways.preemption.resume: resumed from local-only step %d (newer '
                    'than the newest storage step, %s).', step, newest_storage)
@@ -119,7 +122,7 @@ def _report_damaged(mngr: Any, damaged: list[tuple[int, Any, BaseException | Non
 
 
 def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
-           fallback: bool = True):
+           fallback: bool = True, args: Any = None):
   """Returns ``(step, state)`` from the newest complete step that restores, or
   ``(None, init_fn())`` when the directory has no complete step.
 
@@ -140,11 +143,37 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
   ``mngr`` may also be Orbax v1's ``training.Checkpointer``: its steps (storage and local-only)
   are read as its ``load`` reads them (``abstract_state`` is ``load``'s), under its
   ``Context``.
+
+  ``args``, in place of ``abstract_state``, for a step saved as several items (a data iterator
+  beside the state): what the manager's own restore takes (v0: an ``ocp.args.Composite`` of
+  restore arguments; v1: a dict of name -> abstract checkpointable, as for its
+  ``load_checkpointables``), one of them the tree (``multitier/resume_args.py``). The step
+  returned is one every item restored from, storage step, local-only step or node step, and the
+  state is what that restore returns (the ``Composite`` or dict of restored items). A node step
+  is then restored only by the process that saved it, onto the layout it saved (a data
+  iterator's state is its process's own): a step of other processes is passed over.
   """
   mngr, v1 = _v1.v0_manager_of(mngr)
-  # A v1 Checkpointer's node step is read as its ``load`` reads a step: the tree beside a data
-  # iterator too. A v0 manager's holds one tree.
-  item = None if v1 is None else node_layout.AUTO_ITEM
+  split = None
+  if args is not None:
+    if abstract_state is not None:
+      raise ValueError('orbax_pathways.preemption.resume: pass the tree\'s abstract state inside '
+                       'args= (its StandardRestore, or its entry of the dict), not as well as '
+                       'abstract_state=.')
+    split = resume_args.split(args, v1 is not None)
+  # What node steps restore: a v1 Checkpointer's step is read as its ``load`` reads a step (the
+  # tree beside a data iterator too); a v0 manager's holds one tree; with ``args``, its tree
+  # item, and the other items beside it.
+  nodes: dict[str, Any] = {'item': None if v1 is None else node_layout.AUTO_ITEM}
+  if split is not None:
+    nodes = {'item': split.tree, 'others': split.others, 'v1': v1}
+    abstract_state = split.abstract_state
+
+  def from_nodes(found):
+    if found is None or split is None:
+      return found
+    step, (tree, others) = found
+    return step, resume_args.joined(split, tree, others, v1 is not None)
 
   mngr.wait_until_finished()
   if _oms.is_primary_host(_oms.manager_primary_host(mngr)) and not _oms.manager_read_only(mngr):
@@ -155,12 +184,12 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
   found = local_steps.resume_on_nodes(
       mngr, abstract_state, latest_complete_step(mngr),
       all_ok=lambda ok, step: all_processes_ok(mngr, ok, step),
-      timeout_s=agreement_lib.current().timeout_s, item=item)
+      timeout_s=agreement_lib.current().timeout_s, **nodes)
   if found is not None:
-    return found
+    return from_nodes(found)
   # The local-only steps, listed once before any agreement round (local_steps.drop_newer).
   _, listed = local_steps.newer_steps(mngr, None)
-  found = _from_local_step(mngr, abstract_state, latest_complete_step(mngr), listed, v1)
+  found = _from_local_step(mngr, abstract_state, latest_complete_step(mngr), listed, v1, args)
   if found is not None:
     return found
   damaged: list[tuple[int, Any, BaseException | None]] = []
@@ -177,7 +206,7 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
       local_steps.drop_newer(mngr, None, listed)
       return None, init_fn()
     path = _oms.manager_step_path(mngr, step)
-    state, error = _try_restore(mngr, step, abstract_state, v1)
+    state, error = _try_restore(mngr, step, abstract_state, v1, args)
     if all_processes_ok(mngr, error is None, step):
       _report_damaged(mngr, damaged, step)
       local_steps.drop_newer(mngr, step, listed)
@@ -210,8 +239,8 @@ def resume(mngr, init_fn: Callable[[], Any], *, abstract_state: Any = None,
       found = local_steps.resume_on_nodes(
           mngr, abstract_state, below,
           all_ok=lambda ok, s: all_processes_ok(mngr, ok, s),
-          timeout_s=agreement_lib.current().timeout_s, item=item)
+          timeout_s=agreement_lib.current().timeout_s, **nodes)
       if found is not None:
         _report_damaged(mngr, damaged, found[0])
         local_steps.drop_newer(mngr, found[0], listed)
-        return found
+        return from_nodes(found)

@@ -204,7 +204,8 @@ def test_two_processes_save_a_v1_data_iterator_into_their_nodes_and_resume_from_
   through v1 Checkpointers (storage every 100, local-only every 10, node steps; the iterator
   moves on right after each ``save()``): nothing of the local-only steps is in storage, each
   node's step 20 holds its own process's iterator file at that process's position at the
-  save, and a restart resumes step 20's state from the nodes alone, exact."""
+  save, and a restart resumes step 20 from the nodes alone, its state exact and each process's
+  iterator at its own position (``preemption.resume(..., args=...)``)."""
   root, tiers = tmp_path / 'ckpt', [tmp_path / f'node{i}' for i in range(2)]
   env = {'ORBAX_PATHWAYS_LOCAL_SAVE_INTERVAL_STEPS': '10', 'ORBAX_PATHWAYS_LOCAL_STEPS_IN': 'nodes',
          'V1_ITERATOR': '1'}
@@ -226,6 +227,7 @@ def test_two_processes_save_a_v1_data_iterator_into_their_nodes_and_resume_from_
     (one,) = r.results
     assert one['step'] == 20 and one['exact'], one
     assert one['bytes_by_source'].get('storage', 0) == 0, one
+  assert [r.results[0]['pos'] for r in res] == [2000, 2001]
 
 
 def test_a_v1_preemption_save_is_local_committed_before_its_storage_save(tmp_path, caplog):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -111,37 +112,104 @@ def test_emergency_drop_in_saves_a_data_iterator_into_the_node_at_the_save(
     assert got['dataset'].pos == 40
 
 
-def test_v0_manager_saves_a_data_iterator_into_the_node_and_stock_orbax_reads_it(tmp_path):
+def test_v0_manager_saves_a_data_iterator_into_the_node_and_resumes_it_with_the_state(tmp_path):
   """A v0 ``CheckpointManager`` (storage every 10 steps, local every step, MaxText's
   ``items`` + ``iter``): the local-only steps are node steps holding the iterator as its
   handler wrote it at the save, and none of their files is in storage; stock Orbax's own
-  manager over the node directory restores the step, iterator and all."""
+  manager over the node directory restores the step, iterator and all. ``preemption.resume``
+  with every item's restore arguments resumes node step 3, iterator and all; with its and step
+  2's iterator files lost, storage step 0 with its own."""
   root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
   orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), local_save_interval_steps=1,
                                                 tier_keep=2, local_steps_in='nodes'))
   m = make_mesh((8,), ('data',))
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
   it = iterators.Iterator()
+
+  def build():
+    return ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
+        save_interval_steps=10))
+
+  def resume():
+    with build() as mngr:
+      return preemption.resume(mngr, lambda: None, args=ocp.args.Composite(
+          items=ocp.args.StandardRestore(abstract), iter=_fresh()))
+
   try:
-    with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
-        save_interval_steps=10)) as mngr:
+    with build() as mngr:
       for s in range(4):
         it.pos = 7 * s
         mngr.save(s, args=ocp.args.Composite(items=ocp.args.StandardSave(_state(m, s)),
                                              iter=iterators.IteratorSave(it)))
         it.pos = -1
       mngr.wait_until_finished()
+    assert sorted(os.listdir(root)) == ['0']  # storage step 0 alone: no hidden local directory
+    (node,) = (tier / '.node-steps').iterdir()
+    assert sorted(os.listdir(node)) == ['2', '3']
+    assert json.loads((node / '3' / 'iter' / 'process_0-of-1.json').read_text()) == {'pos': 21}
+    with ocp.CheckpointManager(node, options=ocp.CheckpointManagerOptions(
+        read_only=True)) as stock:
+      got = stock.restore(3, args=ocp.args.Composite(
+          items=ocp.args.StandardRestore(abstract), iter=_fresh()))
+    _assert_state(got['items'], m, 3)
+    assert got['iter'].pos == 21
+
+    step, got = resume()
+    assert step == 3 and isinstance(got, ocp.args.Composite)
+    _assert_state(got['items'], m, 3)
+    assert got['iter'].pos == 21
+    assert sorted(os.listdir(node)) == ['2', '3']
+    # Every item of a step must restore: with the iterator files of node steps 3 and 2 lost,
+    # both are passed over, and storage step 0 comes back with its own.
+    os.remove(node / '3' / 'iter' / 'process_0-of-1.json')
+    os.remove(node / '2' / 'iter' / 'process_0-of-1.json')
+    step, got = resume()
+    assert step == 0 and got['iter'].pos == 0
+    _assert_state(got['items'], m, 0)
   finally:
     orbax_pathways.install(orbax_pathways.Options())
-  assert sorted(os.listdir(root)) == ['0']  # storage step 0 alone: no hidden local directory
-  (node,) = (tier / '.node-steps').iterdir()
-  assert sorted(os.listdir(node)) == ['2', '3']
-  assert json.loads((node / '3' / 'iter' / 'process_0-of-1.json').read_text()) == {'pos': 21}
+
+
+def test_local_steps_in_storage_resume_a_data_iterator_with_the_state(tmp_path):
+  """``local_steps_in='storage'`` (local-only steps' records in storage, their bytes in the
+  tier): ``preemption.resume`` with every item's restore arguments resumes local-only step 3,
+  iterator and all."""
+  root, tier = tmp_path / 'ckpt', tmp_path / 'tier'
+  orbax_pathways.install(orbax_pathways.Options(tier_dir=str(tier), local_save_interval_steps=1,
+                                                tier_keep=2, local_steps_in='storage'))
+  m = make_mesh((8,), ('data',))
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
-  with ocp.CheckpointManager(node, options=ocp.CheckpointManagerOptions(read_only=True)) as stock:
-    got = stock.restore(3, args=ocp.args.Composite(
-        items=ocp.args.StandardRestore(abstract), iter=_fresh()))
+  it = iterators.Iterator()
+  options = ocp.CheckpointManagerOptions(save_interval_steps=10)
+  try:
+    with ocp.CheckpointManager(root, options=options) as mngr:
+      for s in range(4):
+        it.pos = 7 * s
+        mngr.save(s, args=ocp.args.Composite(items=ocp.args.StandardSave(_state(m, s)),
+                                             iter=iterators.IteratorSave(it)))
+        it.pos = -1
+      mngr.wait_until_finished()
+    assert '3' in os.listdir(root / '.orbax-pathways-local')
+    with ocp.CheckpointManager(root, options=options) as mngr:
+      step, got = preemption.resume(mngr, lambda: None, args=ocp.args.Composite(
+          items=ocp.args.StandardRestore(abstract), iter=_fresh()))
+  finally:
+    orbax_pathways.install(orbax_pathways.Options())
+  assert step == 3 and got['iter'].pos == 21
   _assert_state(got['items'], m, 3)
-  assert got['iter'].pos == 21
+
+
+def test_resume_names_what_is_wrong_with_its_arguments(tmp_path):
+  """``args=`` without exactly one tree item, or beside ``abstract_state=``: a ``ValueError``
+  naming the items and what to pass."""
+  with ocp.CheckpointManager(tmp_path / 'ckpt') as mngr:
+    with pytest.raises(ValueError, match=r"exactly one tree item .*found 0 among \['iter'\]"):
+      preemption.resume(mngr, lambda: None, args=ocp.args.Composite(iter=_fresh()))
+    with pytest.raises(ValueError, match='not as well as abstract_state='):
+      preemption.resume(mngr, lambda: None, abstract_state={}, args=ocp.args.Composite(
+          iter=_fresh()))
+    with pytest.raises(ValueError, match='must be an ocp.args.Composite'):
+      preemption.resume(mngr, lambda: None, args={'iter': _fresh()})
 
 
 def test_v1_checkpointer_saves_a_data_iterator_into_the_node_and_stock_v1_reads_it(tmp_path):
@@ -180,5 +248,21 @@ def test_v1_checkpointer_saves_a_data_iterator_into_the_node_and_stock_v1_reads_
       step, state = preemption.resume(ckptr, lambda: None, abstract_state=abstract)
     assert step == 3
     _assert_state(state, m, 3)
+    # With every item's arguments, the iterator comes back with the state, from the node...
+    fresh = iterators.V1Iterator(-1)
+    with ocp.v1.training.Checkpointer(root, save_decision_policy=policy) as ckptr:
+      step, got = preemption.resume(ckptr, lambda: None,
+                                    args={'pytree': abstract, 'iter': fresh})
+    assert step == 3 and sorted(got) == ['iter', 'pytree'] and got['iter'] is fresh
+    _assert_state(got['pytree'], m, 3)
+    assert fresh.pos == 21
+    # ...and from storage once the node is gone (a new node: an empty tier).
+    shutil.rmtree(tier / '.node-steps')
+    fresh = iterators.V1Iterator(-1)
+    with ocp.v1.training.Checkpointer(root, save_decision_policy=policy) as ckptr:
+      step, got = preemption.resume(ckptr, lambda: None,
+                                    args={'pytree': abstract, 'iter': fresh})
+    assert step == 0 and fresh.pos == 0
+    _assert_state(got['pytree'], m, 0)
   finally:
     orbax_pathways.install(orbax_pathways.Options())

@@ -11,7 +11,8 @@ to a jitted step and 'n' is overwritten in place (the loop goes on while the loc
 runs in the background). With ``V1_ITERATOR=1`` a v1 data iterator
 (``support.iterators.V1Iterator``, at position ``100 * step + process``, moved on right after
 ``save()``) is saved beside the state through ``save_checkpointables``, as MaxText's v1
-trainers save grain's. Emits v1's storage steps. The values and layout are
+trainers save grain's, and ``resume`` restores it beside the state (``args=``). Emits v1's
+storage steps. The values and layout are
 ``local_steps_worker.py``'s (``sharded``). ``resume``: ``preemption.resume`` through a
 v1 Checkpointer onto the current processes (a mesh of however many there are), checks every
 addressable shard against the step it returned, emits the step and the bytes by source.
@@ -63,10 +64,17 @@ def main() -> None:
       ckptr.wait()
       mp_worker.emit({'steps': [c.step for c in ckptr.checkpoints]})
   else:
+    it = iterators.V1Iterator(-1) if os.environ.get('V1_ITERATOR') == '1' else None
     with ocp.v1.training.Checkpointer(root, save_decision_policy=policy) as ckptr:
-      step, got = preemption.resume(ckptr, lambda: None, abstract_state=same.target_of(shard))
+      if it is None:
+        step, got = preemption.resume(ckptr, lambda: None, abstract_state=same.target_of(shard))
+      else:
+        step, items = preemption.resume(ckptr, lambda: None,
+                                        args={'state': same.target_of(shard), 'iter': it})
+        assert items['iter'] is it
+        got = items['state']
     same.assert_step(got, step)
-    mp_worker.emit({'step': step, 'exact': True,
+    mp_worker.emit({'step': step, 'exact': True, 'pos': None if it is None else it.pos,
                     'bytes_by_source': stats.last_restore().bytes_by_source})
   multihost_utils.sync_global_devices('done')
 
