@@ -12,8 +12,10 @@ Who calls what, on which host (multi-controller JAX, every process of the job):
 - ``send(step_dir, digest, writer, step, keep, address, secret, timeout_s)``: the background
   thread of a node step, right after the save (``multitier/node_partners.copy_to_partner``):
   each file of the step as one ``node_put`` request followed by its bytes (``sendfile``, never
-  read whole), then ``node_commit`` with the list of files, which makes the copy whole on the
-  partner at once.
+  read whole), up to ``WINDOW`` of them sent before their answers are read (a state of many
+  arrays is thousands of small files: one round trip each would add up), then ``node_commit``
+  naming the files by their count and ``listing_digest`` (the list itself outgrows a request),
+  which makes the copy whole on the partner at once.
   Returns None, or why the copy was not made (the caller logs it; the step keeps one copy).
 - ``fetch(address, secret, digest, writer, step, into, timeout_s)``: at a resume, a process
   whose node lacks a step every other process can restore (``node_steps.resume``), from the
@@ -28,6 +30,8 @@ node step saved, and per step fetched; the bytes are this process's part of the 
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import os
 import re
 import socket
@@ -44,6 +48,7 @@ from orbax_pathways.tier import fsafe
 MIN_RATE = 64 << 20  # bytes per second a copy's file is allowed at least, beyond timeout_s
 MAX_FILES = 1 << 16  # files of one node step (a file per chunk, .zarray per array, metadata)
 MAX_DEPTH = 8  # directories below a node step's directory
+WINDOW = 64  # node_put requests sent ahead of their answers (each answer a few bytes)
 COPIES_SUFFIX = '.copies'
 
 
@@ -112,6 +117,16 @@ def files_of(step_dir: str) -> list[tuple[str, int]]:
   return sorted(out)
 
 
+def listing_digest(files: list[tuple[str, int]]) -> str:
+  """The sha256 (hex) of a node step's files as ``files_of`` lists them (path and size, sorted):
+  what a ``node_commit`` names, so the receiver checks what arrived against the sender's list
+  in a request of fixed size."""
+  h = hashlib.sha256()
+  for rel, size in files:
+    h.update(b'%s\0%d\n' % (rel.encode(), size))
+  return h.hexdigest()
+
+
 def _connect(address: str, secret: bytes, timeout_s: float) -> tuple[socket.socket, wire.Session]:
   host, _, port = address.rpartition(':')
   deadline = time.monotonic() + timeout_s
@@ -144,23 +159,43 @@ def send(step_dir: str, digest: str, writer: str, step: int, keep: int, address:
     sock, session = _connect(address, secret, timeout_s)
     try:
       head = {'digest': digest, 'writer': writer, 'step': int(step)}
-      for rel, size in files:
-        path = os.path.join(step_dir, *rel.split('/'))
-        deadline = time.monotonic() + timeout_s + size / MIN_RATE
+      pending: collections.deque[tuple[str, float]] = collections.deque()
+
+      def answered(ahead: int) -> None:  # reads answers until ``ahead`` are outstanding
+        while len(pending) > ahead:
+          what, until = pending.popleft()
+          wire.recv_empty_answer(sock, until, what)
+
+      try:
+        for rel, size in files:
+          path = os.path.join(step_dir, *rel.split('/'))
+          deadline = time.monotonic() + timeout_s + size / MIN_RATE
+          wire.send_request(sock, session, msgpack.packb(
+              {'op': 'node_put', **head, 'file': rel, 'size': size,
+               'crc32c': fsafe.crc32c_of(path, size)}, use_bin_type=True), deadline)
+          sock.settimeout(max(0.001, deadline - time.monotonic()))
+          with fsafe.open_regular(path, size) as f:
+            sent = sock.sendfile(f, 0, size) if size else 0
+          if sent != size:
+            raise OSError(f'{rel}: sent {sent} of {size} bytes')
+          pending.append((rel, deadline))
+          answered(WINDOW)
+        deadline = time.monotonic() + timeout_s
         wire.send_request(sock, session, msgpack.packb(
-            {'op': 'node_put', **head, 'file': rel, 'size': size,
-             'crc32c': fsafe.crc32c_of(path, size)}, use_bin_type=True), deadline)
-        sock.settimeout(max(0.001, deadline - time.monotonic()))
-        with fsafe.open_regular(path, size) as f:
-          sent = sock.sendfile(f, 0, size) if size else 0
-        if sent != size:
-          raise OSError(f'{rel}: sent {sent} of {size} bytes')
-        wire.recv_empty_answer(sock, deadline, rel)
-      deadline = time.monotonic() + timeout_s
-      wire.send_request(sock, session, msgpack.packb(
-          {'op': 'node_commit', **head, 'files': [list(f) for f in files], 'keep': int(keep)},
-          use_bin_type=True), deadline)
-      wire.recv_empty_answer(sock, deadline, 'the commit')
+            {'op': 'node_commit', **head, 'count': len(files),
+             'listing': listing_digest(files), 'keep': int(keep)}, use_bin_type=True), deadline)
+        pending.append(('the commit', deadline))
+        answered(0)
+      except OSError:
+        # The server refused a file and closed the connection while later ones were on their
+        # way: its answer, already sent, says why.
+        try:
+          answered(0)
+        except wire.PeerError as refused:
+          raise refused from None
+        except (OSError, wire.ProtocolError):
+          pass
+        raise
     finally:
       sock.close()
   except (OSError, ValueError, wire.PeerError, wire.ProtocolError) as e:

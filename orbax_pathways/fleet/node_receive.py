@@ -8,9 +8,9 @@ after the request's MAC was checked (``peer/wire.py``), for
 - ``node_put`` (streamed: ``put_file``): one file of a node step, from the process whose
   partner this one is (``fleet/partners.py``), into
   ``<tier>/.node-steps/<digest>.copies/<writer>/<step>.incoming``;
-- ``node_commit`` (no body: ``commit``): every file the sender listed arrived whole, so the copy
-  replaces any older copy of that step at once (a rename) and the writer's copies beyond the
-  newest ``keep`` are dropped;
+- ``node_commit`` (no body: ``commit``): the files that arrived whole are the ones the sender
+  listed (their count and ``node_copy.listing_digest``), so the copy replaces any older copy of
+  that step at once (a rename) and the writer's copies beyond the newest ``keep`` are dropped;
 - ``node_list`` / ``node_get`` (answers: ``listing``, ``get``): a copy this node keeps, or a
   node step saved in this node, its files with their sizes and crc32c, then each file streamed
   (``sendfile``), for a resume whose own node lacks the step (``node_steps.resume``) or that
@@ -44,6 +44,7 @@ from orbax_pathways.tier import store
 
 _DIGEST_RE = re.compile(r'^[0-9a-f]{16}$')
 _WRITER_RE = re.compile(r'^p\d{1,9}$')
+_LISTING_RE = re.compile(r'^[0-9a-f]{64}$')
 INCOMING = '.incoming'
 MAX_KEEP = 1024
 
@@ -115,27 +116,30 @@ def put_file(sock: socket.socket, req: Mapping[str, Any], tier: tier_config.Tier
 
 def commit(sock: socket.socket, req: Mapping[str, Any], tier: tier_config.TierConfig | None,
            idle_s: float) -> bytes:
-  """One ``node_commit``: every listed file is in the incoming directory with its size, so the
-  copy becomes ``<step>`` (an older copy of that step replaced) and the writer's copies beyond
-  the newest ``keep`` are dropped."""
+  """One ``node_commit``: the files in the incoming directory (each checked against its crc32c
+  as it arrived) are, path and size, the ones the sender listed (``count`` of them, whose
+  ``node_copy.listing_digest`` is ``listing``), so the copy becomes ``<step>`` (an older copy of
+  that step replaced) and the writer's copies beyond the newest ``keep`` are dropped."""
   del sock, idle_s  # no body
   tier = _taking(tier)
   digest, writer, step = _head(req)
-  files, keep = req.get('files'), req.get('keep')
+  count, listing, keep = req.get('count'), req.get('listing'), req.get('keep')
   if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= MAX_KEEP:
     raise Refused(f'keep={str(keep)[:16]}: use 1..{MAX_KEEP}')
-  if not isinstance(files, list) or len(files) > node_copy.MAX_FILES:
-    raise Refused('a node_commit lists its files as [[path, size], ...]')
+  if (isinstance(count, bool) or not isinstance(count, int)
+      or not 0 < count <= node_copy.MAX_FILES
+      or not isinstance(listing, str) or not _LISTING_RE.match(listing)):
+    raise Refused('a node_commit names its files by their count (1..'
+                  f'{node_copy.MAX_FILES}) and listing digest (64 hex digits)')
   base = _writer_dir(tier, digest, writer)
   incoming = os.path.join(base, f'{step}{INCOMING}')
-  for item in files:
-    if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], int)):
-      raise Refused(f'a node_commit lists [path, size], not {str(item)[:64]}')
-    try:
-      parts = node_copy.relative_parts(item[0])
-      fsafe.open_regular(os.path.join(incoming, *parts), item[1]).close()
-    except (OSError, ValueError) as e:
-      raise Refused(f'{writer}/{step}: {item[0]} did not arrive whole ({e})') from None
+  try:
+    arrived = node_copy.files_of(incoming)
+  except (OSError, ValueError) as e:
+    raise Refused(f'{writer}/{step}: no copy arrived whole ({e})') from None
+  if len(arrived) != count or node_copy.listing_digest(arrived) != listing:
+    raise Refused(f'{writer}/{step}: the {len(arrived)} files that arrived are not the {count} '
+                  'the sender listed (a file did not arrive whole)')
   final = os.path.join(base, str(step))
   fsafe.remove_tree(final)
   fsafe.replace(incoming, final)
