@@ -258,6 +258,7 @@ def one_mode(mode, args, bucket, run_processes, server_pid=None, proxy=None) -> 
                 if all(t.get('cpu_s') is not None for t in train) else None),
       'peak_rss_mib': max(t.get('peak_rss_mib', 0) for t in train),  # the largest process's
       'local_saves': train[0].get('local_saves'),  # process 0's (every process skips alike)
+      'copies_held': [t.get('copies_held') for t in train],  # per process, at the end
       # storage requests of the training run (every process, the loop and its background
       # saves), and the objects written for local-only steps (their hidden step directory),
       # per local-only step of the run
@@ -397,6 +398,9 @@ def table(results, args) -> str:
         due = len([k for k in range(2, args.steps + 1) if k % args.local_every == 0])
         lines.append(f"{r['mode']}: steps 2-{args.steps} saved local-only: {r['local_saves']} of "
                      f"the {due} due (local_save_when_busy={args.when_busy!r})")
+      if r['mode'].endswith('_copies') and None not in r.get('copies_held', [None]):
+        lines.append(f"{r['mode']}: partner copies of node steps each node held at the end "
+                     f"(processes 0-3): {r['copies_held']}")
       if r.get('storage_cpu_s') is not None:
         lines.append(f"{r['mode']}: the storage emulation's CPU per step on the same cores "
                      f"(fake-gcs-server and the bandwidth-capped proxy; remote on a real job): "

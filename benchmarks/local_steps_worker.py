@@ -116,6 +116,17 @@ def save(m, step, s):
 def _snapshot_s(st):  # the save's own part of the loop's save(): the device-to-host snapshot
   return st.blocking_s if st.loop_snapshot_s is None else st.loop_snapshot_s
 
+def _copies_held(tier_dir):
+  """The whole partner copies of node steps in this node: ``<tier>/.node-steps/<digest>.copies/
+  p<process>/<step>`` (one arriving is ``<step>.incoming``)."""
+  base = os.path.join(tier_dir, '.node-steps')
+  if not os.path.isdir(base):
+    return 0
+  return sum(1 for d in os.listdir(base) if d.endswith('.copies')
+             for w in os.listdir(os.path.join(base, d))
+             for s in os.listdir(os.path.join(base, d, w)) if s.isdigit())
+
+
 def wait(m):
   m.wait_until_finished() if api in ('v0', 'emergency') else m.wait()
 if mode == 'train':
@@ -189,7 +200,11 @@ if mode == 'train':
                     # saves, so longer runs report none
                     'local_saves': sum(1 for k in range(2, steps + 1) if stats.saves_for_step(k))
                                    if train_only and steps < 64 else None,
-                    'steady': steady if train_only else None})
+                    'steady': steady if train_only else None,
+                    # the partner copies of node steps this process's node keeps (once the
+                    # last save and its copy are done: train_only), whole (renamed in)
+                    'copies_held': _copies_held(os.environ['ORBAX_PATHWAYS_TIER_DIR'])
+                                   if train_only else None})
     mp_worker.stop_all_now()
 else:
   target = {name: jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
