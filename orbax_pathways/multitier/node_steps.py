@@ -420,6 +420,8 @@ def _restore_others(node: Any, mngr: Any, options: Any, step: int, others: dict,
   """The items ``others`` of node step ``step`` beside its tree (``resume``), each by its own
   handler on this process alone: a v0 manager's through its handlers (``_restore_items``), an
   Orbax v1 Checkpointer's through v1's (``_v1.load_items``)."""
+  if not others:
+    return {}
   if v1 is not None:
     return _v1.load_items(v1, os.path.join(str(node.directory), str(step)), others)
   got = _restore_items(node, mngr, options, step, ocp.args.Composite(**others))
@@ -494,7 +496,7 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
 
   def own(step: int) -> Any:  # this node's step (inside ``alone``, reloaded)
     state = _restore(node, step, abstract_state, item)
-    return (state if not others
+    return (state if others is None
             else (state, _restore_others(node, mngr, options, step, others, v1)))
 
   with alone():
@@ -545,6 +547,8 @@ def resume(mngr: Any, options: Any, keep: int, abstract_state: Any,
             functools.partial(_restore_at, options, step=step,
                               abstract_state=abstract_state, item=item),
             elastic[step].other)
+        if others is not None:  # ``args`` naming the tree alone
+          state = (state, {})
       else:
         if step in fetch:
           node_partners.fetch(mngr, options, root, step, fetch[step], timeout_s)

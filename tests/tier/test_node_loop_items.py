@@ -159,6 +159,11 @@ def test_v0_manager_saves_a_data_iterator_into_the_node_and_resumes_it_with_the_
     _assert_state(got['items'], m, 3)
     assert got['iter'].pos == 21
     assert sorted(os.listdir(node)) == ['2', '3']
+    with build() as mngr:  # the tree alone: its item, from the same step
+      step, got = preemption.resume(mngr, lambda: None, args=ocp.args.Composite(
+          items=ocp.args.StandardRestore(abstract)))
+    assert step == 3 and list(got.keys()) == ['items']
+    _assert_state(got['items'], m, 3)
     # Every item of a step must restore: with the iterator files of node steps 3 and 2 lost,
     # both are passed over, and storage step 0 comes back with its own.
     os.remove(node / '3' / 'iter' / 'process_0-of-1.json')
