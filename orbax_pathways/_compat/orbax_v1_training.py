@@ -25,9 +25,7 @@ SUPPORTED = ``supported.ORBAX``; the private modules through ``src.py``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 from typing import Any
 
 from etils import epath
@@ -85,14 +83,14 @@ class _Created(ocp.v1.path.PathAwaitingCreation):
 def save_now(handler: Any, directory: epath.Path, checkpointable: Any) -> None:
   """Runs both phases of v1 ``handler``'s save of ``checkpointable`` into ``directory`` (made
   already) in the calling thread: the snapshot it takes as ``save`` is awaited (a data iterator's
-  position), then the writes it returns. In a thread of its own where the caller runs an event
-  loop already (v1's handlers are coroutines)."""
+  position), then the writes it returns; through Orbax's ``run_sync``, as v1's compatibility
+  handler runs its own synchronous save."""
 
   async def both() -> None:
     background = await handler.save(_Created(directory), checkpointable)
     await background
 
-  _run(both())
+  src.orbax('asyncio_utils').run_sync(both())
 
 
 def _is_v1_args(args: Any) -> bool:
@@ -194,8 +192,9 @@ def load_items(checkpointer: Any, step_dir: Any, checkpointables: dict[str, Any]
   """Each of ``checkpointables`` (name -> abstract checkpointable that is not a tree: a data
   iterator) loaded from its item of the node step at ``step_dir`` by the v1 handler v1's
   ``load`` would resolve for it under ``checkpointer``'s ``Context``, in the calling thread on
-  this process alone: a node step is its own process's, so no barrier (v1's ``load`` ends in one
-  of every process). Called by ``multitier/node_steps.resume`` once the step's tree restored."""
+  this process alone (Orbax's ``run_sync``, as v1's compatibility handler runs it): a node step
+  is its own process's, so no barrier (v1's ``load`` ends in one of every process). Called by
+  ``multitier/node_steps.resume`` once the step's tree restored."""
   context_mod = src.orbax_v1('context.context')
   registration = src.orbax_v1('handlers.registration')
   out: dict[str, Any] = {}
@@ -208,29 +207,5 @@ def load_items(checkpointer: Any, step_dir: Any, checkpointables: dict[str, Any]
         background = await handler.load(epath.Path(step_dir) / name, abstract)
         return await background
 
-      out[name] = _run(both())
+      out[name] = src.orbax('asyncio_utils').run_sync(both())
   return out
-
-
-def _run(coro: Any) -> Any:
-  """``coro`` run to its end in the calling thread, or in a thread of its own where the caller
-  runs an event loop already."""
-  try:
-    asyncio.get_running_loop()
-  except RuntimeError:
-    return asyncio.run(coro)
-  result: list[Any] = []
-  failed: list[BaseException] = []
-
-  def run() -> None:
-    try:
-      result.append(asyncio.run(coro))
-    except BaseException as e:  # pylint: disable=broad-except  (raised in the caller's thread)
-      failed.append(e)
-
-  worker = threading.Thread(target=run, name='orbax_pathways-v1-item')
-  worker.start()
-  worker.join()
-  if failed:
-    raise failed[0]
-  return result[0]

@@ -29,6 +29,7 @@ from orbax_pathways.fleet import ops as fleet_ops
 from orbax_pathways.peer import server as peer_server
 from orbax_pathways.peer import wire
 from orbax_pathways.tier import config as tier_config
+from support import files
 
 SECRET = bytes(range(32))
 FAST = wire.Limits(max_connections=8, handshake_s=1.5, idle_s=1.5)
@@ -61,21 +62,13 @@ def _serve(tmp_path, name, takes_copies=True):
   return address, cfg
 
 
-def _files(root):
-  out = {}
-  for d, _, fs in os.walk(root):
-    for f in fs:
-      out[os.path.relpath(os.path.join(d, f), root)] = open(os.path.join(d, f), 'rb').read()
-  return out
-
-
 def test_a_node_step_of_many_files_lands_whole_and_comes_back(step_dir, tmp_path):
   address, cfg = _serve(tmp_path, 'partner')
   try:
     assert node_copy.send(str(step_dir), DIGEST, 'p3', 7, 2, address, SECRET, 10) is None
     copy = node_copy.copy_dir(cfg.tier_dir, DIGEST, 'p3', 7)
-    assert _files(copy) == _files(step_dir)
-    assert len(_files(copy)) == 2 * ARRAYS + 3
+    assert files.contents(copy) == files.contents(step_dir)
+    assert len(files.contents(copy)) == 2 * ARRAYS + 3
     assert sorted(os.listdir(os.path.dirname(copy))) == ['7']  # nothing left of its arrival
     for d, dirs, fs in os.walk(copy):
       for x in dirs:
@@ -84,7 +77,7 @@ def test_a_node_step_of_many_files_lands_whole_and_comes_back(step_dir, tmp_path
         assert stat.S_IMODE(os.lstat(os.path.join(d, x)).st_mode) == 0o600
     back = tmp_path / 'fetched'
     assert node_copy.fetch(address, SECRET, DIGEST, 'p3', 7, str(back), 10) is None
-    assert _files(back) == _files(step_dir)
+    assert files.contents(back) == files.contents(step_dir)
   finally:
     peer_server.stop_serving()
 
@@ -96,7 +89,7 @@ def test_a_server_that_takes_no_copies_is_reported_with_its_reason(step_dir, tmp
   finally:
     peer_server.stop_serving()
   assert why is not None and 'takes no partner copies' in why, why
-  assert _files(cfg.tier_dir) == {}
+  assert files.contents(cfg.tier_dir) == {}
 
 
 def test_a_commit_naming_files_that_did_not_arrive_is_refused(step_dir, tmp_path):

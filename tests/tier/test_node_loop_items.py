@@ -43,9 +43,29 @@ def _item_handlers(step_dir):
   return json.loads((step_dir / '_CHECKPOINT_METADATA').read_text())['item_handlers']
 
 
-def _files(root):
-  return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root)
-                for f in fs)
+_V0_OPTIONS = ocp.CheckpointManagerOptions(save_interval_steps=10)  # storage every 10 steps
+
+
+def _save_v0_steps(root, m) -> None:
+  """Steps 0..3 of MaxText's ``items`` + ``iter`` through a v0 ``CheckpointManager``: the
+  iterator at ``7 * step`` when ``save()`` runs, moved on right after (the next batches are
+  drawn while the local-only save runs)."""
+  it = iterators.Iterator()
+  with ocp.CheckpointManager(root, options=_V0_OPTIONS) as mngr:
+    for s in range(4):
+      it.pos = 7 * s
+      mngr.save(s, args=ocp.args.Composite(items=ocp.args.StandardSave(_state(m, s)),
+                                           iter=iterators.IteratorSave(it)))
+      it.pos = -1
+    mngr.wait_until_finished()
+
+
+def _v0_restore(abstract, iterator: bool = True):
+  """Every item's restore arguments of ``_save_v0_steps``'s steps (the tree alone: not
+  ``iterator``)."""
+  if not iterator:
+    return ocp.args.Composite(items=ocp.args.StandardRestore(abstract))
+  return ocp.args.Composite(items=ocp.args.StandardRestore(abstract), iter=_fresh())
 
 
 @pytest.fixture
@@ -124,33 +144,20 @@ def test_v0_manager_saves_a_data_iterator_into_the_node_and_resumes_it_with_the_
                                                 tier_keep=2, local_steps_in='nodes'))
   m = make_mesh((8,), ('data',))
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
-  it = iterators.Iterator()
 
-  def build():
-    return ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
-        save_interval_steps=10))
-
-  def resume():
-    with build() as mngr:
-      return preemption.resume(mngr, lambda: None, args=ocp.args.Composite(
-          items=ocp.args.StandardRestore(abstract), iter=_fresh()))
+  def resume(iterator=True):
+    with ocp.CheckpointManager(root, options=_V0_OPTIONS) as mngr:
+      return preemption.resume(mngr, lambda: None, args=_v0_restore(abstract, iterator))
 
   try:
-    with build() as mngr:
-      for s in range(4):
-        it.pos = 7 * s
-        mngr.save(s, args=ocp.args.Composite(items=ocp.args.StandardSave(_state(m, s)),
-                                             iter=iterators.IteratorSave(it)))
-        it.pos = -1
-      mngr.wait_until_finished()
+    _save_v0_steps(root, m)
     assert sorted(os.listdir(root)) == ['0']  # storage step 0 alone: no hidden local directory
     (node,) = (tier / '.node-steps').iterdir()
     assert sorted(os.listdir(node)) == ['2', '3']
     assert json.loads((node / '3' / 'iter' / 'process_0-of-1.json').read_text()) == {'pos': 21}
     with ocp.CheckpointManager(node, options=ocp.CheckpointManagerOptions(
         read_only=True)) as stock:
-      got = stock.restore(3, args=ocp.args.Composite(
-          items=ocp.args.StandardRestore(abstract), iter=_fresh()))
+      got = stock.restore(3, args=_v0_restore(abstract))
     _assert_state(got['items'], m, 3)
     assert got['iter'].pos == 21
 
@@ -159,9 +166,7 @@ def test_v0_manager_saves_a_data_iterator_into_the_node_and_resumes_it_with_the_
     _assert_state(got['items'], m, 3)
     assert got['iter'].pos == 21
     assert sorted(os.listdir(node)) == ['2', '3']
-    with build() as mngr:  # the tree alone: its item, from the same step
-      step, got = preemption.resume(mngr, lambda: None, args=ocp.args.Composite(
-          items=ocp.args.StandardRestore(abstract)))
+    step, got = resume(iterator=False)  # the tree alone: its item, from the same step
     assert step == 3 and list(got.keys()) == ['items']
     _assert_state(got['items'], m, 3)
     # Every item of a step must restore: with the iterator files of node steps 3 and 2 lost,
@@ -184,20 +189,11 @@ def test_local_steps_in_storage_resume_a_data_iterator_with_the_state(tmp_path):
                                                 tier_keep=2, local_steps_in='storage'))
   m = make_mesh((8,), ('data',))
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(m, 0))
-  it = iterators.Iterator()
-  options = ocp.CheckpointManagerOptions(save_interval_steps=10)
   try:
-    with ocp.CheckpointManager(root, options=options) as mngr:
-      for s in range(4):
-        it.pos = 7 * s
-        mngr.save(s, args=ocp.args.Composite(items=ocp.args.StandardSave(_state(m, s)),
-                                             iter=iterators.IteratorSave(it)))
-        it.pos = -1
-      mngr.wait_until_finished()
+    _save_v0_steps(root, m)
     assert '3' in os.listdir(root / '.orbax-pathways-local')
-    with ocp.CheckpointManager(root, options=options) as mngr:
-      step, got = preemption.resume(mngr, lambda: None, args=ocp.args.Composite(
-          items=ocp.args.StandardRestore(abstract), iter=_fresh()))
+    with ocp.CheckpointManager(root, options=_V0_OPTIONS) as mngr:
+      step, got = preemption.resume(mngr, lambda: None, args=_v0_restore(abstract))
   finally:
     orbax_pathways.install(orbax_pathways.Options())
   assert step == 3 and got['iter'].pos == 21

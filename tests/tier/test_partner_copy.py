@@ -41,6 +41,7 @@ from orbax_pathways.peer import server as peer_server
 from orbax_pathways.tier import config as tier_config
 from orbax_pathways.tier import store as tier_store
 from orbax_pathways.peer import wire
+from support import files
 
 SECRET = bytes(range(32))
 FAST = wire.Limits(max_connections=8, handshake_s=1.5, idle_s=1.5)
@@ -108,14 +109,6 @@ def receiver(tmp_path):
   peer_server.stop_serving()
 
 
-def _files(root):
-  out = {}
-  for d, _, fs in os.walk(root):
-    for f in fs:
-      out[os.path.relpath(os.path.join(d, f), root)] = open(os.path.join(d, f), 'rb').read()
-  return out
-
-
 def test_a_partner_copy_lands_whole_private_and_committed(saved, receiver):
   address, cfg = receiver
   assert partner_copy.send_to(saved.path, address, SECRET, 10) is None
@@ -133,17 +126,17 @@ def test_a_partner_copy_lands_whole_private_and_committed(saved, receiver):
     for x in fs:
       assert stat.S_IMODE(os.lstat(os.path.join(d, x)).st_mode) == 0o600
   # An entry the tier holds whole is never overwritten: a second copy is refused.
-  before = _files(cfg.tier_dir)
+  before = files.contents(cfg.tier_dir)
   why = partner_copy.send_to(saved.path, address, SECRET, 10)
   assert 'holds that entry whole already' in why, why
-  assert _files(cfg.tier_dir) == before
+  assert files.contents(cfg.tier_dir) == before
 
 
 def test_a_client_without_the_secret_writes_nothing(saved, receiver):
   address, cfg = receiver
   why = partner_copy.send_to(saved.path, address, bytes(32), 10)
   assert why is not None and 'ProtocolError' in why, why
-  assert _files(cfg.tier_dir) == {}
+  assert files.contents(cfg.tier_dir) == {}
 
 
 def test_a_server_started_for_restores_only_takes_no_copy(saved, tmp_path):
@@ -155,7 +148,7 @@ def test_a_server_started_for_restores_only_takes_no_copy(saved, tmp_path):
   finally:
     peer_server.stop_serving()
   assert 'takes no partner copies' in why, why
-  assert _files(cfg.tier_dir) == {}
+  assert files.contents(cfg.tier_dir) == {}
 
 
 def _session(address, secret=SECRET):
@@ -202,7 +195,7 @@ def test_a_put_outside_the_tier_or_beyond_its_room_is_refused_unread(saved, rece
     assert sock.recv(1) == b''  # closed: the body is never drained
   finally:
     sock.close()
-  assert _files(cfg.tier_dir) == {}
+  assert files.contents(cfg.tier_dir) == {}
 
 
 def test_bytes_that_do_not_match_their_crc32c_are_removed(saved, receiver):
@@ -213,7 +206,7 @@ def test_bytes_that_do_not_match_their_crc32c_are_removed(saved, receiver):
   finally:
     sock.close()
   assert status == 1 and 'crc32c' in answer, answer
-  assert not any(f.endswith('.bin') for f in _files(cfg.tier_dir))
+  assert not any(f.endswith('.bin') for f in files.contents(cfg.tier_dir))
 
 
 def test_a_manifest_naming_a_file_that_did_not_arrive_is_refused(saved, receiver):
